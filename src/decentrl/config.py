@@ -1,0 +1,118 @@
+"""Run configuration: one pydantic model per concern, loaded from TOML. Unknown fields are errors,
+and every error names the field it is about."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskConfig(Section):
+    name: str = "sums"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class RolloutConfig(Section):
+    group_size: int = Field(8, ge=2, description="samples per prompt (G)")
+    prompts_per_step: int = Field(8, ge=1, description="prompts per training batch")
+    max_new_tokens: int = Field(24, ge=1, le=4096)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+
+
+class TrainConfig(Section):
+    mode: Literal["async", "sync"] = "async"
+    steps: int = Field(100, ge=1)
+    time_budget_s: float | None = Field(None, gt=0, description="stop training after this long")
+    loss: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] = "grpo"
+    lr: float = Field(1e-5, gt=0, lt=1)
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    micro_batch_size: int = Field(16, ge=1)
+    updates_per_batch: int = Field(1, ge=1, description="optimizer steps per batch (PPO epochs)")
+    scale_advantages_by_std: bool = True
+    zero_variance_groups: Literal["drop", "keep"] = "drop"
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    clip_high: float = Field(0.28, gt=0)
+    kl_coef: float = Field(0.0, ge=0)
+    tis_cap: float | None = Field(2.0, gt=0)
+    mis_low: float | None = Field(None, gt=0)
+    mis_high: float | None = Field(None, gt=0)
+    decoupled: bool = True
+    max_staleness: int = Field(2, ge=0, description="drop rollouts more versions behind than this")
+    checkpoint_every: int = Field(25, ge=1)
+
+
+class EvalConfig(Section):
+    task: TaskConfig = TaskConfig(name="sums", options={"min_digits": 2, "max_digits": 2})
+    problems: int = Field(200, ge=1)
+    pass_k: int = Field(4, ge=1, description="samples per problem for pass@k (1 disables)")
+    every: int = Field(0, ge=0, description="evaluate every N steps during training (0: only "
+                                              "before and after)")
+    max_new_tokens: int = Field(24, ge=1, le=4096)
+    batch_size: int = Field(64, ge=1)
+
+
+class RunConfig(Section):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
+    run_dir: Path = Path("runs")
+    seed: int = 0
+    model: str = "smollm2-135m-instruct"
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    dtype: Literal["auto", "bf16", "fp32", "fp16"] = "auto"
+    num_stages: int = Field(2, ge=1)
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores)")
+    task: TaskConfig = TaskConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> RunConfig:
+        if self.train.mis_low is not None and self.train.mis_high is not None \
+                and self.train.mis_low >= self.train.mis_high:
+            raise ValueError("train.mis_low must be below train.mis_high")
+        return self
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / self.name
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names every bad field."""
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "config"
+        lines.append(f"{where}: {item['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def parse_config(data: dict[str, Any], **overrides: Any) -> RunConfig:
+    try:
+        return RunConfig.model_validate({**data, **overrides})
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error)) from None
+
+
+def load_config(path: Path, **overrides: Any) -> RunConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    return parse_config(data, **overrides)

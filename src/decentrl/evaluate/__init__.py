@@ -1,0 +1,1 @@
+"""Evaluation: accuracy and pass@k on held-out problems, with confidence intervals."""

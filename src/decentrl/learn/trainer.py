@@ -1,0 +1,235 @@
+"""Training a chain of stages. Each `StageTrainer` owns one stage's fp32 master weights and its own
+optimizer, and only ever sees activations in and gradients back, as a training peer will. The
+`PipelineTrainer` drives them: forward through the chain, the loss at the last stage, backward back
+through the chain, micro-batch by micro-batch, then one global gradient-norm clip and a step on every
+stage. Everything crossing a stage boundary is detached, so the same driver works over a network."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from decentrl.config import TrainConfig
+from decentrl.learn.batch import TrainBatch
+from decentrl.learn.losses import LossConfig, policy_loss
+from decentrl.model.stages import StageModule
+from decentrl.rollout.sampling import SamplingConfig, sampling_logprobs
+
+LossFunction = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+def loss_config_from(train: TrainConfig, max_new_tokens: int) -> LossConfig:
+    return LossConfig(
+        name=train.loss, clip_low=train.clip_low, clip_high=train.clip_high,
+        kl_coef=train.kl_coef, tis_cap=train.tis_cap, mis_low=train.mis_low,
+        mis_high=train.mis_high, dr_grpo_max_tokens=max_new_tokens, decoupled=train.decoupled,
+    )
+
+
+class StageTrainer:
+    """One stage's optimizer and the activations it keeps between forward and backward."""
+
+    def __init__(self, stage: StageModule, train: TrainConfig, autocast_dtype: torch.dtype) -> None:
+        self.stage = stage
+        self.device = next(stage.parameters()).device
+        self.autocast_dtype = autocast_dtype
+        self.base_lr = train.lr
+        self.warmup_steps = train.warmup_steps
+        self.optimizer = torch.optim.AdamW(
+            stage.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
+        )
+        self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def forward(self, micro: int, inputs: torch.Tensor, positions: torch.Tensor,
+                valid: torch.Tensor, head_positions: torch.Tensor | None = None,
+                loss_fn: LossFunction | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Run this stage on one micro-batch and keep what backward needs. The last stage is
+        given `loss_fn` and returns the loss; other stages return their detached output."""
+        x = inputs.to(self.device)
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        with self.autocast():
+            out = self.stage(x, positions, valid, head_positions=head_positions)
+        metrics: dict[str, float] = {}
+        if loss_fn is not None:
+            out, metrics = loss_fn(out)
+        self.saved[micro] = (x if x.requires_grad else None, out)
+        return out.detach(), metrics
+
+    def backward(self, micro: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """Backpropagate one micro-batch; returns the gradient for the previous stage."""
+        if micro not in self.saved:
+            raise KeyError(f"stage {self.stage.index} has no forward pass for micro-batch {micro}")
+        x, out = self.saved.pop(micro)
+        out.backward(grad_output)
+        return x.grad if x is not None else None
+
+    def grad_square_norm(self) -> float:
+        return sum(float(p.grad.float().pow(2).sum()) for p in self.stage.parameters()
+                   if p.grad is not None)
+
+    def step(self, grad_scale: float) -> None:
+        """Apply the accumulated gradient (scaled by the global clip) and bump the version."""
+        if self.saved:
+            raise RuntimeError(f"stage {self.stage.index} steps with {len(self.saved)} micro-batches "
+                               "still waiting for backward")
+        step = self.stage.version + 1
+        if self.warmup_steps:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.base_lr * min(1.0, step / self.warmup_steps)
+        if grad_scale != 1.0:
+            for p in self.stage.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stage.version = step
+
+    def state(self) -> dict:
+        return {"weights": self.stage.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "version": self.stage.version}
+
+    def load_state(self, state: dict) -> None:
+        self.stage.load_state_dict(state["weights"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.stage.version = int(state["version"])
+
+
+class PipelineTrainer:
+    def __init__(self, stages: list[StageModule], train: TrainConfig, loss: LossConfig,
+                 sampling: SamplingConfig, autocast_dtype: torch.dtype,
+                 reference_stages: list[StageModule] | None = None) -> None:
+        if loss.kl_coef > 0 and reference_stages is None:
+            raise ValueError("kl_coef > 0 needs reference stages")
+        self.stage_trainers = [StageTrainer(stage, train, autocast_dtype) for stage in stages]
+        self.train, self.loss, self.sampling = train, loss, sampling
+        self.reference_stages = reference_stages
+        self.device = self.stage_trainers[0].device
+
+    @property
+    def version(self) -> int:
+        """All stages step together here, so the learner's version is any stage's version."""
+        return self.stage_trainers[0].stage.version
+
+    def _chain_logprobs(self, stages: list[StageModule], batch: TrainBatch) -> torch.Tensor:
+        """Sampling-transformed log-probs of the targets [B, L] under `stages`, without gradient."""
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
+        size = self.train.micro_batch_size
+        with torch.no_grad(), self.stage_trainers[0].autocast():
+            for start in range(0, batch.num_sequences, size):
+                micro = batch.select(slice(start, start + size))
+                x = micro.tokens
+                for stage in stages:
+                    x = stage(x, micro.positions, micro.valid,
+                              head_positions=micro.target_mask if stage.is_last else None)
+                rows = out[start:start + size]
+                rows[micro.target_mask] = sampling_logprobs(
+                    x, micro.targets[micro.target_mask], self.sampling)
+        return out
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One policy update on one batch: `updates_per_batch` optimizer steps on its minibatches."""
+        batch = batch.to(self.device)
+        reference = (self._chain_logprobs(self.reference_stages, batch)
+                     if self.reference_stages is not None and self.loss.kl_coef > 0 else None)
+        # With one optimizer step per batch the proximal policy is the current one, so its
+        # log-probs are the detached current log-probs; with several, fix them before the first.
+        proximal = (self._chain_logprobs([t.stage for t in self.stage_trainers], batch)
+                    if self.train.updates_per_batch > 1 else None)
+        minibatch_size = math.ceil(batch.num_sequences / self.train.updates_per_batch)
+        totals: dict[str, float] = {}
+        micro_count = 0
+        for start in range(0, batch.num_sequences, minibatch_size):
+            rows = slice(start, start + minibatch_size)
+            minibatch = batch.select(rows)
+            sequences, tokens = minibatch.num_sequences, minibatch.num_target_tokens
+            for micro_start in range(0, sequences, self.train.micro_batch_size):
+                micro_rows_ = slice(micro_start, micro_start + self.train.micro_batch_size)
+                micro = minibatch.select(micro_rows_)
+                pick = lambda t: None if t is None else t[rows][micro_rows_]  # noqa: E731
+                metrics = self._micro_step(micro, pick(proximal), pick(reference), sequences, tokens)
+                for key, value in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                micro_count += 1
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._step()
+        result = {key: value / micro_count for key, value in totals.items() if key != "grad_norm"}
+        result["grad_norm"] = totals["grad_norm"] / self.train.updates_per_batch
+        result["version"] = float(self.version)
+        return result
+
+    def _micro_step(self, micro: TrainBatch, proximal: torch.Tensor | None,
+                    reference: torch.Tensor | None, total_sequences: int,
+                    total_tokens: int) -> dict[str, float]:
+        def loss_fn(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            logprobs = torch.zeros(micro.tokens.shape, dtype=torch.float32, device=self.device)
+            logprobs = logprobs.masked_scatter(
+                micro.target_mask,
+                sampling_logprobs(logits, micro.targets[micro.target_mask], self.sampling))
+            loss, metrics = policy_loss(
+                logprobs, proximal if proximal is not None else logprobs.detach(),
+                micro.behaviour_logprobs, micro.advantages, micro.target_mask, self.loss,
+                reference_logprobs=reference, total_sequences=total_sequences,
+                total_tokens=total_tokens)
+            with torch.no_grad():
+                logp = logits.float().log_softmax(-1)
+                metrics["entropy"] = float(-(logp.exp() * logp).sum(-1).mean())
+            return loss, metrics
+
+        x: torch.Tensor = micro.tokens
+        metrics: dict[str, float] = {}
+        last = len(self.stage_trainers) - 1
+        for i, trainer in enumerate(self.stage_trainers):
+            x, metrics_i = trainer.forward(
+                0, x, micro.positions, micro.valid,
+                head_positions=micro.target_mask if i == last else None,
+                loss_fn=loss_fn if i == last else None)
+            metrics.update(metrics_i)
+        grad: torch.Tensor | None = None
+        for trainer in reversed(self.stage_trainers):
+            grad = trainer.backward(0, grad)
+        return metrics
+
+    def _step(self) -> float:
+        norm = math.sqrt(sum(t.grad_square_norm() for t in self.stage_trainers))
+        if not math.isfinite(norm):
+            for t in self.stage_trainers:
+                t.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"gradient norm is {norm}; the update was discarded")
+        max_norm = self.train.max_grad_norm
+        scale = min(1.0, max_norm / (norm + 1e-6)) if max_norm is not None else 1.0
+        for t in self.stage_trainers:
+            t.step(scale)
+        return norm
+
+    def save(self, folder: Path, extra: dict) -> None:
+        """Write a checkpoint atomically: every file goes to a temporary name first."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for trainer in self.stage_trainers:
+            path = folder / f"stage{trainer.stage.index}.pt"
+            torch.save(trainer.state(), path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+        meta = folder / "trainer.json"
+        meta.with_suffix(".tmp").write_text(json.dumps({"version": self.version, **extra}))
+        os.replace(meta.with_suffix(".tmp"), meta)
+
+    def load(self, folder: Path) -> dict:
+        meta = folder / "trainer.json"
+        if not meta.is_file():
+            raise FileNotFoundError(f"{folder} is not a checkpoint (no trainer.json)")
+        for trainer in self.stage_trainers:
+            path = folder / f"stage{trainer.stage.index}.pt"
+            if not path.is_file():
+                raise FileNotFoundError(f"checkpoint {folder} has no {path.name}")
+            trainer.load_state(torch.load(path, map_location=self.device, weights_only=True))
+        return json.loads(meta.read_text())

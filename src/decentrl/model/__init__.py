@@ -1,0 +1,1 @@
+"""Model loading, stage plans and stage modules."""

@@ -1,0 +1,180 @@
+"""The Llama-family decoder (Llama, SmolLM, Qwen2, Mistral) written plainly, so a stage can own any
+contiguous slice of it and its own KV cache. Parameter names match Hugging Face's, so checkpoints
+load and export without a translation table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture hyper-parameters, read from a Hugging Face config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    attention_bias: bool
+    max_positions: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope type {rope_type!r} is not supported (only plain RoPE)")
+        rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        num_heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        return cls(
+            model_type=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or hidden // num_heads,
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(config["rms_norm_eps"]),
+            # Qwen2 has q/k/v biases without saying so in its config.
+            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            max_positions=config.get("max_position_embeddings", 4096),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementation does; bf16 variance is too coarse.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary_tables(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [B, 1, T, head_dim] for the half-rotation RoPE convention of HF Llama."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
+    freqs = positions[..., None].float() * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LayerCache:
+    """Keys and values of one layer for a batch of sequences, preallocated to the maximum length."""
+
+    def __init__(self, batch: int, num_kv_heads: int, max_length: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (batch, num_kv_heads, max_length, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + keys.shape[2]
+        if end > self.keys.shape[2]:
+            raise ValueError(f"KV cache overflow: {end} positions > capacity {self.keys.shape[2]}")
+        self.keys[:, :, start:end] = keys
+        self.values[:, :, start:end] = values
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        q_size = spec.num_heads * spec.head_dim
+        kv_size = spec.num_kv_heads * spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, q_size, bias=spec.attention_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.attention_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                cache: LayerCache | None, cache_start: int) -> torch.Tensor:
+        batch, length, _ = x.shape
+        spec = self.spec
+        q = self.q_proj(x).view(batch, length, spec.num_heads, spec.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:
+            k, v = cache.write(cache_start, k, v)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=spec.num_kv_heads != spec.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                cache: LayerCache | None = None, cache_start: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, cache_start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def attention_mask(key_valid: torch.Tensor, query_start: int, query_length: int) -> torch.Tensor:
+    """Boolean mask [B, 1, Tq, Tk]: causal, hides padded keys, and always lets a query see itself
+    (a left-padding query with no visible key would otherwise turn the softmax into NaN)."""
+    key_length = key_valid.shape[1]
+    query_pos = torch.arange(query_start, query_start + query_length, device=key_valid.device)
+    key_pos = torch.arange(key_length, device=key_valid.device)
+    causal = key_pos[None, :] <= query_pos[:, None]
+    itself = key_pos[None, :] == query_pos[:, None]
+    return ((causal[None] & key_valid[:, None, :]) | itself[None])[:, None]
+
+
+def positions_from_valid(valid: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding: the first real token of every row is position 0."""
+    return (valid.long().cumsum(-1) - 1).clamp(min=0)

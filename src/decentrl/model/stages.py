@@ -1,0 +1,163 @@
+"""Cutting the decoder into pipeline stages. Stage 0 owns the token embedding, the last stage owns
+the final norm and the head, every stage owns a contiguous range of layers and its own KV cache.
+
+Tied embeddings: a stage boundary separates the embedding (stage 0) from the head (last stage), so
+keeping one shared matrix would need a gradient all-reduce across the first and last peers on every
+step. We untie instead: the head starts as a copy of the embedding and the two then train
+independently; an exported model says `tie_word_embeddings: false` and carries both matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from decentrl.model.blocks import (
+    DecoderLayer,
+    LayerCache,
+    ModelSpec,
+    RMSNorm,
+    attention_mask,
+    rotary_tables,
+)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Layer ranges of the stages: stage i holds layers [starts[i], starts[i+1])."""
+
+    num_layers: int
+    starts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.starts or self.starts[0] != 0:
+            raise ValueError(f"stage plan must start at layer 0, got starts={self.starts}")
+        if any(b <= a for a, b in zip(self.starts, self.starts[1:])):
+            raise ValueError(f"every stage needs at least one layer, got starts={self.starts}")
+        if self.starts[-1] >= self.num_layers:
+            raise ValueError(f"stage starts {self.starts} leave no layer for the last stage "
+                             f"of a {self.num_layers}-layer model")
+
+    @classmethod
+    def even(cls, num_layers: int, num_stages: int) -> StagePlan:
+        if not 1 <= num_stages <= num_layers:
+            raise ValueError(f"num_stages must be in [1, {num_layers}] for a {num_layers}-layer "
+                             f"model, got {num_stages}")
+        base, extra = divmod(num_layers, num_stages)
+        starts, start = [], 0
+        for stage in range(num_stages):
+            starts.append(start)
+            start += base + (1 if stage < extra else 0)
+        return cls(num_layers, tuple(starts))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.starts)
+
+    def layers(self, stage: int) -> range:
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage} does not exist in a {self.num_stages}-stage plan")
+        end = self.starts[stage + 1] if stage + 1 < self.num_stages else self.num_layers
+        return range(self.starts[stage], end)
+
+
+class StageCache:
+    """The KV cache of one stage for one batch of sequences (one generation session)."""
+
+    def __init__(self, spec: ModelSpec, num_layers: int, batch: int, max_length: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.layers = [LayerCache(batch, spec.num_kv_heads, max_length, spec.head_dim, dtype, device)
+                       for _ in range(num_layers)]
+        self.length = 0
+
+
+class StageModule(nn.Module):
+    """One pipeline stage. Input: token ids (stage 0) or hidden states; output: hidden states, or
+    logits at the last stage. `version` counts the optimizer steps behind these weights."""
+
+    def __init__(self, spec: ModelSpec, plan: StagePlan, index: int) -> None:
+        super().__init__()
+        self.spec, self.plan, self.index = spec, plan, index
+        self.layer_ids = plan.layers(index)
+        self.is_first = index == 0
+        self.is_last = index == plan.num_stages - 1
+        self.version = 0
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if self.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in self.layer_ids)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if self.is_last else None
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if self.is_last else None
+
+    def new_cache(self, batch: int, max_length: int) -> StageCache:
+        param = next(self.parameters())
+        return StageCache(self.spec, len(self.layers), batch, max_length, param.dtype, param.device)
+
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+                cache: StageCache | None = None,
+                head_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs` covers the new positions only; `key_valid` [B, cached + new] marks real tokens.
+        At the last stage, `head_positions` [B, new] selects where logits are needed (returned
+        flat, [N, vocab]): the head is a large matmul and most positions need none."""
+        start = cache.length if cache is not None else 0
+        if key_valid.shape[1] != start + inputs.shape[1]:
+            raise ValueError(f"key_valid covers {key_valid.shape[1]} positions, expected "
+                             f"{start} cached + {inputs.shape[1]} new")
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(inputs)
+        else:
+            x = inputs
+        rope = rotary_tables(positions, self.spec.head_dim, self.spec.rope_theta, x.dtype)
+        mask = attention_mask(key_valid, start, inputs.shape[1])
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, mask, cache.layers[i] if cache is not None else None, start)
+        if cache is not None:
+            cache.length = start + inputs.shape[1]
+        if self.norm is not None and self.lm_head is not None:
+            if head_positions is not None:
+                x = x[head_positions]
+            x = self.lm_head(self.norm(x))
+        return x
+
+    def hf_names(self) -> dict[str, str]:
+        """Map from this module's parameter names to Hugging Face checkpoint names."""
+        names: dict[str, str] = {}
+        for name, _ in self.named_parameters():
+            if name.startswith("layers."):
+                local, rest = name.split(".", 2)[1:]
+                names[name] = f"model.layers.{self.layer_ids[int(local)]}.{rest}"
+            elif name.startswith("lm_head."):
+                names[name] = name
+            else:
+                names[name] = f"model.{name}"
+        return names
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load this stage's slice of a full Hugging Face state dict (untying a tied head)."""
+        own: dict[str, torch.Tensor] = {}
+        for local, hf in self.hf_names().items():
+            source = hf
+            if hf == "lm_head.weight" and hf not in tensors:
+                source = "model.embed_tokens.weight"  # tied checkpoint: the head is a copy
+            if source not in tensors:
+                raise KeyError(f"checkpoint has no tensor {source!r} needed by stage {self.index}")
+            own[local] = tensors[source]
+        self.load_state_dict(own, strict=True)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        names = self.hf_names()
+        return {names[k]: v for k, v in self.state_dict().items()}
+
+
+def build_stages(spec: ModelSpec, plan: StagePlan, tensors: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype) -> list[StageModule]:
+    if plan.num_layers != spec.num_layers:
+        raise ValueError(f"stage plan covers {plan.num_layers} layers, the model has {spec.num_layers}")
+    stages = []
+    for index in range(plan.num_stages):
+        with torch.device("meta"):
+            stage = StageModule(spec, plan, index)
+        stage = stage.to_empty(device=device)
+        stage.load_hf_state_dict(tensors)
+        stages.append(stage.to(dtype))
+    return stages

@@ -1,0 +1,1 @@
+"""Rollout types and generation over a chain of stages."""

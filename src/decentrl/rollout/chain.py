@@ -1,0 +1,79 @@
+"""The inference side of a chain of stages. A session holds one KV cache per stage for a batch of
+sequences; hidden states hop stage to stage. `LocalChain` runs every stage in this process; the
+swarm's chain runs the same protocol over the network."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from decentrl.model.stages import StageCache, StageModule
+
+
+class InferenceSession(Protocol):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                key_valid: torch.Tensor) -> torch.Tensor:
+        """Feed new positions [B, T]; returns the logits of the last new position, [B, vocab]."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class InferenceChain(Protocol):
+    @property
+    def device(self) -> torch.device: ...
+
+    def versions(self) -> tuple[int, ...]:
+        """The weight version of every stage, in stage order."""
+        ...
+
+    def open_session(self, batch: int, max_length: int) -> InferenceSession: ...
+
+
+class LocalSession:
+    def __init__(self, stages: list[StageModule], batch: int, max_length: int) -> None:
+        self.stages = stages
+        self.caches: list[StageCache] | None = [s.new_cache(batch, max_length) for s in stages]
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                key_valid: torch.Tensor) -> torch.Tensor:
+        if self.caches is None:
+            raise RuntimeError("session is closed")
+        last = torch.zeros_like(tokens, dtype=torch.bool)
+        last[:, -1] = True
+        x = tokens
+        for stage, cache in zip(self.stages, self.caches):
+            x = stage(x, positions, key_valid, cache, head_positions=last if stage.is_last else None)
+        return x
+
+    def close(self) -> None:
+        self.caches = None
+
+
+class LocalChain:
+    """All stages in this process (the inference replicas of a single-machine run)."""
+
+    def __init__(self, stages: list[StageModule]) -> None:
+        if not stages or not stages[0].is_first or not stages[-1].is_last:
+            raise ValueError("a chain needs every stage from the first to the last, in order")
+        self.stages = stages
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.stages[0].parameters()).device
+
+    def versions(self) -> tuple[int, ...]:
+        return tuple(stage.version for stage in self.stages)
+
+    def open_session(self, batch: int, max_length: int) -> LocalSession:
+        return LocalSession(self.stages, batch, max_length)
+
+    def load_stage(self, index: int, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace one stage's weights (between generations) and record their version."""
+        stage = self.stages[index]
+        with torch.no_grad():
+            for name, param in stage.state_dict().items():
+                param.copy_(tensors[name])
+        stage.version = version

@@ -1,0 +1,81 @@
+"""Batched token-by-token generation over an inference chain, with the KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decentrl.rollout.chain import InferenceChain
+from decentrl.rollout.sampling import SamplingConfig, sample
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    logprobs: list[float]  # behaviour log-prob of each token, under the sampled distribution
+    finished: bool  # ended with a stop token rather than at max_new_tokens
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, P] and the mask of real tokens [B, P], prompts aligned to the right."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(prompts), length), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, length - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        valid[row, length - len(prompt):] = True
+    return ids.to(device), valid.to(device)
+
+
+def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: int,
+             sampling: SamplingConfig, stop_ids: set[int], pad_id: int,
+             generator: torch.Generator | None = None) -> list[Generation]:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt and no empty prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = chain.device
+    ids, prompt_valid = left_pad(prompts, pad_id, device)
+    batch, prompt_length = ids.shape
+    valid = torch.cat([prompt_valid, torch.ones(batch, max_new_tokens, dtype=torch.bool,
+                                                device=device)], dim=1)
+    positions = (prompt_valid.long().cumsum(-1) - 1).clamp(min=0)
+    next_position = positions[:, -1:] + 1
+    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    tokens_out, logprobs_out = [], []
+    session = chain.open_session(batch, prompt_length + max_new_tokens)
+    try:
+        logits = session.forward(ids, positions, valid[:, :prompt_length])
+        for step in range(max_new_tokens):
+            tokens, logprobs = sample(logits, sampling, generator)
+            tokens = tokens.masked_fill(done, pad_id)
+            tokens_out.append(tokens)
+            logprobs_out.append(logprobs)
+            done_before = done
+            done = done | torch.isin(tokens, stop)
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            # Finished rows keep decoding padding (cheaper than reshaping the batch and caches);
+            # their keys are masked out and their tokens dropped below.
+            valid[:, prompt_length + step] = ~done_before
+            logits = session.forward(tokens[:, None], next_position,
+                                     valid[:, :prompt_length + step + 1])
+            next_position = next_position + 1
+    finally:
+        session.close()
+    all_tokens = torch.stack(tokens_out, 1).cpu()
+    all_logprobs = torch.stack(logprobs_out, 1).float().cpu()
+    results = []
+    for row in range(batch):
+        row_tokens = all_tokens[row].tolist()
+        length = len(row_tokens)
+        finished = False
+        for i, token in enumerate(row_tokens):
+            if token in stop_ids:
+                length, finished = i + 1, True
+                break
+        results.append(Generation(row_tokens[:length], all_logprobs[row, :length].tolist(), finished))
+    return results

@@ -1,0 +1,69 @@
+"""Sampling with temperature / top-k / top-p, and the log-prob of a token under the distribution it
+was actually drawn from. The trainer calls the same `sampling_logprobs`, so the importance ratio
+between learner and behaviour policy is exactly 1 when the weights and numerics are the same."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def transformed_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """fp32 logits of the distribution sampled from: scaled by temperature, -inf outside the
+    top-k / top-p set. Greedy decoding is scored as temperature 1 (its log-probs are diagnostics)."""
+    logits = logits.float()
+    if not config.greedy and config.temperature != 1.0:
+        logits = logits / config.temperature
+    if config.top_k > 0 and config.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if config.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the first token stays.
+        drop_sorted = probs.cumsum(-1) - probs >= config.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sampling_logprobs(logits: torch.Tensor, tokens: torch.Tensor, config: SamplingConfig,
+                      floor: float = -1e4) -> torch.Tensor:
+    """Log-prob of `tokens` under the transformed distribution. A token outside the kept set (a
+    stale behaviour policy can pick one the learner would cut) gets `floor` instead of -inf, so
+    it has no gradient and an off-policy weight of ~0 instead of a NaN."""
+    logprobs = transformed_logits(logits, config).log_softmax(-1)
+    picked = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked.clamp(min=floor)
+
+
+def sample(logits: torch.Tensor, config: SamplingConfig,
+           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of `logits` [N, vocab]; returns (tokens, behaviour log-probs)."""
+    transformed = transformed_logits(logits, config)
+    logprobs = transformed.log_softmax(-1)
+    if config.greedy:
+        tokens = transformed.argmax(-1)
+    else:
+        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
