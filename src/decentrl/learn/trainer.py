@@ -165,7 +165,6 @@ class PipelineTrainer:
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._step()
         result = {key: value / micro_count for key, value in totals.items() if key != "grad_norm"}
         result["grad_norm"] = totals["grad_norm"] / self.train.updates_per_batch
-        result["version"] = float(self.version)
         return result
 
     def _micro_step(self, micro: TrainBatch, proximal: torch.Tensor | None,

@@ -1,0 +1,160 @@
+"""Helpers shared by the benches: device sync, timing with warm-up, peak memory, running one
+variant in a fresh process (so a CPU peak RSS belongs to that variant alone), and printing.
+
+Benches are plain scripts (`python bench/NAME.py`, or `decentrl bench NAME`, which imports the
+file by path and calls `main(argv)`); they put this folder on sys.path to import this module."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work, so a timer measures the work and not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> tuple[float, str]:
+    """(peak MiB, what it measures). CUDA: peak allocated by torch since the last reset. MPS:
+    memory the Metal driver holds now (no peak counter exists). CPU: peak resident set size of
+    this process since it started, which is why benches run each variant in its own process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda max allocated"
+    if device.type == "mps":
+        return torch.mps.driver_allocated_memory() / 2**20, "mps driver allocated (now)"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), "process peak RSS"
+
+
+def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int
+               ) -> list[float]:
+    """Wall-clock seconds of `repeats` calls of `fn` after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def summary(seconds: Sequence[float]) -> dict[str, float]:
+    return {"mean_s": statistics.fmean(seconds), "min_s": min(seconds),
+            "stdev_s": statistics.stdev(seconds) if len(seconds) > 1 else 0.0}
+
+
+def machine(device: torch.device) -> str:
+    """One line naming the hardware and software the figures come from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    parts = [f"{cpu} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
+             f"cpu capability {torch.backends.cpu.get_cpu_capability()})"]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_device_name(device))
+    elif device.type == "mps":
+        parts.append("Apple MPS")
+    parts.append(f"torch {torch.__version__}")
+    try:
+        import transformers
+        parts.append(f"transformers {transformers.__version__}")
+    except ImportError:
+        pass
+    return "; ".join(parts)
+
+
+def quiet_transformers() -> None:
+    """No loading progress bars or advisory warnings in bench output."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def run_worker(script: Path, argv: list[str]) -> dict[str, Any]:
+    """Run `script argv` in a fresh Python process and return the dict it emitted with
+    `emit_result`. Its other output passes through, so progress and errors stay visible."""
+    env = dict(os.environ)
+    src = Path(__file__).resolve().parents[1] / "src"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH")) if p)
+    process = subprocess.run([sys.executable, str(script), *argv], env=env, text=True,
+                             stdout=subprocess.PIPE, check=False)
+    result = None
+    for line in process.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX):])
+        else:
+            print(line)
+    if process.returncode != 0 or result is None:
+        raise RuntimeError(f"bench worker {script.name} {' '.join(argv)} failed "
+                           f"(exit code {process.returncode})")
+    return result
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                caption: str | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption, caption_justify="left")
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for row in rows:
+        table.add_row(*(format_value(v) for v in row))
+    Console(width=max(120, len(title) + 4)).print(table)
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float):
+        if value == 0 or abs(value) >= 100:
+            return f"{value:,.0f}"
+        return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
+    return str(value)
+
+
+def print_figures(name: str, figures: dict[str, float]) -> None:
+    """One machine-readable line: `name key=value ...` (the smoke test reads these)."""
+    print(name + " " + " ".join(f"{key}={value:.6g}" for key, value in figures.items()),
+          flush=True)
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=2) + "\n")

@@ -1,0 +1,288 @@
+"""Trainer throughput: one policy update (GRPO loss, the same batch) through decentrl's
+PipelineTrainer versus a plain single-module PyTorch loop over Hugging Face's
+AutoModelForCausalLM loaded from the same folder.
+
+Both sides: fp32 master weights, autocast to `compute_dtype(device)` (bf16 where the hardware has
+it), AdamW with the TrainConfig defaults, log-probs of the same completion tokens through
+`sampling_logprobs`, the same `policy_loss` call, backward, global grad-norm clip at 1.0, step.
+The batch is `--batch` sums-task prompts with random completions of `--completion-length` tokens
+(built with `build_batch`); its behaviour log-probs are the variant's own log-probs before the
+first step, so the data is on-policy as after a fresh rollout. One micro-batch holds the batch.
+
+Variants (`--variants`):
+  decentrl      PipelineTrainer over `--stages` stages (head untied from the embedding by design)
+  plain         HF model as shipped (tied head): model(...).logits, then the target positions
+  plain-head    same, but the head runs on the target positions only (as decentrl does)
+  plain-untied  plain-head with the head untied from the embedding (decentrl's parameter set)
+
+Each variant runs in a fresh process unless --in-process (so a CPU peak RSS is its own).
+Run: python bench/trainer_throughput.py [--device auto] [--steps 3] [--batch 16] [--model PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+
+VARIANTS = ("decentrl", "plain", "plain-head", "plain-untied")
+DEFAULT_VARIANTS = "decentrl,plain,plain-head"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from decentrl.model.loading import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(prog="trainer_throughput", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF folder")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16"),
+                        help="autocast dtype (auto: decentrl.device.compute_dtype)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per batch")
+    parser.add_argument("--completion-length", type=int, default=112)
+    parser.add_argument("--stages", type=int, default=2, help="decentrl pipeline stages")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every variant in this process (CPU peak RSS is then shared)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one extra step per variant and print the top operators")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for variant in args.variants:
+        if variant not in VARIANTS:
+            parser.error(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.completion_length < 1:
+        parser.error("--steps, --batch and --completion-length must be >= 1, --warmup >= 0")
+    return args
+
+
+def make_batch(loaded: Any, batch: int, completion_length: int, seed: int):
+    """`batch` sums prompts, each with a random completion; behaviour log-probs are filled later."""
+    from decentrl.learn.batch import build_batch
+    from decentrl.rollout.types import Rollout
+    from decentrl.tasks import make_task, problems, render_prompt
+
+    task = make_task("sums")
+    prompts = [render_prompt(task, p, loaded.tokenizer) for p in problems(task, "train", batch)]
+    generator = torch.Generator().manual_seed(seed)
+    completions = torch.randint(0, loaded.spec.vocab_size, (batch, completion_length),
+                                generator=generator).tolist()
+    rollouts = [Rollout(prompt_tokens=p, completion_tokens=c, behaviour_logprobs=[0.0] * len(c),
+                        finished=False, completion_text="") for p, c in zip(prompts, completions)]
+    advantages = torch.randn(batch, generator=generator).tolist()
+    return build_batch(rollouts, advantages, [0] * batch, loaded.tokenizer.pad_token_id)
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def decentrl_variant(loaded, batch, args, device, dtype):
+    """(step function, behaviour log-probs [B, L], parameter count)."""
+    from decentrl.config import TrainConfig
+    from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+    from decentrl.model.stages import StagePlan, build_stages
+    from decentrl.rollout.sampling import SamplingConfig, sampling_logprobs
+
+    plan = StagePlan.even(loaded.spec.num_layers, args.stages)
+    stages = build_stages(loaded.spec, plan, loaded.tensors, device, torch.float32)
+    train = TrainConfig(micro_batch_size=batch.num_sequences)
+    sampling = SamplingConfig()
+    trainer = PipelineTrainer(stages, train, loss_config_from(train, args.completion_length),
+                              sampling, dtype)
+    on_device = batch.to(device)
+    with torch.no_grad(), autocast(device, dtype):
+        x = on_device.tokens
+        for stage in stages:
+            x = stage(x, on_device.positions, on_device.valid,
+                      head_positions=on_device.target_mask if stage.is_last else None)
+    behaviour = torch.zeros(batch.tokens.shape)
+    behaviour[batch.target_mask] = sampling_logprobs(
+        x, on_device.targets[on_device.target_mask], sampling).float().cpu()
+    params = sum(p.numel() for s in stages for p in s.parameters())
+
+    def step(train_batch):
+        metrics = trainer.train_step(train_batch)
+        return metrics["policy_loss"], metrics["grad_norm"]
+
+    return step, behaviour, params
+
+
+def plain_variant(loaded, batch, args, device, dtype, variant):
+    from transformers import AutoModelForCausalLM
+
+    from decentrl.config import TrainConfig
+    from decentrl.learn.losses import policy_loss
+    from decentrl.learn.trainer import loss_config_from
+    from decentrl.rollout.sampling import SamplingConfig, sampling_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).to(device)
+    if variant == "plain-untied":
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(
+            model.get_input_embeddings().weight.detach().clone())
+    model.train()
+    train = TrainConfig(micro_batch_size=batch.num_sequences)
+    loss_config = loss_config_from(train, args.completion_length)
+    sampling = SamplingConfig()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=train.betas,
+                                  weight_decay=train.weight_decay)
+    head_on_targets = variant != "plain"
+
+    def target_logits(b):
+        attention_mask = b.valid.long()
+        if head_on_targets:
+            hidden = model.model(input_ids=b.tokens, attention_mask=attention_mask,
+                                 position_ids=b.positions, use_cache=False).last_hidden_state
+            return model.lm_head(hidden[b.target_mask])
+        logits = model(input_ids=b.tokens, attention_mask=attention_mask,
+                       position_ids=b.positions, use_cache=False).logits
+        return logits[b.target_mask]
+
+    def step(b):
+        with autocast(device, dtype):
+            logits = target_logits(b)
+        flat = sampling_logprobs(logits, b.targets[b.target_mask], sampling)
+        logprobs = torch.zeros(b.tokens.shape, dtype=torch.float32, device=device)
+        logprobs = logprobs.masked_scatter(b.target_mask, flat)
+        loss, metrics = policy_loss(logprobs, logprobs.detach(), b.behaviour_logprobs, b.advantages,
+                              b.target_mask, loss_config, total_sequences=b.num_sequences,
+                              total_tokens=b.num_target_tokens)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return metrics["policy_loss"], float(norm)
+
+    on_device = batch.to(device)
+    with torch.no_grad(), autocast(device, dtype):
+        logits = target_logits(on_device)
+    behaviour = torch.zeros(batch.tokens.shape)
+    behaviour[batch.target_mask] = sampling_logprobs(
+        logits, on_device.targets[on_device.target_mask], sampling).float().cpu()
+    params = sum(p.numel() for p in model.parameters())
+    return step, behaviour, params
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    from decentrl.device import compute_dtype, pick_device
+    from decentrl.model.loading import load_model
+
+    common.quiet_transformers()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = pick_device(args.device)
+    dtype = compute_dtype(device, args.dtype)
+    loaded = load_model(args.model)
+    batch = make_batch(loaded, args.batch, args.completion_length, args.seed)
+    if variant == "decentrl":
+        step, behaviour, params = decentrl_variant(loaded, batch, args, device, dtype)
+    else:
+        step, behaviour, params = plain_variant(loaded, batch, args, device, dtype, variant)
+    loaded.tensors.clear()  # the variant holds its own copy now
+    batch.behaviour_logprobs = behaviour
+    batch = batch.to(device)
+    common.reset_peak_memory(device)
+    losses: list[tuple[float, float]] = []
+    seconds = common.time_calls(lambda: losses.append(step(batch)), device, args.warmup,
+                                args.steps)
+    peak, peak_kind = common.peak_memory_mib(device)
+    if args.profile:
+        profile(lambda: step(batch), device, variant)
+    tokens = int(batch.valid.sum())
+    completion = batch.num_target_tokens
+    stats = common.summary(seconds)
+    return {
+        "variant": variant, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "params": params, "tokens": tokens, "completion_tokens": completion,
+        "padded_length": batch.tokens.shape[1], **stats,
+        "tokens_per_s": tokens / stats["mean_s"],
+        "completion_tokens_per_s": completion / stats["mean_s"],
+        "peak_mib": peak, "peak_kind": peak_kind,
+        "first_loss": losses[0][0], "first_grad_norm": losses[0][1],
+        "machine": common.machine(device),
+    }
+
+
+def profile(fn, device: torch.device, label: str, rows: int = 25) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as prof:
+        fn()
+        common.sync(device)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"\n--- profile of one {label} step (sorted by {sort}) ---")
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        common.emit_result(run_variant(args.worker, args))
+        return
+    results = []
+    for variant in args.variants:
+        print(f"running {variant} ...", flush=True)
+        if args.in_process:
+            results.append(run_variant(variant, args))
+        else:
+            forwarded = [a for a in (argv if argv is not None else sys.argv[1:])
+                         if a != "--in-process"]
+            results.append(common.run_worker(Path(__file__), [*forwarded, "--worker", variant]))
+    report(results, args)
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    first = results[0]
+    rows = [[r["variant"], r["tokens_per_s"], r["completion_tokens_per_s"], r["mean_s"],
+             r["min_s"], r["peak_mib"], r["params"] / 1e6, r["first_loss"], r["first_grad_norm"]]
+            for r in results]
+    memory = first["peak_kind"] + (" of the whole bench process" if args.in_process else "")
+    caption = (f"{first['device']}, autocast {first['dtype']}; batch {args.batch} x "
+               f"{first['padded_length']} padded ({first['tokens']} real tokens, "
+               f"{first['completion_tokens']} completion); warm-up {args.warmup}, mean of "
+               f"{args.steps} steps; memory: {memory}\n{first['machine']}")
+    common.print_table("trainer throughput: one GRPO policy update",
+                       ["variant", "tokens/s", "completion tok/s", "s/step", "min s/step",
+                        "peak MiB", "params M", "loss", "grad norm"], rows, caption)
+    figures: dict[str, float] = {}
+    for r in results:
+        key = r["variant"].replace("-", "_")
+        figures[f"{key}_tokens_per_s"] = r["tokens_per_s"]
+        figures[f"{key}_completion_tokens_per_s"] = r["completion_tokens_per_s"]
+        figures[f"{key}_s_per_step"] = r["mean_s"]
+        figures[f"{key}_peak_mib"] = r["peak_mib"]
+    by_name = {r["variant"]: r for r in results}
+    if "decentrl" in by_name:
+        for other in ("plain", "plain-head", "plain-untied"):
+            if other in by_name:
+                ratio = by_name["decentrl"]["tokens_per_s"] / by_name[other]["tokens_per_s"]
+                figures[f"ratio_decentrl_vs_{other.replace('-', '_')}"] = ratio
+                print(f"decentrl / {other} tokens/s: {ratio:.3f} (target >= 0.90)")
+    common.print_figures("trainer_throughput", figures)
+    common.write_json(args.json, {"bench": "trainer_throughput", "args": vars(args),
+                                  "results": results, "figures": figures})
+
+
+if __name__ == "__main__":
+    main()

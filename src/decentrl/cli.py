@@ -1,0 +1,180 @@
+"""The `decentrl` command line: demo · train · eval · bench."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from decentrl.config import ConfigError, RunConfig, load_config, parse_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="RL post-training of language models on a swarm of untrusted peers.")
+console = Console()
+
+DEMO_CONFIG = {
+    "name": "demo",
+    "num_stages": 2,
+    "task": {"name": "sums", "options": {"min_digits": 1, "max_digits": 2}},
+    "rollout": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 24},
+    "train": {"mode": "async", "steps": 1000, "time_budget_s": 900, "loss": "grpo", "lr": 2e-5,
+              "micro_batch_size": 16, "max_staleness": 2},
+    "eval": {"task": {"name": "sums", "options": {"min_digits": 2, "max_digits": 2}},
+             "problems": 200, "pass_k": 4, "every": 0},
+}
+
+
+def fail(message: str) -> None:
+    console.print(f"[red]error:[/] {message}")
+    raise typer.Exit(code=2)
+
+
+def peak_memory_gib() -> float:
+    # ru_maxrss is KiB on Linux and bytes on macOS.
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
+
+
+def before_after_table(summary) -> Table:
+    table = Table(title=f"held-out {summary.before.task} ({summary.before.problems} problems, "
+                        "95% CI)")
+    table.add_column("")
+    table.add_column("before")
+    table.add_column("after")
+    table.add_row("pass@1 (greedy)", summary.before.pass1.as_percent(),
+                  summary.after.pass1.as_percent())
+    if summary.before.pass_k is not None and summary.after.pass_k is not None:
+        table.add_row(f"pass@{summary.before.k} (T=1)", summary.before.pass_k.as_percent(),
+                      summary.after.pass_k.as_percent())
+    table.add_row("mean completion tokens", f"{summary.before.mean_completion_tokens:.1f}",
+                  f"{summary.after.mean_completion_tokens:.1f}")
+    return table
+
+
+def run_training(config: RunConfig) -> None:
+    from decentrl.swarm.run import LocalRun
+
+    started = time.time()
+    try:
+        summary = LocalRun(config, console).run()
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        fail(str(error))
+        return
+    console.print(before_after_table(summary))
+    gain = summary.after.pass1.mean - summary.before.pass1.mean
+    console.print(f"pass@1 change: {gain * 100:+.1f} points; {summary.steps} steps; "
+                  f"wall {time.time() - started:.0f}s; peak memory {peak_memory_gib():.2f} GiB")
+    console.print(f"run folder: {summary.path}  (final model: {summary.path / 'final'})")
+
+
+@app.command()
+def demo(
+    name: Annotated[str, typer.Option(help="run name (folder under runs/)")] = "demo",
+    budget: Annotated[float, typer.Option(help="training time budget in seconds")] = 900,
+    mode: Annotated[str, typer.Option(help="async or sync")] = "async",
+    fresh: Annotated[bool, typer.Option(help="delete an earlier run of this name first")] = True,
+) -> None:
+    """Post-train SmolLM2-135M-Instruct on sums; report held-out two-digit accuracy before/after."""
+    data = json.loads(json.dumps(DEMO_CONFIG))
+    data["name"] = name
+    data["train"]["time_budget_s"] = budget
+    data["train"]["mode"] = mode
+    try:
+        config = parse_config(data)
+    except ConfigError as error:
+        fail(str(error))
+        return
+    if fresh and config.path.exists():
+        import shutil
+
+        shutil.rmtree(config.path)
+    run_training(config)
+
+
+@app.command()
+def train(config: Annotated[Path, typer.Option("--config", help="run.toml")]) -> None:
+    """Run a post-training job described by a TOML config (resumes from its checkpoint)."""
+    try:
+        run_config = load_config(config)
+    except ConfigError as error:
+        fail(str(error))
+        return
+    run_training(run_config)
+
+
+@app.command("eval")
+def eval_command(
+    model: Annotated[str, typer.Option(help="Hugging Face folder, or smollm2-135m-instruct")],
+    task: Annotated[str, typer.Option(help="task name, e.g. sums or rg:chain_sum")] = "sums",
+    option: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007 - typer needs Optional
+        help="task option KEY=VALUE (JSON value), repeatable")] = None,
+    problems: int = 200, pass_k: int = 4, max_new_tokens: int = 24, batch_size: int = 64,
+    num_stages: int = 1, device: str = "auto", dtype: str = "auto", seed: int = 0,
+    output: Annotated[Optional[Path], typer.Option(help="write the result as JSON here")] = None,  # noqa: UP007
+) -> None:
+    """Held-out pass@1 (greedy) and pass@k (sampled) with 95% confidence intervals."""
+    from decentrl.device import compute_dtype, pick_device
+    from decentrl.evaluate.runner import evaluate
+    from decentrl.model.loading import load_model
+    from decentrl.model.stages import StagePlan, build_stages
+    from decentrl.rollout.chain import LocalChain
+    from decentrl.tasks import make_task
+
+    options = {}
+    for item in option or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            fail(f"--option {item!r} must look like KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    try:
+        task_obj = make_task(task, **options)
+        loaded = load_model(model)
+        chosen = pick_device(device)
+        stages = build_stages(loaded.spec, StagePlan.even(loaded.spec.num_layers, num_stages),
+                              loaded.tensors, chosen, compute_dtype(chosen, dtype))
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        fail(str(error))
+        return
+    result = evaluate(LocalChain(stages), task_obj, loaded.tokenizer, problems, max_new_tokens,
+                      batch_size, pass_k=pass_k, seed=seed)
+    console.print(f"{task} held-out, {result.problems} problems: pass@1 "
+                  f"{result.pass1.as_percent()}"
+                  + (f", pass@{pass_k} {result.pass_k.as_percent()}" if result.pass_k else ""))
+    if output is not None:
+        output.write_text(json.dumps(result.to_json(), indent=2))
+
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help="benchmark name")]) -> None:
+    """Run bench/NAME.py (extra arguments are passed on)."""
+    if not BENCH_DIR.is_dir():
+        fail(f"benchmarks live in the source checkout ({BENCH_DIR} is missing)")
+    available = sorted(p.stem.replace("_", "-") for p in BENCH_DIR.glob("*.py")
+                       if p.stem != "common")
+    path = BENCH_DIR / f"{name.replace('-', '_')}.py"
+    if not path.is_file() or path.stem == "common":
+        fail(f"unknown benchmark {name!r}; available: {', '.join(available)}")
+    sys.path.insert(0, str(BENCH_DIR))
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(list(ctx.args))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,86 @@
+"""Held-out evaluation over an inference chain: greedy pass@1 and sampled pass@k, each with a 95%
+confidence interval (Wilson for pass@1; normal approximation over problems for pass@k)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from decentrl.evaluate.stats import Accuracy, pass_at_k
+from decentrl.rollout.chain import InferenceChain
+from decentrl.rollout.generate import generate
+from decentrl.rollout.sampling import SamplingConfig
+from decentrl.tasks import Problem, Task, problems, render_prompt
+
+
+@dataclass
+class EvalResult:
+    task: str
+    split: str
+    problems: int
+    pass1: Accuracy  # greedy
+    pass_k: Accuracy | None  # sampled, unbiased estimator, averaged over problems
+    k: int
+    mean_completion_tokens: float
+    samples: list[dict[str, Any]]  # a few (question, completion, correct) for the report
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        return data
+
+
+def _solved(chain: InferenceChain, task: Task, batch_problems: list[Problem], tokenizer: Any,
+            max_new_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
+            ) -> tuple[list[bool], list[str], list[int]]:
+    prompts = [render_prompt(task, p, tokenizer) for p in batch_problems]
+    generations = generate(chain, prompts, max_new_tokens, sampling, {tokenizer.eos_token_id},
+                           tokenizer.pad_token_id, generator)
+    texts = [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in generations]
+    solved = [task.reward(p, text).solved for p, text in zip(batch_problems, texts)]
+    return solved, texts, [len(g.tokens) for g in generations]
+
+
+def evaluate(chain: InferenceChain, task: Task, tokenizer: Any, num_problems: int,
+             max_new_tokens: int, batch_size: int, pass_k: int = 1, seed: int = 0,
+             split: str = "heldout", progress: Any = None) -> EvalResult:
+    """`progress`, if given, is called with the number of problems done so far."""
+    items = problems(task, split, num_problems)  # type: ignore[arg-type]
+    greedy_solved: list[bool] = []
+    samples: list[dict[str, Any]] = []
+    lengths: list[int] = []
+    sampled_correct: list[int] = []
+    generator = torch.Generator(device=chain.device).manual_seed(seed)
+    for start in range(0, len(items), batch_size):
+        chunk = items[start:start + batch_size]
+        solved, texts, n_tokens = _solved(chain, task, chunk, tokenizer, max_new_tokens,
+                                          SamplingConfig(temperature=0.0), None)
+        greedy_solved += solved
+        lengths += n_tokens
+        if len(samples) < 8:
+            samples += [{"question": p.question, "completion": t, "correct": s}
+                        for p, t, s in zip(chunk, texts, solved)][: 8 - len(samples)]
+        if pass_k > 1:
+            # k samples per problem, batched problem-major so each problem's samples sit together.
+            counts = [0] * len(chunk)
+            per_batch = max(1, batch_size // pass_k)
+            for sub in range(0, len(chunk), per_batch):
+                repeated = [p for p in chunk[sub:sub + per_batch] for _ in range(pass_k)]
+                solved_k, _, _ = _solved(chain, task, repeated, tokenizer, max_new_tokens,
+                                         SamplingConfig(temperature=1.0), generator)
+                for j, ok in enumerate(solved_k):
+                    counts[sub + j // pass_k] += int(ok)
+            sampled_correct += counts
+        if progress is not None:
+            progress(len(greedy_solved))
+    pass_k_accuracy = None
+    if pass_k > 1:
+        pass_k_accuracy = Accuracy.from_values(
+            [pass_at_k(pass_k, c, pass_k) for c in sampled_correct])
+    return EvalResult(
+        task=task.name, split=split, problems=len(items),
+        pass1=Accuracy.from_counts(sum(greedy_solved), len(greedy_solved)),
+        pass_k=pass_k_accuracy, k=pass_k,
+        mean_completion_tokens=sum(lengths) / len(lengths), samples=samples,
+    )

@@ -1,0 +1,1 @@
+"""Transports: how rollouts and weights move between the roles of a run."""

@@ -1,0 +1,36 @@
+"""The one transport interface. Rollout groups flow from the inference side to the coordinator;
+stage weights flow from the trainers to the inference replicas, versioned, one stage at a time.
+Every blocking call takes a timeout, so no caller can wait forever on a peer that went away."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from decentrl.rollout.types import RolloutGroup
+
+
+class TransportClosed(RuntimeError):
+    """The other side shut the transport down; stop the loop that uses it."""
+
+
+class Transport(Protocol):
+    def put_rollouts(self, group: RolloutGroup, timeout: float) -> bool:
+        """Hand a group to the coordinator; False when it could not be queued within `timeout`."""
+        ...
+
+    def get_rollouts(self, timeout: float) -> RolloutGroup | None:
+        """The next group, or None after `timeout` seconds without one."""
+        ...
+
+    def publish_stage(self, stage: int, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Make `version` of a stage's weights the one replicas should run."""
+        ...
+
+    def fetch_stage(self, stage: int, newer_than: int
+                    ) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The latest published weights of a stage if newer than `newer_than`, else None."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,1 @@
+"""Export of trained stages to a Hugging Face model folder."""

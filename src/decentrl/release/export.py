@@ -1,0 +1,136 @@
+"""Assembling the stages into one Hugging Face model folder: the only place the whole model exists.
+
+The folder loads with `transformers.AutoModelForCausalLM` and `AutoTokenizer`. The head and the
+embedding were untied when the stages were built (see model/stages.py), so the exported config says
+`tie_word_embeddings: false` and the checkpoint carries both matrices.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from decentrl.model.loading import load_model
+from decentrl.model.stages import StageModule, StagePlan, build_stages
+
+EXPORT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+REQUIRED_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def merge_stage_tensors(stages: list[StageModule], num_layers: int) -> dict[str, torch.Tensor]:
+    """Every stage's tensors under their Hugging Face names, checked to form exactly one model:
+    each layer 0..num_layers-1 held by exactly one stage, the embedding, final norm and head present."""
+    if not stages:
+        raise ValueError("cannot export a model from no stages")
+    merged: dict[str, torch.Tensor] = {}
+    owner: dict[str, int] = {}  # tensor name -> position of the stage in `stages`
+    layer_owner: dict[int, int] = {}
+    for position, stage in enumerate(stages):
+        for name, tensor in stage.hf_state_dict().items():
+            if name in merged:
+                raise ValueError(f"tensor {name!r} appears in stage {owner[name]} and stage "
+                                 f"{position}: the stages overlap")
+            match = LAYER_NAME.match(name)
+            if match:
+                layer = int(match.group(1))
+                if layer_owner.setdefault(layer, position) != position:
+                    raise ValueError(f"layer {layer} appears in stage {layer_owner[layer]} and stage "
+                                     f"{position}: the stages overlap")
+            merged[name] = tensor
+            owner[name] = position
+    missing_layers = sorted(set(range(num_layers)) - set(layer_owner))
+    if missing_layers:
+        raise ValueError(f"the stages hold no weights for layers {missing_layers} of a "
+                         f"{num_layers}-layer model: every stage must be exported")
+    extra_layers = sorted(set(layer_owner) - set(range(num_layers)))
+    if extra_layers:
+        raise ValueError(f"the stages hold layers {extra_layers}, beyond the {num_layers} layers "
+                         "the config declares")
+    missing = [name for name in REQUIRED_TENSORS if name not in merged]
+    if missing:
+        raise ValueError(f"the stages lack {missing}: the first stage (embedding) and the last "
+                         "stage (final norm and head) must be exported")
+    return merged
+
+
+def export_config(hf_config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    config = dict(hf_config)
+    config.pop("quantization_config", None)
+    config["tie_word_embeddings"] = False
+    config["dtype"] = EXPORT_DTYPES[dtype]
+    config["torch_dtype"] = EXPORT_DTYPES[dtype]  # the name transformers 4 reads
+    return config
+
+
+def check_extra_name(name: str) -> None:
+    path = PurePosixPath(name)
+    if not name or path.is_absolute() or ".." in path.parts or "\\" in name:
+        raise ValueError(f"extra file name {name!r} must be a relative path inside the folder")
+
+
+def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], tokenizer: Any,
+                     out_dir: Path, extra_files: dict[str, str] | None = None,
+                     dtype: torch.dtype = torch.float32) -> Path:
+    """Write the model of `stages` (all of them, any order) as a Hugging Face folder at `out_dir`.
+
+    The folder is written under a temporary name next to `out_dir` and renamed into place, so a
+    reader never sees half a model; an existing `out_dir` is replaced. `extra_files` maps relative
+    file names to text (a model card, a training report)."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {list(EXPORT_DTYPES)}, got {dtype}")
+    if not stages:
+        raise ValueError("cannot export a model from no stages")
+    num_layers = stages[0].spec.num_layers
+    if hf_config.get("num_hidden_layers") != num_layers:
+        raise ValueError(f"hf_config has num_hidden_layers={hf_config.get('num_hidden_layers')} "
+                         f"but the stages were built for {num_layers} layers")
+    extra_files = extra_files or {}
+    for name in extra_files:
+        check_extra_name(name)
+    merged = merge_stage_tensors(stages, num_layers)
+    tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
+               for name, t in sorted(merged.items())}
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        (staging / "config.json").write_text(
+            json.dumps(export_config(hf_config, dtype), indent=2, sort_keys=True) + "\n")
+        tokenizer.save_pretrained(staging)
+        generation = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                      "pad_token_id": tokenizer.pad_token_id}
+        (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        for name, text in extra_files.items():
+            path = staging / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        if out_dir.exists():
+            # Move the old folder aside first: a rename cannot replace a non-empty folder.
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            out_dir.rename(old / out_dir.name)
+            staging.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def load_stages_from_folder(path: Path, num_stages: int, device: torch.device,
+                            dtype: torch.dtype) -> list[StageModule]:
+    """Stages of an evenly split plan, built from a Hugging Face folder (an export, for one)."""
+    model = load_model(str(path))
+    plan = StagePlan.even(model.spec.num_layers, num_stages)
+    return build_stages(model.spec, plan, model.tensors, device, dtype)

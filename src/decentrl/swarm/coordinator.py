@@ -1,0 +1,125 @@
+"""The coordinator's ingestion: check a rollout group, recompute its rewards itself (a peer's claim
+never counts), enforce the staleness bound, and turn accepted groups into training batches with
+group-relative advantages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from decentrl.config import RunConfig
+from decentrl.learn.advantages import filter_zero_variance_groups, group_advantages
+from decentrl.learn.batch import TrainBatch, build_batch
+from decentrl.learn.losses import StaleRolloutError, check_staleness
+from decentrl.rollout.types import RolloutGroup, ScoredGroup
+from decentrl.swarm.scheduler import PromptScheduler
+from decentrl.tasks import Task
+
+
+class RejectedGroup(ValueError):
+    """A group that failed a check; it changes nothing."""
+
+
+@dataclass
+class IngestStats:
+    accepted: int = 0
+    stale: int = 0
+    rejected: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def count_rejection(self, reason: str) -> None:
+        self.rejected += 1
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+
+class Coordinator:
+    def __init__(self, config: RunConfig, task: Task, tokenizer: Any,
+                 scheduler: PromptScheduler) -> None:
+        self.config, self.task, self.tokenizer, self.scheduler = config, task, tokenizer, scheduler
+        self.vocab_size = len(tokenizer)
+        self.stats = IngestStats()
+
+    def check(self, group: RolloutGroup, learner_version: int) -> int:
+        """Validate a group; returns its staleness. Raises RejectedGroup or StaleRolloutError."""
+        rollout = self.config.rollout
+        if group.task != self.task.name:
+            raise RejectedGroup(f"group {group.group_id} is for task {group.task!r}, this run "
+                                f"trains {self.task.name!r}")
+        if len(group.rollouts) != rollout.group_size:
+            raise RejectedGroup(f"group {group.group_id} has {len(group.rollouts)} rollouts, "
+                                f"expected {rollout.group_size}")
+        for r in group.rollouts:
+            if not 1 <= len(r.completion_tokens) <= rollout.max_new_tokens:
+                raise RejectedGroup(f"group {group.group_id}: completion of "
+                                    f"{len(r.completion_tokens)} tokens, limit "
+                                    f"{rollout.max_new_tokens}")
+            if len(r.behaviour_logprobs) != len(r.completion_tokens):
+                raise RejectedGroup(f"group {group.group_id}: behaviour log-probs do not match "
+                                    "the completion length")
+            if any(not (t == t and -1e4 <= t <= 0.0) for t in r.behaviour_logprobs):
+                raise RejectedGroup(f"group {group.group_id}: behaviour log-probs must be finite "
+                                    "and <= 0")
+            if any(not 0 <= t < self.vocab_size for t in r.completion_tokens + r.prompt_tokens):
+                raise RejectedGroup(f"group {group.group_id}: token id outside the vocabulary")
+        staleness = check_staleness(learner_version, group.stage_versions,
+                                    self.config.train.max_staleness)
+        # Checked last: a group that fails another check leaves its problem index claimable.
+        if not self.scheduler.take(group.problem_index):
+            raise RejectedGroup(f"group {group.group_id}: problem {group.problem_index} was not "
+                                "scheduled, or its result was already accepted")
+        return staleness
+
+    def score(self, group: RolloutGroup) -> ScoredGroup:
+        problem = self.task.problem("train", group.problem_index)
+        rewards, correct = [], []
+        for r in group.rollouts:
+            # Decode the tokens ourselves: the text a peer sends along is not trusted.
+            text = self.tokenizer.decode(r.completion_tokens, skip_special_tokens=True)
+            reward = self.task.reward(problem, text)
+            rewards.append(reward.total)
+            correct.append(float(reward.solved))
+        return ScoredGroup(group=group, rewards=rewards, correct=correct)
+
+    def ingest(self, group: RolloutGroup, learner_version: int) -> tuple[ScoredGroup, int] | None:
+        """The scored group and its staleness, or None (counted) if it is rejected or too stale."""
+        try:
+            staleness = self.check(group, learner_version)
+        except StaleRolloutError:
+            self.stats.stale += 1
+            return None
+        except (RejectedGroup, ValueError) as error:
+            self.stats.count_rejection(type(error).__name__)
+            print(f"rejected: {error}")
+            return None
+        self.stats.accepted += 1
+        return self.score(group), staleness
+
+    def make_batch(self, scored: list[tuple[ScoredGroup, int]]
+                   ) -> tuple[TrainBatch | None, dict[str, float]]:
+        """A training batch from scored groups (None when no group carries signal) and stats."""
+        size = self.config.rollout.group_size
+        train = self.config.train
+        rewards = torch.tensor([r for s, _ in scored for r in s.rewards], dtype=torch.float32)
+        correct = [c for s, _ in scored for c in s.correct]
+        advantages = group_advantages(rewards, size, train.scale_advantages_by_std)
+        keep = filter_zero_variance_groups(rewards, size, train.zero_variance_groups)
+        rollouts = [r for s, _ in scored for r in s.group.rollouts]
+        staleness = [st for s, st in scored for _ in s.group.rollouts]
+        kept = [i for i, k in enumerate(keep.keep_mask.tolist()) if k]
+        stats = {
+            "reward": float(rewards.mean()),
+            "accuracy": sum(correct) / len(correct),
+            "zero_variance_groups": float(keep.num_zero_variance_groups),
+            "groups": float(len(scored)),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": float(max(staleness)),
+            "completion_tokens_mean": sum(len(r.completion_tokens) for r in rollouts) / len(rollouts),
+            "finished_fraction": sum(r.finished for r in rollouts) / len(rollouts),
+        }
+        if not kept:
+            return None, stats
+        batch = build_batch([rollouts[i] for i in kept], [float(advantages[i]) for i in kept],
+                            [staleness[i] for i in kept], self.tokenizer.pad_token_id)
+        return batch, stats

@@ -1,0 +1,84 @@
+"""A rollout worker: the inference side. It takes the prompts the coordinator schedules, generates
+G samples of each over its chain of stages, and hands the groups over the transport. Between
+generations it picks up newer stage weights, so every group records the versions that made it."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from decentrl.config import RolloutConfig
+from decentrl.net.transport import Transport
+from decentrl.rollout.chain import LocalChain
+from decentrl.rollout.generate import generate
+from decentrl.rollout.sampling import SamplingConfig
+from decentrl.rollout.types import Rollout, RolloutGroup
+from decentrl.swarm.scheduler import PromptScheduler
+from decentrl.tasks import Task, render_prompt
+
+
+def sampling_config(rollout: RolloutConfig) -> SamplingConfig:
+    return SamplingConfig(temperature=rollout.temperature, top_p=rollout.top_p,
+                          top_k=rollout.top_k)
+
+
+class RolloutWorker:
+    def __init__(self, chain: LocalChain, transport: Transport, task: Task, tokenizer: Any,
+                 rollout: RolloutConfig, scheduler: PromptScheduler, seed: int) -> None:
+        self.chain, self.transport, self.task, self.tokenizer = chain, transport, task, tokenizer
+        self.rollout, self.scheduler, self.seed = rollout, scheduler, seed
+        self.sampling = sampling_config(rollout)
+        self.error: BaseException | None = None
+        self.generated_tokens = 0
+
+    def sync_weights(self) -> bool:
+        """Load every stage whose published weights are newer than ours; True if any changed."""
+        changed = False
+        for index, stage in enumerate(self.chain.stages):
+            update = self.transport.fetch_stage(index, newer_than=stage.version)
+            if update is not None:
+                self.chain.load_stage(index, *update)
+                changed = True
+        return changed
+
+    def generate_groups(self, problem_indices: list[int]) -> list[RolloutGroup]:
+        size = self.rollout.group_size
+        problems = [self.task.problem("train", i) for i in problem_indices]
+        prompts = [render_prompt(self.task, p, self.tokenizer) for p in problems]
+        versions = list(self.chain.versions())
+        # Seeded by the problems, so a rerun (or a resumed run) draws the same samples.
+        generator = torch.Generator(device=self.chain.device).manual_seed(
+            self.seed * 2**32 + problem_indices[0])
+        generations = generate(
+            self.chain, [p for p in prompts for _ in range(size)], self.rollout.max_new_tokens,
+            self.sampling, {self.tokenizer.eos_token_id}, self.tokenizer.pad_token_id, generator)
+        self.generated_tokens += sum(len(g.tokens) for g in generations)
+        groups = []
+        for i, (index, prompt) in enumerate(zip(problem_indices, prompts)):
+            rollouts = [
+                Rollout(prompt_tokens=prompt, completion_tokens=g.tokens,
+                        behaviour_logprobs=g.logprobs, finished=g.finished,
+                        completion_text=self.tokenizer.decode(g.tokens, skip_special_tokens=True))
+                for g in generations[i * size:(i + 1) * size]
+            ]
+            groups.append(RolloutGroup(group_id=f"{self.task.name}/{index}", task=self.task.name,
+                                       problem_index=index, stage_versions=versions,
+                                       rollouts=rollouts))
+        return groups
+
+    def run(self, stop: threading.Event) -> None:
+        """Generate until `stop` is set (the asynchronous actor). Errors end the loop and are kept
+        in `self.error` for the coordinator to raise; they never vanish with the thread."""
+        try:
+            while not stop.is_set():
+                self.sync_weights()
+                indices = self.scheduler.next(self.rollout.prompts_per_step)
+                for group in self.generate_groups(indices):
+                    while not self.transport.put_rollouts(group, timeout=0.5):
+                        if stop.is_set():
+                            return
+        except BaseException as error:  # noqa: BLE001 - handed to the coordinator thread
+            self.error = error
+            stop.set()

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random models written once per test session (a few milliseconds each)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from decentrl.model.loading import LoadedModel, load_model
+from decentrl.model.tiny import make_tiny_model
+
+# The tiny models' matmuls are microseconds long: a second intra-op thread buys nothing, and on a
+# busy machine its spin-waits make a forward pass 100x slower (0.7 s instead of 4 ms).
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer, hidden-32 Llama with tied embeddings and the character-level tokenizer."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same shape as a Qwen2 model. Its q/k/v biases are made non-zero (Hugging Face
+    initialises them to zero), else a model that ignored them would pass every comparison."""
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", seed=1, model_type="qwen2")
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(1)
+    for name, tensor in tensors.items():
+        if name.endswith(".bias"):
+            tensors[name] = 0.5 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_sharp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make_tiny_model` with every weight but the norms scaled by 10. At the default init (std
+    0.02) the tiny model is nearly uniform and greedy decoding repeats one token forever, which
+    would let a wrong generation loop pass a token-for-token comparison."""
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny") / "sharp", seed=2)
+    path = folder / "model.safetensors"
+    tensors = {name: tensor if "norm" in name else 10 * tensor
+               for name, tensor in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path) -> LoadedModel:
+    """`tiny_model_dir` loaded once. Tests must not modify its tensors (build_stages copies them)."""
+    return load_model(str(tiny_model_dir))

@@ -1,0 +1,213 @@
+"""The stage chain is the Hugging Face model, cut: same logits for any plan, with left padding and
+with the KV cache; plans validate; the head is untied from the embedding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decentrl.device import compute_dtype, pick_device
+from decentrl.model.blocks import positions_from_valid
+from decentrl.model.loading import LoadedModel, load_model
+from decentrl.model.stages import StageModule, StagePlan, build_stages
+from decentrl.rollout.generate import left_pad
+
+CPU = torch.device("cpu")
+# fp32 end to end on both sides; the two implementations differ only in the order of a few
+# reductions (SDPA kernels, fused vs split RoPE), worth ~1e-7 on logits of magnitude ~0.1-1.
+ATOL = 1e-5
+QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 * 34, then add 5."]
+
+
+def prompts(model: LoadedModel) -> list[list[int]]:
+    """Chat prompts of different lengths, so the batch needs left padding."""
+    return [model.tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                add_generation_prompt=True)["input_ids"]
+            for q in QUESTIONS]
+
+
+def chain_logits(stages: list[StageModule], ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Logits [B, L, vocab] of a full forward through the stages, without a cache."""
+    positions = positions_from_valid(valid)
+    x = ids
+    with torch.no_grad():
+        for stage in stages:
+            x = stage(x, positions, valid)
+    return x
+
+
+def build(model: LoadedModel, num_stages: int) -> list[StageModule]:
+    plan = StagePlan.even(model.spec.num_layers, num_stages)
+    return build_stages(model.spec, plan, model.tensors, CPU, torch.float32)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def reference(request: pytest.FixtureRequest) -> tuple[LoadedModel, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor]:
+    """(model, ids, valid, Hugging Face logits) for a left-padded batch."""
+    from transformers import AutoModelForCausalLM
+
+    folder: Path = request.getfixturevalue(
+        "tiny_model_dir" if request.param == "llama" else "tiny_qwen_dir")
+    model = load_model(str(folder))
+    ids, valid = left_pad(prompts(model), model.tokenizer.pad_token_id, CPU)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        # Hugging Face's forward numbers positions 0..L-1 unless told; generate() skips the padding
+        # the way positions_from_valid does, so pass those.
+        logits = hf(input_ids=ids, attention_mask=valid.long(),
+                    position_ids=positions_from_valid(valid)).logits
+    return model, ids, valid, logits
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+def test_chain_matches_hugging_face(reference, num_stages: int) -> None:
+    model, ids, valid, expected = reference
+    assert valid.sum(1).unique().numel() == len(QUESTIONS)  # really padded, differently per row
+    stages = build(model, num_stages)
+    assert len(stages) == num_stages and sum(len(s.layers) for s in stages) == model.spec.num_layers
+    logits = chain_logits(stages, ids, valid)
+    assert logits.shape == expected.shape
+    # Only real positions: a padding query attends to itself alone here, to nothing in HF.
+    assert torch.allclose(logits[valid], expected[valid], atol=ATOL, rtol=0)
+    # The comparison is not vacuous: the logits differ between positions well beyond ATOL.
+    assert logits[valid].std(0).median() > 100 * ATOL
+
+
+def test_qwen_biases_matter(tiny_qwen_dir: Path) -> None:
+    model = load_model(str(tiny_qwen_dir))
+    assert model.spec.attention_bias
+    stages = build(model, 2)
+    ids, valid = left_pad(prompts(model), model.tokenizer.pad_token_id, CPU)
+    with_bias = chain_logits(stages, ids, valid)
+    with torch.no_grad():
+        for stage in stages:
+            for layer in stage.layers:
+                layer.self_attn.q_proj.bias.zero_()
+                layer.self_attn.k_proj.bias.zero_()
+    assert (chain_logits(stages, ids, valid) - with_bias)[valid].abs().max() > 100 * ATOL
+
+
+def test_even_plans() -> None:
+    assert StagePlan.even(4, 1).starts == (0,)
+    assert StagePlan.even(4, 2).starts == (0, 2)
+    assert StagePlan.even(5, 2).starts == (0, 3)  # the extra layer goes to the first stage
+    assert StagePlan.even(30, 4).starts == (0, 8, 16, 23)
+    plan = StagePlan.even(7, 3)
+    assert [list(plan.layers(i)) for i in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert plan.num_stages == 3
+    for num_layers, num_stages in [(1, 1), (4, 4), (30, 7), (32, 5)]:
+        plan = StagePlan.even(num_layers, num_stages)
+        covered = [layer for i in range(num_stages) for layer in plan.layers(i)]
+        assert covered == list(range(num_layers))
+        sizes = [len(plan.layers(i)) for i in range(num_stages)]
+        assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize(("num_layers", "num_stages"), [(4, 0), (4, 5), (4, -1)])
+def test_even_plan_rejects_impossible_splits(num_layers: int, num_stages: int) -> None:
+    with pytest.raises(ValueError, match="num_stages"):
+        StagePlan.even(num_layers, num_stages)
+
+
+@pytest.mark.parametrize(("starts", "message"), [
+    ((), "start at layer 0"),
+    ((1, 2), "start at layer 0"),
+    ((0, 2, 2), "at least one layer"),
+    ((0, 3, 2), "at least one layer"),
+    ((0, 4), "no layer for the last stage"),
+])
+def test_plan_validation(starts: tuple[int, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StagePlan(4, starts)
+
+
+def test_plan_and_model_must_agree(tiny_model: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="stage 2 does not exist"):
+        StagePlan.even(4, 2).layers(2)
+    with pytest.raises(ValueError, match="covers 6 layers, the model has 4"):
+        build_stages(tiny_model.spec, StagePlan.even(6, 2), tiny_model.tensors, CPU, torch.float32)
+
+
+def test_missing_tensor_is_named(tiny_model: LoadedModel) -> None:
+    tensors = dict(tiny_model.tensors)
+    del tensors["model.layers.3.mlp.up_proj.weight"]
+    with pytest.raises(KeyError, match="model.layers.3.mlp.up_proj.weight.*stage 1"):
+        build_stages(tiny_model.spec, StagePlan.even(4, 2), tensors, CPU, torch.float32)
+
+
+def test_tied_head_is_an_untied_copy(tiny_model: LoadedModel) -> None:
+    assert "lm_head.weight" not in tiny_model.tensors  # the tiny checkpoint is tied
+    [stage] = build(tiny_model, 1)
+    embed, head = stage.embed_tokens.weight, stage.lm_head.weight
+    assert torch.equal(embed, head)
+    assert embed.data_ptr() != head.data_ptr()
+    optimizer = torch.optim.SGD([head], lr=0.1)
+    head.grad = torch.ones_like(head)
+    optimizer.step()
+    assert torch.equal(embed, tiny_model.tensors["model.embed_tokens.weight"])
+    assert torch.allclose(head, embed - 0.1)
+
+
+def test_explicit_head_is_loaded(tiny_model: LoadedModel) -> None:
+    tensors = dict(tiny_model.tensors)
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    first, last = build_stages(tiny_model.spec, StagePlan.even(4, 2), tensors, CPU, torch.float32)
+    assert torch.equal(last.lm_head.weight, tensors["lm_head.weight"])
+    assert torch.equal(first.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+    assert first.lm_head is None and last.embed_tokens is None
+
+
+def test_hf_names_round_trip(tiny_model: LoadedModel) -> None:
+    stages = build(tiny_model, 3)
+    names = [name for stage in stages for name in stage.hf_state_dict()]
+    assert sorted(names) == sorted([*tiny_model.tensors, "lm_head.weight"])
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("num_stages", [1, 3])
+def test_kv_cache_matches_full_forward(tiny_model: LoadedModel, num_stages: int) -> None:
+    stages = build(tiny_model, num_stages)
+    ids, valid = left_pad(prompts(tiny_model), tiny_model.tokenizer.pad_token_id, CPU)
+    full = chain_logits(stages, ids, valid)
+    prefill = 10  # covers padding of the short rows and part of the longest prompt
+    caches = [stage.new_cache(ids.shape[0], ids.shape[1]) for stage in stages]
+    positions = positions_from_valid(valid)
+    pieces = []
+    with torch.no_grad():
+        for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]:
+            x = ids[:, start:end]
+            for stage, cache in zip(stages, caches):
+                x = stage(x, positions[:, start:end], valid[:, :end], cache)
+            pieces.append(x)
+    assert all(cache.length == ids.shape[1] for cache in caches)
+    incremental = torch.cat(pieces, dim=1)
+    assert torch.allclose(incremental[valid], full[valid], atol=ATOL, rtol=0)
+    # The cache overflows loudly rather than wrapping around.
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        stages[0](ids[:, :1], positions[:, :1], torch.ones(ids.shape[0], ids.shape[1] + 1,
+                                                            dtype=torch.bool), caches[0])
+
+
+def test_key_valid_must_cover_cache_and_input(tiny_model: LoadedModel) -> None:
+    [stage] = build(tiny_model, 1)
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="key_valid covers 2 positions"):
+        stage(ids, torch.arange(3)[None], torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_pick_device_and_dtype() -> None:
+    assert pick_device("cpu") == CPU
+    assert pick_device("auto").type in ("cpu", "cuda", "mps")
+    with pytest.raises(ValueError, match="'tpu'"):
+        pick_device("tpu")
+    assert compute_dtype(CPU, "fp32") == torch.float32
+    assert compute_dtype(CPU, "bf16") == torch.bfloat16
+    assert compute_dtype(CPU, "auto") in (torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="'float64'"):
+        compute_dtype(CPU, "float64")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="cuda"):
+            pick_device("cuda")

@@ -1,0 +1,122 @@
+"""The whole single-machine loop on a tiny model: both modes run, write a complete run folder,
+resume from their checkpoint, and reject what a peer must not be able to slip in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from decentrl.config import ConfigError, RunConfig, parse_config
+from decentrl.rollout.types import RolloutGroup
+from decentrl.swarm.run import LocalRun
+
+
+def tiny_config(model_dir: Path, run_dir: Path, **train: object) -> RunConfig:
+    return parse_config({
+        "name": "tiny", "run_dir": str(run_dir), "model": str(model_dir), "num_stages": 2,
+        "dtype": "fp32", "threads": 1,
+        "task": {"name": "sums", "options": {"max_digits": 1}},
+        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6},
+        "train": {"steps": 3, "micro_batch_size": 4, "checkpoint_every": 2,
+                  "zero_variance_groups": "keep", **train},
+        "eval": {"problems": 4, "pass_k": 2, "max_new_tokens": 6},
+    })
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_run_writes_a_complete_run_folder(tiny_model_dir: Path, tmp_path: Path, mode: str) -> None:
+    config = tiny_config(tiny_model_dir, tmp_path, mode=mode)
+    summary = LocalRun(config).run()
+    assert summary.steps == 3
+    records = read_metrics(summary.path)
+    steps = [r for r in records if r["event"] == "step"]
+    evals = [r for r in records if r["event"] == "eval"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    # "keep" leaves every group in the batch, so every step is an optimizer step.
+    assert [r["version"] for r in steps] == [1, 2, 3]
+    assert all(0 <= r["staleness_max"] <= config.train.max_staleness for r in steps)
+    assert [e["label"] for e in evals] == ["before", "after"]
+    assert json.loads((summary.path / "config.json").read_text())["train"]["mode"] == mode
+    for name in ("eval_before.json", "eval_after.json"):
+        assert json.loads((summary.path / name).read_text())["problems"] == 4
+    model = AutoModelForCausalLM.from_pretrained(summary.path / "final")
+    assert model.config.tie_word_embeddings is False
+    checkpoint = json.loads((summary.path / "checkpoints" / "trainer.json").read_text())
+    assert checkpoint["step"] == 3 and checkpoint["version"] == 3
+
+
+def test_sync_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    straight = LocalRun(tiny_config(tiny_model_dir, tmp_path / "a", mode="sync", steps=4))
+    straight.run()
+    first = LocalRun(tiny_config(tiny_model_dir, tmp_path / "b", mode="sync", steps=2))
+    first.run()
+    resumed = LocalRun(tiny_config(tiny_model_dir, tmp_path / "b", mode="sync", steps=4))
+    assert resumed.step == 2 and resumed.trainer.version == 2
+    resumed.run()
+    for a, b in zip(straight.trainer.stage_trainers, resumed.trainer.stage_trainers):
+        for (name, x), y in zip(a.stage.state_dict().items(), b.stage.state_dict().values()):
+            assert torch.equal(x, y), name
+
+
+def test_async_run_learner_drops_groups_past_the_staleness_bound(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    run = LocalRun(tiny_config(tiny_model_dir, tmp_path, mode="sync", max_staleness=0))
+    indices = run.scheduler.next(1)
+    group = run.worker.generate_groups(indices)[0]
+    # The learner moved on two versions while the group was in flight.
+    for trainer in run.trainer.stage_trainers:
+        trainer.stage.version = 2
+    assert run.coordinator.ingest(group, run.trainer.version) is None
+    assert run.coordinator.stats.stale == 1
+
+
+def test_coordinator_rejects_unscheduled_replayed_and_malformed_groups(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    run = LocalRun(tiny_config(tiny_model_dir, tmp_path, mode="sync"))
+    indices = run.scheduler.next(1)
+    group = run.worker.generate_groups(indices)[0]
+    unscheduled = RolloutGroup(**{**_fields(group), "problem_index": indices[0] + 1000})
+    assert run.coordinator.ingest(unscheduled, 0) is None
+    bad_token = group.rollouts[0].__class__(**{**_fields(group.rollouts[0]),
+                                               "completion_tokens": [10**6]
+                                               * len(group.rollouts[0].completion_tokens)})
+    malformed = RolloutGroup(**{**_fields(group), "rollouts": [bad_token] + group.rollouts[1:]})
+    assert run.coordinator.ingest(malformed, 0) is None
+    assert run.coordinator.stats.rejected == 2
+    # The genuine group is still accepted after the bad ones (they changed nothing) ...
+    accepted = run.coordinator.ingest(group, 0)
+    assert accepted is not None
+    # ... and its rewards were recomputed from the tokens, whatever text came along.
+    scored, staleness = accepted
+    assert staleness == 0 and len(scored.rewards) == 4
+    # A replay of an accepted group is refused.
+    assert run.coordinator.ingest(group, 0) is None
+    assert run.coordinator.stats.rejected == 3
+
+
+def _fields(struct: object) -> dict:
+    return {name: getattr(struct, name) for name in struct.__struct_fields__}  # type: ignore[attr-defined]
+
+
+def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"train\.lr"):
+        parse_config({"train": {"lr": -1}})
+    with pytest.raises(ConfigError, match=r"rollout\.group_sizes"):
+        parse_config({"rollout": {"group_sizes": 4}})
+    with pytest.raises(ConfigError, match="mis_low must be below"):
+        parse_config({"train": {"mis_low": 0.9, "mis_high": 0.5}})
+
+
+def test_unknown_task_lists_the_known_ones(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(tiny_model_dir, tmp_path)
+    config = config.model_copy(update={"task": config.task.model_copy(update={"name": "nope"})})
+    with pytest.raises(ValueError, match="known tasks: sums"):
+        LocalRun(config)

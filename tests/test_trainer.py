@@ -1,0 +1,254 @@
+"""The training chain: batch layout, gradient accumulation and stage boundaries that change nothing,
+learning that happens, several updates per batch, the KL term, checkpoints that resume exactly, and
+a non-finite gradient that is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decentrl.config import TrainConfig
+from decentrl.learn.batch import TrainBatch, build_batch
+from decentrl.learn.losses import LOSS_NAMES
+from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.model.loading import LoadedModel
+from decentrl.model.stages import StageModule, StagePlan, build_stages
+from decentrl.rollout.chain import LocalChain
+from decentrl.rollout.generate import generate
+from decentrl.rollout.sampling import SamplingConfig
+from decentrl.rollout.types import Rollout
+
+CPU = torch.device("cpu")
+SAMPLING = SamplingConfig(temperature=1.0)
+MAX_NEW = 12
+QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 * 34.", "2+2=?"]
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 0.3, -0.3]
+
+
+def build(model: LoadedModel, num_stages: int) -> list[StageModule]:
+    plan = StagePlan.even(model.spec.num_layers, num_stages)
+    return build_stages(model.spec, plan, model.tensors, CPU, torch.float32)
+
+
+def make_trainer(model: LoadedModel, num_stages: int = 2, *,
+                 reference: list[StageModule] | None = None, **train: object) -> PipelineTrainer:
+    config = TrainConfig(**{"lr": 1e-3, **train})
+    return PipelineTrainer(build(model, num_stages), config, loss_config_from(config, MAX_NEW),
+                           SAMPLING, torch.float32, reference_stages=reference)
+
+
+def weights(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
+    """The whole model under Hugging Face names (copies)."""
+    return {name: tensor.clone() for t in trainer.stage_trainers
+            for name, tensor in t.stage.hf_state_dict().items()}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_model: LoadedModel) -> list[Rollout]:
+    """Two sampled completions for each of four prompts of different lengths."""
+    tokenizer = tiny_model.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                             add_generation_prompt=True)["input_ids"]
+               for q in QUESTIONS for _ in range(2)]
+    generations = generate(LocalChain(build(tiny_model, 2)), prompts, MAX_NEW, SAMPLING,
+                           {tokenizer.eos_token_id}, tokenizer.pad_token_id,
+                           torch.Generator().manual_seed(0))
+    return [Rollout(prompt_tokens=p, completion_tokens=g.tokens, behaviour_logprobs=g.logprobs,
+                    finished=g.finished, completion_text="") for p, g in zip(prompts, generations)]
+
+
+@pytest.fixture(scope="module")
+def batch(rollouts: list[Rollout], tiny_model: LoadedModel) -> TrainBatch:
+    return build_batch(rollouts, ADVANTAGES, [0] * len(rollouts), tiny_model.tokenizer.pad_token_id)
+
+
+# ------------------------------------------------------------------------------------ batch layout
+
+def rollout(prompt: list[int], completion: list[int], logprobs: list[float]) -> Rollout:
+    return Rollout(prompt_tokens=prompt, completion_tokens=completion,
+                   behaviour_logprobs=logprobs, finished=True, completion_text="")
+
+
+def test_batch_layout_by_hand() -> None:
+    pad = 9
+    batch = build_batch([rollout([5, 6, 7], [8, 3], [-0.1, -0.2]),
+                         rollout([1], [2, 3, 4], [-0.3, -0.4, -0.5])],
+                        [0.5, -0.5], [0, 2], pad)
+    # Prompts left-padded to 3, completions right-padded to 3.
+    assert batch.tokens.tolist() == [[5, 6, 7, 8, 3, pad], [pad, pad, 1, 2, 3, 4]]
+    assert batch.valid.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert batch.positions[0, :5].tolist() == [0, 1, 2, 3, 4]
+    assert batch.positions[1, 2:].tolist() == [0, 1, 2, 3]
+    # Position t predicts token t + 1: from the last prompt token to the second-to-last token.
+    assert batch.target_mask.tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0]]
+    assert batch.targets.tolist() == [[0, 0, 8, 3, 0, 0], [0, 0, 2, 3, 4, 0]]
+    assert torch.equal(batch.targets[:, :-1][batch.target_mask[:, :-1]],
+                       batch.tokens[:, 1:][batch.target_mask[:, :-1]])
+    assert torch.allclose(batch.behaviour_logprobs,
+                          torch.tensor([[0, 0, -0.1, -0.2, 0, 0], [0, 0, -0.3, -0.4, -0.5, 0]]))
+    assert batch.advantages.tolist() == [0.5, -0.5]
+    assert batch.staleness.tolist() == [0, 2]
+    assert batch.num_sequences == 2 and batch.num_target_tokens == 5
+    assert [b.num_sequences for b in batch.split(1)] == [1, 1]
+    assert torch.equal(batch.select(slice(1, 2)).tokens, batch.tokens[1:])
+
+
+@pytest.mark.parametrize(("rollouts_", "advantages", "staleness", "message"), [
+    ([], [], [], "no rollouts"),
+    ([rollout([1], [2], [-0.1])], [1.0, 2.0], [0], "1 rollouts but 2 advantages"),
+    ([rollout([1], [2], [-0.1])], [1.0], [], "0 staleness"),
+    ([rollout([1], [2, 3], [-0.1])], [1.0], [0], "2 completion tokens but 1 behaviour"),
+    ([rollout([1], [2], [-0.1]), rollout([], [2], [-0.1])], [1.0, 1.0], [0, 0], "empty prompt"),
+])
+def test_batch_errors(rollouts_: list[Rollout], advantages: list[float], staleness: list[int],
+                      message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_batch(rollouts_, advantages, staleness, 0)
+
+
+# -------------------------------------------------------- the same update however the work is cut
+
+@pytest.mark.parametrize("loss", LOSS_NAMES)
+def test_gradient_accumulation_matches_full_batch(tiny_model: LoadedModel, batch: TrainBatch,
+                                                  loss: str) -> None:
+    initial = weights(make_trainer(tiny_model))
+    results = []
+    for micro_batch_size in (1, 3, batch.num_sequences):
+        trainer = make_trainer(tiny_model, loss=loss, micro_batch_size=micro_batch_size)
+        metrics = trainer.train_step(batch)
+        results.append((weights(trainer), metrics["grad_norm"]))
+    (full, full_norm) = results[-1]
+    # Adam's first step moves every weight with a real gradient by ~lr = 1e-3.
+    assert max_difference(full, initial) > 5e-4
+    for accumulated, norm in results[:-1]:
+        # fp32 sums in a different order: ~1e-7 relative on gradients, 1e-6 on weights.
+        assert max_difference(accumulated, full) < 1e-6
+        # Adam hides a uniform gradient scale (a wrong normaliser); the norm does not.
+        assert norm == pytest.approx(full_norm, rel=1e-5)
+
+
+def test_stage_boundaries_change_nothing(tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    results = []
+    for num_stages in (1, 3, 4):
+        trainer = make_trainer(tiny_model, num_stages, micro_batch_size=4)
+        metrics = trainer.train_step(batch)
+        results.append((weights(trainer), metrics))
+    (one, one_metrics) = results[0]
+    for many, metrics in results[1:]:
+        assert max_difference(many, one) < 1e-6
+        assert metrics["grad_norm"] == pytest.approx(one_metrics["grad_norm"], rel=1e-5)
+        assert metrics["policy_loss"] == pytest.approx(one_metrics["policy_loss"], abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------- learning
+
+def completion_logprobs(trainer: PipelineTrainer, batch: TrainBatch) -> torch.Tensor:
+    """Summed log-prob of each sequence's completion under the trainer's current weights."""
+    logprobs = trainer._chain_logprobs([t.stage for t in trainer.stage_trainers], batch)
+    return (logprobs * batch.target_mask).sum(1)
+
+
+def test_positive_advantage_raises_the_completion_logprob(tiny_model: LoadedModel,
+                                                          rollouts: list[Rollout]) -> None:
+    # Two completions of the same prompt: the first rewarded, the second punished.
+    batch = build_batch(rollouts[:2], [1.0, -1.0], [0, 0], tiny_model.tokenizer.pad_token_id)
+    trainer = make_trainer(tiny_model, lr=1e-2)
+    before = completion_logprobs(trainer, batch)
+    for _ in range(5):
+        trainer.train_step(batch)
+    after = completion_logprobs(trainer, batch)
+    assert trainer.version == 5
+    # Each completion is ~12 tokens at ~-4.4 nats under a near-uniform start; five steps of
+    # lr 1e-2 move them by whole nats, far beyond any numerical noise.
+    assert after[0] > before[0] + 1.0
+    assert after[1] < before[1] - 1.0
+
+
+def test_two_updates_per_batch(tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    trainer = make_trainer(tiny_model, lr=5e-2, updates_per_batch=2, micro_batch_size=2)
+    metrics = trainer.train_step(batch)
+    assert trainer.version == 2
+    assert all(t.stage.version == 2 for t in trainer.stage_trainers)
+    for key in ("clip_fraction", "ratio_mean", "tis_weight_mean", "policy_loss", "grad_norm",
+                "entropy"):
+        assert key in metrics
+    # The second minibatch is scored against the proximal policy fixed before the first step,
+    # so its ratios move away from 1 and some get clipped.
+    assert metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
+    assert 0 < metrics["clip_fraction"] <= 1
+
+
+def test_kl_to_reference(tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    trainer = make_trainer(tiny_model, lr=1e-2, kl_coef=0.1, reference=build(tiny_model, 2))
+    first = trainer.train_step(batch)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
+    for _ in range(2):
+        last = trainer.train_step(batch)
+    assert last["kl"] > 1e-4
+    with pytest.raises(ValueError, match="reference stages"):
+        make_trainer(tiny_model, kl_coef=0.1)
+
+
+# -------------------------------------------------------------------------------------- checkpoints
+
+def test_checkpoint_resumes_exactly(tiny_model: LoadedModel, batch: TrainBatch,
+                                    tmp_path: Path) -> None:
+    config = {"lr": 1e-2, "warmup_steps": 4, "micro_batch_size": 3}
+    straight = make_trainer(tiny_model, **config)
+    for _ in range(3):
+        straight.train_step(batch)
+
+    first = make_trainer(tiny_model, **config)
+    for _ in range(2):
+        first.train_step(batch)
+    first.save(tmp_path / "ckpt", {"step": 2})
+    resumed = make_trainer(tiny_model, **config)
+    assert resumed.load(tmp_path / "ckpt") == {"version": 2, "step": 2}
+    assert resumed.version == 2
+    resumed.train_step(batch)
+    assert resumed.version == 3
+    # Weights, Adam moments, step counts and the warmup position all came back: bitwise equal.
+    straight_weights, resumed_weights = weights(straight), weights(resumed)
+    assert all(torch.equal(straight_weights[k], resumed_weights[k]) for k in straight_weights)
+
+
+def test_checkpoint_missing_files(tiny_model: LoadedModel, batch: TrainBatch,
+                                  tmp_path: Path) -> None:
+    trainer = make_trainer(tiny_model)
+    trainer.train_step(batch)
+    trainer.save(tmp_path / "ckpt", {})
+    fresh = make_trainer(tiny_model)
+    before = weights(fresh)
+    with pytest.raises(FileNotFoundError, match="no trainer.json"):
+        fresh.load(tmp_path / "elsewhere")
+    (tmp_path / "ckpt" / "stage1.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="stage1.pt"):
+        fresh.load(tmp_path / "ckpt")
+    # A checkpoint that cannot load whole changes nothing: stage 0 was not loaded on its own.
+    assert max_difference(weights(fresh), before) == 0
+    assert fresh.version == 0
+
+
+# ------------------------------------------------------------------------------ non-finite gradient
+
+def test_non_finite_gradient_is_refused(tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    trainer = make_trainer(tiny_model)
+    before = weights(trainer)
+    layer = trainer.stage_trainers[0].stage.layers[0]
+    hook = layer.mlp.up_proj.weight.register_hook(lambda grad: grad * float("nan"))
+    with pytest.raises(FloatingPointError, match="gradient norm is nan"):
+        trainer.train_step(batch)
+    assert max_difference(weights(trainer), before) == 0
+    assert trainer.version == 0
+    assert all(p.grad is None for t in trainer.stage_trainers for p in t.stage.parameters())
+    hook.remove()
+    trainer.train_step(batch)  # the discarded update left nothing behind to trip the next one
+    assert trainer.version == 1
+    assert max_difference(weights(trainer), before) > 5e-4
