@@ -52,5 +52,5 @@ def tiny_sharp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path) -> LoadedModel:
-    """`tiny_model_dir` loaded once. Tests must not modify its tensors (build_stages copies them)."""
+    """`tiny_model_dir` loaded once. Tests must not modify its tensors; build_stages copies."""
     return load_model(str(tiny_model_dir))

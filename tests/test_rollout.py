@@ -85,7 +85,7 @@ def test_top_k_keeps_the_k_largest() -> None:
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
-    # probabilities 0.15, 0.5, 0.05, 0.3 in scrambled order: the nucleus is sorted, then mapped back.
+    # Probabilities 0.15, 0.5, 0.05, 0.3, scrambled: the nucleus is found sorted, then mapped back.
     logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log().tolist()
     assert kept(logits, SamplingConfig(top_p=0.7)) == {1, 3}  # 0.5 < 0.7 <= 0.5 + 0.3
     assert kept(logits, SamplingConfig(top_p=0.9)) == {0, 1, 3}

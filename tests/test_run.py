@@ -49,7 +49,7 @@ def test_run_writes_a_complete_run_folder(tiny_model_dir: Path, tmp_path: Path, 
         assert json.loads((summary.path / name).read_text())["problems"] == 4
     model = AutoModelForCausalLM.from_pretrained(summary.path / "final")
     assert model.config.tie_word_embeddings is False
-    checkpoint = json.loads((summary.path / "checkpoints" / "trainer.json").read_text())
+    checkpoint = json.loads((summary.path / "checkpoints" / "v3" / "trainer.json").read_text())
     assert checkpoint["step"] == 3 and checkpoint["version"] == 3
 
 

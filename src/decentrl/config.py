@@ -66,7 +66,7 @@ class EvalConfig(Section):
 class RunConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     run_dir: Path = Path("runs")
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**31)
     model: str = "smollm2-135m-instruct"
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     dtype: Literal["auto", "bf16", "fp32", "fp16"] = "auto"

@@ -62,6 +62,9 @@ def build_batch(rollouts: list[Rollout], advantages: list[float], staleness: lis
     behaviour = torch.zeros((batch, length), dtype=torch.float32)
     for row, rollout in enumerate(rollouts):
         prompt, completion = rollout.prompt_tokens, rollout.completion_tokens
+        if not prompt:
+            # The first completion token would be "predicted" from padding (or from index -1).
+            raise ValueError(f"rollout {row} has an empty prompt")
         if len(rollout.behaviour_logprobs) != len(completion):
             raise ValueError(f"rollout {row} has {len(completion)} completion tokens but "
                              f"{len(rollout.behaviour_logprobs)} behaviour log-probs")

@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,7 +77,7 @@ class StageTrainer:
         return x.grad if x is not None else None
 
     def grad_square_norm(self) -> float:
-        return sum(float(p.grad.float().pow(2).sum()) for p in self.stage.parameters()
+        return sum(float(p.grad.double().pow(2).sum()) for p in self.stage.parameters()
                    if p.grad is not None)
 
     def step(self, grad_scale: float) -> None:
@@ -211,24 +212,45 @@ class PipelineTrainer:
             t.step(scale)
         return norm
 
-    def save(self, folder: Path, extra: dict) -> None:
-        """Write a checkpoint atomically: every file goes to a temporary name first."""
+    def save(self, root: Path, extra: dict) -> Path:
+        """Write a checkpoint into its own folder `root/v<version>`, then point `root/latest` at
+        it with an atomic rename. A crash mid-save leaves the previous checkpoint in charge."""
+        folder = root / f"v{self.version}"
         folder.mkdir(parents=True, exist_ok=True)
         for trainer in self.stage_trainers:
-            path = folder / f"stage{trainer.stage.index}.pt"
-            torch.save(trainer.state(), path.with_suffix(".tmp"))
-            os.replace(path.with_suffix(".tmp"), path)
-        meta = folder / "trainer.json"
-        meta.with_suffix(".tmp").write_text(json.dumps({"version": self.version, **extra}))
-        os.replace(meta.with_suffix(".tmp"), meta)
+            torch.save(trainer.state(), folder / f"stage{trainer.stage.index}.pt")
+        (folder / "trainer.json").write_text(json.dumps({"version": self.version, **extra}))
+        pointer = root / "latest"
+        pointer.with_suffix(".tmp").write_text(folder.name)
+        os.replace(pointer.with_suffix(".tmp"), pointer)
+        for old in root.glob("v*"):
+            if old.is_dir() and old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+        return folder
 
-    def load(self, folder: Path) -> dict:
+    def load(self, root: Path) -> dict:
+        """Load the checkpoint `root/latest` points at; a bad checkpoint changes nothing."""
+        folder = latest_checkpoint(root)
+        if folder is None:
+            raise FileNotFoundError(f"{root} holds no checkpoint (no 'latest' pointer)")
         meta = folder / "trainer.json"
-        if not meta.is_file():
-            raise FileNotFoundError(f"{folder} is not a checkpoint (no trainer.json)")
-        for trainer in self.stage_trainers:
-            path = folder / f"stage{trainer.stage.index}.pt"
+        paths = [folder / f"stage{trainer.stage.index}.pt" for trainer in self.stage_trainers]
+        for path in [meta, *paths]:
             if not path.is_file():
                 raise FileNotFoundError(f"checkpoint {folder} has no {path.name}")
-            trainer.load_state(torch.load(path, map_location=self.device, weights_only=True))
-        return json.loads(meta.read_text())
+        states = [torch.load(path, map_location=self.device, weights_only=True) for path in paths]
+        info = json.loads(meta.read_text())
+        for path, state in zip(paths, states):
+            if state["version"] != info["version"]:
+                raise ValueError(f"{path} holds version {state['version']}, the checkpoint is "
+                                 f"version {info['version']}")
+        for trainer, state in zip(self.stage_trainers, states):
+            trainer.load_state(state)
+        return info
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    return root / pointer.read_text().strip()

@@ -23,11 +23,13 @@ from decentrl.model.stages import StageModule, StagePlan, build_stages
 EXPORT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 REQUIRED_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+WRITTEN_FILES = ("model.safetensors", "config.json", "generation_config.json")
 
 
 def merge_stage_tensors(stages: list[StageModule], num_layers: int) -> dict[str, torch.Tensor]:
     """Every stage's tensors under their Hugging Face names, checked to form exactly one model:
-    each layer 0..num_layers-1 held by exactly one stage, the embedding, final norm and head present."""
+    each layer 0..num_layers-1 held by exactly one stage; the embedding, final norm and head
+    present."""
     if not stages:
         raise ValueError("cannot export a model from no stages")
     merged: dict[str, torch.Tensor] = {}
@@ -42,8 +44,8 @@ def merge_stage_tensors(stages: list[StageModule], num_layers: int) -> dict[str,
             if match:
                 layer = int(match.group(1))
                 if layer_owner.setdefault(layer, position) != position:
-                    raise ValueError(f"layer {layer} appears in stage {layer_owner[layer]} and stage "
-                                     f"{position}: the stages overlap")
+                    raise ValueError(f"layer {layer} appears in stage {layer_owner[layer]} and "
+                                     f"stage {position}: the stages overlap")
             merged[name] = tensor
             owner[name] = position
     missing_layers = sorted(set(range(num_layers)) - set(layer_owner))
@@ -74,6 +76,8 @@ def check_extra_name(name: str) -> None:
     path = PurePosixPath(name)
     if not name or path.is_absolute() or ".." in path.parts or "\\" in name:
         raise ValueError(f"extra file name {name!r} must be a relative path inside the folder")
+    if name in WRITTEN_FILES:
+        raise ValueError(f"extra file name {name!r} would overwrite the exported {name}")
 
 
 def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], tokenizer: Any,
@@ -107,25 +111,37 @@ def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], token
         (staging / "config.json").write_text(
             json.dumps(export_config(hf_config, dtype), indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(staging)
-        generation = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        generation = {"bos_token_id": tokenizer.bos_token_id,
+                      "eos_token_id": tokenizer.eos_token_id,
                       "pad_token_id": tokenizer.pad_token_id}
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         for name, text in extra_files.items():
             path = staging / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-        if out_dir.exists():
-            # Move the old folder aside first: a rename cannot replace a non-empty folder.
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
-            out_dir.rename(old / out_dir.name)
-            staging.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            staging.rename(out_dir)
+        replace_folder(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Rename `new` to `target`. A rename cannot replace a non-empty folder, so an existing
+    `target` is moved aside first, restored if the rename fails, and deleted after."""
+    if not target.exists():
+        new.rename(target)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    try:
+        target.rename(aside / target.name)
+        try:
+            new.rename(target)
+        except BaseException:
+            (aside / target.name).rename(target)
+            raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_stages_from_folder(path: Path, num_stages: int, device: torch.device,

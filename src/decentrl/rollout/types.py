@@ -23,6 +23,7 @@ class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
     task: str
     problem_index: int
     stage_versions: list[int]  # weight version of every stage that generated the group
+    sampling_seed: int  # seed of the generator the samples were drawn with (for re-execution)
     rollouts: list[Rollout]
 
     @property

@@ -22,7 +22,7 @@ from rich.console import Console
 from decentrl.config import RunConfig
 from decentrl.device import compute_dtype, pick_device
 from decentrl.evaluate.runner import EvalResult, evaluate
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.trainer import PipelineTrainer, latest_checkpoint, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.net.local import LocalTransport
@@ -96,7 +96,7 @@ class LocalRun:
         self.checkpoints = self.path / "checkpoints"
         self.step = 0
         scheduler_start = 0
-        if (self.checkpoints / "trainer.json").is_file():
+        if latest_checkpoint(self.checkpoints) is not None:
             meta = self.trainer.load(self.checkpoints)
             self.step, scheduler_start = meta["step"], meta["scheduled"]
             copy_weights([t.stage for t in self.trainer.stage_trainers], self.chain)

@@ -49,8 +49,8 @@ class RolloutWorker:
         prompts = [render_prompt(self.task, p, self.tokenizer) for p in problems]
         versions = list(self.chain.versions())
         # Seeded by the problems, so a rerun (or a resumed run) draws the same samples.
-        generator = torch.Generator(device=self.chain.device).manual_seed(
-            self.seed * 2**32 + problem_indices[0])
+        sampling_seed = self.seed * 2**32 + problem_indices[0]
+        generator = torch.Generator(device=self.chain.device).manual_seed(sampling_seed)
         generations = generate(
             self.chain, [p for p in prompts for _ in range(size)], self.rollout.max_new_tokens,
             self.sampling, {self.tokenizer.eos_token_id}, self.tokenizer.pad_token_id, generator)
@@ -65,7 +65,7 @@ class RolloutWorker:
             ]
             groups.append(RolloutGroup(group_id=f"{self.task.name}/{index}", task=self.task.name,
                                        problem_index=index, stage_versions=versions,
-                                       rollouts=rollouts))
+                                       sampling_seed=sampling_seed, rollouts=rollouts))
         return groups
 
     def run(self, stop: threading.Event) -> None:
