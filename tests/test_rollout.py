@@ -179,7 +179,7 @@ def test_learner_recomputes_behaviour_logprobs(request: pytest.FixtureRequest,
     trainer = PipelineTrainer(build(model, 3), train, loss_config_from(train, 16), NUCLEUS,
                               torch.float32)
     learner = trainer._chain_logprobs([t.stage for t in trainer.stage_trainers], batch)
-    mask = batch.target_mask
+    mask = batch.completion_valid
     assert mask.sum() == sum(len(g.tokens) for g in generations) > 40
     ratio = (learner - batch.behaviour_logprobs)[mask].exp()
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-4, rtol=0)

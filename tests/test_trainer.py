@@ -12,7 +12,7 @@ import torch
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.losses import LOSS_NAMES
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.trainer import PipelineTrainer, loss_config_from, stage_forward
 from decentrl.model.loading import LoadedModel
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.rollout.chain import LocalChain
@@ -79,25 +79,52 @@ def rollout(prompt: list[int], completion: list[int], logprobs: list[float]) -> 
 def test_batch_layout_by_hand() -> None:
     pad = 9
     batch = build_batch([rollout([5, 6, 7], [8, 3], [-0.1, -0.2]),
-                         rollout([1], [2, 3, 4], [-0.3, -0.4, -0.5])],
-                        [0.5, -0.5], [0, 2], pad)
-    # Prompts left-padded to 3, completions right-padded to 3.
-    assert batch.tokens.tolist() == [[5, 6, 7, 8, 3, pad], [pad, pad, 1, 2, 3, 4]]
-    assert batch.valid.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
-    assert batch.positions[0, :5].tolist() == [0, 1, 2, 3, 4]
-    assert batch.positions[1, 2:].tolist() == [0, 1, 2, 3]
-    # Position t predicts token t + 1: from the last prompt token to the second-to-last token.
-    assert batch.target_mask.tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0]]
-    assert batch.targets.tolist() == [[0, 0, 8, 3, 0, 0], [0, 0, 2, 3, 4, 0]]
-    assert torch.equal(batch.targets[:, :-1][batch.target_mask[:, :-1]],
-                       batch.tokens[:, 1:][batch.target_mask[:, :-1]])
+                         rollout([1], [2, 3, 4], [-0.3, -0.4, -0.5]),
+                         rollout([5, 6, 7], [4], [-0.6])],
+                        [0.5, -0.5, 0.25], [0, 2, 1], pad)
+    # Each distinct prompt once, left-padded to 3; rows 0 and 2 share prompt 0.
+    assert batch.prompts.tolist() == [[5, 6, 7], [pad, pad, 1]]
+    assert batch.prompt_valid.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert batch.prompt_positions.tolist() == [[0, 1, 2], [0, 0, 0]]
+    assert batch.prompt_of.tolist() == [0, 1, 0]
+    # Completions right-padded to 3; their positions continue after each prompt's real length.
+    assert batch.completions.tolist() == [[8, 3, pad], [2, 3, 4], [4, pad, pad]]
+    assert batch.completion_valid.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    assert batch.completion_positions.tolist() == [[3, 4, 5], [1, 2, 3], [3, 4, 5]]
     assert torch.allclose(batch.behaviour_logprobs,
-                          torch.tensor([[0, 0, -0.1, -0.2, 0, 0], [0, 0, -0.3, -0.4, -0.5, 0]]))
-    assert batch.advantages.tolist() == [0.5, -0.5]
-    assert batch.staleness.tolist() == [0, 2]
-    assert batch.num_sequences == 2 and batch.num_target_tokens == 5
-    assert [b.num_sequences for b in batch.split(1)] == [1, 1]
-    assert torch.equal(batch.select(slice(1, 2)).tokens, batch.tokens[1:])
+                          torch.tensor([[-0.1, -0.2, 0], [-0.3, -0.4, -0.5], [-0.6, 0, 0]]))
+    assert batch.advantages.tolist() == [0.5, -0.5, 0.25]
+    assert batch.staleness.tolist() == [0, 2, 1]
+    assert batch.num_sequences == 3 and batch.num_target_tokens == 6
+    assert [b.num_sequences for b in batch.split(2)] == [2, 1]
+    # A selection keeps only the prompts its rows use, re-indexed.
+    tail = batch.select(slice(1, 3))
+    assert tail.prompts.tolist() == [[5, 6, 7], [pad, pad, 1]]
+    assert tail.prompt_of.tolist() == [1, 0]
+    last = batch.select(slice(2, 3))
+    assert last.prompts.tolist() == [[5, 6, 7]] and last.prompt_of.tolist() == [0]
+
+
+def test_shared_prompt_forward_equals_the_flat_forward(tiny_model: LoadedModel,
+                                                       batch: TrainBatch) -> None:
+    """Running each prompt once and gathering its keys/values for every completion gives the
+    same logits as running every (prompt + completion) row in full."""
+    stages = build(tiny_model, 2)
+    x: object = (batch.prompts, batch.completions)
+    for stage in stages:
+        x = stage_forward(stage, x, batch)  # type: ignore[arg-type]
+    shared_logits = x
+    # Flat: each row is its prompt (left-padded) followed by its completion.
+    tokens = torch.cat([batch.prompts[batch.prompt_of], batch.completions], dim=1)
+    valid = torch.cat([batch.prompt_valid[batch.prompt_of], batch.completion_valid], dim=1)
+    positions = torch.cat([batch.prompt_positions[batch.prompt_of],
+                           batch.completion_positions], dim=1)
+    flat = tokens
+    for stage in stages:
+        flat = stage(flat, positions, valid)
+    prompt_length = batch.prompts.shape[1]
+    predicting = flat[:, prompt_length - 1:-1][batch.completion_valid]
+    assert torch.allclose(shared_logits, predicting, atol=1e-5)
 
 
 @pytest.mark.parametrize(("rollouts_", "advantages", "staleness", "message"), [
@@ -154,7 +181,7 @@ def test_stage_boundaries_change_nothing(tiny_model: LoadedModel, batch: TrainBa
 def completion_logprobs(trainer: PipelineTrainer, batch: TrainBatch) -> torch.Tensor:
     """Summed log-prob of each sequence's completion under the trainer's current weights."""
     logprobs = trainer._chain_logprobs([t.stage for t in trainer.stage_trainers], batch)
-    return (logprobs * batch.target_mask).sum(1)
+    return (logprobs * batch.completion_valid).sum(1)
 
 
 def test_positive_advantage_raises_the_completion_logprob(tiny_model: LoadedModel,

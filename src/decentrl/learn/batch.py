@@ -1,8 +1,10 @@
-"""Turning scored rollout groups into the padded tensors a training step consumes.
+"""Turning scored rollouts into the padded tensors a training step consumes.
 
-Layout: prompts left-padded to P, completions right-padded to C, so every row is [P + C] and the
-logits at position t predict token t + 1; `target_mask` marks the positions that predict a
-completion token (the only ones that carry loss)."""
+Layout: each distinct prompt once ([Np, P], left-padded), every completion once ([B, C],
+right-padded) with `prompt_of` naming its prompt. The G samples of a group share one prompt, so
+the trainer runs it once per group (see model/prefix.py). Completion token j is predicted by the
+last prompt position (j = 0) or by completion position j - 1; every real completion token is a
+target."""
 
 from __future__ import annotations
 
@@ -17,25 +19,35 @@ from decentrl.rollout.types import Rollout
 
 @dataclass
 class TrainBatch:
-    tokens: torch.Tensor  # [B, L] long
-    valid: torch.Tensor  # [B, L] bool: real tokens
-    positions: torch.Tensor  # [B, L] long
-    target_mask: torch.Tensor  # [B, L] bool: position predicts a completion token
-    targets: torch.Tensor  # [B, L] long: the token that position predicts (0 elsewhere)
-    behaviour_logprobs: torch.Tensor  # [B, L] float, aligned with targets
+    prompts: torch.Tensor  # [Np, P] long, left-padded
+    prompt_valid: torch.Tensor  # [Np, P] bool
+    prompt_positions: torch.Tensor  # [Np, P] long
+    completions: torch.Tensor  # [B, C] long, right-padded: the targets
+    completion_valid: torch.Tensor  # [B, C] bool: real completion tokens (the loss mask)
+    completion_positions: torch.Tensor  # [B, C] long, continuing after the prompt
+    prompt_of: torch.Tensor  # [B] long: row of each completion's prompt in `prompts`
+    behaviour_logprobs: torch.Tensor  # [B, C] float
     advantages: torch.Tensor  # [B] float
     staleness: torch.Tensor  # [B] long: learner version minus the oldest stage version
 
     @property
     def num_sequences(self) -> int:
-        return self.tokens.shape[0]
+        return self.completions.shape[0]
 
     @property
     def num_target_tokens(self) -> int:
-        return int(self.target_mask.sum())
+        return int(self.completion_valid.sum())
 
-    def select(self, rows: slice | torch.Tensor) -> TrainBatch:
-        return TrainBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+    def select(self, rows: slice) -> TrainBatch:
+        """Completion rows `rows` and just the prompts they use."""
+        used, prompt_of = torch.unique(self.prompt_of[rows], return_inverse=True)
+        per_prompt = {"prompts", "prompt_valid", "prompt_positions"}
+        values = {}
+        for f in fields(self):
+            tensor = getattr(self, f.name)
+            values[f.name] = tensor[used] if f.name in per_prompt else tensor[rows]
+        values["prompt_of"] = prompt_of
+        return TrainBatch(**values)
 
     def split(self, size: int) -> Iterator[TrainBatch]:
         for start in range(0, self.num_sequences, size):
@@ -52,33 +64,41 @@ def build_batch(rollouts: list[Rollout], advantages: list[float], staleness: lis
     if not len(rollouts) == len(advantages) == len(staleness):
         raise ValueError(f"{len(rollouts)} rollouts but {len(advantages)} advantages and "
                          f"{len(staleness)} staleness values")
-    prompt_length = max(len(r.prompt_tokens) for r in rollouts)
-    completion_length = max(len(r.completion_tokens) for r in rollouts)
-    batch, length = len(rollouts), prompt_length + completion_length
-    tokens = torch.full((batch, length), pad_id, dtype=torch.long)
-    valid = torch.zeros((batch, length), dtype=torch.bool)
-    target_mask = torch.zeros((batch, length), dtype=torch.bool)
-    targets = torch.zeros((batch, length), dtype=torch.long)
-    behaviour = torch.zeros((batch, length), dtype=torch.float32)
+    prompt_rows: dict[tuple[int, ...], int] = {}
+    prompt_of = []
     for row, rollout in enumerate(rollouts):
-        prompt, completion = rollout.prompt_tokens, rollout.completion_tokens
-        if not prompt:
-            # The first completion token would be "predicted" from padding (or from index -1).
+        if not rollout.prompt_tokens:
             raise ValueError(f"rollout {row} has an empty prompt")
-        if len(rollout.behaviour_logprobs) != len(completion):
-            raise ValueError(f"rollout {row} has {len(completion)} completion tokens but "
-                             f"{len(rollout.behaviour_logprobs)} behaviour log-probs")
-        start = prompt_length - len(prompt)
-        end = prompt_length + len(completion)
-        tokens[row, start:end] = torch.tensor(prompt + completion, dtype=torch.long)
-        valid[row, start:end] = True
-        predicting = slice(prompt_length - 1, end - 1)
-        target_mask[row, predicting] = True
-        targets[row, predicting] = torch.tensor(completion, dtype=torch.long)
-        behaviour[row, predicting] = torch.tensor(rollout.behaviour_logprobs, dtype=torch.float32)
+        if not rollout.completion_tokens:
+            raise ValueError(f"rollout {row} has an empty completion")
+        if len(rollout.behaviour_logprobs) != len(rollout.completion_tokens):
+            raise ValueError(f"rollout {row} has {len(rollout.completion_tokens)} completion "
+                             f"tokens but {len(rollout.behaviour_logprobs)} behaviour log-probs")
+        prompt_of.append(prompt_rows.setdefault(tuple(rollout.prompt_tokens), len(prompt_rows)))
+    prompt_length = max(len(p) for p in prompt_rows)
+    prompts = torch.full((len(prompt_rows), prompt_length), pad_id, dtype=torch.long)
+    prompt_valid = torch.zeros(prompts.shape, dtype=torch.bool)
+    for prompt, row in prompt_rows.items():
+        prompts[row, prompt_length - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        prompt_valid[row, prompt_length - len(prompt):] = True
+    completion_length = max(len(r.completion_tokens) for r in rollouts)
+    completions = torch.full((len(rollouts), completion_length), pad_id, dtype=torch.long)
+    completion_valid = torch.zeros(completions.shape, dtype=torch.bool)
+    behaviour = torch.zeros(completions.shape, dtype=torch.float32)
+    for row, rollout in enumerate(rollouts):
+        n = len(rollout.completion_tokens)
+        completions[row, :n] = torch.tensor(rollout.completion_tokens, dtype=torch.long)
+        completion_valid[row, :n] = True
+        behaviour[row, :n] = torch.tensor(rollout.behaviour_logprobs, dtype=torch.float32)
+    prompt_of_tensor = torch.tensor(prompt_of, dtype=torch.long)
+    prompt_lengths = prompt_valid.sum(1)[prompt_of_tensor]
+    completion_positions = prompt_lengths[:, None] + torch.arange(completion_length)[None, :]
     return TrainBatch(
-        tokens=tokens, valid=valid, positions=positions_from_valid(valid),
-        target_mask=target_mask, targets=targets, behaviour_logprobs=behaviour,
+        prompts=prompts, prompt_valid=prompt_valid,
+        prompt_positions=positions_from_valid(prompt_valid),
+        completions=completions, completion_valid=completion_valid,
+        completion_positions=completion_positions, prompt_of=prompt_of_tensor,
+        behaviour_logprobs=behaviour,
         advantages=torch.tensor(advantages, dtype=torch.float32),
         staleness=torch.tensor(staleness, dtype=torch.long),
     )

@@ -19,6 +19,7 @@ import torch
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import TrainBatch
 from decentrl.learn.losses import LossConfig, policy_loss
+from decentrl.model.prefix import predicting_hidden, shared_prompt_body
 from decentrl.model.stages import StageModule
 from decentrl.rollout.sampling import SamplingConfig, sampling_logprobs
 
@@ -33,6 +34,22 @@ def loss_config_from(train: TrainConfig, max_new_tokens: int) -> LossConfig:
     )
 
 
+Activations = tuple[torch.Tensor, torch.Tensor]  # (prompt part, completion part)
+
+
+def stage_forward(stage: StageModule, inputs: Activations, batch: TrainBatch
+                  ) -> Activations | torch.Tensor:
+    """One stage on one batch: the hidden states of prompts and completions, or at the last
+    stage the logits [N, vocab] of every completion token (the targets, in row-major order)."""
+    prompt_hidden, completion_hidden = shared_prompt_body(
+        stage, inputs[0], batch.prompt_positions, batch.prompt_valid, inputs[1],
+        batch.completion_positions, batch.completion_valid, batch.prompt_of)
+    if not stage.is_last:
+        return prompt_hidden, completion_hidden
+    hidden = predicting_hidden(prompt_hidden, completion_hidden, batch.prompt_of)
+    return stage.head(hidden[batch.completion_valid])
+
+
 class StageTrainer:
     """One stage's optimizer and the activations it keeps between forward and backward."""
 
@@ -45,36 +62,43 @@ class StageTrainer:
         self.optimizer = torch.optim.AdamW(
             stage.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
         )
-        self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def forward(self, micro: int, inputs: torch.Tensor, positions: torch.Tensor,
-                valid: torch.Tensor, head_positions: torch.Tensor | None = None,
-                loss_fn: LossFunction | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """Run this stage on one micro-batch and keep what backward needs. The last stage is
-        given `loss_fn` and returns the loss; other stages return their detached output."""
-        x = inputs.to(self.device)
-        if x.is_floating_point():
-            x = x.detach().requires_grad_(True)
+    def forward(self, micro: int, inputs: Activations, batch: TrainBatch,
+                loss_fn: LossFunction | None = None) -> tuple[Activations | None, dict[str, float]]:
+        """Run this stage on micro-batch `micro` and keep what backward needs. Other stages return
+        their detached outputs for the next stage; the last stage is given `loss_fn`, computes
+        the loss, and returns its metrics."""
+        xs = [x.to(self.device) for x in inputs]
+        xs = [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in xs]
         with self.autocast():
-            out = self.stage(x, positions, valid, head_positions=head_positions)
-        metrics: dict[str, float] = {}
+            out = stage_forward(self.stage, (xs[0], xs[1]), batch)
+        leaves = [x for x in xs if x.requires_grad]
         if loss_fn is not None:
-            out, metrics = loss_fn(out)
-        self.saved[micro] = (x if x.requires_grad else None, out)
-        return out.detach(), metrics
+            if not isinstance(out, torch.Tensor):
+                raise RuntimeError(f"stage {self.stage.index} is not the last stage; no loss here")
+            loss, metrics = loss_fn(out)
+            self.saved[micro] = (leaves, [loss])
+            return None, metrics
+        if isinstance(out, torch.Tensor):
+            raise RuntimeError("the last stage needs a loss function")
+        self.saved[micro] = (leaves, list(out))
+        return (out[0].detach(), out[1].detach()), {}
 
-    def backward(self, micro: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
-        """Backpropagate one micro-batch; returns the gradient for the previous stage."""
+    def backward(self, micro: int, grad_outputs: Activations | None) -> Activations | None:
+        """Backpropagate one micro-batch; returns the gradients for the previous stage."""
         if micro not in self.saved:
             raise KeyError(f"stage {self.stage.index} has no forward pass for micro-batch {micro}")
-        x, out = self.saved.pop(micro)
-        out.backward(grad_output)
-        return x.grad if x is not None else None
+        leaves, outputs = self.saved.pop(micro)
+        torch.autograd.backward(outputs, list(grad_outputs) if grad_outputs is not None else None)
+        if not leaves:
+            return None
+        return leaves[0].grad, leaves[1].grad
 
     def grad_square_norm(self) -> float:
         return sum(float(p.grad.double().pow(2).sum()) for p in self.stage.parameters()
@@ -124,19 +148,19 @@ class PipelineTrainer:
         return self.stage_trainers[0].stage.version
 
     def _chain_logprobs(self, stages: list[StageModule], batch: TrainBatch) -> torch.Tensor:
-        """Sampling-transformed log-probs of the targets [B, L] under `stages`, without gradient."""
-        out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
+        """Sampling-transformed log-probs of the targets [B, C] under `stages`, without gradient."""
+        out = torch.zeros(batch.completions.shape, dtype=torch.float32, device=self.device)
         size = self.train.micro_batch_size
         with torch.no_grad(), self.stage_trainers[0].autocast():
             for start in range(0, batch.num_sequences, size):
                 micro = batch.select(slice(start, start + size))
-                x = micro.tokens
+                x: Activations | torch.Tensor = (micro.prompts, micro.completions)
                 for stage in stages:
-                    x = stage(x, micro.positions, micro.valid,
-                              head_positions=micro.target_mask if stage.is_last else None)
+                    x = stage_forward(stage, x, micro)  # type: ignore[arg-type]
+                assert isinstance(x, torch.Tensor)
                 rows = out[start:start + size]
-                rows[micro.target_mask] = sampling_logprobs(
-                    x, micro.targets[micro.target_mask], self.sampling)
+                rows[micro.completion_valid] = sampling_logprobs(
+                    x, micro.completions[micro.completion_valid], self.sampling)
         return out
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -172,13 +196,13 @@ class PipelineTrainer:
                     reference: torch.Tensor | None, total_sequences: int,
                     total_tokens: int) -> dict[str, float]:
         def loss_fn(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-            logprobs = torch.zeros(micro.tokens.shape, dtype=torch.float32, device=self.device)
+            mask = micro.completion_valid
+            logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
             logprobs = logprobs.masked_scatter(
-                micro.target_mask,
-                sampling_logprobs(logits, micro.targets[micro.target_mask], self.sampling))
+                mask, sampling_logprobs(logits, micro.completions[mask], self.sampling))
             loss, metrics = policy_loss(
                 logprobs, proximal if proximal is not None else logprobs.detach(),
-                micro.behaviour_logprobs, micro.advantages, micro.target_mask, self.loss,
+                micro.behaviour_logprobs, micro.advantages, mask, self.loss,
                 reference_logprobs=reference, total_sequences=total_sequences,
                 total_tokens=total_tokens)
             with torch.no_grad():
@@ -186,16 +210,13 @@ class PipelineTrainer:
                 metrics["entropy"] = float(-(logp.exp() * logp).sum(-1).mean())
             return loss, metrics
 
-        x: torch.Tensor = micro.tokens
+        x: Activations | None = (micro.prompts, micro.completions)
         metrics: dict[str, float] = {}
         last = len(self.stage_trainers) - 1
         for i, trainer in enumerate(self.stage_trainers):
-            x, metrics_i = trainer.forward(
-                0, x, micro.positions, micro.valid,
-                head_positions=micro.target_mask if i == last else None,
-                loss_fn=loss_fn if i == last else None)
-            metrics.update(metrics_i)
-        grad: torch.Tensor | None = None
+            assert x is not None
+            x, metrics = trainer.forward(0, x, micro, loss_fn=loss_fn if i == last else None)
+        grad: Activations | None = None
         for trainer in reversed(self.stage_trainers):
             grad = trainer.backward(0, grad)
         return metrics

@@ -9,7 +9,9 @@ independently; an exported model says `tie_word_embeddings: false` and carries b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -63,6 +65,20 @@ class StagePlan:
         return range(self.starts[stage], end)
 
 
+class LayerKV(Protocol):
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new positions' keys/values; return the keys/values of every position."""
+        ...
+
+
+class StageKV(Protocol):
+    """What a stage needs of a cache: one entry per layer and how many positions it holds."""
+
+    layers: Sequence[LayerKV]
+    length: int
+
+
 class StageCache:
     """The KV cache of one stage for one batch of sequences (one generation session)."""
 
@@ -93,31 +109,39 @@ class StageModule(nn.Module):
         param = next(self.parameters())
         return StageCache(self.spec, len(self.layers), batch, max_length, param.dtype, param.device)
 
-    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
-                cache: StageCache | None = None,
-                head_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """`inputs` covers the new positions only; `key_valid` [B, cached + new] marks real tokens.
-        At the last stage, `head_positions` [B, new] selects where logits are needed (returned
-        flat, [N, vocab]): the head is a large matmul and most positions need none."""
+    def body(self, inputs: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+             cache: StageKV | None = None) -> torch.Tensor:
+        """Embedding (stage 0) and this stage's layers. `inputs` covers the new positions only;
+        `key_valid` [B, cached + new] marks real tokens; `cache` holds the earlier positions."""
         start = cache.length if cache is not None else 0
         if key_valid.shape[1] != start + inputs.shape[1]:
             raise ValueError(f"key_valid covers {key_valid.shape[1]} positions, expected "
                              f"{start} cached + {inputs.shape[1]} new")
-        if self.embed_tokens is not None:
-            x = self.embed_tokens(inputs)
-        else:
-            x = inputs
+        x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
         rope = rotary_tables(positions, self.spec.head_dim, self.spec.rope_theta, x.dtype)
         mask = attention_mask(key_valid, start, inputs.shape[1])
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, mask, cache.layers[i] if cache is not None else None, start)
         if cache is not None:
             cache.length = start + inputs.shape[1]
-        if self.norm is not None and self.lm_head is not None:
-            if head_positions is not None:
-                x = x[head_positions]
-            x = self.lm_head(self.norm(x))
         return x
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head (last stage only)."""
+        if self.norm is None or self.lm_head is None:
+            raise RuntimeError(f"stage {self.index} is not the last stage and has no head")
+        return self.lm_head(self.norm(hidden))
+
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+                cache: StageKV | None = None,
+                head_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states, or logits at the last stage. There, `head_positions` [B, new] selects
+        where logits are needed (returned flat, [N, vocab]): the head is a large matmul and most
+        positions need none."""
+        x = self.body(inputs, positions, key_valid, cache)
+        if not self.is_last:
+            return x
+        return self.head(x[head_positions] if head_positions is not None else x)
 
     def hf_names(self) -> dict[str, str]:
         """Map from this module's parameter names to Hugging Face checkpoint names."""

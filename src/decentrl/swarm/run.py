@@ -90,7 +90,7 @@ class LocalRun:
         self.chain = LocalChain(build_stages(spec, self.plan, tensors, self.device, self.dtype))
         self.eval_chain = LocalChain(build_stages(spec, self.plan, tensors, self.device, self.dtype))
         # Room for the batches allowed in flight by the staleness bound, no more.
-        groups_in_flight = config.rollout.prompts_per_step * (config.train.max_staleness + 1)
+        groups_in_flight = config.rollout.prompts_per_step * max(1, config.train.max_staleness)
         self.transport = LocalTransport(max_queued_groups=groups_in_flight)
         self.path = config.path
         self.checkpoints = self.path / "checkpoints"
@@ -182,7 +182,13 @@ class LocalRun:
         stop = threading.Event()
         worker_thread = None
         if config.train.mode == "async":
-            worker_thread = threading.Thread(target=self.worker.run, args=(stop,),
+            worker_threads = None
+            if self.device.type == "cpu":
+                # Two compute-bound threads on one pool oversubscribe the cores; split them.
+                cores = torch.get_num_threads()
+                worker_threads = max(1, cores // 2)
+                torch.set_num_threads(max(1, cores - worker_threads))
+            worker_thread = threading.Thread(target=self.worker.run, args=(stop, worker_threads),
                                              name="rollout-worker", daemon=True)
             worker_thread.start()
         train_started = time.time()

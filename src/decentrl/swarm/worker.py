@@ -68,10 +68,14 @@ class RolloutWorker:
                                        sampling_seed=sampling_seed, rollouts=rollouts))
         return groups
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: threading.Event, threads: int | None = None) -> None:
         """Generate until `stop` is set (the asynchronous actor). Errors end the loop and are kept
-        in `self.error` for the coordinator to raise; they never vanish with the thread."""
+        in `self.error` for the coordinator to raise; they never vanish with the thread.
+        `threads` caps this thread's intra-op CPU threads, so the worker and the learner share the
+        cores instead of both spinning on all of them."""
         try:
+            if threads is not None:
+                torch.set_num_threads(threads)
             while not stop.is_set():
                 self.sync_weights()
                 indices = self.scheduler.next(self.rollout.prompts_per_step)
