@@ -181,11 +181,11 @@ class LocalRun:
         self._publish()
         stop = threading.Event()
         worker_thread = None
+        cores = torch.get_num_threads()
         if config.train.mode == "async":
             worker_threads = None
             if self.device.type == "cpu":
                 # Two compute-bound threads on one pool oversubscribe the cores; split them.
-                cores = torch.get_num_threads()
                 worker_threads = max(1, cores // 2)
                 torch.set_num_threads(max(1, cores - worker_threads))
             worker_thread = threading.Thread(target=self.worker.run, args=(stop, worker_threads),
@@ -210,6 +210,7 @@ class LocalRun:
                 if worker_thread.is_alive():
                     raise RuntimeError("the rollout worker did not stop within 600 s")
             self.transport.close()
+            torch.set_num_threads(cores)
         self._checkpoint()
         wall = time.time() - started
         after = self.evaluate("after", config.eval.pass_k)
