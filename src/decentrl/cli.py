@@ -24,9 +24,10 @@ DEMO_CONFIG = {
     "name": "demo",
     "num_stages": 2,
     "task": {"name": "sums", "options": {"min_digits": 1, "max_digits": 2}},
-    "rollout": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 24},
-    "train": {"mode": "async", "steps": 1000, "time_budget_s": 900, "loss": "grpo", "lr": 2e-5,
-              "micro_batch_size": 16, "max_staleness": 2},
+    "rollout": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 20},
+    # 12 minutes of training leave room for the two evaluations inside the 20-minute budget.
+    "train": {"mode": "async", "steps": 1000, "time_budget_s": 720, "loss": "grpo", "lr": 3e-5,
+              "micro_batch_size": 32, "max_staleness": 2},
     "eval": {"task": {"name": "sums", "options": {"min_digits": 2, "max_digits": 2}},
              "problems": 200, "pass_k": 4, "every": 0},
 }
@@ -78,7 +79,7 @@ def run_training(config: RunConfig) -> None:
 @app.command()
 def demo(
     name: Annotated[str, typer.Option(help="run name (folder under runs/)")] = "demo",
-    budget: Annotated[float, typer.Option(help="training time budget in seconds")] = 900,
+    budget: Annotated[float, typer.Option(help="training time budget in seconds")] = 720,
     mode: Annotated[str, typer.Option(help="async or sync")] = "async",
     fresh: Annotated[bool, typer.Option(help="delete an earlier run of this name first")] = True,
 ) -> None:
