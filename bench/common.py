@@ -49,24 +49,36 @@ def peak_memory_mib(device: torch.device) -> tuple[float, str]:
     return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), "process peak RSS"
 
 
+def cpu_seconds() -> float:
+    """CPU time (user + system, all threads) this process has used: unlike wall time it barely
+    grows when other processes compete for the cores, so it is the steadier figure on a shared
+    machine (it does include threads spinning while they wait for work)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int
-               ) -> list[float]:
-    """Wall-clock seconds of `repeats` calls of `fn` after `warmup` untimed ones."""
+               ) -> dict[str, list[float]]:
+    """Wall-clock and CPU seconds of `repeats` calls of `fn` after `warmup` untimed ones:
+    {"wall": [...], "cpu": [...]}."""
     for _ in range(warmup):
         fn()
     sync(device)
-    seconds = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), cpu_seconds()
         fn()
         sync(device)
-        seconds.append(time.perf_counter() - start)
-    return seconds
+        wall.append(time.perf_counter() - start)
+        cpu.append(cpu_seconds() - start_cpu)
+    return {"wall": wall, "cpu": cpu}
 
 
-def summary(seconds: Sequence[float]) -> dict[str, float]:
-    return {"mean_s": statistics.fmean(seconds), "min_s": min(seconds),
-            "stdev_s": statistics.stdev(seconds) if len(seconds) > 1 else 0.0}
+def summary(timings: dict[str, list[float]]) -> dict[str, float]:
+    wall, cpu = timings["wall"], timings["cpu"]
+    return {"mean_s": statistics.fmean(wall), "min_s": min(wall),
+            "stdev_s": statistics.stdev(wall) if len(wall) > 1 else 0.0,
+            "cpu_mean_s": statistics.fmean(cpu)}
 
 
 def machine(device: torch.device) -> str:
@@ -126,6 +138,20 @@ def run_worker(script: Path, argv: list[str]) -> dict[str, Any]:
 
 def emit_result(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def profile(fn, device: torch.device, label: str, rows: int = 25) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"\n--- profile of one {label} step (sorted by {sort}) ---")
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60))
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],

@@ -133,6 +133,17 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.write(cache_start, k, v)
+        groups = spec.num_heads // spec.num_kv_heads
+        if length == 1 and groups > 1:
+            # One new position (decoding): the `groups` query heads that share a key/value head
+            # become `groups` query rows of that head, [B, kv_heads, groups, head_dim]. The same
+            # attention (a single query has a single mask row, which broadcasts), without
+            # repeating keys/values; CPU bf16 SDPA runs it ~4x faster than enable_gqa with one
+            # query row (Hugging Face decodes the same way).
+            out = F.scaled_dot_product_attention(
+                q.reshape(batch, spec.num_kv_heads, groups, spec.head_dim), k, v, attn_mask=mask
+            )
+            return self.o_proj(out.reshape(batch, 1, -1))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=spec.num_kv_heads != spec.num_heads
         )
