@@ -133,7 +133,8 @@ def decentrl_variant(loaded, batch, args, device, dtype):
         for stage in stages:
             x = stage_forward(stage, x, on_device)
     behaviour = torch.zeros(mask.shape)
-    behaviour[mask.cpu()] = sampling_logprobs(x, on_device.completions[mask], sampling).float().cpu()
+    behaviour[mask.cpu()] = sampling_logprobs(
+        x, on_device.completions[mask], sampling).float().cpu()
     params = sum(p.numel() for s in stages for p in s.parameters())
 
     def step(train_batch):

@@ -173,6 +173,7 @@ def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help="benchmar
     spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look their module up here
     spec.loader.exec_module(module)
     module.main(list(ctx.args))
 

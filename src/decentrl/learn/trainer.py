@@ -21,7 +21,11 @@ from decentrl.learn.batch import TrainBatch
 from decentrl.learn.losses import LossConfig, policy_loss
 from decentrl.model.prefix import predicting_hidden, shared_prompt_body
 from decentrl.model.stages import StageModule
-from decentrl.rollout.sampling import SamplingConfig, sampling_logprobs
+from decentrl.rollout.sampling import (
+    SamplingConfig,
+    sampling_logprobs,
+    sampling_logprobs_and_entropy,
+)
 
 LossFunction = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
@@ -101,8 +105,12 @@ class StageTrainer:
         return leaves[0].grad, leaves[1].grad
 
     def grad_square_norm(self) -> float:
-        return sum(float(p.grad.double().pow(2).sum()) for p in self.stage.parameters()
-                   if p.grad is not None)
+        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        # Per-tensor norms on the device, one host sync, the sum of squares in float64.
+        norms = torch.stack([g.norm(dtype=torch.float32) for g in grads])
+        return float(norms.double().pow(2).sum())
 
     def step(self, grad_scale: float) -> None:
         """Apply the accumulated gradient (scaled by the global clip) and bump the version."""
@@ -197,17 +205,16 @@ class PipelineTrainer:
                     total_tokens: int) -> dict[str, float]:
         def loss_fn(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
             mask = micro.completion_valid
+            picked, entropy = sampling_logprobs_and_entropy(logits, micro.completions[mask],
+                                                            self.sampling)
             logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
-            logprobs = logprobs.masked_scatter(
-                mask, sampling_logprobs(logits, micro.completions[mask], self.sampling))
+            logprobs = logprobs.masked_scatter(mask, picked)
             loss, metrics = policy_loss(
                 logprobs, proximal if proximal is not None else logprobs.detach(),
                 micro.behaviour_logprobs, micro.advantages, mask, self.loss,
                 reference_logprobs=reference, total_sequences=total_sequences,
                 total_tokens=total_tokens)
-            with torch.no_grad():
-                logp = logits.float().log_softmax(-1)
-                metrics["entropy"] = float(-(logp.exp() * logp).sum(-1).mean())
+            metrics["entropy"] = float(entropy.mean())
             return loss, metrics
 
         x: Activations | None = (micro.prompts, micro.completions)

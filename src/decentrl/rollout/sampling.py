@@ -47,14 +47,24 @@ def transformed_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Te
     return logits
 
 
+def sampling_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor,
+                                  config: SamplingConfig, floor: float = -1e4
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of `tokens` under the transformed distribution, and that distribution's entropy
+    (detached, for metrics; from the same log-softmax, which is the costly part). A token outside
+    the kept set (a stale behaviour policy can pick one the learner would cut) gets `floor`
+    instead of -inf, so it has no gradient and an off-policy weight of ~0 instead of a NaN."""
+    logprobs = transformed_logits(logits, config).log_softmax(-1)
+    picked = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).clamp(min=floor)
+    with torch.no_grad():
+        probs = logprobs.exp()
+        entropy = -(probs * logprobs.masked_fill(probs == 0, 0.0)).sum(-1)
+    return picked, entropy
+
+
 def sampling_logprobs(logits: torch.Tensor, tokens: torch.Tensor, config: SamplingConfig,
                       floor: float = -1e4) -> torch.Tensor:
-    """Log-prob of `tokens` under the transformed distribution. A token outside the kept set (a
-    stale behaviour policy can pick one the learner would cut) gets `floor` instead of -inf, so
-    it has no gradient and an off-policy weight of ~0 instead of a NaN."""
-    logprobs = transformed_logits(logits, config).log_softmax(-1)
-    picked = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked.clamp(min=floor)
+    return sampling_logprobs_and_entropy(logits, tokens, config, floor)[0]
 
 
 def sample(logits: torch.Tensor, config: SamplingConfig,

@@ -1,0 +1,153 @@
+"""The learning curve of a run: held-out pass@1 (95% CI) at every evaluation and the training
+reward / accuracy per step, against wall-clock seconds, read from the run's metrics.jsonl. Prints
+both as tables and saves learning_curve.png in the run folder.
+
+    decentrl bench learning-curve [--run runs/demo] [--every 10] [--window 10]
+    decentrl bench learning-curve --train [--budget 900] [--eval-every 10]   # run the demo first
+
+A run evaluated only before and after training gives a curve of two points; `--train` runs the
+demo with an evaluation every `--eval-every` steps, so the curve has points in between."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any
+
+from common import print_table
+
+from decentrl.evaluate.stats import Accuracy
+
+PLOT_NAME = "learning_curve.png"
+
+
+def read_metrics(run: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(eval events, step events) of a run folder, in file order."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{path} does not exist: pass --run with a run folder, "
+                         "or --train to run the demo first")
+    evals, steps = [], []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise SystemExit(f"{path}:{number} is not JSON: {error}") from None
+        if record.get("event") == "eval":
+            evals.append(record)
+        elif record.get("event") == "step":
+            steps.append(record)
+    if not evals and not steps:
+        raise SystemExit(f"{path} has no eval or step events")
+    return evals, steps
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    return [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
+
+
+def eval_rows(evals: list[dict[str, Any]]) -> list[list[Any]]:
+    rows = []
+    for record in evals:
+        pass1 = Accuracy(record["pass1"], record["pass1_low"], record["pass1_high"],
+                         record.get("problems", 0))
+        rows.append([record.get("label", ""), record["step"], f"{record['elapsed_s']:.0f}",
+                     pass1.as_percent()])
+    return rows
+
+
+def step_rows(steps: list[dict[str, Any]], every: int) -> list[list[Any]]:
+    """One row per `every` steps: the steps it covers, the time at its end, mean reward and
+    training accuracy (sampled at the rollout temperature) over them."""
+    rows = []
+    for start in range(0, len(steps), every):
+        chunk = steps[start:start + every]
+        rows.append([f"{chunk[0]['step']}-{chunk[-1]['step']}", f"{chunk[-1]['elapsed_s']:.0f}",
+                     f"{statistics.fmean(s['reward'] for s in chunk):.3f}",
+                     f"{statistics.fmean(s['accuracy'] for s in chunk):.3f}"])
+    return rows
+
+
+def plot(evals: list[dict[str, Any]], steps: list[dict[str, Any]], window: int, title: str,
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    if steps:
+        axes.plot([s["elapsed_s"] for s in steps],
+                  moving_average([s["accuracy"] for s in steps], window), color="tab:orange",
+                  label=f"training accuracy (sampled, moving average of {window} steps)")
+    if evals:
+        means = [e["pass1"] for e in evals]
+        axes.errorbar([e["elapsed_s"] for e in evals], means,
+                      yerr=[[m - e["pass1_low"] for m, e in zip(means, evals)],
+                            [e["pass1_high"] - m for m, e in zip(means, evals)]],
+                      fmt="o-", capsize=4, color="tab:blue",
+                      label=f"held-out pass@1 ({evals[0].get('task', 'eval')}, greedy, 95% CI)")
+    axes.set_xlabel("wall-clock seconds")
+    axes.set_ylabel("accuracy")
+    axes.set_ylim(0, 1)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="best")
+    axes.set_title(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def train(run: Path, budget: float, eval_every: int) -> None:
+    """The demo run (its config, a fresh folder) with an evaluation every `eval_every` steps."""
+    from decentrl.cli import DEMO_CONFIG
+    from decentrl.config import parse_config
+    from decentrl.swarm.run import LocalRun
+
+    data = json.loads(json.dumps(DEMO_CONFIG))
+    data["name"], data["run_dir"] = run.name, str(run.parent)
+    data["train"]["time_budget_s"] = budget
+    data["eval"]["every"] = eval_every
+    config = parse_config(data)
+    if config.path.exists():
+        shutil.rmtree(config.path)
+    LocalRun(config).run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="decentrl bench learning-curve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, default=Path("runs/demo"), help="run folder")
+    parser.add_argument("--every", type=int, default=10, help="steps per training-table row")
+    parser.add_argument("--window", type=int, default=10,
+                        help="steps in the moving average of training accuracy")
+    parser.add_argument("--train", action="store_true",
+                        help="run the demo into --run first (replaces an earlier run there)")
+    parser.add_argument("--budget", type=float, default=900, help="with --train: seconds")
+    parser.add_argument("--eval-every", type=int, default=10,
+                        help="with --train: steps between held-out evaluations")
+    args = parser.parse_args(argv)
+    if args.every < 1 or args.window < 1 or args.eval_every < 1:
+        parser.error("--every, --window and --eval-every must be >= 1")
+    if args.train:
+        train(args.run, args.budget, args.eval_every)
+    evals, steps = read_metrics(args.run)
+    if evals:
+        print_table(f"{args.run}: held-out pass@1 (greedy, 95% CI)",
+                    ["eval", "step", "elapsed s", "pass@1"], eval_rows(evals))
+    if steps:
+        print_table(f"{args.run}: training, every {args.every} steps",
+                    ["steps", "elapsed s", "reward", "accuracy"], step_rows(steps, args.every))
+    path = args.run / PLOT_NAME
+    plot(evals, steps, args.window, f"{args.run.name}: learning curve", path)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,483 @@
+"""decentrl against TRL's GRPOTrainer: held-out accuracy against training wall-clock, on the same
+model, task, prompts and hyperparameters, each side given the same training-time budget.
+
+    decentrl bench vs-trl [--budget 900] [--eval-every 10] [--eval-problems 200] [--out runs/vs-trl]
+
+Both sides train with the demo's config (decentrl.cli.DEMO_CONFIG): sums of 1-2 digit numbers,
+the same train problems in the same order, 8 prompts x 8 samples = 64 completions per optimizer
+step in micro-batches of the same size, the same max new tokens, temperature 1, learning rate,
+AdamW betas, clipping range and gradient clipping, the GRPO loss (each sequence's token mean, then
+the mean over sequences), no KL term, bf16 autocast where decentrl's compute dtype is bf16, no
+vLLM. Both are evaluated by decentrl's `evaluate` (greedy pass@1 on held-out two-digit sums) every
+--eval-every optimizer steps, and at the start and the end. Evaluations pause the budget clock:
+the curves are against training seconds only. A side does not start a step it could not finish
+within the budget (judged by its previous step).
+
+On CPU, each side uses torch's threads its own way: TRL runs one compute thread on all of them,
+decentrl's asynchronous run splits them between its learner and rollout worker. On a machine
+shared with other work, all-core thread pools can slow down many times over (spin-waiting on
+busy cores); run on a quiet machine, or compare with --threads 1 as well.
+
+Differences that remain, by design of each library: decentrl generates asynchronously (a rollout
+worker runs ahead of the learner, within the staleness bound) over a 2-stage pipeline with an
+untied head, and drops groups whose rewards do not vary; TRL generates then trains, in one
+process, with Hugging Face `generate` and the checkpoint's tied embedding.
+
+TRL is a bench extra (`make bench-trl`, or `pip install -e '.[bench]'`), never a runtime
+dependency; this file imports it only when the TRL side runs. Writes vs_trl.json (every point),
+vs_trl.png (both curves with 95% bands) and each side's run folder under --out."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from common import machine, print_table, quiet_transformers
+
+from decentrl.cli import DEMO_CONFIG
+from decentrl.config import RunConfig, parse_config
+from decentrl.device import compute_dtype, pick_device
+from decentrl.evaluate.runner import EvalResult, evaluate
+from decentrl.evaluate.stats import Accuracy
+from decentrl.model.loading import load_model
+from decentrl.model.stages import StagePlan, build_stages
+from decentrl.rollout.chain import LocalChain
+from decentrl.swarm.run import LocalRun
+from decentrl.swarm.scheduler import PromptScheduler
+from decentrl.tasks import make_task
+
+TRL_VERSION = "1.16.0"  # the `bench` extra's pin in pyproject.toml
+CHECKPOINT_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+SIDES = ("decentrl", "trl")
+
+
+class EvalPoint(NamedTuple):  # not a dataclass: `decentrl bench` loads benches outside sys.modules
+    seconds: float  # training wall-clock when evaluated, evaluations excluded
+    step: int  # optimizer steps done
+    pass1: float
+    low: float  # 95% CI
+    high: float
+    label: str  # before / during / end
+
+
+def at_checkpoints(points: list[EvalPoint], checkpoints: list[float]) -> list[EvalPoint | None]:
+    """For each checkpoint time, the last evaluation at or before it (None if none was)."""
+    ordered = sorted(points, key=lambda p: (p.seconds, p.step))
+    chosen: list[EvalPoint | None] = []
+    for limit in checkpoints:
+        earlier = [p for p in ordered if p.seconds <= limit]
+        chosen.append(earlier[-1] if earlier else None)
+    return chosen
+
+
+class TrainingClock:
+    """Wall-clock seconds from `start` to `stop`, less the time spent inside `paused()` between
+    them. `paused_s` counts every pause, before `start` too (it is the evaluation time)."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.stopped_at: float | None = None
+        self.paused_s = 0.0
+        self.paused_before_start = 0.0
+        self.paused_since: float | None = None
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+        self.paused_before_start = self.paused_s
+
+    def stop(self) -> None:
+        """Training is over: what follows (joining threads, tearing down) is not counted."""
+        self.stopped_at = self.seconds()
+
+    def seconds(self) -> float:
+        if self.started is None:
+            return 0.0
+        if self.stopped_at is not None:
+            return self.stopped_at
+        now = self.paused_since if self.paused_since is not None else time.perf_counter()
+        return now - self.started - (self.paused_s - self.paused_before_start)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self.paused_since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - self.paused_since
+            self.paused_since = None
+
+
+class StepBudget:
+    """The budget rule both sides follow: start a step only if, taking as long as the previous
+    one, it would end within the budget."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
+        self.clock = TrainingClock()
+        self.previous_end = 0.0
+        self.last_step_s = 0.0
+        self.steps: list[dict[str, float]] = []  # {"step", "seconds"} at each step's end
+
+    def step_done(self, step: int) -> None:
+        now = self.clock.seconds()
+        self.last_step_s, self.previous_end = now - self.previous_end, now
+        self.steps.append({"step": step, "seconds": round(now, 3)})
+
+    def room_for_another(self) -> bool:
+        """False stops the clock: the caller stops training."""
+        if self.clock.seconds() + self.last_step_s <= self.budget_s:
+            return True
+        self.clock.stop()
+        return False
+
+
+def point(result: EvalResult, seconds: float, step: int, label: str) -> EvalPoint:
+    return EvalPoint(round(seconds, 3), step, result.pass1.mean, result.pass1.low,
+                     result.pass1.high, label)
+
+
+def bench_config(model: str, eval_every: int, eval_problems: int, out: Path,
+                 threads: int | None = None) -> RunConfig:
+    """The demo's config, evaluated with greedy pass@1 only; the budget is enforced here."""
+    data = json.loads(json.dumps(DEMO_CONFIG))
+    data.update(name="decentrl", run_dir=str(out), model=model, threads=threads)
+    data["train"].update(time_budget_s=None, checkpoint_every=data["train"]["steps"])
+    data["eval"].update(problems=eval_problems, pass_k=1, every=eval_every)
+    return parse_config(data)
+
+
+# ---- decentrl ------------------------------------------------------------------------------
+
+
+class BudgetReached(Exception):
+    pass
+
+
+class GatedScheduler:
+    """The run's scheduler, handing out no new prompts while `open` is clear: the rollout worker
+    finishes the batch it is on and then waits, so an evaluation (which pauses the clock) hides
+    at most the rest of one batch's generation."""
+
+    def __init__(self, scheduler: PromptScheduler, open_: threading.Event) -> None:
+        self.scheduler, self.open = scheduler, open_
+
+    def next(self, count: int) -> list[int]:
+        self.open.wait()
+        return self.scheduler.next(count)
+
+
+class BudgetedRun(LocalRun):
+    """LocalRun whose budget counts training time only: an evaluation pauses the clock and the
+    rollout worker's new batches. Raises BudgetReached from the training loop when the budget
+    leaves no room for another step; the caller then evaluates the final weights."""
+
+    def __init__(self, config: RunConfig, budget_s: float) -> None:
+        super().__init__(config)
+        self.budget = StepBudget(budget_s)
+        self.points: list[EvalPoint] = []
+        self.generation_open = threading.Event()
+        self.generation_open.set()
+        gate = GatedScheduler(self.scheduler, self.generation_open)
+        self.worker.scheduler = gate  # type: ignore[assignment]
+
+    def evaluate(self, label: str, pass_k: int) -> EvalResult:
+        self.generation_open.clear()
+        try:
+            with self.budget.clock.paused():
+                result = super().evaluate(label, pass_k)
+        finally:
+            self.generation_open.set()
+        self.points.append(point(result, self.budget.clock.seconds(), self.step, label))
+        return result
+
+    def _train_one_step(self, stop: threading.Event) -> None:
+        if self.budget.clock.started is None:
+            self.budget.clock.start()
+        elif not self.budget.room_for_another():
+            raise BudgetReached
+        super()._train_one_step(stop)
+        self.budget.step_done(self.step)
+        if self.step >= self.config.train.steps:
+            self.budget.clock.stop()
+
+
+def run_decentrl(config: RunConfig, budget_s: float) -> dict[str, Any]:
+    if config.path.exists():
+        shutil.rmtree(config.path)  # LocalRun would resume from an old checkpoint
+    threads = torch.get_num_threads()  # an async run splits the cores between its threads
+    run = BudgetedRun(config, budget_s)
+    try:
+        run.run()
+    except BudgetReached:
+        if run.points[-1].step != run.step:  # else the last periodic evaluation saw these weights
+            run.evaluate("end", pass_k=1)
+    finally:
+        torch.set_num_threads(threads)
+    rewards = {}
+    for line in (config.path / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["event"] == "step":
+            rewards[record["step"]] = record["reward"]
+    steps = [{**s, "reward": rewards.get(s["step"])} for s in run.budget.steps]
+    return side_result(run.points, steps, run.budget.clock.paused_s)
+
+
+def side_result(points: list[EvalPoint], steps: list[dict[str, Any]], eval_s: float
+                ) -> dict[str, Any]:
+    training_s = steps[-1]["seconds"] if steps else 0.0
+    return {"points": [p._asdict() for p in points], "steps": steps,
+            "training_s": training_s, "eval_s": round(eval_s, 3),
+            "s_per_step": training_s / len(steps) if steps else None}
+
+
+# ---- TRL -----------------------------------------------------------------------------------
+
+
+def import_trl() -> None:
+    try:
+        import trl
+    except ImportError:
+        raise SystemExit("the vs-trl bench needs TRL, a bench extra: run `make bench-trl`, or "
+                         "`.venv/bin/pip install -e '.[bench]'` (or --skip-trl)") from None
+    if trl.__version__ != TRL_VERSION:
+        print(f"warning: this bench was written against trl {TRL_VERSION}; "
+              f"trl {trl.__version__} is installed")
+
+
+def run_trl(config: RunConfig, budget_s: float, out: Path) -> dict[str, Any]:
+    import_trl()
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    # transformers' v6 renames, which TRL still uses; nothing we can act on.
+    warnings.filterwarnings("ignore", message=".*deprecated and will be removed in v6",
+                            category=FutureWarning)
+
+    torch.manual_seed(config.seed)
+    loaded = load_model(config.model)
+    device = pick_device(config.device)
+    dtype = compute_dtype(device, config.dtype)
+    task = make_task(config.task.name, **config.task.options)
+    eval_task = make_task(config.eval.task.name, **config.eval.task.options)
+    rollout, train, ev = config.rollout, config.train, config.eval
+
+    # decentrl's scheduler order: the same problems, in the same order, 8 prompts a step.
+    indices = PromptScheduler(config.seed).next(train.steps * rollout.prompts_per_step)
+    problems = {i: task.problem("train", i) for i in indices}
+    dataset = Dataset.from_dict({"prompt": [task.messages(problems[i]) for i in indices],
+                                 "problem_index": indices})
+
+    def sums_reward(completions: list[list[dict[str, str]]], problem_index: list[int],
+                    **_: Any) -> list[float]:
+        return [task.reward(problems[i], c[0]["content"]).total
+                for c, i in zip(completions, problem_index)]
+
+    completions_per_step = rollout.prompts_per_step * rollout.group_size
+    if completions_per_step % train.micro_batch_size:
+        raise ValueError(f"{completions_per_step} completions per step do not split into "
+                         f"micro-batches of {train.micro_batch_size}")
+    # TRL 1.16 counts per_device_train_batch_size in completions, not prompts; one generation
+    # batch of per_device * gradient_accumulation_steps completions feeds one optimizer step.
+    args = GRPOConfig(
+        output_dir=str(out / "trl"), report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, seed=config.seed, use_cpu=device.type == "cpu",
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        activation_checkpointing=False,
+        per_device_train_batch_size=train.micro_batch_size,
+        gradient_accumulation_steps=completions_per_step // train.micro_batch_size,
+        num_generations=rollout.group_size, max_completion_length=rollout.max_new_tokens,
+        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+        shuffle_dataset=False, max_steps=train.steps,
+        learning_rate=train.lr, lr_scheduler_type="constant_with_warmup",
+        warmup_steps=train.warmup_steps, adam_beta1=train.betas[0],
+        adam_beta2=train.betas[1], weight_decay=train.weight_decay,
+        max_grad_norm=train.max_grad_norm or 0.0,
+        loss_type=train.loss, beta=train.kl_coef, epsilon=train.clip_low,
+        epsilon_high=train.clip_high,
+        scale_rewards="group" if train.scale_advantages_by_std else "none",
+    )
+    plan = StagePlan.even(loaded.spec.num_layers, config.num_stages)
+    eval_chain = LocalChain(build_stages(loaded.spec, plan, loaded.tensors, device, dtype))
+    budget = StepBudget(budget_s)
+    points: list[EvalPoint] = []
+    rewards: dict[int, float] = {}
+
+    def held_out(model: Any, step: int, label: str) -> None:
+        with budget.clock.paused():
+            state = model.state_dict()
+            for stage in eval_chain.stages:
+                stage.load_hf_state_dict(state)
+            result = evaluate(eval_chain, eval_task, loaded.tokenizer, ev.problems,
+                              ev.max_new_tokens, ev.batch_size, pass_k=1, seed=config.seed)
+        points.append(point(result, budget.clock.seconds(), step, label))
+        print(f"trl eval ({label}) step {step}: pass@1 {result.pass1.as_percent()}  "
+              f"t={budget.clock.seconds():.0f}s", flush=True)
+
+    class HeldOutEval(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            held_out(kwargs["model"], 0, "before")
+            budget.clock.start()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            budget.step_done(state.global_step)
+            if not budget.room_for_another():
+                control.should_training_stop = True
+            elif ev.every and state.global_step % ev.every == 0:
+                held_out(kwargs["model"], state.global_step, "during")
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            budget.clock.stop()
+            held_out(kwargs["model"], state.global_step, "end")
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
+                   **kwargs: Any) -> None:
+            if logs and "reward" in logs:
+                rewards[state.global_step] = logs["reward"]
+                print(f"trl step {state.global_step:4d}  reward {logs['reward']:.3f}  "
+                      f"t={budget.clock.seconds():.0f}s", flush=True)
+
+    model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=sums_reward, args=args, train_dataset=dataset,
+                          processing_class=loaded.tokenizer, callbacks=[HeldOutEval()])
+    trainer.remove_callback(PrinterCallback)  # HeldOutEval prints a line per step instead
+    trainer.train()
+    steps = [{**s, "reward": rewards.get(int(s["step"]))} for s in budget.steps]
+    del trainer, model
+    gc.collect()
+    return side_result(points, steps, budget.clock.paused_s)
+
+
+# ---- report --------------------------------------------------------------------------------
+
+
+def as_points(side: dict[str, Any] | None) -> list[EvalPoint]:
+    return [EvalPoint(**p) for p in side["points"]] if side else []
+
+
+def describe(p: EvalPoint | None) -> str:
+    if p is None:
+        return "-"
+    return (f"{Accuracy(p.pass1, p.low, p.high, 0).as_percent()} "
+            f"(step {p.step}, {p.seconds:.0f}s)")
+
+
+def report(results: dict[str, Any], out: Path) -> None:
+    budget_s = results["budget_s"]
+    checkpoints = [budget_s * f for f in CHECKPOINT_FRACTIONS]
+    chosen = {side: at_checkpoints(as_points(results.get(side)), checkpoints) for side in SIDES}
+    rows = [[f"{f:.0%} ({t:.0f}s)", *(describe(chosen[side][i]) for side in SIDES)]
+            for i, (f, t) in enumerate(zip(CHECKPOINT_FRACTIONS, checkpoints))]
+    # A side stops when its next step would likely overrun the budget; a slower last step can
+    # still end a little past it, so the final weights get a row of their own.
+    last = {side: at_checkpoints(as_points(results.get(side)), [float("inf")])[0] for side in SIDES}
+    rows.append(["end of training", *(describe(last[side]) for side in SIDES)])
+    print_table(f"held-out pass@1 (greedy, {results['eval_problems']} problems, 95% CI): "
+                "the last evaluation at or before each point of the budget",
+                ["budget", *SIDES], rows)
+    summary, machines = [], set()
+    for side in SIDES:
+        data = results.get(side)
+        if data:
+            per_step = data["s_per_step"]
+            summary.append([side, len(data["steps"]), f"{data['training_s']:.0f}",
+                            "-" if per_step is None else f"{per_step:.2f}",
+                            f"{data['eval_s']:.0f}"])
+            machines.add(data["machine"])
+    print_table("training time", ["side", "steps", "training s", "s/step", "eval s (excluded)"],
+                summary, caption="\n".join(sorted(machines)))
+    plot(results, out / "vs_trl.png")
+    print(f"results: {out / 'vs_trl.json'}  plot: {out / 'vs_trl.png'}")
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for side, color in zip(SIDES, ("tab:blue", "tab:orange")):
+        points = sorted(as_points(results.get(side)), key=lambda p: p.seconds)
+        if not points:
+            continue
+        seconds = [p.seconds for p in points]
+        axes.plot(seconds, [p.pass1 for p in points], "o-", color=color, label=side)
+        axes.fill_between(seconds, [p.low for p in points], [p.high for p in points],
+                          color=color, alpha=0.2)
+    axes.axvline(results["budget_s"], color="gray", linestyle=":", label="budget")
+    axes.set_xlabel("training seconds (evaluations excluded)")
+    axes.set_ylabel("held-out pass@1 (greedy, 95% CI)")
+    axes.set_ylim(0, 1)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="best")
+    axes.set_title("decentrl vs TRL GRPOTrainer: sums, same budget")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="decentrl bench vs-trl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", type=float, default=900, help="training seconds per side")
+    parser.add_argument("--eval-every", type=int, default=10, help="optimizer steps")
+    parser.add_argument("--eval-problems", type=int, default=200)
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="smollm2-135m-instruct or a Hugging Face folder")
+    parser.add_argument("--out", type=Path, default=Path("runs/vs-trl"))
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for both sides (default: all cores)")
+    parser.add_argument("--skip-trl", action="store_true",
+                        help="keep the TRL results of an earlier run in --out")
+    parser.add_argument("--skip-decentrl", action="store_true",
+                        help="keep the decentrl results of an earlier run in --out")
+    args = parser.parse_args(argv)
+    if args.budget <= 0 or args.eval_every < 1 or args.eval_problems < 1 \
+            or (args.threads is not None and args.threads < 1):
+        parser.error("--budget, --eval-every, --eval-problems and --threads must be positive")
+    if args.skip_trl and args.skip_decentrl:
+        parser.error("--skip-trl and --skip-decentrl together leave nothing to run")
+    if not args.skip_trl:
+        import_trl()  # fail before spending the decentrl side's budget
+    quiet_transformers()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "vs_trl.json"
+    config = bench_config(args.model, args.eval_every, args.eval_problems, args.out,
+                          args.threads)
+    device = pick_device(config.device)
+    setup = {"budget_s": args.budget, "eval_every": args.eval_every,
+             "eval_problems": args.eval_problems, "model": args.model, "threads": args.threads,
+             "config": config.model_dump(mode="json")}
+    results: dict[str, Any] = {**setup, "compute_dtype": str(compute_dtype(device, config.dtype))}
+    if path.is_file():
+        earlier = json.loads(path.read_text())
+        kept = [side for side, skipped in zip(SIDES, (args.skip_decentrl, args.skip_trl))
+                if skipped and side in earlier]
+        differ = [k for k, v in setup.items() if earlier.get(k) != v]
+        if kept and differ:
+            raise SystemExit(f"{path} was made with another {', '.join(differ)}; "
+                             "rerun both sides")
+        results.update({side: earlier[side] for side in kept})
+    if not args.skip_trl:
+        results["trl"] = {**run_trl(config, args.budget, args.out), "machine": machine(device)}
+    if not args.skip_decentrl:
+        results["decentrl"] = {**run_decentrl(config, args.budget), "machine": machine(device)}
+    path.write_text(json.dumps(results, indent=2))
+    report(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
