@@ -4,6 +4,7 @@ group-relative advantages."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,8 @@ from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.rollout.types import RolloutGroup, ScoredGroup
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.tasks import Task
+
+log = logging.getLogger(__name__)
 
 
 class RejectedGroup(ValueError):
@@ -91,7 +94,7 @@ class Coordinator:
             return None
         except (RejectedGroup, ValueError) as error:
             self.stats.count_rejection(type(error).__name__)
-            print(f"rejected: {error}")
+            log.warning("rejected group %s: %s", group.group_id, error)
             return None
         self.stats.accepted += 1
         return self.score(group), staleness
