@@ -140,6 +140,25 @@ def emit_result(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
+def run_variants(script: Path, argv: list[str] | None, args: Any,
+                 run_variant: Any, report: Any) -> None:
+    """A bench's main: as a worker, run the one variant asked for and emit its result; otherwise
+    run every variant (each in its own process unless --in-process) and report them together."""
+    if args.worker:
+        emit_result(run_variant(args.worker, args))
+        return
+    results = []
+    for variant in args.variants:
+        print(f"running {variant} ...", flush=True)
+        if args.in_process:
+            results.append(run_variant(variant, args))
+        else:
+            forwarded = [a for a in (argv if argv is not None else sys.argv[1:])
+                         if a != "--in-process"]
+            results.append(run_worker(script, [*forwarded, "--worker", variant]))
+    report(results, args)
+
+
 def profile(fn, device: torch.device, label: str, rows: int = 25) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 

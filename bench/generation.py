@@ -167,20 +167,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.worker:
-        common.emit_result(run_variant(args.worker, args))
-        return
-    results = []
-    for variant in args.variants:
-        print(f"running {variant} ...", flush=True)
-        if args.in_process:
-            results.append(run_variant(variant, args))
-        else:
-            forwarded = [a for a in (argv if argv is not None else sys.argv[1:])
-                         if a != "--in-process"]
-            results.append(common.run_worker(Path(__file__), [*forwarded, "--worker", variant]))
-    report(results, args)
+    common.run_variants(Path(__file__), argv, parse_args(argv), run_variant, report)
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

@@ -10,12 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import build, chat_prompts
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.blocks import positions_from_valid
 from decentrl.model.loading import LoadedModel, load_model
-from decentrl.model.stages import StageModule, StagePlan, build_stages
+from decentrl.model.stages import StageModule
 from decentrl.release.export import export_hf_folder, load_stages_from_folder
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.generate import generate, left_pad
@@ -28,15 +29,6 @@ QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 * 34, then add 5."]
 CARD = "# tiny\n\nTrained by a test.\n"
 
 
-def chat_prompts(model: LoadedModel) -> list[list[int]]:
-    return [model.tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                                add_generation_prompt=True)["input_ids"]
-            for q in QUESTIONS]
-
-
-def build(model: LoadedModel, num_stages: int) -> list[StageModule]:
-    plan = StagePlan.even(model.spec.num_layers, num_stages)
-    return build_stages(model.spec, plan, model.tensors, CPU, torch.float32)
 
 
 def state(stages: list[StageModule]) -> dict[str, torch.Tensor]:
@@ -53,7 +45,7 @@ def trained(sharp: LoadedModel) -> list[StageModule]:
     """Two stages after one training step, so the head no longer equals the embedding."""
     stages = build(sharp, 2)
     tokenizer = sharp.tokenizer
-    prompts = chat_prompts(sharp)
+    prompts = chat_prompts(sharp, QUESTIONS)
     sampling = SamplingConfig()
     generations = generate(LocalChain(stages), prompts, 8, sampling, {tokenizer.eos_token_id},
                            tokenizer.pad_token_id, torch.Generator().manual_seed(0))
@@ -108,7 +100,7 @@ def test_transformers_loads_the_same_model(exported: Path, trained: list[StageMo
     assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()
     assert torch.equal(hf.lm_head.weight, trained[1].lm_head.weight)
     tokenizer = AutoTokenizer.from_pretrained(exported)
-    prompts = chat_prompts(sharp)
+    prompts = chat_prompts(sharp, QUESTIONS)
     assert [tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                           add_generation_prompt=True)["input_ids"]
             for q in QUESTIONS] == prompts

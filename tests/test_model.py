@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import build
 from decentrl.device import compute_dtype, pick_device
 from decentrl.model.blocks import positions_from_valid
 from decentrl.model.loading import LoadedModel, load_model
@@ -38,10 +39,6 @@ def chain_logits(stages: list[StageModule], ids: torch.Tensor, valid: torch.Tens
             x = stage(x, positions, valid)
     return x
 
-
-def build(model: LoadedModel, num_stages: int) -> list[StageModule]:
-    plan = StagePlan.even(model.spec.num_layers, num_stages)
-    return build_stages(model.spec, plan, model.tensors, CPU, torch.float32)
 
 
 @pytest.fixture(scope="module", params=["tiny_model_dir", "tiny_sharp_dir", "tiny_qwen_dir"])

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import build, chat_prompts
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
-from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.generate import Generation, generate, left_pad
 from decentrl.rollout.sampling import SamplingConfig, sample, sampling_logprobs, transformed_logits
@@ -26,15 +26,6 @@ GREEDY = SamplingConfig(temperature=0.0)
 NUCLEUS = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20)
 
 
-def chat_prompts(model: LoadedModel) -> list[list[int]]:
-    return [model.tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                                add_generation_prompt=True)["input_ids"]
-            for q in QUESTIONS]
-
-
-def build(model: LoadedModel, num_stages: int) -> list[StageModule]:
-    plan = StagePlan.even(model.spec.num_layers, num_stages)
-    return build_stages(model.spec, plan, model.tensors, CPU, torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +38,7 @@ def sharp(tiny_sharp_dir: Path) -> LoadedModel:
 def test_greedy_matches_hugging_face_generate(sharp: LoadedModel, tiny_sharp_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    prompts, pad = chat_prompts(sharp), sharp.tokenizer.pad_token_id
+    prompts, pad = chat_prompts(sharp, QUESTIONS), sharp.tokenizer.pad_token_id
     chain = LocalChain(build(sharp, 2))
     max_new = 24
     # A stop token that ends one row early and never appears in another, so the comparison covers
@@ -166,7 +157,7 @@ def test_learner_recomputes_behaviour_logprobs(request: pytest.FixtureRequest,
     and training (whole sequences) order their sums differently, ~1e-7 apart in fp32; a
     misaligned token, position or sampling transform would be off by far more than 1e-4."""
     model = load_model(str(request.getfixturevalue(fixture)))
-    prompts = chat_prompts(model) * 2  # two samples per prompt
+    prompts = chat_prompts(model, QUESTIONS) * 2  # two samples per prompt
     tokenizer = model.tokenizer
     generations = generate(LocalChain(build(model, 2)), prompts, 16, NUCLEUS,
                            {tokenizer.eos_token_id}, tokenizer.pad_token_id,
@@ -195,7 +186,7 @@ def test_learner_recomputes_behaviour_logprobs(request: pytest.FixtureRequest,
 
 def test_generation_is_reproducible_with_a_seed(tiny_model: LoadedModel) -> None:
     chain = LocalChain(build(tiny_model, 2))
-    prompts, pad = chat_prompts(tiny_model), tiny_model.tokenizer.pad_token_id
+    prompts, pad = chat_prompts(tiny_model, QUESTIONS), tiny_model.tokenizer.pad_token_id
 
     def run(seed: int) -> list[Generation]:
         return generate(chain, prompts, 12, NUCLEUS, {tiny_model.tokenizer.eos_token_id}, pad,

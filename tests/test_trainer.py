@@ -9,27 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import build
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.losses import LOSS_NAMES
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from, stage_forward
 from decentrl.model.loading import LoadedModel
-from decentrl.model.stages import StageModule, StagePlan, build_stages
+from decentrl.model.stages import StageModule
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import Rollout
 
-CPU = torch.device("cpu")
 SAMPLING = SamplingConfig(temperature=1.0)
 MAX_NEW = 12
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 * 34.", "2+2=?"]
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 0.3, -0.3]
 
-
-def build(model: LoadedModel, num_stages: int) -> list[StageModule]:
-    plan = StagePlan.even(model.spec.num_layers, num_stages)
-    return build_stages(model.spec, plan, model.tensors, CPU, torch.float32)
 
 
 def make_trainer(model: LoadedModel, num_stages: int = 2, *,
