@@ -6,6 +6,7 @@ file by path and calls `main(argv)`); they put this folder on sys.path to import
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -138,6 +139,30 @@ def run_worker(script: Path, argv: list[str]) -> dict[str, Any]:
 
 def emit_result(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def bench_parser(prog: str, description: str, unit: str) -> argparse.ArgumentParser:
+    """The options every bench shares; `unit` names what one timed repeat is."""
+    from decentrl.model.loading import DEFAULT_MODEL
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF folder")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16"),
+                        help="compute dtype (auto: decentrl.device.compute_dtype)")
+    parser.add_argument("--steps", type=int, default=3, help=f"timed {unit}s per variant")
+    parser.add_argument("--warmup", type=int, default=1, help=f"untimed {unit}s first")
+    parser.add_argument("--batch", type=int, default=16, help=f"sequences per {unit}")
+    parser.add_argument("--stages", type=int, default=2, help="decentrl pipeline stages")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every variant in this process (CPU peak RSS is then shared)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"profile one extra {unit} per variant and print the top operators")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return parser
 
 
 def run_variants(script: Path, argv: list[str] | None, args: Any,

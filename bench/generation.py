@@ -35,29 +35,11 @@ MODES = ("sample", "greedy")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from decentrl.model.loading import DEFAULT_MODEL
-
-    parser = argparse.ArgumentParser(prog="generation", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF folder")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16"),
-                        help="inference dtype (auto: decentrl.device.compute_dtype)")
-    parser.add_argument("--steps", type=int, default=3, help="timed generations per mode")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed generations first")
-    parser.add_argument("--batch", type=int, default=16, help="prompts per generation")
+    parser = common.bench_parser("generation", __doc__.split("\n")[0], "generation")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--stages", type=int, default=2, help="decentrl pipeline stages")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: sample,greedy")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated: decentrl,hf")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--in-process", action="store_true",
-                        help="run every variant in this process (CPU peak RSS is then shared)")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile one extra generation per variant and mode")
-    parser.add_argument("--json", default=None, help="also write the figures to this file")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]

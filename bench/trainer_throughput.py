@@ -42,31 +42,13 @@ DEFAULT_VARIANTS = "decentrl,plain,plain-head"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from decentrl.model.loading import DEFAULT_MODEL
-
-    parser = argparse.ArgumentParser(prog="trainer_throughput", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF folder")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16"),
-                        help="autocast dtype (auto: decentrl.device.compute_dtype)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per batch")
+    parser = common.bench_parser("trainer_throughput", __doc__.split("\n")[0], "step")
     parser.add_argument("--completion-length", type=int, default=112)
     parser.add_argument("--group-size", type=int, default=1,
                         help="completions per prompt (decentrl runs a shared prompt once; 1 "
                              "gives every variant the same work)")
-    parser.add_argument("--stages", type=int, default=2, help="decentrl pipeline stages")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
                         help=f"comma-separated, from {', '.join(VARIANTS)}")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--in-process", action="store_true",
-                        help="run every variant in this process (CPU peak RSS is then shared)")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile one extra step per variant and print the top operators")
-    parser.add_argument("--json", default=None, help="also write the figures to this file")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for variant in args.variants:

@@ -27,8 +27,7 @@ class EvalResult:
     samples: list[dict[str, Any]]  # a few (question, completion, correct) for the report
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        return data
+        return asdict(self)
 
 
 def _solved(chain: InferenceChain, task: Task, batch_problems: list[Problem], tokenizer: Any,

@@ -188,10 +188,11 @@ class PipelineTrainer:
             minibatch = batch.select(rows)
             sequences, tokens = minibatch.num_sequences, minibatch.num_target_tokens
             for micro_start in range(0, sequences, self.train.micro_batch_size):
-                micro_rows_ = slice(micro_start, micro_start + self.train.micro_batch_size)
-                micro = minibatch.select(micro_rows_)
-                pick = lambda t: None if t is None else t[rows][micro_rows_]  # noqa: E731
-                metrics = self._micro_step(micro, pick(proximal), pick(reference), sequences, tokens)
+                micro_slice = slice(micro_start, micro_start + self.train.micro_batch_size)
+                metrics = self._micro_step(
+                    micro_count, minibatch.select(micro_slice),
+                    _rows(proximal, rows, micro_slice), _rows(reference, rows, micro_slice),
+                    sequences, tokens)
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
                 micro_count += 1
@@ -200,7 +201,7 @@ class PipelineTrainer:
         result["grad_norm"] = totals["grad_norm"] / self.train.updates_per_batch
         return result
 
-    def _micro_step(self, micro: TrainBatch, proximal: torch.Tensor | None,
+    def _micro_step(self, micro_id: int, micro: TrainBatch, proximal: torch.Tensor | None,
                     reference: torch.Tensor | None, total_sequences: int,
                     total_tokens: int) -> dict[str, float]:
         def loss_fn(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -222,10 +223,10 @@ class PipelineTrainer:
         last = len(self.stage_trainers) - 1
         for i, trainer in enumerate(self.stage_trainers):
             assert x is not None
-            x, metrics = trainer.forward(0, x, micro, loss_fn=loss_fn if i == last else None)
+            x, metrics = trainer.forward(micro_id, x, micro, loss_fn=loss_fn if i == last else None)
         grad: Activations | None = None
         for trainer in reversed(self.stage_trainers):
-            grad = trainer.backward(0, grad)
+            grad = trainer.backward(micro_id, grad)
         return metrics
 
     def _step(self) -> float:
@@ -275,6 +276,11 @@ class PipelineTrainer:
         for trainer, state in zip(self.stage_trainers, states):
             trainer.load_state(state)
         return info
+
+
+def _rows(per_token: torch.Tensor | None, minibatch: slice, micro: slice) -> torch.Tensor | None:
+    """The rows of a whole-batch [B, C] tensor that belong to one micro-batch of a minibatch."""
+    return None if per_token is None else per_token[minibatch][micro]
 
 
 def latest_checkpoint(root: Path) -> Path | None:
