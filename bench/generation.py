@@ -72,9 +72,8 @@ def decentrl_generator(loaded, prompts, args, device, dtype):
 
     def run(mode: str) -> list[list[int]]:
         sampling = SamplingConfig(temperature=0.0 if mode == "greedy" else 1.0)
-        generator = torch.Generator(device=device).manual_seed(args.seed)
         # No stop ids: every row decodes exactly max_new_tokens (see the module docstring).
-        out = generate(chain, prompts, args.max_new_tokens, sampling, set(), pad_id, generator)
+        out = generate(chain, prompts, args.max_new_tokens, sampling, set(), pad_id, args.seed)
         return [g.tokens for g in out]
 
     return run

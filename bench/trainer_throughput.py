@@ -106,8 +106,8 @@ def decentrl_variant(loaded, batch, args, device, dtype):
     stages = build_stages(loaded.spec, plan, loaded.tensors, device, torch.float32)
     train = TrainConfig(micro_batch_size=batch.num_sequences)
     sampling = SamplingConfig()
-    trainer = PipelineTrainer(stages, train, loss_config_from(train, args.completion_length),
-                              sampling, dtype)
+    trainer = PipelineTrainer.local(stages, train, loss_config_from(train, args.completion_length),
+                                    sampling, dtype)
     on_device = batch.to(device)
     mask = on_device.completion_valid
     with torch.no_grad(), autocast(device, dtype):

@@ -48,14 +48,14 @@ def trained(sharp: LoadedModel) -> list[StageModule]:
     prompts = chat_prompts(sharp, QUESTIONS)
     sampling = SamplingConfig()
     generations = generate(LocalChain(stages), prompts, 8, sampling, {tokenizer.eos_token_id},
-                           tokenizer.pad_token_id, torch.Generator().manual_seed(0))
+                           tokenizer.pad_token_id, 0)
     rollouts = [Rollout(prompt_tokens=p, completion_tokens=g.tokens, behaviour_logprobs=g.logprobs,
                         finished=g.finished, completion_text="")
                 for p, g in zip(prompts, generations)]
     batch = build_batch(rollouts, [1.0, -1.0, 0.5], [0, 0, 0], tokenizer.pad_token_id)
     train = TrainConfig(lr=1e-3)
-    PipelineTrainer(stages, train, loss_config_from(train, 8), sampling, torch.float32
-                    ).train_step(batch)
+    PipelineTrainer.local(stages, train, loss_config_from(train, 8), sampling, torch.float32
+                          ).train_step(batch)
     assert all(stage.version == 1 for stage in stages)
     head, embed = stages[1].lm_head.weight, stages[0].embed_tokens.weight
     assert (head - embed).abs().max() > 1e-4

@@ -160,15 +160,14 @@ def test_learner_recomputes_behaviour_logprobs(request: pytest.FixtureRequest,
     prompts = chat_prompts(model, QUESTIONS) * 2  # two samples per prompt
     tokenizer = model.tokenizer
     generations = generate(LocalChain(build(model, 2)), prompts, 16, NUCLEUS,
-                           {tokenizer.eos_token_id}, tokenizer.pad_token_id,
-                           torch.Generator().manual_seed(0))
+                           {tokenizer.eos_token_id}, tokenizer.pad_token_id, 0)
     rollouts = [Rollout(prompt_tokens=p, completion_tokens=g.tokens,
                         behaviour_logprobs=g.logprobs, finished=g.finished, completion_text="")
                 for p, g in zip(prompts, generations)]
     batch = build_batch(rollouts, [1.0, -1.0] * 4, [0] * 8, tokenizer.pad_token_id)
     train = TrainConfig(micro_batch_size=3)  # micro-batches that do not divide the batch
-    trainer = PipelineTrainer(build(model, 3), train, loss_config_from(train, 16), NUCLEUS,
-                              torch.float32)
+    trainer = PipelineTrainer.local(build(model, 3), train, loss_config_from(train, 16), NUCLEUS,
+                                    torch.float32)
     learner = trainer._chain_logprobs([t.stage for t in trainer.stage_trainers], batch)
     mask = batch.completion_valid
     assert mask.sum() == sum(len(g.tokens) for g in generations) > 40
@@ -189,8 +188,7 @@ def test_generation_is_reproducible_with_a_seed(tiny_model: LoadedModel) -> None
     prompts, pad = chat_prompts(tiny_model, QUESTIONS), tiny_model.tokenizer.pad_token_id
 
     def run(seed: int) -> list[Generation]:
-        return generate(chain, prompts, 12, NUCLEUS, {tiny_model.tokenizer.eos_token_id}, pad,
-                        torch.Generator().manual_seed(seed))
+        return generate(chain, prompts, 12, NUCLEUS, {tiny_model.tokenizer.eos_token_id}, pad, seed)
 
     first, again, other = run(0), run(0), run(1)
     assert first == again
@@ -205,8 +203,8 @@ class ScriptedSession:
         self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.closed = False
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                key_valid: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+             sampling: SamplingConfig, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         step = len(self.calls)
         if step == self.fail_at:
             raise RuntimeError("peer went away")
@@ -214,7 +212,7 @@ class ScriptedSession:
         logits = torch.full((len(self.script), self.vocab), -30.0)
         for row, tokens_of_row in enumerate(self.script):
             logits[row, tokens_of_row[step]] = 30.0
-        return logits
+        return sample(logits, sampling, None)
 
     def close(self) -> None:
         self.closed = True

@@ -31,8 +31,9 @@ ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 0.3, -0.3]
 def make_trainer(model: LoadedModel, num_stages: int = 2, *,
                  reference: list[StageModule] | None = None, **train: object) -> PipelineTrainer:
     config = TrainConfig(**{"lr": 1e-4, **train})
-    return PipelineTrainer(build(model, num_stages), config, loss_config_from(config, MAX_NEW),
-                           SAMPLING, torch.float32, reference_stages=reference)
+    return PipelineTrainer.local(build(model, num_stages), config,
+                                 loss_config_from(config, MAX_NEW), SAMPLING, torch.float32,
+                                 reference_stages=reference)
 
 
 def weights(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
@@ -54,8 +55,7 @@ def rollouts(tiny_model: LoadedModel) -> list[Rollout]:
                                              add_generation_prompt=True)["input_ids"]
                for q in QUESTIONS for _ in range(2)]
     generations = generate(LocalChain(build(tiny_model, 2)), prompts, MAX_NEW, SAMPLING,
-                           {tokenizer.eos_token_id}, tokenizer.pad_token_id,
-                           torch.Generator().manual_seed(0))
+                           {tokenizer.eos_token_id}, tokenizer.pad_token_id, 0)
     return [Rollout(prompt_tokens=p, completion_tokens=g.tokens, behaviour_logprobs=g.logprobs,
                     finished=g.finished, completion_text="") for p, g in zip(prompts, generations)]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 
 from decentrl.evaluate.stats import Accuracy, pass_at_k
 from decentrl.rollout.chain import InferenceChain
@@ -31,11 +30,11 @@ class EvalResult:
 
 
 def _solved(chain: InferenceChain, task: Task, batch_problems: list[Problem], tokenizer: Any,
-            max_new_tokens: int, sampling: SamplingConfig, generator: torch.Generator | None
+            max_new_tokens: int, sampling: SamplingConfig, seed: int | None
             ) -> tuple[list[bool], list[str], list[int]]:
     prompts = [render_prompt(task, p, tokenizer) for p in batch_problems]
     generations = generate(chain, prompts, max_new_tokens, sampling, {tokenizer.eos_token_id},
-                           tokenizer.pad_token_id, generator)
+                           tokenizer.pad_token_id, seed)
     texts = [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in generations]
     solved = [task.reward(p, text).solved for p, text in zip(batch_problems, texts)]
     return solved, texts, [len(g.tokens) for g in generations]
@@ -50,7 +49,6 @@ def evaluate(chain: InferenceChain, task: Task, tokenizer: Any, num_problems: in
     samples: list[dict[str, Any]] = []
     lengths: list[int] = []
     sampled_correct: list[int] = []
-    generator = torch.Generator(device=chain.device).manual_seed(seed)
     for start in range(0, len(items), batch_size):
         chunk = items[start:start + batch_size]
         solved, texts, n_tokens = _solved(chain, task, chunk, tokenizer, max_new_tokens,
@@ -67,7 +65,8 @@ def evaluate(chain: InferenceChain, task: Task, tokenizer: Any, num_problems: in
             for sub in range(0, len(chunk), per_batch):
                 repeated = [p for p in chunk[sub:sub + per_batch] for _ in range(pass_k)]
                 solved_k, _, _ = _solved(chain, task, repeated, tokenizer, max_new_tokens,
-                                         SamplingConfig(temperature=1.0), generator)
+                                         SamplingConfig(temperature=1.0),
+                                         seed * 1_000_003 + start + sub)
                 for j, ok in enumerate(solved_k):
                     counts[sub + j // pass_k] += int(ok)
             sampled_correct += counts

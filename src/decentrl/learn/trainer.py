@@ -1,8 +1,9 @@
 """Training a chain of stages. Each `StageTrainer` owns one stage's fp32 master weights and its own
-optimizer, and only ever sees activations in and gradients back, as a training peer will. The
-`PipelineTrainer` drives them: forward through the chain, the loss at the last stage, backward back
-through the chain, micro-batch by micro-batch, then one global gradient-norm clip and a step on every
-stage. Everything crossing a stage boundary is detached, so the same driver works over a network."""
+optimizer, and only ever sees activations in and gradients back, as a training peer does. The
+`PipelineTrainer` drives any `StageWorker`s (a local `StageTrainer`, or a training peer behind the
+network): forward through the chain, the loss at the last stage, backward back through the chain,
+micro-batch by micro-batch, then one global gradient-norm clip and a step on every stage. Nothing
+crossing a stage boundary keeps a graph, so the same driver works over a network."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -27,8 +30,6 @@ from decentrl.rollout.sampling import (
     sampling_logprobs_and_entropy,
 )
 
-LossFunction = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
-
 
 def loss_config_from(train: TrainConfig, max_new_tokens: int) -> LossConfig:
     return LossConfig(
@@ -39,6 +40,33 @@ def loss_config_from(train: TrainConfig, max_new_tokens: int) -> LossConfig:
 
 
 Activations = tuple[torch.Tensor, torch.Tensor]  # (prompt part, completion part)
+
+
+@dataclass
+class LossInputs:
+    """What the last stage needs besides the micro-batch and its logits to compute the loss."""
+
+    proximal: torch.Tensor | None  # [B, C] fixed proximal log-probs, None: the current policy's
+    reference: torch.Tensor | None  # [B, C] reference log-probs for the KL term
+    total_sequences: int  # of the minibatch the micro-batch belongs to (loss normalisation)
+    total_tokens: int
+
+
+def micro_batch_loss(logits: torch.Tensor, batch: TrainBatch, inputs: LossInputs,
+                     loss: LossConfig, sampling: SamplingConfig
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy loss of one micro-batch from the last stage's logits [N, vocab] of its targets."""
+    mask = batch.completion_valid
+    picked, entropy = sampling_logprobs_and_entropy(logits, batch.completions[mask], sampling)
+    logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    logprobs = logprobs.masked_scatter(mask, picked)
+    value, metrics = policy_loss(
+        logprobs, inputs.proximal if inputs.proximal is not None else logprobs.detach(),
+        batch.behaviour_logprobs, batch.advantages, mask, loss,
+        reference_logprobs=inputs.reference, total_sequences=inputs.total_sequences,
+        total_tokens=inputs.total_tokens)
+    metrics["entropy"] = float(entropy.mean())
+    return value, metrics
 
 
 def stage_forward(stage: StageModule, inputs: Activations, batch: TrainBatch
@@ -54,11 +82,32 @@ def stage_forward(stage: StageModule, inputs: Activations, batch: TrainBatch
     return stage.head(hidden[batch.completion_valid])
 
 
+class StageWorker(Protocol):
+    """One stage of the training chain, local or remote."""
+
+    @property
+    def version(self) -> int: ...
+
+    def forward(self, micro: int, inputs: Activations, batch: TrainBatch,
+                loss_inputs: LossInputs | None = None
+                ) -> tuple[Activations | None, dict[str, float]]: ...
+
+    def backward(self, micro: int, grad_outputs: Activations | None) -> Activations | None: ...
+
+    def grad_square_norm(self) -> float: ...
+
+    def step(self, grad_scale: float) -> None: ...
+
+    def discard(self) -> None: ...
+
+
 class StageTrainer:
     """One stage's optimizer and the activations it keeps between forward and backward."""
 
-    def __init__(self, stage: StageModule, train: TrainConfig, autocast_dtype: torch.dtype) -> None:
+    def __init__(self, stage: StageModule, train: TrainConfig, loss: LossConfig,
+                 sampling: SamplingConfig, autocast_dtype: torch.dtype) -> None:
         self.stage = stage
+        self.loss, self.sampling = loss, sampling
         self.device = next(stage.parameters()).device
         self.autocast_dtype = autocast_dtype
         self.base_lr = train.lr
@@ -68,29 +117,41 @@ class StageTrainer:
         )
         self.saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
+    @property
+    def version(self) -> int:
+        return self.stage.version
+
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def forward(self, micro: int, inputs: Activations, batch: TrainBatch,
-                loss_fn: LossFunction | None = None) -> tuple[Activations | None, dict[str, float]]:
+                loss_inputs: LossInputs | None = None
+                ) -> tuple[Activations | None, dict[str, float]]:
         """Run this stage on micro-batch `micro` and keep what backward needs. Other stages return
-        their detached outputs for the next stage; the last stage is given `loss_fn`, computes
-        the loss, and returns its metrics."""
+        their detached outputs for the next stage; the last stage is given `loss_inputs`,
+        computes the loss, and returns its metrics."""
+        if micro in self.saved:
+            raise ValueError(f"stage {self.stage.index} already holds micro-batch {micro}")
+        batch = batch.to(self.device)
         xs = [x.to(self.device) for x in inputs]
         xs = [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in xs]
         with self.autocast():
             out = stage_forward(self.stage, (xs[0], xs[1]), batch)
         leaves = [x for x in xs if x.requires_grad]
-        if loss_fn is not None:
+        if loss_inputs is not None:
             if not isinstance(out, torch.Tensor):
                 raise RuntimeError(f"stage {self.stage.index} is not the last stage; no loss here")
-            loss, metrics = loss_fn(out)
+            loss_inputs = LossInputs(
+                *(None if t is None else t.to(self.device)
+                  for t in (loss_inputs.proximal, loss_inputs.reference)),
+                loss_inputs.total_sequences, loss_inputs.total_tokens)
+            loss, metrics = micro_batch_loss(out, batch, loss_inputs, self.loss, self.sampling)
             self.saved[micro] = (leaves, [loss])
             return None, metrics
         if isinstance(out, torch.Tensor):
-            raise RuntimeError("the last stage needs a loss function")
+            raise RuntimeError("the last stage needs the loss inputs")
         self.saved[micro] = (leaves, list(out))
         return (out[0].detach(), out[1].detach()), {}
 
@@ -103,6 +164,11 @@ class StageTrainer:
         if not leaves:
             return None
         return leaves[0].grad, leaves[1].grad
+
+    def discard(self) -> None:
+        """Forget a step that cannot finish (a peer failed mid-step): activations and gradients."""
+        self.saved.clear()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def grad_square_norm(self) -> float:
         grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
@@ -140,20 +206,41 @@ class StageTrainer:
 
 
 class PipelineTrainer:
-    def __init__(self, stages: list[StageModule], train: TrainConfig, loss: LossConfig,
-                 sampling: SamplingConfig, autocast_dtype: torch.dtype,
+    def __init__(self, workers: Sequence[StageWorker], train: TrainConfig, loss: LossConfig,
+                 sampling: SamplingConfig, device: torch.device,
                  reference_stages: list[StageModule] | None = None) -> None:
+        """`device` is where the driver keeps batch-wide tensors (proximal/reference log-probs).
+        Fixed proximal log-probs and the KL reference run the whole chain here, so they need
+        local stages (see `local`)."""
         if loss.kl_coef > 0 and reference_stages is None:
             raise ValueError("kl_coef > 0 needs reference stages")
-        self.stage_trainers = [StageTrainer(stage, train, autocast_dtype) for stage in stages]
+        if train.updates_per_batch > 1 and not all(isinstance(w, StageTrainer) for w in workers):
+            raise ValueError("updates_per_batch > 1 needs every stage local (its proximal "
+                             "log-probs run the whole chain in this process)")
+        self.workers = list(workers)
         self.train, self.loss, self.sampling = train, loss, sampling
         self.reference_stages = reference_stages
-        self.device = self.stage_trainers[0].device
+        self.device = device
+
+    @classmethod
+    def local(cls, stages: list[StageModule], train: TrainConfig, loss: LossConfig,
+              sampling: SamplingConfig, autocast_dtype: torch.dtype,
+              reference_stages: list[StageModule] | None = None) -> PipelineTrainer:
+        """Every stage trained in this process."""
+        workers = [StageTrainer(stage, train, loss, sampling, autocast_dtype) for stage in stages]
+        return cls(workers, train, loss, sampling, workers[0].device, reference_stages)
+
+    @property
+    def stage_trainers(self) -> list[StageTrainer]:
+        """The local stage trainers (checkpoints and weight access need them)."""
+        if not all(isinstance(w, StageTrainer) for w in self.workers):
+            raise TypeError("this pipeline trains remote stages; only their peers hold weights")
+        return self.workers  # type: ignore[return-value]
 
     @property
     def version(self) -> int:
-        """All stages step together here, so the learner's version is any stage's version."""
-        return self.stage_trainers[0].stage.version
+        """All stages step together, so the learner's version is any stage's version."""
+        return self.workers[0].version
 
     def _chain_logprobs(self, stages: list[StageModule], batch: TrainBatch) -> torch.Tensor:
         """Sampling-transformed log-probs of the targets [B, C] under `stages`, without gradient."""
@@ -204,41 +291,29 @@ class PipelineTrainer:
     def _micro_step(self, micro_id: int, micro: TrainBatch, proximal: torch.Tensor | None,
                     reference: torch.Tensor | None, total_sequences: int,
                     total_tokens: int) -> dict[str, float]:
-        def loss_fn(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-            mask = micro.completion_valid
-            picked, entropy = sampling_logprobs_and_entropy(logits, micro.completions[mask],
-                                                            self.sampling)
-            logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
-            logprobs = logprobs.masked_scatter(mask, picked)
-            loss, metrics = policy_loss(
-                logprobs, proximal if proximal is not None else logprobs.detach(),
-                micro.behaviour_logprobs, micro.advantages, mask, self.loss,
-                reference_logprobs=reference, total_sequences=total_sequences,
-                total_tokens=total_tokens)
-            metrics["entropy"] = float(entropy.mean())
-            return loss, metrics
-
+        loss_inputs = LossInputs(proximal, reference, total_sequences, total_tokens)
         x: Activations | None = (micro.prompts, micro.completions)
         metrics: dict[str, float] = {}
-        last = len(self.stage_trainers) - 1
-        for i, trainer in enumerate(self.stage_trainers):
+        last = len(self.workers) - 1
+        for i, worker in enumerate(self.workers):
             assert x is not None
-            x, metrics = trainer.forward(micro_id, x, micro, loss_fn=loss_fn if i == last else None)
+            x, metrics = worker.forward(micro_id, x, micro,
+                                        loss_inputs=loss_inputs if i == last else None)
         grad: Activations | None = None
-        for trainer in reversed(self.stage_trainers):
-            grad = trainer.backward(micro_id, grad)
+        for worker in reversed(self.workers):
+            grad = worker.backward(micro_id, grad)
         return metrics
 
     def _step(self) -> float:
-        norm = math.sqrt(sum(t.grad_square_norm() for t in self.stage_trainers))
+        norm = math.sqrt(sum(w.grad_square_norm() for w in self.workers))
         if not math.isfinite(norm):
-            for t in self.stage_trainers:
-                t.optimizer.zero_grad(set_to_none=True)
+            for w in self.workers:
+                w.discard()
             raise FloatingPointError(f"gradient norm is {norm}; the update was discarded")
         max_norm = self.train.max_grad_norm
         scale = min(1.0, max_norm / (norm + 1e-6)) if max_norm is not None else 1.0
-        for t in self.stage_trainers:
-            t.step(scale)
+        for w in self.workers:
+            w.step(scale)
         return norm
 
     def save(self, root: Path, extra: dict) -> Path:

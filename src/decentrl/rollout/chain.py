@@ -1,6 +1,7 @@
 """The inference side of a chain of stages. A session holds one KV cache per stage for a batch of
-sequences; hidden states hop stage to stage. `LocalChain` runs every stage in this process; the
-swarm's chain runs the same protocol over the network."""
+sequences; hidden states hop stage to stage and the last stage samples, so only token ids and their
+behaviour log-probs come back (never a [batch, vocab] logits tensor). `LocalChain` runs every stage
+in this process; the swarm's chain (swarm/client.py) runs the same protocol over the network."""
 
 from __future__ import annotations
 
@@ -9,12 +10,22 @@ from typing import Protocol
 import torch
 
 from decentrl.model.stages import StageCache, StageModule
+from decentrl.rollout.sampling import SamplingConfig, sample
+
+
+def step_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    """The generator of one decoding step. Seeded per step, not per session, so a session that
+    moves to another replica mid-generation keeps drawing the same samples."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed % 2**63)
 
 
 class InferenceSession(Protocol):
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                key_valid: torch.Tensor) -> torch.Tensor:
-        """Feed new positions [B, T]; returns the logits of the last new position, [B, vocab]."""
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+             sampling: SamplingConfig, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed new positions [B, T]; sample the next token of every row from the last new
+        position. Returns (tokens [B], behaviour log-probs [B])."""
         ...
 
     def close(self) -> None: ...
@@ -31,22 +42,28 @@ class InferenceChain(Protocol):
     def open_session(self, batch: int, max_length: int) -> InferenceSession: ...
 
 
+def last_position(inputs: torch.Tensor) -> torch.Tensor:
+    """The head-position mask [B, T] selecting the last new position of every row."""
+    last = torch.zeros(inputs.shape[:2], dtype=torch.bool, device=inputs.device)
+    last[:, -1] = True
+    return last
+
+
 class LocalSession:
     def __init__(self, stages: list[StageModule], batch: int, max_length: int) -> None:
         self.stages = stages
         self.caches: list[StageCache] | None = [s.new_cache(batch, max_length) for s in stages]
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                key_valid: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+             sampling: SamplingConfig, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.caches is None:
             raise RuntimeError("session is closed")
-        last = torch.zeros_like(tokens, dtype=torch.bool)
-        last[:, -1] = True
         x = tokens
         for stage, cache in zip(self.stages, self.caches):
-            x = stage(x, positions, key_valid, cache, head_positions=last if stage.is_last else None)
-        return x
+            x = stage(x, positions, key_valid, cache,
+                      head_positions=last_position(tokens) if stage.is_last else None)
+        return sample(x, sampling, step_generator(seed, x.device))
 
     def close(self) -> None:
         self.caches = None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from decentrl.rollout.chain import InferenceChain
-from decentrl.rollout.sampling import SamplingConfig, sample
+from decentrl.rollout.sampling import SamplingConfig
 
 
 @dataclass
@@ -15,6 +15,11 @@ class Generation:
     tokens: list[int]
     logprobs: list[float]  # behaviour log-prob of each token, under the sampled distribution
     finished: bool  # ended with a stop token rather than at max_new_tokens
+
+
+def step_seed(seed: int | None, step: int) -> int | None:
+    # Spaced so that generations with nearby seeds (consecutive problems) never share a step seed.
+    return None if seed is None else seed * 1_000_003 + step
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device
@@ -31,7 +36,9 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device
 
 def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: int,
              sampling: SamplingConfig, stop_ids: set[int], pad_id: int,
-             generator: torch.Generator | None = None) -> list[Generation]:
+             seed: int | None = None) -> list[Generation]:
+    """Sample up to `max_new_tokens` per prompt. Every step draws with its own seed derived from
+    `seed` (None: torch's global generator), so a seed gives the same samples on any chain."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and no empty prompt")
     if max_new_tokens < 1:
@@ -48,9 +55,9 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
     tokens_out, logprobs_out = [], []
     session = chain.open_session(batch, prompt_length + max_new_tokens)
     try:
-        logits = session.forward(ids, positions, valid[:, :prompt_length])
+        tokens, logprobs = session.step(ids, positions, valid[:, :prompt_length], sampling,
+                                        step_seed(seed, 0))
         for step in range(max_new_tokens):
-            tokens, logprobs = sample(logits, sampling, generator)
             tokens = tokens.masked_fill(done, pad_id)
             tokens_out.append(tokens)
             logprobs_out.append(logprobs)
@@ -61,8 +68,9 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
             # Finished rows keep decoding padding (cheaper than reshaping the batch and caches);
             # their keys are masked out and their tokens dropped below.
             valid[:, prompt_length + step] = ~done_before
-            logits = session.forward(tokens[:, None], next_position,
-                                     valid[:, :prompt_length + step + 1])
+            tokens, logprobs = session.step(tokens[:, None], next_position,
+                                            valid[:, :prompt_length + step + 1], sampling,
+                                            step_seed(seed, step + 1))
             next_position = next_position + 1
     finally:
         session.close()

@@ -84,7 +84,7 @@ class LocalRun:
         learner = build_stages(spec, self.plan, tensors, self.device, torch.float32)
         reference = (build_stages(spec, self.plan, tensors, self.device, self.dtype)
                      if config.train.kl_coef > 0 else None)
-        self.trainer = PipelineTrainer(
+        self.trainer = PipelineTrainer.local(
             learner, config.train, loss_config_from(config.train, config.rollout.max_new_tokens),
             sampling_config(config.rollout), self.dtype, reference)
         self.chain = LocalChain(build_stages(spec, self.plan, tensors, self.device, self.dtype))

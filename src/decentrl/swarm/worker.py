@@ -50,10 +50,9 @@ class RolloutWorker:
         versions = list(self.chain.versions())
         # Seeded by the problems, so a rerun (or a resumed run) draws the same samples.
         sampling_seed = self.seed * 2**32 + problem_indices[0]
-        generator = torch.Generator(device=self.chain.device).manual_seed(sampling_seed)
         generations = generate(
             self.chain, [p for p in prompts for _ in range(size)], self.rollout.max_new_tokens,
-            self.sampling, {self.tokenizer.eos_token_id}, self.tokenizer.pad_token_id, generator)
+            self.sampling, {self.tokenizer.eos_token_id}, self.tokenizer.pad_token_id, sampling_seed)
         self.generated_tokens += sum(len(g.tokens) for g in generations)
         groups = []
         for i, (index, prompt) in enumerate(zip(problem_indices, prompts)):
