@@ -63,6 +63,39 @@ class EvalConfig(Section):
     batch_size: int = Field(64, ge=1)
 
 
+class LinkConfig(Section):
+    """Emulated WAN on every hop between two peers (the caller's side of each RPC)."""
+
+    rtt_ms: tuple[float, float] = Field((0.0, 0.0), description="round trip per link, drawn "
+                                        "uniformly from this range once per pair of peers")
+    jitter_ms: float = Field(0.0, ge=0)
+    bandwidth_mbps: float | None = Field(None, gt=0, description="None: unlimited")
+    loss: float = Field(0.0, ge=0, lt=1, description="probability a message is lost")
+
+    @model_validator(mode="after")
+    def _check_range(self) -> LinkConfig:
+        low, high = self.rtt_ms
+        if not 0 <= low <= high:
+            raise ValueError("swarm.link.rtt_ms must be [low, high] with 0 <= low <= high")
+        return self
+
+
+class SwarmConfig(Section):
+    """How the coordinator drives peers over the network (decentrl coordinate / join / demo)."""
+
+    link: LinkConfig = LinkConfig()
+    activation_codec: Literal["fp32", "bf16", "int8"] = "bf16"
+    sessions_in_flight: int = Field(8, ge=1, description="generation sessions open at once "
+                                    "(each is one group), so latency is hidden")
+    request_timeout_s: float = Field(60.0, gt=0, description="longest wait for one peer's answer")
+    retries: int = Field(4, ge=0, description="attempts after a failed call before giving up")
+    ban_s: float = Field(30.0, ge=0, description="how long a failing peer is avoided")
+    announce_every_s: float = Field(2.0, gt=0, description="peers re-announce themselves this "
+                                    "often; entries expire after 5x this")
+    max_sessions_per_peer: int = Field(32, ge=1)
+    inference_replicas: int = Field(2, ge=1, description="per stage, for the local launcher")
+
+
 class RunConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     run_dir: Path = Path("runs")
@@ -76,6 +109,7 @@ class RunConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    swarm: SwarmConfig = SwarmConfig()
 
     @model_validator(mode="after")
     def _check_consistency(self) -> RunConfig:

@@ -1,0 +1,294 @@
+"""One process's presence on the swarm: a hivemind P2P daemon, a DHT node sharing it, and a typed
+RPC layer on top, all on an asyncio loop in a background thread so that synchronous code (the
+generation loop, the trainer driver) can call peers while the loop keeps serving them.
+
+Every RPC is a hivemind protobuf stream: requests and replies are `ExpertRequest`/`ExpertResponse`
+messages whose metadata is a msgspec struct and whose tensors go through hivemind's codecs
+(net/wire.py), chunked under the 4 MiB frame cap. The request id travels in the `uid` field; a
+server remembers its last replies by id, so a caller that retries after a lost reply gets the same
+answer instead of running the request twice. Every hop goes through the link emulator (net/link.py)
+on the caller's side, and every call has a timeout: nothing waits forever on a peer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import torch
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.timed_storage import get_dht_time
+
+from decentrl.net.link import LinkEmulator, LinkProfile
+from decentrl.net.wire import (
+    ActivationCodec,
+    TensorLimits,
+    TensorManifest,
+    WireError,
+    decode_struct,
+    decode_tensors,
+    encode_struct,
+    encode_tensors,
+    from_messages,
+    message_bytes,
+    to_messages,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+# Replies kept for retried requests; activations are a few MiB, so a short memory.
+REPLY_CACHE_SIZE = 16
+STARTUP_TIMEOUT_S = 60.0
+
+
+class RemoteError(RuntimeError):
+    """A peer answered with an error, or did not answer in time, or the message was lost."""
+
+
+class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Every message's metadata: the method's own struct (msgpack bytes) and the tensor manifest."""
+
+    body: bytes
+    manifest: TensorManifest
+
+
+@dataclass
+class Request:
+    """What a handler receives: the decoded body bytes, the tensors, and who sent them."""
+
+    body: bytes
+    tensors: dict[str, torch.Tensor]
+    sender: str
+
+
+@dataclass
+class Reply:
+    body: Any = None  # a msgspec struct, encoded by the node
+    tensors: Mapping[str, torch.Tensor] | None = None
+    codec: ActivationCodec = "fp32"
+
+
+Handler = Callable[[Request], Awaitable[Reply]]
+
+
+class SwarmNode:
+    """Start with `SwarmNode.start(...)`; `shutdown()` stops the daemon and removes its socket."""
+
+    def __init__(self, name: str, link_profile: LinkProfile, limits: TensorLimits) -> None:
+        self.name = name
+        self.limits = limits
+        self.link_profile = link_profile
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name=f"p2p-{name}", daemon=True)
+        # One compute thread: requests run one at a time and the loop stays free to serve the
+        # DHT, timeouts and other calls meanwhile.
+        self.compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{name}")
+        self.p2p: P2P | None = None
+        self.dht: DHTNode | None = None
+        self.links: LinkEmulator | None = None
+        self._replies: OrderedDict[str, asyncio.Future[list[runtime_pb2.ExpertResponse]]] = \
+            OrderedDict()
+        self._closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, name: str, initial_peers: Sequence[str], link_profile: LinkProfile,
+              limits: TensorLimits, host: str = LOOPBACK) -> SwarmNode:
+        node = cls(name, link_profile, limits)
+        node._thread.start()
+        try:
+            node.run(node._start(list(initial_peers), host), timeout=STARTUP_TIMEOUT_S)
+        except BaseException:
+            node.shutdown()
+            raise
+        return node
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _start(self, initial_peers: list[str], host: str) -> None:
+        # Loopback-safe: no NAT port mapping, no AutoNAT, no relays, no IPFS bootstrap; the only
+        # peers are the ones we are told about.
+        self.p2p = await P2P.create(
+            initial_peers=initial_peers or None, host_maddrs=[host], nat_port_map=False,
+            auto_nat=False, use_relay=False, use_auto_relay=False, use_ipfs=False,
+            startup_timeout=STARTUP_TIMEOUT_S)
+        self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial_peers or None,
+                                        ensure_bootstrap_success=bool(initial_peers))
+        self.links = LinkEmulator(local=str(self.p2p.peer_id), profile=self.link_profile)
+
+    @property
+    def peer_id(self) -> str:
+        assert self.p2p is not None
+        return str(self.p2p.peer_id)
+
+    def addresses(self) -> list[str]:
+        assert self.p2p is not None
+        return [str(a) for a in self.run(self.p2p.get_visible_maddrs(), timeout=30)]
+
+    def socket_paths(self) -> list[str]:
+        """The daemon's unix sockets (removed on shutdown; a killed process leaves them)."""
+        assert self.p2p is not None
+        paths = []
+        for maddr in (self.p2p._daemon_listen_maddr, self.p2p._client_listen_maddr):
+            if maddr is not None:
+                paths.append(maddr["unix"])
+        return paths
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread.is_alive():
+            async def stop() -> None:
+                if self.dht is not None:
+                    await self.dht.shutdown()
+                if self.p2p is not None:
+                    await self.p2p.shutdown()
+            try:
+                self.run(stop(), timeout=30)
+            except Exception as error:  # noqa: BLE001 - shutting down anyway
+                log.warning("%s: shutdown: %s", self.name, error)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+        self.compute_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- running coroutines from other threads ------------------------------------------
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run a coroutine on the node's loop from another thread, waiting at most `timeout`."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("SwarmNode.run called from its own loop; await instead")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking work (a forward pass) on the compute thread."""
+        return await self.loop.run_in_executor(self.compute_pool, fn, *args)
+
+    # ---- serving ---------------------------------------------------------------------------
+
+    def serve(self, method: str, handler: Handler) -> None:
+        assert self.p2p is not None
+
+        async def stream_handler(requests: Any, context: P2PContext) -> Any:
+            messages, size = [], 0
+            async for message in requests:
+                size += message.ByteSize()
+                if size > self.limits.max_total_bytes:
+                    raise WireError(f"{method} request over {self.limits.max_total_bytes} bytes")
+                messages.append(message)
+            request_id, _, _ = from_messages(messages)
+            # A retried request (its reply was lost) gets the first reply, not a second run.
+            cached = self._replies.get(request_id) if request_id else None
+            if cached is None:
+                cached = self.loop.create_future()
+                if request_id:
+                    self._replies[request_id] = cached
+                    while len(self._replies) > REPLY_CACHE_SIZE:
+                        self._replies.popitem(last=False)
+                try:
+                    cached.set_result(await self._handle(method, handler, messages, context))
+                except BaseException as error:
+                    self._replies.pop(request_id, None)
+                    cached.set_exception(error)
+                    cached.exception()  # retrieved here; the caller gets it below
+            for response in await asyncio.shield(cached):
+                yield response
+
+        self.run(self.p2p.add_protobuf_handler(f"decentrl.{method}", stream_handler,
+                                               runtime_pb2.ExpertRequest, stream_input=True,
+                                               stream_output=True), timeout=30)
+
+    async def _handle(self, method: str, handler: Handler, messages: list[Any],
+                      context: P2PContext) -> list[runtime_pb2.ExpertResponse]:
+        _, metadata, parts = from_messages(messages)
+        envelope = decode_struct(metadata, Envelope)
+        tensors = decode_tensors(parts, envelope.manifest, self.limits)
+        reply = await handler(Request(envelope.body, tensors, str(context.remote_id)))
+        out_parts, manifest = encode_tensors(dict(reply.tensors or {}), reply.codec)
+        body = encode_struct(reply.body) if reply.body is not None else b""
+        return to_messages(runtime_pb2.ExpertResponse, encode_struct(Envelope(body, manifest)),
+                           out_parts)
+
+    # ---- calling -------------------------------------------------------------------------
+
+    async def call(self, peer: str, method: str, body: Any,
+                   tensors: Mapping[str, torch.Tensor] | None = None,
+                   codec: ActivationCodec = "fp32", timeout: float = 30.0,
+                   request_id: str | None = None) -> tuple[bytes, dict[str, torch.Tensor]]:
+        """One request to `peer` through its emulated link. Raises RemoteError (the peer failed,
+        timed out or the message was lost) or WireError (it answered with a malformed reply)."""
+        assert self.p2p is not None and self.links is not None
+        parts, manifest = encode_tensors(dict(tensors or {}), codec)
+        metadata = encode_struct(Envelope(encode_struct(body), manifest))
+        requests = to_messages(runtime_pb2.ExpertRequest, metadata, parts,
+                               uid=request_id or secrets.token_hex(8))
+        link = self.links.link(peer)
+        try:
+            async with asyncio.timeout(timeout):
+                await link.send(message_bytes(requests), "out")
+                stream = await self.p2p.iterate_protobuf_handler(
+                    PeerID.from_base58(peer), f"decentrl.{method}", _aiter(requests),
+                    runtime_pb2.ExpertResponse)
+                responses = [r async for r in stream]
+                await link.send(message_bytes(responses), "in")
+        except TimeoutError as error:
+            raise RemoteError(f"{method} at {peer[-8:]}: no answer within {timeout:.0f}s") from error
+        except (ConnectionError, OSError, asyncio.IncompleteReadError) as error:
+            raise RemoteError(f"{method} at {peer[-8:]}: {error}") from error
+        except Exception as error:
+            if type(error).__name__ in ("P2PHandlerError", "P2PDaemonError"):
+                raise RemoteError(f"{method} at {peer[-8:]}: {error}") from error
+            raise
+        if not responses:
+            raise RemoteError(f"{method} at {peer[-8:]}: empty reply (the peer went away)")
+        _, reply_metadata, reply_parts = from_messages(responses)
+        envelope = decode_struct(reply_metadata, Envelope)
+        return envelope.body, decode_tensors(reply_parts, envelope.manifest, self.limits)
+
+    def call_sync(self, peer: str, method: str, body: Any,
+                  tensors: Mapping[str, torch.Tensor] | None = None,
+                  codec: ActivationCodec = "fp32", timeout: float = 30.0,
+                  request_id: str | None = None) -> tuple[bytes, dict[str, torch.Tensor]]:
+        # The outer wait is a backstop: the call enforces `timeout` itself.
+        return self.run(self.call(peer, method, body, tensors, codec, timeout, request_id),
+                        timeout=timeout + 10)
+
+    # ---- DHT -----------------------------------------------------------------------------
+
+    async def announce(self, key: str, subkey: str, value: bytes, ttl_s: float) -> bool:
+        assert self.dht is not None
+        return await self.dht.store(key, value, get_dht_time() + ttl_s, subkey=subkey)
+
+    async def lookup(self, key: str) -> dict[str, bytes]:
+        """Every live subkey -> value under `key` (expired entries are gone)."""
+        assert self.dht is not None
+        found = await self.dht.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        now = get_dht_time()
+        return {str(sub): entry.value for sub, entry in found.value.items()
+                if entry.expiration_time > now and isinstance(entry.value, bytes)}
+
+
+async def _aiter(items: list[T]) -> Any:
+    for item in items:
+        yield item
