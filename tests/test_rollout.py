@@ -214,6 +214,9 @@ class ScriptedSession:
             logits[row, tokens_of_row[step]] = 30.0
         return sample(logits, sampling, None)
 
+    def versions(self) -> tuple[int, ...]:
+        return (0,)
+
     def close(self) -> None:
         self.closed = True
 

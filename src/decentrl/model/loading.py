@@ -9,11 +9,13 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from decentrl.model.blocks import ModelSpec
@@ -95,18 +97,33 @@ def resolve_model(source: str) -> Path:
     return folder
 
 
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
-        files = ["model.safetensors"]
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = folder / name
+        names = ["model.safetensors"]
+    paths = [folder / name for name in names]
+    for path in paths:
         if not path.is_file():
-            raise FileNotFoundError(f"{folder} has no {name} (only safetensors checkpoints load)")
-        tensors.update(load_file(path))
+            raise FileNotFoundError(f"{folder} has no {path.name} (only safetensors checkpoints "
+                                    "load)")
+    return paths
+
+
+def read_tensors(folder: Path, wanted: Callable[[str], bool] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors in fp32; with `wanted`, only those names are read from disk (a
+    stage peer never loads the layers of other stages)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in _safetensors_files(folder):
+        if wanted is None:
+            tensors.update(load_file(path))
+            continue
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if wanted(name):
+                    tensors[name] = f.get_tensor(name)
     return {k: v.float() for k, v in tensors.items()}
 
 

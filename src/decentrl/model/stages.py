@@ -173,15 +173,19 @@ class StageModule(nn.Module):
         return {names[k]: v for k, v in self.state_dict().items()}
 
 
-def build_stages(spec: ModelSpec, plan: StagePlan, tensors: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype) -> list[StageModule]:
+def build_stage(spec: ModelSpec, plan: StagePlan, index: int, tensors: dict[str, torch.Tensor],
+                device: torch.device, dtype: torch.dtype) -> StageModule:
+    """One stage from a Hugging Face state dict holding (at least) that stage's tensors."""
     if plan.num_layers != spec.num_layers:
         raise ValueError(f"stage plan covers {plan.num_layers} layers, the model has {spec.num_layers}")
-    stages = []
-    for index in range(plan.num_stages):
-        with torch.device("meta"):
-            stage = StageModule(spec, plan, index)
-        stage = stage.to_empty(device=device)
-        stage.load_hf_state_dict(tensors)
-        stages.append(stage.to(dtype))
-    return stages
+    with torch.device("meta"):
+        stage = StageModule(spec, plan, index)
+    stage = stage.to_empty(device=device)
+    stage.load_hf_state_dict(tensors)
+    return stage.to(dtype)
+
+
+def build_stages(spec: ModelSpec, plan: StagePlan, tensors: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype) -> list[StageModule]:
+    return [build_stage(spec, plan, index, tensors, device, dtype)
+            for index in range(plan.num_stages)]

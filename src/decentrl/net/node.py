@@ -28,7 +28,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
-from decentrl.net.link import LinkEmulator, LinkProfile
+from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
 from decentrl.net.wire import (
     ActivationCodec,
     TensorLimits,
@@ -158,6 +158,10 @@ class SwarmNode:
                     await self.dht.shutdown()
                 if self.p2p is not None:
                     await self.p2p.shutdown()
+                others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in others:
+                    task.cancel()
+                await asyncio.gather(*others, return_exceptions=True)
             try:
                 self.run(stop(), timeout=30)
             except Exception as error:  # noqa: BLE001 - shutting down anyway
@@ -250,6 +254,8 @@ class SwarmNode:
                     runtime_pb2.ExpertResponse)
                 responses = [r async for r in stream]
                 await link.send(message_bytes(responses), "in")
+        except MessageLost:
+            raise  # the caller may retry the same peer with the same request id
         except TimeoutError as error:
             raise RemoteError(f"{method} at {peer[-8:]}: no answer within {timeout:.0f}s") from error
         except (ConnectionError, OSError, asyncio.IncompleteReadError) as error:

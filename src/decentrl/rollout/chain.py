@@ -28,6 +28,10 @@ class InferenceSession(Protocol):
         position. Returns (tokens [B], behaviour log-probs [B])."""
         ...
 
+    def versions(self) -> tuple[int, ...]:
+        """The weight version of every stage, the oldest that served this session."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -64,6 +68,9 @@ class LocalSession:
             x = stage(x, positions, key_valid, cache,
                       head_positions=last_position(tokens) if stage.is_last else None)
         return sample(x, sampling, step_generator(seed, x.device))
+
+    def versions(self) -> tuple[int, ...]:
+        return tuple(stage.version for stage in self.stages)
 
     def close(self) -> None:
         self.caches = None

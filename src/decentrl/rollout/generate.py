@@ -15,6 +15,7 @@ class Generation:
     tokens: list[int]
     logprobs: list[float]  # behaviour log-prob of each token, under the sampled distribution
     finished: bool  # ended with a stop token rather than at max_new_tokens
+    versions: tuple[int, ...]  # weight version of every stage (the oldest that served the row)
 
 
 def step_seed(seed: int | None, step: int) -> int | None:
@@ -72,6 +73,7 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
                                             valid[:, :prompt_length + step + 1], sampling,
                                             step_seed(seed, step + 1))
             next_position = next_position + 1
+        versions = session.versions()
     finally:
         session.close()
     all_tokens = torch.stack(tokens_out, 1).cpu()
@@ -85,5 +87,6 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
             if token in stop_ids:
                 length, finished = i + 1, True
                 break
-        results.append(Generation(row_tokens[:length], all_logprobs[row, :length].tolist(), finished))
+        results.append(Generation(row_tokens[:length], all_logprobs[row, :length].tolist(), finished,
+                                  versions))
     return results

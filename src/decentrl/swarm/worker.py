@@ -11,7 +11,7 @@ import torch
 
 from decentrl.config import RolloutConfig
 from decentrl.net.transport import Transport
-from decentrl.rollout.chain import LocalChain
+from decentrl.rollout.chain import InferenceChain, LocalChain
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import Rollout, RolloutGroup
@@ -25,7 +25,7 @@ def sampling_config(rollout: RolloutConfig) -> SamplingConfig:
 
 
 class RolloutWorker:
-    def __init__(self, chain: LocalChain, transport: Transport, task: Task, tokenizer: Any,
+    def __init__(self, chain: InferenceChain, transport: Transport, task: Task, tokenizer: Any,
                  rollout: RolloutConfig, scheduler: PromptScheduler, seed: int) -> None:
         self.chain, self.transport, self.task, self.tokenizer = chain, transport, task, tokenizer
         self.rollout, self.scheduler, self.seed = rollout, scheduler, seed
@@ -34,7 +34,10 @@ class RolloutWorker:
         self.generated_tokens = 0
 
     def sync_weights(self) -> bool:
-        """Load every stage whose published weights are newer than ours; True if any changed."""
+        """Load every stage whose published weights are newer than ours; True if any changed.
+        A swarm's replicas follow their training peers themselves; nothing to do here."""
+        if not isinstance(self.chain, LocalChain):
+            return False
         changed = False
         for index, stage in enumerate(self.chain.stages):
             update = self.transport.fetch_stage(index, newer_than=stage.version)
@@ -47,7 +50,6 @@ class RolloutWorker:
         size = self.rollout.group_size
         problems = [self.task.problem("train", i) for i in problem_indices]
         prompts = [render_prompt(self.task, p, self.tokenizer) for p in problems]
-        versions = list(self.chain.versions())
         # Seeded by the problems, so a rerun (or a resumed run) draws the same samples.
         sampling_seed = self.seed * 2**32 + problem_indices[0]
         generations = generate(
@@ -63,7 +65,8 @@ class RolloutWorker:
                 for g in generations[i * size:(i + 1) * size]
             ]
             groups.append(RolloutGroup(group_id=f"{self.task.name}/{index}", task=self.task.name,
-                                       problem_index=index, stage_versions=versions,
+                                       problem_index=index,
+                                       stage_versions=list(generations[i * size].versions),
                                        sampling_seed=sampling_seed, rollouts=rollouts))
         return groups
 

@@ -1,0 +1,413 @@
+"""The coordinator's side of the swarm: which peers exist (the DHT directory), how to reach them
+(chosen by load and latency, failures timed out, retried with backoff, and banned for a while),
+a `RemoteChain` that generates through inference peers one stage per hop, and `RemoteStageWorker`s
+that let the pipeline trainer drive training peers as if they were local stage trainers.
+
+A session that loses a peer mid-generation moves to another replica of the same stage: the client
+keeps every input it sent to each stage, replays them to the new replica in one call (rebuilding
+its KV cache), and carries on; the rollout completes."""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from decentrl.config import SwarmConfig
+from decentrl.learn.batch import TrainBatch
+from decentrl.learn.trainer import Activations, LossInputs
+from decentrl.net.link import MessageLost
+from decentrl.net.node import RemoteError, SwarmNode
+from decentrl.net.wire import WireError, decode_struct, encode_struct
+from decentrl.rollout.sampling import SamplingConfig
+from decentrl.swarm.peer import BATCH_FIELDS
+from decentrl.swarm.protocol import (
+    CheckpointRequest,
+    CloseSession,
+    CoordinatorRecord,
+    Empty,
+    GradNorm,
+    InferenceReply,
+    InferenceStep,
+    PeerRecord,
+    Sampling,
+    TrainBackward,
+    TrainForward,
+    TrainForwardReply,
+    TrainStep,
+    VersionReply,
+    coordinator_key,
+    stage_key,
+)
+
+log = logging.getLogger(__name__)
+
+CPU = torch.device("cpu")
+
+
+class SwarmUnavailable(RuntimeError):
+    """No live peer could do the work after every retry; the caller decides what to do."""
+
+
+@dataclass
+class PeerState:
+    record: PeerRecord
+    latency_s: float = 0.1  # smoothed round trip of this process's calls
+    sessions: int = 0  # sessions this process has open on the peer
+    banned_until: float = 0.0
+    failures: int = 0
+
+
+@dataclass
+class Directory:
+    """Live peers per stage, refreshed from the DHT, plus what this process learned of them."""
+
+    node: SwarmNode
+    run: str
+    num_stages: int
+    swarm: SwarmConfig
+    peers: dict[str, PeerState] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def refresh(self) -> None:
+        found: dict[str, PeerRecord] = {}
+        for stage in range(self.num_stages):
+            entries = self.node.run(self.node.lookup(stage_key(self.run, stage)),
+                                    timeout=self.swarm.request_timeout_s)
+            for peer, raw in entries.items():
+                try:
+                    record = decode_struct(raw, PeerRecord)
+                except WireError as error:
+                    log.warning("ignoring a bad announcement from %s: %s", peer[-8:], error)
+                    continue
+                if record.stage == stage:
+                    found[peer] = record
+        with self.lock:
+            for peer, record in found.items():
+                state = self.peers.get(peer)
+                if state is None:
+                    self.peers[peer] = PeerState(record)
+                else:
+                    state.record = record
+            for gone in set(self.peers) - set(found):
+                del self.peers[gone]
+
+    def publish_config(self, config_json: str) -> None:
+        self.node.run(self.node.announce(coordinator_key(self.run), "config",
+                                         encode_struct(CoordinatorRecord(config_json=config_json)),
+                                         5 * self.swarm.announce_every_s), timeout=60)
+
+    def _usable(self, stage: int, exclude: set[str]) -> list[tuple[str, PeerState]]:
+        now = time.monotonic()
+        return [(peer, s) for peer, s in self.peers.items()
+                if s.record.stage == stage and peer not in exclude and s.banned_until <= now]
+
+    def choose_inference(self, stage: int, exclude: set[str] = frozenset()) -> str | None:  # type: ignore[assignment]
+        """The replica with the most room, then the lowest latency, for a new session."""
+        with self.lock:
+            candidates = [(p, s) for p, s in self._usable(stage, exclude)
+                          if s.record.role in ("inference", "both")
+                          and s.record.free_sessions - s.sessions > 0]
+            if not candidates:
+                return None
+            peer, state = min(candidates, key=lambda item: (
+                item[1].sessions / max(1, item[1].record.free_sessions), item[1].latency_s))
+            state.sessions += 1
+            return peer
+
+    def release(self, peer: str) -> None:
+        with self.lock:
+            if peer in self.peers:
+                self.peers[peer].sessions = max(0, self.peers[peer].sessions - 1)
+
+    def training_peer(self, stage: int) -> tuple[str, PeerRecord] | None:
+        with self.lock:
+            ready = [(p, s.record) for p, s in self._usable(stage, set())
+                     if s.record.training_ready]
+        return max(ready, key=lambda item: item[1].version) if ready else None
+
+    def observe(self, peer: str, seconds: float) -> None:
+        with self.lock:
+            state = self.peers.get(peer)
+            if state is not None:
+                state.latency_s = 0.8 * state.latency_s + 0.2 * seconds
+                state.failures = 0
+
+    def ban(self, peer: str, reason: str) -> None:
+        with self.lock:
+            state = self.peers.get(peer)
+            if state is None:
+                return
+            state.failures += 1
+            state.banned_until = time.monotonic() + self.swarm.ban_s
+        log.warning("peer %s avoided for %.0fs: %s", peer[-8:], self.swarm.ban_s, reason)
+
+    def stage_summary(self) -> list[list[PeerRecord]]:
+        with self.lock:
+            return [[s.record for s in self.peers.values() if s.record.stage == stage]
+                    for stage in range(self.num_stages)]
+
+
+def backoff(attempt: int) -> float:
+    """Exponential with jitter, capped: 0.2 s, 0.4 s, 0.8 s ... 5 s."""
+    return min(5.0, 0.2 * 2 ** attempt) * (0.5 + random.random())
+
+
+# ---- inference ------------------------------------------------------------------------------
+
+@dataclass
+class StageHistory:
+    """Everything sent to one stage of a session, for replay on another replica."""
+
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
+
+
+class RemoteSession:
+    def __init__(self, chain: RemoteChain, batch: int, max_length: int) -> None:
+        self.chain, self.batch, self.max_length = chain, batch, max_length
+        self.id = secrets.token_hex(8)
+        stages = chain.num_stages
+        self.peers: list[str | None] = [None] * stages
+        self.histories = [StageHistory() for _ in range(stages)]
+        self.cached = [0] * stages  # positions each stage's current peer holds
+        self.oldest_versions: list[int | None] = [None] * stages
+        self.failovers = 0
+        self.closed = False
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+             sampling: SamplingConfig, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.closed:
+            raise RuntimeError("session is closed")
+        x = tokens.cpu()
+        positions, key_valid = positions.cpu(), key_valid.cpu()
+        for stage in range(self.chain.num_stages - 1):
+            (x,) = self._hop(stage, x, positions, key_valid, sampling, seed)
+        tokens, logprobs = self._hop(self.chain.num_stages - 1, x, positions, key_valid,
+                                     sampling, seed)
+        return tokens, logprobs
+
+    def _hop(self, stage: int, inputs: torch.Tensor, positions: torch.Tensor,
+             key_valid: torch.Tensor, sampling: SamplingConfig, seed: int | None
+             ) -> tuple[torch.Tensor, ...]:
+        """(hidden states of the new positions,) or at the last stage (tokens, logprobs)."""
+        history = self.histories[stage]
+        last = stage == self.chain.num_stages - 1
+        swarm = self.chain.swarm
+        error: Exception | None = None
+        request_id = secrets.token_hex(8)
+        for attempt in range(swarm.retries + 1):
+            peer = self.peers[stage]
+            if peer is None:
+                peer = self.chain.directory.choose_inference(stage)
+                if peer is None:
+                    self.chain.directory.refresh()
+                    peer = self.chain.directory.choose_inference(stage)
+                if peer is None:
+                    error = SwarmUnavailable(f"no inference peer serves stage {stage}")
+                    time.sleep(backoff(attempt))
+                    continue
+                self.peers[stage], self.cached[stage] = peer, 0
+                request_id = secrets.token_hex(8)
+            # A new replica first gets the session's history (one call rebuilds its cache).
+            replay = self.cached[stage] == 0 and bool(history.inputs)
+            send_inputs = torch.cat([*history.inputs, inputs], 1) if replay else inputs
+            send_positions = torch.cat([*history.positions, positions], 1) if replay else positions
+            start = 0 if replay else self.cached[stage]
+            body = InferenceStep(
+                session=self.id, start=start, batch=self.batch, max_length=self.max_length,
+                sampling=Sampling(sampling.temperature, sampling.top_p, sampling.top_k)
+                if last else None, seed=seed if last else None)
+            tensors = {"inputs": send_inputs, "positions": send_positions,
+                       "key_valid": key_valid[:, :start + send_inputs.shape[1]]}
+            started = time.monotonic()
+            try:
+                raw, out = self.chain.node.call_sync(
+                    peer, "inference_step", body, tensors, swarm.activation_codec,
+                    swarm.request_timeout_s, request_id)
+                reply = decode_struct(raw, InferenceReply)
+                result = self._check_reply(out, last, send_inputs.shape[1], inputs.shape[1])
+            except MessageLost as lost:
+                error = lost  # the same peer, the same request id: it answers once
+                time.sleep(backoff(attempt))
+                continue
+            except (RemoteError, WireError, ValueError) as failure:
+                error = failure
+                self.chain.directory.ban(peer, str(failure))
+                self.chain.directory.release(peer)
+                self.peers[stage] = None
+                self.failovers += 1
+                time.sleep(backoff(attempt))
+                continue
+            self.chain.directory.observe(peer, time.monotonic() - started)
+            history.inputs.append(inputs)
+            history.positions.append(positions)
+            self.cached[stage] = reply.length
+            oldest = self.oldest_versions[stage]
+            self.oldest_versions[stage] = reply.version if oldest is None \
+                else min(oldest, reply.version)
+            return result
+        raise SwarmUnavailable(f"stage {stage} failed {swarm.retries + 1} times; last error: "
+                               f"{error}")
+
+    def _check_reply(self, out: dict[str, torch.Tensor], last: bool, sent: int,
+                     new: int) -> tuple[torch.Tensor, ...]:
+        if last:
+            tokens, logprobs = out.get("tokens"), out.get("logprobs")
+            if tokens is None or logprobs is None or tokens.shape != (self.batch,) \
+                    or logprobs.shape != (self.batch,) or tokens.dtype != torch.long:
+                raise WireError(f"the last stage must reply tokens and logprobs [{self.batch}]")
+            vocab = self.chain.vocab_size
+            if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
+                raise WireError(f"sampled token ids must be in [0, {vocab})")
+            return tokens, logprobs.float()
+        hidden = out.get("hidden")
+        if hidden is None or hidden.dim() != 3 or hidden.shape[:2] != (self.batch, sent):
+            raise WireError(f"a stage must reply hidden states [{self.batch}, {sent}, H]")
+        return (hidden[:, sent - new:],)
+
+    def versions(self) -> tuple[int, ...]:
+        return tuple(-1 if v is None else v for v in self.oldest_versions)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.chain.failovers += self.failovers
+        for peer in self.peers:
+            if peer is None:
+                continue
+            self.chain.directory.release(peer)
+            try:
+                self.chain.node.call_sync(peer, "close_session", CloseSession(session=self.id),
+                                          timeout=5)
+            except (RemoteError, WireError, MessageLost, TimeoutError):
+                pass  # the peer drops idle sessions itself
+
+
+class RemoteChain:
+    """An InferenceChain over the swarm: every session picks one replica per stage."""
+
+    def __init__(self, node: SwarmNode, directory: Directory, swarm: SwarmConfig,
+                 vocab_size: int) -> None:
+        self.node, self.directory, self.swarm = node, directory, swarm
+        self.num_stages = directory.num_stages
+        self.vocab_size = vocab_size
+        self.failovers = 0
+
+    @property
+    def device(self) -> torch.device:
+        return CPU
+
+    def versions(self) -> tuple[int, ...]:
+        stages = self.directory.stage_summary()
+        return tuple(max((r.version for r in records), default=-1) for records in stages)
+
+    def open_session(self, batch: int, max_length: int) -> RemoteSession:
+        return RemoteSession(self, batch, max_length)
+
+
+# ---- training -------------------------------------------------------------------------------
+
+class RemoteStageWorker:
+    """A training peer of one stage, as the pipeline trainer's StageWorker."""
+
+    def __init__(self, node: SwarmNode, directory: Directory, stage: int, num_stages: int,
+                 swarm: SwarmConfig) -> None:
+        self.node, self.directory, self.stage = node, directory, stage
+        self.last = stage == num_stages - 1
+        self.swarm = swarm
+        self.peer: str | None = None
+        self._version = 0
+
+    def connect(self) -> int:
+        """Find this stage's training peer; returns its version."""
+        found = self.directory.training_peer(self.stage)
+        if found is None:
+            self.directory.refresh()
+            found = self.directory.training_peer(self.stage)
+        if found is None:
+            raise SwarmUnavailable(f"no training peer for stage {self.stage}")
+        self.peer, record = found
+        self._version = record.version
+        return record.version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _call(self, method: str, body: object, tensors: dict[str, torch.Tensor] | None = None,
+              codec: str = "fp32") -> tuple[bytes, dict[str, torch.Tensor]]:
+        """One call with retries on lost messages; any other failure is the caller's to handle
+        (a training step cannot move to another peer halfway)."""
+        if self.peer is None:
+            self.connect()
+        assert self.peer is not None
+        request_id = secrets.token_hex(8)
+        for attempt in range(self.swarm.retries + 1):
+            try:
+                return self.node.call_sync(self.peer, method, body, tensors, codec,  # type: ignore[arg-type]
+                                           self.swarm.request_timeout_s, request_id)
+            except MessageLost:
+                time.sleep(backoff(attempt))
+            except (RemoteError, WireError) as error:
+                self.directory.ban(self.peer, str(error))
+                self.peer = None
+                raise SwarmUnavailable(f"training stage {self.stage}: {error}") from error
+        raise SwarmUnavailable(f"training stage {self.stage}: {self.swarm.retries + 1} messages "
+                               "lost in a row")
+
+    def forward(self, micro: int, inputs: Activations, batch: TrainBatch,
+                loss_inputs: LossInputs | None = None
+                ) -> tuple[Activations | None, dict[str, float]]:
+        tensors = {name: getattr(batch, name).cpu() for name in BATCH_FIELDS}
+        tensors["prompt_in"], tensors["completion_in"] = inputs[0].cpu(), inputs[1].cpu()
+        body = TrainForward(micro=micro, version=self._version, last=self.last,
+                            total_sequences=loss_inputs.total_sequences if loss_inputs else 0,
+                            total_tokens=loss_inputs.total_tokens if loss_inputs else 0)
+        if loss_inputs is not None:
+            for name in ("proximal", "reference"):
+                value = getattr(loss_inputs, name)
+                if value is not None:
+                    tensors[name] = value.cpu()
+        raw, out = self._call("train_forward", body, tensors, self.swarm.activation_codec)
+        reply = decode_struct(raw, TrainForwardReply)
+        if self.last:
+            return None, reply.metrics
+        if "prompt_out" not in out or "completion_out" not in out:
+            raise SwarmUnavailable(f"training stage {self.stage} replied without activations")
+        return (out["prompt_out"].float(), out["completion_out"].float()), {}
+
+    def backward(self, micro: int, grad_outputs: Activations | None) -> Activations | None:
+        tensors = {} if grad_outputs is None else {"prompt_grad": grad_outputs[0].cpu(),
+                                                   "completion_grad": grad_outputs[1].cpu()}
+        _, out = self._call("train_backward", TrainBackward(micro=micro), tensors,
+                            self.swarm.activation_codec)
+        if self.stage == 0:
+            return None
+        if "prompt_grad" not in out or "completion_grad" not in out:
+            raise SwarmUnavailable(f"training stage {self.stage} replied without gradients")
+        return out["prompt_grad"].float(), out["completion_grad"].float()
+
+    def grad_square_norm(self) -> float:
+        raw, _ = self._call("train_grad_norm", Empty())
+        return decode_struct(raw, GradNorm).square_norm
+
+    def step(self, grad_scale: float) -> None:
+        raw, _ = self._call("train_step", TrainStep(grad_scale=grad_scale,
+                                                    version=self._version + 1))
+        self._version = decode_struct(raw, VersionReply).version
+
+    def discard(self) -> None:
+        raw, _ = self._call("train_discard", Empty())
+        self._version = decode_struct(raw, VersionReply).version
+
+    def checkpoint(self, action: str, version: int) -> int:
+        raw, _ = self._call("checkpoint", CheckpointRequest(action=action, version=version))  # type: ignore[arg-type]
+        self._version = decode_struct(raw, VersionReply).version
+        return self._version

@@ -1,0 +1,543 @@
+"""A stage peer: one process, one pipeline stage, exactly that stage's layers. It serves inference
+(Petals-style sessions: the client sends the hidden states of new positions, the peer keeps the
+KV cache and returns the next hidden states, or samples at the last stage), training (forward and
+backward of its stage with its own optimizer), or both, and it serves its weights to replicas of
+the same stage.
+
+It announces itself in the DHT (stage, role, version, throughput, free sessions) with an expiry
+and renews the announcement, so the directory forgets a dead peer by itself. An inference replica
+follows the training peer of its stage: when that peer announces another version, the replica
+fetches the weights and swaps them in between two decode steps (the compute thread runs one
+request at a time). A replica that joins mid-run does the same before serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decentrl.config import RunConfig
+from decentrl.device import compute_dtype, pick_device
+from decentrl.learn.batch import TrainBatch
+from decentrl.learn.trainer import LossInputs, StageTrainer, loss_config_from
+from decentrl.model.blocks import ModelSpec
+from decentrl.model.loading import read_tensors, resolve_model
+from decentrl.model.stages import StageCache, StageModule, StagePlan, build_stage
+from decentrl.net.node import Reply, Request, SwarmNode
+from decentrl.net.wire import decode_struct, encode_struct
+from decentrl.rollout.chain import last_position, step_generator
+from decentrl.rollout.sampling import SamplingConfig, sample
+from decentrl.swarm.protocol import (
+    CheckpointRequest,
+    CloseSession,
+    Empty,
+    FetchWeights,
+    GradNorm,
+    InferenceReply,
+    InferenceStep,
+    PeerRecord,
+    Role,
+    TrainBackward,
+    TrainForward,
+    TrainForwardReply,
+    TrainStep,
+    VersionReply,
+    WeightsReply,
+    stage_key,
+)
+from decentrl.swarm.worker import sampling_config
+
+log = logging.getLogger(__name__)
+
+# Sessions idle this long are dropped (their client is gone); a live client steps far more often.
+SESSION_IDLE_S = 300.0
+BATCH_FIELDS = ("prompts", "prompt_valid", "prompt_positions", "completions", "completion_valid",
+                "completion_positions", "prompt_of", "behaviour_logprobs", "advantages",
+                "staleness")
+
+
+class PeerError(ValueError):
+    """A request this peer refuses; the message says why. The peer keeps serving."""
+
+
+def stage_tensor_names(spec: ModelSpec, plan: StagePlan, index: int) -> set[str]:
+    with torch.device("meta"):
+        names = set(StageModule(spec, plan, index).hf_names().values())
+    if "lm_head.weight" in names:
+        names.add("model.embed_tokens.weight")  # a tied checkpoint's head is the embedding
+    return names
+
+
+def load_stage(config: RunConfig, index: int, device: torch.device, dtype: torch.dtype
+               ) -> StageModule:
+    """This stage's module, reading only its own tensors from the local model folder."""
+    folder = resolve_model(config.model)
+    hf_config = json.loads((folder / "config.json").read_text())
+    spec = ModelSpec.from_hf_config(hf_config)
+    plan = StagePlan.even(spec.num_layers, config.num_stages)
+    names = stage_tensor_names(spec, plan, index)
+    return build_stage(spec, plan, index, read_tensors(folder, names.__contains__), device, dtype)
+
+
+@dataclass
+class Session:
+    cache: StageCache
+    batch: int
+    max_length: int
+    last_used: float
+
+
+class StagePeer:
+    def __init__(self, config: RunConfig, stage: int, role: Role, node: SwarmNode,
+                 checkpoint_dir: Path | None = None, name: str = "peer") -> None:
+        if not 0 <= stage < config.num_stages:
+            raise ValueError(f"stage {stage} does not exist in a {config.num_stages}-stage run")
+        if role in ("training", "both") and checkpoint_dir is None:
+            raise ValueError("a training peer needs a checkpoint folder")
+        self.config, self.index, self.role, self.node, self.name = config, stage, role, node, name
+        self.checkpoint_dir = checkpoint_dir
+        self.device = pick_device(config.device)
+        self.dtype = compute_dtype(self.device, config.dtype)
+        self.serves_inference = role in ("inference", "both")
+        self.trains = role in ("training", "both")
+        self.trainer: StageTrainer | None = None
+        if self.trains:
+            master = load_stage(config, stage, self.device, torch.float32)
+            self.trainer = StageTrainer(
+                master, config.train, loss_config_from(config.train, config.rollout.max_new_tokens),
+                sampling_config(config.rollout), self.dtype)
+            self._resume_from_checkpoint()
+        self.model: StageModule | None = None
+        if self.serves_inference:
+            self.model = load_stage(config, stage, self.device, self.dtype)
+            if self.trainer is not None:
+                self._copy_from_trainer()
+        module = self.model if self.model is not None else self.trainer.stage  # type: ignore[union-attr]
+        self.spec, self.plan = module.spec, module.plan
+        self.layers = (module.layer_ids.start, module.layer_ids.stop)
+        self.sessions: dict[str, Session] = {}
+        self.served_tokens = 0
+        self.busy_s = 0.0
+        self.weights_follow_error: str | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    @property
+    def version(self) -> int:
+        if self.trainer is not None:
+            return self.trainer.version
+        assert self.model is not None
+        return self.model.version
+
+    def parameter_names(self) -> list[str]:
+        """Hugging Face names of every parameter this process holds (tests check the split)."""
+        names: set[str] = set()
+        for module in (self.model, self.trainer.stage if self.trainer else None):
+            if module is not None:
+                names.update(module.hf_names().values())
+        return sorted(names)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        handlers = {"fetch_weights": self._fetch_weights}
+        if self.serves_inference:
+            handlers |= {"inference_step": self._inference_step,
+                         "close_session": self._close_session}
+        if self.trains:
+            handlers |= {"train_forward": self._train_forward,
+                         "train_backward": self._train_backward,
+                         "train_grad_norm": self._train_grad_norm,
+                         "train_step": self._train_step,
+                         "train_discard": self._train_discard,
+                         "checkpoint": self._checkpoint}
+        for method, handler in handlers.items():
+            self.node.serve(method, handler)
+
+        async def start_tasks() -> None:
+            self._tasks.append(asyncio.create_task(self._announce_loop()))
+            if self.serves_inference and not self.trains:
+                self._tasks.append(asyncio.create_task(self._follow_weights_loop()))
+        self.node.run(start_tasks(), timeout=30)
+        self.node.run(self.announce(), timeout=60)
+
+    def stop(self) -> None:
+        async def cancel() -> None:
+            for task in self._tasks:
+                task.cancel()
+        if not self.node._closed:
+            self.node.run(cancel(), timeout=10)
+
+    # ---- announcing ----------------------------------------------------------------------
+
+    def record(self) -> PeerRecord:
+        tokens_per_s = self.served_tokens / self.busy_s if self.busy_s > 0 else 0.0
+        return PeerRecord(
+            name=self.name, stage=self.index, layers=self.layers, role=self.role,
+            version=self.version, tokens_per_s=round(tokens_per_s, 1),
+            free_sessions=max(0, self.config.swarm.max_sessions_per_peer - len(self.sessions))
+            if self.serves_inference else 0,
+            training_ready=self.trains)
+
+    async def announce(self) -> None:
+        ttl = 5 * self.config.swarm.announce_every_s
+        await self.node.announce(stage_key(self.config.name, self.index), self.node.peer_id,
+                                 encode_struct(self.record()), ttl)
+
+    async def _announce_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.swarm.announce_every_s)
+            try:
+                self._drop_idle_sessions()
+                await self.announce()
+            except Exception as error:  # noqa: BLE001 - the next round retries
+                log.warning("%s: announce failed: %s", self.name, error)
+
+    def _drop_idle_sessions(self) -> None:
+        cutoff = time.monotonic() - SESSION_IDLE_S
+        for key in [k for k, s in self.sessions.items() if s.last_used < cutoff]:
+            del self.sessions[key]
+
+    # ---- following the training peer's weights ------------------------------------------
+
+    async def _follow_weights_loop(self) -> None:
+        while True:
+            try:
+                await self.follow_weights()
+                self.weights_follow_error = None
+            except Exception as error:  # noqa: BLE001 - retried next round
+                self.weights_follow_error = str(error)
+                log.warning("%s: weight update failed: %s", self.name, error)
+            await asyncio.sleep(self.config.swarm.announce_every_s / 2)
+
+    async def follow_weights(self) -> bool:
+        """Load the training peer's weights if it announces another version; True if loaded."""
+        records = await self.node.lookup(stage_key(self.config.name, self.index))
+        trainers = []
+        for peer, raw in records.items():
+            try:
+                record = decode_struct(raw, PeerRecord)
+            except ValueError:
+                continue
+            if record.training_ready and record.stage == self.index and peer != self.node.peer_id:
+                trainers.append((peer, record))
+        if not trainers:
+            return False
+        peer, record = max(trainers, key=lambda item: item[1].version)
+        if record.version == self.version:
+            return False
+        body, tensors = await self.node.call(
+            peer, "fetch_weights", FetchWeights(stage=self.index), codec="fp32",
+            timeout=self.config.swarm.request_timeout_s)
+        reply = decode_struct(body, WeightsReply)
+        await self.node.compute(self._load_weights, reply.version, tensors)
+        log.info("%s: stage %d weights v%d from %s", self.name, self.index, reply.version,
+                 peer[-8:])
+        return True
+
+    def _load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        assert self.model is not None
+        own = self.model.state_dict()
+        if set(tensors) != set(own):
+            missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+            raise PeerError(f"weights for stage {self.index} do not match it: missing "
+                            f"{missing[:3]}, unexpected {extra[:3]}")
+        for name, value in tensors.items():
+            if value.shape != own[name].shape:
+                raise PeerError(f"weight {name} has shape {tuple(value.shape)}, stage "
+                                f"{self.index} needs {tuple(own[name].shape)}")
+        with torch.no_grad():
+            for name, param in own.items():
+                param.copy_(tensors[name])
+        self.model.version = version
+
+    def _copy_from_trainer(self) -> None:
+        assert self.trainer is not None and self.model is not None
+        self._load_weights(self.trainer.version, self.trainer.stage.state_dict())
+
+    async def _fetch_weights(self, request: Request) -> Reply:
+        body = decode_struct(request.body, FetchWeights)
+        if body.stage != self.index:
+            raise PeerError(f"this peer holds stage {self.index}, not {body.stage}")
+        module = self.trainer.stage if self.trainer is not None else self.model
+        assert module is not None
+        state = await self.node.compute(
+            lambda: {k: v.detach().to("cpu", torch.float32, copy=True)
+                     for k, v in module.state_dict().items()})
+        # Replicas run in bf16 at most; sending more precision than that is wasted bytes.
+        codec = "bf16" if self.config.swarm.activation_codec != "fp32" else "fp32"
+        return Reply(WeightsReply(version=module.version), state, codec)
+
+    # ---- inference -----------------------------------------------------------------------
+
+    async def _inference_step(self, request: Request) -> Reply:
+        body = decode_struct(request.body, InferenceStep)
+        return await self.node.compute(self._infer, body, request.tensors)
+
+    def _infer(self, body: InferenceStep, tensors: dict[str, torch.Tensor]) -> Reply:
+        assert self.model is not None
+        started = time.perf_counter()
+        inputs, positions, key_valid = self._check_inference(body, tensors)
+        session = self.sessions.get(body.session)
+        if session is None:
+            if body.start != 0:
+                raise PeerError(f"unknown session {body.session} (expired or never opened here); "
+                                "replay it from position 0")
+            if len(self.sessions) >= self.config.swarm.max_sessions_per_peer:
+                raise PeerError(f"peer is full ({len(self.sessions)} sessions)")
+            session = Session(self.model.new_cache(body.batch, body.max_length), body.batch,
+                              body.max_length, time.monotonic())
+            self.sessions[body.session] = session
+        if (body.batch, body.max_length) != (session.batch, session.max_length):
+            raise PeerError(f"session {body.session} was opened with batch {session.batch} and "
+                            f"max_length {session.max_length}")
+        if body.start != session.cache.length:
+            raise PeerError(f"session {body.session} holds {session.cache.length} positions, the "
+                            f"request starts at {body.start}")
+        session.last_used = time.monotonic()
+        device_inputs = inputs.to(self.device, self.dtype if inputs.is_floating_point() else None)
+        with torch.inference_mode():
+            out = self.model(device_inputs, positions.to(self.device), key_valid.to(self.device),
+                             session.cache,
+                             head_positions=last_position(inputs) if self.model.is_last else None)
+            if self.model.is_last:
+                assert body.sampling is not None
+                sampling = SamplingConfig(body.sampling.temperature, body.sampling.top_p,
+                                          body.sampling.top_k)
+                tokens, logprobs = sample(out, sampling, step_generator(body.seed, out.device))
+                result = {"tokens": tokens.cpu(), "logprobs": logprobs.float().cpu()}
+            else:
+                result = {"hidden": out.cpu()}
+        self.served_tokens += inputs.shape[0] * inputs.shape[1]
+        self.busy_s += time.perf_counter() - started
+        reply = InferenceReply(version=self.model.version, length=session.cache.length)
+        return Reply(reply, result, self.config.swarm.activation_codec)
+
+    def _check_inference(self, body: InferenceStep, tensors: dict[str, torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        missing = {"inputs", "positions", "key_valid"} - set(tensors)
+        if missing:
+            raise PeerError(f"inference_step needs tensors {sorted(missing)}")
+        inputs, positions, key_valid = tensors["inputs"], tensors["positions"], tensors["key_valid"]
+        if not 1 <= body.batch <= 4096 or not 1 <= body.max_length <= self.spec.max_positions:
+            raise PeerError(f"batch {body.batch} / max_length {body.max_length} out of range "
+                            f"(batch <= 4096, max_length <= {self.spec.max_positions})")
+        if self.index == 0:
+            if inputs.dtype != torch.long or inputs.dim() != 2:
+                raise PeerError(f"stage 0 takes token ids [B, T] (int64), got "
+                                f"{inputs.dtype} {tuple(inputs.shape)}")
+            if inputs.numel() and (int(inputs.min()) < 0
+                                   or int(inputs.max()) >= self.spec.vocab_size):
+                raise PeerError(f"token ids must be in [0, {self.spec.vocab_size})")
+        elif not inputs.is_floating_point() or inputs.dim() != 3 \
+                or inputs.shape[2] != self.spec.hidden_size:
+            raise PeerError(f"stage {self.index} takes hidden states [B, T, "
+                            f"{self.spec.hidden_size}], got {inputs.dtype} {tuple(inputs.shape)}")
+        batch, new = inputs.shape[0], inputs.shape[1]
+        if batch != body.batch or new < 1 or body.start + new > body.max_length:
+            raise PeerError(f"inputs {tuple(inputs.shape)} do not fit batch {body.batch}, start "
+                            f"{body.start}, max_length {body.max_length}")
+        if positions.dtype != torch.long or tuple(positions.shape) != (batch, new):
+            raise PeerError(f"positions must be int64 [{batch}, {new}], got {positions.dtype} "
+                            f"{tuple(positions.shape)}")
+        if positions.numel() and (int(positions.min()) < 0
+                                  or int(positions.max()) >= self.spec.max_positions):
+            raise PeerError(f"positions must be in [0, {self.spec.max_positions})")
+        if key_valid.dtype != torch.bool or tuple(key_valid.shape) != (batch, body.start + new):
+            raise PeerError(f"key_valid must be bool [{batch}, {body.start + new}], got "
+                            f"{key_valid.dtype} {tuple(key_valid.shape)}")
+        if self.index == self.plan.num_stages - 1:
+            if body.sampling is None:
+                raise PeerError("the last stage needs sampling parameters")
+            try:
+                SamplingConfig(body.sampling.temperature, body.sampling.top_p, body.sampling.top_k)
+            except ValueError as error:
+                raise PeerError(f"bad sampling parameters: {error}") from None
+        return inputs, positions, key_valid
+
+    async def _close_session(self, request: Request) -> Reply:
+        body = decode_struct(request.body, CloseSession)
+        self.sessions.pop(body.session, None)
+        return Reply(Empty())
+
+    # ---- training ------------------------------------------------------------------------
+
+    def _trainer(self, version: int | None = None) -> StageTrainer:
+        if self.trainer is None:
+            raise PeerError(f"peer {self.name} does not train")
+        if version is not None and version != self.trainer.version:
+            raise PeerError(f"stage {self.index} is at version {self.trainer.version}, the request "
+                            f"expects {version}")
+        return self.trainer
+
+    async def _train_forward(self, request: Request) -> Reply:
+        body = decode_struct(request.body, TrainForward)
+        return await self.node.compute(self._forward, body, request.tensors)
+
+    def _forward(self, body: TrainForward, tensors: dict[str, torch.Tensor]) -> Reply:
+        trainer = self._trainer(body.version)
+        if body.last != (self.index == self.plan.num_stages - 1):
+            raise PeerError(f"the coordinator thinks stage {self.index} is "
+                            f"{'' if body.last else 'not '}the last stage")
+        batch = self._check_batch(tensors)
+        inputs = (tensors.get("prompt_in"), tensors.get("completion_in"))
+        if inputs[0] is None or inputs[1] is None:
+            raise PeerError("train_forward needs tensors prompt_in and completion_in")
+        self._check_activations(inputs, batch)
+        loss_inputs = None
+        if body.last:
+            loss_inputs = LossInputs(tensors.get("proximal"), tensors.get("reference"),
+                                     body.total_sequences, body.total_tokens)
+        out, metrics = trainer.forward(body.micro, (inputs[0], inputs[1]), batch, loss_inputs)
+        result = {} if out is None else {"prompt_out": out[0].cpu(), "completion_out": out[1].cpu()}
+        return Reply(TrainForwardReply(metrics=metrics), result,
+                     self.config.swarm.activation_codec)
+
+    def _check_batch(self, tensors: dict[str, torch.Tensor]) -> TrainBatch:
+        missing = [f for f in BATCH_FIELDS if f not in tensors]
+        if missing:
+            raise PeerError(f"train_forward is missing batch tensors {missing}")
+        batch = TrainBatch(**{f: tensors[f] for f in BATCH_FIELDS})
+        prompts, completions = batch.prompts, batch.completions
+        expected = {
+            "prompts": (torch.long, prompts.shape), "prompt_valid": (torch.bool, prompts.shape),
+            "prompt_positions": (torch.long, prompts.shape),
+            "completions": (torch.long, completions.shape),
+            "completion_valid": (torch.bool, completions.shape),
+            "completion_positions": (torch.long, completions.shape),
+            "prompt_of": (torch.long, completions.shape[:1]),
+            "behaviour_logprobs": (torch.float32, completions.shape),
+            "advantages": (torch.float32, completions.shape[:1]),
+            "staleness": (torch.long, completions.shape[:1]),
+        }
+        for name, (dtype, shape) in expected.items():
+            tensor = getattr(batch, name)
+            if tensor.dtype != dtype or tensor.shape != shape:
+                raise PeerError(f"batch tensor {name} must be {dtype} {tuple(shape)}, got "
+                                f"{tensor.dtype} {tuple(tensor.shape)}")
+        if prompts.dim() != 2 or completions.dim() != 2:
+            raise PeerError("prompts and completions must be [rows, length]")
+        for name in ("prompts", "completions"):
+            ids = getattr(batch, name)
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
+                raise PeerError(f"{name} token ids must be in [0, {self.spec.vocab_size})")
+        if batch.prompt_of.numel() and (int(batch.prompt_of.min()) < 0
+                                        or int(batch.prompt_of.max()) >= prompts.shape[0]):
+            raise PeerError(f"prompt_of must index the {prompts.shape[0]} prompts")
+        for name in ("prompt_positions", "completion_positions"):
+            positions = getattr(batch, name)
+            if positions.numel() and (int(positions.min()) < 0
+                                      or int(positions.max()) >= self.spec.max_positions):
+                raise PeerError(f"{name} must be in [0, {self.spec.max_positions})")
+        return batch
+
+    def _check_activations(self, inputs: tuple[torch.Tensor, torch.Tensor],
+                           batch: TrainBatch) -> None:
+        shapes = (batch.prompts.shape, batch.completions.shape)
+        for name, tensor, shape in zip(("prompt_in", "completion_in"), inputs, shapes):
+            if self.index == 0:
+                if tensor.dtype != torch.long or tensor.shape != shape:
+                    raise PeerError(f"stage 0 takes {name} token ids {tuple(shape)}, got "
+                                    f"{tensor.dtype} {tuple(tensor.shape)}")
+            elif not tensor.is_floating_point() \
+                    or tuple(tensor.shape) != (*shape, self.spec.hidden_size):
+                raise PeerError(f"{name} must be hidden states {(*shape, self.spec.hidden_size)}, "
+                                f"got {tensor.dtype} {tuple(tensor.shape)}")
+
+    async def _train_backward(self, request: Request) -> Reply:
+        body = decode_struct(request.body, TrainBackward)
+        return await self.node.compute(self._backward, body, request.tensors)
+
+    def _backward(self, body: TrainBackward, tensors: dict[str, torch.Tensor]) -> Reply:
+        trainer = self._trainer()
+        if body.micro not in trainer.saved:
+            raise PeerError(f"stage {self.index} has no forward pass for micro-batch {body.micro}")
+        grads = None
+        if self.index != self.plan.num_stages - 1:
+            if "prompt_grad" not in tensors or "completion_grad" not in tensors:
+                raise PeerError("train_backward needs prompt_grad and completion_grad")
+            grads = (tensors["prompt_grad"], tensors["completion_grad"])
+            outputs = trainer.saved[body.micro][1]
+            for name, grad, output in zip(("prompt_grad", "completion_grad"), grads, outputs):
+                if grad.shape != output.shape:
+                    raise PeerError(f"{name} has shape {tuple(grad.shape)}, the forward output "
+                                    f"was {tuple(output.shape)}")
+            grads = tuple(g.to(self.device, output.dtype) for g, output in zip(grads, outputs))
+        back = trainer.backward(body.micro, grads)  # type: ignore[arg-type]
+        result = {} if back is None or back[0] is None else \
+            {"prompt_grad": back[0].cpu(), "completion_grad": back[1].cpu()}
+        return Reply(Empty(), result, self.config.swarm.activation_codec)
+
+    async def _train_grad_norm(self, request: Request) -> Reply:
+        decode_struct(request.body, Empty)
+        value = await self.node.compute(self._trainer().grad_square_norm)
+        return Reply(GradNorm(square_norm=value))
+
+    async def _train_step(self, request: Request) -> Reply:
+        body = decode_struct(request.body, TrainStep)
+        trainer = self._trainer(body.version - 1)
+        if not (body.grad_scale > 0 and body.grad_scale <= 1):
+            raise PeerError(f"grad_scale must be in (0, 1], got {body.grad_scale}")
+        await self.node.compute(trainer.step, body.grad_scale)
+        if self.model is not None:
+            await self.node.compute(self._copy_from_trainer)
+        await self.announce()
+        return Reply(VersionReply(version=trainer.version))
+
+    async def _train_discard(self, request: Request) -> Reply:
+        decode_struct(request.body, Empty)
+        await self.node.compute(self._trainer().discard)
+        return Reply(VersionReply(version=self._trainer().version))
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def checkpoint_path(self, version: int) -> Path:
+        assert self.checkpoint_dir is not None
+        return self.checkpoint_dir / f"v{version}" / f"stage{self.index}.pt"
+
+    async def _checkpoint(self, request: Request) -> Reply:
+        body = decode_struct(request.body, CheckpointRequest)
+        trainer = self._trainer()
+        if body.action == "save":
+            if body.version != trainer.version:
+                raise PeerError(f"cannot save version {body.version}: stage {self.index} is at "
+                                f"{trainer.version}")
+            await self.node.compute(self._save, body.version)
+        else:
+            await self.node.compute(self._load, body.version)
+            await self.announce()
+        return Reply(VersionReply(version=trainer.version))
+
+    def _save(self, version: int) -> None:
+        path = self.checkpoint_path(version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(".tmp")
+        torch.save(self._trainer().state(), staging)
+        os.replace(staging, path)  # a crash mid-save leaves no half-written checkpoint
+
+    def _load(self, version: int) -> None:
+        path = self.checkpoint_path(version)
+        if not path.is_file():
+            raise PeerError(f"no checkpoint {path}")
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        if state["version"] != version:
+            raise PeerError(f"{path} holds version {state['version']}, not {version}")
+        self._trainer().load_state(state)
+        if self.model is not None:
+            self._copy_from_trainer()
+
+    def _resume_from_checkpoint(self) -> None:
+        """A replacement training peer starts from the newest complete checkpoint of its stage."""
+        assert self.checkpoint_dir is not None
+        pointer = self.checkpoint_dir / "latest"
+        if not pointer.is_file():
+            return
+        version = int(pointer.read_text().strip().lstrip("v"))
+        self._load(version)
+        log.info("%s: stage %d resumed from checkpoint v%d", self.name, self.index, version)

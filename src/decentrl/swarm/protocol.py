@@ -1,0 +1,136 @@
+"""What peers say to each other: the DHT records they announce and the body of every RPC. Bodies
+are msgspec structs decoded strictly (unknown fields, wrong types and missing fields are errors);
+tensors travel beside them (net/node.py) and are checked where they are used."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Role = Literal["inference", "training", "both"]
+
+
+class Body(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+# ---- DHT records --------------------------------------------------------------------------
+
+def stage_key(run: str, stage: int) -> str:
+    return f"decentrl/{run}/stage{stage}"
+
+
+def coordinator_key(run: str) -> str:
+    return f"decentrl/{run}/coordinator"
+
+
+class PeerRecord(Body):
+    """A peer's announcement under its stage's key (subkey: its peer id); it expires unless
+    renewed, so a dead peer drops out of the directory by itself."""
+
+    name: str
+    stage: int
+    layers: tuple[int, int]  # [start, stop)
+    role: Role
+    version: int
+    tokens_per_s: float  # measured inference throughput (0 until it has served)
+    free_sessions: int
+    training_ready: bool  # a training peer whose weights are loaded and that accepts steps
+
+
+class CoordinatorRecord(Body):
+    config_json: str  # the run config every peer builds its stage from
+
+
+# ---- inference ----------------------------------------------------------------------------
+
+class Sampling(Body):
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+class InferenceStep(Body):
+    """Feed positions [start, start + T) of a session. Tensors: `inputs` ([B, T] token ids at
+    stage 0, else [B, T, hidden]), `positions` [B, T], `key_valid` [B, start + T]. A session is
+    opened by its first step (start 0); the last stage samples with `sampling` and `seed`."""
+
+    session: str
+    start: int
+    batch: int
+    max_length: int
+    sampling: Sampling | None = None
+    seed: int | None = None
+
+
+class InferenceReply(Body):
+    """`hidden` [B, T, hidden] of the new positions, or at the last stage `tokens` and
+    `logprobs` [B]; `version` is the weight version that computed them."""
+
+    version: int
+    length: int  # positions the session's cache holds now
+
+
+class CloseSession(Body):
+    session: str
+
+
+class Empty(Body):
+    pass
+
+
+# ---- training -----------------------------------------------------------------------------
+
+class TrainForward(Body):
+    """One micro-batch through one training stage. Tensors: the micro-batch (TrainBatch fields),
+    `prompt_in` / `completion_in` (token ids at stage 0, hidden states after), and at the last
+    stage optionally `proximal` / `reference` log-probs."""
+
+    micro: int
+    version: int  # the learner version this step starts from; a peer at another version refuses
+    last: bool  # compute the loss here (the coordinator's view of the chain)
+    total_sequences: int
+    total_tokens: int
+
+
+class TrainForwardReply(Body):
+    """`prompt_out` / `completion_out` tensors, or at the last stage the loss metrics."""
+
+    metrics: dict[str, float]
+
+
+class TrainBackward(Body):
+    """Tensors `prompt_grad` / `completion_grad` (none at the last stage)."""
+
+    micro: int
+
+
+class GradNorm(Body):
+    square_norm: float
+
+
+class TrainStep(Body):
+    grad_scale: float
+    version: int  # the version after this step; a peer at another version refuses
+
+
+class VersionReply(Body):
+    version: int
+
+
+class CheckpointRequest(Body):
+    action: Literal["save", "load"]
+    version: int
+
+
+# ---- weights ------------------------------------------------------------------------------
+
+class FetchWeights(Body):
+    """A stage's full weights (a joining replica's state transfer, and weight updates)."""
+
+    stage: int
+
+
+class WeightsReply(Body):
+    version: int
