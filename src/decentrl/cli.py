@@ -1,4 +1,4 @@
-"""The `decentrl` command line: demo · train · eval · bench."""
+"""The `decentrl` command line: demo · train · coordinate · join · eval · bench."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ DEMO_CONFIG = {
               "micro_batch_size": 32, "max_staleness": 2},
     "eval": {"task": {"name": "sums", "options": {"min_digits": 2, "max_digits": 2}},
              "problems": 200, "pass_k": 4, "every": 0},
+    # Peers on three continents: every hop 60-120 ms round trip, with jitter.
+    "swarm": {"link": {"rtt_ms": [60, 120], "jitter_ms": 10}, "inference_replicas": 2,
+              "sessions_in_flight": 8},
+    "threads": 1,
 }
 
 
@@ -80,14 +84,19 @@ def run_training(config: RunConfig) -> None:
 def demo(
     name: Annotated[str, typer.Option(help="run name (folder under runs/)")] = "demo",
     budget: Annotated[float, typer.Option(help="training time budget in seconds")] = 720,
-    mode: Annotated[str, typer.Option(help="async or sync")] = "async",
+    chaos: Annotated[bool, typer.Option(help="kill and restart a random peer every few minutes")]
+    = False,
+    chaos_every: Annotated[float, typer.Option(help="seconds between chaos kills")] = 120,
+    local: Annotated[bool, typer.Option(help="one process, no network (the issue-2 loop)")]
+    = False,
     fresh: Annotated[bool, typer.Option(help="delete an earlier run of this name first")] = True,
 ) -> None:
-    """Post-train SmolLM2-135M-Instruct on sums; report held-out two-digit accuracy before/after."""
+    """Post-train SmolLM2-135M-Instruct on sums over a local swarm on loopback (coordinator plus
+    2 stages x (2 inference replicas + 1 training peer), emulated WAN links); report held-out
+    two-digit accuracy before and after."""
     data = json.loads(json.dumps(DEMO_CONFIG))
     data["name"] = name
     data["train"]["time_budget_s"] = budget
-    data["train"]["mode"] = mode
     try:
         config = parse_config(data)
     except ConfigError as error:
@@ -97,7 +106,55 @@ def demo(
         import shutil
 
         shutil.rmtree(config.path)
-    run_training(config)
+    if local:
+        run_training(config)
+    else:
+        run_swarm_demo(config, chaos_every if chaos else None)
+
+
+def run_swarm_demo(config: RunConfig, chaos_every: float | None) -> None:
+    import threading
+
+    from decentrl.model.loading import resolve_model
+    from decentrl.swarm.coordinate import SwarmCoordinator
+    from decentrl.swarm.launch import LocalSwarm
+
+    started = time.time()
+    resolve_model(config.model)  # convert the GGUF once, before the peers race to do it
+    config.path.mkdir(parents=True, exist_ok=True)
+    config_path = config.path / "swarm-config.json"
+    config_path.write_text(config.model_dump_json(indent=2))
+    swarm = LocalSwarm(config, config_path, config.swarm.inference_replicas)
+    stop_chaos = threading.Event()
+    coordinator = None
+    try:
+        console.print(f"starting {len(swarm.children) or 'the'} peers (logs in {swarm.logs})")
+        swarm.start()
+        for line in swarm.layout():
+            console.print(f"  {line}")
+        assert swarm.bootstrap is not None
+        coordinator = SwarmCoordinator(config, swarm.bootstrap, console)
+        if chaos_every is not None:
+            threading.Thread(target=swarm.chaos, args=(stop_chaos, chaos_every, config.seed,
+                                                       console.print), daemon=True).start()
+        summary = coordinator.run()
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError, TimeoutError) as error:
+        fail(str(error))
+        return
+    finally:
+        stop_chaos.set()
+        if coordinator is not None:
+            coordinator.close()
+        swarm.shutdown()
+    if summary.before is not None:
+        console.print(before_after_table(summary))
+        gain = summary.after.pass1.mean - summary.before.pass1.mean
+        console.print(f"pass@1 change: {gain * 100:+.1f} points")
+    restarts = {c.name: c.restarts for c in swarm.children.values() if c.restarts}
+    console.print(f"{summary.steps} steps; wall {time.time() - started:.0f}s; generation "
+                  f"failovers {summary.failovers}; training recoveries {summary.recoveries}; "
+                  f"peers restarted {restarts or 'none'}")
+    console.print(f"run folder: {summary.path}")
 
 
 @app.command()
@@ -109,6 +166,94 @@ def train(config: Annotated[Path, typer.Option("--config", help="run.toml")]) ->
         fail(str(error))
         return
     run_training(run_config)
+
+
+def configure_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("decentrl").setLevel(logging.INFO)
+
+
+@app.command()
+def coordinate(
+    config: Annotated[Path, typer.Option("--config", help="run.toml")],
+    initial_peers: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
+        help="multiaddr of a running peer, repeatable (none: this node bootstraps the swarm)")]
+    = None,
+    wait: Annotated[float, typer.Option(help="seconds to wait for every stage to have peers")]
+    = 600,
+) -> None:
+    """Coordinate a swarm run: schedule prompts, route generation through inference peers,
+    ingest and store rollouts, train the pipeline of training peers, evaluate, checkpoint."""
+    from decentrl.net.node import SwarmNode
+    from decentrl.net.wire import TensorLimits
+    from decentrl.swarm.coordinate import SwarmCoordinator
+    from decentrl.swarm.launch import link_profile
+
+    configure_logging()
+    try:
+        run_config = load_config(config)
+    except ConfigError as error:
+        fail(str(error))
+        return
+    node = SwarmNode.start("coordinator", initial_peers or [], link_profile(run_config),
+                           TensorLimits())
+    coordinator = None
+    try:
+        for address in node.addresses():
+            console.print(f"peers join with: --initial-peers {address}")
+        coordinator = SwarmCoordinator(run_config, node, console)
+        summary = coordinator.run(wait_s=wait)
+        console.print(f"{summary.steps} steps; after: pass@1 {summary.after.pass1.as_percent()}")
+    except (ConfigError, ValueError, RuntimeError, TimeoutError) as error:
+        fail(str(error))
+    finally:
+        if coordinator is not None:
+            coordinator.close()
+        node.shutdown()
+
+
+@app.command()
+def join(
+    stage: Annotated[str, typer.Option(help="stage index, or auto (the least-served stage)")],
+    initial_peers: Annotated[list[str], typer.Option(help="multiaddr of a swarm peer, repeatable")],
+    role: Annotated[str, typer.Option(help="inference, training or both")] = "inference",
+    config: Annotated[Optional[Path], typer.Option(  # noqa: UP007
+        "--config", help="run config (default: fetch the coordinator's from the DHT)")] = None,
+    run: Annotated[Optional[str], typer.Option(help="run name, when --config is not given")]  # noqa: UP007
+    = None,
+    checkpoint_dir: Annotated[Optional[Path], typer.Option(  # noqa: UP007
+        help="where a training peer saves and resumes checkpoints")] = None,
+    name: Annotated[str, typer.Option(help="a name for logs and the peer table")] = "peer",
+) -> None:
+    """Start a peer that holds exactly the layers of one stage and serves it until stopped."""
+    import signal
+    import threading
+
+    import torch
+
+    from decentrl.swarm.launch import join as join_swarm
+
+    configure_logging()
+    if role not in ("inference", "training", "both"):
+        fail(f"--role must be inference, training or both, got {role!r}")
+    if stage != "auto" and not stage.isdigit():
+        fail(f"--stage must be a stage index or auto, got {stage!r}")
+    try:
+        run_config = load_config(config) if config is not None else None
+    except ConfigError as error:
+        fail(str(error))
+        return
+    torch.set_num_threads(run_config.threads if run_config and run_config.threads else 1)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        join_swarm(run_config, run, None if stage == "auto" else int(stage), role,  # type: ignore[arg-type]
+                   initial_peers, checkpoint_dir, name, stop)
+    except (ConfigError, ValueError, RuntimeError, TimeoutError, FileNotFoundError) as error:
+        fail(str(error))
 
 
 @app.command("eval")

@@ -3,6 +3,7 @@ and every error names the field it is about."""
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -143,8 +144,15 @@ def parse_config(data: dict[str, Any], **overrides: Any) -> RunConfig:
 
 
 def load_config(path: Path, **overrides: Any) -> RunConfig:
+    """A TOML config, or the config.json a run folder holds."""
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path} is not valid JSON: {error}") from None
+        return parse_config(data, **overrides)
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:

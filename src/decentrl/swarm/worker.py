@@ -25,8 +25,8 @@ def sampling_config(rollout: RolloutConfig) -> SamplingConfig:
 
 
 class RolloutWorker:
-    def __init__(self, chain: InferenceChain, transport: Transport, task: Task, tokenizer: Any,
-                 rollout: RolloutConfig, scheduler: PromptScheduler, seed: int) -> None:
+    def __init__(self, chain: InferenceChain, transport: Transport | None, task: Task,
+                 tokenizer: Any, rollout: RolloutConfig, scheduler: PromptScheduler, seed: int) -> None:
         self.chain, self.transport, self.task, self.tokenizer = chain, transport, task, tokenizer
         self.rollout, self.scheduler, self.seed = rollout, scheduler, seed
         self.sampling = sampling_config(rollout)
@@ -36,7 +36,7 @@ class RolloutWorker:
     def sync_weights(self) -> bool:
         """Load every stage whose published weights are newer than ours; True if any changed.
         A swarm's replicas follow their training peers themselves; nothing to do here."""
-        if not isinstance(self.chain, LocalChain):
+        if not isinstance(self.chain, LocalChain) or self.transport is None:
             return False
         changed = False
         for index, stage in enumerate(self.chain.stages):
@@ -75,6 +75,9 @@ class RolloutWorker:
         in `self.error` for the coordinator to raise; they never vanish with the thread.
         `threads` caps this thread's intra-op CPU threads, so the worker and the learner share the
         cores instead of both spinning on all of them."""
+        if self.transport is None:
+            raise RuntimeError("this worker has no transport to hand its groups to")
+        transport = self.transport
         try:
             if threads is not None:
                 torch.set_num_threads(threads)
@@ -82,7 +85,7 @@ class RolloutWorker:
                 self.sync_weights()
                 indices = self.scheduler.next(self.rollout.prompts_per_step)
                 for group in self.generate_groups(indices):
-                    while not self.transport.put_rollouts(group, timeout=0.5):
+                    while not transport.put_rollouts(group, timeout=0.5):
                         if stop.is_set():
                             return
         except BaseException as error:  # noqa: BLE001 - handed to the coordinator thread

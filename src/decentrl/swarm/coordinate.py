@@ -1,0 +1,368 @@
+"""The swarm's coordinator (`decentrl coordinate`): the loop of DESIGN.md over peers.
+
+Generation threads (`swarm.sessions_in_flight` of them, one group per session) route prompts
+through chains of inference peers, so many sessions are in flight and the hop latency is hidden.
+Each finished group is checked, scored by the coordinator itself, and stored in SQLite before it is
+accepted. The training loop takes accepted groups within the staleness bound, trains the pipeline
+of training peers micro-batch by micro-batch, records the step, and checkpoints. The coordinator
+holds no weights: peers hold their stages, checkpoints are written by the training peers.
+
+Faults: a generation that loses a peer moves to another replica (swarm/client.py); a training peer
+that dies ends the step, the coordinator waits for a replacement (it loads the last checkpoint),
+rolls every stage back to that checkpoint, returns the groups trained since to the pending pool,
+and goes on; a restarted coordinator does the same from its SQLite store."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from decentrl.config import ConfigError, RunConfig
+from decentrl.evaluate.runner import EvalResult, evaluate
+from decentrl.learn.losses import StaleRolloutError, check_staleness
+from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.model.blocks import ModelSpec
+from decentrl.model.loading import load_tokenizer, resolve_model
+from decentrl.net.node import SwarmNode
+from decentrl.rollout.types import ScoredGroup
+from decentrl.swarm.client import Directory, RemoteChain, RemoteStageWorker, SwarmUnavailable
+from decentrl.swarm.coordinator import Coordinator
+from decentrl.swarm.run import MetricsLog
+from decentrl.swarm.scheduler import PromptScheduler
+from decentrl.swarm.store import RunStore
+from decentrl.swarm.worker import RolloutWorker, sampling_config
+from decentrl.tasks import make_task
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+
+
+@dataclass
+class SwarmSummary:
+    path: Path
+    steps: int
+    wall_s: float
+    before: EvalResult | None
+    after: EvalResult
+    recoveries: int
+    failovers: int
+
+
+def check_swarm_config(config: RunConfig) -> None:
+    if config.train.kl_coef > 0:
+        raise ConfigError("train.kl_coef > 0 is not supported in the swarm yet (the reference "
+                          "model would have to live on the training peers)")
+    if config.train.updates_per_batch > 1:
+        raise ConfigError("train.updates_per_batch > 1 is not supported in the swarm yet (fixed "
+                          "proximal log-probs need a forward-only pass through the peers)")
+    if config.train.mode != "async":
+        raise ConfigError("the swarm coordinator runs train.mode = 'async' only")
+
+
+class SwarmCoordinator:
+    def __init__(self, config: RunConfig, node: SwarmNode, console: Console | None = None) -> None:
+        check_swarm_config(config)
+        self.config, self.node = config, node
+        self.console = console or Console()
+        self.path = config.path
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.checkpoints = self.path / "checkpoints"
+        self.store = RunStore(self.path / "run.sqlite")
+        self.store.check_or_set_config(config.model_dump_json())
+        folder = resolve_model(config.model)
+        self.spec = ModelSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
+        self.tokenizer = load_tokenizer(folder)
+        self.task = make_task(config.task.name, **config.task.options)
+        self.eval_task = make_task(config.eval.task.name, **config.eval.task.options)
+        self.directory = Directory(node, config.name, config.num_stages, config.swarm)
+        self.chain = RemoteChain(node, self.directory, config.swarm, self.spec.vocab_size)
+        self.workers = [RemoteStageWorker(node, self.directory, stage, config.num_stages,
+                                          config.swarm) for stage in range(config.num_stages)]
+        self.trainer = PipelineTrainer(
+            self.workers, config.train, loss_config_from(config.train, config.rollout.max_new_tokens),
+            sampling_config(config.rollout), torch.device("cpu"))
+        self.scheduler = PromptScheduler(config.seed, start=self.store.problem_position())
+        self.ingestion = Coordinator(config, self.task, self.tokenizer, self.scheduler)
+        self.generator = RolloutWorker(self.chain, None, self.task, self.tokenizer,
+                                       config.rollout, self.scheduler, config.seed)
+        self.ready: queue.Queue[tuple[ScoredGroup, int]] = queue.Queue()
+        self.ingest_lock = threading.Lock()
+        self.stop = threading.Event()
+        self.step = self.store.last_step()
+        self.recoveries = 0
+        self.generation_errors = 0
+
+    # ---- the swarm ------------------------------------------------------------------------
+
+    def wait_for_swarm(self, timeout_s: float) -> None:
+        """Until every stage has an inference replica and a training peer."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.directory.publish_config(self.config.model_dump_json())
+            self.directory.refresh()
+            stages = self.directory.stage_summary()
+            missing = [i for i, records in enumerate(stages)
+                       if not any(r.role in ("inference", "both") for r in records)
+                       or not any(r.training_ready for r in records)]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise SwarmUnavailable(f"stages {missing} have no inference replica or no "
+                                       f"training peer after {timeout_s:.0f}s")
+            time.sleep(1.0)
+
+    def peer_table(self) -> Table:
+        table = Table(title="who holds which layers")
+        for column in ("stage", "peer", "layers", "role", "version", "tok/s"):
+            table.add_column(column)
+        for stage, records in enumerate(self.directory.stage_summary()):
+            for record in sorted(records, key=lambda r: r.name):
+                table.add_row(str(stage), record.name, f"{record.layers[0]}-{record.layers[1] - 1}",
+                              record.role, str(record.version), f"{record.tokens_per_s:.0f}")
+        return table
+
+    def reconcile(self) -> None:
+        """Make every training peer agree with the store: the last recorded version, or else the
+        last complete checkpoint (groups trained after it go back to the pending pool)."""
+        versions = [worker.connect() for worker in self.workers]
+        expected = self.store.last_version()
+        if all(v == expected for v in versions):
+            return
+        checkpoint = self.store.last_checkpoint()
+        version, step = checkpoint if checkpoint is not None else (0, 0)
+        if checkpoint is None and any(v != 0 for v in versions):
+            raise SwarmUnavailable(f"training peers are at versions {versions} but this run has "
+                                   "no checkpoint to bring them to; start them fresh")
+        for worker in self.workers:
+            if worker.version != version:
+                worker.checkpoint("load", version)
+        returned = self.store.return_to_pending(after_step=step)
+        self.step = step
+        self.recoveries += 1
+        self.console.print(f"[yellow]training rolled back to checkpoint v{version} (step {step}); "
+                           f"{returned} groups back to pending[/]")
+
+    def wait_for_replicas(self, version: int, timeout_s: float) -> None:
+        """Until every stage has a replica serving `version` (they follow the training peers)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.directory.refresh()
+            if all(any(r.version == version and r.role == "inference" for r in records)
+                   or any(r.role == "both" for r in records)
+                   for records in self.directory.stage_summary()):
+                return
+            time.sleep(0.5)
+        log.warning("replicas did not reach version %d within %.0fs", version, timeout_s)
+
+    # ---- generation -----------------------------------------------------------------------
+
+    def _generate_forever(self) -> None:
+        backlog = self.config.rollout.prompts_per_step * (self.config.train.max_staleness + 1)
+        attempt = 0
+        while not self.stop.is_set():
+            if self.ready.qsize() >= backlog:
+                time.sleep(POLL_S)  # the learner is behind; more groups would only go stale
+                continue
+            with self.ingest_lock:
+                self.store.reserve_problems(1)
+                indices = self.scheduler.next(1)
+            try:
+                groups = self.generator.generate_groups(indices)
+                attempt = 0
+            except Exception as error:  # noqa: BLE001 - one lost group; the thread goes on
+                self.generation_errors += 1
+                log.warning("generation failed: %s", error)
+                attempt += 1
+                time.sleep(min(10.0, 0.5 * 2 ** attempt))
+                continue
+            for group in groups:
+                self._accept(group)
+
+    def _accept(self, group: Any) -> None:
+        with self.ingest_lock:
+            accepted = self.ingestion.ingest(group, self.trainer.version)
+            if accepted is None:
+                return
+            scored, staleness = accepted
+            # Durable before it counts: a crash after this line loses nothing accepted.
+            self.store.add_group(scored, staleness, self.trainer.version)
+        self.ready.put(accepted)
+
+    def _collect(self, needed: int) -> list[tuple[ScoredGroup, int]]:
+        batch: list[tuple[ScoredGroup, int]] = []
+        while len(batch) < needed:
+            if self.stop.is_set():
+                raise RuntimeError("stopped while waiting for rollouts")
+            try:
+                scored, _ = self.ready.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                staleness = check_staleness(self.trainer.version, scored.group.stage_versions,
+                                            self.config.train.max_staleness)
+            except StaleRolloutError as error:
+                self.store.mark_dropped([scored.group.group_id], str(error))
+                self.ingestion.stats.stale += 1
+                continue
+            batch.append((scored, staleness))
+        return batch
+
+    # ---- training -------------------------------------------------------------------------
+
+    def _train_one_step(self, metrics: MetricsLog) -> None:
+        wait_started = time.time()
+        scored = self._collect(self.config.rollout.prompts_per_step)
+        waited = time.time() - wait_started
+        batch, stats = self.ingestion.make_batch(scored)
+        ids = [s.group.group_id for s, _ in scored]
+        train_started = time.time()
+        losses: dict[str, float] = {}
+        if batch is not None:
+            try:
+                losses = self.trainer.train_step(batch)
+            except SwarmUnavailable as error:
+                self.console.print(f"[yellow]training step failed: {error}[/]")
+                for item in scored:
+                    self.ready.put(item)  # still pending in the store; retried after recovery
+                self._recover_training()
+                return
+        self.step += 1
+        self.store.mark_trained(ids, self.step)
+        record = metrics.write(
+            "step", step=self.step, version=self.trainer.version, wait_s=round(waited, 3),
+            train_s=round(time.time() - train_started, 3),
+            sequences=0 if batch is None else batch.num_sequences,
+            stale_dropped=self.ingestion.stats.stale, rejected=self.ingestion.stats.rejected,
+            failovers=self.chain.failovers, **stats, **losses)
+        self.store.record_step(self.step, self.trainer.version,
+                               {k: float(v) for k, v in record.items()
+                                if isinstance(v, (int, float))})
+        if self.step % self.config.train.checkpoint_every == 0:
+            self.checkpoint()
+        self.console.print(
+            f"step {self.step:4d}  v{self.trainer.version}  reward {record['reward']:.3f}  "
+            f"acc {record['accuracy']:.3f}  len {record['completion_tokens_mean']:.1f}  "
+            f"stale {record['staleness_mean']:.2f}  wait {waited:.1f}s  "
+            f"train {record['train_s']:.1f}s  t={record['elapsed_s']:.0f}s")
+
+    def _recover_training(self) -> None:
+        """A training peer failed mid-step: forget the step everywhere, wait for every stage to
+        have a training peer again, and bring them all to one version."""
+        for worker in self.workers:
+            try:
+                worker.discard()
+            except SwarmUnavailable:
+                pass
+        deadline = time.monotonic() + 600
+        while not self.stop.is_set():
+            try:
+                self.reconcile()
+                return
+            except SwarmUnavailable as error:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("waiting for training peers: %s", error)
+                time.sleep(2.0)
+
+    def checkpoint(self) -> None:
+        version = self.trainer.version
+        for worker in self.workers:
+            worker.checkpoint("save", version)
+        pointer = self.checkpoints / "latest"
+        pointer.with_suffix(".tmp").write_text(f"v{version}")
+        os.replace(pointer.with_suffix(".tmp"), pointer)
+        self.store.record_checkpoint(version, self.step, len(self.workers))
+        for old in self.checkpoints.glob("v*"):
+            if old.is_dir() and old.name != f"v{version}":
+                shutil.rmtree(old, ignore_errors=True)
+
+    # ---- evaluation -----------------------------------------------------------------------
+
+    def evaluate(self, label: str, pass_k: int, metrics: MetricsLog) -> EvalResult:
+        self.wait_for_replicas(self.trainer.version, timeout_s=120)
+        ev = self.config.eval
+        result = evaluate(self.chain, self.eval_task, self.tokenizer, ev.problems,
+                          ev.max_new_tokens, ev.batch_size, pass_k=pass_k, seed=self.config.seed)
+        metrics.write("eval", label=label, step=self.step, version=self.trainer.version,
+                      task=result.task, problems=result.problems, pass1=result.pass1.mean,
+                      pass1_low=result.pass1.low, pass1_high=result.pass1.high,
+                      pass_k=result.pass_k.mean if result.pass_k else None, k=pass_k)
+        text = f"eval ({label}) step {self.step}: pass@1 {result.pass1.as_percent()}"
+        if result.pass_k is not None:
+            text += f"  pass@{pass_k} {result.pass_k.as_percent()}"
+        self.console.print(text)
+        return result
+
+    # ---- the run --------------------------------------------------------------------------
+
+    def run(self, wait_s: float = 300) -> SwarmSummary:
+        config = self.config
+        started = time.time()
+        metrics = MetricsLog(self.path / "metrics.jsonl", started)
+        (self.path / "config.json").write_text(config.model_dump_json(indent=2))
+        self.console.print(f"[bold]{config.name}[/]: coordinator {self.node.peer_id[-8:]} waiting "
+                           f"for {config.num_stages} stages")
+        self.wait_for_swarm(wait_s)
+        self.reconcile()
+        if self.store.last_checkpoint() is None:
+            self.checkpoint()  # version 0: what a replacement training peer starts from
+        self.console.print(self.peer_table())
+        for stored in self.store.pending_groups():
+            self.ready.put((stored.scored, stored.staleness))
+        resumed = self.step > 0
+        before = None
+        if not resumed:
+            before = self.evaluate("before", config.eval.pass_k, metrics)
+            (self.path / "eval_before.json").write_text(json.dumps(before.to_json(), indent=2))
+        else:
+            self.console.print(f"resumed at step {self.step} (version {self.trainer.version}); "
+                               f"{self.ready.qsize()} accepted groups pending")
+        threads = [threading.Thread(target=self._generation_thread, name=f"generate-{i}",
+                                    daemon=True) for i in range(config.swarm.sessions_in_flight)]
+        for thread in threads:
+            thread.start()
+        train_started = time.time()
+        budget = config.train.time_budget_s
+        try:
+            while self.step < config.train.steps:
+                if budget is not None and time.time() - train_started > budget:
+                    self.console.print(f"time budget of {budget:.0f}s reached after "
+                                       f"{self.step} steps")
+                    break
+                self._train_one_step(metrics)
+                if config.eval.every and self.step % config.eval.every == 0:
+                    self.evaluate("during", 1, metrics)
+        finally:
+            self.stop.set()
+            for thread in threads:
+                thread.join(timeout=config.swarm.request_timeout_s * (config.swarm.retries + 2))
+        self.checkpoint()
+        wall = time.time() - started
+        after = self.evaluate("after", config.eval.pass_k, metrics)
+        (self.path / "eval_after.json").write_text(json.dumps(after.to_json(), indent=2))
+        self.console.print(self.peer_table())
+        return SwarmSummary(self.path, self.step, wall, before, after, self.recoveries,
+                            self.chain.failovers)
+
+    def _generation_thread(self) -> None:
+        try:
+            self._generate_forever()
+        except Exception:  # noqa: BLE001 - logged; the others keep generating
+            log.exception("a generation thread failed")
+
+    def close(self) -> None:
+        self.stop.set()
+        self.store.close()

@@ -1,0 +1,211 @@
+"""Starting peers: `join` (one stage peer in this process, until it is told to stop) and
+`LocalSwarm` (the coordinator and every peer as separate processes on loopback, for the demo and
+the multi-process tests). Each child runs in its own process group, so stopping it also stops its
+p2pd daemon, and the unix sockets a killed daemon leaves behind are removed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from decentrl.config import RunConfig, parse_config
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import SwarmNode
+from decentrl.net.wire import TensorLimits, decode_struct
+from decentrl.swarm.peer import StagePeer
+from decentrl.swarm.protocol import CoordinatorRecord, PeerRecord, Role, coordinator_key, stage_key
+
+log = logging.getLogger(__name__)
+
+READY = "DECENTRL-READY"
+
+
+def link_profile(config: RunConfig) -> LinkProfile:
+    link = config.swarm.link
+    return LinkProfile(rtt_ms=link.rtt_ms, jitter_ms=link.jitter_ms,
+                       bandwidth_mbps=link.bandwidth_mbps, loss=link.loss, seed=config.seed)
+
+
+def fetch_config(node: SwarmNode, run: str, timeout_s: float) -> RunConfig:
+    """The run config the coordinator announces (a peer started without --config)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        entries = node.run(node.lookup(coordinator_key(run)), timeout=30)
+        if "config" in entries:
+            record = decode_struct(entries["config"], CoordinatorRecord)
+            return parse_config(json.loads(record.config_json))
+        time.sleep(1.0)
+    raise TimeoutError(f"no coordinator of run {run!r} announced a config within {timeout_s:.0f}s")
+
+
+def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
+    """`--stage auto`: a training peer takes the first stage without one; an inference peer takes
+    the stage with the least free capacity (fewest free sessions, then fewest replicas)."""
+    capacity = []
+    for stage in range(config.num_stages):
+        records = [decode_struct(raw, PeerRecord)
+                   for raw in node.run(node.lookup(stage_key(config.name, stage)),
+                                       timeout=30).values()]
+        if role == "training":
+            capacity.append((sum(r.training_ready for r in records), stage))
+        else:
+            serving = [r for r in records if r.role != "training"]
+            capacity.append((sum(r.free_sessions for r in serving) + len(serving), stage))
+    return min(capacity)[1]
+
+
+def join(config: RunConfig | None, run: str | None, stage: int | None, role: Role,
+         initial_peers: list[str], checkpoint_dir: Path | None, name: str,
+         stop: threading.Event) -> None:
+    """Run one stage peer until `stop` is set; prints READY (with its peer id and sockets)."""
+    profile = link_profile(config) if config is not None else LinkProfile()
+    node = SwarmNode.start(name, initial_peers, profile, TensorLimits())
+    try:
+        if config is None:
+            if run is None:
+                raise ValueError("join needs --config or --run (to fetch the coordinator's config)")
+            config = fetch_config(node, run, timeout_s=300)
+        chosen = stage if stage is not None else choose_stage(node, config, role)
+        peer = StagePeer(config, chosen, role, node, checkpoint_dir, name)
+        peer.start()
+        print(json.dumps({"ready": READY, "name": name, "peer_id": node.peer_id,
+                          "stage": chosen, "layers": list(peer.layers), "role": role,
+                          "sockets": node.socket_paths()}), flush=True)
+        stop.wait()
+        peer.stop()
+    finally:
+        node.shutdown()
+
+
+# ---- a whole swarm on this machine ---------------------------------------------------------
+
+@dataclass
+class Child:
+    name: str
+    args: list[str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+    info: dict = field(default_factory=dict)
+    restarts: int = 0
+
+
+class LocalSwarm:
+    """The coordinator plus, per stage, `replicas` inference peers and one training peer, each a
+    separate `decentrl` process on loopback, logging into `<run>/logs/`."""
+
+    def __init__(self, config: RunConfig, config_path: Path, replicas: int) -> None:
+        self.config, self.config_path, self.replicas = config, config_path, replicas
+        self.logs = config.path / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.bootstrap: SwarmNode | None = None
+        self.children: dict[str, Child] = {}
+        self.sockets: set[str] = set()
+
+    def start(self) -> list[str]:
+        """A bootstrap DHT node in this process (it routes nothing else), then every peer."""
+        self.bootstrap = SwarmNode.start("bootstrap", [], LinkProfile(), TensorLimits())
+        addresses = self.bootstrap.addresses()
+        checkpoints = self.config.path / "checkpoints"
+        for stage in range(self.config.num_stages):
+            self._add(f"train{stage}", ["join", "--stage", str(stage), "--role", "training",
+                                        "--checkpoint-dir", str(checkpoints)], addresses)
+            for replica in range(self.replicas):
+                self._add(f"infer{stage}.{replica}", ["join", "--stage", str(stage), "--role",
+                                                      "inference"], addresses)
+        for child in self.children.values():
+            self._spawn(child)
+        for child in self.children.values():
+            self._wait_ready(child, timeout_s=300)
+        return addresses
+
+    def _add(self, name: str, args: list[str], addresses: list[str]) -> None:
+        full = [*args, "--config", str(self.config_path), "--name", name]
+        for address in addresses:
+            full += ["--initial-peers", address]
+        self.children[name] = Child(name, full, self.logs / f"{name}.log")
+
+    def _spawn(self, child: Child) -> None:
+        log_file = child.log_path.open("a")
+        child.process = subprocess.Popen(
+            [sys.executable, "-m", "decentrl.cli", *child.args], stdout=subprocess.PIPE,
+            stderr=log_file, text=True, start_new_session=True)
+        child.info = {}
+
+    def _wait_ready(self, child: Child, timeout_s: float) -> None:
+        assert child.process is not None and child.process.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = child.process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{child.name} exited before it was ready; see {child.log_path}")
+            if READY in line:
+                child.info = json.loads(line)
+                self.sockets.update(child.info.get("sockets", []))
+                return
+        raise TimeoutError(f"{child.name} was not ready within {timeout_s:.0f}s")
+
+    def layout(self) -> list[str]:
+        return [f"{c.name}: stage {c.info.get('stage')} layers {c.info.get('layers')} "
+                f"({c.info.get('role')}, pid {c.process.pid if c.process else '-'})"
+                for c in self.children.values()]
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a peer and its daemon (a crash, not a goodbye), then remove its sockets."""
+        child = self.children[name]
+        if child.process is not None and child.process.poll() is None:
+            os.killpg(child.process.pid, signal.SIGKILL)
+            child.process.wait()
+        self._remove_sockets(child)
+
+    def restart(self, name: str) -> None:
+        child = self.children[name]
+        self.kill(name)
+        child.restarts += 1
+        self._spawn(child)
+        self._wait_ready(child, timeout_s=300)
+
+    def chaos(self, stop: threading.Event, every_s: float, seed: int,
+              on_event: callable = print) -> None:  # type: ignore[valid-type]
+        """Kill and restart a random peer every `every_s` seconds until `stop` is set."""
+        rng = random.Random(seed)
+        while not stop.wait(every_s):
+            name = rng.choice(sorted(self.children))
+            on_event(f"chaos: killing {name}")
+            try:
+                self.restart(name)
+                on_event(f"chaos: {name} is back")
+            except (RuntimeError, TimeoutError) as error:
+                on_event(f"chaos: {name} did not come back: {error}")
+
+    def _remove_sockets(self, child: Child) -> None:
+        for path in child.info.get("sockets", []):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            self.sockets.discard(path)
+
+    def shutdown(self) -> None:
+        for child in self.children.values():
+            if child.process is not None and child.process.poll() is None:
+                os.killpg(child.process.pid, signal.SIGTERM)
+        for child in self.children.values():
+            if child.process is None:
+                continue
+            try:
+                child.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait()
+            self._remove_sockets(child)
+        if self.bootstrap is not None:
+            self.bootstrap.shutdown()
