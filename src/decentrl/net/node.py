@@ -12,6 +12,7 @@ on the caller's side, and every call has a timeout: nothing waits forever on a p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import threading
@@ -25,6 +26,7 @@ import msgspec
 import torch
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -154,14 +156,17 @@ class SwarmNode:
         self._closed = True
         if self._thread.is_alive():
             async def stop() -> None:
+                # Bounded: peers that already went away must not hold up our own exit.
                 if self.dht is not None:
-                    await self.dht.shutdown()
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(self.dht.shutdown(), 5)
                 if self.p2p is not None:
-                    await self.p2p.shutdown()
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(self.p2p.shutdown(), 5)
                 others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
                 for task in others:
                     task.cancel()
-                await asyncio.gather(*others, return_exceptions=True)
+                await asyncio.wait(others, timeout=2) if others else None
             try:
                 self.run(stop(), timeout=30)
             except Exception as error:  # noqa: BLE001 - shutting down anyway
@@ -237,11 +242,18 @@ class SwarmNode:
     async def call(self, peer: str, method: str, body: Any,
                    tensors: Mapping[str, torch.Tensor] | None = None,
                    codec: ActivationCodec = "fp32", timeout: float = 30.0,
-                   request_id: str | None = None) -> tuple[bytes, dict[str, torch.Tensor]]:
-        """One request to `peer` through its emulated link. Raises RemoteError (the peer failed,
-        timed out or the message was lost) or WireError (it answered with a malformed reply)."""
+                   request_id: str | None = None,
+                   exact: Mapping[str, torch.Tensor] | None = None
+                   ) -> tuple[bytes, dict[str, torch.Tensor]]:
+        """One request to `peer` through its emulated link: `tensors` go with `codec` (the
+        activations), `exact` in full precision (log-probs, advantages). Raises RemoteError (the
+        peer failed or timed out), MessageLost, or WireError (a malformed reply)."""
         assert self.p2p is not None and self.links is not None
         parts, manifest = encode_tensors(dict(tensors or {}), codec)
+        if exact:
+            exact_parts, exact_manifest = encode_tensors(dict(exact), "fp32")
+            parts = [*parts, *exact_parts]
+            manifest = TensorManifest(tensors=manifest.tensors + exact_manifest.tensors)
         metadata = encode_struct(Envelope(encode_struct(body), manifest))
         requests = to_messages(runtime_pb2.ExpertRequest, metadata, parts,
                                uid=request_id or secrets.token_hex(8))
@@ -258,12 +270,10 @@ class SwarmNode:
             raise  # the caller may retry the same peer with the same request id
         except TimeoutError as error:
             raise RemoteError(f"{method} at {peer[-8:]}: no answer within {timeout:.0f}s") from error
-        except (ConnectionError, OSError, asyncio.IncompleteReadError) as error:
+        except (ConnectionError, OSError, asyncio.IncompleteReadError, P2PHandlerError,
+                P2PDaemonError) as error:
+            # P2PDaemonError includes its subclasses: ControlFailure is a peer we cannot dial.
             raise RemoteError(f"{method} at {peer[-8:]}: {error}") from error
-        except Exception as error:
-            if type(error).__name__ in ("P2PHandlerError", "P2PDaemonError"):
-                raise RemoteError(f"{method} at {peer[-8:]}: {error}") from error
-            raise
         if not responses:
             raise RemoteError(f"{method} at {peer[-8:]}: empty reply (the peer went away)")
         _, reply_metadata, reply_parts = from_messages(responses)
@@ -273,9 +283,11 @@ class SwarmNode:
     def call_sync(self, peer: str, method: str, body: Any,
                   tensors: Mapping[str, torch.Tensor] | None = None,
                   codec: ActivationCodec = "fp32", timeout: float = 30.0,
-                  request_id: str | None = None) -> tuple[bytes, dict[str, torch.Tensor]]:
+                  request_id: str | None = None,
+                  exact: Mapping[str, torch.Tensor] | None = None
+                  ) -> tuple[bytes, dict[str, torch.Tensor]]:
         # The outer wait is a backstop: the call enforces `timeout` itself.
-        return self.run(self.call(peer, method, body, tensors, codec, timeout, request_id),
+        return self.run(self.call(peer, method, body, tensors, codec, timeout, request_id, exact),
                         timeout=timeout + 10)
 
     # ---- DHT -----------------------------------------------------------------------------

@@ -342,9 +342,11 @@ class RemoteStageWorker:
         return self._version
 
     def _call(self, method: str, body: object, tensors: dict[str, torch.Tensor] | None = None,
-              codec: str = "fp32") -> tuple[bytes, dict[str, torch.Tensor]]:
+              codec: str = "fp32", exact: dict[str, torch.Tensor] | None = None
+              ) -> tuple[bytes, dict[str, torch.Tensor]]:
         """One call with retries on lost messages; any other failure is the caller's to handle
-        (a training step cannot move to another peer halfway)."""
+        (a training step cannot move to another peer halfway). The peer is not banned: it may be
+        the stage's only training peer, and a dead one drops out of the DHT by itself."""
         if self.peer is None:
             self.connect()
         assert self.peer is not None
@@ -352,11 +354,10 @@ class RemoteStageWorker:
         for attempt in range(self.swarm.retries + 1):
             try:
                 return self.node.call_sync(self.peer, method, body, tensors, codec,  # type: ignore[arg-type]
-                                           self.swarm.request_timeout_s, request_id)
+                                           self.swarm.request_timeout_s, request_id, exact)
             except MessageLost:
                 time.sleep(backoff(attempt))
             except (RemoteError, WireError) as error:
-                self.directory.ban(self.peer, str(error))
                 self.peer = None
                 raise SwarmUnavailable(f"training stage {self.stage}: {error}") from error
         raise SwarmUnavailable(f"training stage {self.stage}: {self.swarm.retries + 1} messages "
@@ -365,8 +366,8 @@ class RemoteStageWorker:
     def forward(self, micro: int, inputs: Activations, batch: TrainBatch,
                 loss_inputs: LossInputs | None = None
                 ) -> tuple[Activations | None, dict[str, float]]:
-        tensors = {name: getattr(batch, name).cpu() for name in BATCH_FIELDS}
-        tensors["prompt_in"], tensors["completion_in"] = inputs[0].cpu(), inputs[1].cpu()
+        exact = {name: getattr(batch, name).cpu() for name in BATCH_FIELDS}
+        tensors = {"prompt_in": inputs[0].cpu(), "completion_in": inputs[1].cpu()}
         body = TrainForward(micro=micro, version=self._version, last=self.last,
                             total_sequences=loss_inputs.total_sequences if loss_inputs else 0,
                             total_tokens=loss_inputs.total_tokens if loss_inputs else 0)
@@ -374,8 +375,8 @@ class RemoteStageWorker:
             for name in ("proximal", "reference"):
                 value = getattr(loss_inputs, name)
                 if value is not None:
-                    tensors[name] = value.cpu()
-        raw, out = self._call("train_forward", body, tensors, self.swarm.activation_codec)
+                    exact[name] = value.cpu()
+        raw, out = self._call("train_forward", body, tensors, self.swarm.activation_codec, exact)
         reply = decode_struct(raw, TrainForwardReply)
         if self.last:
             return None, reply.metrics

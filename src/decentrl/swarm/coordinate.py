@@ -48,6 +48,9 @@ from decentrl.tasks import make_task
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
+# Training steps that may fail in a row (peers dying) before the run gives up: a step that fails
+# every time is a bug, not a fault to wait out.
+MAX_FAILED_STEPS = 5
 
 
 @dataclass
@@ -103,6 +106,7 @@ class SwarmCoordinator:
         self.stop = threading.Event()
         self.step = self.store.last_step()
         self.recoveries = 0
+        self.failed_steps = 0
         self.generation_errors = 0
 
     # ---- the swarm ------------------------------------------------------------------------
@@ -234,11 +238,16 @@ class SwarmCoordinator:
             try:
                 losses = self.trainer.train_step(batch)
             except SwarmUnavailable as error:
+                self.failed_steps += 1
+                if self.failed_steps > MAX_FAILED_STEPS:
+                    raise RuntimeError(f"{self.failed_steps} training steps in a row failed; "
+                                       f"the last: {error}") from error
                 self.console.print(f"[yellow]training step failed: {error}[/]")
                 for item in scored:
                     self.ready.put(item)  # still pending in the store; retried after recovery
                 self._recover_training()
                 return
+        self.failed_steps = 0
         self.step += 1
         self.store.mark_trained(ids, self.step)
         record = metrics.write(

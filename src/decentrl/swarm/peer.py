@@ -237,6 +237,7 @@ class StagePeer:
             timeout=self.config.swarm.request_timeout_s)
         reply = decode_struct(body, WeightsReply)
         await self.node.compute(self._load_weights, reply.version, tensors)
+        await self.announce()  # the directory learns the new version now, not next round
         log.info("%s: stage %d weights v%d from %s", self.name, self.index, reply.version,
                  peer[-8:])
         return True
@@ -285,6 +286,11 @@ class StagePeer:
         started = time.perf_counter()
         inputs, positions, key_valid = self._check_inference(body, tensors)
         session = self.sessions.get(body.session)
+        if session is not None and body.start == 0:
+            # A replay from position 0: the client gave up on this peer (a timeout) and came
+            # back to it, so the session it still holds is stale; rebuild it from the replay.
+            del self.sessions[body.session]
+            session = None
         if session is None:
             if body.start != 0:
                 raise PeerError(f"unknown session {body.session} (expired or never opened here); "
@@ -317,7 +323,9 @@ class StagePeer:
         self.served_tokens += inputs.shape[0] * inputs.shape[1]
         self.busy_s += time.perf_counter() - started
         reply = InferenceReply(version=self.model.version, length=session.cache.length)
-        return Reply(reply, result, self.config.swarm.activation_codec)
+        # Log-probs are [B] floats the trainer's importance ratios use: never compressed.
+        codec = "fp32" if self.model.is_last else self.config.swarm.activation_codec
+        return Reply(reply, result, codec)
 
     def _check_inference(self, body: InferenceStep, tensors: dict[str, torch.Tensor]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,263 @@
+"""In-process swarms for the swarm tests: every peer is its own SwarmNode (its own p2p daemon) and
+StagePeer in this process, all bootstrapped from one client node that also plays the coordinator.
+`start_swarm` shuts every node down on the way out and checks that none left a unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+from hivemind.proto import runtime_pb2
+
+from decentrl.config import RunConfig, parse_config
+from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.model.loading import LoadedModel
+from decentrl.model.stages import StageModule, StagePlan, build_stages
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import Envelope, RemoteError, SwarmNode
+from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, encode_struct, to_messages
+from decentrl.rollout.chain import LocalChain
+from decentrl.swarm.client import Directory, RemoteChain, RemoteStageWorker
+from decentrl.swarm.peer import StagePeer
+from decentrl.swarm.protocol import Role
+from decentrl.swarm.worker import sampling_config
+
+CPU = torch.device("cpu")
+
+
+def deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def tiny_run_config(model_dir: Path, num_stages: int, codec: str = "fp32",
+                    **overrides: Any) -> RunConfig:
+    """A run over a tiny model on the CPU in fp32. Announcements are renewed rarely (entries live
+    5x longer than the test), so no background DHT traffic competes with the test; `overrides`
+    are merged section by section, e.g. `swarm={"retries": 10}`."""
+    data: dict[str, Any] = {
+        "name": f"t{secrets.token_hex(3)}",  # a fresh DHT key space per swarm
+        "model": str(model_dir), "num_stages": num_stages, "device": "cpu", "dtype": "fp32",
+        "rollout": {"max_new_tokens": 8},
+        "train": {"micro_batch_size": 2, "lr": 1e-2},
+        "swarm": {"activation_codec": codec, "announce_every_s": 60.0, "request_timeout_s": 20.0,
+                  "retries": 4, "ban_s": 30.0},
+    }
+    return parse_config(deep_merge(data, overrides))
+
+
+def local_stages(model: LoadedModel, num_stages: int) -> list[StageModule]:
+    plan = StagePlan.even(model.spec.num_layers, num_stages)
+    return build_stages(model.spec, plan, model.tensors, CPU, torch.float32)
+
+
+def local_chain(model: LoadedModel, num_stages: int) -> LocalChain:
+    return LocalChain(local_stages(model, num_stages))
+
+
+def local_trainer(model: LoadedModel, config: RunConfig) -> PipelineTrainer:
+    loss = loss_config_from(config.train, config.rollout.max_new_tokens)
+    return PipelineTrainer.local(local_stages(model, config.num_stages), config.train, loss,
+                                 sampling_config(config.rollout), torch.float32)
+
+
+@dataclass
+class Swarm:
+    config: RunConfig
+    client: SwarmNode  # the bootstrap node; tests call peers from it
+    peers: list[StagePeer]
+    checkpoint_dir: Path
+    sockets: list[str] = field(default_factory=list)
+    killed: list[StagePeer] = field(default_factory=list)
+
+    def directory(self) -> Directory:
+        directory = Directory(self.client, self.config.name, self.config.num_stages,
+                              self.config.swarm)
+        directory.refresh()
+        return directory
+
+    def chain(self, vocab_size: int) -> RemoteChain:
+        return RemoteChain(self.client, self.directory(), self.config.swarm, vocab_size)
+
+    def workers(self) -> list[RemoteStageWorker]:
+        directory = self.directory()
+        workers = [RemoteStageWorker(self.client, directory, stage, self.config.num_stages,
+                                     self.config.swarm) for stage in range(self.config.num_stages)]
+        for worker in workers:
+            worker.connect()
+        return workers
+
+    def remote_trainer(self) -> PipelineTrainer:
+        loss = loss_config_from(self.config.train, self.config.rollout.max_new_tokens)
+        return PipelineTrainer(self.workers(), self.config.train, loss,
+                               sampling_config(self.config.rollout), CPU)
+
+    def peer(self, stage: int, role: Role | None = None, index: int = 0) -> StagePeer:
+        found = [p for p in self.peers if p.index == stage and role in (None, p.role)]
+        return found[index]
+
+    def by_id(self, peer_id: str) -> StagePeer:
+        (found,) = [p for p in self.peers if p.node.peer_id == peer_id]
+        return found
+
+    def kill(self, peer: StagePeer) -> None:
+        """A peer that goes away (as a crash would, but its process stays up)."""
+        peer.stop()
+        peer.node.shutdown()
+        self.killed.append(peer)
+
+
+def start_peer(config: RunConfig, stage: int, role: Role, initial_peers: Sequence[str],
+               limits: TensorLimits = TensorLimits(), checkpoint_dir: Path | None = None,
+               name: str = "peer", link: LinkProfile = LinkProfile()) -> StagePeer:
+    """A SwarmNode and a started StagePeer on it; the node is shut down if the peer fails."""
+    node = SwarmNode.start(name, initial_peers, link, limits)
+    try:
+        peer = StagePeer(config, stage, role, node, checkpoint_dir=checkpoint_dir, name=name)
+        peer.start()
+    except BaseException:
+        node.shutdown()
+        raise
+    return peer
+
+
+@contextmanager
+def start_swarm(config: RunConfig, layout: Sequence[tuple[int, Role]],
+                limits: TensorLimits = TensorLimits(),
+                client_link: LinkProfile = LinkProfile()) -> Iterator[Swarm]:
+    """A client node and one peer per (stage, role) of `layout`, every one shut down on exit.
+    On a normal exit it also asserts that no node left its unix sockets behind."""
+    client = SwarmNode.start("client", [], client_link, TensorLimits())
+    sockets = list(client.socket_paths())
+    peers: list[StagePeer] = []
+    failed = True
+    with tempfile.TemporaryDirectory(prefix="decentrl-swarm-") as folder:
+        try:
+            addresses = client.addresses()
+            for number, (stage, role) in enumerate(layout):
+                peer = start_peer(config, stage, role, addresses, limits, Path(folder),
+                                  name=f"s{stage}{role[0]}{number}")
+                peers.append(peer)
+                sockets += peer.node.socket_paths()
+            swarm = Swarm(config, client, peers, Path(folder), sockets)
+            yield swarm
+            failed = False
+        finally:
+            for peer in peers:
+                try:
+                    peer.stop()
+                finally:
+                    peer.node.shutdown()
+            client.shutdown()
+    leaked = [path for path in sockets if os.path.exists(path)]
+    if not failed:
+        assert not leaked, f"nodes left unix sockets behind: {leaked}"
+
+
+# ---- raw requests: what a buggy or hostile peer could send ---------------------------------
+
+def unchecked_parts(tensors: Mapping[str, torch.Tensor]
+                    ) -> tuple[list[runtime_pb2.Tensor], TensorManifest]:
+    """Like wire.encode_tensors with the fp32 codec, minus the sender's checks (NaNs go through)."""
+    parts, specs = [], []
+    for name, t in tensors.items():
+        if t.is_floating_point():
+            parts.append(serialize_torch_tensor(t.float().contiguous(),
+                                                runtime_pb2.CompressionType.NONE))
+            specs.append(TensorSpec(name, "fp32", "float32", tuple(t.shape), 1))
+        else:
+            parts.append(serialize_torch_tensor(t.contiguous(), runtime_pb2.CompressionType.NONE))
+            specs.append(TensorSpec(name, "raw", str(t.dtype).removeprefix("torch."),
+                                    tuple(t.shape), 1))
+    return parts, TensorManifest(tuple(specs))
+
+
+def call_raw(node: SwarmNode, peer: str, method: str, metadata: bytes,
+             parts: Sequence[runtime_pb2.Tensor] = (), timeout: float = 20.0
+             ) -> list[runtime_pb2.ExpertResponse]:
+    """Send hand-made messages to `peer`'s `method`; a refusal is a RemoteError, as from
+    SwarmNode.call."""
+    async def go() -> list[runtime_pb2.ExpertResponse]:
+        requests = to_messages(runtime_pb2.ExpertRequest, metadata, list(parts),
+                               uid=secrets.token_hex(8))
+
+        async def feed() -> Any:
+            for request in requests:
+                yield request
+        assert node.p2p is not None
+        stream = await node.p2p.iterate_protobuf_handler(
+            PeerID.from_base58(peer), f"decentrl.{method}", feed(), runtime_pb2.ExpertResponse)
+        return [r async for r in stream]
+
+    try:
+        return node.run(asyncio.wait_for(go(), timeout), timeout + 5)
+    except Exception as error:
+        if isinstance(error, P2PHandlerError | P2PDaemonError):
+            raise RemoteError(str(error)) from error
+        raise
+
+
+def envelope(body: Any, manifest: TensorManifest = TensorManifest()) -> bytes:
+    """The metadata of a request: `body` (a struct, or raw bytes sent as they are)."""
+    raw = body if isinstance(body, bytes) else encode_struct(body)
+    return encode_struct(Envelope(raw, manifest))
+
+
+# ---- watching sessions -----------------------------------------------------------------------
+
+class ObservedChain:
+    """Wraps an inference chain: keeps every session it opens (tests read their `failovers` and
+    `peers`), calls `after_step(session, step)` after each step and `before_close(session)`
+    before a session closes."""
+
+    def __init__(self, chain: Any, after_step: Any = None, before_close: Any = None) -> None:
+        self.chain, self.after_step, self.before_close = chain, after_step, before_close
+        self.sessions: list[Any] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.chain.device
+
+    def versions(self) -> tuple[int, ...]:
+        return self.chain.versions()
+
+    def open_session(self, batch: int, max_length: int) -> _ObservedSession:
+        session = self.chain.open_session(batch, max_length)
+        self.sessions.append(session)
+        return _ObservedSession(self, session)
+
+
+class _ObservedSession:
+    def __init__(self, owner: ObservedChain, session: Any) -> None:
+        self.owner, self.session, self.steps = owner, session, 0
+
+    def step(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.session.step(*args)
+        if self.owner.after_step is not None:
+            self.owner.after_step(self.session, self.steps)
+        self.steps += 1
+        return out
+
+    def versions(self) -> tuple[int, ...]:
+        return self.session.versions()
+
+    def close(self) -> None:
+        if self.owner.before_close is not None:
+            self.owner.before_close(self.session)
+        self.session.close()

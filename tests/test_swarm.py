@@ -1,0 +1,682 @@
+"""The swarm layer end to end on loopback: stage peers (each its own SwarmNode, i.e. its own p2p
+daemon, in this process; one test runs them as separate processes) serve inference sessions and
+training steps that must give what the single-process chain and trainer give; peers split the
+model; sessions survive a dead replica, a slow one and a lossy link; peers refuse malformed
+requests with a message that says why and keep serving; inference replicas follow the weights
+of their training peer."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from decentrl.learn.batch import TrainBatch, build_batch
+from decentrl.model.loading import LoadedModel, load_model
+from decentrl.model.stages import StageModule, StagePlan
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import RemoteError
+from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, decode_struct, encode_struct
+from decentrl.rollout.chain import LocalChain, last_position
+from decentrl.rollout.generate import Generation, generate
+from decentrl.rollout.sampling import SamplingConfig
+from decentrl.rollout.types import Rollout
+from decentrl.swarm import client as swarm_client
+from decentrl.swarm.peer import BATCH_FIELDS
+from decentrl.swarm.protocol import (
+    CheckpointRequest,
+    CloseSession,
+    Empty,
+    FetchWeights,
+    InferenceReply,
+    InferenceStep,
+    Sampling,
+    TrainBackward,
+    TrainForward,
+    TrainStep,
+    VersionReply,
+)
+from swarm_helpers import (
+    ObservedChain,
+    Swarm,
+    call_raw,
+    envelope,
+    local_chain,
+    local_stages,
+    local_trainer,
+    start_swarm,
+    tiny_run_config,
+    unchecked_parts,
+)
+
+PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11]]
+GREEDY = SamplingConfig(temperature=0.0)
+SAMPLED = SamplingConfig(temperature=0.8, top_p=0.95, top_k=40)
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def sharp(tiny_sharp_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_sharp_dir))
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture
+def fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retries 10 ms apart instead of 0.2 s, 0.4 s, ...: the tests retry a lot on purpose."""
+    monkeypatch.setattr(swarm_client, "backoff", lambda attempt: 0.01)
+
+
+def run(chain: Any, sampling: SamplingConfig = GREEDY, seed: int | None = None,
+        max_new_tokens: int = 10, stop_ids: set[int] = frozenset(),  # type: ignore[assignment]
+        prompts: list[list[int]] = PROMPTS) -> list[Generation]:
+    return generate(chain, prompts, max_new_tokens, sampling, set(stop_ids), 0, seed)
+
+
+def tokens(generations: list[Generation]) -> list[list[int]]:
+    return [g.tokens for g in generations]
+
+
+def assert_same_generations(remote: list[Generation], local: list[Generation],
+                            atol: float = 1e-5) -> None:
+    assert tokens(remote) == tokens(local)
+    assert [g.finished for g in remote] == [g.finished for g in local]
+    for r, l in zip(remote, local):
+        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(l.logprobs),
+                                   atol=atol, rtol=0)
+
+
+def make_batch(seed: int = 0, rows: int = 6) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    rollouts = [Rollout(prompt_tokens=[1, 2, 3, i % 3 + 1],
+                        completion_tokens=torch.randint(1, 30, (5 + i,), generator=g).tolist(),
+                        behaviour_logprobs=[-1.0] * (5 + i), finished=True, completion_text="")
+                for i in range(rows)]
+    advantages = [1.0, -1.0, 0.5, -0.5, 0.2, -0.2, 0.7, -0.7][:rows]
+    return build_batch(rollouts, advantages, [0] * rows, 0)
+
+
+# ---- 1. generation through a chain of peers equals the local chain -------------------------
+
+@pytest.fixture(scope="module")
+def chain3(tiny_sharp_dir: Path) -> Any:
+    config = tiny_run_config(tiny_sharp_dir, 3)
+    with start_swarm(config, [(0, "inference"), (1, "inference"), (2, "inference")]) as swarm:
+        yield swarm
+
+
+def test_three_stage_generation_matches_local_greedy_and_sampled(chain3: Swarm,
+                                                                  sharp: LoadedModel) -> None:
+    chain = chain3.chain(sharp.spec.vocab_size)
+    assert [p.layers for p in chain3.peers] == [(0, 2), (2, 3), (3, 4)]
+    local = local_chain(sharp, 3)
+    expected = run(local)
+    # The sharp model does not just repeat one token, so a broken cache or position would show.
+    assert len({t for g in expected for t in g.tokens}) > 5
+    got = run(chain)
+    assert_same_generations(got, expected)
+    assert all(g.versions == (0, 0, 0) for g in got)
+    # A stop token ends one row early; the others keep going past it.
+    stop = expected[0].tokens[1]
+    stopped = run(chain, stop_ids={stop})
+    assert_same_generations(stopped, run(local, stop_ids={stop}))
+    assert stopped[0].finished and stopped[0].tokens == expected[0].tokens[:2]
+    assert any(not g.finished and len(g.tokens) == 10 for g in stopped)
+    # Sampling: the same seed draws the same tokens on either chain, another seed does not.
+    sampled = run(chain, SAMPLED, seed=7)
+    assert_same_generations(sampled, run(local, SAMPLED, seed=7))
+    assert tokens(sampled) != tokens(run(local, SAMPLED, seed=8))
+    assert chain.failovers == 0
+    # Every session was closed on every peer.
+    assert all(not p.sessions for p in chain3.peers)
+
+
+def test_bf16_activations_keep_greedy_tokens_and_fp32_logprobs(tiny_sharp_dir: Path,
+                                                               sharp: LoadedModel) -> None:
+    """bf16 hidden states change the logits by ~1e-3 on the tiny model: far under its greedy
+    margins, so the tokens must stay; the log-probs may move by that much. The last stage sends
+    its log-probs in fp32 whatever the activation codec (they are [B] floats, and the trainer's
+    importance ratios need them exact)."""
+    config = tiny_run_config(tiny_sharp_dir, 3, codec="bf16")
+    with start_swarm(config, [(0, "inference"), (1, "inference"), (2, "inference")]) as swarm:
+        got = run(swarm.chain(sharp.spec.vocab_size))
+        expected = run(local_chain(sharp, 3))
+        assert tokens(got) == tokens(expected)
+        for r, l in zip(got, expected):
+            torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(l.logprobs),
+                                       atol=0.05, rtol=0)
+        # The last stage alone, fed exact hidden states: its log-probs are exact and fp32.
+        stages = local_stages(sharp, 3)
+        ids, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
+        valid = torch.ones(1, 3, dtype=torch.bool)
+        with torch.inference_mode():
+            hidden = stages[1](stages[0](ids, positions, valid), positions, valid)
+            logits = stages[2](hidden, positions, valid, head_positions=last_position(ids))
+        _, out = swarm.client.call_sync(
+            swarm.peer(2).node.peer_id, "inference_step",
+            InferenceStep(session="exact", start=0, batch=1, max_length=4,
+                          sampling=Sampling(0.0, 1.0, 0)), {"inputs": hidden, "positions":
+                                                            positions, "key_valid": valid})
+        assert out["logprobs"].dtype == torch.float32
+        assert out["tokens"].tolist() == logits.argmax(-1).tolist()
+        torch.testing.assert_close(out["logprobs"], logits.float().log_softmax(-1).max(-1).values,
+                                   atol=1e-5, rtol=0)
+
+
+# ---- 2. a pipeline training step over training peers equals the local trainer --------------
+
+def test_remote_training_step_matches_local_trainer(tiny_model_dir: Path,
+                                                    plain: LoadedModel) -> None:
+    # A large learning rate so that a wrong gradient moves the weights visibly; a small gradient
+    # clip so that the global norm across peers (and its scale) matters.
+    config = tiny_run_config(tiny_model_dir, 2, train={"lr": 0.05, "max_grad_norm": 0.01})
+    with start_swarm(config, [(0, "training"), (1, "training")]) as swarm:
+        remote = swarm.remote_trainer()
+        local = local_trainer(plain, config)
+        before = [{k: v.clone() for k, v in t.stage.state_dict().items()}
+                  for t in local.stage_trainers]
+        for step, seed in enumerate((0, 1)):
+            batch = make_batch(seed)
+            got, expected = remote.train_step(batch), local.train_step(batch)
+            assert set(got) == set(expected)
+            assert got["grad_norm"] > config.train.max_grad_norm  # the clip is in play
+            for key in ("policy_loss", "grad_norm", "entropy", "behaviour_kl"):
+                assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+            assert [w.version for w in remote.workers] == [step + 1] * 2
+        moved = 0.0
+        for peer, trainer, initial in zip(swarm.peers, local.stage_trainers, before):
+            assert peer.version == 2 and peer.trainer is not None
+            remote_state = peer.trainer.stage.state_dict()
+            for name, value in trainer.stage.state_dict().items():
+                torch.testing.assert_close(remote_state[name], value, atol=1e-5, rtol=0)
+                moved = max(moved, float((value - initial[name]).abs().max()))
+        assert moved > 1e-2  # the step changed the weights far beyond the tolerance
+
+
+# ---- 3. no peer holds the whole model ------------------------------------------------------
+
+def test_peers_split_the_parameters(chain3: Swarm, sharp: LoadedModel) -> None:
+    spec = sharp.spec
+    with torch.device("meta"):
+        whole = set(StageModule(spec, StagePlan.even(spec.num_layers, 1), 0).hf_names().values())
+    names = [set(p.parameter_names()) for p in chain3.peers]
+    assert all(n < whole for n in names)  # strict subsets
+    assert set().union(*names) == whole
+    assert set(sharp.tensors) <= whole and whole - set(sharp.tensors) <= {"lm_head.weight"}
+
+    def layers(ns: set[str]) -> set[int]:
+        return {int(n.split(".")[2]) for n in ns if n.startswith("model.layers.")}
+    per_peer = [layers(n) for n in names]
+    assert all(per_peer)
+    assert sum(len(s) for s in per_peer) == len(set().union(*per_peer)) == spec.num_layers
+    assert "model.embed_tokens.weight" in names[0] and "lm_head.weight" in names[2]
+    assert not any(n.startswith(("model.embed", "lm_head", "model.norm")) for n in names[1])
+
+
+# ---- 4. failover: sessions survive a dead replica and a slow one ----------------------------
+
+def test_session_fails_over_to_another_replica(tiny_sharp_dir: Path, sharp: LoadedModel,
+                                               fast_backoff: None) -> None:
+    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"request_timeout_s": 10.0})
+    layout = [(0, "inference"), (1, "inference"), (1, "inference")]
+    with start_swarm(config, layout) as swarm:
+        killed: list[str] = []
+
+        def kill_after_third_step(session: Any, step: int) -> None:
+            if step == 2:
+                killed.append(session.peers[1])
+                swarm.kill(swarm.by_id(session.peers[1]))
+        chain = ObservedChain(swarm.chain(sharp.spec.vocab_size), kill_after_third_step)
+        got = run(chain)
+        assert_same_generations(got, run(local_chain(sharp, 2)))
+        (session,) = chain.sessions
+        assert session.failovers >= 1
+        assert session.peers[1] not in (None, killed[0])
+        survivor = swarm.by_id(session.peers[1])
+        assert not survivor.sessions  # closed at the end, after the replay rebuilt it there
+
+
+def test_session_survives_a_timeout_on_its_only_replica(tiny_sharp_dir: Path,
+                                                        sharp: LoadedModel,
+                                                        fast_backoff: None) -> None:
+    """The replica answers one step too late: the client gives up on that call and replays the
+    session from position 0 to the same replica (the only one), which must rebuild the session
+    it still holds rather than refuse the replay."""
+    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"request_timeout_s": 2.0, "ban_s": 0.0})
+    with start_swarm(config, [(0, "inference"), (1, "inference")]) as swarm:
+        peer = swarm.peer(1)
+        real_infer, calls = peer._infer, []
+
+        def slow_once(body: InferenceStep, tensors: dict[str, torch.Tensor]) -> Any:
+            calls.append(body.start)
+            reply = real_infer(body, tensors)
+            if len(calls) == 3:
+                time.sleep(2.5)
+            return reply
+        peer._infer = slow_once  # type: ignore[method-assign]
+        chain = ObservedChain(swarm.chain(sharp.spec.vocab_size))
+        got = run(chain, max_new_tokens=6)
+        assert_same_generations(got, run(local_chain(sharp, 2), max_new_tokens=6))
+        assert chain.sessions[0].failovers == 1
+        assert calls.count(0) == 2  # the first step, and the replay after the timeout
+
+
+# ---- 5. malformed, oversized and non-finite requests -----------------------------------------
+
+LIMITS = TensorLimits(max_elements_per_tensor=4096, max_total_bytes=2**20)
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_sharp_dir: Path) -> Any:
+    """Two peers that both serve inference and train, behind small tensor limits."""
+    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"max_sessions_per_peer": 4})
+    with start_swarm(config, [(0, "both"), (1, "both")], limits=LIMITS) as swarm:
+        yield swarm
+
+
+class Ctx:
+    """What a malformed-request case needs: the client and the two peers' ids."""
+
+    def __init__(self, swarm: Swarm) -> None:
+        self.swarm = swarm
+        self.p0, self.p1 = swarm.peer(0).node.peer_id, swarm.peer(1).node.peer_id
+        self.hidden_size = swarm.peer(0).spec.hidden_size
+
+    def call(self, peer: str, method: str, body: Any,
+             tensors: dict[str, torch.Tensor] | None = None) -> tuple[bytes, Any]:
+        return self.swarm.client.call_sync(peer, method, body, tensors, timeout=20)
+
+    def raw(self, peer: str, method: str, body: Any, tensors: dict[str, torch.Tensor]) -> None:
+        parts, manifest = unchecked_parts(tensors)
+        call_raw(self.swarm.client, peer, method, envelope(body, manifest), parts)
+
+    def step0(self, session: str = "", start: int = 0, batch: int = 1, max_length: int = 8,
+              **tensors: torch.Tensor) -> None:
+        """Stage 0: tokens [[1, 2, 3]] unless given."""
+        rows, n = tensors.get("inputs", torch.zeros(1, 3)).shape[:2]
+        full = {"inputs": torch.tensor([[1, 2, 3]]),
+                "positions": torch.arange(start, start + n).expand(rows, n),
+                "key_valid": torch.ones(rows, start + n, dtype=torch.bool)} | tensors
+        self.call(self.p0, "inference_step",
+                  InferenceStep(session=session or secrets.token_hex(4), start=start, batch=batch,
+                                max_length=max_length), full)
+
+    def step1(self, sampling: Sampling | None = Sampling(0.0, 1.0, 0), raw: bool = False,
+              **tensors: torch.Tensor) -> None:
+        """Stage 1 (the last): hidden states of three positions unless given."""
+        full = {"inputs": torch.randn(1, 3, self.hidden_size), "positions": torch.arange(3)[None],
+                "key_valid": torch.ones(1, 3, dtype=torch.bool)} | tensors
+        body = InferenceStep(session=secrets.token_hex(4), start=0, batch=1, max_length=8,
+                             sampling=sampling)
+        if raw:
+            self.raw(self.p1, "inference_step", body, full)
+        else:
+            self.call(self.p1, "inference_step", body, full)
+
+    def train_tensors(self, stage: int, **changes: torch.Tensor) -> dict[str, torch.Tensor]:
+        batch = make_batch(rows=2)
+        tensors = {name: getattr(batch, name) for name in BATCH_FIELDS}
+        if stage == 0:
+            tensors["prompt_in"], tensors["completion_in"] = batch.prompts, batch.completions
+        else:
+            tensors["prompt_in"] = torch.randn(*batch.prompts.shape, self.hidden_size)
+            tensors["completion_in"] = torch.randn(*batch.completions.shape, self.hidden_size)
+        return tensors | changes
+
+    def forward(self, stage: int, version: int = 0, micro: int = 50, raw: bool = False,
+                **changes: torch.Tensor) -> None:
+        body = TrainForward(micro=micro, version=version, last=stage == 1, total_sequences=2,
+                            total_tokens=10)
+        peer = self.p1 if stage == 1 else self.p0
+        if raw:
+            self.raw(peer, "train_forward", body, self.train_tensors(stage, **changes))
+        else:
+            self.call(peer, "train_forward", body, self.train_tensors(stage, **changes))
+
+
+def open_then_step_at(ctx: Ctx, start: int, batch: int = 1) -> None:
+    session = secrets.token_hex(4)
+    ctx.step0(session)  # holds 3 positions now
+    try:
+        ctx.step0(session, start=start, batch=batch, inputs=torch.full((batch, 1), 4))
+    finally:
+        ctx.call(ctx.p0, "close_session", CloseSession(session=session))
+
+
+def fill_up(ctx: Ctx) -> None:
+    sessions = [secrets.token_hex(4) for _ in range(5)]
+    try:
+        for session in sessions:
+            ctx.step0(session)
+    finally:
+        for session in sessions:
+            ctx.call(ctx.p0, "close_session", CloseSession(session=session))
+
+
+def oversized_message(ctx: Ctx) -> None:
+    # 70 tensors of 4096 floats: each within the element limit, 1.1 MiB together.
+    tensors = {f"t{i}": torch.zeros(4096) for i in range(70)}
+    ctx.call(ctx.p0, "inference_step", InferenceStep(session="x", start=0, batch=1, max_length=8),
+             tensors)
+
+
+def lying_manifest(ctx: Ctx) -> None:
+    parts, manifest = unchecked_parts({"inputs": torch.tensor([[1, 2, 3]])})
+    spec = manifest.tensors[0]
+    bad = TensorManifest((TensorSpec(spec.name, spec.codec, spec.dtype, (1, 4), 1),))
+    call_raw(ctx.swarm.client, ctx.p0, "inference_step",
+             envelope(InferenceStep(session="x", start=0, batch=1, max_length=8), bad), parts)
+
+
+BAD_REQUESTS: dict[str, tuple[Any, str]] = {
+    # the body
+    "garbage envelope": (lambda c: call_raw(c.swarm.client, c.p0, "inference_step",
+                                            b"\x93\xc4\x03abc\x01garbage"),
+                         "bad Envelope message"),
+    "wrong struct": (lambda c: c.call(c.p0, "inference_step", CloseSession(session="x")),
+                     r"bad InferenceStep message.*missing required field"),
+    "garbage body": (lambda c: call_raw(c.swarm.client, c.p0, "inference_step",
+                                        envelope(b"\xc1\xff\x00")), "bad InferenceStep message"),
+    "wrong field type": (lambda c: c.call(c.p0, "inference_step", {
+        "session": "x", "start": "zero", "batch": 1, "max_length": 8}),
+        r"bad InferenceStep message.*Expected `int`"),
+    "unknown field": (lambda c: c.call(c.p0, "inference_step", {
+        "session": "x", "start": 0, "batch": 1, "max_length": 8, "admin": True}),
+        r"bad InferenceStep message.*unknown field"),
+    "missing tensor": (lambda c: c.call(c.p0, "inference_step", InferenceStep(
+        session="x", start=0, batch=1, max_length=8), {"inputs": torch.tensor([[1]])}),
+        r"needs tensors \['key_valid', 'positions'\]"),
+    # the tensors
+    "NaN hidden state": (lambda c: c.step1(raw=True, inputs=torch.full((1, 3, 32), float("nan"))),
+                         "non-finite"),
+    "inf hidden state": (lambda c: c.step1(raw=True, inputs=torch.full((1, 3, 32), float("inf"))),
+                         "non-finite"),
+    "wrong hidden size": (lambda c: c.step1(inputs=torch.randn(1, 3, 16)),
+                          r"takes hidden states \[B, T, 32\], got torch.float32 \(1, 3, 16\)"),
+    "token id over vocab": (lambda c: c.step0(inputs=torch.tensor([[1, 2, 81]])),
+                            r"token ids must be in \[0, 81\)"),
+    "negative token id": (lambda c: c.step0(inputs=torch.tensor([[1, -2, 3]])),
+                          r"token ids must be in \[0, 81\)"),
+    "float tokens": (lambda c: c.step0(inputs=torch.ones(1, 3)), "stage 0 takes token ids"),
+    "key_valid too short": (lambda c: c.step0(key_valid=torch.ones(1, 2, dtype=torch.bool)),
+                            r"key_valid must be bool \[1, 3\]"),
+    "key_valid not bool": (lambda c: c.step0(key_valid=torch.ones(1, 3, dtype=torch.long)),
+                           r"key_valid must be bool \[1, 3\], got torch.int64"),
+    "position out of range": (lambda c: c.step0(positions=torch.tensor([[0, 1, 512]])),
+                              r"positions must be in \[0, 512\)"),
+    "positions wrong shape": (lambda c: c.step0(positions=torch.arange(4)[None]),
+                              r"positions must be int64 \[1, 3\]"),
+    # the session
+    "start past the session": (lambda c: open_then_step_at(c, 5),
+                               "holds 3 positions, the request starts at 5"),
+    "start inside the session": (lambda c: open_then_step_at(c, 2),
+                                 "holds 3 positions, the request starts at 2"),
+    "batch unlike the session": (lambda c: open_then_step_at(c, 3, batch=2),
+                                 "was opened with batch 1"),
+    "unknown session": (lambda c: c.step0(start=4, inputs=torch.tensor([[1]]),
+                                          key_valid=torch.ones(1, 5, dtype=torch.bool)),
+                        r"unknown session .* replay it from position 0"),
+    "batch too large": (lambda c: c.step0(batch=5000), r"batch 5000 / max_length 8 out of range"),
+    "max_length too large": (lambda c: c.step0(max_length=10**6), "out of range"),
+    "inputs past max_length": (lambda c: c.step0(max_length=2), r"do not fit .* max_length 2"),
+    "inputs unlike batch": (lambda c: c.step0(batch=2, key_valid=torch.ones(2, 3, dtype=torch.bool)),
+                            "do not fit batch 2"),
+    "peer is full": (fill_up, r"peer is full \(4 sessions\)"),
+    # sampling at the last stage
+    "no sampling": (lambda c: c.step1(sampling=None), "needs sampling parameters"),
+    "bad sampling": (lambda c: c.step1(sampling=Sampling(1.0, 0.0, 0)),
+                     r"bad sampling parameters: top_p must be in \(0, 1\]"),
+    # the receiving node's limits
+    "tensor over the element limit": (lambda c: c.step1(inputs=torch.randn(1, 200, 32)),
+                                      r"6400 elements .* over the limit of 4096"),
+    "message over the byte limit": (oversized_message, r"over (the limit of )?1048576"),
+    "manifest unlike the parts": (lying_manifest, r"shape expected \[1, 4\], got \[1, 3\]"),
+    # training
+    "train_forward at another version": (lambda c: c.forward(0, version=3),
+                                         "stage 0 is at version 0, the request expects 3"),
+    "train_forward batch tensor shape": (
+        lambda c: c.forward(0, prompt_valid=torch.ones(2, 3, dtype=torch.bool)),
+        r"batch tensor prompt_valid must be torch.bool \(\d+, \d+\), got torch.bool \(2, 3\)"),
+    "train_forward batch tensor dtype": (
+        lambda c: c.forward(0, advantages=torch.ones(2, dtype=torch.long)),
+        r"batch tensor advantages must be torch.float32"),
+    "train_forward missing tensors": (
+        lambda c: c.call(c.p0, "train_forward", TrainForward(
+            micro=0, version=0, last=False, total_sequences=2, total_tokens=10),
+            {"prompts": torch.ones(1, 2, dtype=torch.long)}),
+        r"missing batch tensors \['prompt_valid'"),
+    "train_forward token ids": (lambda c: c.forward(0, completions=torch.full((2, 6), 99)),
+                                r"completions token ids must be in \[0, 81\)"),
+    "train_forward wrong last": (
+        lambda c: c.call(c.p0, "train_forward", TrainForward(
+            micro=0, version=0, last=True, total_sequences=2, total_tokens=10),
+            c.train_tensors(0)), "thinks stage 0 is the last stage"),
+    "train_forward wrong hidden": (
+        lambda c: c.forward(1, completion_in=torch.randn(2, 6, 16)),
+        r"completion_in must be hidden states \(2, \d+, 32\)"),
+    "train_forward NaN activations": (
+        lambda c: c.forward(1, raw=True, prompt_in=torch.full((2, 4, 32), float("nan"))),
+        "non-finite"),
+    "train_backward unknown micro": (lambda c: c.call(c.p0, "train_backward",
+                                                      TrainBackward(micro=9)),
+                                     "stage 0 has no forward pass for micro-batch 9"),
+    "train_step at another version": (lambda c: c.call(c.p0, "train_step",
+                                                       TrainStep(grad_scale=1.0, version=5)),
+                                      "stage 0 is at version 0, the request expects 4"),
+    "train_step bad grad_scale": (lambda c: c.call(c.p0, "train_step",
+                                                   TrainStep(grad_scale=float("nan"), version=1)),
+                                  r"grad_scale must be in \(0, 1\], got nan"),
+    "fetch_weights of another stage": (lambda c: c.call(c.p0, "fetch_weights",
+                                                        FetchWeights(stage=1)),
+                                       "holds stage 0, not 1"),
+    "checkpoint that does not exist": (lambda c: c.call(c.p0, "checkpoint",
+                                                        CheckpointRequest("load", 7)),
+                                       "no checkpoint .*v7"),
+    "checkpoint of another version": (lambda c: c.call(c.p0, "checkpoint",
+                                                       CheckpointRequest("save", 3)),
+                                      "cannot save version 3: stage 0 is at 0"),
+}
+
+
+def assert_serves(swarm: Swarm, stages: list[StageModule]) -> None:
+    """Both peers still answer a correct inference step exactly, and stage 0 a training one."""
+    client = swarm.client
+    p0, p1 = swarm.peer(0).node.peer_id, swarm.peer(1).node.peer_id
+    session = secrets.token_hex(4)
+    ids, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    with torch.inference_mode():
+        hidden = stages[0](ids, positions, valid)
+        logits = stages[1](hidden, positions, valid, head_positions=last_position(ids))
+    body = InferenceStep(session=session, start=0, batch=1, max_length=8)
+    raw, out = client.call_sync(p0, "inference_step", body,
+                                {"inputs": ids, "positions": positions, "key_valid": valid})
+    assert decode_struct(raw, InferenceReply) == InferenceReply(version=0, length=3)
+    torch.testing.assert_close(out["hidden"], hidden, atol=1e-5, rtol=0)
+    body = InferenceStep(session=session, start=0, batch=1, max_length=8,
+                         sampling=Sampling(0.0, 1.0, 0))
+    _, out = client.call_sync(p1, "inference_step", body,
+                              {"inputs": hidden, "positions": positions, "key_valid": valid})
+    assert out["tokens"].tolist() == logits.argmax(-1).tolist()
+    for peer in (p0, p1):
+        client.call_sync(peer, "close_session", CloseSession(session=session))
+    assert all(not p.sessions for p in swarm.peers)
+    ctx = Ctx(swarm)
+    batch = make_batch(rows=2)
+    _, out = client.call_sync(p0, "train_forward", TrainForward(
+        micro=0, version=0, last=False, total_sequences=2, total_tokens=10), ctx.train_tensors(0))
+    assert out["completion_out"].shape == (*batch.completions.shape, 32)
+    raw, _ = client.call_sync(p0, "train_discard", Empty())
+    assert decode_struct(raw, VersionReply).version == 0
+    assert all(p.version == 0 and p.trainer is not None and not p.trainer.saved
+               for p in swarm.peers)
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_peer_refuses_bad_request_and_keeps_serving(case: str, guarded: Swarm,
+                                                    sharp: LoadedModel) -> None:
+    send, message = BAD_REQUESTS[case]
+    with pytest.raises(RemoteError, match=message):
+        send(Ctx(guarded))
+    assert_serves(guarded, local_stages(sharp, 2))
+
+
+# ---- 6. lost messages ----------------------------------------------------------------------
+
+def test_generation_completes_over_a_lossy_link(tiny_sharp_dir: Path, sharp: LoadedModel,
+                                                fast_backoff: None) -> None:
+    """30% of the client's messages (requests and replies) are lost. Lost requests are sent
+    again; lost replies are asked for again with the same request id and come from the peer's
+    reply cache (a second run of the step would be refused: the session moved on)."""
+    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"retries": 30})
+    link = LinkProfile(loss=0.3, seed=11)
+    with start_swarm(config, [(0, "inference"), (1, "inference")], client_link=link) as swarm:
+        runs = {p.node.peer_id: 0 for p in swarm.peers}
+        for peer in swarm.peers:
+            def counted(body: Any, tensors: Any, peer: Any = peer, real: Any = peer._infer) -> Any:
+                reply = real(body, tensors)
+                runs[peer.node.peer_id] += 1
+                return reply
+            peer._infer = counted  # type: ignore[method-assign]
+        stats: dict[str, Any] = {}
+        chain = ObservedChain(swarm.chain(sharp.spec.vocab_size),
+                              before_close=lambda s: stats.update(swarm.client.links.stats()))
+        got = run(chain, max_new_tokens=12)
+        assert_same_generations(got, run(local_chain(sharp, 2), max_new_tokens=12))
+        assert chain.sessions[0].failovers == 0
+        assert all(count == 12 for count in runs.values())  # each step ran once per stage
+        assert sum(s.lost for s in stats.values()) > 0
+        # Replies received beyond the steps run: retried requests answered from the cache.
+        assert sum(stats[peer].messages_in - runs[peer] for peer in runs) > 0
+
+
+# ---- 7. inference replicas follow their training peer's weights ------------------------------
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16"])
+def test_replica_follows_training_peer_weights(codec: str, tiny_sharp_dir: Path,
+                                               sharp: LoadedModel) -> None:
+    config = tiny_run_config(tiny_sharp_dir, 2, codec=codec, train={"lr": 0.05})
+    layout = [(0, "training"), (1, "training"), (0, "inference"), (1, "inference")]
+    with start_swarm(config, layout) as swarm:
+        replicas = [swarm.peer(s, "inference") for s in range(2)]
+        trainers = [swarm.peer(s, "training") for s in range(2)]
+        assert all(not r.node.run(r.follow_weights(), timeout=30) for r in replicas)  # same v0
+        swarm.remote_trainer().train_step(make_batch())
+        assert [t.version for t in trainers] == [1, 1]
+        for replica, trainer in zip(replicas, trainers):
+            assert replica.version == 0 and trainer.trainer is not None
+            new = trainer.trainer.stage.state_dict()
+            assert any(not torch.equal(v, new[k]) for k, v in replica.model.state_dict().items())
+            assert replica.node.run(replica.follow_weights(), timeout=30) is True
+            assert replica.version == 1
+            for name, value in replica.model.state_dict().items():
+                # fp32 weights arrive exactly; with the bf16 codec, as their bf16 rounding.
+                want = new[name] if codec == "fp32" else new[name].to(torch.bfloat16).float()
+                assert torch.equal(value, want), name
+            assert replica.node.run(replica.follow_weights(), timeout=30) is False
+        # The remote chain now generates with the new weights (and says so).
+        directory = swarm.directory()
+        assert {r.version for records in directory.stage_summary() for r in records} == {1}
+        if codec == "fp32":
+            got = run(swarm.chain(sharp.spec.vocab_size))
+            expected = run(LocalChain([t.trainer.stage for t in trainers]))  # type: ignore[union-attr]
+            assert_same_generations(got, expected)
+            assert all(g.versions == (1, 1) for g in got)
+
+
+# ---- 8. peers as separate processes ----------------------------------------------------------
+
+def start_process(config_path: Path, stage: int, addresses: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "swarm_peer_process.py"), str(config_path), str(stage),
+         "inference", *addresses],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def read_ready(process: subprocess.Popen[str], deadline: float) -> dict[str, Any]:
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([process.stdout], [], [], 0.5)
+        if ready:
+            line = process.stdout.readline()
+            if not line:
+                break
+            if line.startswith("READY "):
+                return json.loads(line[len("READY "):])
+    raise AssertionError(f"peer process did not start (exit code {process.poll()})")
+
+
+def gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status  # a zombie: dead, waiting for its (new) parent to reap it
+
+
+def test_peers_in_separate_processes(tiny_sharp_dir: Path, sharp: LoadedModel,
+                                     tmp_path: Path, fast_backoff: None) -> None:
+    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"request_timeout_s": 10.0})
+    config_path = tmp_path / "config.json"
+    config_path.write_text(config.model_dump_json())
+    processes: list[subprocess.Popen[str]] = []
+    infos: list[dict[str, Any]] = []
+    with start_swarm(config, []) as swarm:
+        try:
+            addresses = swarm.client.addresses()
+            processes = [start_process(config_path, stage, addresses) for stage in (0, 1, 1)]
+            deadline = time.monotonic() + 90
+            infos = [read_ready(p, deadline) for p in processes]
+            ids = [info["peer_id"] for info in infos]
+            assert len(set(ids)) == 3
+            local = run(local_chain(sharp, 2))
+            chain = ObservedChain(swarm.chain(sharp.spec.vocab_size))
+            assert_same_generations(run(chain), local)
+            # kill -9 the replica of stage 1 the next session uses, in the middle of it.
+            victims: list[int] = []
+
+            def kill_mid_session(session: Any, step: int) -> None:
+                if step == 3:
+                    victim = ids.index(session.peers[1])
+                    os.killpg(processes[victim].pid, signal.SIGKILL)
+                    processes[victim].wait(10)
+                    victims.append(victim)
+            chain = ObservedChain(swarm.chain(sharp.spec.vocab_size), kill_mid_session)
+            assert_same_generations(run(chain), local)
+            assert chain.sessions[0].failovers >= 1
+            (victim,) = victims
+            # The whole process group is dead, p2pd included; its sockets stay behind.
+            assert gone(infos[victim]["daemon_pid"])
+            for path in infos[victim]["sockets"]:
+                Path(path).unlink(missing_ok=True)
+                assert not os.path.exists(path)
+            # The others shut down cleanly on SIGTERM and remove their own sockets.
+            for index, process in enumerate(processes):
+                if index != victim:
+                    process.send_signal(signal.SIGTERM)
+                    assert process.wait(30) == 0
+                    assert gone(infos[index]["daemon_pid"])
+                    assert not any(os.path.exists(p) for p in infos[index]["sockets"])
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait(10)
+            for info in infos:
+                for path in info["sockets"]:
+                    Path(path).unlink(missing_ok=True)
