@@ -228,3 +228,17 @@ def print_figures(name: str, figures: dict[str, float]) -> None:
 def write_json(path: str | None, payload: dict[str, Any]) -> None:
     if path:
         Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def bench_model(name: str, folder: Path) -> str:
+    """The model a swarm bench runs: `name` itself (a model name or Hugging Face folder), or for
+    `tiny` a tiny random model (decentrl.model.tiny, fixed seed, so every process that builds it
+    gets the same weights) written into `folder`, for quick smoke runs."""
+    if name != "tiny":
+        return name
+    from decentrl.model.tiny import make_tiny_model
+
+    path = folder / "tiny-model"
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, seed=0)
+    return str(path)

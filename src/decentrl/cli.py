@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from decentrl.config import ConfigError, RunConfig, load_config, parse_config
@@ -38,7 +39,7 @@ DEMO_CONFIG = {
 
 
 def fail(message: str) -> None:
-    console.print(f"[red]error:[/] {message}")
+    console.print(f"[red]error:[/] {escape(message)}")
     raise typer.Exit(code=2)
 
 

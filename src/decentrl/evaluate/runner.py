@@ -3,9 +3,9 @@ confidence interval (Wilson for pass@1; normal approximation over problems for p
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
-
 
 from decentrl.evaluate.stats import Accuracy, pass_at_k
 from decentrl.rollout.chain import InferenceChain
@@ -42,36 +42,51 @@ def _solved(chain: InferenceChain, task: Task, batch_problems: list[Problem], to
 
 def evaluate(chain: InferenceChain, task: Task, tokenizer: Any, num_problems: int,
              max_new_tokens: int, batch_size: int, pass_k: int = 1, seed: int = 0,
-             split: str = "heldout", progress: Any = None) -> EvalResult:
-    """`progress`, if given, is called with the number of problems done so far."""
+             split: str = "heldout", progress: Any = None, concurrency: int = 1) -> EvalResult:
+    """`progress`, if given, is called with the number of greedy problems done so far.
+    `concurrency` > 1 runs that many batches at once (over a swarm, so hop latency is hidden and
+    every replica works); the result does not depend on it."""
     items = problems(task, split, num_problems)  # type: ignore[arg-type]
-    greedy_solved: list[bool] = []
-    samples: list[dict[str, Any]] = []
-    lengths: list[int] = []
-    sampled_correct: list[int] = []
+    greedy = SamplingConfig(temperature=0.0)
+    sampled = SamplingConfig(temperature=1.0)
+    # Jobs: greedy batches, and for pass@k, sub-batches of k samples per problem (problem-major,
+    # so each problem's samples sit together). Each sampled job has its own seed.
+    jobs: list[tuple[int, list[Problem], SamplingConfig, int | None]] = []
     for start in range(0, len(items), batch_size):
-        chunk = items[start:start + batch_size]
-        solved, texts, n_tokens = _solved(chain, task, chunk, tokenizer, max_new_tokens,
-                                          SamplingConfig(temperature=0.0), None)
-        greedy_solved += solved
-        lengths += n_tokens
-        if len(samples) < 8:
-            samples += [{"question": p.question, "completion": t, "correct": s}
-                        for p, t, s in zip(chunk, texts, solved)][: 8 - len(samples)]
-        if pass_k > 1:
-            # k samples per problem, batched problem-major so each problem's samples sit together.
-            counts = [0] * len(chunk)
-            per_batch = max(1, batch_size // pass_k)
-            for sub in range(0, len(chunk), per_batch):
-                repeated = [p for p in chunk[sub:sub + per_batch] for _ in range(pass_k)]
-                solved_k, _, _ = _solved(chain, task, repeated, tokenizer, max_new_tokens,
-                                         SamplingConfig(temperature=1.0),
-                                         seed * 1_000_003 + start + sub)
-                for j, ok in enumerate(solved_k):
-                    counts[sub + j // pass_k] += int(ok)
-            sampled_correct += counts
-        if progress is not None:
-            progress(len(greedy_solved))
+        jobs.append((start, items[start:start + batch_size], greedy, None))
+    if pass_k > 1:
+        per_batch = max(1, batch_size // pass_k)
+        for sub in range(0, len(items), per_batch):
+            repeated = [p for p in items[sub:sub + per_batch] for _ in range(pass_k)]
+            jobs.append((sub, repeated, sampled, seed * 1_000_003 + sub))
+    done = 0
+
+    def run(job: tuple[int, list[Problem], SamplingConfig, int | None]
+            ) -> tuple[list[bool], list[str], list[int]]:
+        nonlocal done
+        start, chunk, sampling, job_seed = job
+        out = _solved(chain, task, chunk, tokenizer, max_new_tokens, sampling, job_seed)
+        if progress is not None and sampling.greedy:
+            done += len(chunk)
+            progress(done)
+        return out
+
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        results = list(pool.map(run, jobs))
+    greedy_solved: list[bool] = []
+    lengths: list[int] = []
+    samples: list[dict[str, Any]] = []
+    sampled_correct = [0] * len(items)
+    for (start, chunk, sampling, _), (solved, texts, n_tokens) in zip(jobs, results):
+        if sampling.greedy:
+            greedy_solved += solved
+            lengths += n_tokens
+            if len(samples) < 8:
+                samples += [{"question": p.question, "completion": t, "correct": s}
+                            for p, t, s in zip(chunk, texts, solved)][: 8 - len(samples)]
+        else:
+            for j, ok in enumerate(solved):
+                sampled_correct[start + j // pass_k] += int(ok)
     pass_k_accuracy = None
     if pass_k > 1:
         pass_k_accuracy = Accuracy.from_values(

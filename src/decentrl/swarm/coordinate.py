@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from decentrl.config import ConfigError, RunConfig
@@ -242,7 +243,7 @@ class SwarmCoordinator:
                 if self.failed_steps > MAX_FAILED_STEPS:
                     raise RuntimeError(f"{self.failed_steps} training steps in a row failed; "
                                        f"the last: {error}") from error
-                self.console.print(f"[yellow]training step failed: {error}[/]")
+                self.console.print(f"[yellow]training step failed: {escape(str(error))}[/]")
                 for item in scored:
                     self.ready.put(item)  # still pending in the store; retried after recovery
                 self._recover_training()
@@ -304,7 +305,8 @@ class SwarmCoordinator:
         self.wait_for_replicas(self.trainer.version, timeout_s=120)
         ev = self.config.eval
         result = evaluate(self.chain, self.eval_task, self.tokenizer, ev.problems,
-                          ev.max_new_tokens, ev.batch_size, pass_k=pass_k, seed=self.config.seed)
+                          ev.max_new_tokens, ev.batch_size, pass_k=pass_k, seed=self.config.seed,
+                          concurrency=self.config.swarm.sessions_in_flight)
         metrics.write("eval", label=label, step=self.step, version=self.trainer.version,
                       task=result.task, problems=result.problems, pass1=result.pass1.mean,
                       pass1_low=result.pass1.low, pass1_high=result.pass1.high,
