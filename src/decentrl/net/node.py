@@ -127,7 +127,9 @@ class SwarmNode:
         self.p2p = await P2P.create(
             initial_peers=initial_peers or None, host_maddrs=[host], nat_port_map=False,
             auto_nat=False, use_relay=False, use_auto_relay=False, use_ipfs=False,
-            startup_timeout=STARTUP_TIMEOUT_S)
+            # libp2p's connection manager trims connections past its water marks, which can cut
+            # a stream mid-reply; a swarm's peers keep few connections, so keep them all.
+            conn_manager=False, startup_timeout=STARTUP_TIMEOUT_S)
         self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial_peers or None,
                                         ensure_bootstrap_success=bool(initial_peers))
         self.links = LinkEmulator(local=str(self.p2p.peer_id), profile=self.link_profile)

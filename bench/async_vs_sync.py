@@ -1,0 +1,411 @@
+"""Asynchronous against synchronous RL on the swarm: training wall-clock seconds to reach the same
+held-out accuracy under emulated WAN latency.
+
+Both variants are the swarm coordinator (`SwarmCoordinator`, swarm/coordinate.py) over a fresh
+local swarm on loopback (`LocalSwarm`: per stage, one training peer and `--replicas` inference
+peers, each a separate process with `--threads` torch threads), with the same config, seed, model,
+prompts and problem order:
+- `async`: the coordinator as it runs: `--sessions-in-flight` generation threads keep generating
+  groups (up to `max_staleness + 1` batches ahead) while the learner trains; rollouts may be up to
+  `--max-staleness` versions old (importance-corrected).
+- `sync`: a subclass in this file that alternates: wait until every inference replica serves the
+  learner's current weights, generate exactly one batch (`prompts_per_step` groups, the same
+  `--sessions-in-flight` sessions at a time), then train on it with no generation running. Every
+  rollout is on-policy (staleness 0).
+
+The coordinator's node carries the emulated link (`--rtt-ms LOW,HIGH` per pair of peers, plus
+`--jitter-ms`), as do the peers (replicas fetch weights over it). Both variants evaluate greedy
+pass@1 on `--eval-problems` held-out two-digit sums before training and every `--eval-every`
+steps. The clock counts training only: it starts after the "before" evaluation, pauses during
+every evaluation (no new generation starts during one; a group already in flight finishes), and
+stops at the first evaluation whose pass@1 reaches `--target`, or when `--budget` seconds are
+spent. The figure is the time to target of each variant and their ratio, sync / async (the target
+is >= 1.5). Evaluations are every `--eval-every` steps, so a time to target is the clock at the
+first evaluation at or above the target, and each evaluation is a noisy estimate (its 95% interval
+is printed).
+
+On a CPU-only machine the peers of both variants share the same cores, and asynchronous training
+overlaps generation and training on those cores: what it gains is the hop latency and the idle
+time of peers that the synchronous loop leaves unused, not extra hardware.
+
+Run: decentrl bench async-vs-sync [--model smollm2-135m-instruct|tiny|PATH] [--budget 900]
+     [--target 0.4] [--eval-every 5] [--eval-problems 200] [--variants async,sync]
+     [--out runs/async-vs-sync] [--json PATH]
+Each variant runs in its own process; run folders (metrics.jsonl, peer logs) under --out, and the
+plot --out/async_vs_sync.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+import common  # noqa: E402
+from decentrl.config import RunConfig, parse_config  # noqa: E402
+from decentrl.evaluate.runner import EvalResult  # noqa: E402
+from decentrl.swarm.coordinate import POLL_S, SwarmCoordinator  # noqa: E402
+from decentrl.swarm.run import MetricsLog  # noqa: E402
+
+log = logging.getLogger("bench.async_vs_sync")
+
+VARIANTS = ("async", "sync")
+TARGET_SPEEDUP = 1.5
+
+
+class TargetReached(Exception):
+    """An evaluation reached the target accuracy: the variant's run ends there."""
+
+
+class BudgetSpent(Exception):
+    """The variant spent its training budget without reaching the target."""
+
+
+class BenchCoordinator(SwarmCoordinator):
+    """The swarm coordinator with the bench's clock (training seconds, evaluations excluded) and
+    stopping rule (target reached or budget spent). Runs asynchronously, as the coordinator does."""
+
+    def __init__(self, config: RunConfig, node: Any, console: Console, target: float,
+                 budget_s: float) -> None:
+        super().__init__(config, node, console)
+        self.target, self.budget_s = target, budget_s
+        self.clock_start: float | None = None
+        self.paused_s = 0.0
+        self.curve: list[dict[str, Any]] = []
+        self.reached_s: float | None = None
+        # No new group starts while an evaluation runs (both variants), so the async variant does
+        # not get generation done off the clock.
+        self.generation_open = threading.Event()
+        self.generation_open.set()
+        generate_groups = self.generator.generate_groups
+
+        def gated(indices: list[int]) -> list[Any]:
+            while not self.generation_open.wait(POLL_S):
+                if self.stop.is_set():
+                    return []
+            return generate_groups(indices)
+
+        self.generator.generate_groups = gated  # type: ignore[method-assign]
+
+    def clock(self) -> float:
+        if self.clock_start is None:
+            return 0.0
+        return time.time() - self.clock_start - self.paused_s
+
+    def evaluate(self, label: str, pass_k: int, metrics: MetricsLog) -> EvalResult:
+        self.generation_open.clear()
+        started = time.time()
+        try:
+            result = super().evaluate(label, pass_k, metrics)
+        finally:
+            self.generation_open.set()
+        if self.clock_start is None:  # the evaluation before training: the clock starts now
+            self.clock_start = time.time()
+        else:
+            self.paused_s += time.time() - started
+        point = {"label": label, "step": self.step, "clock_s": round(self.clock(), 2),
+                 "pass1": result.pass1.mean, "low": result.pass1.low, "high": result.pass1.high}
+        self.curve.append(point)
+        if label != "before" and self.reached_s is None and result.pass1.mean >= self.target:
+            self.reached_s = point["clock_s"]
+            raise TargetReached
+        return result
+
+    def before_step(self) -> None:
+        """Work before each training step (the sync variant generates its batch here)."""
+
+    def _train_one_step(self, metrics: MetricsLog) -> None:
+        if self.clock() >= self.budget_s:
+            raise BudgetSpent
+        self.before_step()
+        super()._train_one_step(metrics)
+
+
+class SyncCoordinator(BenchCoordinator):
+    """Generate one batch, then train on it, never both at once: each step hands out
+    `prompts_per_step` tickets, the `sessions_in_flight` generation threads turn each into one
+    group, and training starts once every ticket is done."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tickets = threading.Semaphore(0)
+        self.finished = threading.Semaphore(0)
+
+    def _generate_forever(self) -> None:
+        while not self.stop.is_set():
+            if not self.tickets.acquire(timeout=POLL_S):
+                continue
+            try:
+                with self.ingest_lock:
+                    self.store.reserve_problems(1)
+                    indices = self.scheduler.next(1)
+                for group in self.generator.generate_groups(indices):
+                    self._accept(group)
+            except Exception as error:  # noqa: BLE001 - the step asks for another group
+                self.generation_errors += 1
+                log.warning("generation failed: %s", error)
+            finally:
+                self.finished.release()
+
+    def before_step(self) -> None:
+        self.wait_for_every_replica(self.trainer.version)
+        needed = self.config.rollout.prompts_per_step
+        while self.ready.qsize() < needed:  # a rejected group leaves a gap: ask again
+            missing = needed - self.ready.qsize()
+            for _ in range(missing):
+                self.tickets.release()
+            for _ in range(missing):
+                while not self.finished.acquire(timeout=POLL_S):
+                    if self.stop.is_set():
+                        raise RuntimeError("stopped while generating a batch")
+
+    def wait_for_every_replica(self, version: int, timeout_s: float = 300.0) -> None:
+        """Until every inference replica serves `version` (the stock wait needs one per stage)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.directory.refresh()
+            replicas = [r for records in self.directory.stage_summary() for r in records
+                        if r.role == "inference"]
+            if replicas and all(r.version == version for r in replicas):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas did not all reach version {version} within "
+                                   f"{timeout_s:.0f}s")
+            time.sleep(0.1)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = common.bench_parser("async-vs-sync", __doc__.split("\n")[0], "training step")
+    parser.set_defaults(batch=64, steps=10_000, threads=1)
+    for action in parser._actions:  # shared options, with this bench's meaning
+        if action.dest == "batch":
+            action.help = "completions per training step (prompts per step x group size)"
+        elif action.dest == "steps":
+            action.help = "most training steps per variant (the budget usually ends it first)"
+        elif action.dest == "threads":
+            action.help = "torch CPU threads per peer"
+        elif action.dest in ("warmup", "in_process", "profile"):
+            action.help = "unused by this bench" if action.dest != "in_process" else \
+                "run both variants in this process"
+    parser.add_argument("--budget", type=float, default=900.0,
+                        help="training seconds per variant (evaluations excluded)")
+    parser.add_argument("--target", type=float, default=0.40, help="held-out pass@1 to reach")
+    parser.add_argument("--eval-every", type=int, default=5, help="evaluate every N steps")
+    parser.add_argument("--eval-problems", type=int, default=200)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=3e-5)
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--replicas", type=int, default=2, help="inference peers per stage")
+    parser.add_argument("--sessions-in-flight", type=int, default=8)
+    parser.add_argument("--rtt-ms", default="60,120", help="LOW,HIGH round trip per link")
+    parser.add_argument("--jitter-ms", type=float, default=10.0)
+    parser.add_argument("--announce-every", type=float, default=1.0,
+                        help="peers re-announce (and replicas look for new weights) this often")
+    parser.add_argument("--codec", default="bf16", choices=("fp32", "bf16", "int8"))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    parser.add_argument("--out", default="runs/async-vs-sync", help="run folders and the plot")
+    args = parser.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not args.variants or any(v not in VARIANTS for v in args.variants):
+        parser.error(f"--variants must name some of {', '.join(VARIANTS)}")
+    try:
+        low, high = (float(x) for x in args.rtt_ms.split(","))
+    except ValueError:
+        parser.error("--rtt-ms must be LOW,HIGH")
+    args.rtt = [low, high]
+    if args.batch % args.group_size or args.batch < args.group_size:
+        parser.error("--batch must be a multiple of --group-size")
+    if min(args.budget, args.eval_every, args.eval_problems, args.replicas,
+           args.sessions_in_flight, args.threads) <= 0:
+        parser.error("--budget, --eval-every, --eval-problems, --replicas, "
+                     "--sessions-in-flight and --threads must be > 0")
+    return args
+
+
+def make_config(args: argparse.Namespace, variant: str, model: str) -> RunConfig:
+    """The demo's setup (DEMO_CONFIG in cli.py), sized by the options; the same for both."""
+    return parse_config({
+        "name": variant, "run_dir": args.out, "seed": args.seed, "model": model,
+        "device": args.device, "dtype": args.dtype, "num_stages": args.stages,
+        "threads": args.threads,
+        "task": {"name": "sums", "options": {"min_digits": 1, "max_digits": 2}},
+        "rollout": {"group_size": args.group_size,
+                    "prompts_per_step": args.batch // args.group_size,
+                    "max_new_tokens": args.max_new_tokens},
+        "train": {"mode": "async", "steps": args.steps, "loss": "grpo", "lr": args.lr,
+                  "micro_batch_size": 32, "max_staleness": args.max_staleness,
+                  "checkpoint_every": 1_000_000},
+        "eval": {"task": {"name": "sums", "options": {"min_digits": 2, "max_digits": 2}},
+                 "problems": args.eval_problems, "pass_k": 1, "every": args.eval_every},
+        "swarm": {"link": {"rtt_ms": args.rtt, "jitter_ms": args.jitter_ms},
+                  "activation_codec": args.codec, "inference_replicas": args.replicas,
+                  "sessions_in_flight": args.sessions_in_flight,
+                  "announce_every_s": args.announce_every},
+    })
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    from decentrl.model.loading import resolve_model
+    from decentrl.net.node import SwarmNode
+    from decentrl.net.wire import TensorLimits
+    from decentrl.swarm.launch import LocalSwarm, link_profile
+
+    common.quiet_transformers()
+    torch.set_num_threads(1)  # the coordinator relays and scores; the peers compute
+    console = Console(stderr=True)  # live progress (a worker's stdout is read at its end)
+    with tempfile.TemporaryDirectory(prefix="decentrl-bench-") as folder:
+        model = common.bench_model(args.model, Path(folder))
+        resolve_model(model)  # convert the default model once, before the peers race to
+        config = make_config(args, variant, model)
+        shutil.rmtree(config.path, ignore_errors=True)
+        config.path.mkdir(parents=True)
+        config_path = config.path / "swarm-config.json"
+        config_path.write_text(config.model_dump_json(indent=2))
+        swarm = LocalSwarm(config, config_path, args.replicas)
+        node = coordinator = None
+        outcome = "steps"
+        try:
+            addresses = swarm.start()
+            # The coordinator's own node carries the emulated link (LocalSwarm's bootstrap node
+            # has a perfect one): it is the caller of every inference and training hop.
+            node = SwarmNode.start("coordinator", addresses, link_profile(config), TensorLimits())
+            kind = SyncCoordinator if variant == "sync" else BenchCoordinator
+            coordinator = kind(config, node, console, args.target, args.budget)
+            try:
+                coordinator.run(wait_s=300)
+            except TargetReached:
+                outcome = "target"
+            except BudgetSpent:
+                outcome = "budget"
+            steps = read_steps(config.path / "metrics.jsonl")
+            return {
+                "variant": variant, "outcome": outcome, "reached_s": coordinator.reached_s,
+                "clock_s": coordinator.clock(), "steps": coordinator.step,
+                "curve": coordinator.curve, "generation_errors": coordinator.generation_errors,
+                "failovers": coordinator.chain.failovers, "run": str(config.path),
+                "staleness_mean": mean(steps, "staleness_mean"),
+                "wait_s_mean": mean(steps, "wait_s"), "train_s_mean": mean(steps, "train_s"),
+                "reward_mean": mean(steps, "reward"), "machine": common.machine(torch.device("cpu")),
+            }
+        finally:
+            if coordinator is not None:
+                coordinator.close()
+            if node is not None:
+                node.shutdown()
+            swarm.shutdown()
+
+
+def read_steps(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("event") == "step"]
+
+
+def mean(records: list[dict[str, Any]], key: str) -> float:
+    values = [float(r[key]) for r in records if key in r]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def main(argv: list[str] | None = None) -> None:
+    common.run_variants(Path(__file__), argv, parse_args(argv), run_variant, report)
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    rows = []
+    figures: dict[str, float] = {}
+    for r in results:
+        best = max((p["pass1"] for p in r["curve"] if p["label"] != "before"), default=None)
+        last = r["curve"][-1] if r["curve"] else None
+        rows.append([r["variant"], r["steps"], r["clock_s"],
+                     r["clock_s"] / r["steps"] if r["steps"] else "-",
+                     "not reached" if r["reached_s"] is None else r["reached_s"],
+                     "-" if best is None else best,
+                     "-" if last is None else f"{last['pass1']:.3f} [{last['low']:.3f}, "
+                                                f"{last['high']:.3f}]",
+                     r["staleness_mean"], r["wait_s_mean"], r["train_s_mean"]])
+        name = r["variant"]
+        figures[f"{name}_steps"] = r["steps"]
+        figures[f"{name}_clock_s"] = r["clock_s"]
+        if r["steps"]:
+            figures[f"{name}_s_per_step"] = r["clock_s"] / r["steps"]
+        if r["reached_s"] is not None:
+            figures[f"{name}_time_to_target_s"] = r["reached_s"]
+    first = results[0]
+    caption = (f"target: held-out greedy pass@1 >= {args.target:g} on {args.eval_problems} "
+               f"two-digit sums, evaluated every {args.eval_every} steps; clock = training "
+               f"seconds (evaluations excluded), budget {args.budget:g} s per variant; "
+               f"{args.stages} stages x (1 training + {args.replicas} inference peers), "
+               f"{args.threads} thread(s) each; links {args.rtt[0]:g}-{args.rtt[1]:g} ms round "
+               f"trip + {args.jitter_ms:g} ms jitter; {args.batch // args.group_size} prompts x "
+               f"{args.group_size} samples per step, {args.max_new_tokens} new tokens; "
+               f"{args.sessions_in_flight} sessions in flight\n{first['machine']}")
+    common.print_table("async vs sync: training seconds to the target accuracy",
+                       ["variant", "steps", "train s", "s/step", "s to target", "best pass@1",
+                        "last eval pass@1 [95% CI]", "staleness", "wait s/step", "train s/step"],
+                       rows, caption)
+    by_name = {r["variant"]: r for r in results}
+    if "async" in by_name and "sync" in by_name:
+        fast, slow = by_name["async"], by_name["sync"]
+        if fast["reached_s"] is not None and slow["reached_s"] is not None:
+            speedup = slow["reached_s"] / max(fast["reached_s"], 1e-9)
+            figures["speedup"] = speedup
+            print(f"sync / async time to target: {speedup:.2f}x (target >= {TARGET_SPEEDUP})")
+        elif fast["reached_s"] is not None:
+            print(f"async reached the target in {fast['reached_s']:.0f} s; sync did not within "
+                  f"{args.budget:.0f} s: speedup > {args.budget / max(fast['reached_s'], 1e-9):.2f}x")
+        else:
+            print("the target was not reached by async" + (
+                "" if slow["reached_s"] is None else " (sync reached it)")
+                + "; no speedup figure (raise --budget or lower --target)")
+        if fast["steps"] and slow["steps"]:
+            step_ratio = (slow["clock_s"] / slow["steps"]) / (fast["clock_s"] / fast["steps"])
+            figures["step_time_ratio"] = step_ratio
+            print(f"sync / async seconds per step: {step_ratio:.2f}x")
+    common.print_figures("async_vs_sync", figures)
+    plot(results, args, Path(args.out) / "async_vs_sync.png")
+    common.write_json(args.json, {"bench": "async-vs-sync", "args": vars(args),
+                                  "results": results, "figures": figures})
+
+
+def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for r in results:
+        xs = [p["clock_s"] for p in r["curve"]]
+        axes.errorbar(xs, [p["pass1"] for p in r["curve"]],
+                      yerr=[[p["pass1"] - p["low"] for p in r["curve"]],
+                            [p["high"] - p["pass1"] for p in r["curve"]]],
+                      marker="o", capsize=3, label=r["variant"])
+    axes.axhline(args.target, color="gray", linestyle=":", label=f"target {args.target:g}")
+    axes.set_xlabel("training seconds (evaluations excluded)")
+    axes.set_ylabel("held-out pass@1 (95% CI)")
+    axes.set_title(f"async vs sync on the swarm, {args.rtt[0]:g}-{args.rtt[1]:g} ms per hop")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
