@@ -217,7 +217,15 @@ class SwarmNode:
                         self._replies.popitem(last=False)
                 try:
                     cached.set_result(await self._handle(method, handler, messages, context))
-                except BaseException as error:
+                except asyncio.CancelledError:
+                    log.warning("%s: %s from %s cancelled mid-request", self.name, method,
+                                str(context.remote_id)[-8:])
+                    self._replies.pop(request_id, None)
+                    cached.cancel()
+                    raise
+                except Exception as error:
+                    log.info("%s: %s from %s refused: %s", self.name, method,
+                             str(context.remote_id)[-8:], error)
                     self._replies.pop(request_id, None)
                     cached.set_exception(error)
                     cached.exception()  # retrieved here; the caller gets it below
@@ -277,7 +285,11 @@ class SwarmNode:
             # P2PDaemonError includes its subclasses: ControlFailure is a peer we cannot dial.
             raise RemoteError(f"{method} at {peer[-8:]}: {error}") from error
         if not responses:
-            raise RemoteError(f"{method} at {peer[-8:]}: empty reply (the peer went away)")
+            # Seen on loopback about once in a thousand streams under load with live peers: the
+            # stream closes before any reply. The request may or may not have run; the caller
+            # retries it with the same request id, which the reply cache makes safe, and a peer
+            # that is really gone then fails to connect.
+            raise MessageLost(f"{method} at {peer[-8:]}: the stream closed before a reply")
         _, reply_metadata, reply_parts = from_messages(responses)
         envelope = decode_struct(reply_metadata, Envelope)
         return envelope.body, decode_tensors(reply_parts, envelope.manifest, self.limits)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import shutil
 import threading
 import time
@@ -37,6 +36,7 @@ from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import load_tokenizer, resolve_model
 from decentrl.net.node import SwarmNode
+from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.rollout.types import ScoredGroup
 from decentrl.swarm.client import Directory, RemoteChain, RemoteStageWorker, SwarmUnavailable
 from decentrl.swarm.coordinator import Coordinator
@@ -100,10 +100,16 @@ class SwarmCoordinator:
             sampling_config(config.rollout), torch.device("cpu"))
         self.scheduler = PromptScheduler(config.seed, start=self.store.problem_position())
         self.ingestion = Coordinator(config, self.task, self.tokenizer, self.scheduler)
-        self.generator = RolloutWorker(self.chain, None, self.task, self.tokenizer,
+        # Rollouts arrive through the transport, from this process's generation threads or from
+        # any peer that submits them; the inbox holds what the staleness bound can still use.
+        backlog = config.rollout.prompts_per_step * (config.train.max_staleness + 1)
+        self.transport = HivemindTransport(node, config.name, inbox_size=backlog,
+                                           timeout_s=config.swarm.request_timeout_s,
+                                           announce_ttl_s=5 * config.swarm.announce_every_s)
+        self.generator = RolloutWorker(self.chain, self.transport, self.task, self.tokenizer,
                                        config.rollout, self.scheduler, config.seed)
-        self.ready: queue.Queue[tuple[ScoredGroup, int]] = queue.Queue()
-        self.ingest_lock = threading.Lock()
+        self.pending: list[tuple[ScoredGroup, int]] = []  # accepted, not yet trained
+        self.problems_lock = threading.Lock()
         self.stop = threading.Event()
         self.step = self.store.last_step()
         self.recoveries = 0
@@ -155,6 +161,7 @@ class SwarmCoordinator:
             if worker.version != version:
                 worker.checkpoint("load", version)
         returned = self.store.return_to_pending(after_step=step)
+        self.pending = [(g.scored, g.staleness) for g in self.store.pending_groups()]
         self.step = step
         self.recoveries += 1
         self.console.print(f"[yellow]training rolled back to checkpoint v{version} (step {step}); "
@@ -175,13 +182,9 @@ class SwarmCoordinator:
     # ---- generation -----------------------------------------------------------------------
 
     def _generate_forever(self) -> None:
-        backlog = self.config.rollout.prompts_per_step * (self.config.train.max_staleness + 1)
         attempt = 0
         while not self.stop.is_set():
-            if self.ready.qsize() >= backlog:
-                time.sleep(POLL_S)  # the learner is behind; more groups would only go stale
-                continue
-            with self.ingest_lock:
+            with self.problems_lock:  # durable first: a restart never hands a problem out twice
                 self.store.reserve_problems(1)
                 indices = self.scheduler.next(1)
             try:
@@ -194,35 +197,36 @@ class SwarmCoordinator:
                 time.sleep(min(10.0, 0.5 * 2 ** attempt))
                 continue
             for group in groups:
-                self._accept(group)
-
-    def _accept(self, group: Any) -> None:
-        with self.ingest_lock:
-            accepted = self.ingestion.ingest(group, self.trainer.version)
-            if accepted is None:
-                return
-            scored, staleness = accepted
-            # Durable before it counts: a crash after this line loses nothing accepted.
-            self.store.add_group(scored, staleness, self.trainer.version)
-        self.ready.put(accepted)
+                # A full inbox means the learner is behind; wait rather than generate more.
+                while not self.stop.is_set() and not self.transport.put_rollouts(group, POLL_S):
+                    pass
 
     def _collect(self, needed: int) -> list[tuple[ScoredGroup, int]]:
+        """Accepted groups within the staleness bound: first those accepted earlier and not yet
+        trained (re-checked, they may have gone stale), then new arrivals, each checked, scored
+        and stored in SQLite before it counts."""
         batch: list[tuple[ScoredGroup, int]] = []
         while len(batch) < needed:
+            if self.pending:
+                scored, _ = self.pending.pop(0)
+                try:
+                    staleness = check_staleness(self.trainer.version, scored.group.stage_versions,
+                                                self.config.train.max_staleness)
+                except StaleRolloutError as error:
+                    self.store.mark_dropped([scored.group.group_id], str(error))
+                    self.ingestion.stats.stale += 1
+                    continue
+                batch.append((scored, staleness))
+                continue
             if self.stop.is_set():
                 raise RuntimeError("stopped while waiting for rollouts")
-            try:
-                scored, _ = self.ready.get(timeout=POLL_S)
-            except queue.Empty:
+            group = self.transport.get_rollouts(timeout=POLL_S)
+            if group is None:
                 continue
-            try:
-                staleness = check_staleness(self.trainer.version, scored.group.stage_versions,
-                                            self.config.train.max_staleness)
-            except StaleRolloutError as error:
-                self.store.mark_dropped([scored.group.group_id], str(error))
-                self.ingestion.stats.stale += 1
-                continue
-            batch.append((scored, staleness))
+            accepted = self.ingestion.ingest(group, self.trainer.version)
+            if accepted is not None:
+                self.store.add_group(accepted[0], accepted[1], self.trainer.version)
+                batch.append(accepted)
         return batch
 
     # ---- training -------------------------------------------------------------------------
@@ -244,8 +248,7 @@ class SwarmCoordinator:
                     raise RuntimeError(f"{self.failed_steps} training steps in a row failed; "
                                        f"the last: {error}") from error
                 self.console.print(f"[yellow]training step failed: {escape(str(error))}[/]")
-                for item in scored:
-                    self.ready.put(item)  # still pending in the store; retried after recovery
+                self.pending[:0] = scored  # still pending in the store; retried after recovery
                 self._recover_training()
                 return
         self.failed_steps = 0
@@ -331,8 +334,7 @@ class SwarmCoordinator:
         if self.store.last_checkpoint() is None:
             self.checkpoint()  # version 0: what a replacement training peer starts from
         self.console.print(self.peer_table())
-        for stored in self.store.pending_groups():
-            self.ready.put((stored.scored, stored.staleness))
+        self.pending = [(g.scored, g.staleness) for g in self.store.pending_groups()]
         resumed = self.step > 0
         before = None
         if not resumed:
@@ -340,9 +342,11 @@ class SwarmCoordinator:
             (self.path / "eval_before.json").write_text(json.dumps(before.to_json(), indent=2))
         else:
             self.console.print(f"resumed at step {self.step} (version {self.trainer.version}); "
-                               f"{self.ready.qsize()} accepted groups pending")
+                               f"{len(self.pending)} accepted groups pending")
         threads = [threading.Thread(target=self._generation_thread, name=f"generate-{i}",
                                     daemon=True) for i in range(config.swarm.sessions_in_flight)]
+        threads.append(threading.Thread(target=self._announce_forever, name="announce",
+                                        daemon=True))
         for thread in threads:
             thread.start()
         train_started = time.time()
@@ -368,6 +372,15 @@ class SwarmCoordinator:
         return SwarmSummary(self.path, self.step, wall, before, after, self.recoveries,
                             self.chain.failovers)
 
+    def _announce_forever(self) -> None:
+        """Keep the run config and the rollout inbox in the DHT (their entries expire)."""
+        while not self.stop.wait(self.config.swarm.announce_every_s):
+            try:
+                self.directory.publish_config(self.config.model_dump_json())
+                self.transport.republish()
+            except Exception as error:  # noqa: BLE001 - the next round retries
+                log.warning("announce failed: %s", error)
+
     def _generation_thread(self) -> None:
         try:
             self._generate_forever()
@@ -376,4 +389,5 @@ class SwarmCoordinator:
 
     def close(self) -> None:
         self.stop.set()
+        self.transport.close()
         self.store.close()

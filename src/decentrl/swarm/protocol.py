@@ -39,8 +39,29 @@ class PeerRecord(Body):
     training_ready: bool  # a training peer whose weights are loaded and that accepts steps
 
 
+def weights_key(run: str, stage: int) -> str:
+    return f"decentrl/{run}/weights{stage}"
+
+
 class CoordinatorRecord(Body):
     config_json: str  # the run config every peer builds its stage from
+
+
+class InboxRecord(Body):
+    """Where rollout groups go: the coordinator's peer id."""
+
+    peer_id: str
+
+
+class WeightsRecord(Body):
+    """A publisher of a stage's weights (subkey: its peer id)."""
+
+    stage: int
+    version: int
+
+
+class RolloutsQueued(Body):
+    queued: bool  # False: the coordinator's inbox is full, try again later
 
 
 # ---- inference ----------------------------------------------------------------------------
