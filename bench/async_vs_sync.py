@@ -24,6 +24,10 @@ is >= 1.5). Evaluations are every `--eval-every` steps, so a time to target is t
 first evaluation at or above the target, and each evaluation is a noisy estimate (its 95% interval
 is printed).
 
+`--model tiny` (a tiny random model, for a smoke run) never earns a reward, so its groups are kept
+even without reward spread (`zero_variance_groups = "keep"`): steps still move the weight
+versions, and only a `--target 0` is ever reached.
+
 On a CPU-only machine the peers of both variants share the same cores, and asynchronous training
 overlaps generation and training on those cores: what it gains is the hop latency and the idle
 time of peers that the synchronous loop leaves unused, not extra hardware.
@@ -39,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import shutil
 import sys
 import tempfile
@@ -58,8 +61,6 @@ from decentrl.config import RunConfig, parse_config  # noqa: E402
 from decentrl.evaluate.runner import EvalResult  # noqa: E402
 from decentrl.swarm.coordinate import POLL_S, SwarmCoordinator  # noqa: E402
 from decentrl.swarm.run import MetricsLog  # noqa: E402
-
-log = logging.getLogger("bench.async_vs_sync")
 
 VARIANTS = ("async", "sync")
 TARGET_SPEEDUP = 1.5
@@ -85,6 +86,7 @@ class BenchCoordinator(SwarmCoordinator):
         self.paused_s = 0.0
         self.curve: list[dict[str, Any]] = []
         self.reached_s: float | None = None
+        self.frozen_s: float | None = None  # the clock's final reading, once the run ends
         # No new group starts while an evaluation runs (both variants), so the async variant does
         # not get generation done off the clock.
         self.generation_open = threading.Event()
@@ -100,11 +102,15 @@ class BenchCoordinator(SwarmCoordinator):
         self.generator.generate_groups = gated  # type: ignore[method-assign]
 
     def clock(self) -> float:
+        if self.frozen_s is not None:
+            return self.frozen_s
         if self.clock_start is None:
             return 0.0
         return time.time() - self.clock_start - self.paused_s
 
     def evaluate(self, label: str, pass_k: int, metrics: MetricsLog) -> EvalResult:
+        if label == "after":  # the run reached its last step: training is over
+            self.frozen_s = self.clock()
         self.generation_open.clear()
         started = time.time()
         try:
@@ -120,6 +126,7 @@ class BenchCoordinator(SwarmCoordinator):
         self.curve.append(point)
         if label != "before" and self.reached_s is None and result.pass1.mean >= self.target:
             self.reached_s = point["clock_s"]
+            self.frozen_s = self.clock()
             raise TargetReached
         return result
 
@@ -128,48 +135,49 @@ class BenchCoordinator(SwarmCoordinator):
 
     def _train_one_step(self, metrics: MetricsLog) -> None:
         if self.clock() >= self.budget_s:
+            self.frozen_s = self.clock()
             raise BudgetSpent
         self.before_step()
         super()._train_one_step(metrics)
 
 
 class SyncCoordinator(BenchCoordinator):
-    """Generate one batch, then train on it, never both at once: each step hands out
-    `prompts_per_step` tickets, the `sessions_in_flight` generation threads turn each into one
-    group, and training starts once every ticket is done."""
+    """Generate one batch, then train on it, never both at once. The coordinator's own generation
+    loop runs unchanged, but each group needs a ticket: a step hands out `prompts_per_step`
+    tickets, the `sessions_in_flight` generation threads turn each into one group, and training
+    starts once every ticket's group is generated; no ticket is out while the step trains."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tickets = threading.Semaphore(0)
-        self.finished = threading.Semaphore(0)
+        self.generated = threading.Semaphore(0)
+        generate_groups = self.generator.generate_groups
 
-    def _generate_forever(self) -> None:
-        while not self.stop.is_set():
-            if not self.tickets.acquire(timeout=POLL_S):
-                continue
+        def ticketed(indices: list[int]) -> list[Any]:
+            while not self.tickets.acquire(timeout=POLL_S):
+                if self.stop.is_set():
+                    return []
             try:
-                with self.ingest_lock:
-                    self.store.reserve_problems(1)
-                    indices = self.scheduler.next(1)
-                for group in self.generator.generate_groups(indices):
-                    self._accept(group)
-            except Exception as error:  # noqa: BLE001 - the step asks for another group
-                self.generation_errors += 1
-                log.warning("generation failed: %s", error)
-            finally:
-                self.finished.release()
+                groups = generate_groups(indices)
+            except BaseException:
+                self.tickets.release()  # the loop retries with another problem
+                raise
+            self.generated.release()
+            return groups
+
+        self.generator.generate_groups = ticketed  # type: ignore[method-assign]
 
     def before_step(self) -> None:
         self.wait_for_every_replica(self.trainer.version)
         needed = self.config.rollout.prompts_per_step
-        while self.ready.qsize() < needed:  # a rejected group leaves a gap: ask again
-            missing = needed - self.ready.qsize()
-            for _ in range(missing):
-                self.tickets.release()
-            for _ in range(missing):
-                while not self.finished.acquire(timeout=POLL_S):
-                    if self.stop.is_set():
-                        raise RuntimeError("stopped while generating a batch")
+        for _ in range(needed):
+            self.tickets.release()
+        for _ in range(needed):
+            while not self.generated.acquire(timeout=POLL_S):
+                if self.stop.is_set():
+                    raise RuntimeError("stopped while generating a batch")
+        # The training step that follows collects these groups (the coordinator's own ingestion:
+        # checked, scored, stored) and trains on them.
 
     def wait_for_every_replica(self, version: int, timeout_s: float = 300.0) -> None:
         """Until every inference replica serves `version` (the stock wait needs one per stage)."""
@@ -247,7 +255,10 @@ def make_config(args: argparse.Namespace, variant: str, model: str) -> RunConfig
                     "max_new_tokens": args.max_new_tokens},
         "train": {"mode": "async", "steps": args.steps, "loss": "grpo", "lr": args.lr,
                   "micro_batch_size": 32, "max_staleness": args.max_staleness,
-                  "checkpoint_every": 1_000_000},
+                  "checkpoint_every": 1_000_000,
+                  # The tiny model's reward is always 0: keep its groups so that steps still
+                  # update the weights (zero advantages) and replicas follow new versions.
+                  "zero_variance_groups": "keep" if args.model == "tiny" else "drop"},
         "eval": {"task": {"name": "sums", "options": {"min_digits": 2, "max_digits": 2}},
                  "problems": args.eval_problems, "pass_k": 1, "every": args.eval_every},
         "swarm": {"link": {"rtt_ms": args.rtt, "jitter_ms": args.jitter_ms},
@@ -298,7 +309,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
                 "failovers": coordinator.chain.failovers, "run": str(config.path),
                 "staleness_mean": mean(steps, "staleness_mean"),
                 "wait_s_mean": mean(steps, "wait_s"), "train_s_mean": mean(steps, "train_s"),
-                "reward_mean": mean(steps, "reward"), "machine": common.machine(torch.device("cpu")),
+                "reward_mean": mean(steps, "reward"),
+                "machine": common.machine(torch.device("cpu")),
             }
         finally:
             if coordinator is not None:
@@ -328,20 +340,18 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     rows = []
     figures: dict[str, float] = {}
     for r in results:
-        best = max((p["pass1"] for p in r["curve"] if p["label"] != "before"), default=None)
         last = r["curve"][-1] if r["curve"] else None
-        rows.append([r["variant"], r["steps"], r["clock_s"],
-                     r["clock_s"] / r["steps"] if r["steps"] else "-",
+        per_step = r["clock_s"] / r["steps"] if r["steps"] else float("nan")
+        rows.append([r["variant"], r["steps"], r["clock_s"], per_step, r["train_s_mean"],
+                     per_step - r["train_s_mean"], r["staleness_mean"],
                      "not reached" if r["reached_s"] is None else r["reached_s"],
-                     "-" if best is None else best,
-                     "-" if last is None else f"{last['pass1']:.3f} [{last['low']:.3f}, "
-                                                f"{last['high']:.3f}]",
-                     r["staleness_mean"], r["wait_s_mean"], r["train_s_mean"]])
+                     "-" if last is None else f"{last['pass1']:.3f} [{last['low']:.2f}, "
+                                              f"{last['high']:.2f}] @{last['step']}"])
         name = r["variant"]
         figures[f"{name}_steps"] = r["steps"]
         figures[f"{name}_clock_s"] = r["clock_s"]
         if r["steps"]:
-            figures[f"{name}_s_per_step"] = r["clock_s"] / r["steps"]
+            figures[f"{name}_s_per_step"] = per_step
         if r["reached_s"] is not None:
             figures[f"{name}_time_to_target_s"] = r["reached_s"]
     first = results[0]
@@ -352,10 +362,11 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                f"{args.threads} thread(s) each; links {args.rtt[0]:g}-{args.rtt[1]:g} ms round "
                f"trip + {args.jitter_ms:g} ms jitter; {args.batch // args.group_size} prompts x "
                f"{args.group_size} samples per step, {args.max_new_tokens} new tokens; "
-               f"{args.sessions_in_flight} sessions in flight\n{first['machine']}")
+               f"{args.sessions_in_flight} sessions in flight; other s/step = waiting for rollouts "
+               f"(async) or generating them (sync)\n{first['machine']}")
     common.print_table("async vs sync: training seconds to the target accuracy",
-                       ["variant", "steps", "train s", "s/step", "s to target", "best pass@1",
-                        "last eval pass@1 [95% CI]", "staleness", "wait s/step", "train s/step"],
+                       ["variant", "steps", "clock s", "s/step", "training s/step",
+                        "other s/step", "staleness", "s to target", "last pass@1 [95% CI] @step"],
                        rows, caption)
     by_name = {r["variant"]: r for r in results}
     if "async" in by_name and "sync" in by_name:
@@ -365,8 +376,9 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             figures["speedup"] = speedup
             print(f"sync / async time to target: {speedup:.2f}x (target >= {TARGET_SPEEDUP})")
         elif fast["reached_s"] is not None:
+            bound = args.budget / max(fast["reached_s"], 1e-9)
             print(f"async reached the target in {fast['reached_s']:.0f} s; sync did not within "
-                  f"{args.budget:.0f} s: speedup > {args.budget / max(fast['reached_s'], 1e-9):.2f}x")
+                  f"{args.budget:.0f} s: speedup > {bound:.2f}x")
         else:
             print("the target was not reached by async" + (
                 "" if slow["reached_s"] is None else " (sync reached it)")

@@ -17,11 +17,12 @@ What runs:
 
 Fair amount of work: no stop ids, so every row decodes exactly `--max-new-tokens` T tokens on both
 sides; one concurrency level decodes C x `--steps` x B x T new tokens; tokens/s is that over the
-wall time from releasing the C threads to the last one finishing. The ratio swarm / local per level
-is the figure: the target is >= 0.70 at enough concurrency. A decoding step of one session cannot
-take less than stages x R (its hops are sequential), so one session is bounded by
-B / (stages x R) tokens/s whatever the compute ("latency bound" column); concurrency is what
-hides the latency: while one session waits on the network, the peers compute the others.
+wall time from releasing the C threads to the last one finishing, after `--warmup` untimed rounds
+in which every session thread generates once (the threads are reused across levels). The ratio
+swarm / local per level is the figure: the target is >= 0.70 at enough concurrency. A decoding
+step of one session cannot take less than stages x R (its hops are sequential), so one session is
+bounded by B / (stages x R) tokens/s whatever the compute ("latency bound" column); concurrency is
+what hides the latency: while one session waits on the network, the peers compute the others.
 
 On a CPU-only machine the peers and the local baseline share the same cores, so the ratio does not
 measure added hardware: it measures whether the swarm hides its latency and RPC overhead with
@@ -44,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         elif action.dest == "steps":
             action.help = "generate calls per session at each concurrency level"
         elif action.dest == "warmup":
-            action.help = "untimed generate calls per replica before the sweep"
+            action.help = "untimed rounds before the sweep (every session thread generates once)"
     parser.add_argument("--replicas", type=int, default=1, help="inference peers per stage")
     parser.add_argument("--rtt-ms", type=float, default=100.0,
                         help="round trip of every hop, on the client's node")
@@ -110,45 +112,38 @@ def make_prompts(tokenizer: Any, count: int) -> list[list[int]]:
     return [render_prompt(task, p, tokenizer) for p in problems(task, "train", count)]
 
 
-def drive(chain: Any, prompt_sets: list[list[list[int]]], steps: int, max_new_tokens: int,
-          pad_id: int, seed: int) -> dict[str, float]:
-    """One concurrency level: len(prompt_sets) threads, each calling `generate` `steps` times on
-    its own prompts; returns the level's wall time, tokens and per-generation times."""
+def drive(pool: ThreadPoolExecutor, chain: Any, prompt_sets: list[list[list[int]]], steps: int,
+          max_new_tokens: int, pad_id: int, seed: int) -> dict[str, float]:
+    """One concurrency level: len(prompt_sets) sessions on as many threads of `pool`, each calling
+    `generate` `steps` times on its own prompts; returns the level's wall time, tokens and
+    per-generation times. The pool's threads live for the whole sweep: a thread's first parallel
+    torch call sets up its own CPU thread team, which the warm-up pays once for every thread."""
     from decentrl.rollout.generate import generate
     from decentrl.rollout.sampling import SamplingConfig
 
     sampling = SamplingConfig(temperature=1.0)
     concurrency = len(prompt_sets)
+    # Every session waits here until all have started: `concurrency` distinct threads, one start.
     start = threading.Barrier(concurrency + 1)
     seconds: list[float] = []
-    tokens = [0] * concurrency
-    errors: list[BaseException] = []
 
-    def session(index: int) -> None:
-        try:
-            start.wait()
-            for step in range(steps):
-                began = time.perf_counter()
-                # No stop ids: every row decodes exactly max_new_tokens (see the docstring).
-                out = generate(chain, prompt_sets[index], max_new_tokens, sampling, set(), pad_id,
-                               seed * 1_000_003 + index * 1_009 + step)
-                seconds.append(time.perf_counter() - began)
-                tokens[index] += sum(len(g.tokens) for g in out)
-        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(error)
+    def session(index: int) -> int:
+        start.wait()
+        tokens = 0
+        for step in range(steps):
+            began = time.perf_counter()
+            # No stop ids: every row decodes exactly max_new_tokens (see the docstring).
+            out = generate(chain, prompt_sets[index], max_new_tokens, sampling, set(), pad_id,
+                           seed * 1_000_003 + index * 1_009 + step)
+            seconds.append(time.perf_counter() - began)
+            tokens += sum(len(g.tokens) for g in out)
+        return tokens
 
-    threads = [threading.Thread(target=session, args=(i,), name=f"session-{i}", daemon=True)
-               for i in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    start.wait()
+    futures = [pool.submit(session, i) for i in range(concurrency)]
+    start.wait(timeout=600)
     began, began_cpu = time.perf_counter(), common.cpu_seconds()
-    for thread in threads:
-        thread.join()
+    new_tokens = sum(future.result() for future in futures)
     wall, cpu = time.perf_counter() - began, common.cpu_seconds() - began_cpu
-    if errors:
-        raise RuntimeError(f"a session failed: {errors[0]!r}") from errors[0]
-    new_tokens = sum(tokens)
     expected = concurrency * steps * len(prompt_sets[0]) * max_new_tokens
     if new_tokens != expected:
         raise RuntimeError(f"{new_tokens} new tokens, expected {expected}")
@@ -159,19 +154,19 @@ def drive(chain: Any, prompt_sets: list[list[list[int]]], steps: int, max_new_to
 
 def sweep(chain: Any, prompts: list[list[int]], args: argparse.Namespace, pad_id: int,
           label: str) -> list[dict[str, float]]:
-    batch = args.batch
-    sets = [prompts[i * batch:(i + 1) * batch] for i in range(max(args.concurrency))]
-    warm = max(1, args.replicas)
-    for _ in range(args.warmup):
-        drive(chain, sets[:warm], 1, args.max_new_tokens, pad_id, args.seed + 1)
+    batch, most = args.batch, max(args.concurrency)
+    sets = [prompts[i * batch:(i + 1) * batch] for i in range(most)]
     levels = []
-    for concurrency in args.concurrency:
-        level = drive(chain, sets[:concurrency], args.steps, args.max_new_tokens, pad_id,
-                      args.seed)
-        print(f"  {label} concurrency {concurrency:3d}: {level['tokens_per_s']:8.1f} new tok/s "
-              f"({level['wall_s']:.2f} s, {level['generation_s_mean']:.2f} s per generation)",
-              flush=True)
-        levels.append(level)
+    with ThreadPoolExecutor(max_workers=most, thread_name_prefix="session") as pool:
+        for _ in range(args.warmup):  # every thread once (and, in the swarm, every replica)
+            drive(pool, chain, sets, 1, args.max_new_tokens, pad_id, args.seed + 1)
+        for concurrency in args.concurrency:
+            level = drive(pool, chain, sets[:concurrency], args.steps, args.max_new_tokens,
+                          pad_id, args.seed)
+            print(f"  {label} concurrency {concurrency:3d}: {level['tokens_per_s']:8.1f} new "
+                  f"tok/s ({level['wall_s']:.2f} s, {level['generation_s_mean']:.2f} s per "
+                  f"generation)", flush=True)
+            levels.append(level)
     return levels
 
 
@@ -314,8 +309,9 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                f"replica(s), {args.threads} thread(s) per peer (local: {threads}); client link "
                f"round trip {args.rtt_ms:g} ms per hop; activations {args.codec}; each session "
                f"{args.batch} sums prompts of {min(lengths)}-{max(lengths)} tokens, exactly "
-               f"{args.max_new_tokens} new tokens per row (no stop ids), {args.steps} generation(s) "
-               f"per session per level; latency bound = C x B / (stages x rtt)\n{first['machine']}")
+               f"{args.max_new_tokens} new tokens per row (no stop ids), {args.steps} "
+               f"generation(s) per session per level; latency bound = C x B / (stages x rtt)\n"
+               f"{first['machine']}")
     common.print_table("swarm generation: new tokens/s by concurrent sessions",
                        ["sessions", "sequences", "local tok/s", "local s/gen", "swarm tok/s",
                         "swarm s/gen", "swarm / local", "latency bound tok/s"], rows, caption)

@@ -144,11 +144,13 @@ def start_swarm(config: RunConfig, layout: Sequence[tuple[int, Role]],
     """A client node and one peer per (stage, role) of `layout`, every one shut down on exit.
     On a normal exit it also asserts that no node left its unix sockets behind."""
     client = SwarmNode.start("client", [], client_link, TensorLimits())
-    sockets = list(client.socket_paths())
+    sockets: list[str] = []
     peers: list[StagePeer] = []
     failed = True
+    errors: list[Exception] = []
     with tempfile.TemporaryDirectory(prefix="decentrl-swarm-") as folder:
         try:
+            sockets += client.socket_paths()
             addresses = client.addresses()
             for number, (stage, role) in enumerate(layout):
                 peer = start_peer(config, stage, role, addresses, limits, Path(folder),
@@ -160,13 +162,16 @@ def start_swarm(config: RunConfig, layout: Sequence[tuple[int, Role]],
             failed = False
         finally:
             for peer in peers:
-                try:
-                    peer.stop()
-                finally:
-                    peer.node.shutdown()
+                for close in (peer.stop, peer.node.shutdown):
+                    try:
+                        close()
+                    except Exception as error:  # noqa: BLE001 - shut the others down too
+                        errors.append(error)
             client.shutdown()
     leaked = [path for path in sockets if os.path.exists(path)]
     if not failed:
+        if errors:
+            raise errors[0]
         assert not leaked, f"nodes left unix sockets behind: {leaked}"
 
 

@@ -26,7 +26,7 @@ from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.stages import StageModule, StagePlan
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import RemoteError
-from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, decode_struct, encode_struct
+from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, decode_struct
 from decentrl.rollout.chain import LocalChain, last_position
 from decentrl.rollout.generate import Generation, generate
 from decentrl.rollout.sampling import SamplingConfig
@@ -134,7 +134,8 @@ def test_three_stage_generation_matches_local_greedy_and_sampled(chain3: Swarm,
     stop = expected[0].tokens[1]
     stopped = run(chain, stop_ids={stop})
     assert_same_generations(stopped, run(local, stop_ids={stop}))
-    assert stopped[0].finished and stopped[0].tokens == expected[0].tokens[:2]
+    first = expected[0].tokens.index(stop)
+    assert stopped[0].finished and stopped[0].tokens == expected[0].tokens[:first + 1]
     assert any(not g.finished and len(g.tokens) == 10 for g in stopped)
     # Sampling: the same seed draws the same tokens on either chain, another seed does not.
     sampled = run(chain, SAMPLED, seed=7)
@@ -147,10 +148,10 @@ def test_three_stage_generation_matches_local_greedy_and_sampled(chain3: Swarm,
 
 def test_bf16_activations_keep_greedy_tokens_and_fp32_logprobs(tiny_sharp_dir: Path,
                                                                sharp: LoadedModel) -> None:
-    """bf16 hidden states change the logits by ~1e-3 on the tiny model: far under its greedy
-    margins, so the tokens must stay; the log-probs may move by that much. The last stage sends
-    its log-probs in fp32 whatever the activation codec (they are [B] floats, and the trainer's
-    importance ratios need them exact)."""
+    """bf16 hidden states move the tiny model's log-probs by a few 1e-3 (5e-3 at most over 20
+    tokens when this was written): far under its greedy margins, so the tokens must stay. The
+    last stage sends its log-probs in fp32 whatever the activation codec (they are [B] floats,
+    and the trainer's importance ratios need them exact)."""
     config = tiny_run_config(tiny_sharp_dir, 3, codec="bf16")
     with start_swarm(config, [(0, "inference"), (1, "inference"), (2, "inference")]) as swarm:
         got = run(swarm.chain(sharp.spec.vocab_size))
@@ -158,7 +159,7 @@ def test_bf16_activations_keep_greedy_tokens_and_fp32_logprobs(tiny_sharp_dir: P
         assert tokens(got) == tokens(expected)
         for r, l in zip(got, expected):
             torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(l.logprobs),
-                                       atol=0.05, rtol=0)
+                                       atol=0.02, rtol=0)
         # The last stage alone, fed exact hidden states: its log-probs are exact and fp32.
         stages = local_stages(sharp, 3)
         ids, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
@@ -189,22 +190,22 @@ def test_remote_training_step_matches_local_trainer(tiny_model_dir: Path,
         local = local_trainer(plain, config)
         before = [{k: v.clone() for k, v in t.stage.state_dict().items()}
                   for t in local.stage_trainers]
-        for step, seed in enumerate((0, 1)):
+        for step, seed in enumerate((0, 1), start=1):
             batch = make_batch(seed)
             got, expected = remote.train_step(batch), local.train_step(batch)
             assert set(got) == set(expected)
             assert got["grad_norm"] > config.train.max_grad_norm  # the clip is in play
             for key in ("policy_loss", "grad_norm", "entropy", "behaviour_kl"):
                 assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
-            assert [w.version for w in remote.workers] == [step + 1] * 2
-        moved = 0.0
-        for peer, trainer, initial in zip(swarm.peers, local.stage_trainers, before):
-            assert peer.version == 2 and peer.trainer is not None
-            remote_state = peer.trainer.stage.state_dict()
-            for name, value in trainer.stage.state_dict().items():
-                torch.testing.assert_close(remote_state[name], value, atol=1e-5, rtol=0)
-                moved = max(moved, float((value - initial[name]).abs().max()))
-        assert moved > 1e-2  # the step changed the weights far beyond the tolerance
+            assert [w.version for w in remote.workers] == [step, step]
+            moved = 0.0
+            for peer, trainer, initial in zip(swarm.peers, local.stage_trainers, before):
+                assert peer.version == step and peer.trainer is not None
+                remote_state = peer.trainer.stage.state_dict()
+                for name, value in trainer.stage.state_dict().items():
+                    torch.testing.assert_close(remote_state[name], value, atol=1e-5, rtol=0)
+                    moved = max(moved, float((value - initial[name]).abs().max()))
+            assert moved > 1e-2  # the steps moved the weights far beyond the tolerance
 
 
 # ---- 3. no peer holds the whole model ------------------------------------------------------
@@ -271,8 +272,9 @@ def test_session_survives_a_timeout_on_its_only_replica(tiny_sharp_dir: Path,
         chain = ObservedChain(swarm.chain(sharp.spec.vocab_size))
         got = run(chain, max_new_tokens=6)
         assert_same_generations(got, run(local_chain(sharp, 2), max_new_tokens=6))
-        assert chain.sessions[0].failovers == 1
-        assert calls.count(0) == 2  # the first step, and the replay after the timeout
+        # At least one timeout (more if the machine is slow) and a replay to the same replica.
+        assert chain.sessions[0].failovers >= 1
+        assert calls.count(0) >= 2  # the first step, and the replay after the timeout
 
 
 # ---- 5. malformed, oversized and non-finite requests -----------------------------------------
@@ -402,9 +404,9 @@ BAD_REQUESTS: dict[str, tuple[Any, str]] = {
         r"needs tensors \['key_valid', 'positions'\]"),
     # the tensors
     "NaN hidden state": (lambda c: c.step1(raw=True, inputs=torch.full((1, 3, 32), float("nan"))),
-                         "non-finite"),
+                         "tensor 'inputs' has non-finite values"),
     "inf hidden state": (lambda c: c.step1(raw=True, inputs=torch.full((1, 3, 32), float("inf"))),
-                         "non-finite"),
+                         "tensor 'inputs' has non-finite values"),
     "wrong hidden size": (lambda c: c.step1(inputs=torch.randn(1, 3, 16)),
                           r"takes hidden states \[B, T, 32\], got torch.float32 \(1, 3, 16\)"),
     "token id over vocab": (lambda c: c.step0(inputs=torch.tensor([[1, 2, 81]])),
@@ -431,15 +433,22 @@ BAD_REQUESTS: dict[str, tuple[Any, str]] = {
                                           key_valid=torch.ones(1, 5, dtype=torch.bool)),
                         r"unknown session .* replay it from position 0"),
     "batch too large": (lambda c: c.step0(batch=5000), r"batch 5000 / max_length 8 out of range"),
-    "max_length too large": (lambda c: c.step0(max_length=10**6), "out of range"),
+    "max_length too large": (
+        lambda c: c.step0(max_length=10**6),
+        r"max_length 1000000 out of range \(batch <= 4096, max_length <= 512\)"),
     "inputs past max_length": (lambda c: c.step0(max_length=2), r"do not fit .* max_length 2"),
-    "inputs unlike batch": (lambda c: c.step0(batch=2, key_valid=torch.ones(2, 3, dtype=torch.bool)),
+    "inputs unlike batch": (lambda c: c.step0(batch=2,
+                                              key_valid=torch.ones(2, 3, dtype=torch.bool)),
                             "do not fit batch 2"),
     "peer is full": (fill_up, r"peer is full \(4 sessions\)"),
     # sampling at the last stage
     "no sampling": (lambda c: c.step1(sampling=None), "needs sampling parameters"),
     "bad sampling": (lambda c: c.step1(sampling=Sampling(1.0, 0.0, 0)),
                      r"bad sampling parameters: top_p must be in \(0, 1\]"),
+    "NaN temperature": (lambda c: c.step1(sampling=Sampling(float("nan"), 1.0, 0)),
+                        "bad sampling parameters: temperature must be finite, got nan"),
+    "inf temperature": (lambda c: c.step1(sampling=Sampling(float("inf"), 1.0, 0)),
+                        "bad sampling parameters: temperature must be finite, got inf"),
     # the receiving node's limits
     "tensor over the element limit": (lambda c: c.step1(inputs=torch.randn(1, 200, 32)),
                                       r"6400 elements .* over the limit of 4096"),
@@ -465,12 +474,16 @@ BAD_REQUESTS: dict[str, tuple[Any, str]] = {
         lambda c: c.call(c.p0, "train_forward", TrainForward(
             micro=0, version=0, last=True, total_sequences=2, total_tokens=10),
             c.train_tensors(0)), "thinks stage 0 is the last stage"),
+    "train_forward no sequences": (
+        lambda c: c.call(c.p1, "train_forward", TrainForward(
+            micro=0, version=0, last=True, total_sequences=0, total_tokens=0),
+            c.train_tensors(1)), "total_sequences must be an int >= this micro-batch's 2"),
     "train_forward wrong hidden": (
         lambda c: c.forward(1, completion_in=torch.randn(2, 6, 16)),
         r"completion_in must be hidden states \(2, \d+, 32\)"),
     "train_forward NaN activations": (
         lambda c: c.forward(1, raw=True, prompt_in=torch.full((2, 4, 32), float("nan"))),
-        "non-finite"),
+        "tensor 'prompt_in' has non-finite values"),
     "train_backward unknown micro": (lambda c: c.call(c.p0, "train_backward",
                                                       TrainBackward(micro=9)),
                                      "stage 0 has no forward pass for micro-batch 9"),
@@ -593,7 +606,8 @@ def test_replica_follows_training_peer_weights(codec: str, tiny_sharp_dir: Path,
         assert {r.version for records in directory.stage_summary() for r in records} == {1}
         if codec == "fp32":
             got = run(swarm.chain(sharp.spec.vocab_size))
-            expected = run(LocalChain([t.trainer.stage for t in trainers]))  # type: ignore[union-attr]
+            stages = [t.trainer.stage for t in trainers if t.trainer is not None]
+            expected = run(LocalChain(stages))
             assert_same_generations(got, expected)
             assert all(g.versions == (1, 1) for g in got)
 
@@ -629,6 +643,7 @@ def gone(pid: int) -> bool:
     return "\nState:\tZ" in status  # a zombie: dead, waiting for its (new) parent to reap it
 
 
+@pytest.mark.slow  # three fresh Python processes: 10 s on an idle 2-core machine, 20-50 s loaded
 def test_peers_in_separate_processes(tiny_sharp_dir: Path, sharp: LoadedModel,
                                      tmp_path: Path, fast_backoff: None) -> None:
     config = tiny_run_config(tiny_sharp_dir, 2, swarm={"request_timeout_s": 10.0})

@@ -39,7 +39,8 @@ DEMO_CONFIG = {
 
 
 def fail(message: str) -> None:
-    console.print(f"[red]error:[/] {escape(message)}")
+    # stderr: stdout is data for whoever started a peer (its ready line).
+    Console(stderr=True).print(f"[red]error:[/] {escape(message)}")
     raise typer.Exit(code=2)
 
 

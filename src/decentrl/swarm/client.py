@@ -115,7 +115,10 @@ class Directory:
                           and s.record.free_sessions - s.sessions > 0]
             if not candidates:
                 return None
+            # The newest weights first (fresher rollouts), then the most room, then latency.
+            newest = max(s.record.version for _, s in candidates)
             peer, state = min(candidates, key=lambda item: (
+                newest - item[1].record.version,
                 item[1].sessions / max(1, item[1].record.free_sessions), item[1].latency_s))
             state.sessions += 1
             return peer
@@ -209,7 +212,11 @@ class RemoteSession:
                     self.chain.directory.refresh()
                     peer = self.chain.directory.choose_inference(stage)
                 if peer is None:
-                    error = SwarmUnavailable(f"no inference peer serves stage {stage}")
+                    # Keep the failure that got the last peer banned: it is the real cause.
+                    cause = error.__cause__ if isinstance(error, SwarmUnavailable) else error
+                    error = SwarmUnavailable(f"no inference peer serves stage {stage}"
+                                             + (f" (after: {cause})" if cause else ""))
+                    error.__cause__ = cause
                     time.sleep(backoff(attempt))
                     continue
                 self.peers[stage], self.cached[stage] = peer, 0

@@ -168,13 +168,13 @@ class SwarmCoordinator:
                            f"{returned} groups back to pending[/]")
 
     def wait_for_replicas(self, version: int, timeout_s: float) -> None:
-        """Until every stage has a replica serving `version` (they follow the training peers)."""
+        """Until every replica serves `version` (they follow the training peers), so that an
+        evaluation measures the learner's weights and nothing older."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.directory.refresh()
-            if all(any(r.version == version and r.role == "inference" for r in records)
-                   or any(r.role == "both" for r in records)
-                   for records in self.directory.stage_summary()):
+            if all(r.version == version for records in self.directory.stage_summary()
+                   for r in records if r.role != "training"):
                 return
             time.sleep(0.5)
         log.warning("replicas did not reach version %d within %.0fs", version, timeout_s)
@@ -259,7 +259,8 @@ class SwarmCoordinator:
             train_s=round(time.time() - train_started, 3),
             sequences=0 if batch is None else batch.num_sequences,
             stale_dropped=self.ingestion.stats.stale, rejected=self.ingestion.stats.rejected,
-            failovers=self.chain.failovers, **stats, **losses)
+            failovers=self.chain.failovers, wire_bytes=self.node.links.total_bytes()
+            if self.node.links is not None else 0, **stats, **losses)
         self.store.record_step(self.step, self.trainer.version,
                                {k: float(v) for k, v in record.items()
                                 if isinstance(v, (int, float))})

@@ -69,6 +69,8 @@ def join(config: RunConfig | None, run: str | None, stage: int | None, role: Rol
     """Run one stage peer until `stop` is set; prints READY (with its peer id and sockets)."""
     profile = link_profile(config) if config is not None else LinkProfile()
     node = SwarmNode.start(name, initial_peers, profile, TensorLimits())
+    # First thing: whoever started us must be able to remove these if we die.
+    print(json.dumps({"sockets": node.socket_paths()}), flush=True)
     try:
         if config is None:
             if run is None:
@@ -78,8 +80,7 @@ def join(config: RunConfig | None, run: str | None, stage: int | None, role: Rol
         peer = StagePeer(config, chosen, role, node, checkpoint_dir, name)
         peer.start()
         print(json.dumps({"ready": READY, "name": name, "peer_id": node.peer_id,
-                          "stage": chosen, "layers": list(peer.layers), "role": role,
-                          "sockets": node.socket_paths()}), flush=True)
+                          "stage": chosen, "layers": list(peer.layers), "role": role}), flush=True)
         stop.wait()
         peer.stop()
     finally:
@@ -112,7 +113,9 @@ class LocalSwarm:
 
     def start(self) -> list[str]:
         """A bootstrap DHT node in this process (it routes nothing else), then every peer."""
-        self.bootstrap = SwarmNode.start("bootstrap", [], LinkProfile(), TensorLimits())
+        # The coordinator runs on this node: its calls are the hops, so they cross emulated links.
+        self.bootstrap = SwarmNode.start("bootstrap", [], link_profile(self.config),
+                                         TensorLimits())
         addresses = self.bootstrap.addresses()
         checkpoints = self.config.path / "checkpoints"
         for stage in range(self.config.num_stages):
@@ -143,14 +146,20 @@ class LocalSwarm:
     def _wait_ready(self, child: Child, timeout_s: float) -> None:
         assert child.process is not None and child.process.stdout is not None
         deadline = time.monotonic() + timeout_s
+        said: list[str] = []
         while time.monotonic() < deadline:
             line = child.process.stdout.readline()
             if not line:
-                raise RuntimeError(f"{child.name} exited before it was ready; see {child.log_path}")
-            if READY in line:
-                child.info = json.loads(line)
-                self.sockets.update(child.info.get("sockets", []))
-                return
+                raise RuntimeError(f"{child.name} exited before it was ready: "
+                                   f"{' '.join(said)[-500:] or 'no output'}; see {child.log_path}")
+            if line.startswith("{"):
+                info = json.loads(line)
+                child.info.update(info)
+                self.sockets.update(info.get("sockets", []))  # cleaned up even if it fails later
+                if info.get("ready") == READY:
+                    return
+            else:
+                said.append(line.strip())
         raise TimeoutError(f"{child.name} was not ready within {timeout_s:.0f}s")
 
     def layout(self) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -201,8 +202,10 @@ class StagePeer:
 
     def _drop_idle_sessions(self) -> None:
         cutoff = time.monotonic() - SESSION_IDLE_S
-        for key in [k for k, s in self.sessions.items() if s.last_used < cutoff]:
-            del self.sessions[key]
+        # A snapshot: the compute thread may open a session while this (the loop thread) looks.
+        for key, session in list(self.sessions.items()):
+            if session.last_used < cutoff:
+                self.sessions.pop(key, None)
 
     # ---- following the training peer's weights ------------------------------------------
 
@@ -367,6 +370,11 @@ class StagePeer:
                 SamplingConfig(body.sampling.temperature, body.sampling.top_p, body.sampling.top_k)
             except ValueError as error:
                 raise PeerError(f"bad sampling parameters: {error}") from None
+            # SamplingConfig lets a NaN through; here it would fail only after the forward pass
+            # has already moved the session's cache on.
+            if not math.isfinite(body.sampling.temperature):
+                raise PeerError(f"bad sampling parameters: temperature must be finite, got "
+                                f"{body.sampling.temperature}")
         return inputs, positions, key_valid
 
     async def _close_session(self, request: Request) -> Reply:
