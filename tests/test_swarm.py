@@ -432,10 +432,12 @@ BAD_REQUESTS: dict[str, tuple[Any, str]] = {
     "unknown session": (lambda c: c.step0(start=4, inputs=torch.tensor([[1]]),
                                           key_valid=torch.ones(1, 5, dtype=torch.bool)),
                         r"unknown session .* replay it from position 0"),
-    "batch too large": (lambda c: c.step0(batch=5000), r"batch 5000 / max_length 8 out of range"),
+    # A tiny request must not make the peer allocate a huge KV cache.
+    "session too large": (lambda c: c.step0(batch=10**5),
+                          r"batch 100000 x max_length 8 out of range .* <= 65536\)"),
     "max_length too large": (
         lambda c: c.step0(max_length=10**6),
-        r"max_length 1000000 out of range \(batch <= 4096, max_length <= 512\)"),
+        r"max_length 1000000 out of range \(max_length <= 512"),
     "inputs past max_length": (lambda c: c.step0(max_length=2), r"do not fit .* max_length 2"),
     "inputs unlike batch": (lambda c: c.step0(batch=2,
                                               key_valid=torch.ones(2, 3, dtype=torch.bool)),
@@ -495,7 +497,7 @@ BAD_REQUESTS: dict[str, tuple[Any, str]] = {
                                   r"grad_scale must be in \(0, 1\], got nan"),
     "fetch_weights of another stage": (lambda c: c.call(c.p0, "fetch_weights",
                                                         FetchWeights(stage=1)),
-                                       "holds stage 0, not 1"),
+                                       "publishes no weights for stage 1"),
     "checkpoint that does not exist": (lambda c: c.call(c.p0, "checkpoint",
                                                         CheckpointRequest("load", 7)),
                                        "no checkpoint .*v7"),

@@ -94,6 +94,8 @@ class SwarmConfig(Section):
     announce_every_s: float = Field(2.0, gt=0, description="peers re-announce themselves this "
                                     "often; entries expire after 5x this")
     max_sessions_per_peer: int = Field(32, ge=1)
+    max_session_tokens: int = Field(65536, ge=1, description="batch x max_length a peer accepts "
+                                    "for one session (bounds its KV cache)")
     inference_replicas: int = Field(2, ge=1, description="per stage, for the local launcher")
 
 

@@ -52,12 +52,12 @@ class LocalTransport:
                                  f"published version {current[0]}")
             self._weights[stage] = (version, snapshot)
 
-    def fetch_stage(self, stage: int, newer_than: int
+    def fetch_stage(self, stage: int, current_version: int
                     ) -> tuple[int, dict[str, torch.Tensor]] | None:
         self._check_open()
         with self._lock:
             current = self._weights.get(stage)
-        if current is None or current[0] <= newer_than:
+        if current is None or current[0] == current_version:
             return None
         return current
 

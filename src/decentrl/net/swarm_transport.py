@@ -126,10 +126,8 @@ class HivemindTransport:
         version, tensors = published
         return Reply(WeightsReply(version=version), tensors, self.weights_codec)
 
-    def fetch_stage(self, stage: int, newer_than: int
+    def fetch_stage(self, stage: int, current_version: int
                     ) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The newest published weights of `stage` if their version differs from `newer_than`
-        (the caller's version), else None."""
         self._check_open()
         entries = self.node.run(self.node.lookup(weights_key(self.run, stage)),
                                 timeout=self.timeout_s)
@@ -144,7 +142,7 @@ class HivemindTransport:
         if not publishers:
             return None
         version, peer = max(publishers)
-        if version == newer_than:
+        if version == current_version:
             return None
         raw, tensors = self.node.call_sync(peer, "fetch_weights", FetchWeights(stage=stage),
                                            timeout=self.timeout_s)

@@ -28,9 +28,11 @@ class Transport(Protocol):
         """Make `version` of a stage's weights the one replicas should run."""
         ...
 
-    def fetch_stage(self, stage: int, newer_than: int
+    def fetch_stage(self, stage: int, current_version: int
                     ) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The latest published weights of a stage if newer than `newer_than`, else None."""
+        """The latest published weights of a stage if their version differs from the caller's
+        `current_version`, else None. "Differs", not "is newer": a trainer that rolls back to a
+        checkpoint publishes an older version, and replicas must follow it."""
         ...
 
     def close(self) -> None: ...

@@ -102,20 +102,25 @@ class Directory:
                                          encode_struct(CoordinatorRecord(config_json=config_json)),
                                          5 * self.swarm.announce_every_s), timeout=60)
 
-    def _usable(self, stage: int, exclude: set[str]) -> list[tuple[str, PeerState]]:
+    def _live(self, stage: int) -> list[tuple[str, PeerState]]:
         now = time.monotonic()
         return [(peer, s) for peer, s in self.peers.items()
-                if s.record.stage == stage and peer not in exclude and s.banned_until <= now]
+                if s.record.stage == stage and s.banned_until <= now]
 
-    def choose_inference(self, stage: int, exclude: set[str] = frozenset()) -> str | None:  # type: ignore[assignment]
-        """The replica with the most room, then the lowest latency, for a new session."""
+    def choose_inference(self, stage: int) -> str | None:
+        """A replica for a new session: the newest weights (fresher rollouts), then the most
+        room, then the lowest latency. When every replica of the stage is banned, the one whose
+        ban ends first: a peer that failed once is better than no peer."""
         with self.lock:
-            candidates = [(p, s) for p, s in self._usable(stage, exclude)
-                          if s.record.role in ("inference", "both")
-                          and s.record.free_sessions - s.sessions > 0]
-            if not candidates:
+            replicas = [(p, s) for p, s in self.peers.items()
+                        if s.record.stage == stage and s.record.role in ("inference", "both")
+                        and s.record.free_sessions - s.sessions > 0]
+            if not replicas:
                 return None
-            # The newest weights first (fresher rollouts), then the most room, then latency.
+            now = time.monotonic()
+            candidates = [(p, s) for p, s in replicas if s.banned_until <= now]
+            if not candidates:
+                candidates = [min(replicas, key=lambda item: item[1].banned_until)]
             newest = max(s.record.version for _, s in candidates)
             peer, state = min(candidates, key=lambda item: (
                 newest - item[1].record.version,
@@ -130,7 +135,7 @@ class Directory:
 
     def training_peer(self, stage: int) -> tuple[str, PeerRecord] | None:
         with self.lock:
-            ready = [(p, s.record) for p, s in self._usable(stage, set())
+            ready = [(p, s.record) for p, s in self._live(stage)
                      if s.record.training_ready]
         return max(ready, key=lambda item: item[1].version) if ready else None
 

@@ -32,6 +32,7 @@ from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import read_tensors, resolve_model
 from decentrl.model.stages import StageCache, StageModule, StagePlan, build_stage
 from decentrl.net.node import Reply, Request, SwarmNode
+from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.net.wire import decode_struct, encode_struct
 from decentrl.rollout.chain import last_position, step_generator
 from decentrl.rollout.sampling import SamplingConfig, sample
@@ -39,7 +40,6 @@ from decentrl.swarm.protocol import (
     CheckpointRequest,
     CloseSession,
     Empty,
-    FetchWeights,
     GradNorm,
     InferenceReply,
     InferenceStep,
@@ -50,7 +50,6 @@ from decentrl.swarm.protocol import (
     TrainForwardReply,
     TrainStep,
     VersionReply,
-    WeightsReply,
     stage_key,
 )
 from decentrl.swarm.worker import sampling_config
@@ -128,6 +127,14 @@ class StagePeer:
         self.busy_s = 0.0
         self.weights_follow_error: str | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        # Weights travel through the transport: a training peer publishes every version, a
+        # replica fetches its stage's newest. Replicas run in bf16 at most, so more precision on
+        # the wire would be wasted bytes.
+        self.transport = HivemindTransport(
+            node, config.name,
+            weights_codec="fp32" if config.swarm.activation_codec == "fp32" else "bf16",
+            timeout_s=config.swarm.request_timeout_s,
+            announce_ttl_s=5 * config.swarm.announce_every_s)
 
     @property
     def version(self) -> int:
@@ -147,7 +154,7 @@ class StagePeer:
     # ---- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        handlers = {"fetch_weights": self._fetch_weights}
+        handlers: dict[str, Any] = {}
         if self.serves_inference:
             handlers |= {"inference_step": self._inference_step,
                          "close_session": self._close_session}
@@ -165,6 +172,14 @@ class StagePeer:
             self._tasks.append(asyncio.create_task(self._announce_loop()))
             if self.serves_inference and not self.trains:
                 self._tasks.append(asyncio.create_task(self._follow_weights_loop()))
+        if self.trainer is not None:
+            self._publish()
+        elif self.serves_inference:
+            # A replica that joins mid-run takes its stage's current weights before it serves.
+            try:
+                self.node.run(self.follow_weights(), timeout=self.config.swarm.request_timeout_s)
+            except Exception as error:  # noqa: BLE001 - the follow loop retries
+                log.warning("%s: no current weights yet: %s", self.name, error)
         self.node.run(start_tasks(), timeout=30)
         self.node.run(self.announce(), timeout=60)
 
@@ -197,6 +212,7 @@ class StagePeer:
             try:
                 self._drop_idle_sessions()
                 await self.announce()
+                await asyncio.get_running_loop().run_in_executor(None, self.transport.republish)
             except Exception as error:  # noqa: BLE001 - the next round retries
                 log.warning("%s: announce failed: %s", self.name, error)
 
@@ -220,29 +236,18 @@ class StagePeer:
             await asyncio.sleep(self.config.swarm.announce_every_s / 2)
 
     async def follow_weights(self) -> bool:
-        """Load the training peer's weights if it announces another version; True if loaded."""
-        records = await self.node.lookup(stage_key(self.config.name, self.index))
-        trainers = []
-        for peer, raw in records.items():
-            try:
-                record = decode_struct(raw, PeerRecord)
-            except ValueError:
-                continue
-            if record.training_ready and record.stage == self.index and peer != self.node.peer_id:
-                trainers.append((peer, record))
-        if not trainers:
+        """Load the stage's newest published weights if their version differs from ours (a
+        rolled-back training peer publishes an older one); True if loaded."""
+        loop = asyncio.get_running_loop()
+        # Off the loop and off the compute thread: inference goes on during the download.
+        update = await loop.run_in_executor(None, self.transport.fetch_stage, self.index,
+                                            self.version)
+        if update is None:
             return False
-        peer, record = max(trainers, key=lambda item: item[1].version)
-        if record.version == self.version:
-            return False
-        body, tensors = await self.node.call(
-            peer, "fetch_weights", FetchWeights(stage=self.index), codec="fp32",
-            timeout=self.config.swarm.request_timeout_s)
-        reply = decode_struct(body, WeightsReply)
-        await self.node.compute(self._load_weights, reply.version, tensors)
+        version, tensors = update
+        await self.node.compute(self._load_weights, version, tensors)
         await self.announce()  # the directory learns the new version now, not next round
-        log.info("%s: stage %d weights v%d from %s", self.name, self.index, reply.version,
-                 peer[-8:])
+        log.info("%s: stage %d weights v%d", self.name, self.index, version)
         return True
 
     def _load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -265,18 +270,11 @@ class StagePeer:
         assert self.trainer is not None and self.model is not None
         self._load_weights(self.trainer.version, self.trainer.stage.state_dict())
 
-    async def _fetch_weights(self, request: Request) -> Reply:
-        body = decode_struct(request.body, FetchWeights)
-        if body.stage != self.index:
-            raise PeerError(f"this peer holds stage {self.index}, not {body.stage}")
-        module = self.trainer.stage if self.trainer is not None else self.model
-        assert module is not None
-        state = await self.node.compute(
-            lambda: {k: v.detach().to("cpu", torch.float32, copy=True)
-                     for k, v in module.state_dict().items()})
-        # Replicas run in bf16 at most; sending more precision than that is wasted bytes.
-        codec = "bf16" if self.config.swarm.activation_codec != "fp32" else "fp32"
-        return Reply(WeightsReply(version=module.version), state, codec)
+    def _publish(self) -> None:
+        """Publish the trainer's weights (runs on the compute thread, between steps)."""
+        assert self.trainer is not None
+        self.transport.publish_stage(self.index, self.trainer.version,
+                                     self.trainer.stage.state_dict())
 
     # ---- inference -----------------------------------------------------------------------
 
@@ -336,9 +334,12 @@ class StagePeer:
         if missing:
             raise PeerError(f"inference_step needs tensors {sorted(missing)}")
         inputs, positions, key_valid = tensors["inputs"], tensors["positions"], tensors["key_valid"]
-        if not 1 <= body.batch <= 4096 or not 1 <= body.max_length <= self.spec.max_positions:
-            raise PeerError(f"batch {body.batch} / max_length {body.max_length} out of range "
-                            f"(batch <= 4096, max_length <= {self.spec.max_positions})")
+        limit = self.config.swarm.max_session_tokens
+        if not 1 <= body.batch or not 1 <= body.max_length <= self.spec.max_positions \
+                or body.batch * body.max_length > limit:
+            raise PeerError(f"batch {body.batch} x max_length {body.max_length} out of range "
+                            f"(max_length <= {self.spec.max_positions}, batch x max_length <= "
+                            f"{limit})")
         if self.index == 0:
             if inputs.dtype != torch.long or inputs.dim() != 2:
                 raise PeerError(f"stage 0 takes token ids [B, T] (int64), got "
@@ -503,6 +504,7 @@ class StagePeer:
         await self.node.compute(trainer.step, body.grad_scale)
         if self.model is not None:
             await self.node.compute(self._copy_from_trainer)
+        await self.node.compute(self._publish)
         await self.announce()
         return Reply(VersionReply(version=trainer.version))
 
@@ -527,6 +529,7 @@ class StagePeer:
             await self.node.compute(self._save, body.version)
         else:
             await self.node.compute(self._load, body.version)
+            await self.node.compute(self._publish)
             await self.announce()
         return Reply(VersionReply(version=trainer.version))
 

@@ -40,7 +40,7 @@ class RolloutWorker:
             return False
         changed = False
         for index, stage in enumerate(self.chain.stages):
-            update = self.transport.fetch_stage(index, newer_than=stage.version)
+            update = self.transport.fetch_stage(index, current_version=stage.version)
             if update is not None:
                 self.chain.load_stage(index, *update)
                 changed = True
