@@ -121,6 +121,7 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None) -> None:
     from decentrl.swarm.coordinate import SwarmCoordinator
     from decentrl.swarm.launch import LocalSwarm
 
+    exit_on_sigterm()
     started = time.time()
     resolve_model(config.model)  # convert the GGUF once, before the peers race to do it
     config.path.mkdir(parents=True, exist_ok=True)
@@ -170,6 +171,16 @@ def train(config: Annotated[Path, typer.Option("--config", help="run.toml")]) ->
     run_training(run_config)
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM ends the process through SystemExit, so `finally` blocks stop what it started."""
+    import signal
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+
+
 def configure_logging() -> None:
     import logging
 
@@ -194,6 +205,7 @@ def coordinate(
     from decentrl.swarm.launch import link_profile
 
     configure_logging()
+    exit_on_sigterm()
     try:
         run_config = load_config(config)
     except ConfigError as error:
@@ -228,6 +240,9 @@ def join(
     checkpoint_dir: Annotated[Optional[Path], typer.Option(  # noqa: UP007
         help="where a training peer saves and resumes checkpoints")] = None,
     name: Annotated[str, typer.Option(help="a name for logs and the peer table")] = "peer",
+    exit_with_parent: Annotated[bool, typer.Option(
+        help="stop when the process that started this one exits (used by the local launcher)")]
+    = False,
 ) -> None:
     """Start a peer that holds exactly the layers of one stage and serves it until stopped."""
     import signal
@@ -253,7 +268,7 @@ def join(
         signal.signal(signum, lambda *_: stop.set())
     try:
         join_swarm(run_config, run, None if stage == "auto" else int(stage), role,  # type: ignore[arg-type]
-                   initial_peers, checkpoint_dir, name, stop)
+                   initial_peers, checkpoint_dir, name, stop, exit_with_parent)
     except (ConfigError, ValueError, RuntimeError, TimeoutError, FileNotFoundError) as error:
         fail(str(error))
 

@@ -102,7 +102,7 @@ class SwarmCoordinator:
         self.ingestion = Coordinator(config, self.task, self.tokenizer, self.scheduler)
         # Rollouts arrive through the transport, from this process's generation threads or from
         # any peer that submits them; the inbox holds what the staleness bound can still use.
-        backlog = config.rollout.prompts_per_step * (config.train.max_staleness + 1)
+        backlog = config.rollout.prompts_per_step * max(1, config.train.max_staleness)
         self.transport = HivemindTransport(node, config.name, inbox_size=backlog,
                                            timeout_s=config.swarm.request_timeout_s,
                                            announce_ttl_s=5 * config.swarm.announce_every_s)

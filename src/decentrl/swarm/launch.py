@@ -27,6 +27,7 @@ from decentrl.swarm.protocol import CoordinatorRecord, PeerRecord, Role, coordin
 log = logging.getLogger(__name__)
 
 READY = "DECENTRL-READY"
+INFERENCE_NICENESS = 10
 
 
 def link_profile(config: RunConfig) -> LinkProfile:
@@ -65,8 +66,11 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
 
 def join(config: RunConfig | None, run: str | None, stage: int | None, role: Role,
          initial_peers: list[str], checkpoint_dir: Path | None, name: str,
-         stop: threading.Event) -> None:
-    """Run one stage peer until `stop` is set; prints READY (with its peer id and sockets)."""
+         stop: threading.Event, exit_with_parent: bool = False) -> None:
+    """Run one stage peer until `stop` is set (or, with `exit_with_parent`, until the process
+    that started it is gone: a launcher that dies must not leave peers behind). Prints its
+    sockets first, then READY with its peer id, stage and layers."""
+    parent = os.getppid()
     profile = link_profile(config) if config is not None else LinkProfile()
     node = SwarmNode.start(name, initial_peers, profile, TensorLimits())
     # First thing: whoever started us must be able to remove these if we die.
@@ -81,7 +85,10 @@ def join(config: RunConfig | None, run: str | None, stage: int | None, role: Rol
         peer.start()
         print(json.dumps({"ready": READY, "name": name, "peer_id": node.peer_id,
                           "stage": chosen, "layers": list(peer.layers), "role": role}), flush=True)
-        stop.wait()
+        while not stop.wait(1.0):
+            if exit_with_parent and os.getppid() != parent:
+                log.warning("%s: the launcher is gone; stopping", name)
+                break
         peer.stop()
     finally:
         node.shutdown()
@@ -131,16 +138,21 @@ class LocalSwarm:
         return addresses
 
     def _add(self, name: str, args: list[str], addresses: list[str]) -> None:
-        full = [*args, "--config", str(self.config_path), "--name", name]
+        full = [*args, "--config", str(self.config_path), "--name", name, "--exit-with-parent"]
         for address in addresses:
             full += ["--initial-peers", address]
         self.children[name] = Child(name, full, self.logs / f"{name}.log")
 
     def _spawn(self, child: Child) -> None:
-        log_file = child.log_path.open("a")
-        child.process = subprocess.Popen(
-            [sys.executable, "-m", "decentrl.cli", *child.args], stdout=subprocess.PIPE,
-            stderr=log_file, text=True, start_new_session=True)
+        # On one machine every peer competes for the same cores, which separate machines would
+        # not; the training chain is the critical path, so inference replicas yield to it.
+        niceness = INFERENCE_NICENESS if "--role" in child.args and \
+            child.args[child.args.index("--role") + 1] == "inference" else 0
+        with child.log_path.open("a") as log_file:
+            child.process = subprocess.Popen(
+                [sys.executable, "-m", "decentrl.cli", *child.args], stdout=subprocess.PIPE,
+                stderr=log_file, text=True, start_new_session=True,
+                preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
         child.info = {}
 
     def _wait_ready(self, child: Child, timeout_s: float) -> None:
