@@ -412,11 +412,7 @@ def plot(results: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
     axes.set_title(f"async vs sync on the swarm, {args.rtt[0]:g}-{args.rtt[1]:g} ms per hop")
     axes.grid(alpha=0.3)
     axes.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    print(f"plot: {path}")
+    common.save_figure(figure, path)
 
 
 if __name__ == "__main__":

@@ -242,3 +242,14 @@ def bench_model(name: str, folder: Path) -> str:
     if not (path / "config.json").is_file():
         make_tiny_model(path, seed=0)
     return str(path)
+
+
+def save_figure(figure: Any, path: Path) -> None:
+    """Write a matplotlib figure as a PNG (creating its folder) and close it."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"plot: {path}")

@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from common import print_table
+from common import print_table, save_figure
 
 from decentrl.evaluate.stats import Accuracy
 
@@ -99,9 +99,7 @@ def plot(evals: list[dict[str, Any]], steps: list[dict[str, Any]], window: int, 
     axes.grid(alpha=0.3)
     axes.legend(loc="best")
     axes.set_title(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def train(run: Path, budget: float, eval_every: int) -> None:
@@ -146,7 +144,6 @@ def main(argv: list[str] | None = None) -> None:
                     ["steps", "elapsed s", "reward", "accuracy"], step_rows(steps, args.every))
     path = args.run / PLOT_NAME
     plot(evals, steps, args.window, f"{args.run.name}: learning curve", path)
-    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

@@ -54,10 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from decentrl.config import RunConfig, parse_config  # noqa: E402
-from decentrl.net.link import LinkProfile  # noqa: E402
-from decentrl.net.node import SwarmNode  # noqa: E402
-from decentrl.net.wire import TensorLimits  # noqa: E402
+from decentrl.config import parse_config  # noqa: E402
 from decentrl.swarm.launch import LocalSwarm  # noqa: E402
 
 VARIANTS = ("local", "swarm")
@@ -193,15 +190,16 @@ def run_swarm(args: argparse.Namespace, loaded: Any, folder: Path) -> dict[str, 
         "num_stages": args.stages, "device": args.device, "dtype": args.dtype,
         "threads": args.threads, "seed": args.seed,
         # Peers never call each other while generating; only the client's link matters.
-        "swarm": {"activation_codec": args.codec, "announce_every_s": 60.0,
+        "swarm": {"link": {"rtt_ms": [args.rtt_ms, args.rtt_ms]},
+                  "activation_codec": args.codec, "announce_every_s": 60.0,
                   "request_timeout_s": 120.0, "inference_replicas": args.replicas,
                   "max_sessions_per_peer": max(32, 2 * max(args.concurrency))},
     })
     config.path.mkdir(parents=True, exist_ok=True)
     config_path = config.path / "swarm-config.json"
     config_path.write_text(config.model_dump_json())
-    link = LinkProfile(rtt_ms=(args.rtt_ms, args.rtt_ms), seed=args.seed)
-    swarm = PeerSwarm(config, config_path, args.replicas, link)
+    # Inference replicas only; the bootstrap node is the client and carries the emulated link.
+    swarm = LocalSwarm(config, config_path, args.replicas, training=False)
     try:
         started = time.perf_counter()
         swarm.start()
@@ -229,29 +227,6 @@ def wait_for_peers(directory: Any, replicas: int, timeout_s: float = 60.0) -> No
             raise TimeoutError(f"not every stage announced {replicas} replicas within "
                                f"{timeout_s:.0f}s")
         time.sleep(0.5)
-
-
-class PeerSwarm(LocalSwarm):
-    """LocalSwarm with inference peers only (no training peers), whose bootstrap node is the
-    bench's client and carries the emulated link: the client calls every stage itself."""
-
-    def __init__(self, config: RunConfig, config_path: Path, replicas: int,
-                 link: LinkProfile) -> None:
-        super().__init__(config, config_path, replicas)
-        self.link = link
-
-    def start(self) -> list[str]:
-        self.bootstrap = SwarmNode.start("client", [], self.link, TensorLimits())
-        addresses = self.bootstrap.addresses()
-        for stage in range(self.config.num_stages):
-            for replica in range(self.replicas):
-                self._add(f"infer{stage}.{replica}", ["join", "--stage", str(stage), "--role",
-                                                      "inference"], addresses)
-        for child in self.children.values():
-            self._spawn(child)
-        for child in self.children.values():
-            self._wait_ready(child, timeout_s=300)
-        return addresses
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -357,11 +332,7 @@ def plot(results: list[dict[str, Any]], args: argparse.Namespace, ratios: dict[i
         twin.legend(loc="lower right")
     axes.legend(loc="upper left")
     axes.set_title(f"generation through {args.stages} stage peers, {args.rtt_ms:g} ms per hop")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    print(f"plot: {path}")
+    common.save_figure(figure, path)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from common import machine, print_table, quiet_transformers
+from common import machine, print_table, quiet_transformers, save_figure
 
 from decentrl.cli import DEMO_CONFIG
 from decentrl.config import RunConfig, parse_config
@@ -422,9 +422,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     axes.grid(alpha=0.3)
     axes.legend(loc="best")
     axes.set_title("decentrl vs TRL GRPOTrainer: sums, same budget")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main(argv: list[str] | None = None) -> None:

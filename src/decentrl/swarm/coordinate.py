@@ -40,7 +40,7 @@ from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.rollout.types import ScoredGroup
 from decentrl.swarm.client import Directory, RemoteChain, RemoteStageWorker, SwarmUnavailable
 from decentrl.swarm.coordinator import Coordinator
-from decentrl.swarm.run import MetricsLog
+from decentrl.swarm.run import MetricsLog, step_line
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.store import RunStore
 from decentrl.swarm.worker import RolloutWorker, sampling_config
@@ -266,11 +266,7 @@ class SwarmCoordinator:
                                 if isinstance(v, (int, float))})
         if self.step % self.config.train.checkpoint_every == 0:
             self.checkpoint()
-        self.console.print(
-            f"step {self.step:4d}  v{self.trainer.version}  reward {record['reward']:.3f}  "
-            f"acc {record['accuracy']:.3f}  len {record['completion_tokens_mean']:.1f}  "
-            f"stale {record['staleness_mean']:.2f}  wait {waited:.1f}s  "
-            f"train {record['train_s']:.1f}s  t={record['elapsed_s']:.0f}s")
+        self.console.print(step_line(record))
 
     def _recover_training(self) -> None:
         """A training peer failed mid-step: forget the step everywhere, wait for every stage to
@@ -311,14 +307,8 @@ class SwarmCoordinator:
         result = evaluate(self.chain, self.eval_task, self.tokenizer, ev.problems,
                           ev.max_new_tokens, ev.batch_size, pass_k=pass_k, seed=self.config.seed,
                           concurrency=self.config.swarm.sessions_in_flight)
-        metrics.write("eval", label=label, step=self.step, version=self.trainer.version,
-                      task=result.task, problems=result.problems, pass1=result.pass1.mean,
-                      pass1_low=result.pass1.low, pass1_high=result.pass1.high,
-                      pass_k=result.pass_k.mean if result.pass_k else None, k=pass_k)
-        text = f"eval ({label}) step {self.step}: pass@1 {result.pass1.as_percent()}"
-        if result.pass_k is not None:
-            text += f"  pass@{pass_k} {result.pass_k.as_percent()}"
-        self.console.print(text)
+        self.console.print(metrics.evaluation(label, self.step, self.trainer.version, result,
+                                              pass_k))
         return result
 
     # ---- the run --------------------------------------------------------------------------

@@ -110,8 +110,11 @@ class LocalSwarm:
     """The coordinator plus, per stage, `replicas` inference peers and one training peer, each a
     separate `decentrl` process on loopback, logging into `<run>/logs/`."""
 
-    def __init__(self, config: RunConfig, config_path: Path, replicas: int) -> None:
+    def __init__(self, config: RunConfig, config_path: Path, replicas: int,
+                 training: bool = True) -> None:
+        """`training=False` starts inference replicas only (generation benchmarks)."""
         self.config, self.config_path, self.replicas = config, config_path, replicas
+        self.training = training
         self.logs = config.path / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.bootstrap: SwarmNode | None = None
@@ -126,8 +129,9 @@ class LocalSwarm:
         addresses = self.bootstrap.addresses()
         checkpoints = self.config.path / "checkpoints"
         for stage in range(self.config.num_stages):
-            self._add(f"train{stage}", ["join", "--stage", str(stage), "--role", "training",
-                                        "--checkpoint-dir", str(checkpoints)], addresses)
+            if self.training:
+                self._add(f"train{stage}", ["join", "--stage", str(stage), "--role", "training",
+                                            "--checkpoint-dir", str(checkpoints)], addresses)
             for replica in range(self.replicas):
                 self._add(f"infer{stage}.{replica}", ["join", "--stage", str(stage), "--role",
                                                       "inference"], addresses)

@@ -57,6 +57,26 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
         return record
 
+    def evaluation(self, label: str, step: int, version: int, result: EvalResult,
+                   pass_k: int) -> str:
+        """Log an evaluation; returns its one-line summary."""
+        self.write("eval", label=label, step=step, version=version, task=result.task,
+                   problems=result.problems, pass1=result.pass1.mean,
+                   pass1_low=result.pass1.low, pass1_high=result.pass1.high,
+                   pass_k=result.pass_k.mean if result.pass_k else None, k=pass_k)
+        text = f"eval ({label}) step {step}: pass@1 {result.pass1.as_percent()}"
+        if result.pass_k is not None:
+            text += f"  pass@{pass_k} {result.pass_k.as_percent()}"
+        return text
+
+
+def step_line(record: dict[str, Any]) -> str:
+    """The console line of a training step's metrics record."""
+    return (f"step {record['step']:4d}  v{record['version']}  reward {record['reward']:.3f}  "
+            f"acc {record['accuracy']:.3f}  len {record['completion_tokens_mean']:.1f}  "
+            f"stale {record['staleness_mean']:.2f}  wait {record['wait_s']:.1f}s  "
+            f"train {record['train_s']:.1f}s  t={record['elapsed_s']:.0f}s")
+
 
 def copy_weights(source: list[StageModule], target: LocalChain) -> None:
     for index, stage in enumerate(source):
@@ -115,15 +135,8 @@ class LocalRun:
         result = evaluate(self.eval_chain, self.eval_task, self.model.tokenizer, ev.problems,
                           ev.max_new_tokens, ev.batch_size, pass_k=pass_k,
                           seed=self.config.seed)
-        self.metrics.write("eval", label=label, step=self.step, version=self.trainer.version,
-                           task=result.task, problems=result.problems,
-                           pass1=result.pass1.mean, pass1_low=result.pass1.low,
-                           pass1_high=result.pass1.high,
-                           pass_k=result.pass_k.mean if result.pass_k else None, k=pass_k)
-        text = f"eval ({label}) step {self.step}: pass@1 {result.pass1.as_percent()}"
-        if result.pass_k is not None:
-            text += f"  pass@{pass_k} {result.pass_k.as_percent()}"
-        self.console.print(text)
+        self.console.print(self.metrics.evaluation(label, self.step, self.trainer.version,
+                                                   result, pass_k))
         return result
 
     # ---- the loop ------------------------------------------------------------------------
@@ -244,8 +257,4 @@ class LocalRun:
             rejected=self.coordinator.stats.rejected, **stats, **losses)
         if self.step % config.train.checkpoint_every == 0:
             self._checkpoint()
-        self.console.print(
-            f"step {self.step:4d}  v{self.trainer.version}  reward {record['reward']:.3f}  "
-            f"acc {record['accuracy']:.3f}  len {record['completion_tokens_mean']:.1f}  "
-            f"stale {record['staleness_mean']:.2f}  wait {waited:.1f}s  "
-            f"train {record['train_s']:.1f}s  t={record['elapsed_s']:.0f}s")
+        self.console.print(step_line(record))
