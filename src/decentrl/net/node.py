@@ -79,6 +79,9 @@ class Reply:
     body: Any = None  # a msgspec struct, encoded by the node
     tensors: Mapping[str, torch.Tensor] | None = None
     codec: ActivationCodec = "fp32"
+    # Tensors already encoded (encode_tensors' parts and manifest): a large reply served many
+    # times (a stage's weights) is encoded once, not once per request.
+    encoded: tuple[list[runtime_pb2.Tensor], TensorManifest] | None = None
 
 
 Handler = Callable[[Request], Awaitable[Reply]]
@@ -87,7 +90,8 @@ Handler = Callable[[Request], Awaitable[Reply]]
 class SwarmNode:
     """Start with `SwarmNode.start(...)`; `shutdown()` stops the daemon and removes its socket."""
 
-    def __init__(self, name: str, link_profile: LinkProfile, limits: TensorLimits) -> None:
+    def __init__(self, name: str, link_profile: LinkProfile, limits: TensorLimits,
+                 compute_threads: int | None = None) -> None:
         self.name = name
         self.limits = limits
         self.link_profile = link_profile
@@ -95,7 +99,11 @@ class SwarmNode:
         self._thread = threading.Thread(target=self._run_loop, name=f"p2p-{name}", daemon=True)
         # One compute thread: requests run one at a time and the loop stays free to serve the
         # DHT, timeouts and other calls meanwhile.
-        self.compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"compute-{name}")
+        # torch's intra-op thread count is per thread under OpenMP: set it where the work runs.
+        self.compute_pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"compute-{name}",
+            initializer=torch.set_num_threads if compute_threads else None,
+            initargs=(compute_threads,) if compute_threads else ())
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
         self.links: LinkEmulator | None = None
@@ -107,8 +115,9 @@ class SwarmNode:
 
     @classmethod
     def start(cls, name: str, initial_peers: Sequence[str], link_profile: LinkProfile,
-              limits: TensorLimits, host: str = LOOPBACK) -> SwarmNode:
-        node = cls(name, link_profile, limits)
+              limits: TensorLimits, host: str = LOOPBACK,
+              compute_threads: int | None = None) -> SwarmNode:
+        node = cls(name, link_profile, limits, compute_threads)
         node._thread.start()
         try:
             node.run(node._start(list(initial_peers), host), timeout=STARTUP_TIMEOUT_S)
@@ -242,7 +251,10 @@ class SwarmNode:
         envelope = decode_struct(metadata, Envelope)
         tensors = decode_tensors(parts, envelope.manifest, self.limits)
         reply = await handler(Request(envelope.body, tensors, str(context.remote_id)))
-        out_parts, manifest = encode_tensors(dict(reply.tensors or {}), reply.codec)
+        if reply.encoded is not None:
+            out_parts, manifest = reply.encoded
+        else:
+            out_parts, manifest = encode_tensors(dict(reply.tensors or {}), reply.codec)
         body = encode_struct(reply.body) if reply.body is not None else b""
         return to_messages(runtime_pb2.ExpertResponse, encode_struct(Envelope(body, manifest)),
                            out_parts)

@@ -15,14 +15,23 @@ rolls back to a checkpoint republishes an older version, and replicas must follo
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 
 import torch
+from hivemind.proto import runtime_pb2
 
 from decentrl.net.node import Reply, Request, SwarmNode
 from decentrl.net.transport import TransportClosed
-from decentrl.net.wire import ActivationCodec, WireError, decode_struct, encode_struct
+from decentrl.net.wire import (
+    ActivationCodec,
+    TensorManifest,
+    WireError,
+    decode_struct,
+    encode_struct,
+    encode_tensors,
+)
 from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.protocol import (
     FetchWeights,
@@ -47,6 +56,9 @@ class HivemindTransport:
         self._inbox: queue.Queue[RolloutGroup] | None = (
             queue.Queue(maxsize=inbox_size) if inbox_size > 0 else None)
         self._published: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+        # The encoded form of each stage's published version, made on its first fetch.
+        self._encoded: dict[int, tuple[int, tuple[list[runtime_pb2.Tensor], TensorManifest]]] = {}
+        self._encode_lock = asyncio.Lock()
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self.rejected_submissions = 0
@@ -124,7 +136,13 @@ class HivemindTransport:
         if published is None:
             raise WireError(f"this peer publishes no weights for stage {body.stage}")
         version, tensors = published
-        return Reply(WeightsReply(version=version), tensors, self.weights_codec)
+        async with self._encode_lock:  # replicas ask together; encode once, off the loop
+            cached = self._encoded.get(body.stage)
+            if cached is None or cached[0] != version:
+                encoded = await asyncio.get_running_loop().run_in_executor(
+                    None, encode_tensors, tensors, self.weights_codec)
+                cached = self._encoded[body.stage] = (version, encoded)
+        return Reply(WeightsReply(version=version), encoded=cached[1])
 
     def fetch_stage(self, stage: int, current_version: int
                     ) -> tuple[int, dict[str, torch.Tensor]] | None:
@@ -146,8 +164,7 @@ class HivemindTransport:
             return None
         raw, tensors = self.node.call_sync(peer, "fetch_weights", FetchWeights(stage=stage),
                                            timeout=self.timeout_s)
-        reply = decode_struct(raw, WeightsReply)
-        return reply.version, {name: t.float() for name, t in tensors.items()}
+        return decode_struct(raw, WeightsReply).version, tensors
 
     def republish(self) -> None:
         """Renew the DHT announcements before they expire (called periodically)."""

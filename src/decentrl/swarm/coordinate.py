@@ -79,6 +79,8 @@ def check_swarm_config(config: RunConfig) -> None:
 class SwarmCoordinator:
     def __init__(self, config: RunConfig, node: SwarmNode, console: Console | None = None) -> None:
         check_swarm_config(config)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)  # the coordinator relays; the peers compute
         self.config, self.node = config, node
         self.console = console or Console()
         self.path = config.path
@@ -102,7 +104,8 @@ class SwarmCoordinator:
         self.ingestion = Coordinator(config, self.task, self.tokenizer, self.scheduler)
         # Rollouts arrive through the transport, from this process's generation threads or from
         # any peer that submits them; the inbox holds what the staleness bound can still use.
-        backlog = config.rollout.prompts_per_step * max(1, config.train.max_staleness)
+        # One batch ahead: more would wait in the inbox until the staleness bound drops it.
+        backlog = config.rollout.prompts_per_step
         self.transport = HivemindTransport(node, config.name, inbox_size=backlog,
                                            timeout_s=config.swarm.request_timeout_s,
                                            announce_ttl_s=5 * config.swarm.announce_every_s)

@@ -72,7 +72,8 @@ def join(config: RunConfig | None, run: str | None, stage: int | None, role: Rol
     sockets first, then READY with its peer id, stage and layers."""
     parent = os.getppid()
     profile = link_profile(config) if config is not None else LinkProfile()
-    node = SwarmNode.start(name, initial_peers, profile, TensorLimits())
+    threads = config.threads if config is not None and config.threads else None
+    node = SwarmNode.start(name, initial_peers, profile, TensorLimits(), compute_threads=threads)
     # First thing: whoever started us must be able to remove these if we die.
     print(json.dumps({"sockets": node.socket_paths()}), flush=True)
     try:
