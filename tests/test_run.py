@@ -74,8 +74,8 @@ def test_async_run_learner_drops_groups_past_the_staleness_bound(
     # The learner moved on two versions while the group was in flight.
     for trainer in run.trainer.stage_trainers:
         trainer.stage.version = 2
-    assert run.coordinator.ingest(group, run.trainer.version) is None
-    assert run.coordinator.stats.stale == 1
+    assert run.ingestion.ingest(group, run.trainer.version) is None
+    assert run.ingestion.stats.stale == 1
 
 
 def test_coordinator_rejects_unscheduled_replayed_and_malformed_groups(
@@ -84,22 +84,22 @@ def test_coordinator_rejects_unscheduled_replayed_and_malformed_groups(
     indices = run.scheduler.next(1)
     group = run.worker.generate_groups(indices)[0]
     unscheduled = RolloutGroup(**{**_fields(group), "problem_index": indices[0] + 1000})
-    assert run.coordinator.ingest(unscheduled, 0) is None
+    assert run.ingestion.ingest(unscheduled, 0) is None
     bad_token = group.rollouts[0].__class__(**{**_fields(group.rollouts[0]),
                                                "completion_tokens": [10**6]
                                                * len(group.rollouts[0].completion_tokens)})
     malformed = RolloutGroup(**{**_fields(group), "rollouts": [bad_token] + group.rollouts[1:]})
-    assert run.coordinator.ingest(malformed, 0) is None
-    assert run.coordinator.stats.rejected == 2
+    assert run.ingestion.ingest(malformed, 0) is None
+    assert run.ingestion.stats.rejected == 2
     # The genuine group is still accepted after the bad ones (they changed nothing) ...
-    accepted = run.coordinator.ingest(group, 0)
+    accepted = run.ingestion.ingest(group, 0)
     assert accepted is not None
     # ... and its rewards were recomputed from the tokens, whatever text came along.
     scored, staleness = accepted
     assert staleness == 0 and len(scored.rewards) == 4
     # A replay of an accepted group is refused.
-    assert run.coordinator.ingest(group, 0) is None
-    assert run.coordinator.stats.rejected == 3
+    assert run.ingestion.ingest(group, 0) is None
+    assert run.ingestion.stats.rejected == 3
 
 
 def _fields(struct: object) -> dict:

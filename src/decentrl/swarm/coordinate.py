@@ -39,7 +39,7 @@ from decentrl.net.node import SwarmNode
 from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.rollout.types import ScoredGroup
 from decentrl.swarm.client import Directory, RemoteChain, RemoteStageWorker, SwarmUnavailable
-from decentrl.swarm.coordinator import Coordinator
+from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.run import MetricsLog, step_line
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.store import RunStore
@@ -101,10 +101,10 @@ class SwarmCoordinator:
             self.workers, config.train, loss_config_from(config.train, config.rollout.max_new_tokens),
             sampling_config(config.rollout), torch.device("cpu"))
         self.scheduler = PromptScheduler(config.seed, start=self.store.problem_position())
-        self.ingestion = Coordinator(config, self.task, self.tokenizer, self.scheduler)
+        self.ingestion = Ingestion(config, self.task, self.tokenizer, self.scheduler)
         # Rollouts arrive through the transport, from this process's generation threads or from
-        # any peer that submits them; the inbox holds what the staleness bound can still use.
-        # One batch ahead: more would wait in the inbox until the staleness bound drops it.
+        # any peer that submits them. The inbox holds one batch: more would wait there until the
+        # staleness bound drops it.
         backlog = config.rollout.prompts_per_step
         self.transport = HivemindTransport(node, config.name, inbox_size=backlog,
                                            timeout_s=config.swarm.request_timeout_s,

@@ -29,7 +29,7 @@ from decentrl.net.local import LocalTransport
 from decentrl.release.export import export_hf_folder
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.types import ScoredGroup
-from decentrl.swarm.coordinator import Coordinator
+from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.worker import RolloutWorker, sampling_config
 from decentrl.tasks import Task, make_task
@@ -123,7 +123,7 @@ class LocalRun:
             self.console.print(f"resumed {self.path} at step {self.step} "
                                f"(version {self.trainer.version})")
         self.scheduler = PromptScheduler(config.seed, start=scheduler_start)
-        self.coordinator = Coordinator(config, self.task, self.model.tokenizer, self.scheduler)
+        self.ingestion = Ingestion(config, self.task, self.model.tokenizer, self.scheduler)
         self.worker = RolloutWorker(self.chain, self.transport, self.task, self.model.tokenizer,
                                     config.rollout, self.scheduler, config.seed)
 
@@ -153,7 +153,7 @@ class LocalRun:
             group = self.transport.get_rollouts(timeout=POLL_SECONDS)
             if group is None:
                 continue
-            accepted = self.coordinator.ingest(group, self.trainer.version)
+            accepted = self.ingestion.ingest(group, self.trainer.version)
             if accepted is not None:
                 scored.append(accepted)
         return scored
@@ -163,7 +163,7 @@ class LocalRun:
         indices = self.scheduler.next(self.config.rollout.prompts_per_step)
         scored = []
         for group in self.worker.generate_groups(indices):
-            accepted = self.coordinator.ingest(group, self.trainer.version)
+            accepted = self.ingestion.ingest(group, self.trainer.version)
             if accepted is not None:
                 scored.append(accepted)
         return scored
@@ -242,7 +242,7 @@ class LocalRun:
         waited = time.time() - wait_started
         if not scored:
             return
-        batch, stats = self.coordinator.make_batch(scored)
+        batch, stats = self.ingestion.make_batch(scored)
         train_started = time.time()
         losses: dict[str, float] = {}
         if batch is not None:
@@ -253,8 +253,8 @@ class LocalRun:
             "step", step=self.step, version=self.trainer.version,
             wait_s=round(waited, 3), train_s=round(time.time() - train_started, 3),
             sequences=0 if batch is None else batch.num_sequences,
-            stale_dropped=self.coordinator.stats.stale,
-            rejected=self.coordinator.stats.rejected, **stats, **losses)
+            stale_dropped=self.ingestion.stats.stale,
+            rejected=self.ingestion.stats.rejected, **stats, **losses)
         if self.step % config.train.checkpoint_every == 0:
             self._checkpoint()
         self.console.print(step_line(record))

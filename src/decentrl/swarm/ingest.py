@@ -1,6 +1,6 @@
-"""The coordinator's ingestion: check a rollout group, recompute its rewards itself (a peer's claim
-never counts), enforce the staleness bound, and turn accepted groups into training batches with
-group-relative advantages."""
+"""Ingestion, the coordinator's gate for rollouts: check a rollout group, recompute its rewards
+itself (a peer's claim never counts), enforce the staleness bound, and turn accepted groups into
+training batches with group-relative advantages."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class IngestStats:
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
 
 
-class Coordinator:
+class Ingestion:
     def __init__(self, config: RunConfig, task: Task, tokenizer: Any,
                  scheduler: PromptScheduler) -> None:
         self.config, self.task, self.tokenizer, self.scheduler = config, task, tokenizer, scheduler
