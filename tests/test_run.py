@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from decentrl.config import ConfigError, RunConfig, parse_config
+from decentrl.config import ConfigError, RunConfig, load_config, parse_config
 from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.run import LocalRun
 
@@ -113,6 +113,21 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         parse_config({"rollout": {"group_sizes": 4}})
     with pytest.raises(ConfigError, match="mis_low must be below"):
         parse_config({"train": {"mis_low": 0.9, "mis_high": 0.5}})
+    with pytest.raises(ConfigError, match=r"swarm\.link.*rtt_ms"):
+        parse_config({"swarm": {"link": {"rtt_ms": [120, 60]}}})
+    with pytest.raises(ConfigError, match=r"swarm\.activation_codec"):
+        parse_config({"swarm": {"activation_codec": "fp8"}})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "examples").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_example_configs_load(path: Path) -> None:
+    config = load_config(path)
+    assert config.name == path.stem
 
 
 def test_unknown_task_lists_the_known_ones(tiny_model_dir: Path, tmp_path: Path) -> None:
