@@ -19,8 +19,19 @@ class Generation:
 
 
 def step_seed(seed: int | None, step: int) -> int | None:
-    # Spaced so that generations with nearby seeds (consecutive problems) never share a step seed.
-    return None if seed is None else seed * 1_000_003 + step
+    """A well-mixed seed for decoding step `step`. Not `seed + step`: torch's CPU generator
+    (MT19937) seeded with nearby integers draws correlated first numbers, so a row would get
+    alike draws at every step (always a tail token, say) and samples would skew."""
+    if seed is None:
+        return None
+    return splitmix64(splitmix64(seed) ^ step) >> 1  # 63 bits: manual_seed takes an int64
+
+
+def splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return value ^ (value >> 31)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device
