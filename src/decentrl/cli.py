@@ -8,7 +8,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, cast
 
 import typer
 from rich.console import Console
@@ -237,8 +237,8 @@ def join(
     role: Annotated[str, typer.Option(help="inference, training or both")] = "inference",
     config: Annotated[Optional[Path], typer.Option(  # noqa: UP007
         "--config", help="run config (default: fetch the coordinator's from the DHT)")] = None,
-    run: Annotated[Optional[str], typer.Option(help="run name, when --config is not given")]  # noqa: UP007
-    = None,
+    run: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        help="run name, when --config is not given")] = None,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(  # noqa: UP007
         help="where a training peer saves and resumes checkpoints")] = None,
     name: Annotated[str, typer.Option(help="a name for logs and the peer table")] = "peer",
@@ -253,6 +253,7 @@ def join(
     import torch
 
     from decentrl.swarm.launch import join as join_swarm
+    from decentrl.swarm.protocol import Role
 
     configure_logging()
     if role not in ("inference", "training", "both"):
@@ -269,8 +270,8 @@ def join(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        join_swarm(run_config, run, None if stage == "auto" else int(stage), role,  # type: ignore[arg-type]
-                   initial_peers, checkpoint_dir, name, stop, exit_with_parent)
+        join_swarm(run_config, run, None if stage == "auto" else int(stage),
+                   cast(Role, role), initial_peers, checkpoint_dir, name, stop, exit_with_parent)
     except (ConfigError, ValueError, RuntimeError, TimeoutError, FileNotFoundError) as error:
         fail(str(error))
 

@@ -291,7 +291,8 @@ class SwarmNode:
         except MessageLost:
             raise  # the caller may retry the same peer with the same request id
         except TimeoutError as error:
-            raise RemoteError(f"{method} at {peer[-8:]}: no answer within {timeout:.0f}s") from error
+            raise RemoteError(f"{method} at {peer[-8:]}: no answer within {timeout:.0f}s"
+                              ) from error
         except (ConnectionError, OSError, asyncio.IncompleteReadError, P2PHandlerError,
                 P2PDaemonError) as error:
             # P2PDaemonError includes its subclasses: ControlFailure is a peer we cannot dial.

@@ -98,6 +98,6 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
             if token in stop_ids:
                 length, finished = i + 1, True
                 break
-        results.append(Generation(row_tokens[:length], all_logprobs[row, :length].tolist(), finished,
-                                  versions))
+        results.append(Generation(row_tokens[:length], all_logprobs[row, :length].tolist(),
+                                  finished, versions))
     return results

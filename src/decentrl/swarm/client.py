@@ -15,6 +15,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -23,7 +24,7 @@ from decentrl.learn.batch import TrainBatch
 from decentrl.learn.trainer import Activations, LossInputs
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, SwarmNode
-from decentrl.net.wire import WireError, decode_struct, encode_struct
+from decentrl.net.wire import ActivationCodec, WireError, decode_struct, encode_struct
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.swarm.peer import BATCH_FIELDS
 from decentrl.swarm.protocol import (
@@ -354,7 +355,7 @@ class RemoteStageWorker:
         return self._version
 
     def _call(self, method: str, body: object, tensors: dict[str, torch.Tensor] | None = None,
-              codec: str = "fp32", exact: dict[str, torch.Tensor] | None = None
+              codec: ActivationCodec = "fp32", exact: dict[str, torch.Tensor] | None = None
               ) -> tuple[bytes, dict[str, torch.Tensor]]:
         """One call with retries on lost messages; any other failure is the caller's to handle
         (a training step cannot move to another peer halfway). The peer is not banned: it may be
@@ -365,7 +366,7 @@ class RemoteStageWorker:
         request_id = secrets.token_hex(8)
         for attempt in range(self.swarm.retries + 1):
             try:
-                return self.node.call_sync(self.peer, method, body, tensors, codec,  # type: ignore[arg-type]
+                return self.node.call_sync(self.peer, method, body, tensors, codec,
                                            self.swarm.request_timeout_s, request_id, exact)
             except MessageLost:
                 time.sleep(backoff(attempt))
@@ -420,7 +421,7 @@ class RemoteStageWorker:
         raw, _ = self._call("train_discard", Empty())
         self._version = decode_struct(raw, VersionReply).version
 
-    def checkpoint(self, action: str, version: int) -> int:
-        raw, _ = self._call("checkpoint", CheckpointRequest(action=action, version=version))  # type: ignore[arg-type]
+    def checkpoint(self, action: Literal["save", "load"], version: int) -> int:
+        raw, _ = self._call("checkpoint", CheckpointRequest(action=action, version=version))
         self._version = decode_struct(raw, VersionReply).version
         return self._version

@@ -97,9 +97,9 @@ class SwarmCoordinator:
         self.chain = RemoteChain(node, self.directory, config.swarm, self.spec.vocab_size)
         self.workers = [RemoteStageWorker(node, self.directory, stage, config.num_stages,
                                           config.swarm) for stage in range(config.num_stages)]
-        self.trainer = PipelineTrainer(
-            self.workers, config.train, loss_config_from(config.train, config.rollout.max_new_tokens),
-            sampling_config(config.rollout), torch.device("cpu"))
+        loss = loss_config_from(config.train, config.rollout.max_new_tokens)
+        self.trainer = PipelineTrainer(self.workers, config.train, loss,
+                                       sampling_config(config.rollout), torch.device("cpu"))
         self.scheduler = PromptScheduler(config.seed, start=self.store.problem_position())
         self.ingestion = Ingestion(config, self.task, self.tokenizer, self.scheduler)
         # Rollouts arrive through the transport, from this process's generation threads or from

@@ -119,7 +119,10 @@ class StagePeer:
             self.model = load_stage(config, stage, self.device, self.dtype)
             if self.trainer is not None:
                 self._copy_from_trainer()
-        module = self.model if self.model is not None else self.trainer.stage  # type: ignore[union-attr]
+        module = self.model
+        if module is None:
+            assert self.trainer is not None  # a peer either serves or trains
+            module = self.trainer.stage
         self.spec, self.plan = module.spec, module.plan
         self.layers = (module.layer_ids.start, module.layer_ids.stop)
         self.sessions: dict[str, Session] = {}

@@ -26,7 +26,8 @@ def sampling_config(rollout: RolloutConfig) -> SamplingConfig:
 
 class RolloutWorker:
     def __init__(self, chain: InferenceChain, transport: Transport | None, task: Task,
-                 tokenizer: Any, rollout: RolloutConfig, scheduler: PromptScheduler, seed: int) -> None:
+                 tokenizer: Any, rollout: RolloutConfig, scheduler: PromptScheduler,
+                 seed: int) -> None:
         self.chain, self.transport, self.task, self.tokenizer = chain, transport, task, tokenizer
         self.rollout, self.scheduler, self.seed = rollout, scheduler, seed
         self.sampling = sampling_config(rollout)
@@ -54,7 +55,8 @@ class RolloutWorker:
         sampling_seed = self.seed * 2**32 + problem_indices[0]
         generations = generate(
             self.chain, [p for p in prompts for _ in range(size)], self.rollout.max_new_tokens,
-            self.sampling, {self.tokenizer.eos_token_id}, self.tokenizer.pad_token_id, sampling_seed)
+            self.sampling, {self.tokenizer.eos_token_id}, self.tokenizer.pad_token_id,
+            sampling_seed)
         self.generated_tokens += sum(len(g.tokens) for g in generations)
         groups = []
         for i, (index, prompt) in enumerate(zip(problem_indices, prompts)):
