@@ -92,16 +92,24 @@ def test_training_peer_death_rolls_back_to_checkpoint(swarm) -> None:  # type: i
     config, local = swarm
     coordinator = SwarmCoordinator(config, local.bootstrap, Console(quiet=True))
     killed = threading.Event()
+    restart_errors: list[BaseException] = []
 
     def kill_after_step_three() -> None:
         while coordinator.step < 3 and not coordinator.stop.is_set():
             time.sleep(0.05)
-        local.restart("train1")  # SIGKILL, then a fresh process that loads the last checkpoint
-        killed.set()
+        try:
+            local.restart("train1")  # SIGKILL, then a fresh process that loads the checkpoint
+            killed.set()
+        except BaseException as error:  # the replacement failed: stop the run, fail the test
+            restart_errors.append(error)
+            coordinator.stop.set()
 
     threading.Thread(target=kill_after_step_three, daemon=True).start()
-    summary = coordinator.run(wait_s=120)
-    coordinator.close()
+    try:
+        summary = coordinator.run(wait_s=120)
+    finally:
+        coordinator.close()
+    assert not restart_errors, f"the replacement training peer failed: {restart_errors}"
     assert killed.is_set()
     assert summary.steps == 6
     assert summary.recoveries >= 1

@@ -52,10 +52,15 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 # Replies kept for retried requests; activations are a few MiB, so a short memory.
 REPLY_CACHE_SIZE = 16
 STARTUP_TIMEOUT_S = 60.0
+EMPTY_STREAM_RETRIES = 3
 
 
 class RemoteError(RuntimeError):
-    """A peer answered with an error, or did not answer in time, or the message was lost."""
+    """A peer answered with an error, or did not answer in time, or could not be reached."""
+
+
+class PeerRefused(RemoteError):
+    """The peer is alive and answered, with an error: it refused this request."""
 
 
 class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -245,6 +250,17 @@ class SwarmNode:
                                                runtime_pb2.ExpertRequest, stream_input=True,
                                                stream_output=True), timeout=30)
 
+    def unserve(self, method: str) -> None:
+        """Stop serving `method`, so that another object on this node may serve it later (a
+        restarted coordinator on the same node). A stopped node serves nothing anyway."""
+        if self._closed or self.p2p is None:
+            return
+        try:
+            self.run(self.p2p.remove_protobuf_handler(f"decentrl.{method}", stream_input=True,
+                                                      stream_output=True), timeout=30)
+        except (P2PDaemonError, TimeoutError) as error:
+            log.warning("%s: could not stop serving %s: %s", self.name, method, error)
+
     async def _handle(self, method: str, handler: Handler, messages: list[Any],
                       context: P2PContext) -> list[runtime_pb2.ExpertResponse]:
         _, metadata, parts = from_messages(messages)
@@ -283,26 +299,34 @@ class SwarmNode:
         try:
             async with asyncio.timeout(timeout):
                 await link.send(message_bytes(requests), "out")
-                stream = await self.p2p.iterate_protobuf_handler(
-                    PeerID.from_base58(peer), f"decentrl.{method}", _aiter(requests),
-                    runtime_pb2.ExpertResponse)
-                responses = [r async for r in stream]
+                for attempt in range(EMPTY_STREAM_RETRIES + 1):
+                    stream = await self.p2p.iterate_protobuf_handler(
+                        PeerID.from_base58(peer), f"decentrl.{method}", _aiter(requests),
+                        runtime_pb2.ExpertResponse)
+                    responses = [r async for r in stream]
+                    if responses:
+                        break
+                    # Seen on loopback about once in a thousand streams under load, with live
+                    # peers: the stream closes before any reply. The request may or may not
+                    # have run; sending it again with the same id is safe (the reply cache), and
+                    # a peer that is really gone then fails to connect.
+                    log.info("%s: %s at %s: the stream closed before a reply (try %d)",
+                             self.name, method, peer[-8:], attempt + 1)
+                    await asyncio.sleep(0.05 * 2 ** attempt)
+                else:
+                    raise MessageLost(f"{method} at {peer[-8:]}: the stream closed before a "
+                                      f"reply, {EMPTY_STREAM_RETRIES + 1} times")
                 await link.send(message_bytes(responses), "in")
         except MessageLost:
             raise  # the caller may retry the same peer with the same request id
         except TimeoutError as error:
             raise RemoteError(f"{method} at {peer[-8:]}: no answer within {timeout:.0f}s"
                               ) from error
-        except (ConnectionError, OSError, asyncio.IncompleteReadError, P2PHandlerError,
-                P2PDaemonError) as error:
+        except P2PHandlerError as error:
+            raise PeerRefused(f"{method} at {peer[-8:]}: {error}") from error
+        except (ConnectionError, OSError, asyncio.IncompleteReadError, P2PDaemonError) as error:
             # P2PDaemonError includes its subclasses: ControlFailure is a peer we cannot dial.
             raise RemoteError(f"{method} at {peer[-8:]}: {error}") from error
-        if not responses:
-            # Seen on loopback about once in a thousand streams under load with live peers: the
-            # stream closes before any reply. The request may or may not have run; the caller
-            # retries it with the same request id, which the reply cache makes safe, and a peer
-            # that is really gone then fails to connect.
-            raise MessageLost(f"{method} at {peer[-8:]}: the stream closed before a reply")
         _, reply_metadata, reply_parts = from_messages(responses)
         envelope = decode_struct(reply_metadata, Envelope)
         return envelope.body, decode_tensors(reply_parts, envelope.manifest, self.limits)

@@ -178,5 +178,10 @@ class HivemindTransport:
             self.announce_inbox()
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
         self._closed.set()
+        self.node.unserve("fetch_weights")
+        if self._inbox is not None:
+            self.node.unserve("submit_rollouts")
 

@@ -23,7 +23,7 @@ from decentrl.config import SwarmConfig
 from decentrl.learn.batch import TrainBatch
 from decentrl.learn.trainer import Activations, LossInputs
 from decentrl.net.link import MessageLost
-from decentrl.net.node import RemoteError, SwarmNode
+from decentrl.net.node import PeerRefused, RemoteError, SwarmNode
 from decentrl.net.wire import ActivationCodec, WireError, decode_struct, encode_struct
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.swarm.peer import BATCH_FIELDS
@@ -339,11 +339,10 @@ class RemoteStageWorker:
         self._version = 0
 
     def connect(self) -> int:
-        """Find this stage's training peer; returns its version."""
+        """Find this stage's training peer (from a fresh look at the DHT: after a failure, the
+        cached one may be a dead process); returns its version."""
+        self.directory.refresh()
         found = self.directory.training_peer(self.stage)
-        if found is None:
-            self.directory.refresh()
-            found = self.directory.training_peer(self.stage)
         if found is None:
             raise SwarmUnavailable(f"no training peer for stage {self.stage}")
         self.peer, record = found
@@ -358,8 +357,10 @@ class RemoteStageWorker:
               codec: ActivationCodec = "fp32", exact: dict[str, torch.Tensor] | None = None
               ) -> tuple[bytes, dict[str, torch.Tensor]]:
         """One call with retries on lost messages; any other failure is the caller's to handle
-        (a training step cannot move to another peer halfway). The peer is not banned: it may be
-        the stage's only training peer, and a dead one drops out of the DHT by itself."""
+        (a training step cannot move to another peer halfway). A peer that cannot be reached is
+        avoided for a while, so that `connect` finds its replacement even while the dead one's
+        announcement has not expired; one that refused a request is not (it may be the stage's
+        only training peer, and the caller brings it back in line)."""
         if self.peer is None:
             self.connect()
         assert self.peer is not None
@@ -371,6 +372,8 @@ class RemoteStageWorker:
             except MessageLost:
                 time.sleep(backoff(attempt))
             except (RemoteError, WireError) as error:
+                if not isinstance(error, (PeerRefused, WireError)):
+                    self.directory.ban(self.peer, str(error))
                 self.peer = None
                 raise SwarmUnavailable(f"training stage {self.stage}: {error}") from error
         raise SwarmUnavailable(f"training stage {self.stage}: {self.swarm.retries + 1} messages "

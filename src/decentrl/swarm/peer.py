@@ -108,13 +108,13 @@ class StagePeer:
         self.serves_inference = role in ("inference", "both")
         self.trains = role in ("training", "both")
         self.trainer: StageTrainer | None = None
+        self.model: StageModule | None = None
         if self.trains:
             master = load_stage(config, stage, self.device, torch.float32)
             self.trainer = StageTrainer(
                 master, config.train, loss_config_from(config.train, config.rollout.max_new_tokens),
                 sampling_config(config.rollout), self.dtype)
             self._resume_from_checkpoint()
-        self.model: StageModule | None = None
         if self.serves_inference:
             self.model = load_stage(config, stage, self.device, self.dtype)
             if self.trainer is not None:
