@@ -57,6 +57,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 import common  # noqa: E402
+from decentrl.cli import DEMO_CONFIG  # noqa: E402
 from decentrl.config import RunConfig, parse_config  # noqa: E402
 from decentrl.evaluate.runner import EvalResult  # noqa: E402
 from decentrl.swarm.coordinate import POLL_S, SwarmCoordinator  # noqa: E402
@@ -195,18 +196,13 @@ class SyncCoordinator(BenchCoordinator):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = common.bench_parser("async-vs-sync", __doc__.split("\n")[0], "training step")
+    parser = common.bench_parser("async-vs-sync", __doc__, "training step", {
+        "batch": "completions per training step (prompts per step x group size)",
+        "steps": "most training steps per variant (the budget usually ends it first)",
+        "threads": "torch CPU threads per peer",
+        "warmup": "unused by this bench", "profile": "unused by this bench",
+        "in_process": "run both variants in this process"})
     parser.set_defaults(batch=64, steps=10_000, threads=1)
-    for action in parser._actions:  # shared options, with this bench's meaning
-        if action.dest == "batch":
-            action.help = "completions per training step (prompts per step x group size)"
-        elif action.dest == "steps":
-            action.help = "most training steps per variant (the budget usually ends it first)"
-        elif action.dest == "threads":
-            action.help = "torch CPU threads per peer"
-        elif action.dest in ("warmup", "in_process", "profile"):
-            action.help = "unused by this bench" if action.dest != "in_process" else \
-                "run both variants in this process"
     parser.add_argument("--budget", type=float, default=900.0,
                         help="training seconds per variant (evaluations excluded)")
     parser.add_argument("--target", type=float, default=0.40, help="held-out pass@1 to reach")
@@ -249,7 +245,7 @@ def make_config(args: argparse.Namespace, variant: str, model: str) -> RunConfig
         "name": variant, "run_dir": args.out, "seed": args.seed, "model": model,
         "device": args.device, "dtype": args.dtype, "num_stages": args.stages,
         "threads": args.threads,
-        "task": {"name": "sums", "options": {"min_digits": 1, "max_digits": 2}},
+        "task": DEMO_CONFIG["task"],  # the demo's task and held-out set
         "rollout": {"group_size": args.group_size,
                     "prompts_per_step": args.batch // args.group_size,
                     "max_new_tokens": args.max_new_tokens},
@@ -259,8 +255,8 @@ def make_config(args: argparse.Namespace, variant: str, model: str) -> RunConfig
                   # The tiny model's reward is always 0: keep its groups so that steps still
                   # update the weights (zero advantages) and replicas follow new versions.
                   "zero_variance_groups": "keep" if args.model == "tiny" else "drop"},
-        "eval": {"task": {"name": "sums", "options": {"min_digits": 2, "max_digits": 2}},
-                 "problems": args.eval_problems, "pass_k": 1, "every": args.eval_every},
+        "eval": {"task": DEMO_CONFIG["eval"]["task"], "problems": args.eval_problems,
+                 "pass_k": 1, "every": args.eval_every},
         "swarm": {"link": {"rtt_ms": args.rtt, "jitter_ms": args.jitter_ms},
                   "activation_codec": args.codec, "inference_replicas": args.replicas,
                   "sessions_in_flight": args.sessions_in_flight,

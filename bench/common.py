@@ -141,10 +141,14 @@ def emit_result(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def bench_parser(prog: str, description: str, unit: str) -> argparse.ArgumentParser:
-    """The options every bench shares; `unit` names what one timed repeat is."""
+def bench_parser(prog: str, doc: str | None, unit: str,
+                 meanings: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """The options every bench shares; the description is the first paragraph of the bench's
+    `doc`, `unit` names what one timed repeat is, `meanings` gives a shared option (by its dest)
+    the help text of what it means in this bench."""
     from decentrl.model.loading import DEFAULT_MODEL
 
+    description = " ".join((doc or "").split("\n\n")[0].split())
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF folder")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
@@ -162,6 +166,11 @@ def bench_parser(prog: str, description: str, unit: str) -> argparse.ArgumentPar
                         help=f"profile one extra {unit} per variant and print the top operators")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    for action in parser._actions:
+        if meanings and action.dest in meanings:
+            action.help = meanings.pop(action.dest)
+    if meanings:
+        raise ValueError(f"no shared bench options named {sorted(meanings)}")
     return parser
 
 

@@ -35,7 +35,7 @@ MODES = ("sample", "greedy")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = common.bench_parser("generation", __doc__.split("\n")[0], "generation")
+    parser = common.bench_parser("generation", __doc__, "generation")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: sample,greedy")
     parser.add_argument("--variants", default=",".join(VARIANTS),

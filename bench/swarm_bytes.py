@@ -53,7 +53,7 @@ CODECS = ("fp32", "bf16", "int8")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = common.bench_parser("swarm-bytes", __doc__.split("\n")[0], "measurement")
+    parser = common.bench_parser("swarm-bytes", __doc__, "measurement")
     parser.set_defaults(batch=8, threads=1)
     for action in parser._actions:  # shared options, with this bench's meaning
         if action.dest == "batch":

@@ -64,15 +64,11 @@ DEFAULT_PLOT = "runs/bench/swarm_generation.png"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = common.bench_parser("swarm-generation", __doc__.split("\n")[0], "generation")
+    parser = common.bench_parser("swarm-generation", __doc__, "generation", {
+        "threads": "torch CPU threads per peer (the local baseline gets the total)",
+        "steps": "generate calls per session at each concurrency level",
+        "warmup": "untimed rounds before the sweep (every session thread generates once)"})
     parser.set_defaults(batch=8, steps=1, threads=1)
-    for action in parser._actions:  # the shared option means "per peer" here
-        if action.dest == "threads":
-            action.help = "torch CPU threads per peer (the local baseline gets the total)"
-        elif action.dest == "steps":
-            action.help = "generate calls per session at each concurrency level"
-        elif action.dest == "warmup":
-            action.help = "untimed rounds before the sweep (every session thread generates once)"
     parser.add_argument("--replicas", type=int, default=1, help="inference peers per stage")
     parser.add_argument("--rtt-ms", type=float, default=100.0,
                         help="round trip of every hop, on the client's node")

@@ -42,7 +42,7 @@ DEFAULT_VARIANTS = "decentrl,plain,plain-head"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = common.bench_parser("trainer_throughput", __doc__.split("\n")[0], "step")
+    parser = common.bench_parser("trainer_throughput", __doc__, "step")
     parser.add_argument("--completion-length", type=int, default=112)
     parser.add_argument("--group-size", type=int, default=1,
                         help="completions per prompt (decentrl runs a shared prompt once; 1 "

@@ -180,9 +180,12 @@ class LocalSwarm:
         raise TimeoutError(f"{child.name} was not ready within {timeout_s:.0f}s")
 
     def layout(self) -> list[str]:
-        return [f"{c.name}: stage {c.info.get('stage')} layers {c.info.get('layers')} "
-                f"({c.info.get('role')}, pid {c.process.pid if c.process else '-'})"
-                for c in self.children.values()]
+        lines = []
+        for c in self.children.values():
+            start, stop = c.info.get("layers", (0, 0))
+            lines.append(f"{c.name}: stage {c.info.get('stage')} layers {start}-{stop - 1} "
+                         f"({c.info.get('role')}, pid {c.process.pid if c.process else '-'})")
+        return lines
 
     def kill(self, name: str) -> None:
         """SIGKILL a peer and its daemon (a crash, not a goodbye), then remove its sockets."""
