@@ -116,6 +116,14 @@ class Swarm:
         (found,) = [p for p in self.peers if p.node.peer_id == peer_id]
         return found
 
+    def add(self, stage: int, role: Role) -> StagePeer:
+        """A peer that joins the running swarm (shut down with the others)."""
+        peer = start_peer(self.config, stage, role, self.client.addresses(),
+                          checkpoint_dir=self.checkpoint_dir, name=f"s{stage}{role[0]}late")
+        self.peers.append(peer)
+        self.sockets.extend(peer.node.socket_paths())
+        return peer
+
     def kill(self, peer: StagePeer) -> None:
         """A peer that goes away (as a crash would, but its process stays up)."""
         peer.stop()

@@ -32,7 +32,7 @@ from decentrl.rollout.generate import Generation, generate
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import Rollout
 from decentrl.swarm import client as swarm_client
-from decentrl.swarm.peer import BATCH_FIELDS
+from decentrl.swarm.peer import BATCH_FIELDS, StagePeer
 from decentrl.swarm.protocol import (
     CheckpointRequest,
     CloseSession,
@@ -249,6 +249,26 @@ def test_session_fails_over_to_another_replica(tiny_sharp_dir: Path, sharp: Load
         assert session.peers[1] not in (None, killed[0])
         survivor = swarm.by_id(session.peers[1])
         assert not survivor.sessions  # closed at the end, after the replay rebuilt it there
+
+
+def test_session_moves_to_a_replica_that_joined_after_it_started(
+        tiny_sharp_dir: Path, sharp: LoadedModel, fast_backoff: None) -> None:
+    """The stage's only replica dies and a new one joins: the session looks the new one up in
+    the DHT rather than retrying the dead one (still announced, banned), and completes."""
+    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"request_timeout_s": 10.0})
+    with start_swarm(config, [(0, "inference"), (1, "inference")]) as swarm:
+        replacement: list[StagePeer] = []
+
+        def replace_after_third_step(session: Any, step: int) -> None:
+            if step == 2:
+                swarm.kill(swarm.by_id(session.peers[1]))
+                replacement.append(swarm.add(1, "inference"))
+        chain = ObservedChain(swarm.chain(sharp.spec.vocab_size), replace_after_third_step)
+        got = run(chain)
+        assert_same_generations(got, run(local_chain(sharp, 2)))
+        (session,) = chain.sessions
+        assert session.failovers >= 1
+        assert session.peers[1] == replacement[0].node.peer_id
 
 
 def test_session_survives_a_timeout_on_its_only_replica(tiny_sharp_dir: Path,

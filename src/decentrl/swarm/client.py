@@ -108,10 +108,10 @@ class Directory:
         return [(peer, s) for peer, s in self.peers.items()
                 if s.record.stage == stage and s.banned_until <= now]
 
-    def choose_inference(self, stage: int) -> str | None:
+    def choose_inference(self, stage: int, allow_banned: bool = False) -> str | None:
         """A replica for a new session: the newest weights (fresher rollouts), then the most
-        room, then the lowest latency. When every replica of the stage is banned, the one whose
-        ban ends first: a peer that failed once is better than no peer."""
+        room, then the lowest latency. With `allow_banned`, when every replica of the stage is
+        banned, the one whose ban ends first: a peer that failed once is better than no peer."""
         with self.lock:
             replicas = [(p, s) for p, s in self.peers.items()
                         if s.record.stage == stage and s.record.role in ("inference", "both")
@@ -121,6 +121,8 @@ class Directory:
             now = time.monotonic()
             candidates = [(p, s) for p, s in replicas if s.banned_until <= now]
             if not candidates:
+                if not allow_banned:
+                    return None
                 candidates = [min(replicas, key=lambda item: item[1].banned_until)]
             newest = max(s.record.version for _, s in candidates)
             peer, state = min(candidates, key=lambda item: (
@@ -214,9 +216,9 @@ class RemoteSession:
             peer = self.peers[stage]
             if peer is None:
                 peer = self.chain.directory.choose_inference(stage)
-                if peer is None:
+                if peer is None:  # look for replicas that joined before retrying banned ones
                     self.chain.directory.refresh()
-                    peer = self.chain.directory.choose_inference(stage)
+                    peer = self.chain.directory.choose_inference(stage, allow_banned=True)
                 if peer is None:
                     # Keep the failure that got the last peer banned: it is the real cause.
                     cause = error.__cause__ if isinstance(error, SwarmUnavailable) else error

@@ -367,11 +367,14 @@ class SwarmCoordinator:
                             self.chain.failovers)
 
     def _announce_forever(self) -> None:
-        """Keep the run config and the rollout inbox in the DHT (their entries expire)."""
+        """Keep the run config and the rollout inbox in the DHT (their entries expire), and the
+        directory current: peers that joined (a restarted replica is a new peer) get sessions,
+        and peers whose announcements expired stop being chosen."""
         while not self.stop.wait(self.config.swarm.announce_every_s):
             try:
                 self.directory.publish_config(self.config.model_dump_json())
                 self.transport.republish()
+                self.directory.refresh()
             except Exception as error:  # noqa: BLE001 - the next round retries
                 log.warning("announce failed: %s", error)
 
