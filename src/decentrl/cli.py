@@ -30,7 +30,10 @@ DEMO_CONFIG = {
     "rollout": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 20},
     # 12 minutes of training leave room for the two evaluations inside the 20-minute budget.
     "train": {"mode": "async", "steps": 1000, "time_budget_s": 720, "loss": "grpo", "lr": 3e-5,
-              "micro_batch_size": 32, "max_staleness": 2},
+              "micro_batch_size": 32, "max_staleness": 2,
+              # A dead training peer costs the steps since the last checkpoint (a few seconds
+              # to write both stages' weights and optimizer state).
+              "checkpoint_every": 5},
     "eval": {"task": {"name": "sums", "options": {"min_digits": 2, "max_digits": 2}},
              "problems": 200, "pass_k": 4, "every": 0},
     # Peers on three continents: every hop 60-120 ms round trip, with jitter.

@@ -213,7 +213,8 @@ class LocalSwarm:
                 self.restart(name)
                 on_event(f"chaos: {name} is back")
             except (RuntimeError, TimeoutError) as error:
-                on_event(f"chaos: {name} did not come back: {error}")
+                if not stop.is_set():  # at the end, shutting the swarm down stops a restart
+                    on_event(f"chaos: {name} did not come back: {error}")
 
     def _remove_sockets(self, child: Child) -> None:
         for path in child.info.get("sockets", []):
