@@ -30,6 +30,17 @@ READY = "DECENTRL-READY"
 INFERENCE_NICENESS = 10
 
 
+def yield_cpu(niceness: int) -> None:
+    """Lower this process's CPU priority, in a child after setsid. Linux puts every session in an
+    autogroup and shares the CPU fairly between autogroups, whatever the nice value of a process
+    inside one: the group's own nice value is what makes a session yield."""
+    os.nice(niceness)
+    try:
+        Path("/proc/self/autogroup").write_text(str(niceness))
+    except OSError:
+        pass  # not Linux, or autogroups are off: the process's nice value is enough
+
+
 def link_profile(config: RunConfig) -> LinkProfile:
     link = config.swarm.link
     return LinkProfile(rtt_ms=link.rtt_ms, jitter_ms=link.jitter_ms,
@@ -157,7 +168,7 @@ class LocalSwarm:
             child.process = subprocess.Popen(
                 [sys.executable, "-m", "decentrl.cli", *child.args], stdout=subprocess.PIPE,
                 stderr=log_file, text=True, start_new_session=True,
-                preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
+                preexec_fn=(lambda: yield_cpu(niceness)) if niceness else None)
         child.info = {}
 
     def _wait_ready(self, child: Child, timeout_s: float) -> None:
