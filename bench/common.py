@@ -166,11 +166,12 @@ def bench_parser(prog: str, doc: str | None, unit: str,
                         help=f"profile one extra {unit} per variant and print the top operators")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    unknown = set(meanings or {}) - {action.dest for action in parser._actions}
+    if unknown:
+        raise ValueError(f"no shared bench options named {sorted(unknown)}")
     for action in parser._actions:
         if meanings and action.dest in meanings:
-            action.help = meanings.pop(action.dest)
-    if meanings:
-        raise ValueError(f"no shared bench options named {sorted(meanings)}")
+            action.help = meanings[action.dest]
     return parser
 
 
