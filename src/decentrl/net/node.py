@@ -284,8 +284,11 @@ class SwarmNode:
                    exact: Mapping[str, torch.Tensor] | None = None
                    ) -> tuple[bytes, dict[str, torch.Tensor]]:
         """One request to `peer` through its emulated link: `tensors` go with `codec` (the
-        activations), `exact` in full precision (log-probs, advantages). Raises RemoteError (the
-        peer failed or timed out), MessageLost, or WireError (a malformed reply)."""
+        activations), `exact` in full precision (log-probs, advantages). A reply that arrives
+        incomplete is asked for again (same request id) a few times. Raises PeerRefused (the peer
+        answered with an error), RemoteError (it timed out or could not be reached), MessageLost
+        (the emulated link dropped the request), or WireError (the reply was malformed every
+        time)."""
         assert self.p2p is not None and self.links is not None
         parts, manifest = encode_tensors(dict(tensors or {}), codec)
         if exact:
