@@ -35,9 +35,9 @@ from decentrl.swarm import client as swarm_client
 from decentrl.swarm.peer import BATCH_FIELDS, StagePeer
 from decentrl.swarm.protocol import (
     CheckpointRequest,
+    ChunkRequest,
     CloseSession,
     Empty,
-    FetchWeights,
     InferenceReply,
     InferenceStep,
     Sampling,
@@ -515,9 +515,12 @@ BAD_REQUESTS: dict[str, tuple[Any, str]] = {
     "train_step bad grad_scale": (lambda c: c.call(c.p0, "train_step",
                                                    TrainStep(grad_scale=float("nan"), version=1)),
                                   r"grad_scale must be in \(0, 1\], got nan"),
-    "fetch_weights of another stage": (lambda c: c.call(c.p0, "fetch_weights",
-                                                        FetchWeights(stage=1)),
-                                       "publishes no weights for stage 1"),
+    "sync_chunk of another stage": (lambda c: c.call(c.p0, "sync_chunk", ChunkRequest(
+        stage=1, kind="delta", version=1, index=0, wait_s=0.0)),
+                                    "this peer serves stage 0, not 1"),
+    "sync_chunk that does not exist": (lambda c: c.call(c.p0, "sync_chunk", ChunkRequest(
+        stage=0, kind="delta", version=3, index=0, wait_s=0.0)),
+                                       "no chunk 0 of delta v3 of stage 0 here"),
     "checkpoint that does not exist": (lambda c: c.call(c.p0, "checkpoint",
                                                         CheckpointRequest("load", 7)),
                                        "no checkpoint .*v7"),
@@ -601,10 +604,10 @@ def test_generation_completes_over_a_lossy_link(tiny_sharp_dir: Path, sharp: Loa
 
 # ---- 7. inference replicas follow their training peer's weights ------------------------------
 
-@pytest.mark.parametrize("codec", ["fp32", "bf16"])
-def test_replica_follows_training_peer_weights(codec: str, tiny_sharp_dir: Path,
-                                               sharp: LoadedModel) -> None:
-    config = tiny_run_config(tiny_sharp_dir, 2, codec=codec, train={"lr": 0.05})
+def test_replica_follows_training_peer_weights(tiny_sharp_dir: Path, sharp: LoadedModel) -> None:
+    # Dense updates: the replicas then hold the trainers' exact weights (sparse updates have
+    # tests of their own in tests/test_sync.py).
+    config = tiny_run_config(tiny_sharp_dir, 2, train={"lr": 0.05}, sync={"mode": "dense"})
     layout = [(0, "training"), (1, "training"), (0, "inference"), (1, "inference")]
     with start_swarm(config, layout) as swarm:
         replicas = [swarm.peer(s, "inference") for s in range(2)]
@@ -614,24 +617,23 @@ def test_replica_follows_training_peer_weights(codec: str, tiny_sharp_dir: Path,
         assert [t.version for t in trainers] == [1, 1]
         for replica, trainer in zip(replicas, trainers):
             assert replica.version == 0 and trainer.trainer is not None
+            assert trainer.publisher is not None
+            trainer.publisher.wait(timeout=30)
             new = trainer.trainer.stage.state_dict()
             assert any(not torch.equal(v, new[k]) for k, v in replica.model.state_dict().items())
             assert replica.node.run(replica.follow_weights(), timeout=30) is True
             assert replica.version == 1
             for name, value in replica.model.state_dict().items():
-                # fp32 weights arrive exactly; with the bf16 codec, as their bf16 rounding.
-                want = new[name] if codec == "fp32" else new[name].to(torch.bfloat16).float()
-                assert torch.equal(value, want), name
+                assert torch.equal(value, new[name]), name
             assert replica.node.run(replica.follow_weights(), timeout=30) is False
         # The remote chain now generates with the new weights (and says so).
         directory = swarm.directory()
         assert {r.version for records in directory.stage_summary() for r in records} == {1}
-        if codec == "fp32":
-            got = run(swarm.chain(sharp.spec.vocab_size))
-            stages = [t.trainer.stage for t in trainers if t.trainer is not None]
-            expected = run(LocalChain(stages))
-            assert_same_generations(got, expected)
-            assert all(g.versions == (1, 1) for g in got)
+        got = run(swarm.chain(sharp.spec.vocab_size))
+        stages = [t.trainer.stage for t in trainers if t.trainer is not None]
+        expected = run(LocalChain(stages))
+        assert_same_generations(got, expected)
+        assert all(g.versions == (1, 1) for g in got)
 
 
 # ---- 8. peers as separate processes ----------------------------------------------------------

@@ -30,8 +30,11 @@ class LinkProfile:
     rtt_ms: tuple[float, float] = (0.0, 0.0)
     # Each one-way trip adds uniform noise in [0, jitter_ms].
     jitter_ms: float = 0.0
-    # Megabits per second in each direction; None is unlimited.
+    # Megabits per second in each direction of one link; None is unlimited.
     bandwidth_mbps: float | None = None
+    # Megabits per second of a peer's whole upload, shared by everything it sends to anyone (a
+    # consumer uplink); None is unlimited.
+    uplink_mbps: float | None = None
     # Probability that a message is lost.
     loss: float = 0.0
     seed: int = 0
@@ -47,11 +50,10 @@ class LinkProfile:
         object.__setattr__(self, "rtt_ms", (low, high))
         if not (math.isfinite(self.jitter_ms) and self.jitter_ms >= 0.0):
             raise ValueError(f"jitter_ms must be finite and >= 0, got {self.jitter_ms}")
-        if self.bandwidth_mbps is not None and not (
-            math.isfinite(self.bandwidth_mbps) and self.bandwidth_mbps > 0.0
-        ):
-            raise ValueError(f"bandwidth_mbps must be None or finite and > 0, "
-                             f"got {self.bandwidth_mbps}")
+        for name in ("bandwidth_mbps", "uplink_mbps"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0.0):
+                raise ValueError(f"{name} must be None or finite and > 0, got {value}")
         if not 0.0 <= self.loss < 1.0:
             raise ValueError(f"loss must be in [0, 1), got {self.loss}")
 
@@ -59,7 +61,7 @@ class LinkProfile:
     def enabled(self) -> bool:
         """False for a perfect link, on which `Link.send` only counts and never sleeps."""
         return (self.rtt_ms[1] > 0.0 or self.jitter_ms > 0.0 or self.bandwidth_mbps is not None
-                or self.loss > 0.0)
+                or self.uplink_mbps is not None or self.loss > 0.0)
 
     def rtt_seconds(self, peer_a: str, peer_b: str) -> float:
         """The round-trip time of the link between two peers. The same whichever side asks, and
@@ -147,6 +149,27 @@ class Link:
                               f"message of {nbytes} bytes")
 
 
+class Uplink:
+    """A peer's upload: one transmission at a time at `uplink_mbps`, whoever it goes to. Requests
+    pass it on the caller's side and replies on the server's, so a peer serving many others
+    shares one uplink among them, as at home."""
+
+    def __init__(self, mbps: float | None) -> None:
+        self.mbps = mbps
+        self.bytes_sent = 0
+        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+
+    async def send(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        if self.mbps is None or nbytes <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock[0] is not loop:
+            self._lock = (loop, asyncio.Lock())
+        async with self._lock[1]:
+            await asyncio.sleep(nbytes * 8 / (self.mbps * 1e6))
+
+
 @dataclass
 class LinkEmulator:
     """The links from one local peer to every remote it talks to, all with the same profile."""
@@ -154,6 +177,9 @@ class LinkEmulator:
     local: str
     profile: LinkProfile = field(default_factory=LinkProfile)
     _links: dict[str, Link] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.uplink = Uplink(self.profile.uplink_mbps)
 
     def link(self, remote: str) -> Link:
         """The link to `remote`, created on first use."""

@@ -243,7 +243,10 @@ class SwarmNode:
                     self._replies.pop(request_id, None)
                     cached.set_exception(error)
                     cached.exception()  # retrieved here; the caller gets it below
-            for response in await asyncio.shield(cached):
+            responses = await asyncio.shield(cached)
+            assert self.links is not None
+            await self.links.uplink.send(message_bytes(responses))
+            for response in responses:
                 yield response
 
         self.run(self.p2p.add_protobuf_handler(f"decentrl.{method}", stream_handler,
@@ -301,6 +304,7 @@ class SwarmNode:
         link = self.links.link(peer)
         try:
             async with asyncio.timeout(timeout):
+                await self.links.uplink.send(message_bytes(requests))
                 await link.send(message_bytes(requests), "out")
                 for attempt in range(TRUNCATED_REPLY_RETRIES + 1):
                     stream = await self.p2p.iterate_protobuf_handler(

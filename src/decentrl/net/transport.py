@@ -1,10 +1,12 @@
-"""The one transport interface. Rollout groups flow from the inference side to the coordinator;
+"""The transport interfaces. Rollout groups flow from the inference side to the coordinator;
 stage weights flow from the trainers to the inference replicas, versioned, one stage at a time.
-Every blocking call takes a timeout, so no caller can wait forever on a peer that went away."""
+In one process (`LocalTransport`) one object carries both; over the swarm rollouts go through
+`HivemindTransport` and weights through their own protocol (sync/distribute.py). Every blocking
+call takes a timeout, so no caller can wait forever on a peer that went away."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -15,7 +17,7 @@ class TransportClosed(RuntimeError):
     """The other side shut the transport down; stop the loop that uses it."""
 
 
-class Transport(Protocol):
+class RolloutTransport(Protocol):
     def put_rollouts(self, group: RolloutGroup, timeout: float) -> bool:
         """Hand a group to the coordinator; False when it could not be queued within `timeout`."""
         ...
@@ -23,6 +25,13 @@ class Transport(Protocol):
     def get_rollouts(self, timeout: float) -> RolloutGroup | None:
         """The next group, or None after `timeout` seconds without one."""
         ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Transport(RolloutTransport, Protocol):
+    """Rollouts and weights in one (the in-process transport)."""
 
     def publish_stage(self, stage: int, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Make `version` of a stage's weights the one replicas should run."""
@@ -34,5 +43,3 @@ class Transport(Protocol):
         `current_version`, else None. "Differs", not "is newer": a trainer that rolls back to a
         checkpoint publishes an older version, and replicas must follow it."""
         ...
-
-    def close(self) -> None: ...

@@ -373,7 +373,7 @@ class SwarmCoordinator:
         while not self.stop.wait(self.config.swarm.announce_every_s):
             try:
                 self.directory.publish_config(self.config.model_dump_json())
-                self.transport.republish()
+                self.transport.announce_inbox()
                 self.directory.refresh()
             except Exception as error:  # noqa: BLE001 - the next round retries
                 log.warning("announce failed: %s", error)

@@ -44,7 +44,8 @@ def yield_cpu(niceness: int) -> None:
 def link_profile(config: RunConfig) -> LinkProfile:
     link = config.swarm.link
     return LinkProfile(rtt_ms=link.rtt_ms, jitter_ms=link.jitter_ms,
-                       bandwidth_mbps=link.bandwidth_mbps, loss=link.loss, seed=config.seed)
+                       bandwidth_mbps=link.bandwidth_mbps, uplink_mbps=link.uplink_mbps,
+                       loss=link.loss, seed=config.seed)
 
 
 def fetch_config(node: SwarmNode, run: str, timeout_s: float) -> RunConfig:

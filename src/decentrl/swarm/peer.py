@@ -2,17 +2,20 @@
 (Petals-style sessions: the client sends the hidden states of new positions, the peer keeps the
 KV cache and returns the next hidden states, or samples at the last stage), training (forward and
 backward of its stage with its own optimizer), or both, and it serves its weights to replicas of
-the same stage.
+the same stage, as compressed updates (sync/).
 
 It announces itself in the DHT (stage, role, version, throughput, free sessions) with an expiry
-and renews the announcement, so the directory forgets a dead peer by itself. An inference replica
-follows the training peer of its stage: when that peer announces another version, the replica
-fetches the weights and swaps them in between two decode steps (the compute thread runs one
-request at a time). A replica that joins mid-run does the same before serving."""
+and renews the announcement, so the directory forgets a dead peer by itself. A training peer publishes
+every version of its stage (`WeightPublisher`); an inference replica follows it
+(`WeightFollower`): it fetches each update (from the other replicas as much as from the
+publisher), checks it, and writes it into its model between two inference requests (the compute
+thread runs one at a time), so generations in flight go on. A replica that joins mid-run catches
+up before serving."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -30,9 +33,9 @@ from decentrl.learn.batch import TrainBatch
 from decentrl.learn.trainer import LossInputs, StageTrainer, loss_config_from
 from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import read_tensors, resolve_model
+from decentrl.model.lora import add_lora, has_lora, lora_tensors
 from decentrl.model.stages import StageCache, StageModule, StagePlan, build_stage
 from decentrl.net.node import Reply, Request, SwarmNode
-from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.net.wire import decode_struct, encode_struct
 from decentrl.rollout.chain import last_position, step_generator
 from decentrl.rollout.sampling import SamplingConfig, sample
@@ -53,6 +56,8 @@ from decentrl.swarm.protocol import (
     stage_key,
 )
 from decentrl.swarm.worker import sampling_config
+from decentrl.sync.delta import PublishedState, TensorChange
+from decentrl.sync.distribute import WeightFollower, WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +82,26 @@ def stage_tensor_names(spec: ModelSpec, plan: StagePlan, index: int) -> set[str]
 
 def load_stage(config: RunConfig, index: int, device: torch.device, dtype: torch.dtype
                ) -> StageModule:
-    """This stage's module, reading only its own tensors from the local model folder."""
+    """This stage's module, reading only its own tensors from the local model folder, with the
+    run's LoRA adapters when it trains only those (seeded: every peer of a stage builds the same
+    ones)."""
     folder = resolve_model(config.model)
     hf_config = json.loads((folder / "config.json").read_text())
     spec = ModelSpec.from_hf_config(hf_config)
     plan = StagePlan.even(spec.num_layers, config.num_stages)
     names = stage_tensor_names(spec, plan, index)
-    return build_stage(spec, plan, index, read_tensors(folder, names.__contains__), device, dtype)
+    stage = build_stage(spec, plan, index, read_tensors(folder, names.__contains__), device,
+                        torch.float32)
+    train = config.train
+    if train.lora_rank > 0:
+        add_lora(stage, train.lora_rank, train.lora_alpha, train.lora_targets, config.seed)
+    return stage.to(dtype)
+
+
+def published_tensors(stage: StageModule) -> dict[str, torch.Tensor]:
+    """What a stage's replicas receive: the adapters in LoRA mode (the rest never changes),
+    else every tensor."""
+    return lora_tensors(stage) if has_lora(stage) else stage.state_dict()
 
 
 @dataclass
@@ -109,14 +127,28 @@ class StagePeer:
         self.trains = role in ("training", "both")
         self.trainer: StageTrainer | None = None
         self.model: StageModule | None = None
+        ttl_s = 5 * config.swarm.announce_every_s
+        self.publisher: WeightPublisher | None = None
+        self.follower: WeightFollower | None = None
         if self.trains:
             master = load_stage(config, stage, self.device, torch.float32)
             self.trainer = StageTrainer(
                 master, config.train, loss_config_from(config.train, config.rollout.max_new_tokens),
                 sampling_config(config.rollout), self.dtype)
             self._resume_from_checkpoint()
+            self.publisher = WeightPublisher(
+                node, config.name, stage, config.sync, self.trainer.version,
+                published_tensors(master), ttl_s, config.swarm.request_timeout_s)
         if self.serves_inference:
-            self.model = load_stage(config, stage, self.device, self.dtype)
+            # The published state (float32, on the CPU) is the exact version-0 state every peer
+            # of the stage builds from the same file; the model serves a copy in the compute dtype.
+            model = load_stage(config, stage, torch.device("cpu"), torch.float32)
+            if self.trainer is None:
+                self.follower = WeightFollower(
+                    node, config.name, stage, config.sync,
+                    PublishedState.of(0, published_tensors(model)), self._commit_update,
+                    config.swarm.request_timeout_s, config.swarm.ban_s)
+            self.model = model.to(self.device, self.dtype)
             if self.trainer is not None:
                 self._copy_from_trainer()
         module = self.model
@@ -130,14 +162,6 @@ class StagePeer:
         self.busy_s = 0.0
         self.weights_follow_error: str | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        # Weights travel through the transport: a training peer publishes every version, a
-        # replica fetches its stage's newest. Replicas run in bf16 at most, so more precision on
-        # the wire would be wasted bytes.
-        self.transport = HivemindTransport(
-            node, config.name,
-            weights_codec="fp32" if config.swarm.activation_codec == "fp32" else "bf16",
-            timeout_s=config.swarm.request_timeout_s,
-            announce_ttl_s=5 * config.swarm.announce_every_s)
 
     @property
     def version(self) -> int:
@@ -173,11 +197,11 @@ class StagePeer:
 
         async def start_tasks() -> None:
             self._tasks.append(asyncio.create_task(self._announce_loop()))
-            if self.serves_inference and not self.trains:
+            if self.follower is not None:
                 self._tasks.append(asyncio.create_task(self._follow_weights_loop()))
-        if self.trainer is not None:
-            self._publish()
-        elif self.serves_inference:
+        if self.publisher is not None:
+            self.publisher.announce()
+        elif self.follower is not None:
             # A replica that joins mid-run takes its stage's current weights before it serves.
             try:
                 self.node.run(self.follow_weights(), timeout=self.config.swarm.request_timeout_s)
@@ -192,6 +216,9 @@ class StagePeer:
                 task.cancel()
         if not self.node._closed:
             self.node.run(cancel(), timeout=10)
+        for server in (self.publisher, self.follower):
+            if server is not None:
+                server.close()
 
     # ---- announcing ----------------------------------------------------------------------
 
@@ -215,7 +242,9 @@ class StagePeer:
             try:
                 self._drop_idle_sessions()
                 await self.announce()
-                await asyncio.get_running_loop().run_in_executor(None, self.transport.republish)
+                if self.publisher is not None:
+                    await asyncio.get_running_loop().run_in_executor(None,
+                                                                     self.publisher.announce)
             except Exception as error:  # noqa: BLE001 - the next round retries
                 log.warning("%s: announce failed: %s", self.name, error)
 
@@ -229,6 +258,7 @@ class StagePeer:
     # ---- following the training peer's weights ------------------------------------------
 
     async def _follow_weights_loop(self) -> None:
+        assert self.follower is not None
         while True:
             try:
                 await self.follow_weights()
@@ -236,34 +266,35 @@ class StagePeer:
             except Exception as error:  # noqa: BLE001 - retried next round
                 self.weights_follow_error = str(error)
                 log.warning("%s: weight update failed: %s", self.name, error)
-            await asyncio.sleep(self.config.swarm.announce_every_s / 2)
+            # A peer asking for a chunk of a newer update wakes the loop before the next round.
+            self.follower.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.follower.wake.wait(),
+                                       self.config.swarm.announce_every_s / 2)
 
     async def follow_weights(self) -> bool:
-        """Load the stage's newest published weights if their version differs from ours (a
-        rolled-back training peer publishes an older one); True if loaded."""
-        loop = asyncio.get_running_loop()
-        # Off the loop and off the compute thread: inference goes on during the download.
-        update = await loop.run_in_executor(None, self.transport.fetch_stage, self.index,
-                                            self.version)
-        if update is None:
+        """Catch up with the stage's publisher (a rolled-back training peer publishes an older
+        version, and replicas follow it); True if the served weights changed."""
+        assert self.follower is not None
+        if not await self.follower.sync_once():
             return False
-        version, tensors = update
-        await self.node.compute(self._load_weights, version, tensors)
         await self.announce()  # the directory learns the new version now, not next round
-        log.info("%s: stage %d weights v%d", self.name, self.index, version)
+        log.info("%s: stage %d weights v%d", self.name, self.index, self.version)
         return True
+
+    def _commit_update(self, version: int, changes: dict[str, TensorChange]) -> None:
+        """Write a checked update into the served model (compute thread, between requests)."""
+        assert self.model is not None
+        params = self.model.state_dict()
+        with torch.no_grad():
+            for name, change in changes.items():
+                flat = params[name].view(-1)
+                flat[change.indices.to(flat.device)] = change.values.to(flat.device, flat.dtype)
+        self.model.version = version
 
     def _load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         assert self.model is not None
         own = self.model.state_dict()
-        if set(tensors) != set(own):
-            missing, extra = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
-            raise PeerError(f"weights for stage {self.index} do not match it: missing "
-                            f"{missing[:3]}, unexpected {extra[:3]}")
-        for name, value in tensors.items():
-            if value.shape != own[name].shape:
-                raise PeerError(f"weight {name} has shape {tuple(value.shape)}, stage "
-                                f"{self.index} needs {tuple(own[name].shape)}")
         with torch.no_grad():
             for name, param in own.items():
                 param.copy_(tensors[name])
@@ -274,10 +305,10 @@ class StagePeer:
         self._load_weights(self.trainer.version, self.trainer.stage.state_dict())
 
     def _publish(self) -> None:
-        """Publish the trainer's weights (runs on the compute thread, between steps)."""
-        assert self.trainer is not None
-        self.transport.publish_stage(self.index, self.trainer.version,
-                                     self.trainer.stage.state_dict())
+        """Publish the trainer's new version (compute thread, between steps: it takes a copy and
+        encodes the update on its own thread)."""
+        assert self.trainer is not None and self.publisher is not None
+        self.publisher.publish(self.trainer.version, published_tensors(self.trainer.stage))
 
     # ---- inference -----------------------------------------------------------------------
 
@@ -532,7 +563,9 @@ class StagePeer:
             await self.node.compute(self._save, body.version)
         else:
             await self.node.compute(self._load, body.version)
-            await self.node.compute(self._publish)
+            assert self.publisher is not None
+            await self.node.compute(self.publisher.reset, body.version,
+                                    published_tensors(trainer.stage))
             await self.announce()
         return Reply(VersionReply(version=trainer.version))
 

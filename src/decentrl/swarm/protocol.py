@@ -54,10 +54,12 @@ class InboxRecord(Body):
 
 
 class WeightsRecord(Body):
-    """A publisher of a stage's weights (subkey: its peer id)."""
+    """A publisher of a stage's weights (subkey: its peer id): its newest version and the hash of
+    the state replicas hold at that version."""
 
     stage: int
     version: int
+    state_hash: str
 
 
 class RolloutsQueued(Body):
@@ -145,13 +147,42 @@ class CheckpointRequest(Body):
     version: int
 
 
-# ---- weights ------------------------------------------------------------------------------
+# ---- weight updates (sync/) ---------------------------------------------------------------
 
-class FetchWeights(Body):
-    """A stage's full weights (a joining replica's state transfer, and weight updates)."""
+class UpdateManifest(Body):
+    """One published update of a stage: which state it applies to and what it makes, and the
+    sha256 of each chunk of its payload, so a chunk is checked before use whoever served it."""
 
     stage: int
-
-
-class WeightsReply(Body):
     version: int
+    kind: Literal["delta", "keyframe"]
+    base_version: int  # the version a delta applies to (-1 for a keyframe)
+    base_hash: str  # the state hash a delta applies to ("" for a keyframe)
+    state_hash: str  # the published state's hash after applying it
+    size: int
+    chunk_size: int
+    chunk_hashes: list[bytes]
+
+
+class SyncPlanRequest(Body):
+    """From a replica to its stage's publisher: I hold (version, hash), how do I catch up?"""
+
+    stage: int
+    version: int
+    state_hash: str
+
+
+class SyncPlan(Body):
+    """The updates to apply in order: deltas from the asker's state, or a keyframe and the deltas
+    after it."""
+
+    version: int
+    manifests: list[UpdateManifest]
+
+
+class ChunkRequest(Body):
+    stage: int
+    kind: Literal["delta", "keyframe"]
+    version: int
+    index: int
+    wait_s: float  # how long a replica that is still fetching this chunk may hold the request

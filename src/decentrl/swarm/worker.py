@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from decentrl.config import RolloutConfig
-from decentrl.net.transport import Transport
+from decentrl.net.transport import RolloutTransport, Transport
 from decentrl.rollout.chain import InferenceChain, LocalChain
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig
@@ -25,7 +25,7 @@ def sampling_config(rollout: RolloutConfig) -> SamplingConfig:
 
 
 class RolloutWorker:
-    def __init__(self, chain: InferenceChain, transport: Transport | None, task: Task,
+    def __init__(self, chain: InferenceChain, transport: RolloutTransport | None, task: Task,
                  tokenizer: Any, rollout: RolloutConfig, scheduler: PromptScheduler,
                  seed: int) -> None:
         self.chain, self.transport, self.task, self.tokenizer = chain, transport, task, tokenizer
@@ -37,7 +37,7 @@ class RolloutWorker:
     def sync_weights(self) -> bool:
         """Load every stage whose published weights are newer than ours; True if any changed.
         A swarm's replicas follow their training peers themselves; nothing to do here."""
-        if not isinstance(self.chain, LocalChain) or self.transport is None:
+        if not isinstance(self.chain, LocalChain) or not isinstance(self.transport, Transport):
             return False
         changed = False
         for index, stage in enumerate(self.chain.stages):

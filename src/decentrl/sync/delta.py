@@ -1,0 +1,304 @@
+"""Compressed weight updates: sparse, quantized deltas with error feedback, and dense keyframes.
+
+A publisher (a stage's training peer) keeps the exact state it has published, `PublishedState`.
+An update is the difference between its current weights and that state, compressed: per tensor the
+`density` fraction of entries that moved most (top-k by magnitude), their values quantized to int8
+in blocks of `QUANT_BLOCK` with one float32 scale each. The published state then advances by
+exactly what was sent (the publisher applies its own payload with the same code a replica runs),
+so whatever was not sent, the entries left out and the quantization error, stays in the next
+difference: error feedback, and nothing is lost over time.
+
+Bit-exactness: a replica and its publisher hold the published state in float32 on the CPU and
+apply a payload with the same elementwise float32 operations (int8 times scale, then one add at
+unique indices), which IEEE 754 rounds the same way on every machine. `state_hash` over the
+tensors' bytes then proves two peers hold the same state.
+
+A keyframe is the dense published state itself: late joiners and peers that fell off the chain
+of deltas start from it.
+
+Payload bytes are msgpack of strict msgspec structs; `decode_payload` checks every field against
+the state it is meant for before anything is applied."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+import numpy as np
+import torch
+
+from decentrl.net.wire import WireError, decode_struct, encode_struct
+
+QUANT_BLOCK = 256  # selected values per int8 scale: 4 bytes of scale per 256 values
+QUANT_LEVELS = 127
+# Entries sampled to find a large tensor's top-k cut-off.
+THRESHOLD_SAMPLE = 2**16
+UpdateKind = Literal["delta", "keyframe"]
+
+
+class SparseTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The sent part of one tensor's delta: sorted flat indices (as LEB128 varints of the gaps),
+    int8 values, float32 scales (one per block of values)."""
+
+    name: str
+    count: int
+    index_gaps: bytes
+    values: bytes
+    scales: bytes
+
+
+class DenseTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    shape: list[int]
+    data: bytes  # float32, little endian
+
+
+class UpdatePayload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kind: UpdateKind
+    sparse: list[SparseTensor] = []
+    dense: list[DenseTensor] = []
+
+
+# ---- the published state ---------------------------------------------------------------------
+
+def state_hash(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, shape and float32 bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" \
+                or not tensor.is_contiguous():
+            raise ValueError(f"published tensor {name} must be contiguous float32 on the CPU, got "
+                             f"{tensor.dtype} on {tensor.device}")
+        digest.update(f"{name}:{tuple(tensor.shape)};".encode())
+        digest.update(memoryview(tensor.numpy()).cast("B"))
+    return digest.hexdigest()
+
+
+@dataclass
+class PublishedState:
+    """The exact weights replicas of a stage hold at `version` (float32, CPU), and their hash."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+    hash: str
+
+    @classmethod
+    def of(cls, version: int, tensors: Mapping[str, torch.Tensor]) -> PublishedState:
+        own = {name: t.detach().to("cpu", torch.float32, copy=True).contiguous()
+               for name, t in tensors.items()}
+        return cls(version, own, state_hash(own))
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.tensors.values())
+
+
+# ---- varints ------------------------------------------------------------------------------------
+
+def encode_varints(values: np.ndarray) -> bytes:
+    """Unsigned LEB128 (7 bits a byte, high bit: more bytes follow), vectorized."""
+    v = values.astype(np.uint64)
+    lengths = np.ones(v.shape, dtype=np.int64)
+    for bits in (7, 14, 21, 28, 35, 42, 49, 56):
+        lengths += v >= np.uint64(1 << bits)
+    starts = np.zeros_like(lengths)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    out = np.empty(int(lengths.sum()), dtype=np.uint8)
+    for j in range(int(lengths.max(initial=0))):
+        has = lengths > j
+        group = (v[has] >> np.uint64(7 * j)) & np.uint64(0x7F)
+        more = (lengths[has] > j + 1).astype(np.uint64) << np.uint64(7)
+        out[starts[has] + j] = (group | more).astype(np.uint8)
+    return out.tobytes()
+
+
+def decode_varints(data: bytes, count: int) -> np.ndarray:
+    raw = np.frombuffer(data, dtype=np.uint8)
+    ends = np.flatnonzero((raw & 0x80) == 0)
+    if len(ends) != count or (len(raw) and ends[-1] != len(raw) - 1):
+        raise WireError(f"index data holds {len(ends)} complete varints, expected {count}")
+    starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.int64)
+    lengths = ends - starts + 1
+    if len(lengths) and lengths.max() > 9:
+        raise WireError("index varint longer than 9 bytes")
+    values = np.zeros(count, dtype=np.uint64)
+    for j in range(int(lengths.max(initial=0))):
+        has = lengths > j
+        values[has] |= (raw[starts[has] + j].astype(np.uint64) & np.uint64(0x7F)) \
+            << np.uint64(7 * j)
+    return values
+
+
+# ---- encoding ---------------------------------------------------------------------------------
+
+def select_top(delta: torch.Tensor, density: float) -> torch.Tensor:
+    """Sorted flat indices of about the `density` fraction of entries largest in magnitude (at
+    least one), skipping exact zeros: nothing to send there. A large tensor's cut-off comes from a
+    fixed sample of its entries (an exact top-k of tens of millions of entries costs seconds of
+    CPU per update); error feedback makes up for a few entries more or less."""
+    magnitude = delta.reshape(-1).abs()
+    k = max(1, math.ceil(density * magnitude.numel()))
+    if k >= magnitude.numel():
+        indices = torch.arange(magnitude.numel())
+    elif magnitude.numel() <= THRESHOLD_SAMPLE:
+        indices = torch.topk(magnitude, k, sorted=False).indices
+    else:
+        sample = magnitude[torch.randint(magnitude.numel(), (THRESHOLD_SAMPLE,),
+                                         generator=torch.Generator().manual_seed(magnitude.numel()))]
+        cut = torch.topk(sample, max(1, round(density * THRESHOLD_SAMPLE))).values[-1]
+        indices = torch.nonzero(magnitude >= cut).reshape(-1)
+    return torch.sort(indices[magnitude[indices] != 0]).values
+
+
+def quantize(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes and one float32 scale per block of QUANT_BLOCK values (absmax / 127)."""
+    blocks = math.ceil(values.numel() / QUANT_BLOCK)
+    padded = torch.zeros(blocks * QUANT_BLOCK, dtype=torch.float32)
+    padded[:values.numel()] = values
+    padded = padded.view(blocks, QUANT_BLOCK)
+    scales = padded.abs().amax(dim=1) / QUANT_LEVELS
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(padded / safe[:, None]).clamp_(-QUANT_LEVELS, QUANT_LEVELS)
+    return codes.to(torch.int8).reshape(-1)[:values.numel()], scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    per_value = scales.repeat_interleave(QUANT_BLOCK)[:codes.numel()]
+    return codes.to(torch.float32) * per_value
+
+
+def encode_delta(published: PublishedState, current: Mapping[str, torch.Tensor],
+                 density: float) -> UpdatePayload:
+    """The compressed difference `current - published` (the published state is not changed)."""
+    if not 0 < density <= 1:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if set(current) != set(published.tensors):
+        raise ValueError(f"current weights {sorted(set(current) ^ set(published.tensors))[:3]} "
+                         "do not match the published state")
+    sparse = []
+    for name in sorted(published.tensors):
+        base = published.tensors[name]
+        value = current[name].detach().to("cpu", torch.float32)
+        if value.shape != base.shape:
+            raise ValueError(f"{name} has shape {tuple(value.shape)}, published "
+                             f"{tuple(base.shape)}")
+        delta = (value - base).reshape(-1)
+        indices = select_top(delta, density)
+        if indices.numel() == 0:
+            continue
+        codes, scales = quantize(delta[indices])
+        gaps = np.diff(indices.numpy(), prepend=-1) - 1
+        sparse.append(SparseTensor(name=name, count=indices.numel(),
+                                   index_gaps=encode_varints(gaps),
+                                   values=codes.numpy().tobytes(),
+                                   scales=scales.numpy().astype("<f4").tobytes()))
+    return UpdatePayload(kind="delta", sparse=sparse)
+
+
+def encode_keyframe(published: PublishedState) -> UpdatePayload:
+    return UpdatePayload(kind="keyframe", dense=[
+        DenseTensor(name=name, shape=list(t.shape), data=t.numpy().astype("<f4").tobytes())
+        for name, t in sorted(published.tensors.items())])
+
+
+def payload_bytes(payload: UpdatePayload) -> bytes:
+    return encode_struct(payload)
+
+
+# ---- decoding and applying ------------------------------------------------------------------
+
+@dataclass
+class TensorChange:
+    """What one update did to one tensor: where, the new values, and the old ones (undo)."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    old: torch.Tensor
+
+
+def decode_payload(data: bytes, shapes: Mapping[str, torch.Size]) -> UpdatePayload:
+    """A payload checked against the state it will be applied to (`shapes`: name -> shape)."""
+    payload = decode_struct(data, UpdatePayload)
+    if payload.kind == "keyframe":
+        names = [t.name for t in payload.dense]
+        if payload.sparse or sorted(names) != sorted(shapes) or len(set(names)) != len(names):
+            raise WireError(f"keyframe tensors {sorted(set(names) ^ set(shapes))[:3]} do not "
+                            "match the stage's")
+        for tensor in payload.dense:
+            expected = shapes[tensor.name]
+            if tuple(tensor.shape) != tuple(expected) \
+                    or len(tensor.data) != 4 * math.prod(expected):
+                raise WireError(f"keyframe tensor {tensor.name}: shape {tensor.shape} with "
+                                f"{len(tensor.data)} bytes, the stage needs {tuple(expected)}")
+        return payload
+    if payload.dense:
+        raise WireError("a delta carries no dense tensors")
+    seen = set()
+    for tensor in payload.sparse:
+        if tensor.name not in shapes or tensor.name in seen:
+            raise WireError(f"delta for unknown or repeated tensor {tensor.name!r}")
+        seen.add(tensor.name)
+        numel = math.prod(shapes[tensor.name])
+        blocks = math.ceil(tensor.count / QUANT_BLOCK)
+        if not 0 < tensor.count <= numel or len(tensor.values) != tensor.count \
+                or len(tensor.scales) != 4 * blocks:
+            raise WireError(f"delta for {tensor.name}: {tensor.count} entries with "
+                            f"{len(tensor.values)} values and {len(tensor.scales)} scale bytes "
+                            f"(the tensor has {numel} entries)")
+    return payload
+
+
+def _sparse_change(tensor: SparseTensor, state: torch.Tensor) -> TensorChange:
+    gaps = decode_varints(tensor.index_gaps, tensor.count)
+    # Gaps are checked before they are summed, so a forged huge gap cannot wrap around.
+    if gaps.max() >= state.numel() or \
+            (positions := np.cumsum(gaps + np.uint64(1), dtype=np.uint64) - np.uint64(1))[-1] \
+            >= state.numel():
+        raise WireError(f"delta for {tensor.name}: index out of range of its "
+                        f"{state.numel()} entries")
+    indices = torch.from_numpy(positions.astype(np.int64))
+    scales = torch.from_numpy(np.frombuffer(tensor.scales, dtype="<f4").astype(np.float32))
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise WireError(f"delta for {tensor.name}: scales must be finite and >= 0")
+    codes = torch.from_numpy(np.frombuffer(tensor.values, dtype=np.int8).copy())
+    flat = state.view(-1)
+    old = flat[indices].clone()
+    return TensorChange(indices, old + dequantize(codes, scales), old)
+
+
+def apply_payload(state: PublishedState, payload: UpdatePayload, version: int
+                  ) -> dict[str, TensorChange]:
+    """Apply a decoded payload to `state` in place (new version; the hash is the caller's to
+    recompute and check). Returns what changed, so a replica can copy just those entries into its
+    model and undo them if the hash disagrees. Every tensor is checked before any is changed."""
+    changes: dict[str, TensorChange] = {}
+    if payload.kind == "keyframe":
+        for dense in payload.dense:
+            values = torch.from_numpy(np.frombuffer(dense.data, dtype="<f4").astype(np.float32))
+            if not bool(torch.isfinite(values).all()):
+                raise WireError(f"keyframe tensor {dense.name} has non-finite values")
+            target = state.tensors[dense.name]
+            changes[dense.name] = TensorChange(torch.arange(target.numel()), values,
+                                               target.reshape(-1).clone())
+    else:
+        for sparse in payload.sparse:
+            change = _sparse_change(sparse, state.tensors[sparse.name])
+            if not bool(torch.isfinite(change.values).all()):
+                raise WireError(f"delta for {sparse.name} makes non-finite weights")
+            changes[sparse.name] = change
+    for name, change in changes.items():
+        state.tensors[name].view(-1)[change.indices] = change.values
+    state.version = version
+    return changes
+
+
+def undo_changes(state: PublishedState, changes: Mapping[str, TensorChange], version: int,
+                 hash_: str) -> None:
+    """Put back what `apply_payload` changed (the state it was applied to had `version`, `hash_`)."""
+    for name, change in changes.items():
+        state.tensors[name].view(-1)[change.indices] = change.old
+    state.version, state.hash = version, hash_

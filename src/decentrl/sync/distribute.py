@@ -1,0 +1,500 @@
+"""Getting a stage's new weights to every inference replica of that stage, over consumer uplinks.
+
+The stage's training peer runs a `WeightPublisher`: after every optimizer step it encodes an
+update against the state it has published (sync/delta.py), cuts the payload into chunks, hashes
+each, and announces (stage, version, state hash) in the DHT. Every `keyframe_every` versions, and
+after a rollback, it also keeps a keyframe (the dense published state).
+
+Each replica runs a `WeightFollower`. It asks the publisher for a plan from the state it holds:
+the chain of deltas after its (version, hash), or, when it is not on that chain (a late joiner,
+a rollback, a corrupt state), the latest keyframe and the deltas after it. Chunks spread like a
+swarm: the replicas of the stage, sorted by peer id, each own every n-th chunk, which they take
+from the publisher; every other chunk they take from its owner, which holds the request open
+while it is still fetching that chunk itself. So the publisher's uplink carries each update about
+once, each replica's about once, and the time to reach every replica stays nearly flat as
+replicas are added. A chunk whose owner fails or serves bad bytes comes from the publisher
+instead; a peer whose chunk does not match its hash is banned for `ban_s`.
+
+A replica applies an update to its own float32 copy of the published state, checks the state hash
+the manifest promised, and only then writes the changed entries into the model it serves, on its
+compute thread between two inference requests: generations in flight go on, and every reply says
+which version produced it. A hash mismatch puts the old values back and asks for a keyframe.
+
+Bytes sent and received are counted per update and per peer (`traffic`)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from decentrl.config import SyncConfig
+from decentrl.net.link import MessageLost
+from decentrl.net.node import RemoteError, Reply, Request, SwarmNode
+from decentrl.net.wire import WireError, decode_struct, encode_struct
+from decentrl.swarm.protocol import (
+    ChunkRequest,
+    PeerRecord,
+    SyncPlan,
+    SyncPlanRequest,
+    UpdateManifest,
+    WeightsRecord,
+    stage_key,
+    weights_key,
+)
+from decentrl.sync.delta import (
+    PublishedState,
+    TensorChange,
+    UpdateKind,
+    apply_payload,
+    decode_payload,
+    encode_delta,
+    encode_keyframe,
+    payload_bytes,
+    state_hash,
+    undo_changes,
+)
+
+log = logging.getLogger(__name__)
+
+MIN_CHUNK_BYTES = 16 * 2**10
+MAX_CHUNK_BYTES = 2 * 2**20
+# Updates a replica keeps to serve others besides its newest keyframe.
+KEPT_UPDATES = 4
+
+
+class SyncError(RuntimeError):
+    """An update could not be fetched or did not check out; the follower tries again later."""
+
+
+def chunk_size_for(size: int, chunks: int) -> int:
+    return min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, math.ceil(size / chunks)))
+
+
+@dataclass
+class StoredUpdate:
+    """An update's manifest and as much of its payload as this peer holds, with its traffic."""
+
+    manifest: UpdateManifest
+    data: bytearray
+    have: list[bool]
+    sent: Counter[str] = field(default_factory=Counter)
+    received: Counter[str] = field(default_factory=Counter)
+
+    @classmethod
+    def empty(cls, manifest: UpdateManifest) -> StoredUpdate:
+        return cls(manifest, bytearray(manifest.size), [False] * len(manifest.chunk_hashes))
+
+    @classmethod
+    def whole(cls, manifest: UpdateManifest, payload: bytes) -> StoredUpdate:
+        return cls(manifest, bytearray(payload), [True] * len(manifest.chunk_hashes))
+
+    @property
+    def key(self) -> tuple[UpdateKind, int]:
+        return self.manifest.kind, self.manifest.version
+
+    def span(self, index: int) -> slice:
+        start = index * self.manifest.chunk_size
+        return slice(start, min(start + self.manifest.chunk_size, self.manifest.size))
+
+    def chunk(self, index: int) -> bytes:
+        return bytes(self.data[self.span(index)])
+
+    def put(self, index: int, data: bytes) -> None:
+        self.data[self.span(index)] = data
+        self.have[index] = True
+
+    @property
+    def complete(self) -> bool:
+        return all(self.have)
+
+
+def make_update(stage: int, version: int, kind: UpdateKind, base: tuple[int, str],
+                state_hash_after: str, payload: bytes, chunks: int) -> StoredUpdate:
+    size = chunk_size_for(len(payload), chunks)
+    hashes = [hashlib.sha256(payload[i:i + size]).digest() for i in range(0, len(payload), size)]
+    manifest = UpdateManifest(stage=stage, version=version, kind=kind, base_version=base[0],
+                              base_hash=base[1], state_hash=state_hash_after, size=len(payload),
+                              chunk_size=size, chunk_hashes=hashes)
+    return StoredUpdate.whole(manifest, payload)
+
+
+@dataclass
+class TrafficRow:
+    kind: UpdateKind
+    version: int
+    peer: str
+    sent: int
+    received: int
+
+
+class UpdateServer:
+    """What publishers and followers share: the updates this peer holds, served chunk by chunk
+    (sync_chunk), and the traffic they caused. Its state lives on the node's loop."""
+
+    def __init__(self, node: SwarmNode, run: str, stage: int, sync: SyncConfig) -> None:
+        self.node, self.run, self.stage, self.sync = node, run, stage, sync
+        self.updates: OrderedDict[tuple[UpdateKind, int], StoredUpdate] = OrderedDict()
+        self._arrived: asyncio.Condition | None = None
+        node.serve("sync_chunk", self._serve_chunk)
+
+    def _condition(self) -> asyncio.Condition:
+        if self._arrived is None:
+            self._arrived = asyncio.Condition()
+        return self._arrived
+
+    def expects(self, kind: UpdateKind, version: int) -> bool:
+        """Whether a chunk of this update, missing now, may still arrive here (followers say yes
+        for updates newer than their state)."""
+        return False
+
+    async def _serve_chunk(self, request: Request) -> Reply:
+        body = decode_struct(request.body, ChunkRequest)
+        if body.stage != self.stage:
+            raise WireError(f"this peer serves stage {self.stage}, not {body.stage}")
+        key = (body.kind, body.version)
+
+        def ready() -> bool:
+            update = self.updates.get(key)
+            return update is not None and 0 <= body.index < len(update.have) \
+                and update.have[body.index]
+        if not ready() and body.wait_s > 0 and self.expects(body.kind, body.version):
+            condition = self._condition()
+            async with condition:
+                try:
+                    await asyncio.wait_for(condition.wait_for(ready),
+                                           min(body.wait_s, self.sync.chunk_wait_s))
+                except TimeoutError:
+                    pass
+        update = self.updates.get(key)
+        if update is None or not ready():
+            raise WireError(f"no chunk {body.index} of {body.kind} v{body.version} of stage "
+                            f"{self.stage} here")
+        data = update.chunk(body.index)
+        update.sent[request.sender] += len(data)
+        return Reply(None, {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8)})
+
+    async def add(self, update: StoredUpdate) -> None:
+        self.updates[update.key] = update
+        self.updates.move_to_end(update.key)
+        await self._notify()
+
+    async def _notify(self) -> None:
+        condition = self._condition()
+        async with condition:
+            condition.notify_all()
+
+    def traffic(self) -> list[TrafficRow]:
+        """Bytes sent and received, per update held and per peer (updates dropped are gone)."""
+        rows = []
+        for (kind, version), update in list(self.updates.items()):
+            for peer in sorted(set(update.sent) | set(update.received)):
+                rows.append(TrafficRow(kind, version, peer, update.sent[peer],
+                                       update.received[peer]))
+        return rows
+
+    def close(self) -> None:
+        self.node.unserve("sync_chunk")
+
+
+class WeightPublisher(UpdateServer):
+    """A training peer's side: one stage's published state, its deltas and latest keyframe."""
+
+    def __init__(self, node: SwarmNode, run: str, stage: int, sync: SyncConfig, version: int,
+                 tensors: Mapping[str, torch.Tensor], announce_ttl_s: float,
+                 timeout_s: float = 60.0) -> None:
+        super().__init__(node, run, stage, sync)
+        self.ttl_s, self.timeout_s = announce_ttl_s, timeout_s
+        self.state = PublishedState.of(version, tensors)
+        self.keyframe: StoredUpdate | None = None
+        # Encoding runs on its own thread, one update after another (each builds on the last),
+        # so the compute thread goes back to training at once.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"publish-{stage}")
+        self._lock = threading.Lock()
+        node.serve("sync_plan", self._serve_plan)
+        self._store_keyframe()
+
+    # ---- publishing (from the compute thread) ---------------------------------------------
+
+    def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
+        """Publish `version` of the weights (a private copy is taken before this returns)."""
+        snapshot = {name: t.detach().to("cpu", torch.float32, copy=True)
+                    for name, t in tensors.items()}
+        return self._encoder.submit(self._encode, version, snapshot)
+
+    def reset(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
+        """Start over from these weights (a rollback to a checkpoint): a new keyframe, no deltas."""
+        snapshot = {name: t.detach().to("cpu", torch.float32, copy=True)
+                    for name, t in tensors.items()}
+        return self._encoder.submit(self._restart, version, snapshot)
+
+    def _restart(self, version: int, snapshot: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self.state = PublishedState.of(version, snapshot)
+        self.node.run(self._drop_all(), timeout=self.timeout_s)
+        self._store_keyframe()
+        self.announce()
+
+    async def _drop_all(self) -> None:
+        self.updates.clear()
+
+    def _encode(self, version: int, snapshot: dict[str, torch.Tensor]) -> None:
+        started = time.perf_counter()
+        if self.sync.mode == "dense":
+            self._restart(version, snapshot)
+            return
+        base = (self.state.version, self.state.hash)
+        payload = encode_delta(self.state, snapshot, self.sync.density)
+        with self._lock:
+            # The same code a replica runs on the same payload: both sides stay bit-identical.
+            apply_payload(self.state, payload, version)
+            self.state.hash = state_hash(self.state.tensors)
+        update = make_update(self.stage, version, "delta", base, self.state.hash,
+                             payload_bytes(payload), self.sync.chunks_per_update)
+        self.node.run(self._add_delta(update), timeout=self.timeout_s)
+        if version % self.sync.keyframe_every == 0:
+            self._store_keyframe()
+        self.announce()
+        log.info("stage %d v%d: delta of %d bytes in %.2fs", self.stage, version,
+                 update.manifest.size, time.perf_counter() - started)
+
+    async def _add_delta(self, update: StoredUpdate) -> None:
+        await self.add(update)
+        deltas = [key for key in self.updates if key[0] == "delta"]
+        for key in deltas[:-self.sync.keyframe_every]:
+            del self.updates[key]
+
+    def _store_keyframe(self) -> None:
+        with self._lock:
+            payload = payload_bytes(encode_keyframe(self.state))
+            version, hash_ = self.state.version, self.state.hash
+        update = make_update(self.stage, version, "keyframe", (-1, ""), hash_, payload,
+                             self.sync.chunks_per_update)
+        old = self.keyframe
+        self.keyframe = update
+
+        async def swap() -> None:
+            if old is not None:
+                self.updates.pop(old.key, None)
+            await self.add(update)
+        self.node.run(swap(), timeout=self.timeout_s)
+
+    def wait(self, timeout: float) -> None:
+        """Until every update submitted so far is published."""
+        self._encoder.submit(lambda: None).result(timeout)
+
+    # ---- announcing and planning ----------------------------------------------------------
+
+    def announce(self) -> None:
+        with self._lock:
+            record = WeightsRecord(stage=self.stage, version=self.state.version,
+                                   state_hash=self.state.hash)
+        self.node.run(self.node.announce(weights_key(self.run, self.stage), self.node.peer_id,
+                                         encode_struct(record), self.ttl_s),
+                      timeout=self.timeout_s)
+
+    async def _serve_plan(self, request: Request) -> Reply:
+        body = decode_struct(request.body, SyncPlanRequest)
+        if body.stage != self.stage:
+            raise WireError(f"this peer publishes stage {self.stage}, not {body.stage}")
+        return Reply(self.plan(body.version, body.state_hash))
+
+    def plan(self, version: int, hash_: str) -> SyncPlan:
+        """The updates that take a replica at (version, hash) to the newest published state."""
+        deltas = {v: u.manifest for (kind, v), u in self.updates.items() if kind == "delta"}
+        newest = max((u.manifest for u in self.updates.values()), key=lambda m: m.version)
+        if (version, hash_) == (newest.version, newest.state_hash):
+            return SyncPlan(version=newest.version, manifests=[])
+        chain, at, current = [], version, hash_
+        while at + 1 in deltas and deltas[at + 1].base_hash == current:
+            chain.append(deltas[at + 1])
+            at, current = at + 1, deltas[at + 1].state_hash
+        if at == newest.version:
+            return SyncPlan(version=newest.version, manifests=chain)
+        assert self.keyframe is not None
+        start = self.keyframe.manifest
+        after = [deltas[v] for v in sorted(deltas) if v > start.version]
+        return SyncPlan(version=newest.version, manifests=[start, *after])
+
+    def close(self) -> None:
+        self._encoder.shutdown(wait=True, cancel_futures=True)
+        self.node.unserve("sync_plan")
+        super().close()
+
+
+Commit = Callable[[int, dict[str, TensorChange]], None]
+
+
+class WeightFollower(UpdateServer):
+    """An inference replica's side: it holds the stage's published state (float32, CPU) and
+    follows the publisher, committing each checked update into the served model via `commit`
+    (run on the compute thread)."""
+
+    def __init__(self, node: SwarmNode, run: str, stage: int, sync: SyncConfig,
+                 state: PublishedState, commit: Commit, timeout_s: float, ban_s: float) -> None:
+        super().__init__(node, run, stage, sync)
+        self.state, self.commit = state, commit
+        self.timeout_s, self.ban_s = timeout_s, ban_s
+        self.banned: dict[str, float] = {}
+        self.bad_chunks = 0
+        self.hash_mismatches = 0
+        self._want_keyframe = False
+        self.wake = asyncio.Event()
+
+    def expects(self, kind: UpdateKind, version: int) -> bool:
+        if version > self.state.version:
+            self.wake.set()  # someone already fetches a newer update: look for it now
+            return True
+        return False
+
+    async def sync_once(self) -> bool:
+        """Catch up with the stage's publisher; True if the served weights changed."""
+        publishers = await self._publishers()
+        if not publishers or (publishers[0][1].version, publishers[0][1].state_hash) == \
+                (self.state.version, self.state.hash):
+            return False
+        errors = []
+        for peer, _ in publishers:
+            try:
+                raw, _ = await self.node.call(
+                    peer, "sync_plan", SyncPlanRequest(
+                        stage=self.stage, version=self.state.version,
+                        state_hash="" if self._want_keyframe else self.state.hash),
+                    timeout=self.timeout_s)
+                plan = decode_struct(raw, SyncPlan)
+            except (RemoteError, MessageLost, WireError) as error:
+                errors.append(f"{peer[-8:]}: {error}")
+                continue
+            for manifest in plan.manifests:
+                await self._fetch_and_apply(manifest, peer)
+            return bool(plan.manifests)
+        raise SyncError(f"no publisher of stage {self.stage} answered: {'; '.join(errors)}")
+
+    async def _publishers(self) -> list[tuple[str, WeightsRecord]]:
+        entries = await self.node.lookup(weights_key(self.run, self.stage))
+        found = []
+        for peer, raw in entries.items():
+            try:
+                record = decode_struct(raw, WeightsRecord)
+            except WireError:
+                continue
+            if record.stage == self.stage:
+                found.append((peer, record))
+        return sorted(found, key=lambda item: item[1].version, reverse=True)
+
+    async def _replicas(self) -> list[str]:
+        """The inference replicas of this stage (this one included), sorted by peer id."""
+        entries = await self.node.lookup(stage_key(self.run, self.stage))
+        peers = {self.node.peer_id}
+        for peer, raw in entries.items():
+            try:
+                record = decode_struct(raw, PeerRecord)
+            except WireError:
+                continue
+            if record.stage == self.stage and record.role == "inference":
+                peers.add(peer)
+        return sorted(peers)
+
+    def _is_banned(self, peer: str) -> bool:
+        return self.banned.get(peer, 0.0) > time.monotonic()
+
+    async def _fetch_and_apply(self, manifest: UpdateManifest, publisher: str) -> None:
+        if manifest.stage != self.stage:
+            raise SyncError(f"plan for stage {self.stage} holds an update of stage "
+                            f"{manifest.stage}")
+        key = (manifest.kind, manifest.version)
+        update = self.updates.get(key)
+        if update is None or update.manifest != manifest:
+            update = StoredUpdate.empty(manifest)
+            await self.add(update)
+        if not update.complete:
+            await self._fetch(update, publisher)
+        loop = asyncio.get_running_loop()
+        changes = await loop.run_in_executor(None, self._apply, manifest, bytes(update.data))
+        await self.node.compute(self.commit, manifest.version, changes)
+        self._forget_old()
+
+    async def _fetch(self, update: StoredUpdate, publisher: str) -> None:
+        replicas = [p for p in await self._replicas() if not self._is_banned(p)]
+        me = self.node.peer_id
+        count = len(update.have)
+        rank = replicas.index(me) if me in replicas else 0
+        # Own chunks first (they come from the publisher and others wait for them).
+        order = sorted(range(count), key=lambda j: (j - rank) % len(replicas))
+        slots = asyncio.Semaphore(self.sync.parallel_fetches)
+
+        async def get(index: int) -> None:
+            owner = replicas[index % len(replicas)]
+            sources = [publisher] if owner == me else [owner, publisher]
+            async with slots:
+                for source in sources:
+                    if self._is_banned(source) or update.have[index]:
+                        continue
+                    if await self._fetch_chunk(update, index, source):
+                        return
+            if not update.have[index]:
+                raise SyncError(f"chunk {index} of {update.manifest.kind} "
+                                f"v{update.manifest.version} came from none of "
+                                f"{[s[-8:] for s in sources]}")
+        await asyncio.gather(*(get(index) for index in order))
+
+    async def _fetch_chunk(self, update: StoredUpdate, index: int, source: str) -> bool:
+        manifest = update.manifest
+        request = ChunkRequest(stage=self.stage, kind=manifest.kind, version=manifest.version,
+                               index=index, wait_s=self.sync.chunk_wait_s)
+        try:
+            _, tensors = await self.node.call(source, "sync_chunk", request,
+                                              timeout=self.timeout_s + self.sync.chunk_wait_s)
+        except (RemoteError, MessageLost, WireError) as error:
+            log.debug("chunk %d of v%d from %s: %s", index, manifest.version, source[-8:], error)
+            return False
+        data = tensors.get("data")
+        raw = b"" if data is None or data.dtype != torch.uint8 else data.numpy().tobytes()
+        update.received[source] += len(raw)
+        if hashlib.sha256(raw).digest() != manifest.chunk_hashes[index]:
+            self.bad_chunks += 1
+            self.banned[source] = time.monotonic() + self.ban_s
+            log.warning("stage %d: %s served a bad chunk %d of %s v%d; banned for %.0fs",
+                        self.stage, source[-8:], index, manifest.kind, manifest.version,
+                        self.ban_s)
+            return False
+        update.put(index, raw)
+        await self._notify()
+        return True
+
+    def _apply(self, manifest: UpdateManifest, data: bytes) -> dict[str, TensorChange]:
+        """Apply a fetched update to the published state and check its hash (a worker thread;
+        the served model is not touched here)."""
+        if manifest.kind == "delta" and (manifest.base_version, manifest.base_hash) != \
+                (self.state.version, self.state.hash):
+            raise SyncError(f"delta v{manifest.version} applies to v{manifest.base_version}, this "
+                            f"replica holds v{self.state.version}")
+        payload = decode_payload(data, {n: t.shape for n, t in self.state.tensors.items()})
+        before = (self.state.version, self.state.hash)
+        changes = apply_payload(self.state, payload, manifest.version)
+        after = state_hash(self.state.tensors)
+        if after != manifest.state_hash:
+            undo_changes(self.state, changes, *before)
+            self.hash_mismatches += 1
+            self._want_keyframe = True
+            raise SyncError(f"stage {self.stage} v{manifest.version}: state hash {after[:12]} "
+                            f"after applying, the publisher promised {manifest.state_hash[:12]}; "
+                            "undone, resynchronizing from a keyframe")
+        self.state.hash = after
+        self._want_keyframe = False
+        return changes
+
+    def _forget_old(self) -> None:
+        deltas = [key for key in self.updates if key[0] == "delta"]
+        keyframes = [key for key in self.updates if key[0] == "keyframe"]
+        for key in deltas[:-KEPT_UPDATES] + keyframes[:-1]:
+            del self.updates[key]
