@@ -66,7 +66,7 @@ from decentrl.sync.delta import (
 
 log = logging.getLogger(__name__)
 
-MIN_CHUNK_BYTES = 16 * 2**10
+MIN_CHUNK_BYTES = 2**10
 MAX_CHUNK_BYTES = 2 * 2**20
 # Updates a replica keeps to serve others besides its newest keyframe.
 KEPT_UPDATES = 4
@@ -348,6 +348,7 @@ class WeightFollower(UpdateServer):
         self.bad_chunks = 0
         self.hash_mismatches = 0
         self._want_keyframe = False
+        self._sync_lock: asyncio.Lock | None = None
         self.wake = asyncio.Event()
 
     def expects(self, kind: UpdateKind, version: int) -> bool:
@@ -357,7 +358,14 @@ class WeightFollower(UpdateServer):
         return False
 
     async def sync_once(self) -> bool:
-        """Catch up with the stage's publisher; True if the served weights changed."""
+        """Catch up with the stage's publisher; True if the served weights changed. One sync at a
+        time: two would apply the same update twice."""
+        if self._sync_lock is None:
+            self._sync_lock = asyncio.Lock()
+        async with self._sync_lock:
+            return await self._sync()
+
+    async def _sync(self) -> bool:
         publishers = await self._publishers()
         if not publishers or (publishers[0][1].version, publishers[0][1].state_hash) == \
                 (self.state.version, self.state.hash):

@@ -1,0 +1,299 @@
+"""Weight updates (sync/): the sparse int8 codec with error feedback, keyframes, and their
+distribution to replicas over the swarm (chunks from each other, hashes checked, bad peers
+banned, corrupt states never served)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from decentrl.net.wire import WireError, encode_struct
+from decentrl.swarm.peer import StagePeer
+from decentrl.sync.delta import (
+    PublishedState,
+    SparseTensor,
+    UpdatePayload,
+    apply_payload,
+    decode_payload,
+    decode_varints,
+    encode_delta,
+    encode_keyframe,
+    encode_varints,
+    payload_bytes,
+    state_hash,
+)
+from decentrl.sync.distribute import SyncError
+from swarm_helpers import start_swarm, tiny_run_config
+
+# ---- the codec --------------------------------------------------------------------------------
+
+
+def test_varints_round_trip_and_refuse_truncated_data() -> None:
+    values = np.array([0, 1, 127, 128, 300, 16383, 16384, 2**31 - 1, 2**40, 5], dtype=np.uint64)
+    data = encode_varints(values)
+    assert np.array_equal(decode_varints(data, len(values)), values)
+    assert len(encode_varints(np.array([127], dtype=np.uint64))) == 1
+    assert len(encode_varints(np.array([128], dtype=np.uint64))) == 2
+    with pytest.raises(WireError, match="complete varints"):
+        decode_varints(data[:-1], len(values))
+    with pytest.raises(WireError, match="complete varints"):
+        decode_varints(data, len(values) + 1)
+
+
+def random_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": 0.1 * torch.randn(64, 48, generator=g),
+            "b.weight": 0.1 * torch.randn(300, generator=g),
+            "c.bias": 0.1 * torch.randn(7, generator=g)}
+
+
+def shapes_of(state: PublishedState) -> dict[str, torch.Size]:
+    return {name: t.shape for name, t in state.tensors.items()}
+
+
+def send(publisher: PublishedState, replica: PublishedState, weights: dict[str, torch.Tensor],
+         version: int, density: float) -> int:
+    """One update from publisher to replica through bytes, as the swarm does; returns its size."""
+    payload = encode_delta(publisher, weights, density)
+    apply_payload(publisher, payload, version)
+    publisher.hash = state_hash(publisher.tensors)
+    data = payload_bytes(payload)
+    apply_payload(replica, decode_payload(data, shapes_of(replica)), version)
+    replica.hash = state_hash(replica.tensors)
+    return len(data)
+
+
+def gap(weights: dict[str, torch.Tensor], state: PublishedState) -> float:
+    return max(float((weights[n] - state.tensors[n]).abs().max()) for n in weights)
+
+
+def test_error_feedback_keeps_replica_bit_identical_and_the_gap_bounded() -> None:
+    weights = random_state(0)
+    publisher, replica = PublishedState.of(0, weights), PublishedState.of(0, weights)
+    g = torch.Generator().manual_seed(1)
+    drift = {n: 1e-3 * torch.randn(t.shape, generator=g) for n, t in weights.items()}
+    gaps = []
+    for version in range(1, 61):
+        # Weights that keep moving the same way plus noise, like an optimizer's steps.
+        weights = {n: t + drift[n] + 2e-4 * torch.randn(t.shape, generator=g)
+                   for n, t in weights.items()}
+        send(publisher, replica, weights, version, density=0.05)
+        assert replica.hash == publisher.hash and replica.version == version
+        assert all(torch.equal(replica.tensors[n], publisher.tensors[n]) for n in weights)
+        gaps.append(gap(weights, publisher))
+    # Bounded: the gap levels off instead of growing with the number of updates.
+    assert max(gaps[40:]) < 1.5 * max(gaps[10:20])
+
+    # Without error feedback (each update only the top 5% of that step's own change) the
+    # untransmitted rest piles up: the gap keeps growing.
+    naive, previous = PublishedState.of(0, random_state(0)), random_state(0)
+    g = torch.Generator().manual_seed(1)
+    naive_gaps, moving = [], random_state(0)
+    for version in range(1, 61):
+        moving = {n: t + drift[n] + 2e-4 * torch.randn(t.shape, generator=g)
+                  for n, t in moving.items()}
+        step_only = {n: naive.tensors[n] + (moving[n] - previous[n]) for n in moving}
+        apply_payload(naive, encode_delta(naive, step_only, 0.05), version)
+        previous = moving
+        naive_gaps.append(gap(moving, naive))
+    assert naive_gaps[-1] > 5 * gaps[-1]
+
+    # Nothing is lost: once the weights stop, further updates carry the rest over.
+    before = gap(weights, publisher)
+    for version in range(61, 161):
+        send(publisher, replica, weights, version, density=0.05)
+    assert gap(weights, publisher) < 1e-2 * before
+    assert replica.hash == publisher.hash
+
+
+def test_delta_is_small_and_a_keyframe_restores_the_exact_state() -> None:
+    weights = {**random_state(2), "big.weight": torch.randn(512, 512)}
+    publisher, replica = PublishedState.of(0, weights), PublishedState.of(0, weights)
+    moved = {n: t + 1e-3 * torch.randn(t.shape) for n, t in weights.items()}
+    size = send(publisher, replica, moved, 1, density=0.01)
+    # An int8 value and one or two bytes of index per entry sent, 1% of the entries: more than
+    # 50x under dense bf16's two bytes per entry.
+    assert size < 2 * publisher.numel() / 50
+    late = PublishedState.of(0, {n: torch.zeros(t.shape) for n, t in weights.items()})
+    keyframe = payload_bytes(encode_keyframe(publisher))
+    apply_payload(late, decode_payload(keyframe, shapes_of(late)), 1)
+    assert state_hash(late.tensors) == publisher.hash
+
+
+def bad_sparse(**fields: object) -> bytes:
+    good = dict(name="b.weight", count=2, index_gaps=encode_varints(np.array([3, 4])),
+                values=bytes([1, 2]), scales=np.float32([0.1]).tobytes())
+    return encode_struct(UpdatePayload(kind="delta", sparse=[SparseTensor(**{**good, **fields})]))
+
+
+@pytest.mark.parametrize(("data", "error"), [
+    (b"\x00garbage", "bad UpdatePayload message"),
+    (bad_sparse(name="nope"), "unknown or repeated tensor 'nope'"),
+    (bad_sparse(count=0), "0 entries"),
+    (bad_sparse(values=bytes([1])), "2 entries with 1 values"),
+    (bad_sparse(scales=b""), "0 scale bytes"),
+    (bad_sparse(index_gaps=encode_varints(np.array([3, 2**40]))), "index out of range"),
+    (bad_sparse(index_gaps=encode_varints(np.array([298, 5]))), "index out of range"),
+    (bad_sparse(scales=np.float32([np.nan]).tobytes()), "scales must be finite"),
+    (encode_struct(UpdatePayload(kind="keyframe")), "do not match the stage's"),
+])
+def test_bad_payloads_are_refused_and_change_nothing(data: bytes, error: str) -> None:
+    state = PublishedState.of(0, random_state(3))
+    before = {n: t.clone() for n, t in state.tensors.items()}
+    with pytest.raises(WireError, match=error):
+        apply_payload(state, decode_payload(data, shapes_of(state)), 1)
+    assert state.version == 0
+    assert all(torch.equal(before[n], state.tensors[n]) for n in before)
+
+
+# ---- over the swarm ---------------------------------------------------------------------------
+
+def fake_step(trainer_peer: StagePeer, seed: int) -> None:
+    """Stand-in for an optimizer step on a training peer: move its weights, publish the version."""
+    assert trainer_peer.trainer is not None and trainer_peer.publisher is not None
+    stage = trainer_peer.trainer.stage
+    g = torch.Generator().manual_seed(seed)
+
+    def step() -> None:
+        with torch.no_grad():
+            for param in stage.parameters():
+                if param.requires_grad:
+                    param.add_(0.01 * torch.randn(param.shape, generator=g))
+        stage.version += 1
+        trainer_peer._publish()
+    trainer_peer.node.run(trainer_peer.node.compute(step), timeout=30)
+    trainer_peer.publisher.wait(timeout=30)
+
+
+def follow_all(replicas: list[StagePeer]) -> list[bool]:
+    """Every replica syncs at the same time, as their follow loops would."""
+    with ThreadPoolExecutor(len(replicas)) as pool:
+        return list(pool.map(lambda r: r.node.run(r.follow_weights(), timeout=60), replicas))
+
+
+def assert_serves_published(replica: StagePeer, trainer_peer: StagePeer) -> None:
+    assert replica.follower is not None and trainer_peer.publisher is not None
+    published = trainer_peer.publisher.state
+    assert replica.follower.state.hash == published.hash
+    assert replica.version == published.version
+    model = replica.model.state_dict() if replica.model is not None else {}
+    for name, value in published.tensors.items():
+        assert torch.equal(model[name].float(), value), name
+
+
+def sync_config(model_dir: Path, **sync: object) -> object:
+    return tiny_run_config(model_dir, 1, sync={"density": 0.5, "chunk_wait_s": 1.0, **sync})
+
+
+def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
+    config = sync_config(tiny_sharp_dir)
+    layout = [(0, "training"), (0, "inference"), (0, "inference"), (0, "inference")]
+    with start_swarm(config, layout) as swarm:
+        trainer_peer, replicas = swarm.peer(0, "training"), swarm.peers[1:]
+        assert follow_all(replicas) == [False] * 3  # everyone starts from the same file
+        for step in range(1, 4):
+            fake_step(trainer_peer, step)
+            # (A replica asked for a chunk of a version it lacks wakes up and syncs on its own, so
+            # which of these calls did the work varies.)
+            follow_all(replicas)
+            for replica in replicas:
+                assert_serves_published(replica, trainer_peer)
+            assert trainer_peer.publisher is not None
+            rows = [r for r in trainer_peer.publisher.traffic() if r.version == step
+                    and r.kind == "delta"]
+            size = trainer_peer.publisher.updates[("delta", step)].manifest.size
+            chunks = len(trainer_peer.publisher.updates[("delta", step)].manifest.chunk_hashes)
+            assert chunks >= 6
+            # The publisher's uplink carried the update about once, not once per replica...
+            assert sum(r.sent for r in rows) < 1.5 * size
+            # ...and every replica received all of it, most from the other replicas.
+            for replica in replicas:
+                assert replica.follower is not None
+                got = [r for r in replica.follower.traffic() if r.version == step]
+                assert sum(r.received for r in got) == size
+            from_replicas = sum(r.received for replica in replicas if replica.follower
+                                for r in replica.follower.traffic()
+                                if r.version == step and r.peer != trainer_peer.node.peer_id)
+            assert from_replicas > size
+
+
+def test_late_joiner_catches_up_from_keyframe_and_deltas(tiny_sharp_dir: Path) -> None:
+    config = sync_config(tiny_sharp_dir, keyframe_every=3)
+    with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
+        trainer_peer = swarm.peer(0, "training")
+        for step in range(1, 6):
+            fake_step(trainer_peer, step)
+        late = swarm.add(0, "inference")  # joins at v5: keyframe v3, then deltas v4 and v5
+        assert_serves_published(late, trainer_peer)
+        assert late.follower is not None
+        fetched = {(r.kind, r.version) for r in late.follower.traffic() if r.received}
+        assert fetched == {("keyframe", 3), ("delta", 4), ("delta", 5)}
+        # The first replica, five deltas behind, woke up when the late one asked it for chunks
+        # of a version it did not have yet, and caught up as well.
+        first = swarm.peer(0, "inference")
+        first.node.run(first.follow_weights(), timeout=60)
+        assert_serves_published(first, trainer_peer)
+
+
+def test_corrupt_chunk_is_refetched_and_its_server_banned(tiny_sharp_dir: Path) -> None:
+    config = sync_config(tiny_sharp_dir, chunk_wait_s=0.0)
+    with start_swarm(config, [(0, "training"), (0, "inference"), (0, "inference")]) as swarm:
+        trainer_peer = swarm.peer(0, "training")
+        honest, victim = swarm.peer(0, "inference", 0), swarm.peer(0, "inference", 1)
+        fake_step(trainer_peer, 1)
+        assert honest.node.run(honest.follow_weights(), timeout=60)
+        assert honest.follower is not None and victim.follower is not None
+        stored = honest.follower.updates[("delta", 1)]
+        stored.data[:] = bytes(len(stored.data))  # every chunk it serves is now wrong
+        assert victim.node.run(victim.follow_weights(), timeout=60)
+        assert_serves_published(victim, trainer_peer)
+        assert victim.follower.bad_chunks >= 1
+        assert honest.node.peer_id in victim.follower.banned
+
+
+def test_wrong_state_hash_is_undone_and_resynced_from_a_keyframe(tiny_sharp_dir: Path) -> None:
+    config = sync_config(tiny_sharp_dir, keyframe_every=1)
+    with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
+        trainer_peer, replica = swarm.peer(0, "training"), swarm.peer(0, "inference")
+        assert trainer_peer.publisher is not None and replica.follower is not None
+        before = {n: t.clone() for n, t in replica.model.state_dict().items()}
+        fake_step(trainer_peer, 1)
+        update = trainer_peer.publisher.updates[("delta", 1)]
+        honest_manifest = update.manifest
+        # A publisher that promises the wrong state after its delta.
+        update.manifest = type(honest_manifest)(**{
+            **{f: getattr(honest_manifest, f) for f in honest_manifest.__struct_fields__},
+            "state_hash": "0" * 64})
+        with pytest.raises(SyncError, match="undone, resynchronizing from a keyframe"):
+            replica.node.run(replica.follow_weights(), timeout=60)
+        # Never served: the model and the published state are what they were.
+        assert replica.version == 0 and replica.follower.state.version == 0
+        assert all(torch.equal(before[n], t) for n, t in replica.model.state_dict().items())
+        assert replica.follower.hash_mismatches == 1
+        update.manifest = honest_manifest
+        assert replica.node.run(replica.follow_weights(), timeout=60) is True
+        assert_serves_published(replica, trainer_peer)
+        assert {(r.kind, r.version) for r in replica.follower.traffic() if r.received} >= \
+            {("keyframe", 1)}
+
+
+def test_lora_mode_publishes_only_the_adapters(tiny_sharp_dir: Path) -> None:
+    config = tiny_run_config(tiny_sharp_dir, 1, train={"lora_rank": 2},
+                             sync={"density": 0.5})
+    with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
+        trainer_peer, replica = swarm.peer(0, "training"), swarm.peer(0, "inference")
+        assert trainer_peer.publisher is not None and trainer_peer.trainer is not None
+        names = set(trainer_peer.publisher.state.tensors)
+        assert names and all("lora" in name for name in names)
+        full = sum(p.numel() for p in trainer_peer.trainer.stage.parameters())
+        assert trainer_peer.publisher.state.numel() < full / 3
+        base = {n: t.clone() for n, t in replica.model.state_dict().items() if n not in names}
+        fake_step(trainer_peer, 1)
+        assert replica.node.run(replica.follow_weights(), timeout=60) is True
+        assert_serves_published(replica, trainer_peer)
+        assert all(torch.equal(base[n], replica.model.state_dict()[n]) for n in base)
+
