@@ -8,7 +8,24 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# The projections of a decoder layer that can carry LoRA adapters (model/lora.py). Kept here, not
+# in model/lora.py, so reading a config does not import torch.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def check_lora_targets(targets: tuple[str, ...]) -> tuple[str, ...]:
+    """`targets` if it names at least one known projection, each once; else a ValueError."""
+    if not targets:
+        raise ValueError(f"LoRA needs at least one target projection; valid: {list(LORA_TARGETS)}")
+    for target in targets:
+        if target not in LORA_TARGETS:
+            raise ValueError(f"unknown LoRA target {target!r}; valid: {list(LORA_TARGETS)}")
+    repeated = sorted({t for t in targets if targets.count(t) > 1})
+    if repeated:
+        raise ValueError(f"LoRA targets {repeated} are listed more than once")
+    return targets
 
 
 class Section(BaseModel):
@@ -52,6 +69,16 @@ class TrainConfig(Section):
     decoupled: bool = True
     max_staleness: int = Field(2, ge=0, description="drop rollouts more versions behind than this")
     checkpoint_every: int = Field(25, ge=1)
+    lora_rank: int = Field(0, ge=0, description="0: full fine-tuning; >0: train only rank-r "
+                           "adapters (model/lora.py)")
+    lora_alpha: float = Field(16.0, gt=0, description="adapter scale is lora_alpha / lora_rank")
+    lora_targets: tuple[str, ...] = Field(LORA_TARGETS, description="projections of every layer "
+                                          "that get adapters")
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _check_lora_targets(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
+        return check_lora_targets(targets)
 
 
 class EvalConfig(Section):
@@ -70,7 +97,10 @@ class LinkConfig(Section):
     rtt_ms: tuple[float, float] = Field((0.0, 0.0), description="round trip per link, drawn "
                                         "uniformly from this range once per pair of peers")
     jitter_ms: float = Field(0.0, ge=0)
-    bandwidth_mbps: float | None = Field(None, gt=0, description="None: unlimited")
+    bandwidth_mbps: float | None = Field(None, gt=0, description="per link and direction; "
+                                         "None: unlimited")
+    uplink_mbps: float | None = Field(None, gt=0, description="a peer's whole upload, shared by "
+                                      "everything it sends; None: unlimited")
     loss: float = Field(0.0, ge=0, lt=1, description="probability a message is lost")
 
     @model_validator(mode="after")
@@ -99,6 +129,22 @@ class SwarmConfig(Section):
     inference_replicas: int = Field(2, ge=1, description="per stage, for the local launcher")
 
 
+class SyncConfig(Section):
+    """How a stage's new weights reach its inference replicas (sync/)."""
+
+    mode: Literal["sparse", "dense"] = Field("sparse", description="sparse: top-k int8 deltas "
+                                             "with error feedback; dense: a keyframe every version")
+    density: float = Field(0.01, gt=0, le=1, description="fraction of each tensor's entries an "
+                           "update carries")
+    keyframe_every: int = Field(50, ge=1, description="versions between dense keyframes (late "
+                                "joiners and recovery start from the latest)")
+    chunks_per_update: int = Field(32, ge=1, description="an update is cut into about this many "
+                                   "hashed chunks that replicas fetch from each other")
+    parallel_fetches: int = Field(8, ge=1, description="chunk requests a replica keeps in flight")
+    chunk_wait_s: float = Field(2.0, ge=0, description="how long a replica holds a request for "
+                                "a chunk it is still fetching itself")
+
+
 class RunConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     run_dir: Path = Path("runs")
@@ -113,6 +159,7 @@ class RunConfig(Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     swarm: SwarmConfig = SwarmConfig()
+    sync: SyncConfig = SyncConfig()
 
     @model_validator(mode="after")
     def _check_consistency(self) -> RunConfig:

@@ -112,8 +112,12 @@ class StageTrainer:
         self.autocast_dtype = autocast_dtype
         self.base_lr = train.lr
         self.warmup_steps = train.warmup_steps
+        # Only what trains: with LoRA the frozen base weights get neither gradients nor Adam state.
+        self.params = [p for p in stage.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError(f"stage {stage.index} has no parameter that requires a gradient")
         self.optimizer = torch.optim.AdamW(
-            stage.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
+            self.params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
         )
         self.saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
@@ -171,7 +175,7 @@ class StageTrainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def grad_square_norm(self) -> float:
-        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return 0.0
         # Per-tensor norms on the device, one host sync, the sum of squares in float64.
@@ -188,7 +192,7 @@ class StageTrainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.base_lr * min(1.0, step / self.warmup_steps)
         if grad_scale != 1.0:
-            for p in self.stage.parameters():
+            for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
         self.optimizer.step()

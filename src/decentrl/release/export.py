@@ -2,11 +2,13 @@
 
 The folder loads with `transformers.AutoModelForCausalLM` and `AutoTokenizer`. The head and the
 embedding were untied when the stages were built (see model/stages.py), so the exported config says
-`tie_word_embeddings: false` and the checkpoint carries both matrices.
+`tie_word_embeddings: false` and the checkpoint carries both matrices. LoRA stages are exported
+with their adapters merged into the weights: the folder is a plain model.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -18,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from decentrl.model.loading import load_model
+from decentrl.model.lora import has_lora, merge_lora
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 
 EXPORT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -63,6 +66,16 @@ def merge_stage_tensors(stages: list[StageModule], num_layers: int) -> dict[str,
     return merged
 
 
+def plain_stage(stage: StageModule) -> StageModule:
+    """`stage` itself, or for a LoRA stage a copy with the adapters merged (the caller's stage
+    keeps its adapters, and may keep training)."""
+    if not has_lora(stage):
+        return stage
+    merged = copy.deepcopy(stage)
+    merge_lora(merged)
+    return merged
+
+
 def export_config(hf_config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     config = dict(hf_config)
     config.pop("quantization_config", None)
@@ -99,7 +112,7 @@ def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], token
     extra_files = extra_files or {}
     for name in extra_files:
         check_extra_name(name)
-    merged = merge_stage_tensors(stages, num_layers)
+    merged = merge_stage_tensors([plain_stage(stage) for stage in stages], num_layers)
     tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
                for name, t in sorted(merged.items())}
 

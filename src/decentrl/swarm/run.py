@@ -4,7 +4,11 @@ by default: the worker keeps generating with the weights it has while the learne
 picks up each new version between generations. `mode = "sync"` alternates instead.
 
 A run folder holds the config it ran with, metrics.jsonl (one line per step and per evaluation),
-eval_before.json / eval_after.json, checkpoints/ (resumable), and final/ (a Hugging Face folder)."""
+eval_before.json / eval_after.json, checkpoints/ (resumable), and final/ (a Hugging Face folder).
+
+With `train.lora_rank > 0` every stage, the learner's and the replicas', carries the same LoRA
+adapters (the replicas' are overwritten by the learner's, so their state dicts must match); only
+the adapters train, and the final export merges them."""
 
 from __future__ import annotations
 
@@ -19,11 +23,12 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from decentrl.config import RunConfig
+from decentrl.config import RunConfig, TrainConfig
 from decentrl.device import compute_dtype, pick_device
 from decentrl.evaluate.runner import EvalResult, evaluate
 from decentrl.learn.trainer import PipelineTrainer, latest_checkpoint, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
+from decentrl.model.lora import add_lora
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.net.local import LocalTransport
 from decentrl.release.export import export_hf_folder
@@ -83,6 +88,14 @@ def copy_weights(source: list[StageModule], target: LocalChain) -> None:
         target.load_stage(index, stage.version, stage.state_dict())
 
 
+def with_lora(stages: list[StageModule], train: TrainConfig, seed: int) -> list[StageModule]:
+    """`stages`, with LoRA adapters added when the config trains adapters."""
+    if train.lora_rank > 0:
+        for stage in stages:
+            add_lora(stage, train.lora_rank, train.lora_alpha, train.lora_targets, seed)
+    return stages
+
+
 class LocalRun:
     def __init__(self, config: RunConfig, console: Console | None = None,
                  model: LoadedModel | None = None) -> None:
@@ -101,14 +114,20 @@ class LocalRun:
         self.eval_task: Task = make_task(config.eval.task.name, **config.eval.task.options)
         tensors = self.model.tensors
         # fp32 master weights for the learner; the inference replicas run in the compute dtype.
-        learner = build_stages(spec, self.plan, tensors, self.device, torch.float32)
+        learner = with_lora(build_stages(spec, self.plan, tensors, self.device, torch.float32),
+                            config.train, config.seed)
+        # The KL reference is the base model: no adapters.
         reference = (build_stages(spec, self.plan, tensors, self.device, self.dtype)
                      if config.train.kl_coef > 0 else None)
         self.trainer = PipelineTrainer.local(
             learner, config.train, loss_config_from(config.train, config.rollout.max_new_tokens),
             sampling_config(config.rollout), self.dtype, reference)
-        self.chain = LocalChain(build_stages(spec, self.plan, tensors, self.device, self.dtype))
-        self.eval_chain = LocalChain(build_stages(spec, self.plan, tensors, self.device, self.dtype))
+
+        def replica() -> LocalChain:
+            stages = build_stages(spec, self.plan, tensors, self.device, self.dtype)
+            return LocalChain(with_lora(stages, config.train, config.seed))
+
+        self.chain, self.eval_chain = replica(), replica()
         # Room for the batches allowed in flight by the staleness bound, no more.
         groups_in_flight = config.rollout.prompts_per_step * max(1, config.train.max_staleness)
         self.transport = LocalTransport(max_queued_groups=groups_in_flight)

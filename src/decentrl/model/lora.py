@@ -1,0 +1,118 @@
+"""LoRA: train only low-rank adapters next to frozen projections, publish only those, and fold them
+into the weights for export.
+
+A projection y = x W^T + b becomes y = x W^T + b + (x A^T) B^T * alpha / rank, A [rank, in] and
+B [out, rank]. B starts at zero, so a fresh adapter leaves the model exactly as it was; A starts
+random (PEFT's init), so the first gradient of B is not zero.
+
+Names: `LoRALinear` keeps the frozen projection's `weight` and `bias` as its own parameters, so a
+LoRA stage's state dict holds the same base names as a plain stage (they map to Hugging Face names
+unchanged) plus `...<proj>.lora_a` and `...<proj>.lora_b`. `merge_lora` turns a LoRA stage back into
+a plain one, state dict and all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decentrl.config import LORA_TARGETS, check_lora_targets
+from decentrl.model.blocks import DecoderLayer
+from decentrl.model.stages import StageModule
+
+ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
+
+
+class LoRALinear(nn.Module):
+    """A frozen `nn.Linear` plus a trainable low-rank update."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator) -> None:
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.rank, self.scale = rank, alpha / rank
+        # The base's own Parameter objects: no copy, and the state dict names stay those of a
+        # plain projection.
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        # PEFT's init, kaiming_uniform_(a=sqrt(5)), is uniform in +-1/sqrt(in_features). Drawn in
+        # fp32 on the CPU from `generator`, so the adapters are the same on every device.
+        bound = 1.0 / math.sqrt(self.in_features)
+        a = (torch.rand(rank, self.in_features, generator=generator) * 2 - 1) * bound
+        device, dtype = base.weight.device, base.weight.dtype
+        self.lora_a = nn.Parameter(a.to(device=device, dtype=dtype))
+        self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        # Two thin matmuls, never the dense B @ A: rank << in, out.
+        return base + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+
+    def merged(self) -> nn.Linear:
+        """The plain projection with the update folded into its weight (in place)."""
+        with torch.no_grad():
+            # fp32 math, one rounding to the weight's dtype at the end.
+            update = (self.lora_b.float() @ self.lora_a.float()) * self.scale
+            self.weight.copy_((self.weight.float() + update).to(self.weight.dtype))
+        with torch.device("meta"):  # allocates nothing; the parameters are set just below
+            linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear.weight, linear.bias = self.weight, self.bias
+        return linear
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"rank={self.rank}, scale={self.scale:g}")
+
+
+def adapter_generator(seed: int, layer: int, target: str) -> torch.Generator:
+    """The generator of one projection's A. Seeded by the layer's index in the whole model (not
+    the stage's) and the projection's name, so every adapter differs, and none depends on how the
+    model is split into stages or on which other projections have adapters."""
+    return torch.Generator().manual_seed(
+        (seed * 2**16 + layer) * len(LORA_TARGETS) + LORA_TARGETS.index(target))
+
+
+def add_lora(stage: StageModule, rank: int, alpha: float, targets: Sequence[str],
+             seed: int) -> None:
+    """Wrap the `targets` projections of every layer of `stage` in adapters and freeze every
+    other parameter of the stage (embedding, norms and head included)."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    if not alpha > 0:
+        raise ValueError(f"LoRA alpha must be > 0, got {alpha}")
+    targets = check_lora_targets(tuple(targets))
+    if has_lora(stage):
+        raise ValueError(f"stage {stage.index} already has LoRA adapters")
+    for layer_id, layer in zip(stage.layer_ids, stage.layers):
+        assert isinstance(layer, DecoderLayer)
+        for target in targets:
+            block = layer.self_attn if hasattr(layer.self_attn, target) else layer.mlp
+            generator = adapter_generator(seed, layer_id, target)
+            setattr(block, target, LoRALinear(getattr(block, target), rank, alpha, generator))
+    for name, param in stage.named_parameters():
+        param.requires_grad_(name.endswith(ADAPTER_SUFFIXES))
+
+
+def has_lora(stage: StageModule) -> bool:
+    return any(isinstance(module, LoRALinear) for module in stage.modules())
+
+
+def lora_tensors(stage: StageModule) -> dict[str, torch.Tensor]:
+    """The adapter tensors of `stage` under their state dict names, sharing the parameters'
+    storage (empty without LoRA)."""
+    return {name: tensor for name, tensor in stage.state_dict().items()
+            if name.endswith(ADAPTER_SUFFIXES)}
+
+
+def merge_lora(stage: StageModule) -> None:
+    """Fold every adapter into its base weight and put the plain projection back, so `stage` is a
+    plain stage again (its parameters keep their requires_grad flags)."""
+    wrapped = [name for name, module in stage.named_modules() if isinstance(module, LoRALinear)]
+    for name in wrapped:
+        parent_name, _, attribute = name.rpartition(".")
+        parent = stage.get_submodule(parent_name)
+        lora = getattr(parent, attribute)
+        setattr(parent, attribute, lora.merged())
