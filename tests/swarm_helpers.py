@@ -267,9 +267,6 @@ class _ObservedSession:
         self.steps += 1
         return out
 
-    def versions(self) -> tuple[int, ...]:
-        return self.session.versions()
-
     def close(self) -> None:
         if self.owner.before_close is not None:
             self.owner.before_close(self.session)

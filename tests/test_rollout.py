@@ -14,7 +14,7 @@ from decentrl.config import TrainConfig
 from decentrl.learn.batch import build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
-from decentrl.rollout.chain import LocalChain
+from decentrl.rollout.chain import LocalChain, StepResult
 from decentrl.rollout.generate import Generation, generate, left_pad
 from decentrl.rollout.sampling import SamplingConfig, sample, sampling_logprobs, transformed_logits
 from decentrl.rollout.types import Rollout
@@ -204,7 +204,7 @@ class ScriptedSession:
         self.closed = False
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
-             sampling: SamplingConfig, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+             sampling: SamplingConfig, seed: int | None) -> StepResult:
         step = len(self.calls)
         if step == self.fail_at:
             raise RuntimeError("peer went away")
@@ -212,10 +212,7 @@ class ScriptedSession:
         logits = torch.full((len(self.script), self.vocab), -30.0)
         for row, tokens_of_row in enumerate(self.script):
             logits[row, tokens_of_row[step]] = 30.0
-        return sample(logits, sampling, None)
-
-    def versions(self) -> tuple[int, ...]:
-        return (0,)
+        return StepResult(*sample(logits, sampling, None), (0,))
 
     def close(self) -> None:
         self.closed = True

@@ -4,7 +4,13 @@ import math
 
 import pytest
 
-from decentrl.evaluate.stats import Accuracy, mean_interval, pass_at_k, wilson_interval
+from decentrl.evaluate.stats import (
+    Accuracy,
+    difference_interval,
+    mean_interval,
+    pass_at_k,
+    wilson_interval,
+)
 
 # With z = 1.96 and n = 10: z^2 / n = 3.8416 / 10 = 0.38416, denominator 1 + 0.38416 = 1.38416.
 
@@ -83,3 +89,12 @@ def test_accuracy_formatting() -> None:
     assert accuracy.n == 10
     assert accuracy.as_percent() == "50.0% [23.7, 76.3]"
     assert Accuracy.from_values([0.2, 0.4, 0.6]).as_percent() == "40.0% [17.4, 62.6]"
+
+
+def test_difference_interval_matches_newcombe() -> None:
+    # Newcombe (1998), Table II, example (a): 56/70 vs 48/80 -> 0.2000 [0.0524, 0.3339].
+    low, high = difference_interval(56, 70, 48, 80, z=1.959964)
+    assert low == pytest.approx(0.0524, abs=1e-4) and high == pytest.approx(0.3339, abs=1e-4)
+    # Equal proportions: an interval around 0, symmetric.
+    low, high = difference_interval(30, 100, 30, 100)
+    assert low == pytest.approx(-high) and low < 0 < high

@@ -14,17 +14,19 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup
+from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, VersionSpan
 from decentrl.swarm.store import SCHEMA_VERSION, DuplicateGroup, RunStore, StoreError
 
 
-def scored(group_id: str, problem_index: int = 0, versions: tuple[int, ...] = (3, 2)
-           ) -> ScoredGroup:
+def scored(group_id: str, problem_index: int = 0) -> ScoredGroup:
     rollouts = [Rollout(prompt_tokens=[1, 2, 3], completion_tokens=[4, 5 + i],
                         behaviour_logprobs=[-0.5, -1.25 - i], finished=i % 2 == 0,
                         completion_text=f"answer {i}") for i in range(2)]
+    # Stage 0 moved from version 3 to 4 after the first token.
+    spans = [VersionSpan(start=0, versions=[3, 2]), VersionSpan(start=1, versions=[4, 2])]
     group = RolloutGroup(group_id=group_id, task="arith", problem_index=problem_index,
-                         stage_versions=list(versions), sampling_seed=7, rollouts=rollouts)
+                         stage_versions=[3, 2], version_spans=spans, sampling_seed=7,
+                         rollouts=rollouts)
     return ScoredGroup(group=group, rewards=[1.0, 0.0], correct=[1.0, 0.0])
 
 
@@ -265,3 +267,12 @@ def test_foreign_or_newer_database_is_refused(tmp_path: Path) -> None:
     db.close()
     with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}"):
         RunStore(newer)
+
+    older = tmp_path / "older.sqlite"
+    RunStore(older).close()
+    db = sqlite3.connect(older)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION - 1}")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="older decentrl .*start a new run"):
+        RunStore(older)

@@ -140,6 +140,8 @@ class SyncConfig(Section):
                                 "joiners and recovery start from the latest)")
     chunks_per_update: int = Field(32, ge=1, description="an update is cut into about this many "
                                    "hashed chunks that replicas fetch from each other")
+    peer_exchange: bool = Field(True, description="replicas fetch chunks from each other; off: "
+                                "every replica downloads every update from the publisher")
     parallel_fetches: int = Field(8, ge=1, description="chunk requests a replica keeps in flight")
     chunk_wait_s: float = Field(2.0, ge=0, description="how long a replica holds a request for "
                                 "a chunk it is still fetching itself")

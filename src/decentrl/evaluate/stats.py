@@ -30,6 +30,19 @@ def wilson_interval(successes: int, trials: int, z: float = Z_95) -> tuple[float
     return max(0.0, center - half_width), min(1.0, center + half_width)
 
 
+def difference_interval(successes_a: int, trials_a: int, successes_b: int, trials_b: int,
+                        z: float = Z_95) -> tuple[float, float]:
+    """Interval for p_a - p_b of two independent proportions: Newcombe's hybrid score method
+    (method 10 of Newcombe 1998), built from the two Wilson intervals. It holds 0 when the
+    difference is not significant."""
+    p_a, p_b = successes_a / trials_a, successes_b / trials_b
+    low_a, high_a = wilson_interval(successes_a, trials_a, z)
+    low_b, high_b = wilson_interval(successes_b, trials_b, z)
+    difference = p_a - p_b
+    return (difference - math.sqrt((p_a - low_a) ** 2 + (high_b - p_b) ** 2),
+            difference + math.sqrt((high_a - p_a) ** 2 + (p_b - low_b) ** 2))
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021).
 

@@ -1,11 +1,12 @@
 """The inference side of a chain of stages. A session holds one KV cache per stage for a batch of
-sequences; hidden states hop stage to stage and the last stage samples, so only token ids and their
-behaviour log-probs come back (never a [batch, vocab] logits tensor). `LocalChain` runs every stage
-in this process; the swarm's chain (swarm/client.py) runs the same protocol over the network."""
+sequences; hidden states hop stage to stage and the last stage samples, so only token ids, their
+behaviour log-probs and the weight versions that computed them come back (never a [batch, vocab]
+logits tensor). `LocalChain` runs every stage in this process; the swarm's chain
+(swarm/client.py) runs the same protocol over the network."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -21,15 +22,19 @@ def step_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     return torch.Generator(device=device).manual_seed(seed % 2**63)
 
 
+class StepResult(NamedTuple):
+    tokens: torch.Tensor  # [B], the sampled next token of every row
+    logprobs: torch.Tensor  # [B], their behaviour log-probs
+    versions: tuple[int, ...]  # the weight version of every stage that computed this step
+
+
 class InferenceSession(Protocol):
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
-             sampling: SamplingConfig, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+             sampling: SamplingConfig, seed: int | None) -> StepResult:
         """Feed new positions [B, T]; sample the next token of every row from the last new
-        position. Returns (tokens [B], behaviour log-probs [B])."""
-        ...
-
-    def versions(self) -> tuple[int, ...]:
-        """The weight version of every stage, the oldest that served this session."""
+        position. A stage's weights may change between two steps of a session (the step after
+        the change attends to keys and values the old weights cached): each step reports the
+        versions that computed it."""
         ...
 
     def close(self) -> None: ...
@@ -60,17 +65,15 @@ class LocalSession:
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
-             sampling: SamplingConfig, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+             sampling: SamplingConfig, seed: int | None) -> StepResult:
         if self.caches is None:
             raise RuntimeError("session is closed")
         x = tokens
         for stage, cache in zip(self.stages, self.caches):
             x = stage(x, positions, key_valid, cache,
                       head_positions=last_position(tokens) if stage.is_last else None)
-        return sample(x, sampling, step_generator(seed, x.device))
-
-    def versions(self) -> tuple[int, ...]:
-        return tuple(stage.version for stage in self.stages)
+        return StepResult(*sample(x, sampling, step_generator(seed, x.device)),
+                          tuple(stage.version for stage in self.stages))
 
     def close(self) -> None:
         self.caches = None
@@ -95,7 +98,10 @@ class LocalChain:
         return LocalSession(self.stages, batch, max_length)
 
     def load_stage(self, index: int, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Replace one stage's weights (between generations) and record their version."""
+        """Replace one stage's weights and record their version. Open sessions carry on: their
+        next step runs with the new weights and reports their version. Call it between steps,
+        never while a step runs (sessions on other threads share these weights unlocked, so that
+        their forward passes run side by side)."""
         stage = self.stages[index]
         with torch.no_grad():
             for name, param in stage.state_dict().items():

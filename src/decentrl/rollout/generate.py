@@ -8,6 +8,7 @@ import torch
 
 from decentrl.rollout.chain import InferenceChain
 from decentrl.rollout.sampling import SamplingConfig
+from decentrl.rollout.types import VersionSpan, oldest_versions
 
 
 @dataclass
@@ -15,7 +16,22 @@ class Generation:
     tokens: list[int]
     logprobs: list[float]  # behaviour log-prob of each token, under the sampled distribution
     finished: bool  # ended with a stop token rather than at max_new_tokens
-    versions: tuple[int, ...]  # weight version of every stage (the oldest that served the row)
+    spans: list[VersionSpan]  # the weights that sampled the tokens (only spans that cover one)
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """Per stage, the oldest weight version that sampled a token of this row."""
+        return tuple(oldest_versions(self.spans))
+
+
+def version_spans(step_versions: list[tuple[int, ...]]) -> list[VersionSpan]:
+    """Spans from the versions of each step (step i sampled completion token i): a new span
+    wherever they change."""
+    spans: list[VersionSpan] = []
+    for index, versions in enumerate(step_versions):
+        if not spans or tuple(spans[-1].versions) != versions:
+            spans.append(VersionSpan(start=index, versions=list(versions)))
+    return spans
 
 
 def step_seed(seed: int | None, step: int) -> int | None:
@@ -50,7 +66,9 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
              sampling: SamplingConfig, stop_ids: set[int], pad_id: int,
              seed: int | None = None) -> list[Generation]:
     """Sample up to `max_new_tokens` per prompt. Every step draws with its own seed derived from
-    `seed` (None: torch's global generator), so a seed gives the same samples on any chain."""
+    `seed` (None: torch's global generator), so a seed gives the same samples on any chain.
+    Stage weights may change between steps: each generation's spans say which versions sampled
+    which of its tokens."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and no empty prompt")
     if max_new_tokens < 1:
@@ -64,15 +82,16 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
     next_position = positions[:, -1:] + 1
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
-    tokens_out, logprobs_out = [], []
+    tokens_out, logprobs_out, versions_out = [], [], []
     session = chain.open_session(batch, prompt_length + max_new_tokens)
     try:
-        tokens, logprobs = session.step(ids, positions, valid[:, :prompt_length], sampling,
-                                        step_seed(seed, 0))
+        tokens, logprobs, versions = session.step(ids, positions, valid[:, :prompt_length],
+                                                  sampling, step_seed(seed, 0))
         for step in range(max_new_tokens):
             tokens = tokens.masked_fill(done, pad_id)
             tokens_out.append(tokens)
             logprobs_out.append(logprobs)
+            versions_out.append(versions)
             done_before = done
             done = done | torch.isin(tokens, stop)
             if bool(done.all()) or step == max_new_tokens - 1:
@@ -80,15 +99,15 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
             # Finished rows keep decoding padding (cheaper than reshaping the batch and caches);
             # their keys are masked out and their tokens dropped below.
             valid[:, prompt_length + step] = ~done_before
-            tokens, logprobs = session.step(tokens[:, None], next_position,
-                                            valid[:, :prompt_length + step + 1], sampling,
-                                            step_seed(seed, step + 1))
+            tokens, logprobs, versions = session.step(tokens[:, None], next_position,
+                                                      valid[:, :prompt_length + step + 1],
+                                                      sampling, step_seed(seed, step + 1))
             next_position = next_position + 1
-        versions = session.versions()
     finally:
         session.close()
     all_tokens = torch.stack(tokens_out, 1).cpu()
     all_logprobs = torch.stack(logprobs_out, 1).float().cpu()
+    spans = version_spans(versions_out)
     results = []
     for row in range(batch):
         row_tokens = all_tokens[row].tolist()
@@ -99,5 +118,5 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
                 length, finished = i + 1, True
                 break
         results.append(Generation(row_tokens[:length], all_logprobs[row, :length].tolist(),
-                                  finished, versions))
+                                  finished, [span for span in spans if span.start < length]))
     return results

@@ -3,6 +3,8 @@ network (msgpack, strictly decoded) and the durable store."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 
@@ -16,13 +18,25 @@ class Rollout(msgspec.Struct, frozen=True, kw_only=True):
     completion_text: str
 
 
+class VersionSpan(msgspec.Struct, frozen=True, kw_only=True):
+    """The weights that sampled a run of completion tokens: every token from index `start` up to
+    the next span's start (or the end) was sampled by a forward step in which stage i ran weight
+    version `versions[i]`. The prefill step samples completion token 0."""
+
+    start: int
+    versions: list[int]  # one per stage, in stage order
+
+
 class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
-    """G samples of the same prompt: the unit of group-relative advantages."""
+    """G samples of the same prompt: the unit of group-relative advantages. Its rows were
+    generated together, one forward step per token index, so `version_spans` covers the same
+    token indices of every rollout."""
 
     group_id: str
     task: str
     problem_index: int
-    stage_versions: list[int]  # weight version of every stage that generated the group
+    stage_versions: list[int]  # per stage, the oldest version in version_spans (for staleness)
+    version_spans: list[VersionSpan]  # which weights sampled which completion tokens
     sampling_seed: int  # seed of the generator the samples were drawn with (for re-execution)
     rollouts: list[Rollout]
 
@@ -37,3 +51,42 @@ class ScoredGroup(msgspec.Struct, frozen=True, kw_only=True):
     group: RolloutGroup
     rewards: list[float]
     correct: list[float]
+
+
+def oldest_versions(spans: Sequence[VersionSpan]) -> list[int]:
+    """Per stage, the smallest version over `spans` (a group's `stage_versions`)."""
+    return [min(stage) for stage in zip(*(span.versions for span in spans), strict=True)]
+
+
+def check_version_spans(group: RolloutGroup, num_stages: int) -> None:
+    """Raise ValueError naming the problem unless `group.version_spans` is well formed (starts at
+    token 0, strictly increasing starts, `num_stages` non-negative versions each, consecutive
+    spans differ, every span covers a token of some rollout) and `group.stage_versions` is its
+    per-stage minimum."""
+    spans = group.version_spans
+    if not spans:
+        raise ValueError("version_spans is empty")
+    if spans[0].start != 0:
+        raise ValueError(f"version_spans must start at token 0, the first starts at "
+                         f"{spans[0].start}")
+    for before, span in zip(spans, spans[1:]):
+        if span.start <= before.start:
+            raise ValueError(f"version_spans starts must increase: {span.start} follows "
+                             f"{before.start}")
+        if span.versions == before.versions:
+            raise ValueError(f"version_spans at {before.start} and {span.start} have the same "
+                             f"versions {span.versions}; they should be one span")
+    for span in spans:
+        if len(span.versions) != num_stages:
+            raise ValueError(f"version span at {span.start} has {len(span.versions)} versions, "
+                             f"the run has {num_stages} stages")
+        if any(version < 0 for version in span.versions):
+            raise ValueError(f"version span at {span.start} has a negative version "
+                             f"{span.versions}")
+    longest = max((len(r.completion_tokens) for r in group.rollouts), default=0)
+    if spans[-1].start >= longest:
+        raise ValueError(f"version span at {spans[-1].start} covers no token (the longest "
+                         f"completion has {longest})")
+    if group.stage_versions != oldest_versions(spans):
+        raise ValueError(f"stage_versions {group.stage_versions} is not the per-stage minimum "
+                         f"of version_spans, {oldest_versions(spans)}")

@@ -25,6 +25,7 @@ from decentrl.learn.trainer import Activations, LossInputs
 from decentrl.net.link import MessageLost
 from decentrl.net.node import PeerRefused, RemoteError, SwarmNode
 from decentrl.net.wire import ActivationCodec, WireError, decode_struct, encode_struct
+from decentrl.rollout.chain import StepResult
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.swarm.peer import BATCH_FIELDS
 from decentrl.swarm.protocol import (
@@ -187,26 +188,33 @@ class RemoteSession:
         self.peers: list[str | None] = [None] * stages
         self.histories = [StageHistory() for _ in range(stages)]
         self.cached = [0] * stages  # positions each stage's current peer holds
-        self.oldest_versions: list[int | None] = [None] * stages
         self.failovers = 0
         self.closed = False
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
-             sampling: SamplingConfig, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+             sampling: SamplingConfig, seed: int | None) -> StepResult:
+        """One step through every stage; its versions are those the stages' replies reported,
+        the weights that computed this step. A replica that takes over mid-session (replayed
+        from position 0) rebuilds the KV cache of the earlier positions with its own weights but
+        samples nothing for them: the tokens sampled before keep the versions of the steps that
+        sampled them, and the replacement's version counts from the step it joined at."""
         if self.closed:
             raise RuntimeError("session is closed")
         x = tokens.cpu()
         positions, key_valid = positions.cpu(), key_valid.cpu()
+        versions = []
         for stage in range(self.chain.num_stages - 1):
-            (x,) = self._hop(stage, x, positions, key_valid, sampling, seed)
-        tokens, logprobs = self._hop(self.chain.num_stages - 1, x, positions, key_valid,
-                                     sampling, seed)
-        return tokens, logprobs
+            (x,), version = self._hop(stage, x, positions, key_valid, sampling, seed)
+            versions.append(version)
+        (tokens, logprobs), version = self._hop(self.chain.num_stages - 1, x, positions,
+                                                key_valid, sampling, seed)
+        return StepResult(tokens, logprobs, (*versions, version))
 
     def _hop(self, stage: int, inputs: torch.Tensor, positions: torch.Tensor,
              key_valid: torch.Tensor, sampling: SamplingConfig, seed: int | None
-             ) -> tuple[torch.Tensor, ...]:
-        """(hidden states of the new positions,) or at the last stage (tokens, logprobs)."""
+             ) -> tuple[tuple[torch.Tensor, ...], int]:
+        """((hidden states of the new positions,) or at the last stage (tokens, logprobs)), and
+        the weight version of the peer that computed them."""
         history = self.histories[stage]
         last = stage == self.chain.num_stages - 1
         swarm = self.chain.swarm
@@ -263,10 +271,7 @@ class RemoteSession:
             history.inputs.append(inputs)
             history.positions.append(positions)
             self.cached[stage] = reply.length
-            oldest = self.oldest_versions[stage]
-            self.oldest_versions[stage] = reply.version if oldest is None \
-                else min(oldest, reply.version)
-            return result
+            return result, reply.version
         raise SwarmUnavailable(f"stage {stage} failed {swarm.retries + 1} times; last error: "
                                f"{error}")
 
@@ -285,9 +290,6 @@ class RemoteSession:
         if hidden is None or hidden.dim() != 3 or hidden.shape[:2] != (self.batch, sent):
             raise WireError(f"a stage must reply hidden states [{self.batch}, {sent}, H]")
         return (hidden[:, sent - new:],)
-
-    def versions(self) -> tuple[int, ...]:
-        return tuple(-1 if v is None else v for v in self.oldest_versions)
 
     def close(self) -> None:
         if self.closed:

@@ -14,7 +14,7 @@ from decentrl.config import RunConfig
 from decentrl.learn.advantages import filter_zero_variance_groups, group_advantages
 from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.losses import StaleRolloutError, check_staleness
-from decentrl.rollout.types import RolloutGroup, ScoredGroup
+from decentrl.rollout.types import RolloutGroup, ScoredGroup, check_version_spans
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.tasks import Task
 
@@ -66,6 +66,10 @@ class Ingestion:
                                     "and <= 0")
             if any(not 0 <= t < self.vocab_size for t in r.completion_tokens + r.prompt_tokens):
                 raise RejectedGroup(f"group {group.group_id}: token id outside the vocabulary")
+        try:
+            check_version_spans(group, self.config.num_stages)
+        except ValueError as error:
+            raise RejectedGroup(f"group {group.group_id}: {error}") from None
         staleness = check_staleness(learner_version, group.stage_versions,
                                     self.config.train.max_staleness)
         # Checked last: a group that fails another check leaves its problem index claimable.

@@ -1,6 +1,7 @@
 """A rollout worker: the inference side. It takes the prompts the coordinator schedules, generates
 G samples of each over its chain of stages, and hands the groups over the transport. Between
-generations it picks up newer stage weights, so every group records the versions that made it."""
+generations it picks up newer stage weights; every group records which versions sampled which of
+its tokens."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from decentrl.net.transport import RolloutTransport, Transport
 from decentrl.rollout.chain import InferenceChain, LocalChain
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig
-from decentrl.rollout.types import Rollout, RolloutGroup
+from decentrl.rollout.types import Rollout, RolloutGroup, oldest_versions
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.tasks import Task, render_prompt
 
@@ -60,16 +61,19 @@ class RolloutWorker:
         self.generated_tokens += sum(len(g.tokens) for g in generations)
         groups = []
         for i, (index, prompt) in enumerate(zip(problem_indices, prompts)):
+            rows = generations[i * size:(i + 1) * size]
             rollouts = [
                 Rollout(prompt_tokens=prompt, completion_tokens=g.tokens,
                         behaviour_logprobs=g.logprobs, finished=g.finished,
                         completion_text=self.tokenizer.decode(g.tokens, skip_special_tokens=True))
-                for g in generations[i * size:(i + 1) * size]
+                for g in rows
             ]
+            # The rows share the session's steps: each row's spans are a prefix of the longest's.
+            spans = max(rows, key=lambda g: len(g.tokens)).spans
             groups.append(RolloutGroup(group_id=f"{self.task.name}/{index}", task=self.task.name,
-                                       problem_index=index,
-                                       stage_versions=list(generations[i * size].versions),
-                                       sampling_seed=sampling_seed, rollouts=rollouts))
+                                       problem_index=index, stage_versions=oldest_versions(spans),
+                                       version_spans=spans, sampling_seed=sampling_seed,
+                                       rollouts=rollouts))
         return groups
 
     def run(self, stop: threading.Event, threads: int | None = None) -> None:

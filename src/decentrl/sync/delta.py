@@ -151,6 +151,10 @@ def select_top(delta: torch.Tensor, density: float) -> torch.Tensor:
                                          generator=torch.Generator().manual_seed(magnitude.numel()))]
         cut = torch.topk(sample, max(1, round(density * THRESHOLD_SAMPLE))).values[-1]
         indices = torch.nonzero(magnitude >= cut).reshape(-1)
+        if indices.numel() > 2 * k:
+            # Ties at the cut-off (Adam's first step moves nearly every entry by exactly the
+            # learning rate): take the exact top k instead of all of them.
+            indices = torch.topk(magnitude, k, sorted=False).indices
     return torch.sort(indices[magnitude[indices] != 0]).values
 
 

@@ -432,8 +432,9 @@ class WeightFollower(UpdateServer):
         self._forget_old()
 
     async def _fetch(self, update: StoredUpdate, publisher: str) -> None:
-        replicas = [p for p in await self._replicas() if not self._is_banned(p)]
         me = self.node.peer_id
+        replicas = [p for p in await self._replicas() if not self._is_banned(p)] \
+            if self.sync.peer_exchange else [me]
         count = len(update.have)
         rank = replicas.index(me) if me in replicas else 0
         # Own chunks first (they come from the publisher and others wait for them).
