@@ -3,6 +3,7 @@ figures only have to exist and be positive."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import math
 import sys
@@ -65,3 +66,34 @@ def test_generation_prints_figures(tiny_model_dir: Path,
         "ratio_sample", "ratio_greedy",
     ])
     assert "rows identical to HF" in output
+
+
+def test_update_bytes_prints_figures(tiny_model_dir: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("update_bytes")
+    bench.main(["--model", str(tiny_model_dir), "--device", "cpu", "--batch", "4", "--steps", "1",
+                "--threads", "1", "--lora-rank", "2", "--in-process"])
+    values = figures(capsys.readouterr().out, "update-bytes")
+    assert_positive(values, ["full_bytes", "full_vs_dense_bf16", "lora_bytes",
+                             "lora_vs_dense_bf16"])
+
+
+def test_update_learning_reports_the_difference_with_its_interval(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("update_learning")
+
+    def result(variant: str, after: float) -> dict[str, object]:
+        def accuracy(mean: float) -> dict[str, object]:
+            return {"pass1": {"mean": mean, "low": mean - 0.06, "high": mean + 0.06, "n": 200}}
+        return {"variant": variant, "steps": 25, "wall_s": 600.0, "before": accuracy(0.145),
+                "after": accuracy(after), "accuracy": [0.1, 0.3, 0.5], "machine": "test"}
+
+    args = argparse.Namespace(steps=25, eval_problems=200, replicas=2, json=None,
+                              out=str(tmp_path))
+    bench.report([result("sparse", 0.40), result("dense", 0.44)], args)
+    out = capsys.readouterr().out
+    assert "sparse - dense pass@1: -0.040" in out and "no significant difference" in out
+    bench.report([result("sparse", 0.20), result("dense", 0.44)], args)
+    assert "sparse significantly WORSE" in capsys.readouterr().out
+    assert (tmp_path / "update_learning.png").read_bytes().startswith(b"\x89PNG")
+

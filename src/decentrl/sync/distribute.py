@@ -429,6 +429,11 @@ class WeightFollower(UpdateServer):
         loop = asyncio.get_running_loop()
         changes = await loop.run_in_executor(None, self._apply, manifest, bytes(update.data))
         await self.node.compute(self.commit, manifest.version, changes)
+        from_publisher = update.received[publisher]
+        log.info("stage %d %s v%d applied: %d bytes, %d from the publisher, %d from %d replicas",
+                 self.stage, manifest.kind, manifest.version, manifest.size, from_publisher,
+                 sum(update.received.values()) - from_publisher,
+                 len([p for p in update.received if p != publisher]))
         self._forget_old()
 
     async def _fetch(self, update: StoredUpdate, publisher: str) -> None:
