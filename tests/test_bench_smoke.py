@@ -97,3 +97,15 @@ def test_update_learning_reports_the_difference_with_its_interval(
     assert "sparse significantly WORSE" in capsys.readouterr().out
     assert (tmp_path / "update_learning.png").read_bytes().startswith(b"\x89PNG")
 
+
+
+def test_update_spread_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("update_spread")
+    bench.main(["--scale", "0.02", "--replicas", "2", "--updates", "1", "--warmup", "0",
+                "--out", "none"])
+    values = figures(capsys.readouterr().out, "update_spread")
+    assert_positive(values, ["swarm_n2_delivered_s", "swarm_n2_applied_s",
+                             "star_n2_delivered_s", "dense_bf16_n2_s"])
+    # The swarm's publisher sends each chunk once in all; the star's once per replica.
+    assert values["swarm_n2_publisher_ratio"] == pytest.approx(1.0, abs=0.1)
+    assert values["star_n2_publisher_ratio"] == pytest.approx(2.0, abs=0.1)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from decentrl.net.link import Link, LinkEmulator, LinkProfile, LinkStats, MessageLost
+from decentrl.net.link import Link, LinkEmulator, LinkProfile, LinkStats, MessageLost, Uplink
 
 
 def timed(coro) -> float:
@@ -175,3 +175,41 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="itself"):
         LinkEmulator("a").link("a")
     assert LinkProfile(rtt_ms=[1, 2]).rtt_ms == (1.0, 2.0)  # type: ignore[arg-type]
+
+
+def test_uplink_is_shared_and_takes_turns_by_destination() -> None:
+    uplink = Uplink(mbps=8.0)  # 1 MB/s: a 20 kB message holds the wire for 20 ms
+    finished: list[str] = []
+
+    async def send(destination: str, label: str) -> None:
+        await uplink.send(20_000, destination)
+        finished.append(label)
+
+    async def main() -> float:
+        started = time.perf_counter()
+        busy = [asyncio.create_task(send("a", f"a{i}")) for i in range(4)]
+        await asyncio.sleep(0)  # a's four messages queue first, then b's one
+        await asyncio.gather(*busy, send("b", "b0"))
+        return time.perf_counter() - started
+
+    elapsed = asyncio.run(main())
+    # One wire: five messages take five transmissions; b's waits for one of a's, not four.
+    assert elapsed >= 0.1
+    assert finished.index("b0") == 1
+    assert uplink.bytes_sent == 100_000
+
+
+def test_uplink_passes_the_turn_on_when_a_sender_is_cancelled() -> None:
+    uplink = Uplink(mbps=8.0)
+
+    async def main() -> None:
+        first = asyncio.create_task(uplink.send(20_000, "a"))
+        waiting = asyncio.create_task(uplink.send(20_000, "b"))
+        await asyncio.sleep(0.005)
+        waiting.cancel()
+        await first
+        await asyncio.wait_for(uplink.send(20_000, "c"), timeout=1.0)  # not stuck behind b
+
+    asyncio.run(main())
+    with pytest.raises(ValueError):
+        LinkProfile(uplink_mbps=0.0)

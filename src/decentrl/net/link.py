@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import math
 import random
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
 DIRECTIONS = ("out", "in")
@@ -150,24 +151,56 @@ class Link:
 
 
 class Uplink:
-    """A peer's upload: one transmission at a time at `uplink_mbps`, whoever it goes to. Requests
-    pass it on the caller's side and replies on the server's, so a peer serving many others
-    shares one uplink among them, as at home."""
+    """A peer's upload at `uplink_mbps`, shared by everything it sends to anyone. Requests pass it
+    on the caller's side and replies on the server's, so a peer serving many others splits one
+    uplink among them, as at home. One message is on the wire at a time, and waiting messages
+    take turns by destination (round robin), as concurrent TCP flows share a link: a peer that
+    asked once is not queued behind every message of a peer that asked many times."""
 
     def __init__(self, mbps: float | None) -> None:
         self.mbps = mbps
         self.bytes_sent = 0
-        self._lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
+        self._busy = False
+        self._last_served: str | None = None
 
-    async def send(self, nbytes: int) -> None:
+    async def send(self, nbytes: int, destination: str) -> None:
         self.bytes_sent += nbytes
         if self.mbps is None or nbytes <= 0:
             return
-        loop = asyncio.get_running_loop()
-        if self._lock is None or self._lock[0] is not loop:
-            self._lock = (loop, asyncio.Lock())
-        async with self._lock[1]:
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(destination, deque()).append(turn)
+        if not self._busy:
+            self._next_turn()
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._busy = False  # our turn came as we were cancelled: pass it on
+                self._next_turn()
+            raise
+        try:
             await asyncio.sleep(nbytes * 8 / (self.mbps * 1e6))
+        finally:
+            self._busy = False
+            self._next_turn()
+
+    def _next_turn(self) -> None:
+        """Give the wire to the first live message of the next destination in turn."""
+        while self._waiting and not self._busy:
+            destination = next(iter(self._waiting))
+            if destination == self._last_served and len(self._waiting) > 1:
+                self._waiting.move_to_end(destination)  # the others go first
+                destination = next(iter(self._waiting))
+            queue = self._waiting[destination]
+            turn = queue.popleft()
+            if queue:
+                self._waiting.move_to_end(destination)
+            else:
+                del self._waiting[destination]
+            if not turn.cancelled():
+                self._busy, self._last_served = True, destination
+                turn.set_result(None)
 
 
 @dataclass

@@ -245,7 +245,7 @@ class SwarmNode:
                     cached.exception()  # retrieved here; the caller gets it below
             responses = await asyncio.shield(cached)
             assert self.links is not None
-            await self.links.uplink.send(message_bytes(responses))
+            await self.links.uplink.send(message_bytes(responses), str(context.remote_id))
             for response in responses:
                 yield response
 
@@ -304,7 +304,7 @@ class SwarmNode:
         link = self.links.link(peer)
         try:
             async with asyncio.timeout(timeout):
-                await self.links.uplink.send(message_bytes(requests))
+                await self.links.uplink.send(message_bytes(requests), peer)
                 await link.send(message_bytes(requests), "out")
                 for attempt in range(TRUNCATED_REPLY_RETRIES + 1):
                     stream = await self.p2p.iterate_protobuf_handler(
