@@ -219,6 +219,12 @@ def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
                                 for r in replica.follower.traffic()
                                 if r.version == step and r.peer != trainer_peer.node.peer_id)
             assert from_replicas > size
+        # The running totals keep what every update cost, per peer.
+        assert trainer_peer.publisher is not None
+        for replica in replicas:
+            assert replica.follower is not None
+            assert sum(replica.follower.received_total.values()) == sum(
+                trainer_peer.publisher.updates[("delta", v)].manifest.size for v in (1, 2, 3))
 
 
 def test_late_joiner_catches_up_from_keyframe_and_deltas(tiny_sharp_dir: Path) -> None:

@@ -106,9 +106,6 @@ class StoredUpdate:
         start = index * self.manifest.chunk_size
         return slice(start, min(start + self.manifest.chunk_size, self.manifest.size))
 
-    def chunk(self, index: int) -> bytes:
-        return bytes(self.data[self.span(index)])
-
     def put(self, index: int, data: bytes) -> None:
         self.data[self.span(index)] = data
         self.have[index] = True
@@ -144,6 +141,9 @@ class UpdateServer:
     def __init__(self, node: SwarmNode, run: str, stage: int, sync: SyncConfig) -> None:
         self.node, self.run, self.stage, self.sync = node, run, stage, sync
         self.updates: OrderedDict[tuple[UpdateKind, int], StoredUpdate] = OrderedDict()
+        # Over every update, also those no longer held: bytes by peer.
+        self.sent_total: Counter[str] = Counter()
+        self.received_total: Counter[str] = Counter()
         self._arrived: asyncio.Condition | None = None
         node.serve("sync_chunk", self._serve_chunk)
 
@@ -179,9 +179,10 @@ class UpdateServer:
         if update is None or not ready():
             raise WireError(f"no chunk {body.index} of {body.kind} v{body.version} of stage "
                             f"{self.stage} here")
-        data = update.chunk(body.index)
+        data = bytearray(update.data[update.span(body.index)])
         update.sent[request.sender] += len(data)
-        return Reply(None, {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8)})
+        self.sent_total[request.sender] += len(data)
+        return Reply(None, {"data": torch.frombuffer(data, dtype=torch.uint8)})
 
     async def add(self, update: StoredUpdate) -> None:
         self.updates[update.key] = update
@@ -474,6 +475,7 @@ class WeightFollower(UpdateServer):
         data = tensors.get("data")
         raw = b"" if data is None or data.dtype != torch.uint8 else data.numpy().tobytes()
         update.received[source] += len(raw)
+        self.received_total[source] += len(raw)
         if hashlib.sha256(raw).digest() != manifest.chunk_hashes[index]:
             self.bad_chunks += 1
             self.banned[source] = time.monotonic() + self.ban_s
