@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import threading
@@ -277,10 +276,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         model = common.bench_model(args.model, Path(folder))
         resolve_model(model)  # convert the default model once, before the peers race to
         config = make_config(args, variant, model)
-        shutil.rmtree(config.path, ignore_errors=True)
-        config.path.mkdir(parents=True)
-        config_path = config.path / "swarm-config.json"
-        config_path.write_text(config.model_dump_json(indent=2))
+        config_path = common.fresh_swarm_folder(config)
         swarm = LocalSwarm(config, config_path, args.replicas)
         node = coordinator = None
         outcome = "steps"

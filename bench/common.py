@@ -254,6 +254,18 @@ def bench_model(name: str, folder: Path) -> str:
     return str(path)
 
 
+def fresh_swarm_folder(config: Any) -> Path:
+    """Empty the run folder of `config` (a RunConfig) and write the config peers join with into
+    it; returns that file's path."""
+    import shutil
+
+    shutil.rmtree(config.path, ignore_errors=True)
+    config.path.mkdir(parents=True)
+    path = config.path / "swarm-config.json"
+    path.write_text(config.model_dump_json(indent=2))
+    return path
+
+
 def save_figure(figure: Any, path: Path) -> None:
     """Write a matplotlib figure as a PNG (creating its folder) and close it."""
     import matplotlib.pyplot as plt

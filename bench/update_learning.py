@@ -16,12 +16,12 @@ on timing), so a single pair of runs bounds the effect only as tightly as its in
 
 Run: decentrl bench update-learning [--steps 25] [--eval-problems 200] [--replicas 2]
      [--variants sparse,dense] [--out runs/update-learning] [--json PATH]
-Each variant runs in its own process; run folders under --out, the plot --out/update_learning.png."""
+Each variant runs in its own process; run folders under --out, the plot
+--out/update_learning.png."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -64,10 +64,7 @@ def run_variant(variant: str, args: Any) -> dict[str, Any]:
         model = common.bench_model(args.model, Path(folder))
         resolve_model(model)
         config = make_config(args, variant, model)
-        shutil.rmtree(config.path, ignore_errors=True)
-        config.path.mkdir(parents=True)
-        config_path = config.path / "swarm-config.json"
-        config_path.write_text(config.model_dump_json(indent=2))
+        config_path = common.fresh_swarm_folder(config)
         swarm = LocalSwarm(config, config_path, args.replicas)
         coordinator = None
         try:
@@ -97,7 +94,8 @@ def report(results: list[dict[str, Any]], args: Any) -> None:
     rows, figures = [], {}
     for r in results:
         before, after = pass1(r["before"]), pass1(r["after"])
-        rows.append([r["variant"], r["steps"], f"{before[0]:.3f} [{before[1]:.2f}, {before[2]:.2f}]",
+        rows.append([r["variant"], r["steps"],
+                     f"{before[0]:.3f} [{before[1]:.2f}, {before[2]:.2f}]",
                      f"{after[0]:.3f} [{after[1]:.2f}, {after[2]:.2f}]", r["wall_s"]])
         figures[f"{r['variant']}_pass1_after"] = after[0]
     common.print_table(

@@ -30,7 +30,8 @@ ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
 class LoRALinear(nn.Module):
     """A frozen `nn.Linear` plus a trainable low-rank update."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator) -> None:
+    def __init__(self, base: nn.Linear, rank: int, alpha: float,
+                 generator: torch.Generator) -> None:
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.rank, self.scale = rank, alpha / rank

@@ -22,7 +22,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
