@@ -12,8 +12,8 @@ SwarmNode (hivemind p2p daemon) with a StagePeer in this process, on loopback wi
 - one training step on those B completions (advantages +1/-1 within each group, so no group is
   dropped) through `RemoteStageWorker`s driven by the `PipelineTrainer`
   (`--micro-batch` sequences per micro-batch);
-- then every inference replica downloads the new weights of its stage (the replicas follow their
-  training peer).
+- then every inference replica fetches its stage's new version, a compressed update (sync/: the
+  run's `[sync]` defaults, a 1 %-density int8 delta), as the replicas follow their training peer.
 
 The figures come from the link emulators (net/link.py), which count every message of every RPC in
 both directions on the caller's side: the client's node for rollouts and the training step (the
@@ -21,8 +21,8 @@ client calls every stage itself: hidden states go stage -> client -> next stage,
 is crossed twice, and token ids, positions and masks travel too), the replicas' nodes for the
 weight downloads. Bytes are whole hivemind messages (protobuf framing and metadata included); DHT
 traffic is not counted. A training step sends the batch tensors (token ids, masks, behaviour
-log-probs, advantages) to every stage in full precision whatever the codec, and the weights go in
-bf16 unless the codec is fp32, so only part of each figure scales with the codec.
+log-probs, advantages) to every stage in full precision whatever the codec, and the weight updates
+do not depend on the codec, so only part of each figure scales with it.
 
 Run: decentrl bench swarm-bytes [--model smollm2-135m-instruct|tiny|PATH] [--batch 8]
      [--group-size 4] [--max-new-tokens 16] [--micro-batch 8] [--codecs fp32,bf16,int8]
