@@ -25,7 +25,7 @@ from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.net.link import LinkProfile
-from decentrl.net.node import Envelope, RemoteError, SwarmNode
+from decentrl.net.node import TRUNCATED_REPLY_RETRIES, Envelope, RemoteError, SwarmNode
 from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, encode_struct, to_messages
 from decentrl.rollout.chain import LocalChain
 from decentrl.swarm.client import Directory, RemoteChain, RemoteStageWorker
@@ -205,18 +205,24 @@ def call_raw(node: SwarmNode, peer: str, method: str, metadata: bytes,
              parts: Sequence[runtime_pb2.Tensor] = (), timeout: float = 20.0
              ) -> list[runtime_pb2.ExpertResponse]:
     """Send hand-made messages to `peer`'s `method`; a refusal is a RemoteError, as from
-    SwarmNode.call."""
-    async def go() -> list[runtime_pb2.ExpertResponse]:
-        requests = to_messages(runtime_pb2.ExpertRequest, metadata, list(parts),
-                               uid=secrets.token_hex(8))
+    SwarmNode.call. A stream that closes with no reply at all (libp2p does this about once in a
+    thousand streams under load, see SwarmNode.call) is sent again, as SwarmNode.call does."""
+    requests = to_messages(runtime_pb2.ExpertRequest, metadata, list(parts),
+                           uid=secrets.token_hex(8))
 
+    async def go() -> list[runtime_pb2.ExpertResponse]:
         async def feed() -> Any:
             for request in requests:
                 yield request
         assert node.p2p is not None
-        stream = await node.p2p.iterate_protobuf_handler(
-            PeerID.from_base58(peer), f"decentrl.{method}", feed(), runtime_pb2.ExpertResponse)
-        return [r async for r in stream]
+        for _ in range(TRUNCATED_REPLY_RETRIES + 1):
+            stream = await node.p2p.iterate_protobuf_handler(
+                PeerID.from_base58(peer), f"decentrl.{method}", feed(),
+                runtime_pb2.ExpertResponse)
+            responses = [r async for r in stream]
+            if responses:
+                break
+        return responses
 
     try:
         return node.run(asyncio.wait_for(go(), timeout), timeout + 5)
