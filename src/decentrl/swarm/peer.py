@@ -5,8 +5,8 @@ backward of its stage with its own optimizer), or both, and it serves its weight
 the same stage, as compressed updates (sync/).
 
 It announces itself in the DHT (stage, role, version, throughput, free sessions) with an expiry
-and renews the announcement, so the directory forgets a dead peer by itself. A training peer publishes
-every version of its stage (`WeightPublisher`); an inference replica follows it
+and renews the announcement, so the directory forgets a dead peer by itself. A training peer
+publishes every version of its stage (`WeightPublisher`); an inference replica follows it
 (`WeightFollower`): it fetches each update (from the other replicas as much as from the
 publisher), checks it, and writes it into its model between two inference requests (the compute
 thread runs one at a time), so generations in flight go on. A replica that joins mid-run catches
@@ -260,14 +260,15 @@ class StagePeer:
     async def _follow_weights_loop(self) -> None:
         assert self.follower is not None
         while True:
+            # A peer asking for a chunk of a newer update (even during this round) wakes the
+            # loop before the next round.
+            self.follower.wake.clear()
             try:
                 await self.follow_weights()
                 self.weights_follow_error = None
             except Exception as error:  # noqa: BLE001 - retried next round
                 self.weights_follow_error = str(error)
                 log.warning("%s: weight update failed: %s", self.name, error)
-            # A peer asking for a chunk of a newer update wakes the loop before the next round.
-            self.follower.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.follower.wake.wait(),
                                        self.config.swarm.announce_every_s / 2)
