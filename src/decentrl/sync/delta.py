@@ -119,8 +119,10 @@ def encode_varints(values: np.ndarray) -> bytes:
 def decode_varints(data: bytes, count: int) -> np.ndarray:
     raw = np.frombuffer(data, dtype=np.uint8)
     ends = np.flatnonzero((raw & 0x80) == 0)
-    if len(ends) != count or (len(raw) and ends[-1] != len(raw) - 1):
-        raise WireError(f"index data holds {len(ends)} complete varints, expected {count}")
+    if len(ends) != count or (len(raw) and (not len(ends) or ends[-1] != len(raw) - 1)):
+        raise WireError(f"index data holds {len(ends)} complete varints and "
+                        f"{len(raw) - (ends[-1] + 1 if len(ends) else 0)} trailing bytes, "
+                        f"expected {count} varints")
     starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.int64)
     lengths = ends - starts + 1
     if len(lengths) and lengths.max() > 9:
