@@ -186,6 +186,9 @@ def span(start: int, *versions: int) -> VersionSpan:
     # A group that claims fresher weights than sampled its first tokens, to pass staleness.
     ([span(0, 0, 0), span(1, 1, 0)], [1, 0], r"stage_versions \[1, 0\] is not the per-stage "
                                              r"minimum of version_spans, \[0, 0\]"),
+
+    # A later span that claims weights the learner has not made yet.
+    ([span(0, 0, 0), span(1, 1, 0)], [0, 0], "rollout version 1 is newer than learner version 0"),
 ])
 def test_ingestion_refuses_bad_version_spans(
         sharp: LoadedModel, tiny_sharp_dir: Path, spans: list[VersionSpan],

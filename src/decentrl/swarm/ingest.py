@@ -70,8 +70,14 @@ class Ingestion:
             check_version_spans(group, self.config.num_stages)
         except ValueError as error:
             raise RejectedGroup(f"group {group.group_id}: {error}") from None
-        staleness = check_staleness(learner_version, group.stage_versions,
-                                    self.config.train.max_staleness)
+        # Every span's versions, not only the oldest: a span may not claim weights that do not
+        # exist yet.
+        try:
+            staleness = check_staleness(
+                learner_version, [v for span in group.version_spans for v in span.versions],
+                self.config.train.max_staleness)
+        except ValueError as error:  # StaleRolloutError is not one: the caller counts it apart
+            raise RejectedGroup(f"group {group.group_id}: {error}") from None
         # Checked last: a group that fails another check leaves its problem index claimable.
         if not self.scheduler.take(group.problem_index):
             raise RejectedGroup(f"group {group.group_id}: problem {group.problem_index} was not "
