@@ -47,8 +47,8 @@ then decode + apply + state hash, then the commit callback. Figures per update (
   N x bytes x 8 / uplink.
 
 The emulated uplink is the only bandwidth limit (loopback itself is not limiting); the RTT adds
-to every request. The DHT's own traffic is not emulated. Every replica's apply runs with
-`--threads` torch threads (default 1, set in the apply's worker thread): on 2 shared cores a
+to every request. The DHT's own traffic is not emulated. Every replica's apply runs with one
+torch thread (`WeightFollower` sets it in the apply's worker thread): on 2 shared cores a
 2-thread apply of a 1 % delta to 81 M parameters spends most of its time with one OpenMP thread
 waiting for the other (1.3 s instead of 0.1 s measured while another job ran).
 
@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rtt-ms", default="60,120", help="round-trip range LOW,HIGH (ms)")
     parser.add_argument("--jitter-ms", type=float, default=10.0)
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of this process and of every replica's apply")
+                        help="torch threads of this process (the publisher's encoding)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--out", default=DEFAULT_OUT, help="plot file (PNG), or 'none'")
@@ -168,12 +168,10 @@ def initial_weights(scale: float, seed: int) -> dict[str, torch.Tensor]:
 
 class TimedFollower(WeightFollower):
     """A WeightFollower whose fetch and apply record their end (perf_counter) and the apply's
-    thread CPU time, per version, and run the apply with `threads` torch threads. Nothing else
-    changes."""
+    thread CPU time, per version. Nothing else changes."""
 
-    def __init__(self, *args: Any, threads: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.threads = threads
         self.fetch_began: dict[int, float] = {}
         self.fetched: dict[int, float] = {}
         self.applied: dict[int, float] = {}
@@ -185,10 +183,8 @@ class TimedFollower(WeightFollower):
         await super()._fetch(update, publisher)
         self.fetched[update.manifest.version] = time.perf_counter()
 
-    def _apply(self, manifest: UpdateManifest, data: bytes) -> dict[str, TensorChange]:
-        # The apply runs on the node loop's default executor; torch's thread count is per thread.
-        if torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+    def _apply(self, manifest: UpdateManifest, data: bytes | bytearray
+               ) -> dict[str, TensorChange]:
         began = time.thread_time()
         changes = super()._apply(manifest, data)
         self.apply_cpu[manifest.version] = time.thread_time() - began
@@ -321,7 +317,7 @@ def run_config(count: int, variant: str, args: argparse.Namespace,
             # the same for all: computed once).
             state = PublishedState(0, {n: t.clone() for n, t in base.tensors.items()}, base.hash)
             follower = TimedFollower(node, RUN, 0, sync, state, lambda *a: None,
-                                     timeout_s=60, ban_s=30, threads=args.threads)
+                                     timeout_s=60, ban_s=30)
             follower.commit = follower.record_commit
             followers.append(follower)
             servers.append(follower)
@@ -404,8 +400,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, params: int)
     machine = common.machine(torch.device("cpu"))
     caption = (f"median of {args.updates} updates after {args.warmup} warm-up; {params:,} "
                f"float32 parameters; density {SyncConfig().density:g}, {args.chunks} chunks an "
-               f"update, {args.parallel_fetches} fetches in flight, {args.threads} torch "
-               f"thread(s) per apply; every node: {args.uplink_mbps:g} Mbit/s uplink, RTT "
+               f"update, {args.parallel_fetches} fetches in flight, one torch "
+               f"thread per apply; every node: {args.uplink_mbps:g} Mbit/s uplink, RTT "
                f"{args.rtt_ms[0]:g}-{args.rtt_ms[1]:g} ms + {args.jitter_ms:g} ms jitter. "
                f"pub. sent x: bytes the publisher sent over the update's bytes; sent x: the most "
                f"a replica sent, over the same (every replica received {min(received):.2f}-"

@@ -250,7 +250,17 @@ def test_garbage_file_and_directory_are_refused(tmp_path: Path) -> None:
         RunStore(tmp_path)
 
 
-def test_foreign_or_newer_database_is_refused(tmp_path: Path) -> None:
+def store_with_schema(path: Path, version: int) -> Path:
+    """A run store at `path` whose schema version then says `version`."""
+    RunStore(path).close()
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version = {version}")
+    db.commit()
+    db.close()
+    return path
+
+
+def test_foreign_newer_or_older_database_is_refused(tmp_path: Path) -> None:
     other = tmp_path / "other.sqlite"
     db = sqlite3.connect(other)
     db.execute("CREATE TABLE users (name TEXT)")
@@ -259,20 +269,7 @@ def test_foreign_or_newer_database_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="not a run store"):
         RunStore(other)
 
-    newer = tmp_path / "newer.sqlite"
-    RunStore(newer).close()
-    db = sqlite3.connect(newer)
-    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
-    db.commit()
-    db.close()
     with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}"):
-        RunStore(newer)
-
-    older = tmp_path / "older.sqlite"
-    RunStore(older).close()
-    db = sqlite3.connect(older)
-    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION - 1}")
-    db.commit()
-    db.close()
+        RunStore(store_with_schema(tmp_path / "newer.sqlite", SCHEMA_VERSION + 1))
     with pytest.raises(StoreError, match="older decentrl .*start a new run"):
-        RunStore(older)
+        RunStore(store_with_schema(tmp_path / "older.sqlite", SCHEMA_VERSION - 1))

@@ -116,7 +116,7 @@ def encode_struct(obj: Any) -> bytes:
     return _ENCODER.encode(obj)
 
 
-def decode_struct(data: bytes, type_: type[T]) -> T:
+def decode_struct(data: bytes | bytearray, type_: type[T]) -> T:
     """Strict msgpack decoding into `type_`: the first check on anything a peer sends."""
     decoder = _DECODERS.get(type_)
     if decoder is None:

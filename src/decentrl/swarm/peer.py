@@ -289,8 +289,7 @@ class StagePeer:
         params = self.model.state_dict()
         with torch.no_grad():
             for name, change in changes.items():
-                flat = params[name].view(-1)
-                flat[change.indices.to(flat.device)] = change.values.to(flat.device, flat.dtype)
+                change.write(params[name], change.values)
         self.model.version = version
 
     def _load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:

@@ -79,6 +79,12 @@ def state_hash(tensors: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def cpu_float32_copy(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Private contiguous float32 CPU copies (the trainer keeps stepping its own tensors)."""
+    return {name: t.detach().to("cpu", torch.float32, copy=True).contiguous()
+            for name, t in tensors.items()}
+
+
 @dataclass
 class PublishedState:
     """The exact weights replicas of a stage hold at `version` (float32, CPU), and their hash."""
@@ -89,9 +95,13 @@ class PublishedState:
 
     @classmethod
     def of(cls, version: int, tensors: Mapping[str, torch.Tensor]) -> PublishedState:
-        own = {name: t.detach().to("cpu", torch.float32, copy=True).contiguous()
-               for name, t in tensors.items()}
-        return cls(version, own, state_hash(own))
+        return cls.owning(version, cpu_float32_copy(tensors))
+
+    @classmethod
+    def owning(cls, version: int, tensors: dict[str, torch.Tensor]) -> PublishedState:
+        """A state made of `tensors` themselves (contiguous float32 CPU tensors nobody else
+        writes), without another copy."""
+        return cls(version, tensors, state_hash(tensors))
 
     def numel(self) -> int:
         return sum(t.numel() for t in self.tensors.values())
@@ -219,14 +229,26 @@ def payload_bytes(payload: UpdatePayload) -> bytes:
 
 @dataclass
 class TensorChange:
-    """What one update did to one tensor: where, the new values, and the old ones (undo)."""
+    """What one update did to one tensor: where (flat indices; None: every entry, a keyframe),
+    the new values, and the old ones (undo)."""
 
-    indices: torch.Tensor
+    indices: torch.Tensor | None
     values: torch.Tensor
     old: torch.Tensor
 
+    def write(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
+        """Write `values` (new or old, flat) at this change's entries of `tensor`, on its device
+        and in its dtype."""
+        flat = tensor.view(-1)
+        values = values.to(flat.device, flat.dtype)
+        if self.indices is None:
+            flat.copy_(values)
+        else:
+            flat[self.indices.to(flat.device)] = values
 
-def decode_payload(data: bytes, shapes: Mapping[str, torch.Size]) -> UpdatePayload:
+
+def decode_payload(data: bytes | bytearray, shapes: Mapping[str, torch.Size]
+                   ) -> UpdatePayload:
     """A payload checked against the state it will be applied to (`shapes`: name -> shape)."""
     payload = decode_struct(data, UpdatePayload)
     if payload.kind == "keyframe":
@@ -260,12 +282,14 @@ def decode_payload(data: bytes, shapes: Mapping[str, torch.Size]) -> UpdatePaylo
 
 def _sparse_change(tensor: SparseTensor, state: torch.Tensor) -> TensorChange:
     gaps = decode_varints(tensor.index_gaps, tensor.count)
+    out_of_range = WireError(f"delta for {tensor.name}: index out of range of its "
+                             f"{state.numel()} entries")
     # Gaps are checked before they are summed, so a forged huge gap cannot wrap around.
-    if gaps.max() >= state.numel() or \
-            (positions := np.cumsum(gaps + np.uint64(1), dtype=np.uint64) - np.uint64(1))[-1] \
-            >= state.numel():
-        raise WireError(f"delta for {tensor.name}: index out of range of its "
-                        f"{state.numel()} entries")
+    if gaps.max() >= state.numel():
+        raise out_of_range
+    positions = np.cumsum(gaps + np.uint64(1), dtype=np.uint64) - np.uint64(1)
+    if positions[-1] >= state.numel():
+        raise out_of_range
     indices = torch.from_numpy(positions.astype(np.int64))
     scales = torch.from_numpy(np.frombuffer(tensor.scales, dtype="<f4").astype(np.float32))
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
@@ -287,9 +311,8 @@ def apply_payload(state: PublishedState, payload: UpdatePayload, version: int
             values = torch.from_numpy(np.frombuffer(dense.data, dtype="<f4").astype(np.float32))
             if not bool(torch.isfinite(values).all()):
                 raise WireError(f"keyframe tensor {dense.name} has non-finite values")
-            target = state.tensors[dense.name]
-            changes[dense.name] = TensorChange(torch.arange(target.numel()), values,
-                                               target.reshape(-1).clone())
+            changes[dense.name] = TensorChange(None, values,
+                                               state.tensors[dense.name].reshape(-1).clone())
     else:
         for sparse in payload.sparse:
             change = _sparse_change(sparse, state.tensors[sparse.name])
@@ -297,14 +320,15 @@ def apply_payload(state: PublishedState, payload: UpdatePayload, version: int
                 raise WireError(f"delta for {sparse.name} makes non-finite weights")
             changes[sparse.name] = change
     for name, change in changes.items():
-        state.tensors[name].view(-1)[change.indices] = change.values
+        change.write(state.tensors[name], change.values)
     state.version = version
     return changes
 
 
 def undo_changes(state: PublishedState, changes: Mapping[str, TensorChange], version: int,
                  hash_: str) -> None:
-    """Put back what `apply_payload` changed (the state it was applied to had `version`, `hash_`)."""
+    """Put back what `apply_payload` changed (the state it was applied to had `version` and
+    `hash_`)."""
     for name, change in changes.items():
-        state.tensors[name].view(-1)[change.indices] = change.old
+        change.write(state.tensors[name], change.old)
     state.version, state.hash = version, hash_

@@ -34,6 +34,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -56,6 +57,7 @@ from decentrl.sync.delta import (
     TensorChange,
     UpdateKind,
     apply_payload,
+    cpu_float32_copy,
     decode_payload,
     encode_delta,
     encode_keyframe,
@@ -65,6 +67,7 @@ from decentrl.sync.delta import (
 )
 
 log = logging.getLogger(__name__)
+Record = TypeVar("Record", WeightsRecord, PeerRecord)
 
 MIN_CHUNK_BYTES = 2**10
 MAX_CHUNK_BYTES = 2 * 2**20
@@ -118,7 +121,8 @@ class StoredUpdate:
 def make_update(stage: int, version: int, kind: UpdateKind, base: tuple[int, str],
                 state_hash_after: str, payload: bytes, chunks: int) -> StoredUpdate:
     size = chunk_size_for(len(payload), chunks)
-    hashes = [hashlib.sha256(payload[i:i + size]).digest() for i in range(0, len(payload), size)]
+    view = memoryview(payload)  # chunks hashed in place, not copied
+    hashes = [hashlib.sha256(view[i:i + size]).digest() for i in range(0, len(payload), size)]
     manifest = UpdateManifest(stage=stage, version=version, kind=kind, base_version=base[0],
                               base_hash=base[1], state_hash=state_hash_after, size=len(payload),
                               chunk_size=size, chunk_hashes=hashes)
@@ -228,19 +232,15 @@ class WeightPublisher(UpdateServer):
 
     def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
         """Publish `version` of the weights (a private copy is taken before this returns)."""
-        snapshot = {name: t.detach().to("cpu", torch.float32, copy=True)
-                    for name, t in tensors.items()}
-        return self._encoder.submit(self._encode, version, snapshot)
+        return self._encoder.submit(self._encode, version, cpu_float32_copy(tensors))
 
     def reset(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
         """Start over from these weights (a rollback to a checkpoint): a new keyframe, no deltas."""
-        snapshot = {name: t.detach().to("cpu", torch.float32, copy=True)
-                    for name, t in tensors.items()}
-        return self._encoder.submit(self._restart, version, snapshot)
+        return self._encoder.submit(self._restart, version, cpu_float32_copy(tensors))
 
     def _restart(self, version: int, snapshot: dict[str, torch.Tensor]) -> None:
         with self._lock:
-            self.state = PublishedState.of(version, snapshot)
+            self.state = PublishedState.owning(version, snapshot)
         self.node.run(self._drop_all(), timeout=self.timeout_s)
         self._store_keyframe()
         self.announce()
@@ -388,30 +388,28 @@ class WeightFollower(UpdateServer):
             return bool(plan.manifests)
         raise SyncError(f"no publisher of stage {self.stage} answered: {'; '.join(errors)}")
 
-    async def _publishers(self) -> list[tuple[str, WeightsRecord]]:
-        entries = await self.node.lookup(weights_key(self.run, self.stage))
-        found = []
-        for peer, raw in entries.items():
+    async def _records(self, key: str, record_type: type[Record]) -> dict[str, Record]:
+        """The well-formed records of this stage under a DHT key, by peer (malformed ones are
+        skipped: anyone can write there)."""
+        found = {}
+        for peer, raw in (await self.node.lookup(key)).items():
             try:
-                record = decode_struct(raw, WeightsRecord)
+                record = decode_struct(raw, record_type)
             except WireError:
                 continue
             if record.stage == self.stage:
-                found.append((peer, record))
-        return sorted(found, key=lambda item: item[1].version, reverse=True)
+                found[peer] = record
+        return found
+
+    async def _publishers(self) -> list[tuple[str, WeightsRecord]]:
+        found = await self._records(weights_key(self.run, self.stage), WeightsRecord)
+        return sorted(found.items(), key=lambda item: item[1].version, reverse=True)
 
     async def _replicas(self) -> list[str]:
         """The inference replicas of this stage (this one included), sorted by peer id."""
-        entries = await self.node.lookup(stage_key(self.run, self.stage))
-        peers = {self.node.peer_id}
-        for peer, raw in entries.items():
-            try:
-                record = decode_struct(raw, PeerRecord)
-            except WireError:
-                continue
-            if record.stage == self.stage and record.role == "inference":
-                peers.add(peer)
-        return sorted(peers)
+        found = await self._records(stage_key(self.run, self.stage), PeerRecord)
+        return sorted({self.node.peer_id} | {peer for peer, record in found.items()
+                                             if record.role == "inference"})
 
     def _is_banned(self, peer: str) -> bool:
         return self.banned.get(peer, 0.0) > time.monotonic()
@@ -428,7 +426,7 @@ class WeightFollower(UpdateServer):
         if not update.complete:
             await self._fetch(update, publisher)
         loop = asyncio.get_running_loop()
-        changes = await loop.run_in_executor(None, self._apply, manifest, bytes(update.data))
+        changes = await loop.run_in_executor(None, self._apply, manifest, update.data)
         await self.node.compute(self.commit, manifest.version, changes)
         from_publisher = update.received[publisher]
         log.info("stage %d %s v%d applied: %d bytes, %d from the publisher, %d from %d replicas",
@@ -487,7 +485,8 @@ class WeightFollower(UpdateServer):
         await self._notify()
         return True
 
-    def _apply(self, manifest: UpdateManifest, data: bytes) -> dict[str, TensorChange]:
+    def _apply(self, manifest: UpdateManifest, data: bytes | bytearray
+               ) -> dict[str, TensorChange]:
         """Apply a fetched update to the published state and check its hash (a worker thread;
         the served model is not touched here)."""
         # One intra-op thread (a per-thread setting): the apply is light, and more threads spin
