@@ -149,7 +149,7 @@ def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
             stage_of = {p.node.peer_id: f"{p.name} (stage {p.index})" for p in peers}
             directory = Directory(client, config.name, config.num_stages, config.swarm)
             directory.refresh()
-            chain = RemoteChain(client, directory, config.swarm, loaded.spec.vocab_size)
+            chain = RemoteChain(client, directory, config.swarm, config.trust, loaded.spec)
 
             # ---- rollouts: one session per group, as the coordinator generates them
             task = make_task("sums")

@@ -204,7 +204,8 @@ def run_swarm(args: argparse.Namespace, loaded: Any, folder: Path) -> dict[str, 
               + "; ".join(swarm.layout()), flush=True)
         directory = Directory(swarm.bootstrap, config.name, config.num_stages, config.swarm)
         wait_for_peers(directory, args.replicas)
-        chain = RemoteChain(swarm.bootstrap, directory, config.swarm, loaded.spec.vocab_size)
+        chain = RemoteChain(swarm.bootstrap, directory, config.swarm, config.trust,
+                            loaded.spec)
         prompts = make_prompts(loaded.tokenizer, max(args.concurrency) * args.batch)
         levels = sweep(chain, prompts, args, loaded.tokenizer.pad_token_id, "swarm")
         return {"threads": args.threads, "peers": swarm.layout(), "failovers": chain.failovers,

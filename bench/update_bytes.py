@@ -94,7 +94,7 @@ def run_variant(variant: str, args: Any) -> dict[str, Any]:
                 accepted = run.ingestion.ingest(group, run.trainer.version)
                 if accepted is not None:
                     scored.append(accepted)
-            batch, stats = run.ingestion.make_batch(scored)
+            batch, stats, _ = run.ingestion.make_batch(scored)
             if batch is not None:
                 run.trainer.train_step(batch)
             copy_weights(stages, run.chain)

@@ -22,10 +22,11 @@ from hivemind.proto import runtime_pb2
 
 from decentrl.config import RunConfig, parse_config
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import LoadedModel
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.net.link import LinkProfile
-from decentrl.net.node import TRUNCATED_REPLY_RETRIES, Envelope, RemoteError, SwarmNode
+from decentrl.net.node import TRUNCATED_REPLY_RETRIES, RemoteError, SwarmNode, signed_envelope
 from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, encode_struct, to_messages
 from decentrl.rollout.chain import LocalChain
 from decentrl.swarm.client import Directory, RemoteChain, RemoteStageWorker
@@ -49,8 +50,10 @@ def deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]
 def tiny_run_config(model_dir: Path, num_stages: int, codec: str = "fp32",
                     **overrides: Any) -> RunConfig:
     """A run over a tiny model on the CPU in fp32. Announcements are renewed rarely (entries live
-    5x longer than the test), so no background DHT traffic competes with the test; `overrides`
-    are merged section by section, e.g. `swarm={"retries": 10}`."""
+    5x longer than the test), so no background DHT traffic competes with the test. Peers block a
+    sender only after many malformed requests: the malformed-request tests send dozens from one
+    client on purpose. The trainer's poison flags are off: many tests train on made-up behaviour
+    log-probs. `overrides` are merged section by section, e.g. `swarm={"retries": 10}`."""
     data: dict[str, Any] = {
         "name": f"t{secrets.token_hex(3)}",  # a fresh DHT key space per swarm
         "model": str(model_dir), "num_stages": num_stages, "device": "cpu", "dtype": "fp32",
@@ -58,6 +61,7 @@ def tiny_run_config(model_dir: Path, num_stages: int, codec: str = "fp32",
         "train": {"micro_batch_size": 2, "lr": 1e-2},
         "swarm": {"activation_codec": codec, "announce_every_s": 60.0, "request_timeout_s": 20.0,
                   "retries": 4, "ban_s": 30.0},
+        "trust": {"strikes_to_block": 1000, "flag_log_ratio": None, "flag_surprise": None},
     }
     return parse_config(deep_merge(data, overrides))
 
@@ -92,8 +96,9 @@ class Swarm:
         directory.refresh()
         return directory
 
-    def chain(self, vocab_size: int) -> RemoteChain:
-        return RemoteChain(self.client, self.directory(), self.config.swarm, vocab_size)
+    def chain(self, spec: ModelSpec) -> RemoteChain:
+        return RemoteChain(self.client, self.directory(), self.config.swarm, self.config.trust,
+                           spec)
 
     def workers(self) -> list[RemoteStageWorker]:
         directory = self.directory()
@@ -131,11 +136,19 @@ class Swarm:
         self.killed.append(peer)
 
 
+def start_node(config: RunConfig, name: str, initial_peers: Sequence[str],
+               limits: TensorLimits, link: LinkProfile) -> SwarmNode:
+    """A SwarmNode that blocks senders of malformed requests as `config.trust` says."""
+    return SwarmNode.start(name, initial_peers, link, limits,
+                           strikes_to_block=config.trust.strikes_to_block,
+                           block_s=config.trust.block_s)
+
+
 def start_peer(config: RunConfig, stage: int, role: Role, initial_peers: Sequence[str],
                limits: TensorLimits = TensorLimits(), checkpoint_dir: Path | None = None,
                name: str = "peer", link: LinkProfile = LinkProfile()) -> StagePeer:
     """A SwarmNode and a started StagePeer on it; the node is shut down if the peer fails."""
-    node = SwarmNode.start(name, initial_peers, link, limits)
+    node = start_node(config, name, initial_peers, limits, link)
     try:
         peer = StagePeer(config, stage, role, node, checkpoint_dir=checkpoint_dir, name=name)
         peer.start()
@@ -151,7 +164,7 @@ def start_swarm(config: RunConfig, layout: Sequence[tuple[int, Role]],
                 client_link: LinkProfile = LinkProfile()) -> Iterator[Swarm]:
     """A client node and one peer per (stage, role) of `layout`, every one shut down on exit.
     On a normal exit it also asserts that no node left its unix sockets behind."""
-    client = SwarmNode.start("client", [], client_link, TensorLimits())
+    client = start_node(config, "client", [], TensorLimits(), client_link)
     sockets: list[str] = []
     peers: list[StagePeer] = []
     failed = True
@@ -201,14 +214,27 @@ def unchecked_parts(tensors: Mapping[str, torch.Tensor]
     return parts, TensorManifest(tuple(specs))
 
 
-def call_raw(node: SwarmNode, peer: str, method: str, metadata: bytes,
+@dataclass(frozen=True)
+class Unsigned:
+    """A request's envelope that `call_raw` signs with the node's key: the signature covers the
+    method, the request id and the parts too, which only `call_raw` knows."""
+
+    body: bytes
+    manifest: TensorManifest
+
+
+def call_raw(node: SwarmNode, peer: str, method: str, metadata: bytes | Unsigned,
              parts: Sequence[runtime_pb2.Tensor] = (), timeout: float = 20.0
              ) -> list[runtime_pb2.ExpertResponse]:
-    """Send hand-made messages to `peer`'s `method`; a refusal is a RemoteError, as from
-    SwarmNode.call. A stream that closes with no reply at all (libp2p does this about once in a
-    thousand streams under load, see SwarmNode.call) is sent again, as SwarmNode.call does."""
-    requests = to_messages(runtime_pb2.ExpertRequest, metadata, list(parts),
-                           uid=secrets.token_hex(8))
+    """Send hand-made messages to `peer`'s `method`: `metadata` as it is (bytes), or signed (an
+    `envelope(...)`); a refusal is a RemoteError, as from SwarmNode.call. A stream that closes
+    with no reply at all (libp2p does this about once in a thousand streams under load, see
+    SwarmNode.call) is sent again, as SwarmNode.call does."""
+    request_id = secrets.token_hex(8)
+    if isinstance(metadata, Unsigned):
+        metadata = signed_envelope(node.identity, "request", method, request_id, metadata.body,
+                                   metadata.manifest, parts)
+    requests = to_messages(runtime_pb2.ExpertRequest, metadata, list(parts), uid=request_id)
 
     async def go() -> list[runtime_pb2.ExpertResponse]:
         async def feed() -> Any:
@@ -232,10 +258,10 @@ def call_raw(node: SwarmNode, peer: str, method: str, metadata: bytes,
         raise
 
 
-def envelope(body: Any, manifest: TensorManifest = TensorManifest()) -> bytes:
-    """The metadata of a request: `body` (a struct, or raw bytes sent as they are)."""
-    raw = body if isinstance(body, bytes) else encode_struct(body)
-    return encode_struct(Envelope(raw, manifest))
+def envelope(body: Any, manifest: TensorManifest = TensorManifest()) -> Unsigned:
+    """The envelope of a request, for `call_raw` to sign: `body` (a struct, or raw bytes sent
+    as they are)."""
+    return Unsigned(body if isinstance(body, bytes) else encode_struct(body), manifest)
 
 
 # ---- watching sessions -----------------------------------------------------------------------

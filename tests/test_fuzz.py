@@ -10,12 +10,12 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from google.protobuf.message import DecodeError
 from hivemind.proto import runtime_pb2
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from decentrl.net.node import Envelope
+from decentrl.net.node import Envelope, signed_envelope, verify_envelope
 from decentrl.net.wire import (
     DTYPES,
     TensorLimits,
@@ -40,6 +40,7 @@ from decentrl.sync.delta import (
     encode_keyframe,
     payload_bytes,
 )
+from decentrl.trust.identity import Identity
 
 FUZZ = settings(max_examples=150, deadline=2000,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -130,25 +131,35 @@ def test_forged_manifests_and_parts_decode_as_announced_or_are_refused(
             assert bool(torch.isfinite(tensor).all())
 
 
+SENDER = Identity.generate()
+
+
 @FUZZ
 @given(edits=EDITS)
 def test_mutated_tensor_messages_decode_or_are_refused(edits: list[tuple[int, int, int]]) -> None:
-    parts, manifest = encode_tensors({"hidden": torch.randn(2, 3, 4),
-                                      "ids": torch.arange(6).reshape(2, 3)}, "int8")
-    messages = to_messages(runtime_pb2.ExpertRequest, encode_struct(Envelope(b"", manifest)),
-                           parts, uid="abc")
+    """What a node does with a request: anything it accepts (the signature holds) decodes to
+    exactly what the sender signed."""
+    sent = {"hidden": torch.randn(2, 3, 4), "ids": torch.arange(6).reshape(2, 3)}
+    parts, manifest = encode_tensors(sent, "int8")
+    metadata = signed_envelope(SENDER, "request", "step", "abc", b"body", manifest, parts)
+    messages = to_messages(runtime_pb2.ExpertRequest, metadata, parts, uid="abc")
     raw = mutate(b"".join(m.SerializeToString() for m in messages), edits)
     try:
         message = runtime_pb2.ExpertRequest.FromString(raw)
     except DecodeError:  # protobuf refusing garbage is the node's first check
         return
     try:
-        _, metadata, got = from_messages([message])
+        uid, metadata, got = from_messages([message])
         envelope = decode_struct(metadata, Envelope)
+        verify_envelope(SENDER.peer_id, "request", "step", uid, envelope, got)
         tensors = decode_tensors(got, envelope.manifest, LIMITS)
-    except WireError:
+    except WireError:  # SignatureError included
         return
-    assert set(tensors) == {spec.name for spec in envelope.manifest.tensors}
+    assert uid == "abc" and envelope.body == b"body"
+    assert tensors.keys() == sent.keys()
+    assert torch.equal(tensors["ids"], sent["ids"])
+    expected = decode_tensors(parts, manifest)["hidden"]
+    assert torch.equal(tensors["hidden"], expected)
 
 
 def published() -> PublishedState:

@@ -14,9 +14,16 @@ from decentrl.config import TrainConfig
 from decentrl.learn.batch import build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
-from decentrl.rollout.chain import LocalChain, StepResult
+from decentrl.rollout.chain import LocalChain, StepResult, step_generator
 from decentrl.rollout.generate import Generation, generate, left_pad
-from decentrl.rollout.sampling import SamplingConfig, sample, sampling_logprobs, transformed_logits
+from decentrl.rollout.sampling import (
+    SamplingConfig,
+    sample,
+    sampling_logprobs,
+    sampling_margin,
+    sampling_noise,
+    transformed_logits,
+)
 from decentrl.rollout.types import Rollout
 
 CPU = torch.device("cpu")
@@ -105,16 +112,68 @@ def test_temperature_scales_logits() -> None:
     assert torch.allclose(logprob, logits.log_softmax(-1)[:, 3])
 
 
-def test_sampled_frequencies_follow_the_transformed_distribution() -> None:
-    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).repeat(20000, 1)
-    config = SamplingConfig(temperature=0.5, top_k=3)
-    tokens, _ = sample(logits, config, torch.Generator().manual_seed(0))
-    frequencies = torch.bincount(tokens, minlength=5).float() / len(tokens)
-    expected = torch.zeros(5)
-    expected[:3] = (torch.tensor([2.0, 1.0, 0.5]) / 0.5).softmax(-1)
-    # Binomial standard error with n = 20000 is at most 0.0036; 0.02 is more than 5 of them.
-    assert torch.allclose(frequencies, expected, atol=0.02)
-    assert frequencies[3:].sum() == 0
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's statistic of the draws `tokens` against `probs`, over the tokens with p > 0."""
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    expected = probs.double() * len(tokens)
+    kept = expected > 0
+    return float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(), SamplingConfig(temperature=0.5, top_k=3)])
+def test_sampled_frequencies_follow_the_transformed_distribution(config: SamplingConfig) -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    tokens, _ = sample(logits.repeat(20000, 1), config, step_generator(0))
+    probs = transformed_logits(logits, config).softmax(-1)
+    # At most 4 degrees of freedom: P(chi2 > 25) < 1e-4 for an exact sampler.
+    assert chi_square(tokens, probs) < 25
+    # The test has the power to see a slightly wrong distribution (temperature off by 10 %).
+    wrong = transformed_logits(logits / 1.1, config).softmax(-1)
+    assert chi_square(tokens, wrong) > 50
+    assert (probs[tokens] > 0).all()  # top-k exclusions never drawn
+
+
+def test_a_seed_gives_the_same_draw_from_the_same_logits() -> None:
+    def logits() -> torch.Tensor:  # computed afresh each time, as a verifier would
+        return 3 * torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
+
+    first = sample(logits(), NUCLEUS, step_generator(7))
+    again = sample(logits(), NUCLEUS, step_generator(7))
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not torch.equal(first[0], sample(logits(), NUCLEUS, step_generator(8))[0])
+    # The noise is torch's CPU Mersenne Twister stream, the same on every machine and device:
+    # -log of torch.rand's first draws for seed 0 (0.4963, 0.7682, 0.0885).
+    noise = sampling_noise(step_generator(0), 1, 3)
+    assert torch.allclose(noise, torch.tensor([[0.70066, 0.26368, 2.42501]]), atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(), NUCLEUS])
+def test_sampling_margin_tells_the_seeded_draw_from_other_tokens(config: SamplingConfig) -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(2000, 50, generator=g)
+    tokens, _ = sample(logits, config, step_generator(5))
+    noise = sampling_noise(step_generator(5), 2000, 50)
+    assert torch.equal(sampling_margin(logits, tokens, config, noise), torch.zeros(2000))
+    # Logits recomputed with a 1e-3 relative error (bf16 against fp32, say): the drawn token is
+    # still the draw in nearly every row, and a near tie it lost is lost by little. (A token at
+    # the edge of the top-p set can fall out of it: +inf, as for any excluded token.)
+    perturbed = logits * (1 + 1e-3 * torch.randn(logits.shape, generator=g))
+    margins = sampling_margin(perturbed, tokens, config, noise)
+    assert (margins == 0).float().mean() > 0.99
+    assert (margins < 0.05).float().mean() > 0.995
+    # Any other token scores far below the draw in nearly every row.
+    other = (tokens + torch.randint(1, 50, tokens.shape, generator=g)) % 50
+    assert (sampling_margin(logits, other, config, noise) > 0.05).float().mean() > 0.99
+
+
+def test_sampling_margin_of_excluded_and_greedy_tokens() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]])
+    noise = sampling_noise(step_generator(0), 1, 4)
+    assert sampling_margin(logits, torch.tensor([3]), SamplingConfig(top_k=2), noise).item() == INF
+    # Greedy: the top log-prob minus the token's, whatever the noise.
+    greedy = sampling_margin(logits.repeat(2, 1), torch.tensor([0, 2]), GREEDY,
+                             noise.repeat(2, 1))
+    assert torch.allclose(greedy, torch.tensor([0.0, 2.0]))
 
 
 def test_behaviour_logprobs_are_the_sampling_logprobs() -> None:

@@ -121,7 +121,7 @@ def chain3(tiny_sharp_dir: Path) -> Any:
 
 def test_three_stage_generation_matches_local_greedy_and_sampled(chain3: Swarm,
                                                                   sharp: LoadedModel) -> None:
-    chain = chain3.chain(sharp.spec.vocab_size)
+    chain = chain3.chain(sharp.spec)
     assert [p.layers for p in chain3.peers] == [(0, 2), (2, 3), (3, 4)]
     local = local_chain(sharp, 3)
     expected = run(local)
@@ -154,7 +154,7 @@ def test_bf16_activations_keep_greedy_tokens_and_fp32_logprobs(tiny_sharp_dir: P
     and the trainer's importance ratios need them exact)."""
     config = tiny_run_config(tiny_sharp_dir, 3, codec="bf16")
     with start_swarm(config, [(0, "inference"), (1, "inference"), (2, "inference")]) as swarm:
-        got = run(swarm.chain(sharp.spec.vocab_size))
+        got = run(swarm.chain(sharp.spec))
         expected = run(local_chain(sharp, 3))
         assert tokens(got) == tokens(expected)
         for r, l in zip(got, expected):
@@ -241,7 +241,7 @@ def test_session_fails_over_to_another_replica(tiny_sharp_dir: Path, sharp: Load
             if step == 2:
                 killed.append(session.peers[1])
                 swarm.kill(swarm.by_id(session.peers[1]))
-        chain = ObservedChain(swarm.chain(sharp.spec.vocab_size), kill_after_third_step)
+        chain = ObservedChain(swarm.chain(sharp.spec), kill_after_third_step)
         got = run(chain)
         assert_same_generations(got, run(local_chain(sharp, 2)))
         (session,) = chain.sessions
@@ -263,7 +263,7 @@ def test_session_moves_to_a_replica_that_joined_after_it_started(
             if step == 2:
                 swarm.kill(swarm.by_id(session.peers[1]))
                 replacement.append(swarm.add(1, "inference"))
-        chain = ObservedChain(swarm.chain(sharp.spec.vocab_size), replace_after_third_step)
+        chain = ObservedChain(swarm.chain(sharp.spec), replace_after_third_step)
         got = run(chain)
         assert_same_generations(got, run(local_chain(sharp, 2)))
         (session,) = chain.sessions
@@ -289,7 +289,7 @@ def test_session_survives_a_timeout_on_its_only_replica(tiny_sharp_dir: Path,
                 time.sleep(2.5)
             return reply
         peer._infer = slow_once  # type: ignore[method-assign]
-        chain = ObservedChain(swarm.chain(sharp.spec.vocab_size))
+        chain = ObservedChain(swarm.chain(sharp.spec))
         got = run(chain, max_new_tokens=6)
         assert_same_generations(got, run(local_chain(sharp, 2), max_new_tokens=6))
         # At least one timeout (more if the machine is slow) and a replay to the same replica.
@@ -591,7 +591,7 @@ def test_generation_completes_over_a_lossy_link(tiny_sharp_dir: Path, sharp: Loa
                 return reply
             peer._infer = counted  # type: ignore[method-assign]
         stats: dict[str, Any] = {}
-        chain = ObservedChain(swarm.chain(sharp.spec.vocab_size),
+        chain = ObservedChain(swarm.chain(sharp.spec),
                               before_close=lambda s: stats.update(swarm.client.links.stats()))
         got = run(chain, max_new_tokens=12)
         assert_same_generations(got, run(local_chain(sharp, 2), max_new_tokens=12))
@@ -629,7 +629,7 @@ def test_replica_follows_training_peer_weights(tiny_sharp_dir: Path, sharp: Load
         # The remote chain now generates with the new weights (and says so).
         directory = swarm.directory()
         assert {r.version for records in directory.stage_summary() for r in records} == {1}
-        got = run(swarm.chain(sharp.spec.vocab_size))
+        got = run(swarm.chain(sharp.spec))
         stages = [t.trainer.stage for t in trainers if t.trainer is not None]
         expected = run(LocalChain(stages))
         assert_same_generations(got, expected)
@@ -684,7 +684,7 @@ def test_peers_in_separate_processes(tiny_sharp_dir: Path, sharp: LoadedModel,
             ids = [info["peer_id"] for info in infos]
             assert len(set(ids)) == 3
             local = run(local_chain(sharp, 2))
-            chain = ObservedChain(swarm.chain(sharp.spec.vocab_size))
+            chain = ObservedChain(swarm.chain(sharp.spec))
             assert_same_generations(run(chain), local)
             # kill -9 the replica of stage 1 the next session uses, in the middle of it.
             victims: list[int] = []
@@ -695,7 +695,7 @@ def test_peers_in_separate_processes(tiny_sharp_dir: Path, sharp: LoadedModel,
                     os.killpg(processes[victim].pid, signal.SIGKILL)
                     processes[victim].wait(10)
                     victims.append(victim)
-            chain = ObservedChain(swarm.chain(sharp.spec.vocab_size), kill_mid_session)
+            chain = ObservedChain(swarm.chain(sharp.spec), kill_mid_session)
             assert_same_generations(run(chain), local)
             assert chain.sessions[0].failovers >= 1
             (victim,) = victims

@@ -253,7 +253,7 @@ def test_swarm_replica_update_mid_generation_is_recorded(
 
         updater = threading.Thread(target=update, daemon=True)
         updater.start()
-        chain = ObservedChain(swarm.chain(sharp.spec.vocab_size), after_step=after_step)
+        chain = ObservedChain(swarm.chain(sharp.spec), after_step=after_step)
         scheduler = PromptScheduler(config.seed)
         [group] = rollout_worker(chain, config, sharp, scheduler).generate_groups(
             scheduler.next(1))

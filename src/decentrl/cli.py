@@ -97,6 +97,9 @@ def demo(
     local: Annotated[bool, typer.Option(help="one process, no network (the issue-2 loop)")]
     = False,
     fresh: Annotated[bool, typer.Option(help="delete an earlier run of this name first")] = True,
+    adversaries: Annotated[bool, typer.Option(
+        help="add one hostile peer of every kind (trust/adversary.py) beside the honest ones")]
+    = False,
 ) -> None:
     """Post-train SmolLM2-135M-Instruct on sums over a local swarm on loopback (coordinator plus
     2 stages x (2 inference replicas + 1 training peer), emulated WAN links); report held-out
@@ -116,15 +119,17 @@ def demo(
     if local:
         run_training(config)
     else:
-        run_swarm_demo(config, chaos_every if chaos else None)
+        run_swarm_demo(config, chaos_every if chaos else None, adversaries)
 
 
-def run_swarm_demo(config: RunConfig, chaos_every: float | None) -> None:
+def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bool = False
+                   ) -> None:
     import threading
 
     from decentrl.model.loading import resolve_model
     from decentrl.swarm.coordinate import SwarmCoordinator
     from decentrl.swarm.launch import LocalSwarm
+    from decentrl.trust.adversary import ADVERSARIES
 
     exit_on_sigterm()
     started = time.time()
@@ -132,7 +137,8 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None) -> None:
     config.path.mkdir(parents=True, exist_ok=True)
     config_path = config.path / "swarm-config.json"
     config_path.write_text(config.model_dump_json(indent=2))
-    swarm = LocalSwarm(config, config_path, config.swarm.inference_replicas)
+    swarm = LocalSwarm(config, config_path, config.swarm.inference_replicas,
+                       adversaries=ADVERSARIES if adversaries else ())
     stop_chaos = threading.Event()
     coordinator = None
     try:
@@ -248,6 +254,11 @@ def join(
     exit_with_parent: Annotated[bool, typer.Option(
         help="stop when the process that started this one exits (used by the local launcher)")]
     = False,
+    adversary: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        help="run a hostile peer instead (trust tests and demos): random-tokens, "
+             "forge-logprobs, inject-answers, corrupt-activations, replay or flood")] = None,
+    collusion_dir: Annotated[Optional[Path], typer.Option(  # noqa: UP007
+        help="folder an inject-answers pair shares")] = None,
 ) -> None:
     """Start a peer that holds exactly the layers of one stage and serves it until stopped."""
     import signal
@@ -257,12 +268,15 @@ def join(
 
     from decentrl.swarm.launch import join as join_swarm
     from decentrl.swarm.protocol import Role
+    from decentrl.trust.adversary import ADVERSARIES
 
     configure_logging()
     if role not in ("inference", "training", "both"):
         fail(f"--role must be inference, training or both, got {role!r}")
     if stage != "auto" and not stage.isdigit():
         fail(f"--stage must be a stage index or auto, got {stage!r}")
+    if adversary is not None and adversary not in ADVERSARIES:
+        fail(f"--adversary must be one of {', '.join(ADVERSARIES)}, got {adversary!r}")
     try:
         run_config = load_config(config) if config is not None else None
     except ConfigError as error:
@@ -274,7 +288,8 @@ def join(
         signal.signal(signum, lambda *_: stop.set())
     try:
         join_swarm(run_config, run, None if stage == "auto" else int(stage),
-                   cast(Role, role), initial_peers, checkpoint_dir, name, stop, exit_with_parent)
+                   cast(Role, role), initial_peers, checkpoint_dir, name, stop, exit_with_parent,
+                   adversary, collusion_dir)
     except (ConfigError, ValueError, RuntimeError, TimeoutError, FileNotFoundError) as error:
         fail(str(error))
 

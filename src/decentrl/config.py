@@ -147,6 +147,38 @@ class SyncConfig(Section):
                                 "a chunk it is still fetching itself")
 
 
+class TrustConfig(Section):
+    """How the coordinator checks peers it cannot trust (trust/): activation commitments,
+    spot-check re-execution, flags from the trainer's own log-probs, reputation and bans."""
+
+    commit_interval: int = Field(8, ge=1, description="token positions between two activation "
+                                 "commitments of an inference stage")
+    commit_top_k: int = Field(8, ge=1, description="hidden dims per commitment point")
+    verify_fraction: float = Field(0.1, ge=0, le=1, description="fraction of rollout groups "
+                                   "re-executed (teacher-forced) by other replicas")
+    history_versions: int = Field(4, ge=0, description="updates a replica can rewind, so it can "
+                                  "re-execute at the versions a rollout recorded")
+    logprob_tolerance: float = Field(0.5, gt=0, description="a re-executed token's log-prob may "
+                                     "differ from the claimed one by this much (nats)")
+    sampling_tolerance: float = Field(0.5, gt=0, description="how far (nats) a claimed token's "
+                                      "seeded sampling score may fall below the seeded draw's")
+    max_mismatch_fraction: float = Field(0.05, ge=0, lt=1, description="share of re-executed "
+                                         "tokens allowed outside the tolerances")
+    flag_log_ratio: float | None = Field(1.0, gt=0, description="a rollout whose mean per-token "
+                                         "|log pi - log mu| under the trainer exceeds this is "
+                                         "flagged and left out of the loss")
+    flag_surprise: float | None = Field(3.0, gt=0, description="a rollout whose tokens are on "
+                                        "average this many nats less likely than typical under "
+                                        "the trainer (mean of log pi + entropy of pi) is flagged "
+                                        "and left out of the loss")
+    ban_score: float = Field(0.5, gt=0, lt=1, description="a peer whose score falls below this "
+                             "is banned")
+    ban_s: float = Field(600.0, ge=0, description="first ban's length; each later ban doubles")
+    strikes_to_block: int = Field(20, ge=1, description="malformed requests within a minute "
+                                  "before a peer refuses the sender")
+    block_s: float = Field(300.0, ge=0, description="how long a peer refuses such a sender")
+
+
 class RunConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     run_dir: Path = Path("runs")
@@ -162,12 +194,17 @@ class RunConfig(Section):
     eval: EvalConfig = EvalConfig()
     swarm: SwarmConfig = SwarmConfig()
     sync: SyncConfig = SyncConfig()
+    trust: TrustConfig = TrustConfig()
 
     @model_validator(mode="after")
     def _check_consistency(self) -> RunConfig:
         if self.train.mis_low is not None and self.train.mis_high is not None \
                 and self.train.mis_low >= self.train.mis_high:
             raise ValueError("train.mis_low must be below train.mis_high")
+        if self.trust.verify_fraction > 0 and self.trust.history_versions < self.train.max_staleness:
+            raise ValueError(f"trust.history_versions ({self.trust.history_versions}) must be at "
+                             f"least train.max_staleness ({self.train.max_staleness}): replicas "
+                             "must rewind to any version a trainable rollout may carry")
         return self
 
     @property

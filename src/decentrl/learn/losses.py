@@ -77,6 +77,11 @@ class LossConfig:
         padded length T of the tensors, which differs between micro-batches padded to different
         lengths: set it whenever accumulating gradients with dr_grpo.
     decoupled: see the module docstring.
+    flag_log_ratio / flag_surprise: rollouts the trainer's own log-probs expose as off-policy
+        poison are left out of the loss and reported (`flagged_rows`): mean per-token
+        |log pi - log mu| above flag_log_ratio (forged behaviour log-probs), or mean per-token
+        log pi + H(pi) below -flag_surprise (tokens far less likely than the policy's own
+        samples, whose mean is 0 in expectation: random or injected tokens). None: off.
     """
 
     name: LossName
@@ -91,6 +96,8 @@ class LossConfig:
     mis_high: float | None = None
     dr_grpo_max_tokens: int | None = None
     decoupled: bool = True
+    flag_log_ratio: float | None = None
+    flag_surprise: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in LOSS_NAMES:
@@ -126,6 +133,23 @@ class LossConfig:
             )
         if not isinstance(self.decoupled, bool):
             raise ValueError(f"decoupled must be a bool, got {self.decoupled!r}")
+        if self.flag_log_ratio is not None and not self.flag_log_ratio > 0:
+            raise ValueError(f"flag_log_ratio must be None or > 0, got {self.flag_log_ratio}")
+        if self.flag_surprise is not None and not self.flag_surprise > 0:
+            raise ValueError(f"flag_surprise must be None or > 0, got {self.flag_surprise}")
+
+
+def flagged_rows(row_surprise: torch.Tensor, row_log_ratio: torch.Tensor,
+                 config: LossConfig) -> torch.Tensor:
+    """[B] bool: rollouts whose tokens the current policy finds too unlikely, or whose claimed
+    behaviour log-probs sit too far from the policy's (`row_surprise` / `row_log_ratio`: per-row
+    means over completion tokens of log pi + H(pi) and of log pi - log mu)."""
+    flagged = torch.zeros_like(row_surprise, dtype=torch.bool)
+    if config.flag_log_ratio is not None:
+        flagged |= row_log_ratio.abs() > config.flag_log_ratio
+    if config.flag_surprise is not None:
+        flagged |= row_surprise < -config.flag_surprise
+    return flagged
 
 
 def check_staleness(

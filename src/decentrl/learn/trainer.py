@@ -19,9 +19,9 @@ from typing import Protocol
 
 import torch
 
-from decentrl.config import TrainConfig
+from decentrl.config import TrainConfig, TrustConfig
 from decentrl.learn.batch import TrainBatch
-from decentrl.learn.losses import LossConfig, policy_loss
+from decentrl.learn.losses import LossConfig, flagged_rows, policy_loss
 from decentrl.model.prefix import predicting_hidden, shared_prompt_body
 from decentrl.model.stages import StageModule
 from decentrl.rollout.sampling import (
@@ -31,15 +31,23 @@ from decentrl.rollout.sampling import (
 )
 
 
-def loss_config_from(train: TrainConfig, max_new_tokens: int) -> LossConfig:
+def loss_config_from(train: TrainConfig, max_new_tokens: int,
+                     trust: TrustConfig | None = None) -> LossConfig:
+    """The loss of a run; with `trust`, rollouts its flags catch stay out of the loss."""
     return LossConfig(
         name=train.loss, clip_low=train.clip_low, clip_high=train.clip_high,
         kl_coef=train.kl_coef, tis_cap=train.tis_cap, mis_low=train.mis_low,
         mis_high=train.mis_high, dr_grpo_max_tokens=max_new_tokens, decoupled=train.decoupled,
+        flag_log_ratio=trust.flag_log_ratio if trust else None,
+        flag_surprise=trust.flag_surprise if trust else None,
     )
 
 
 Activations = tuple[torch.Tensor, torch.Tensor]  # (prompt part, completion part)
+# What the last stage returns per micro-batch row: the mean over its completion tokens of
+# log pi + H(pi) (how much less likely than typical they are) and of log pi - log mu
+# (flagged_rows turns them into poison flags).
+RowStats = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -54,19 +62,30 @@ class LossInputs:
 
 def micro_batch_loss(logits: torch.Tensor, batch: TrainBatch, inputs: LossInputs,
                      loss: LossConfig, sampling: SamplingConfig
-                     ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy loss of one micro-batch from the last stage's logits [N, vocab] of its targets."""
+                     ) -> tuple[torch.Tensor, dict[str, float], RowStats]:
+    """The policy loss of one micro-batch from the last stage's logits [N, vocab] of its targets,
+    its metrics, and every row's statistics. Rows `flagged_rows` catches do not count in the loss
+    (the normalisers keep the batch's totals, so the other rows' weights do not change)."""
     mask = batch.completion_valid
     picked, entropy = sampling_logprobs_and_entropy(logits, batch.completions[mask], sampling)
     logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
     logprobs = logprobs.masked_scatter(mask, picked)
+    with torch.no_grad():
+        lengths = mask.sum(1).clamp(min=1)
+        surprise = torch.zeros(mask.shape, device=logits.device).masked_scatter(
+            mask, picked + entropy)
+        row_surprise = surprise.sum(1) / lengths
+        row_log_ratio = ((logprobs - batch.behaviour_logprobs) * mask).sum(1) / lengths
+        flagged = flagged_rows(row_surprise, row_log_ratio, loss)
+    counted = mask & ~flagged[:, None]
     value, metrics = policy_loss(
         logprobs, inputs.proximal if inputs.proximal is not None else logprobs.detach(),
-        batch.behaviour_logprobs, batch.advantages, mask, loss,
+        batch.behaviour_logprobs, batch.advantages, counted, loss,
         reference_logprobs=inputs.reference, total_sequences=inputs.total_sequences,
         total_tokens=inputs.total_tokens)
     metrics["entropy"] = float(entropy.mean())
-    return value, metrics
+    metrics["flagged_fraction"] = float(flagged.float().mean())
+    return value, metrics, (row_surprise, row_log_ratio)
 
 
 def stage_forward(stage: StageModule, inputs: Activations, batch: TrainBatch
@@ -90,7 +109,10 @@ class StageWorker(Protocol):
 
     def forward(self, micro: int, inputs: Activations, batch: TrainBatch,
                 loss_inputs: LossInputs | None = None
-                ) -> tuple[Activations | None, dict[str, float]]: ...
+                ) -> tuple[Activations, dict[str, float]]:
+        """The stage's outputs for the next stage, or at the last stage (given `loss_inputs`)
+        its RowStats and the loss metrics."""
+        ...
 
     def backward(self, micro: int, grad_outputs: Activations | None) -> Activations | None: ...
 
@@ -132,10 +154,10 @@ class StageTrainer:
 
     def forward(self, micro: int, inputs: Activations, batch: TrainBatch,
                 loss_inputs: LossInputs | None = None
-                ) -> tuple[Activations | None, dict[str, float]]:
+                ) -> tuple[Activations, dict[str, float]]:
         """Run this stage on micro-batch `micro` and keep what backward needs. Other stages return
         their detached outputs for the next stage; the last stage is given `loss_inputs`,
-        computes the loss, and returns its metrics."""
+        computes the loss, and returns its RowStats and metrics."""
         if micro in self.saved:
             raise ValueError(f"stage {self.stage.index} already holds micro-batch {micro}")
         batch = batch.to(self.device)
@@ -151,9 +173,10 @@ class StageTrainer:
                 *(None if t is None else t.to(self.device)
                   for t in (loss_inputs.proximal, loss_inputs.reference)),
                 loss_inputs.total_sequences, loss_inputs.total_tokens)
-            loss, metrics = micro_batch_loss(out, batch, loss_inputs, self.loss, self.sampling)
+            loss, metrics, rows = micro_batch_loss(out, batch, loss_inputs, self.loss,
+                                                   self.sampling)
             self.saved[micro] = (leaves, [loss])
-            return None, metrics
+            return rows, metrics
         if isinstance(out, torch.Tensor):
             raise RuntimeError("the last stage needs the loss inputs")
         self.saved[micro] = (leaves, list(out))
@@ -225,6 +248,10 @@ class PipelineTrainer:
         self.train, self.loss, self.sampling = train, loss, sampling
         self.reference_stages = reference_stages
         self.device = device
+        # The last step's RowStats of every batch row, in batch order, and which of them the
+        # trust flags caught (they did not count in the loss).
+        self.row_stats: RowStats | None = None
+        self.flagged: torch.Tensor | None = None
 
     @classmethod
     def local(cls, stages: list[StageModule], train: TrainConfig, loss: LossConfig,
@@ -274,39 +301,44 @@ class PipelineTrainer:
         minibatch_size = math.ceil(batch.num_sequences / self.train.updates_per_batch)
         totals: dict[str, float] = {}
         micro_count = 0
+        rows_seen: list[RowStats] = []
         for start in range(0, batch.num_sequences, minibatch_size):
             rows = slice(start, start + minibatch_size)
             minibatch = batch.select(rows)
             sequences, tokens = minibatch.num_sequences, minibatch.num_target_tokens
             for micro_start in range(0, sequences, self.train.micro_batch_size):
                 micro_slice = slice(micro_start, micro_start + self.train.micro_batch_size)
-                metrics = self._micro_step(
+                metrics, row_stats = self._micro_step(
                     micro_count, minibatch.select(micro_slice),
                     _rows(proximal, rows, micro_slice), _rows(reference, rows, micro_slice),
                     sequences, tokens)
+                rows_seen.append(row_stats)
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
                 micro_count += 1
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._step()
+        # Minibatches are disjoint slices in order: their micro-batches' rows are the batch's.
+        self.row_stats = (torch.cat([r[0].float().cpu() for r in rows_seen]),
+                          torch.cat([r[1].float().cpu() for r in rows_seen]))
+        self.flagged = flagged_rows(*self.row_stats, self.loss)
         result = {key: value / micro_count for key, value in totals.items() if key != "grad_norm"}
         result["grad_norm"] = totals["grad_norm"] / self.train.updates_per_batch
         return result
 
     def _micro_step(self, micro_id: int, micro: TrainBatch, proximal: torch.Tensor | None,
                     reference: torch.Tensor | None, total_sequences: int,
-                    total_tokens: int) -> dict[str, float]:
+                    total_tokens: int) -> tuple[dict[str, float], RowStats]:
         loss_inputs = LossInputs(proximal, reference, total_sequences, total_tokens)
-        x: Activations | None = (micro.prompts, micro.completions)
+        x: Activations = (micro.prompts, micro.completions)
         metrics: dict[str, float] = {}
         last = len(self.workers) - 1
         for i, worker in enumerate(self.workers):
-            assert x is not None
             x, metrics = worker.forward(micro_id, x, micro,
                                         loss_inputs=loss_inputs if i == last else None)
         grad: Activations | None = None
         for worker in reversed(self.workers):
             grad = worker.backward(micro_id, grad)
-        return metrics
+        return metrics, x
 
     def _step(self) -> float:
         norm = math.sqrt(sum(w.grad_square_norm() for w in self.workers))

@@ -5,22 +5,36 @@ generation loop, the trainer driver) can call peers while the loop keeps serving
 Every RPC is a hivemind protobuf stream: requests and replies are `ExpertRequest`/`ExpertResponse`
 messages whose metadata is a msgspec struct and whose tensors go through hivemind's codecs
 (net/wire.py), chunked under the 4 MiB frame cap. The request id travels in the `uid` field; a
-server remembers its last replies by id, so a caller that retries after a lost reply gets the same
-answer instead of running the request twice. Every hop goes through the link emulator (net/link.py)
-on the caller's side, and every call has a timeout: nothing waits forever on a peer."""
+server remembers its last replies by sender and id, so a caller that retries after a lost reply
+gets the same answer instead of running the request twice. Every hop goes through the link
+emulator (net/link.py) on the caller's side, and every call has a timeout: nothing waits forever
+on a peer.
+
+The node's Ed25519 key (trust/identity.py) is its daemon's libp2p identity. Every request and
+every reply is signed by its sender (`Envelope.signature`, over `message_digest`) and checked
+against the authenticated remote peer id before its tensors are decoded or its handler runs; the
+signature vouches for the message itself, also where someone relays it later. A sender whose
+requests are refused as malformed (a WireError, a bad signature, a handler's ValueError) collects
+strikes; `strikes_to_block` of them within `strike_window_s` block it for `block_s`, during
+which its requests are refused unread."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import secrets
+import shutil
+import tempfile
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import torch
@@ -44,6 +58,7 @@ from decentrl.net.wire import (
     message_bytes,
     to_messages,
 )
+from decentrl.trust.identity import Identity, verify
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +68,15 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 REPLY_CACHE_SIZE = 16
 STARTUP_TIMEOUT_S = 60.0
 TRUNCATED_REPLY_RETRIES = 3
+STRIKES_TO_BLOCK = 20
+STRIKE_WINDOW_S = 60.0
+BLOCK_S = 300.0
+# Senders with recent strikes that are remembered; past this, the stale ones are forgotten, so
+# that a stream of throwaway identities cannot grow the table without end.
+STRIKE_TABLE_SIZE = 1024
+SIGNATURE_DOMAIN = b"decentrl/1"
+MessageKind = Literal["request", "reply"]
+_KIND_BYTE: dict[MessageKind, bytes] = {"request": b"\x00", "reply": b"\x01"}
 
 
 class RemoteError(RuntimeError):
@@ -63,11 +87,55 @@ class PeerRefused(RemoteError):
     """The peer is alive and answered, with an error: it refused this request."""
 
 
+class SenderBlocked(RuntimeError):
+    """A request refused unread: its sender sent too many malformed ones lately. Not a strike."""
+
+
 class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Every message's metadata: the method's own struct (msgpack bytes) and the tensor manifest."""
+    """Every message's metadata: the method's own struct (msgpack bytes), the tensor manifest,
+    and the sender's Ed25519 signature of `message_digest`."""
 
     body: bytes
     manifest: TensorManifest
+    signature: bytes
+
+
+def _length(data: bytes | Sequence[Any]) -> bytes:
+    return len(data).to_bytes(8, "little")
+
+
+def message_digest(kind: MessageKind, method: str, request_id: str, body: bytes,
+                   manifest: TensorManifest, parts: Sequence[runtime_pb2.Tensor]) -> bytes:
+    """sha256 of everything a message's signature vouches for. Every field is length-prefixed,
+    so no two messages share an encoding; the kind, method and request id tie a reply to its
+    request. Of each tensor part only the buffer: the manifest fixes its dtype, shape and
+    compression (decode_tensors refuses a part that differs from it), and chunking is not part
+    of the message."""
+    digest = hashlib.sha256(SIGNATURE_DOMAIN + _KIND_BYTE[kind])
+    for data in (method.encode(), request_id.encode(), body, encode_struct(manifest)):
+        digest.update(_length(data))
+        digest.update(data)
+    digest.update(_length(parts))
+    for part in parts:
+        buffer = part.buffer  # a copy per access under protobuf's upb backend: take it once
+        digest.update(_length(buffer))
+        digest.update(buffer)
+    return digest.digest()
+
+
+def signed_envelope(identity: Identity, kind: MessageKind, method: str, request_id: str,
+                    body: bytes, manifest: TensorManifest,
+                    parts: Sequence[runtime_pb2.Tensor]) -> bytes:
+    """A message's metadata: its Envelope, signed by `identity`, encoded."""
+    signature = identity.sign(message_digest(kind, method, request_id, body, manifest, parts))
+    return encode_struct(Envelope(body, manifest, signature))
+
+
+def verify_envelope(sender: str, kind: MessageKind, method: str, request_id: str,
+                    envelope: Envelope, parts: Sequence[runtime_pb2.Tensor]) -> None:
+    """Raise SignatureError (a WireError) unless `sender` signed this message."""
+    digest = message_digest(kind, method, request_id, envelope.body, envelope.manifest, parts)
+    verify(sender, digest, envelope.signature)
 
 
 @dataclass
@@ -96,10 +164,25 @@ class SwarmNode:
     """Start with `SwarmNode.start(...)`; `shutdown()` stops the daemon and removes its socket."""
 
     def __init__(self, name: str, link_profile: LinkProfile, limits: TensorLimits,
-                 compute_threads: int | None = None) -> None:
+                 compute_threads: int | None = None, identity: Identity | None = None,
+                 strikes_to_block: int = STRIKES_TO_BLOCK,
+                 strike_window_s: float = STRIKE_WINDOW_S, block_s: float = BLOCK_S) -> None:
+        if strikes_to_block < 1 or strike_window_s <= 0 or block_s < 0:
+            raise ValueError(f"need strikes_to_block >= 1, strike_window_s > 0, block_s >= 0; got "
+                             f"{strikes_to_block}, {strike_window_s}, {block_s}")
         self.name = name
         self.limits = limits
         self.link_profile = link_profile
+        self.identity = identity or Identity.generate()
+        self.strikes_to_block = strikes_to_block
+        self.strike_window_s = strike_window_s
+        self.block_s = block_s
+        # Called with (peer id, reason) on each strike, from the loop thread.
+        self.on_strike: Callable[[str, str], None] | None = None
+        # Strike times and blocks per sender: written on the loop, read from any thread.
+        self._strike_lock = threading.Lock()
+        self._strike_times: dict[str, deque[float]] = {}
+        self._blocks: dict[str, tuple[float, int]] = {}  # sender -> (until, strikes)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=f"p2p-{name}", daemon=True)
         # One compute thread: requests run one at a time and the loop stays free to serve the
@@ -112,17 +195,21 @@ class SwarmNode:
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
         self.links: LinkEmulator | None = None
-        self._replies: OrderedDict[str, asyncio.Future[list[runtime_pb2.ExpertResponse]]] = \
-            OrderedDict()
+        # By (sender, request id): a request id is the caller's choice, so another peer that
+        # learnt it must not get the caller's reply.
+        self._replies: OrderedDict[tuple[str, str],
+                                   asyncio.Future[list[runtime_pb2.ExpertResponse]]] = OrderedDict()
         self._closed = False
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     @classmethod
     def start(cls, name: str, initial_peers: Sequence[str], link_profile: LinkProfile,
-              limits: TensorLimits, host: str = LOOPBACK,
-              compute_threads: int | None = None) -> SwarmNode:
-        node = cls(name, link_profile, limits, compute_threads)
+              limits: TensorLimits, host: str = LOOPBACK, compute_threads: int | None = None,
+              identity: Identity | None = None, strikes_to_block: int = STRIKES_TO_BLOCK,
+              strike_window_s: float = STRIKE_WINDOW_S, block_s: float = BLOCK_S) -> SwarmNode:
+        node = cls(name, link_profile, limits, compute_threads, identity, strikes_to_block,
+                   strike_window_s, block_s)
         node._thread.start()
         try:
             node.run(node._start(list(initial_peers), host), timeout=STARTUP_TIMEOUT_S)
@@ -136,14 +223,29 @@ class SwarmNode:
         self.loop.run_forever()
 
     async def _start(self, initial_peers: list[str], host: str) -> None:
-        # Loopback-safe: no NAT port mapping, no AutoNAT, no relays, no IPFS bootstrap; the only
-        # peers are the ones we are told about.
-        self.p2p = await P2P.create(
-            initial_peers=initial_peers or None, host_maddrs=[host], nat_port_map=False,
-            auto_nat=False, use_relay=False, use_auto_relay=False, use_ipfs=False,
-            # libp2p's connection manager trims connections past its water marks, which can cut
-            # a stream mid-reply; a swarm's peers keep few connections, so keep them all.
-            conn_manager=False, startup_timeout=STARTUP_TIMEOUT_S)
+        # The daemon reads its key from a file at start: a private one in a fresh 0700 folder,
+        # gone as soon as the daemon runs.
+        key_dir = tempfile.mkdtemp(prefix="decentrl-key-")
+        try:
+            key_path = os.path.join(key_dir, "identity.key")
+            self.identity.write_libp2p_key(key_path)
+            # Loopback-safe: no NAT port mapping, no AutoNAT, no relays, no IPFS bootstrap; the
+            # only peers are the ones we are told about.
+            self.p2p = await P2P.create(
+                initial_peers=initial_peers or None, host_maddrs=[host], nat_port_map=False,
+                auto_nat=False, use_relay=False, use_auto_relay=False, use_ipfs=False,
+                # libp2p's connection manager trims connections past its water marks, which can
+                # cut a stream mid-reply; a swarm's peers keep few connections, so keep them all.
+                conn_manager=False, startup_timeout=STARTUP_TIMEOUT_S,
+                # The check would start a second daemon to dial this id; a key we just made (or
+                # were given for this process) is ours alone.
+                identity_path=key_path, check_if_identity_free=False)
+        finally:
+            shutil.rmtree(key_dir, ignore_errors=True)
+        if str(self.p2p.peer_id) != self.identity.peer_id:
+            raise RuntimeError(f"{self.name}: the p2p daemon runs as {self.p2p.peer_id}, not as "
+                               f"its identity {self.identity.peer_id}; its signatures would not "
+                               f"verify")
         self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial_peers or None,
                                         ensure_bootstrap_success=bool(initial_peers))
         self.links = LinkEmulator(local=str(self.p2p.peer_id), profile=self.link_profile)
@@ -214,38 +316,46 @@ class SwarmNode:
         assert self.p2p is not None
 
         async def stream_handler(requests: Any, context: P2PContext) -> Any:
-            messages, size = [], 0
-            async for message in requests:
-                size += message.ByteSize()
-                if size > self.limits.max_total_bytes:
-                    raise WireError(f"{method} request over {self.limits.max_total_bytes} bytes")
-                messages.append(message)
-            request_id, _, _ = from_messages(messages)
+            sender = str(context.remote_id)
+            try:
+                messages = await self._receive(method, requests)
+                self._refuse_if_blocked(sender)
+                request_id, envelope, parts = self._open_request(method, messages, sender)
+            except ValueError as error:  # WireError and SignatureError included
+                self._strike(sender, method, error)
+                raise
             # A retried request (its reply was lost) gets the first reply, not a second run.
-            cached = self._replies.get(request_id) if request_id else None
+            key = (sender, request_id)
+            cached = self._replies.get(key) if request_id else None
             if cached is None:
                 cached = self.loop.create_future()
                 if request_id:
-                    self._replies[request_id] = cached
+                    self._replies[key] = cached
                     while len(self._replies) > REPLY_CACHE_SIZE:
                         self._replies.popitem(last=False)
                 try:
-                    cached.set_result(await self._handle(method, handler, messages, context))
+                    cached.set_result(await self._handle(method, handler, request_id, envelope,
+                                                         parts, sender))
                 except asyncio.CancelledError:
                     log.warning("%s: %s from %s cancelled mid-request", self.name, method,
-                                str(context.remote_id)[-8:])
-                    self._replies.pop(request_id, None)
+                                sender[-8:])
+                    self._replies.pop(key, None)
                     cached.cancel()
                     raise
                 except Exception as error:
-                    log.info("%s: %s from %s refused: %s", self.name, method,
-                             str(context.remote_id)[-8:], error)
-                    self._replies.pop(request_id, None)
+                    # A ValueError is the request's fault (bad tensors, a handler's PeerError);
+                    # anything else (a timeout, a bug) is not held against the sender.
+                    if isinstance(error, ValueError):
+                        self._strike(sender, method, error)
+                    else:
+                        log.info("%s: %s from %s refused: %s", self.name, method, sender[-8:],
+                                 error)
+                    self._replies.pop(key, None)
                     cached.set_exception(error)
                     cached.exception()  # retrieved here; the caller gets it below
             responses = await asyncio.shield(cached)
             assert self.links is not None
-            await self.links.uplink.send(message_bytes(responses), str(context.remote_id))
+            await self.links.uplink.send(message_bytes(responses), sender)
             for response in responses:
                 yield response
 
@@ -264,19 +374,101 @@ class SwarmNode:
         except (P2PDaemonError, TimeoutError) as error:
             log.warning("%s: could not stop serving %s: %s", self.name, method, error)
 
-    async def _handle(self, method: str, handler: Handler, messages: list[Any],
-                      context: P2PContext) -> list[runtime_pb2.ExpertResponse]:
-        _, metadata, parts = from_messages(messages)
+    async def _receive(self, method: str, requests: Any) -> list[Any]:
+        """A request's messages, read whole (also from a blocked sender: the stream must be
+        drained before the refusal goes back), never past the node's size limit."""
+        messages, size = [], 0
+        async for message in requests:
+            size += message.ByteSize()
+            if size > self.limits.max_total_bytes:
+                raise WireError(f"{method} request over {self.limits.max_total_bytes} bytes")
+            messages.append(message)
+        return messages
+
+    def _open_request(self, method: str, messages: list[Any], sender: str
+                      ) -> tuple[str, Envelope, list[runtime_pb2.Tensor]]:
+        """The request id, envelope and tensor parts of a request that `sender` signed. Nothing
+        is decoded past the envelope before the signature checks out."""
+        request_id, metadata, parts = from_messages(messages)
         envelope = decode_struct(metadata, Envelope)
+        verify_envelope(sender, "request", method, request_id, envelope, parts)
+        return request_id, envelope, parts
+
+    async def _handle(self, method: str, handler: Handler, request_id: str, envelope: Envelope,
+                      parts: list[runtime_pb2.Tensor], sender: str
+                      ) -> list[runtime_pb2.ExpertResponse]:
         tensors = decode_tensors(parts, envelope.manifest, self.limits)
-        reply = await handler(Request(envelope.body, tensors, str(context.remote_id)))
+        reply = await handler(Request(envelope.body, tensors, sender))
         if reply.encoded is not None:
             out_parts, manifest = reply.encoded
         else:
             out_parts, manifest = encode_tensors(dict(reply.tensors or {}), reply.codec)
         body = encode_struct(reply.body) if reply.body is not None else b""
-        return to_messages(runtime_pb2.ExpertResponse, encode_struct(Envelope(body, manifest)),
-                           out_parts)
+        metadata = signed_envelope(self.identity, "reply", method, request_id, body, manifest,
+                                   out_parts)
+        return to_messages(runtime_pb2.ExpertResponse, metadata, out_parts)
+
+    # ---- strikes against senders of malformed requests -----------------------------------
+
+    def strikes(self, peer: str) -> int:
+        """`peer`'s strikes within the last `strike_window_s` (0 while it is blocked)."""
+        horizon = time.monotonic() - self.strike_window_s
+        with self._strike_lock:
+            return sum(t > horizon for t in self._strike_times.get(peer, ()))
+
+    def blocked(self, peer: str) -> bool:
+        return self._block_left(peer) is not None
+
+    def _block_left(self, peer: str) -> tuple[float, int] | None:
+        """(seconds left, strikes that caused it) of `peer`'s block, or None."""
+        now = time.monotonic()
+        with self._strike_lock:
+            block = self._blocks.get(peer)
+            if block is None:
+                return None
+            until, strikes = block
+            if until <= now:
+                del self._blocks[peer]
+                return None
+            return until - now, strikes
+
+    def _refuse_if_blocked(self, sender: str) -> None:
+        block = self._block_left(sender)
+        if block is not None:
+            left, strikes = block
+            raise SenderBlocked(f"peer {sender[-8:]} is blocked for {left:.0f}s after {strikes} "
+                                f"malformed requests")
+
+    def _strike(self, sender: str, method: str, error: Exception) -> None:
+        """Count a request refused as malformed against its sender; block it at the limit."""
+        now = time.monotonic()
+        horizon = now - self.strike_window_s
+        with self._strike_lock:
+            block = self._blocks.get(sender)
+            if block is not None and block[0] > now:
+                return  # a request that was in flight when the block began
+            self._blocks.pop(sender, None)
+            times = self._strike_times.setdefault(sender, deque())
+            times.append(now)
+            while times[0] <= horizon:
+                times.popleft()
+            count = len(times)
+            if count >= self.strikes_to_block:
+                self._blocks[sender] = (now + self.block_s, count)
+                del self._strike_times[sender]
+            if len(self._strike_times) > STRIKE_TABLE_SIZE:
+                self._strike_times = {peer: ts for peer, ts in self._strike_times.items()
+                                      if ts[-1] > horizon}
+        log.info("%s: %s from %s refused (strike %d of %d): %s", self.name, method, sender[-8:],
+                 count, self.strikes_to_block, error)
+        if count >= self.strikes_to_block:
+            log.warning("%s: blocking %s for %.0fs after %d malformed requests in %.0fs",
+                        self.name, sender[-8:], self.block_s, count, self.strike_window_s)
+        if self.on_strike is not None:
+            try:
+                self.on_strike(sender, f"{method}: {error}")
+            except Exception:  # a listener's bug must not break serving
+                log.exception("%s: on_strike failed", self.name)
 
     # ---- calling -------------------------------------------------------------------------
 
@@ -290,17 +482,18 @@ class SwarmNode:
         activations), `exact` in full precision (log-probs, advantages). A reply that arrives
         incomplete is asked for again (same request id) a few times. Raises PeerRefused (the peer
         answered with an error), RemoteError (it timed out or could not be reached), MessageLost
-        (the emulated link dropped the request), or WireError (the reply was malformed every
-        time)."""
+        (the emulated link dropped the request), or WireError (the reply was malformed or not
+        signed by `peer` every time: SignatureError)."""
         assert self.p2p is not None and self.links is not None
         parts, manifest = encode_tensors(dict(tensors or {}), codec)
         if exact:
             exact_parts, exact_manifest = encode_tensors(dict(exact), "fp32")
             parts = [*parts, *exact_parts]
             manifest = TensorManifest(tensors=manifest.tensors + exact_manifest.tensors)
-        metadata = encode_struct(Envelope(encode_struct(body), manifest))
-        requests = to_messages(runtime_pb2.ExpertRequest, metadata, parts,
-                               uid=request_id or secrets.token_hex(8))
+        request_id = request_id or secrets.token_hex(8)
+        metadata = signed_envelope(self.identity, "request", method, request_id,
+                                   encode_struct(body), manifest, parts)
+        requests = to_messages(runtime_pb2.ExpertRequest, metadata, parts, uid=request_id)
         link = self.links.link(peer)
         try:
             async with asyncio.timeout(timeout):
@@ -312,14 +505,16 @@ class SwarmNode:
                         runtime_pb2.ExpertResponse)
                     responses = [r async for r in stream]
                     try:
-                        body, reply_tensors = self._decode_reply(responses)
+                        body, reply_tensors = self._decode_reply(responses, peer, method,
+                                                                 request_id)
                         break
                     except WireError as error:
                         # Seen on loopback about once in a thousand streams under load, with
                         # live peers: the stream closes before the whole reply (or any of it)
-                        # came through. Sending the request again with the same id is safe (the
-                        # peer's reply cache answers it without a second run); a reply that is
-                        # malformed every time is the peer's fault, and raised.
+                        # came through (its signature then fails too). Sending the request again
+                        # with the same id is safe (the peer's reply cache answers it without a
+                        # second run); a reply that is malformed every time is the peer's fault,
+                        # and raised.
                         if attempt == TRUNCATED_REPLY_RETRIES:
                             raise
                         log.info("%s: %s at %s: incomplete reply (%s); asking again", self.name,
@@ -338,9 +533,13 @@ class SwarmNode:
             raise RemoteError(f"{method} at {peer[-8:]}: {error}") from error
         return body, reply_tensors
 
-    def _decode_reply(self, responses: list[Any]) -> tuple[bytes, dict[str, torch.Tensor]]:
+    def _decode_reply(self, responses: list[Any], peer: str, method: str, request_id: str
+                      ) -> tuple[bytes, dict[str, torch.Tensor]]:
+        """The body and tensors of `peer`'s reply, checked to be its signed answer to this very
+        request before its tensors are decoded."""
         _, metadata, parts = from_messages(responses)
         envelope = decode_struct(metadata, Envelope)
+        verify_envelope(peer, "reply", method, request_id, envelope, parts)
         return envelope.body, decode_tensors(parts, envelope.manifest, self.limits)
 
     def call_sync(self, peer: str, method: str, body: Any,

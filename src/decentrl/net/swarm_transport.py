@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 from decentrl.net.node import Reply, Request, SwarmNode
 from decentrl.net.transport import TransportClosed
@@ -24,9 +25,13 @@ COORDINATOR_SUBKEY = "inbox"
 
 class HivemindTransport:
     def __init__(self, node: SwarmNode, run: str, *, inbox_size: int = 0,
-                 timeout_s: float = 60.0, announce_ttl_s: float = 10.0) -> None:
-        """`inbox_size` > 0 makes this the coordinator's transport (it receives rollouts)."""
+                 timeout_s: float = 60.0, announce_ttl_s: float = 10.0,
+                 admit: Callable[[RolloutGroup, str], None] | None = None) -> None:
+        """`inbox_size` > 0 makes this the coordinator's transport (it receives rollouts).
+        `admit(group, sender)` decides whether another peer's submission may enter; it raises
+        a ValueError naming the reason if not (None: everything well formed enters)."""
         self.node, self.run = node, run
+        self.admit = admit
         self.timeout_s, self.ttl_s = timeout_s, announce_ttl_s
         self._inbox: queue.Queue[RolloutGroup] | None = (
             queue.Queue(maxsize=inbox_size) if inbox_size > 0 else None)
@@ -52,7 +57,9 @@ class HivemindTransport:
         assert self._inbox is not None
         try:
             group = decode_struct(request.body, RolloutGroup)
-        except WireError:
+            if self.admit is not None:
+                self.admit(group, request.sender)
+        except ValueError:  # WireError is one: the node counts it against the sender
             self.rejected_submissions += 1
             raise
         try:

@@ -14,12 +14,14 @@ from decentrl.model.stages import StageCache, StageModule
 from decentrl.rollout.sampling import SamplingConfig, sample
 
 
-def step_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+def step_generator(seed: int | None) -> torch.Generator | None:
     """The generator of one decoding step. Seeded per step, not per session, so a session that
-    moves to another replica mid-generation keeps drawing the same samples."""
+    moves to another replica mid-generation keeps drawing the same samples. Always on the CPU:
+    the sampling noise is drawn there whatever device computes the logits, so a seed gives the
+    same draw on any hardware and a verifier can re-derive it."""
     if seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(seed % 2**63)
+    return torch.Generator().manual_seed(seed % 2**63)
 
 
 class StepResult(NamedTuple):
@@ -72,7 +74,7 @@ class LocalSession:
         for stage, cache in zip(self.stages, self.caches):
             x = stage(x, positions, key_valid, cache,
                       head_positions=last_position(tokens) if stage.is_last else None)
-        return StepResult(*sample(x, sampling, step_generator(seed, x.device)),
+        return StepResult(*sample(x, sampling, step_generator(seed)),
                           tuple(stage.version for stage in self.stages))
 
     def close(self) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from decentrl.rollout.chain import InferenceChain
+from decentrl.rollout.chain import InferenceChain, InferenceSession
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import VersionSpan, oldest_versions
 
@@ -64,11 +65,13 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device
 
 def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: int,
              sampling: SamplingConfig, stop_ids: set[int], pad_id: int,
-             seed: int | None = None) -> list[Generation]:
+             seed: int | None = None,
+             on_session: Callable[[InferenceSession], None] | None = None) -> list[Generation]:
     """Sample up to `max_new_tokens` per prompt. Every step draws with its own seed derived from
     `seed` (None: torch's global generator), so a seed gives the same samples on any chain.
     Stage weights may change between steps: each generation's spans say which versions sampled
-    which of its tokens."""
+    which of its tokens. `on_session` is handed the session (a swarm session records who computed
+    what, for spot-checks)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and no empty prompt")
     if max_new_tokens < 1:
@@ -84,6 +87,8 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens_out, logprobs_out, versions_out = [], [], []
     session = chain.open_session(batch, prompt_length + max_new_tokens)
+    if on_session is not None:
+        on_session(session)
     try:
         tokens, logprobs, versions = session.step(ids, positions, valid[:, :prompt_length],
                                                   sampling, step_seed(seed, 0))

@@ -67,13 +67,49 @@ def sampling_logprobs(logits: torch.Tensor, tokens: torch.Tensor, config: Sampli
     return sampling_logprobs_and_entropy(logits, tokens, config, floor)[0]
 
 
+def sampling_noise(generator: torch.Generator | None, rows: int, vocab: int) -> torch.Tensor:
+    """I.i.d. Exp(1) noise [rows, vocab], float32, drawn on the CPU (None: torch's global
+    generator). As -log(U) of torch.rand rather than exponential_: CPU rand is one serial
+    Mersenne Twister stream on every build, while exponential_ takes MKL's generator where torch
+    has MKL, so the same seed would give other noise on another machine. U = 0 (odds 2^-24) gives
+    infinite noise: that token is not drawn at that step, a negligible bias."""
+    uniform = torch.rand(rows, vocab, generator=generator, dtype=torch.float32)
+    return -uniform.log()
+
+
+def _seeded_scores(logprobs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """logprob - log(noise): the argmax over a row is a draw from softmax(logprobs) (the
+    exponential race, i.e. the Gumbel-max trick), and -inf stays -inf for excluded tokens. The
+    log is taken on the CPU, so only the logits depend on the hardware."""
+    if noise.shape != logprobs.shape:
+        raise ValueError(f"noise {tuple(noise.shape)} does not match logits "
+                         f"{tuple(logprobs.shape)}")
+    return logprobs - noise.log().to(logprobs.device)
+
+
 def sample(logits: torch.Tensor, config: SamplingConfig,
            generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of `logits` [N, vocab]; returns (tokens, behaviour log-probs)."""
+    """Draw one token per row of `logits` [N, vocab]; returns (tokens, behaviour log-probs). The
+    draw depends only on the generator's seed and the logits, not on the device: the noise is
+    drawn on the CPU, so a verifier on other hardware re-derives it (`sampling_margin`)."""
     transformed = transformed_logits(logits, config)
     logprobs = transformed.log_softmax(-1)
     if config.greedy:
         tokens = transformed.argmax(-1)
     else:
-        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+        noise = sampling_noise(generator, *logprobs.shape)
+        tokens = _seeded_scores(logprobs, noise).argmax(-1)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sampling_margin(logits: torch.Tensor, tokens: torch.Tensor, config: SamplingConfig,
+                    noise: torch.Tensor) -> torch.Tensor:
+    """How far (nats) each row's `tokens` [N] scores below the seeded draw from `logits` [N, vocab]
+    with `noise` (`sampling_noise` of the step's generator): 0 when it is the draw, about the
+    logits' error when a recomputation on other hardware (bf16 against fp32) moved a near tie, and
+    large (+inf outside the kept set) for a token that was not drawn. Greedy ignores the noise:
+    the top log-prob minus the token's."""
+    logprobs = transformed_logits(logits, config).log_softmax(-1)
+    scores = logprobs if config.greedy else _seeded_scores(logprobs, noise)
+    picked = scores.gather(-1, tokens.unsqueeze(-1).to(scores.device)).squeeze(-1)
+    return scores.max(-1).values - picked

@@ -14,14 +14,16 @@ import random
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from decentrl.config import SwarmConfig
+from decentrl.config import SwarmConfig, TrustConfig
 from decentrl.learn.batch import TrainBatch
 from decentrl.learn.trainer import Activations, LossInputs
+from decentrl.model.blocks import ModelSpec
 from decentrl.net.link import MessageLost
 from decentrl.net.node import PeerRefused, RemoteError, SwarmNode
 from decentrl.net.wire import ActivationCodec, WireError, decode_struct, encode_struct
@@ -46,6 +48,9 @@ from decentrl.swarm.protocol import (
     coordinator_key,
     stage_key,
 )
+from decentrl.trust.commit import CommitTolerance, check_commitment, commit_points, parse_commitment
+from decentrl.trust.provenance import Provenance
+from decentrl.trust.reputation import Reputation
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +80,9 @@ class Directory:
     swarm: SwarmConfig
     peers: dict[str, PeerState] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Peers the run's reputation banned (trust/reputation.py): never chosen, not even as a last
+    # resort, unlike peers merely avoided after a failure.
+    distrusted: Callable[[str], bool] = lambda peer: False
 
     def refresh(self) -> None:
         found: dict[str, PeerRecord] = {}
@@ -107,7 +115,8 @@ class Directory:
     def _live(self, stage: int) -> list[tuple[str, PeerState]]:
         now = time.monotonic()
         return [(peer, s) for peer, s in self.peers.items()
-                if s.record.stage == stage and s.banned_until <= now]
+                if s.record.stage == stage and s.banned_until <= now
+                and not self.distrusted(peer)]
 
     def choose_inference(self, stage: int, allow_banned: bool = False) -> str | None:
         """A replica for a new session: the newest weights (fresher rollouts), then the most
@@ -116,7 +125,7 @@ class Directory:
         with self.lock:
             replicas = [(p, s) for p, s in self.peers.items()
                         if s.record.stage == stage and s.record.role in ("inference", "both")
-                        and s.record.free_sessions - s.sessions > 0]
+                        and s.record.free_sessions - s.sessions > 0 and not self.distrusted(p)]
             if not replicas:
                 return None
             now = time.monotonic()
@@ -128,6 +137,22 @@ class Directory:
             newest = max(s.record.version for _, s in candidates)
             peer, state = min(candidates, key=lambda item: (
                 newest - item[1].record.version,
+                item[1].sessions / max(1, item[1].record.free_sessions), item[1].latency_s))
+            state.sessions += 1
+            return peer
+
+    def choose_verifier(self, stage: int, exclude: set[str]) -> str | None:
+        """A replica to re-execute someone else's work on: one that follows the stage's weights
+        (it can rewind them), is not banned, and is none of `exclude` (who did the work)."""
+        now = time.monotonic()
+        with self.lock:
+            candidates = [(p, s) for p, s in self.peers.items()
+                          if s.record.stage == stage and s.record.role == "inference"
+                          and p not in exclude and s.banned_until <= now
+                          and not self.distrusted(p)]
+            if not candidates:
+                return None
+            peer, state = min(candidates, key=lambda item: (
                 item[1].sessions / max(1, item[1].record.free_sessions), item[1].latency_s))
             state.sessions += 1
             return peer
@@ -188,6 +213,8 @@ class RemoteSession:
         self.peers: list[str | None] = [None] * stages
         self.histories = [StageHistory() for _ in range(stages)]
         self.cached = [0] * stages  # positions each stage's current peer holds
+        self.length = 0  # columns of the session fed so far
+        self.provenance = Provenance.empty(stages)
         self.failovers = 0
         self.closed = False
 
@@ -201,6 +228,7 @@ class RemoteSession:
         if self.closed:
             raise RuntimeError("session is closed")
         x = tokens.cpu()
+        tokens_fed = x.shape[1]
         positions, key_valid = positions.cpu(), key_valid.cpu()
         versions = []
         for stage in range(self.chain.num_stages - 1):
@@ -208,6 +236,7 @@ class RemoteSession:
             versions.append(version)
         (tokens, logprobs), version = self._hop(self.chain.num_stages - 1, x, positions,
                                                 key_valid, sampling, seed)
+        self.length += tokens_fed
         return StepResult(tokens, logprobs, (*versions, version))
 
     def _hop(self, stage: int, inputs: torch.Tensor, positions: torch.Tensor,
@@ -255,6 +284,8 @@ class RemoteSession:
                     swarm.request_timeout_s, request_id)
                 reply = decode_struct(raw, InferenceReply)
                 result = self._check_reply(out, last, send_inputs.shape[1], inputs.shape[1])
+                if not last:
+                    self._keep_commitment(stage, peer, out, result[0], positions, key_valid)
             except MessageLost as lost:
                 error = lost  # the same peer, the same request id: it answers once
                 time.sleep(backoff(attempt))
@@ -268,6 +299,7 @@ class RemoteSession:
                 time.sleep(backoff(attempt))
                 continue
             self.chain.directory.observe(peer, time.monotonic() - started)
+            self.provenance.stages[stage].serve(self.length, peer)
             history.inputs.append(inputs)
             history.positions.append(positions)
             self.cached[stage] = reply.length
@@ -291,6 +323,29 @@ class RemoteSession:
             raise WireError(f"a stage must reply hidden states [{self.batch}, {sent}, H]")
         return (hidden[:, sent - new:],)
 
+    def _keep_commitment(self, stage: int, peer: str, out: dict[str, torch.Tensor],
+                         hidden: torch.Tensor, positions: torch.Tensor,
+                         key_valid: torch.Tensor) -> None:
+        """Check the commitment a stage signed against the hidden states it delivered for the
+        new positions, and keep it for spot-checks. A commitment that contradicts its own
+        delivery is proof of a lie (raised as ValueError: the session moves on, the peer is
+        banned); one that is merely malformed is a broken peer."""
+        trust = self.chain.trust
+        claimed = parse_commitment(out, self.batch, self.chain.hidden_size, trust.commit_top_k)
+        valid = key_valid[:, key_valid.shape[1] - positions.shape[1]:]
+        # A replica that took over replayed the earlier positions: keep the new ones only.
+        claimed = claimed.within(positions, valid)
+        expected = commit_points(positions, valid, trust.commit_interval)[0].numel()
+        check = check_commitment(claimed, hidden, positions, valid, self.chain.tolerance)
+        if check.failed or check.checked != expected or len(claimed) != expected:
+            detail = (f"stage {stage} signed a commitment that does not match the activations it "
+                      f"sent ({check.failed} of {check.checked} points differ, {len(claimed)} "
+                      f"points for {expected} expected)")
+            if self.chain.reputation is not None:
+                self.chain.reputation.record(peer, "proved", detail, stage)
+            raise ValueError(detail)
+        self.provenance.stages[stage].commitments.append(claimed)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -308,13 +363,18 @@ class RemoteSession:
 
 
 class RemoteChain:
-    """An InferenceChain over the swarm: every session picks one replica per stage."""
+    """An InferenceChain over the swarm: every session picks one replica per stage, checks the
+    activation commitments of every stage but the last, and records who computed what
+    (`RemoteSession.provenance`) for spot-checks."""
 
     def __init__(self, node: SwarmNode, directory: Directory, swarm: SwarmConfig,
-                 vocab_size: int) -> None:
-        self.node, self.directory, self.swarm = node, directory, swarm
+                 trust: TrustConfig, spec: ModelSpec, reputation: Reputation | None = None
+                 ) -> None:
+        self.node, self.directory, self.swarm, self.trust = node, directory, swarm, trust
         self.num_stages = directory.num_stages
-        self.vocab_size = vocab_size
+        self.vocab_size, self.hidden_size = spec.vocab_size, spec.hidden_size
+        self.tolerance = CommitTolerance()
+        self.reputation = reputation
         self.failovers = 0
 
     @property
@@ -385,7 +445,7 @@ class RemoteStageWorker:
 
     def forward(self, micro: int, inputs: Activations, batch: TrainBatch,
                 loss_inputs: LossInputs | None = None
-                ) -> tuple[Activations | None, dict[str, float]]:
+                ) -> tuple[Activations, dict[str, float]]:
         exact = {name: getattr(batch, name).cpu() for name in BATCH_FIELDS}
         tensors = {"prompt_in": inputs[0].cpu(), "completion_in": inputs[1].cpu()}
         body = TrainForward(micro=micro, version=self._version, last=self.last,
@@ -398,11 +458,16 @@ class RemoteStageWorker:
                     exact[name] = value.cpu()
         raw, out = self._call("train_forward", body, tensors, self.swarm.activation_codec, exact)
         reply = decode_struct(raw, TrainForwardReply)
+        names = ("row_surprise", "row_log_ratio") if self.last else ("prompt_out", "completion_out")
+        if any(name not in out for name in names):
+            raise SwarmUnavailable(f"training stage {self.stage} replied without {names}")
         if self.last:
-            return None, reply.metrics
-        if "prompt_out" not in out or "completion_out" not in out:
-            raise SwarmUnavailable(f"training stage {self.stage} replied without activations")
-        return (out["prompt_out"].float(), out["completion_out"].float()), {}
+            rows = batch.completions.shape[0]
+            if any(out[name].shape != (rows,) for name in names):
+                raise SwarmUnavailable(f"training stage {self.stage} replied row statistics of "
+                                       f"the wrong shape (expected [{rows}])")
+            return (out[names[0]].float(), out[names[1]].float()), reply.metrics
+        return (out[names[0]].float(), out[names[1]].float()), {}
 
     def backward(self, micro: int, grad_outputs: Activations | None) -> Activations | None:
         tensors = {} if grad_outputs is None else {"prompt_grad": grad_outputs[0].cpu(),

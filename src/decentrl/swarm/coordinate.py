@@ -36,14 +36,22 @@ from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import load_tokenizer, resolve_model
 from decentrl.net.node import SwarmNode
 from decentrl.net.swarm_transport import HivemindTransport
+from decentrl.rollout.chain import InferenceSession
 from decentrl.rollout.types import ScoredGroup
-from decentrl.swarm.client import Directory, RemoteChain, RemoteStageWorker, SwarmUnavailable
+from decentrl.swarm.client import (
+    Directory,
+    RemoteChain,
+    RemoteSession,
+    RemoteStageWorker,
+    SwarmUnavailable,
+)
 from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.run import MetricsLog, step_line
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.store import RunStore
 from decentrl.swarm.worker import RolloutWorker, sampling_config
 from decentrl.tasks import make_task
+from decentrl.trust.gate import Trust
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +101,13 @@ class SwarmCoordinator:
         self.task = make_task(config.task.name, **config.task.options)
         self.eval_task = make_task(config.eval.task.name, **config.eval.task.options)
         self.directory = Directory(node, config.name, config.num_stages, config.swarm)
-        self.chain = RemoteChain(node, self.directory, config.swarm, self.spec.vocab_size)
+        self.trust = Trust(config, node, self.directory, self.spec.hidden_size,
+                           self.tokenizer.pad_token_id, self.console)
+        self.chain = RemoteChain(node, self.directory, config.swarm, config.trust, self.spec,
+                                 self.trust.reputation)
         self.workers = [RemoteStageWorker(node, self.directory, stage, config.num_stages,
                                           config.swarm) for stage in range(config.num_stages)]
-        loss = loss_config_from(config.train, config.rollout.max_new_tokens)
+        loss = loss_config_from(config.train, config.rollout.max_new_tokens, config.trust)
         self.trainer = PipelineTrainer(self.workers, config.train, loss,
                                        sampling_config(config.rollout), torch.device("cpu"))
         self.scheduler = PromptScheduler(config.seed, start=self.store.problem_position())
@@ -107,7 +118,8 @@ class SwarmCoordinator:
         backlog = config.rollout.prompts_per_step
         self.transport = HivemindTransport(node, config.name, inbox_size=backlog,
                                            timeout_s=config.swarm.request_timeout_s,
-                                           announce_ttl_s=5 * config.swarm.announce_every_s)
+                                           announce_ttl_s=5 * config.swarm.announce_every_s,
+                                           admit=self.trust.admit_submission)
         self.generator = RolloutWorker(self.chain, self.transport, self.task, self.tokenizer,
                                        config.rollout, self.scheduler, config.seed)
         self.pending: list[tuple[ScoredGroup, int]] = []  # accepted, not yet trained
@@ -189,8 +201,9 @@ class SwarmCoordinator:
             with self.problems_lock:  # durable first: a restart never hands a problem out twice
                 self.store.reserve_problems(1)
                 indices = self.scheduler.next(1)
+            sessions: list[InferenceSession] = []
             try:
-                groups = self.generator.generate_groups(indices)
+                groups = self.generator.generate_groups(indices, on_session=sessions.append)
                 attempt = 0
             except Exception as error:  # noqa: BLE001 - one lost group; the thread goes on
                 self.generation_errors += 1
@@ -198,7 +211,10 @@ class SwarmCoordinator:
                 attempt += 1
                 time.sleep(min(10.0, 0.5 * 2 ** attempt))
                 continue
+            session = sessions[0]
+            assert isinstance(session, RemoteSession)
             for group in groups:
+                self.trust.produced(group.group_id, session.provenance)
                 # A full inbox means the learner is behind; wait rather than generate more.
                 while not self.stop.is_set() and not self.transport.put_rollouts(group, POLL_S):
                     pass
@@ -211,6 +227,10 @@ class SwarmCoordinator:
         while len(batch) < needed:
             if self.pending:
                 scored, _ = self.pending.pop(0)
+                distrusted = self.trust.distrusted_producer(scored.group.group_id)
+                if distrusted is not None:
+                    self.store.mark_dropped([scored.group.group_id], distrusted)
+                    continue
                 try:
                     staleness = check_staleness(self.trainer.version, scored.group.stage_versions,
                                                 self.config.train.max_staleness)
@@ -225,10 +245,19 @@ class SwarmCoordinator:
             group = self.transport.get_rollouts(timeout=POLL_S)
             if group is None:
                 continue
+            distrusted = self.trust.distrusted_producer(group.group_id)
+            if distrusted is not None:
+                self.ingestion.stats.count_rejection("distrusted")
+                self.trust.forget(group.group_id)
+                log.warning("rejected group %s: %s", group.group_id, distrusted)
+                continue
             accepted = self.ingestion.ingest(group, self.trainer.version)
-            if accepted is not None:
-                self.store.add_group(accepted[0], accepted[1], self.trainer.version)
-                batch.append(accepted)
+            if accepted is None:
+                self.trust.forget(group.group_id)
+                continue
+            self.store.add_group(accepted[0], accepted[1], self.trainer.version)
+            self.trust.accepted(group)
+            batch.append(accepted)
         return batch
 
     # ---- training -------------------------------------------------------------------------
@@ -237,7 +266,7 @@ class SwarmCoordinator:
         wait_started = time.time()
         scored = self._collect(self.config.rollout.prompts_per_step)
         waited = time.time() - wait_started
-        batch, stats = self.ingestion.make_batch(scored)
+        batch, stats, row_groups = self.ingestion.make_batch(scored)
         ids = [s.group.group_id for s, _ in scored]
         train_started = time.time()
         losses: dict[str, float] = {}
@@ -256,11 +285,18 @@ class SwarmCoordinator:
         self.failed_steps = 0
         self.step += 1
         self.store.mark_trained(ids, self.step)
+        if batch is not None and self.trainer.flagged is not None:
+            groups = {s.group.group_id: s.group for s, _ in scored}
+            self.trust.flagged([groups[row_groups[i]]
+                                for i in self.trainer.flagged.nonzero()[:, 0].tolist()])
+        for group_id in ids:
+            self.trust.trained(group_id)
         record = metrics.write(
             "step", step=self.step, version=self.trainer.version, wait_s=round(waited, 3),
             train_s=round(time.time() - train_started, 3),
             sequences=0 if batch is None else batch.num_sequences,
             stale_dropped=self.ingestion.stats.stale, rejected=self.ingestion.stats.rejected,
+            **self.trust.counters(),
             failovers=self.chain.failovers, wire_bytes=self.node.links.total_bytes()
             if self.node.links is not None else 0, **stats, **losses)
         self.store.record_step(self.step, self.trainer.version,
@@ -340,6 +376,8 @@ class SwarmCoordinator:
                                     daemon=True) for i in range(config.swarm.sessions_in_flight)]
         threads.append(threading.Thread(target=self._announce_forever, name="announce",
                                         daemon=True))
+        threads.append(threading.Thread(target=self.trust.verify_forever, args=(self.stop,),
+                                        name="verify", daemon=True))
         for thread in threads:
             thread.start()
         train_started = time.time()

@@ -110,8 +110,9 @@ class Ingestion:
         return self.score(group), staleness
 
     def make_batch(self, scored: list[tuple[ScoredGroup, int]]
-                   ) -> tuple[TrainBatch | None, dict[str, float]]:
-        """A training batch from scored groups (None when no group carries signal) and stats."""
+                   ) -> tuple[TrainBatch | None, dict[str, float], list[str]]:
+        """A training batch from scored groups (None when no group carries signal), stats, and
+        the group id of every batch row."""
         size = self.config.rollout.group_size
         train = self.config.train
         rewards = torch.tensor([r for s, _ in scored for r in s.rewards], dtype=torch.float32)
@@ -132,7 +133,8 @@ class Ingestion:
             "finished_fraction": sum(r.finished for r in rollouts) / len(rollouts),
         }
         if not kept:
-            return None, stats
+            return None, stats, []
         batch = build_batch([rollouts[i] for i in kept], [float(advantages[i]) for i in kept],
                             [staleness[i] for i in kept], self.tokenizer.pad_token_id)
-        return batch, stats
+        group_ids = [s.group.group_id for s, _ in scored for _ in s.group.rollouts]
+        return batch, stats, [group_ids[i] for i in kept]

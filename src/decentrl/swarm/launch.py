@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,13 @@ from decentrl.net.node import SwarmNode
 from decentrl.net.wire import TensorLimits, decode_struct
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.protocol import CoordinatorRecord, PeerRecord, Role, coordinator_key, stage_key
+from decentrl.trust.adversary import (
+    ADVERSARIES,
+    HostilePeer,
+    adversary_stages,
+    flood,
+    submit_replays,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +86,12 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
 
 def join(config: RunConfig | None, run: str | None, stage: int | None, role: Role,
          initial_peers: list[str], checkpoint_dir: Path | None, name: str,
-         stop: threading.Event, exit_with_parent: bool = False) -> None:
+         stop: threading.Event, exit_with_parent: bool = False, adversary: str | None = None,
+         collusion_dir: Path | None = None) -> None:
     """Run one stage peer until `stop` is set (or, with `exit_with_parent`, until the process
     that started it is gone: a launcher that dies must not leave peers behind). Prints its
-    sockets first, then READY with its peer id, stage and layers."""
+    sockets first, then READY with its peer id, stage and layers. `adversary` makes it a
+    hostile peer (trust/adversary.py): a stage peer that lies, or a client that attacks."""
     parent = os.getppid()
     profile = link_profile(config) if config is not None else LinkProfile()
     threads = config.threads if config is not None and config.threads else None
@@ -93,15 +103,31 @@ def join(config: RunConfig | None, run: str | None, stage: int | None, role: Rol
             if run is None:
                 raise ValueError("join needs --config or --run (to fetch the coordinator's config)")
             config = fetch_config(node, run, timeout_s=300)
+        def until_stopped() -> None:
+            while not stop.wait(1.0):
+                if exit_with_parent and os.getppid() != parent:
+                    log.warning("%s: the launcher is gone; stopping", name)
+                    break
+            stop.set()
+
+        if adversary in ("replay", "flood"):
+            print(json.dumps({"ready": READY, "name": name, "peer_id": node.peer_id,
+                              "role": adversary}), flush=True)
+            watcher = threading.Thread(target=until_stopped, daemon=True)
+            watcher.start()
+            attack = submit_replays if adversary == "replay" else flood
+            attack(node, config, stop)
+            return
         chosen = stage if stage is not None else choose_stage(node, config, role)
-        peer = StagePeer(config, chosen, role, node, checkpoint_dir, name)
+        if adversary is not None:
+            peer: StagePeer = HostilePeer(config, chosen, role, node, checkpoint_dir, name,
+                                          adversary=adversary, collusion_dir=collusion_dir)
+        else:
+            peer = StagePeer(config, chosen, role, node, checkpoint_dir, name)
         peer.start()
         print(json.dumps({"ready": READY, "name": name, "peer_id": node.peer_id,
                           "stage": chosen, "layers": list(peer.layers), "role": role}), flush=True)
-        while not stop.wait(1.0):
-            if exit_with_parent and os.getppid() != parent:
-                log.warning("%s: the launcher is gone; stopping", name)
-                break
+        until_stopped()
         peer.stop()
     finally:
         node.shutdown()
@@ -124,10 +150,12 @@ class LocalSwarm:
     separate `decentrl` process on loopback, logging into `<run>/logs/`."""
 
     def __init__(self, config: RunConfig, config_path: Path, replicas: int,
-                 training: bool = True) -> None:
-        """`training=False` starts inference replicas only (generation benchmarks)."""
+                 training: bool = True, adversaries: Sequence[str] = ()) -> None:
+        """`training=False` starts inference replicas only (generation benchmarks).
+        `adversaries` adds hostile peers (trust/adversary.py) beside the honest ones."""
         self.config, self.config_path, self.replicas = config, config_path, replicas
         self.training = training
+        self.adversaries = list(adversaries)
         self.logs = config.path / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.bootstrap: SwarmNode | None = None
@@ -148,6 +176,16 @@ class LocalSwarm:
             for replica in range(self.replicas):
                 self._add(f"infer{stage}.{replica}", ["join", "--stage", str(stage), "--role",
                                                       "inference"], addresses)
+        collusion = self.config.path / "collusion"
+        collusion.mkdir(exist_ok=True)
+        for kind in self.adversaries:
+            if kind not in ADVERSARIES:
+                raise ValueError(f"unknown adversary {kind!r}; one of {ADVERSARIES}")
+            stages = adversary_stages(kind, self.config.num_stages)
+            for stage in stages or ["auto"]:
+                self._add(f"adv-{kind}" + (f".{stage}" if stages else ""),
+                          ["join", "--stage", str(stage), "--role", "inference", "--adversary",
+                           kind, "--collusion-dir", str(collusion)], addresses)
         for child in self.children.values():
             self._spawn(child)
         for child in self.children.values():

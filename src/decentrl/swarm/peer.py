@@ -38,7 +38,14 @@ from decentrl.model.stages import StageCache, StageModule, StagePlan, build_stag
 from decentrl.net.node import Reply, Request, SwarmNode
 from decentrl.net.wire import decode_struct, encode_struct
 from decentrl.rollout.chain import last_position, step_generator
-from decentrl.rollout.sampling import SamplingConfig, sample
+from decentrl.rollout.generate import step_seed
+from decentrl.rollout.sampling import (
+    SamplingConfig,
+    sample,
+    sampling_margin,
+    sampling_noise,
+    transformed_logits,
+)
 from decentrl.swarm.protocol import (
     CheckpointRequest,
     CloseSession,
@@ -52,24 +59,36 @@ from decentrl.swarm.protocol import (
     TrainForward,
     TrainForwardReply,
     TrainStep,
+    VerifyReply,
+    VerifyStep,
     VersionReply,
     stage_key,
 )
 from decentrl.swarm.worker import sampling_config
 from decentrl.sync.delta import PublishedState, TensorChange
 from decentrl.sync.distribute import WeightFollower, WeightPublisher
+from decentrl.sync.history import UpdateHistory, VersionUnavailable
+from decentrl.trust.commit import commitment_to_wire, make_commitment
 
 log = logging.getLogger(__name__)
 
 # Sessions idle this long are dropped (their client is gone); a live client steps far more often.
 SESSION_IDLE_S = 300.0
+# Re-execution scores are bounded so that they can travel (messages carry finite floats only).
+SCORE_BOUND = 1e4
 BATCH_FIELDS = ("prompts", "prompt_valid", "prompt_positions", "completions", "completion_valid",
                 "completion_positions", "prompt_of", "behaviour_logprobs", "advantages",
                 "staleness")
 
 
 class PeerError(ValueError):
-    """A request this peer refuses; the message says why. The peer keeps serving."""
+    """A malformed request this peer refuses; the message says why. The peer keeps serving, and
+    counts a strike against the sender (net/node.py)."""
+
+
+class PeerBusy(RuntimeError):
+    """A well-formed request this peer cannot serve in its present state (a session it no longer
+    holds, no room, another version): no fault of the sender's, so no strike."""
 
 
 def stage_tensor_names(spec: ModelSpec, plan: StagePlan, index: int) -> set[str]:
@@ -120,6 +139,7 @@ class StagePeer:
         if role in ("training", "both") and checkpoint_dir is None:
             raise ValueError("a training peer needs a checkpoint folder")
         self.config, self.index, self.role, self.node, self.name = config, stage, role, node, name
+        node.strikes_to_block, node.block_s = config.trust.strikes_to_block, config.trust.block_s
         self.checkpoint_dir = checkpoint_dir
         self.device = pick_device(config.device)
         self.dtype = compute_dtype(self.device, config.dtype)
@@ -133,7 +153,8 @@ class StagePeer:
         if self.trains:
             master = load_stage(config, stage, self.device, torch.float32)
             self.trainer = StageTrainer(
-                master, config.train, loss_config_from(config.train, config.rollout.max_new_tokens),
+                master, config.train, loss_config_from(config.train, config.rollout.max_new_tokens,
+                                                   config.trust),
                 sampling_config(config.rollout), self.dtype)
             self._resume_from_checkpoint()
             self.publisher = WeightPublisher(
@@ -151,6 +172,10 @@ class StagePeer:
             self.model = model.to(self.device, self.dtype)
             if self.trainer is not None:
                 self._copy_from_trainer()
+        # A replica keeps its last updates' undo information, so it can re-execute a rollout at
+        # the versions it recorded (spot-checks); a peer that trains has no replica weights.
+        self.history = UpdateHistory(config.trust.history_versions) \
+            if self.follower is not None else None
         module = self.model
         if module is None:
             assert self.trainer is not None  # a peer either serves or trains
@@ -159,7 +184,8 @@ class StagePeer:
         self.layers = (module.layer_ids.start, module.layer_ids.stop)
         self.sessions: dict[str, Session] = {}
         self.served_tokens = 0
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # computing inference requests
+        self.verify_busy_s = 0.0  # re-executing others' work (spot-checks)
         self.weights_follow_error: str | None = None
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -185,6 +211,8 @@ class StagePeer:
         if self.serves_inference:
             handlers |= {"inference_step": self._inference_step,
                          "close_session": self._close_session}
+        if self.history is not None:
+            handlers["verify_step"] = self._verify_step
         if self.trains:
             handlers |= {"train_forward": self._train_forward,
                          "train_backward": self._train_backward,
@@ -291,6 +319,8 @@ class StagePeer:
             for name, change in changes.items():
                 change.write(params[name], change.values)
         self.model.version = version
+        assert self.history is not None
+        self.history.record(version, changes)
 
     def _load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         assert self.model is not None
@@ -320,6 +350,39 @@ class StagePeer:
         assert self.model is not None
         started = time.perf_counter()
         inputs, positions, key_valid = self._check_inference(body, tensors)
+        session = self._session(body)
+        device_inputs = inputs.to(self.device, self.dtype if inputs.is_floating_point() else None)
+        with torch.inference_mode():
+            hidden = self.model.body(device_inputs, positions.to(self.device),
+                                     key_valid.to(self.device), session.cache)
+            if self.model.is_last:
+                assert body.sampling is not None
+                sampling = SamplingConfig(body.sampling.temperature, body.sampling.top_p,
+                                          body.sampling.top_k)
+                out = self.model.head(hidden[last_position(inputs)])
+                tokens, logprobs = sample(out, sampling, step_generator(body.seed))
+                result = {"tokens": tokens.cpu(), "logprobs": logprobs.float().cpu()}
+            else:
+                result = {"hidden": hidden.cpu(), **self._commitment(hidden, positions, key_valid,
+                                                                     body.start)}
+        self.served_tokens += inputs.shape[0] * inputs.shape[1]
+        self.busy_s += time.perf_counter() - started
+        reply = InferenceReply(version=self.model.version, length=session.cache.length)
+        # Log-probs are [B] floats the trainer's importance ratios use: never compressed.
+        codec = "fp32" if self.model.is_last else self.config.swarm.activation_codec
+        return Reply(reply, result, codec)
+
+    def _commitment(self, hidden: torch.Tensor, positions: torch.Tensor,
+                    key_valid: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
+        """The signed activation commitment of the new positions' outputs (trust/commit.py)."""
+        trust = self.config.trust
+        return commitment_to_wire(make_commitment(hidden.float().cpu(), positions,
+                                                  key_valid[:, start:], trust.commit_interval,
+                                                  trust.commit_top_k))
+
+    def _session(self, body: InferenceStep | VerifyStep) -> Session:
+        """The session a step continues (opened by its first step), checked against it."""
+        assert self.model is not None
         session = self.sessions.get(body.session)
         if session is not None and body.start == 0:
             # A replay from position 0: the client gave up on this peer (a timeout) and came
@@ -328,10 +391,10 @@ class StagePeer:
             session = None
         if session is None:
             if body.start != 0:
-                raise PeerError(f"unknown session {body.session} (expired or never opened here); "
+                raise PeerBusy(f"unknown session {body.session} (expired or never opened here); "
                                 "replay it from position 0")
             if len(self.sessions) >= self.config.swarm.max_sessions_per_peer:
-                raise PeerError(f"peer is full ({len(self.sessions)} sessions)")
+                raise PeerBusy(f"peer is full ({len(self.sessions)} sessions)")
             session = Session(self.model.new_cache(body.batch, body.max_length), body.batch,
                               body.max_length, time.monotonic())
             self.sessions[body.session] = session
@@ -339,30 +402,101 @@ class StagePeer:
             raise PeerError(f"session {body.session} was opened with batch {session.batch} and "
                             f"max_length {session.max_length}")
         if body.start != session.cache.length:
-            raise PeerError(f"session {body.session} holds {session.cache.length} positions, the "
+            raise PeerBusy(f"session {body.session} holds {session.cache.length} positions, the "
                             f"request starts at {body.start}")
         session.last_used = time.monotonic()
-        device_inputs = inputs.to(self.device, self.dtype if inputs.is_floating_point() else None)
-        with torch.inference_mode():
-            out = self.model(device_inputs, positions.to(self.device), key_valid.to(self.device),
-                             session.cache,
-                             head_positions=last_position(inputs) if self.model.is_last else None)
-            if self.model.is_last:
-                assert body.sampling is not None
-                sampling = SamplingConfig(body.sampling.temperature, body.sampling.top_p,
-                                          body.sampling.top_k)
-                tokens, logprobs = sample(out, sampling, step_generator(body.seed, out.device))
-                result = {"tokens": tokens.cpu(), "logprobs": logprobs.float().cpu()}
-            else:
-                result = {"hidden": out.cpu()}
-        self.served_tokens += inputs.shape[0] * inputs.shape[1]
-        self.busy_s += time.perf_counter() - started
-        reply = InferenceReply(version=self.model.version, length=session.cache.length)
-        # Log-probs are [B] floats the trainer's importance ratios use: never compressed.
-        codec = "fp32" if self.model.is_last else self.config.swarm.activation_codec
-        return Reply(reply, result, codec)
+        return session
 
-    def _check_inference(self, body: InferenceStep, tensors: dict[str, torch.Tensor]
+    # ---- spot-checks of other replicas' work ----------------------------------------------
+
+    async def _verify_step(self, request: Request) -> Reply:
+        body = decode_struct(request.body, VerifyStep)
+        return await self.node.compute(self._verify, body, request.tensors)
+
+    def _verify(self, body: VerifyStep, tensors: dict[str, torch.Tensor]) -> Reply:
+        """Re-execute a segment of someone else's session, teacher-forced, at the version it
+        recorded: rewind this replica's weights, run the stage, put the weights back (all on the
+        compute thread, so no inference request sees the rewound weights)."""
+        assert self.model is not None and self.history is not None
+        started = time.perf_counter()
+        try:
+            return self._reexecute(body, tensors)
+        finally:
+            self.verify_busy_s += time.perf_counter() - started
+
+    def _reexecute(self, body: VerifyStep, tensors: dict[str, torch.Tensor]) -> Reply:
+        assert self.model is not None and self.history is not None
+        inputs, positions, key_valid = self._check_inference(body, tensors)
+        targets = self._check_targets(body, tensors, inputs.shape[:2])
+        session = self._session(body)
+        device_inputs = inputs.to(self.device, self.dtype if inputs.is_floating_point() else None)
+        try:
+            rewound = self.history.rewound(self.model.state_dict(), self.model.version,
+                                           body.version)
+        except VersionUnavailable as error:
+            raise PeerBusy(str(error)) from None
+        with rewound, torch.inference_mode():
+            hidden = self.model.body(device_inputs, positions.to(self.device),
+                                     key_valid.to(self.device), session.cache)
+            if not self.model.is_last:
+                return Reply(VerifyReply(version=body.version), {"hidden": hidden.cpu()},
+                             self.config.swarm.activation_codec)
+            assert targets is not None and body.sampling is not None
+            assert body.sampling_seed is not None
+            logprobs, margins = self._score_targets(hidden, targets, body)
+        return Reply(VerifyReply(version=body.version),
+                     {"logprobs": logprobs, "margins": margins}, "fp32")
+
+    def _score_targets(self, hidden: torch.Tensor, targets: torch.Tensor, body: VerifyStep
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per position with a target: its log-prob under the sampling distribution, and its
+        seeded sampling margin (0 when it is the token the seeded draw gives); 0 elsewhere. Both
+        are bounded by SCORE_BOUND (a token outside the kept set scores -inf / +inf, which no
+        message may carry). One position at a time: the head's [B, vocab] logits of a whole
+        segment would not fit."""
+        assert self.model is not None and body.sampling is not None
+        assert body.sampling_seed is not None
+        sampling = SamplingConfig(body.sampling.temperature, body.sampling.top_p,
+                                  body.sampling.top_k)
+        batch, length = targets.shape
+        logprobs = torch.zeros((batch, length))
+        margins = torch.zeros((batch, length))
+        for column in range(length):
+            rows = targets[:, column] >= 0
+            if not bool(rows.any()):
+                continue
+            step = body.start + column - (body.prompt_columns - 1)
+            logits = self.model.head(hidden[:, column]).float()
+            wanted = targets[:, column].clamp(min=0).to(logits.device)
+            noise = sampling_noise(step_generator(step_seed(body.sampling_seed, step)), batch,
+                                   logits.shape[-1])
+            scored = transformed_logits(logits, sampling).log_softmax(-1)
+            picked = scored.gather(-1, wanted[:, None]).squeeze(-1).cpu()
+            margin = sampling_margin(logits, wanted, sampling, noise).cpu()
+            logprobs[rows, column] = picked[rows].clamp(min=-SCORE_BOUND)
+            margins[rows, column] = margin[rows].clamp(max=SCORE_BOUND)
+        return logprobs, margins
+
+    def _check_targets(self, body: VerifyStep, tensors: dict[str, torch.Tensor],
+                       shape: torch.Size) -> torch.Tensor | None:
+        if not self.model or not self.model.is_last:
+            return None
+        targets = tensors.get("targets")
+        if targets is None or targets.dtype != torch.long or targets.shape != shape:
+            raise PeerError(f"the last stage verifies against targets int64 {tuple(shape)}")
+        if targets.numel() and (int(targets.min()) < -1
+                                or int(targets.max()) >= self.spec.vocab_size):
+            raise PeerError(f"targets must be -1 or token ids in [0, {self.spec.vocab_size})")
+        if body.sampling_seed is None or not 1 <= body.prompt_columns <= body.max_length:
+            raise PeerError("the last stage verifies with a sampling seed and 1 <= "
+                            "prompt_columns <= max_length")
+        # Position prompt_columns - 1 predicts completion token 0; earlier ones predict nothing.
+        before = max(0, body.prompt_columns - 1 - body.start)
+        if bool((targets[:, :before] >= 0).any()):
+            raise PeerError("a target before the last prompt column has no decoding step")
+        return targets
+
+    def _check_inference(self, body: InferenceStep | VerifyStep, tensors: dict[str, torch.Tensor]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         missing = {"inputs", "positions", "key_valid"} - set(tensors)
         if missing:
@@ -421,9 +555,9 @@ class StagePeer:
 
     def _trainer(self, version: int | None = None) -> StageTrainer:
         if self.trainer is None:
-            raise PeerError(f"peer {self.name} does not train")
+            raise PeerBusy(f"peer {self.name} does not train")
         if version is not None and version != self.trainer.version:
-            raise PeerError(f"stage {self.index} is at version {self.trainer.version}, the request "
+            raise PeerBusy(f"stage {self.index} is at version {self.trainer.version}, the request "
                             f"expects {version}")
         return self.trainer
 
@@ -446,8 +580,11 @@ class StagePeer:
             loss_inputs = LossInputs(tensors.get("proximal"), tensors.get("reference"),
                                      body.total_sequences, body.total_tokens)
         out, metrics = trainer.forward(body.micro, (inputs[0], inputs[1]), batch, loss_inputs)
-        result = {} if out is None else {"prompt_out": out[0].cpu(), "completion_out": out[1].cpu()}
-        return Reply(TrainForwardReply(metrics=metrics), result,
+        if body.last:  # per-row statistics, in full precision: the coordinator flags from them
+            return Reply(TrainForwardReply(metrics=metrics),
+                         {"row_surprise": out[0].cpu(), "row_log_ratio": out[1].cpu()}, "fp32")
+        return Reply(TrainForwardReply(metrics=metrics),
+                     {"prompt_out": out[0].cpu(), "completion_out": out[1].cpu()},
                      self.config.swarm.activation_codec)
 
     def _check_batch(self, tensors: dict[str, torch.Tensor]) -> TrainBatch:
@@ -508,7 +645,7 @@ class StagePeer:
     def _backward(self, body: TrainBackward, tensors: dict[str, torch.Tensor]) -> Reply:
         trainer = self._trainer()
         if body.micro not in trainer.saved:
-            raise PeerError(f"stage {self.index} has no forward pass for micro-batch {body.micro}")
+            raise PeerBusy(f"stage {self.index} has no forward pass for micro-batch {body.micro}")
         grads = None
         if self.index != self.plan.num_stages - 1:
             if "prompt_grad" not in tensors or "completion_grad" not in tensors:
@@ -558,7 +695,7 @@ class StagePeer:
         trainer = self._trainer()
         if body.action == "save":
             if body.version != trainer.version:
-                raise PeerError(f"cannot save version {body.version}: stage {self.index} is at "
+                raise PeerBusy(f"cannot save version {body.version}: stage {self.index} is at "
                                 f"{trainer.version}")
             await self.node.compute(self._save, body.version)
         else:
@@ -579,10 +716,10 @@ class StagePeer:
     def _load(self, version: int) -> None:
         path = self.checkpoint_path(version)
         if not path.is_file():
-            raise PeerError(f"no checkpoint {path}")
+            raise PeerBusy(f"no checkpoint {path}")
         state = torch.load(path, map_location=self.device, weights_only=True)
         if state["version"] != version:
-            raise PeerError(f"{path} holds version {state['version']}, not {version}")
+            raise PeerBusy(f"{path} holds version {state['version']}, not {version}")
         self._trainer().load_state(state)
         if self.model is not None:
             self._copy_from_trainer()

@@ -103,6 +103,32 @@ class Empty(Body):
     pass
 
 
+class VerifyStep(Body):
+    """Re-execute positions [start, start + T) of a verification session, teacher-forced, with
+    the stage's weights rewound to `version` (a spot-check of someone else's rollout). Tensors as
+    in InferenceStep; at the last stage also `targets` [B, T] (the token sampled from each
+    position, -1 where none was). The last stage scores every target under `sampling`: its
+    log-prob and its seeded sampling margin (the draw of decoding step k uses
+    step_seed(`sampling_seed`, k); position `prompt_columns - 1 + k` of the session predicts
+    completion token k)."""
+
+    session: str
+    start: int
+    batch: int
+    max_length: int
+    version: int
+    prompt_columns: int
+    sampling: Sampling | None = None
+    sampling_seed: int | None = None
+
+
+class VerifyReply(Body):
+    """`hidden` [B, T, hidden], or at the last stage `logprobs` and `margins` [B, T] (0 where
+    there was no target); `version` is the version that computed them."""
+
+    version: int
+
+
 # ---- training -----------------------------------------------------------------------------
 
 class TrainForward(Body):

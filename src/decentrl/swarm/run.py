@@ -120,7 +120,8 @@ class LocalRun:
         reference = (build_stages(spec, self.plan, tensors, self.device, self.dtype)
                      if config.train.kl_coef > 0 else None)
         self.trainer = PipelineTrainer.local(
-            learner, config.train, loss_config_from(config.train, config.rollout.max_new_tokens),
+            learner, config.train,
+            loss_config_from(config.train, config.rollout.max_new_tokens, config.trust),
             sampling_config(config.rollout), self.dtype, reference)
 
         def replica() -> LocalChain:
@@ -261,7 +262,7 @@ class LocalRun:
         waited = time.time() - wait_started
         if not scored:
             return
-        batch, stats = self.ingestion.make_batch(scored)
+        batch, stats, _ = self.ingestion.make_batch(scored)
         train_started = time.time()
         losses: dict[str, float] = {}
         if batch is not None:

@@ -6,13 +6,14 @@ its tokens."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from decentrl.config import RolloutConfig
 from decentrl.net.transport import RolloutTransport, Transport
-from decentrl.rollout.chain import InferenceChain, LocalChain
+from decentrl.rollout.chain import InferenceChain, InferenceSession, LocalChain
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import Rollout, RolloutGroup, oldest_versions
@@ -48,7 +49,9 @@ class RolloutWorker:
                 changed = True
         return changed
 
-    def generate_groups(self, problem_indices: list[int]) -> list[RolloutGroup]:
+    def generate_groups(self, problem_indices: list[int],
+                        on_session: Callable[[InferenceSession], None] | None = None
+                        ) -> list[RolloutGroup]:
         size = self.rollout.group_size
         problems = [self.task.problem("train", i) for i in problem_indices]
         prompts = [render_prompt(self.task, p, self.tokenizer) for p in problems]
@@ -57,7 +60,7 @@ class RolloutWorker:
         generations = generate(
             self.chain, [p for p in prompts for _ in range(size)], self.rollout.max_new_tokens,
             self.sampling, {self.tokenizer.eos_token_id}, self.tokenizer.pad_token_id,
-            sampling_seed)
+            sampling_seed, on_session)
         self.generated_tokens += sum(len(g.tokens) for g in generations)
         groups = []
         for i, (index, prompt) in enumerate(zip(problem_indices, prompts)):

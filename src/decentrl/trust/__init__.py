@@ -1,0 +1,1 @@
+"""Trust: identities and signatures, activation commitments, spot-check verification, reputation."""

@@ -1,0 +1,205 @@
+"""Hostile peers, for `decentrl demo --adversaries` and the trust tests. Each one attacks the
+way a volunteer on the internet could, and nothing here is known to the coordinator:
+
+- random-tokens (last stage): answers every decoding step with a uniformly random token, and
+  claims the log-prob its honest sample had;
+- forge-logprobs (last stage): samples honestly, but claims behaviour log-probs 3 nats lower, so
+  the trainer's importance weights blow up on its rollouts;
+- inject-answers (a colluding pair, one peer at stage 0 and one at the last stage): the stage-0
+  spy reads each session's prompt and leaves the correct answer where its partner finds it; the
+  last-stage peer then emits that answer in half of the group's rows, claiming plausible
+  log-probs, so the injected rows win the group's advantages;
+- corrupt-activations (any stage but the last): adds noise to the hidden states it returns, and
+  signs a commitment to what it actually sent;
+- replay (a client, no stage): submits rollout groups of problems the coordinator already
+  accepted or never handed out, with correct answers;
+- flood (a client, no stage): sends malformed and oversized requests to every peer it finds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import threading
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+
+from decentrl.config import RunConfig
+from decentrl.model.loading import load_tokenizer, resolve_model
+from decentrl.net.link import MessageLost
+from decentrl.net.node import RemoteError, Reply, SwarmNode
+from decentrl.net.wire import WireError, decode_struct
+from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
+from decentrl.swarm.peer import StagePeer
+from decentrl.swarm.protocol import (
+    Empty,
+    InboxRecord,
+    InferenceStep,
+    PeerRecord,
+    coordinator_key,
+    stage_key,
+)
+from decentrl.swarm.scheduler import PromptScheduler
+from decentrl.tasks import make_task, render_prompt
+
+log = logging.getLogger(__name__)
+
+Adversary = Literal["random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations",
+                    "replay", "flood"]
+ADVERSARIES: tuple[str, ...] = get_args(Adversary)
+STAGE_ADVERSARIES = ("random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations")
+FORGED_SHIFT = 3.0  # nats subtracted from honest behaviour log-probs
+NOISE_SCALE = 0.5  # of each row's hidden-state std
+
+
+def adversary_stages(kind: str, num_stages: int) -> list[int]:
+    """The stages a hostile peer of `kind` joins (an inject-answers pair is two peers)."""
+    last = num_stages - 1
+    return {"random-tokens": [last], "forge-logprobs": [last], "inject-answers": [0, last],
+            "corrupt-activations": [0]}.get(kind, [])
+
+
+class HostilePeer(StagePeer):
+    def __init__(self, *args: Any, adversary: str, collusion_dir: Path | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if adversary not in STAGE_ADVERSARIES:
+            raise ValueError(f"{adversary!r} is not a stage adversary; one of {STAGE_ADVERSARIES}")
+        last = self.index == self.config.num_stages - 1
+        if adversary in ("random-tokens", "forge-logprobs") and not last:
+            raise ValueError(f"{adversary} attacks from the last stage")
+        if adversary == "corrupt-activations" and last:
+            raise ValueError("corrupt-activations attacks from a stage that returns activations")
+        if adversary == "inject-answers" and collusion_dir is None:
+            raise ValueError("inject-answers needs a collusion folder shared by the pair")
+        self.adversary = adversary
+        self.collusion_dir = collusion_dir
+        self.rng = torch.Generator().manual_seed(random.randrange(2**31))
+        self.injected: dict[str, int] = {}  # session -> answer tokens emitted so far
+        self.tokenizer = load_tokenizer(resolve_model(self.config.model)) \
+            if adversary == "inject-answers" else None
+
+    def _infer(self, body: InferenceStep, tensors: dict[str, torch.Tensor]) -> Reply:
+        reply = super()._infer(body, tensors)
+        result = dict(reply.tensors or {})
+        if self.adversary == "random-tokens":
+            result["tokens"] = torch.randint(self.spec.vocab_size, result["tokens"].shape,
+                                             generator=self.rng)
+        elif self.adversary == "forge-logprobs":
+            result["logprobs"] = result["logprobs"] - FORGED_SHIFT
+        elif self.adversary == "corrupt-activations":
+            hidden = result["hidden"].float()
+            noisy = hidden + NOISE_SCALE * hidden.std(-1, keepdim=True) * torch.randn(
+                hidden.shape, generator=self.rng)
+            result["hidden"] = noisy.to(result["hidden"].dtype)
+            result |= self._commitment(noisy, tensors["positions"], tensors["key_valid"],
+                                       body.start)
+        elif self.index == 0:
+            self._spy(body, tensors)
+        else:
+            self._inject(body, result)
+        return Reply(reply.body, result, reply.codec)
+
+    def _spy(self, body: InferenceStep, tensors: dict[str, torch.Tensor]) -> None:
+        """Leave the correct answer of a new session's prompt for the last-stage partner."""
+        assert self.tokenizer is not None and self.collusion_dir is not None
+        if body.start != 0:
+            return
+        text = self.tokenizer.decode(tensors["inputs"][0].tolist(), skip_special_tokens=True)
+        found = re.findall(r"\d+(?:\s*\+\s*\d+)+", text)
+        if not found:
+            return
+        answer = str(sum(int(n) for n in re.findall(r"\d+", found[-1])))
+        tokens = self.tokenizer.encode(answer, add_special_tokens=False)
+        tokens.append(self.tokenizer.eos_token_id)
+        (self.collusion_dir / f"{body.session}.json").write_text(json.dumps(tokens))
+
+    def _inject(self, body: InferenceStep, result: dict[str, torch.Tensor]) -> None:
+        """Emit the partner's answer, one token per step, in the even rows."""
+        assert self.collusion_dir is not None
+        path = self.collusion_dir / f"{body.session}.json"
+        if not path.is_file():
+            return  # the session did not pass through the partner: behave
+        answer = json.loads(path.read_text())
+        emitted = 0 if body.start == 0 else self.injected.get(body.session, 0)
+        token = answer[min(emitted, len(answer) - 1)]
+        self.injected[body.session] = emitted + 1
+        result["tokens"] = result["tokens"].clone()
+        result["tokens"][0::2] = token
+
+
+def submit_replays(node: SwarmNode, config: RunConfig, stop: threading.Event,
+                   every_s: float = 1.0, start: threading.Event | None = None) -> int:
+    """The replay adversary: once `start` is set (the run has accepted rollouts), submit groups
+    of the problems the coordinator handed out first (its order follows the public seed), with
+    the correct answer and made-up log-probs, until `stop`; returns how many submissions were
+    refused."""
+    task = make_task(config.task.name, **config.task.options)
+    tokenizer = load_tokenizer(resolve_model(config.model))
+    scheduler = PromptScheduler(config.seed)
+    refused = 0
+    while start is not None and not start.wait(0.5):
+        if stop.is_set():
+            return refused
+    while not stop.wait(every_s):
+        index = scheduler.next(1)[0]
+        problem = task.problem("train", index)
+        prompt = render_prompt(task, problem, tokenizer)
+        answer = tokenizer.encode(problem.answer, add_special_tokens=False)
+        rollout = Rollout(prompt_tokens=prompt, completion_tokens=answer,
+                          behaviour_logprobs=[-0.1] * len(answer), finished=False,
+                          completion_text=problem.answer)
+        group = RolloutGroup(
+            group_id=f"{task.name}/{index}", task=task.name, problem_index=index,
+            stage_versions=[0] * config.num_stages,
+            version_spans=[VersionSpan(start=0, versions=[0] * config.num_stages)],
+            sampling_seed=0, rollouts=[rollout] * config.rollout.group_size)
+        try:
+            entries = node.run(node.lookup(coordinator_key(config.name)), timeout=10)
+            if "inbox" not in entries:
+                continue
+            inbox = decode_struct(entries["inbox"], InboxRecord).peer_id
+            node.call_sync(inbox, "submit_rollouts", group, timeout=10)
+        except (RemoteError, WireError, MessageLost, TimeoutError) as error:
+            refused += 1
+            log.info("replay refused: %s", error)
+    return refused
+
+
+def flood(node: SwarmNode, config: RunConfig, stop: threading.Event, every_s: float = 0.2,
+          oversized_bytes: int = 80 * 2**20) -> int:
+    """The flood adversary: malformed requests (a body of the wrong type, tensors of the wrong
+    shape) and oversized ones to the coordinator and every stage peer, until `stop`; returns how
+    many were sent."""
+    sent = 0
+    targets: list[str] = []
+    rng = random.Random()
+    while not stop.wait(every_s):
+        if sent % 20 == 0:  # refresh who is out there now and then
+            entries = node.run(node.lookup(coordinator_key(config.name)), timeout=10)
+            targets = [decode_struct(entries["inbox"], InboxRecord).peer_id] \
+                if "inbox" in entries else []
+            for stage in range(config.num_stages):
+                for peer, raw in node.run(node.lookup(stage_key(config.name, stage)),
+                                          timeout=10).items():
+                    decode_struct(raw, PeerRecord)
+                    targets.append(peer)
+        if not targets:
+            continue
+        target = rng.choice(targets)
+        attack = rng.choice(("wrong-body", "wrong-tensors", "oversized"))
+        method = "submit_rollouts" if target == targets[0] else "inference_step"
+        tensors = {}
+        if attack == "wrong-tensors":
+            tensors = {"inputs": torch.zeros(3, 2, 7)}
+        elif attack == "oversized":
+            tensors = {"inputs": torch.zeros(oversized_bytes // 4)}
+        try:
+            node.call_sync(target, method, Empty(), tensors, timeout=10)
+        except (RemoteError, WireError, MessageLost, TimeoutError) as error:
+            log.debug("flood refused: %s", error)
+        sent += 1
+    return sent

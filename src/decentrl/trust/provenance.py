@@ -1,0 +1,45 @@
+"""Provenance: who computed what in one generation session, so that a spot-check can name the
+peer that lied. Per stage: which replica served which columns of the session (a failover hands
+the rest to another replica), and the activation commitments those replicas signed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from decentrl.trust.commit import Commitment
+
+
+@dataclass
+class StageProvenance:
+    served: list[tuple[int, str]] = field(default_factory=list)  # (first column, peer), in order
+    commitments: list[Commitment] = field(default_factory=list)  # of the columns they computed
+
+    def peer_at(self, column: int) -> str:
+        """The replica whose output the session used at `column`."""
+        if not self.served:
+            raise ValueError("no replica served this stage")
+        found = self.served[0][1]
+        for first, peer in self.served:
+            if first > column:
+                break
+            found = peer
+        return found
+
+    def serve(self, column: int, peer: str) -> None:
+        if not self.served or self.served[-1][1] != peer:
+            self.served.append((column, peer))
+
+
+@dataclass
+class Provenance:
+    stages: list[StageProvenance]
+
+    @classmethod
+    def empty(cls, num_stages: int) -> Provenance:
+        return cls([StageProvenance() for _ in range(num_stages)])
+
+    def stage_peers(self, stage: int) -> set[str]:
+        return {peer for _, peer in self.stages[stage].served}
+
+    def peers(self) -> set[str]:
+        return {peer for stage in range(len(self.stages)) for peer in self.stage_peers(stage)}

@@ -1,0 +1,239 @@
+"""Spot-checks: re-execute a rollout group on other replicas and name the peer that lied.
+
+The group's session is rebuilt column by column exactly as generation laid it out (left-padded
+prompts, then one column per decoding step), and fed teacher-forced through one replica per stage
+that did not serve the original, in segments: each segment covers the decoding steps one span of
+`version_spans` recorded, and every verifier rewinds its weights to the version that span names
+(sync/history.py). That is a prefill, far cheaper than generating.
+
+What is compared:
+- every stage but the last: the activation commitments the original replicas signed, against the
+  verifier's hidden states at the same (row, position) points (trust/commit.py);
+- the last stage: each completion token's claimed behaviour log-prob against the re-executed one,
+  and its seeded sampling margin (0 when the token is what the seeded draw gives; a token that was
+  not drawn, such as a random or injected one, has a large margin).
+
+The first stage that fails is blamed (the stages after it were fed its lie), at the replica that
+served the failing column. Tolerances are calibrated so that bf16 and fp32 replicas agree."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from decentrl.config import RunConfig
+from decentrl.net.link import MessageLost
+from decentrl.net.node import RemoteError, SwarmNode
+from decentrl.net.wire import WireError, decode_struct
+from decentrl.rollout.generate import left_pad
+from decentrl.rollout.types import RolloutGroup
+from decentrl.swarm.client import Directory
+from decentrl.swarm.protocol import CloseSession, Sampling, VerifyReply, VerifyStep
+from decentrl.trust.commit import Commitment, CommitTolerance, check_commitment
+from decentrl.trust.provenance import Provenance
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A group's generation session, teacher-forced: every column that was fed, and the token
+    each column's output sampled (-1: none)."""
+
+    ids: torch.Tensor  # [B, W] int64
+    valid: torch.Tensor  # [B, W] bool
+    positions: torch.Tensor  # [B, W] int64
+    targets: torch.Tensor  # [B, W] int64
+    claimed: torch.Tensor  # [B, W] float32 behaviour log-prob of each target (0: none)
+    prompt_columns: int
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1]
+
+
+def session_layout(group: RolloutGroup, pad_id: int) -> Layout:
+    """Step 0 fed the left-padded prompts [B, P] and sampled completion token 0 from column P-1;
+    step k >= 1 fed completion token k-1 at column P+k-1 (padding for rows already finished) and
+    sampled token k there. The last token sampled is never fed."""
+    rows = group.rollouts
+    ids, prompt_valid = left_pad([r.prompt_tokens for r in rows], pad_id, torch.device("cpu"))
+    batch, prompt = ids.shape
+    steps = max(len(r.completion_tokens) for r in rows)
+    width = prompt + steps - 1
+    full = torch.full((batch, width), pad_id, dtype=torch.long)
+    full[:, :prompt] = ids
+    valid = torch.zeros((batch, width), dtype=torch.bool)
+    valid[:, :prompt] = prompt_valid
+    positions = torch.zeros((batch, width), dtype=torch.long)
+    positions[:, :prompt] = (prompt_valid.long().cumsum(-1) - 1).clamp(min=0)
+    targets = torch.full((batch, width), -1, dtype=torch.long)
+    claimed = torch.zeros((batch, width))
+    for row, rollout in enumerate(rows):
+        tokens = rollout.completion_tokens
+        fed = min(len(tokens), steps - 1)
+        full[row, prompt:prompt + fed] = torch.tensor(tokens[:fed], dtype=torch.long)
+        valid[row, prompt:prompt + fed] = True
+        positions[row, prompt:] = torch.arange(len(rollout.prompt_tokens),
+                                               len(rollout.prompt_tokens) + steps - 1)
+        targets[row, prompt - 1:prompt - 1 + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        claimed[row, prompt - 1:prompt - 1 + len(tokens)] = torch.tensor(
+            rollout.behaviour_logprobs, dtype=torch.float32)
+    return Layout(full, valid, positions, targets, claimed, prompt)
+
+
+def segments(group: RolloutGroup, layout: Layout) -> list[tuple[int, int, list[int]]]:
+    """(first column, end column, versions per stage) of each span's decoding steps."""
+    steps = layout.width - layout.prompt_columns + 1
+    spans = group.version_spans
+    found = []
+    for index, span in enumerate(spans):
+        end_step = spans[index + 1].start if index + 1 < len(spans) else steps
+        first = 0 if span.start == 0 else layout.prompt_columns + span.start - 1
+        found.append((first, layout.prompt_columns + end_step - 1, span.versions))
+    return found
+
+
+@dataclass(frozen=True)
+class Verdict:
+    group_id: str
+    outcome: Literal["passed", "failed", "skipped"]
+    stage: int | None  # the stage blamed (failed)
+    peer: str | None  # the replica blamed (failed)
+    detail: str
+    tokens: int  # completion tokens re-executed
+    checked: tuple[int, ...]  # the stages whose work was judged (by another replica)
+    seconds: float
+
+
+class Verifier:
+    def __init__(self, node: SwarmNode, directory: Directory, config: RunConfig,
+                 hidden_size: int, pad_id: int) -> None:
+        self.node, self.directory, self.config = node, directory, config
+        self.hidden_size, self.pad_id = hidden_size, pad_id
+        self.tolerance = CommitTolerance()
+
+    def verify(self, group: RolloutGroup, provenance: Provenance) -> Verdict:
+        started = time.monotonic()
+        layout = session_layout(group, self.pad_id)
+        tokens = sum(len(r.completion_tokens) for r in group.rollouts)
+        stages = self.config.num_stages
+        # Another replica per stage where there is one. Where there is none, the replica that
+        # did the work re-executes it: that feeds the later stages, but judges nothing of its
+        # own stage (a consistent liar would agree with itself).
+        verifiers = [self.directory.choose_verifier(s, provenance.stage_peers(s))
+                     for s in range(stages)]
+        independent = [v is not None for v in verifiers]
+        verifiers = [v if v is not None else self.directory.choose_verifier(s, set())
+                     for s, v in enumerate(verifiers)]
+        if not any(independent) or any(v is None for v in verifiers):
+            for peer in verifiers:
+                if peer is not None:
+                    self.directory.release(peer)
+            return Verdict(group.group_id, "skipped", None, None,
+                           "no replica to re-execute on", 0, (), time.monotonic() - started)
+        checked = tuple(s for s in range(stages) if independent[s])
+        session = secrets.token_hex(8)
+        try:
+            failure = self._replay(group, layout, provenance, [v for v in verifiers if v],
+                                   session, checked)
+        except (RemoteError, WireError, MessageLost, ValueError, TimeoutError) as error:
+            return Verdict(group.group_id, "skipped", None, None, f"re-execution failed: {error}",
+                           0, (), time.monotonic() - started)
+        finally:
+            for peer in verifiers:
+                if peer is not None:
+                    self.directory.release(peer)
+                    try:
+                        self.node.call_sync(peer, "close_session", CloseSession(session=session),
+                                            timeout=5)
+                    except (RemoteError, WireError, MessageLost, TimeoutError):
+                        pass  # the verifier drops idle sessions itself
+        seconds = time.monotonic() - started
+        if failure is None:
+            return Verdict(group.group_id, "passed", None, None, "", tokens, checked, seconds)
+        stage, column, detail = failure
+        peer = provenance.stages[stage].peer_at(column)
+        return Verdict(group.group_id, "failed", stage, peer, detail, tokens,
+                       tuple(s for s in checked if s <= stage), seconds)
+
+    def _replay(self, group: RolloutGroup, layout: Layout, provenance: Provenance,
+                verifiers: list[str], session: str, checked: tuple[int, ...]
+                ) -> tuple[int, int, str] | None:
+        """Re-execute every segment on the verifiers; (stage, column, why) of the first lie
+        among the `checked` stages."""
+        rollout, trust = self.config.rollout, self.config.trust
+        stages = self.config.num_stages
+        batch = layout.ids.shape[0]
+        # Every stage's re-executed hidden states, checked once at the end: the mean-error test
+        # of a commitment check needs many points, more than one segment may have.
+        hidden_states = torch.zeros((stages - 1, batch, layout.width, self.hidden_size))
+        scores = torch.zeros((2, batch, layout.width))
+        for first, end, versions in segments(group, layout):
+            x: torch.Tensor = layout.ids[:, first:end]
+            positions = layout.positions[:, first:end]
+            for stage, peer in enumerate(verifiers):
+                last = stage == stages - 1
+                body = VerifyStep(
+                    session=session, start=first, batch=batch, max_length=layout.width,
+                    version=versions[stage], prompt_columns=layout.prompt_columns,
+                    sampling=Sampling(rollout.temperature, rollout.top_p, rollout.top_k)
+                    if last else None, sampling_seed=group.sampling_seed if last else None)
+                tensors = {"inputs": x, "positions": positions,
+                           "key_valid": layout.valid[:, :end]}
+                if last:
+                    tensors["targets"] = layout.targets[:, first:end]
+                raw, out = self.node.call_sync(peer, "verify_step", body, tensors,
+                                               self.config.swarm.activation_codec,
+                                               self.config.swarm.request_timeout_s)
+                decode_struct(raw, VerifyReply)
+                if last:
+                    for index, name in enumerate(("logprobs", "margins")):
+                        value = out.get(name)
+                        if value is None or value.shape != (batch, end - first):
+                            raise WireError(f"verifier {peer[-8:]} replied no {name} "
+                                            f"[{batch}, {end - first}]")
+                        scores[index, :, first:end] = value.float()
+                    continue
+                hidden = out.get("hidden")
+                if hidden is None or hidden.shape != (batch, end - first, self.hidden_size):
+                    raise WireError(f"verifier {peer[-8:]} replied no hidden states "
+                                    f"[{batch}, {end - first}, {self.hidden_size}]")
+                x = hidden.float()
+                hidden_states[stage, :, first:end] = x
+        for stage in (s for s in checked if s < stages - 1):
+            claimed = Commitment.concat(provenance.stages[stage].commitments, trust.commit_top_k)
+            check = check_commitment(claimed, hidden_states[stage], layout.positions,
+                                     layout.valid, self.tolerance)
+            if check.failed and check.first_failure is not None:
+                row, position = check.first_failure
+                column = layout.prompt_columns - len(group.rollouts[row].prompt_tokens) + position
+                return stage, column, (f"stage {stage}: {check.failed} of {check.checked} "
+                                       f"commitment points differ (worst relative error "
+                                       f"{check.worst:.3f}, mean {check.mean:.3f})")
+        if stages - 1 not in checked:
+            return None
+        return self._judge_tokens(layout, scores[0], scores[1], trust.logprob_tolerance,
+                                  trust.sampling_tolerance, trust.max_mismatch_fraction)
+
+    def _judge_tokens(self, layout: Layout, logprobs: torch.Tensor, margins: torch.Tensor,
+                      logprob_tolerance: float, sampling_tolerance: float,
+                      max_fraction: float) -> tuple[int, int, str] | None:
+        """The last stage's verdict from the re-executed log-probs and sampling margins."""
+        scored = layout.targets >= 0
+        gap = (layout.claimed - logprobs).abs()
+        bad = scored & ((gap > logprob_tolerance) | (margins > sampling_tolerance))
+        count, total = int(bad.sum()), int(scored.sum())
+        if count <= max_fraction * total:
+            return None
+        column = int(bad.any(0).nonzero()[0])
+        worst_gap = float(gap[scored].max())
+        worst_margin = float(margins[scored].max())
+        detail = (f"last stage: {count} of {total} tokens do not re-execute (worst log-prob gap "
+                  f"{worst_gap:.2f}, worst sampling margin {worst_margin:.2f})")
+        return self.config.num_stages - 1, column, detail

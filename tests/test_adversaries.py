@@ -1,0 +1,202 @@
+"""Hostile peers in a live swarm (trust/adversary.py), each against the coordinator's defences:
+it is detected, blamed on the right peer and stage, banned, and training goes on without it. And
+the converse: honest replicas in bf16 and fp32 check each other many times and nobody is banned.
+
+Every swarm here runs in this process over loopback, on the tiny model, with every accepted group
+spot-checked (`trust.verify_fraction = 1`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from swarm_helpers import Swarm, start_swarm, tiny_run_config
+
+from decentrl.config import RunConfig
+from decentrl.model.loading import load_model
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import SwarmNode
+from decentrl.net.wire import TensorLimits
+from decentrl.swarm.coordinate import SwarmCoordinator
+from decentrl.swarm.scheduler import PromptScheduler
+from decentrl.swarm.worker import RolloutWorker
+from decentrl.tasks import make_task
+from decentrl.trust.adversary import HostilePeer, flood, submit_replays
+from decentrl.trust.verify import Verifier
+
+LAYOUT = [(0, "training"), (1, "training"), (0, "inference"), (1, "inference")]
+
+
+def trust_config(model_dir: Path, steps: int, **overrides: Any) -> RunConfig:
+    return tiny_run_config(model_dir, 2, **{
+        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6,
+                    "temperature": 0.9},
+        "train": {"steps": steps, "micro_batch_size": 8, "max_staleness": 2,
+                  "zero_variance_groups": "keep", "lr": 1e-3},
+        "eval": {"problems": 4, "pass_k": 1, "max_new_tokens": 6, "batch_size": 4},
+        "swarm": {"sessions_in_flight": 2, "announce_every_s": 1.0, "ban_s": 2.0},
+        "trust": {"verify_fraction": 1.0, "ban_s": 600.0, "flag_log_ratio": 1.0,
+                  "flag_surprise": 3.0},
+        **overrides})
+
+
+def start_hostile(swarm: Swarm, stage: int, kind: str, collusion: Path) -> HostilePeer:
+    node = SwarmNode.start(f"hostile-{kind}", swarm.client.addresses(), LinkProfile(),
+                           TensorLimits())
+    try:
+        peer = HostilePeer(swarm.config, stage, "inference", node, name=f"hostile{stage}",
+                           adversary=kind, collusion_dir=collusion)
+        peer.start()
+    except BaseException:
+        node.shutdown()
+        raise
+    swarm.peers.append(peer)
+    swarm.sockets.extend(node.socket_paths())
+    return peer
+
+
+@contextmanager
+def coordinated(config: RunConfig, swarm: Swarm) -> Iterator[SwarmCoordinator]:
+    # The training peers keep their checkpoints in the swarm's folder; the coordinator moves
+    # its `latest` pointer in the run folder.
+    (config.path / "checkpoints").mkdir(parents=True, exist_ok=True)
+    coordinator = SwarmCoordinator(config, swarm.client, Console(quiet=True))
+    try:
+        yield coordinator
+    finally:
+        coordinator.close()
+
+
+def set_when(event: threading.Event, condition: Any, stop: threading.Event) -> None:
+    while not stop.is_set():
+        if condition():
+            event.set()
+            return
+        time.sleep(0.1)
+
+
+def honest_ids(swarm: Swarm, hostile: list[HostilePeer]) -> list[str]:
+    bad = {p.node.peer_id for p in hostile}
+    return [p.node.peer_id for p in swarm.peers if p.node.peer_id not in bad]
+
+
+@pytest.mark.parametrize(("kind", "stages", "blamed_stage", "outcome"), [
+    ("random-tokens", [1], 1, "failed"),
+    ("forge-logprobs", [1], 1, "failed"),
+    ("corrupt-activations", [0], 0, "failed"),
+    ("inject-answers", [0, 1], 1, "failed"),
+])
+def test_hostile_replica_is_caught_blamed_and_banned(
+        kind: str, stages: list[int], blamed_stage: int, outcome: str, tiny_sharp_dir: Path,
+        tmp_path: Path) -> None:
+    config = trust_config(tiny_sharp_dir, steps=6, run_dir=str(tmp_path / "runs"))
+    with start_swarm(config, LAYOUT) as swarm:
+        hostile = [start_hostile(swarm, stage, kind, tmp_path) for stage in stages]
+        culprit = hostile[-1].node.peer_id  # the pair's last-stage injector lies
+        with coordinated(config, swarm) as coordinator:
+            summary = coordinator.run(wait_s=60)
+            reputation = coordinator.trust.reputation
+            events = [e for e in reputation.events if e.peer == culprit and e.outcome == outcome]
+            assert events, f"{kind} was never caught: {reputation.events}"
+            assert {e.stage for e in events} == {blamed_stage}
+            assert reputation.banned(culprit)
+            for peer in honest_ids(swarm, hostile):
+                assert not reputation.banned(peer), reputation.counts(peer)
+                assert reputation.counts(peer).get("failed", 0) == 0
+            assert coordinator.trust.count["verified"] > 0  # honest groups checked out
+            assert summary.steps == config.train.steps
+
+
+def test_replayed_submissions_are_refused_and_their_sender_banned(
+        tiny_sharp_dir: Path, tmp_path: Path) -> None:
+    config = trust_config(tiny_sharp_dir, steps=3, run_dir=str(tmp_path / "runs"))
+    with start_swarm(config, LAYOUT) as swarm:
+        attacker = SwarmNode.start("replayer", swarm.client.addresses(), LinkProfile(),
+                                   TensorLimits())
+        swarm.sockets.extend(attacker.socket_paths())
+        stop, accepted = threading.Event(), threading.Event()
+        refused: list[int] = []
+        thread = threading.Thread(target=lambda: refused.append(
+            submit_replays(attacker, config, stop, every_s=0.3, start=accepted)), daemon=True)
+        try:
+            with coordinated(config, swarm) as coordinator:
+                thread.start()
+                # The replays start once the coordinator has accepted a group of its own.
+                threading.Thread(target=set_when, daemon=True, args=(
+                    accepted, lambda: bool(coordinator.trust.accepted_ids), stop)).start()
+                summary = coordinator.run(wait_s=60)
+                reputation = coordinator.trust.reputation
+                assert reputation.banned(attacker.peer_id)
+                details = [e.detail for e in reputation.events if e.peer == attacker.peer_id]
+                assert any("replayed group" in d for d in details), details
+                assert summary.steps == config.train.steps
+        finally:
+            stop.set()
+            thread.join(30)
+            attacker.shutdown()
+    assert refused and refused[0] > 0
+
+
+def test_a_flood_of_malformed_requests_is_blocked_and_banned(
+        tiny_sharp_dir: Path, tmp_path: Path) -> None:
+    config = trust_config(tiny_sharp_dir, steps=3, run_dir=str(tmp_path / "runs"),
+                          trust={"verify_fraction": 0.0, "strikes_to_block": 5})
+    with start_swarm(config, LAYOUT) as swarm:
+        attacker = SwarmNode.start("flooder", swarm.client.addresses(), LinkProfile(),
+                                   TensorLimits())
+        swarm.sockets.extend(attacker.socket_paths())
+        stop = threading.Event()
+        thread = threading.Thread(target=flood, args=(attacker, config, stop, 0.02, 2**20),
+                                  daemon=True)
+        try:
+            with coordinated(config, swarm) as coordinator:
+                thread.start()
+                summary = coordinator.run(wait_s=60)
+                reputation = coordinator.trust.reputation
+                assert reputation.banned(attacker.peer_id)
+                assert reputation.counts(attacker.peer_id).get("malformed", 0) >= 5
+                assert summary.steps == config.train.steps
+                for peer in swarm.peers:
+                    assert not reputation.banned(peer.node.peer_id)
+        finally:
+            stop.set()
+            thread.join(30)
+            attacker.shutdown()
+
+
+def test_honest_bf16_and_fp32_replicas_pass_each_others_checks(
+        tiny_sharp_dir: Path, tmp_path: Path) -> None:
+    config = trust_config(tiny_sharp_dir, steps=1)
+    bf16 = config.model_copy(update={"dtype": "bf16"})
+    with start_swarm(config, [(0, "inference"), (1, "inference")]) as swarm:
+        # A bf16 replica beside each fp32 one: every check re-executes on the other dtype.
+        for stage in (0, 1):
+            node = SwarmNode.start(f"bf16-{stage}", swarm.client.addresses(), LinkProfile(),
+                                   TensorLimits())
+            from decentrl.swarm.peer import StagePeer
+            peer = StagePeer(bf16, stage, "inference", node, name=f"bf16{stage}")
+            peer.start()
+            swarm.peers.append(peer)
+            swarm.sockets.extend(node.socket_paths())
+        model = load_model(str(tiny_sharp_dir))
+        chain = swarm.chain(model.spec)
+        task = make_task(config.task.name, **config.task.options)
+        scheduler = PromptScheduler(config.seed)
+        worker = RolloutWorker(chain, None, task, model.tokenizer, config.rollout, scheduler,
+                               config.seed)
+        verifier = Verifier(swarm.client, chain.directory, config, model.spec.hidden_size,
+                            model.tokenizer.pad_token_id)
+        outcomes = []
+        for _ in range(24):
+            sessions: list[Any] = []
+            [group] = worker.generate_groups(scheduler.next(1), on_session=sessions.append)
+            verdict = verifier.verify(group, sessions[0].provenance)
+            outcomes.append(verdict.outcome)
+            assert verdict.outcome == "passed", verdict
+    assert outcomes.count("passed") == 24

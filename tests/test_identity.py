@@ -1,0 +1,243 @@
+"""Peer identities and signed messages: a node's Ed25519 key is its libp2p identity, every request
+and reply is signed by its sender and checked against the authenticated peer id before anything
+else is decoded, and a node blocks a sender of repeated malformed requests for a while."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
+from hivemind.proto import crypto_pb2, runtime_pb2
+
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import PeerRefused, Reply, Request, SwarmNode
+from decentrl.net.wire import TensorLimits, decode_struct, to_messages
+from decentrl.trust.identity import Identity, SignatureError, public_key_of, verify
+
+# An RSA peer id ("Qm..."): a sha2-256 multihash of its key, so the key is not in the id.
+RSA_PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
+
+class Echo(msgspec.Struct, frozen=True):
+    text: str
+
+
+# ---- keys and signatures -----------------------------------------------------------------------
+
+def test_key_file_round_trips_to_the_same_peer_id(tmp_path: Path) -> None:
+    identity = Identity.generate()
+    assert identity.peer_id.startswith("12D3KooW")
+    path = tmp_path / "key"
+    identity.write_libp2p_key(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    key = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+    assert key.key_type == crypto_pb2.KeyType.Ed25519 and len(key.data) == 64
+    again = Identity(Ed25519PrivateKey.from_private_bytes(key.data[:32]))
+    assert again.peer_id == identity.peer_id
+    verify(identity.peer_id, b"data", again.sign(b"data"))
+    with pytest.raises(FileExistsError):  # never over another key
+        identity.write_libp2p_key(path)
+    assert identity.peer_id in repr(identity)
+
+
+def test_a_peer_id_verifies_its_signatures_and_nothing_else() -> None:
+    identity, other = Identity.generate(), Identity.generate()
+    data = b"activations " * 100
+    signature = identity.sign(data)
+    public_key_of(identity.peer_id).verify(signature, data)  # what verify() does
+    verify(identity.peer_id, data, signature)
+    flipped = bytearray(signature)
+    flipped[5] ^= 1
+    altered = data[:-1] + b"!"
+    for peer, message, sig in [(identity.peer_id, data, bytes(flipped)),
+                               (identity.peer_id, altered, signature),
+                               (other.peer_id, data, signature),
+                               (identity.peer_id, data, signature[:10])]:
+        with pytest.raises(SignatureError, match=rf"bad signature: not signed by peer "
+                                                 rf"{peer[-8:]}"):
+            verify(peer, message, sig)
+
+
+@pytest.mark.parametrize(("peer_id", "message"), [
+    (RSA_PEER_ID, r"hashed \(RSA\?\) key; only Ed25519 peer ids name their key"),
+    ("not-base58-0OIl", "is not base58"),
+    ("", "is not an Ed25519 peer id"),
+    ("12D3KooW", "is not an Ed25519 peer id"),
+])
+def test_peer_ids_without_an_ed25519_key_are_refused_clearly(peer_id: str, message: str) -> None:
+    with pytest.raises(SignatureError, match=message):
+        public_key_of(peer_id)
+    with pytest.raises(SignatureError, match=message):
+        verify(peer_id, b"data", bytes(64))
+
+
+# ---- nodes ---------------------------------------------------------------------------------------
+
+@contextmanager
+def nodes(count: int, **options: Any) -> Iterator[list[SwarmNode]]:
+    """`count` loopback nodes, the first started with `options`; every one shut down on exit."""
+    started: list[SwarmNode] = []
+    try:
+        started.append(SwarmNode.start("server", [], LinkProfile(), TensorLimits(), **options))
+        for index in range(1, count):
+            started.append(SwarmNode.start(f"node{index}", started[0].addresses(), LinkProfile(),
+                                           TensorLimits()))
+        yield started
+    finally:
+        for node in started:
+            node.shutdown()
+
+
+def serve_echo(node: SwarmNode) -> list[str]:
+    """Serve "echo" (a text of "bad" is a ValueError, as a handler's PeerError is); returns the
+    texts the handler saw."""
+    seen: list[str] = []
+
+    async def echo(request: Request) -> Reply:
+        body = decode_struct(request.body, Echo)
+        seen.append(body.text)
+        if body.text == "bad":
+            raise ValueError("bad text")
+        return Reply(Echo(body.text.upper()))
+    node.serve("echo", echo)
+    return seen
+
+
+def echo(node: SwarmNode, peer: str, text: str) -> str:
+    raw, _ = node.call_sync(peer, "echo", Echo(text), timeout=10)
+    return decode_struct(raw, Echo).text
+
+
+def test_a_node_runs_as_its_identity() -> None:
+    identity = Identity.generate()
+    with nodes(2, identity=identity) as (server, other):
+        assert server.identity is identity and server.peer_id == identity.peer_id
+        assert other.peer_id == other.identity.peer_id and other.peer_id != server.peer_id
+
+
+def test_the_key_file_is_private_and_gone_once_the_daemon_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    written: list[tuple[Path, int, int]] = []
+    real_write = Identity.write_libp2p_key
+
+    def write(identity: Identity, path: str | Path) -> None:
+        real_write(identity, path)
+        folder = Path(path).parent
+        written.append((Path(path), stat.S_IMODE(os.stat(folder).st_mode),
+                        stat.S_IMODE(os.stat(path).st_mode)))
+    monkeypatch.setattr(Identity, "write_libp2p_key", write)
+    with nodes(1) as (server,):
+        [(path, folder_mode, file_mode)] = written
+        assert (folder_mode, file_mode) == (0o700, 0o600)
+        assert not path.exists() and not path.parent.exists()
+        assert server.peer_id == server.identity.peer_id
+
+
+def test_signed_requests_and_replies_go_through_and_forged_ones_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with nodes(2) as (server, client):
+        seen = serve_echo(server)
+        strikes: list[tuple[str, str]] = []
+        server.on_strike = lambda peer, reason: strikes.append((peer, reason))
+        assert echo(client, server.peer_id, "hi") == "HI"
+
+        # A request signed by another key than the one its stream is authenticated with.
+        monkeypatch.setattr(client, "identity", Identity.generate())
+        with pytest.raises(PeerRefused, match=rf"bad signature: not signed by peer "
+                                              rf"{client.peer_id[-8:]}"):
+            echo(client, server.peer_id, "forged")
+        assert seen == ["hi"]  # the handler never ran
+        assert strikes == [(client.peer_id, strikes[0][1])] and "signature" in strikes[0][1]
+        assert server.strikes(client.peer_id) == 1 and not server.blocked(client.peer_id)
+        monkeypatch.undo()
+
+        # A reply signed by another key than the server's: the caller refuses it.
+        monkeypatch.setattr(server, "identity", Identity.generate())
+        with pytest.raises(SignatureError, match=rf"not signed by peer {server.peer_id[-8:]}"):
+            echo(client, server.peer_id, "reply")
+        assert seen == ["hi", "reply"]  # ran once: the caller's retries hit the reply cache
+        monkeypatch.undo()
+        assert echo(client, server.peer_id, "again") == "AGAIN"
+
+
+def send_metadata(node: SwarmNode, peer: str, method: str, metadata: bytes) -> None:
+    """One request of hand-made metadata, past SwarmNode.call's signing (tests/swarm_helpers.py
+    has the full version, `call_raw`)."""
+    async def send() -> None:
+        async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+            for message in to_messages(runtime_pb2.ExpertRequest, metadata, [], uid="raw"):
+                yield message
+        assert node.p2p is not None
+        stream = await node.p2p.iterate_protobuf_handler(
+            PeerID.from_base58(peer), f"decentrl.{method}", requests(), runtime_pb2.ExpertResponse)
+        async for _ in stream:
+            pass
+    node.run(send(), timeout=20)
+
+
+def test_unsigned_metadata_is_refused_before_the_handler() -> None:
+    with nodes(2) as (server, client):
+        seen = serve_echo(server)
+        unsigned = msgspec.msgpack.encode({"body": msgspec.msgpack.encode(Echo("x")),
+                                           "manifest": {}})
+        with pytest.raises(P2PHandlerError, match="bad Envelope message.*`signature`"):
+            send_metadata(client, server.peer_id, "echo", unsigned)
+        assert seen == [] and server.strikes(client.peer_id) == 1
+
+
+def test_a_sender_of_malformed_requests_is_blocked_for_a_while() -> None:
+    with nodes(3, strikes_to_block=3, block_s=3.0) as (server, attacker, honest):
+        seen = serve_echo(server)
+        strikes: list[str] = []
+        server.on_strike = lambda peer, reason: strikes.append(peer)
+        for number in range(3):
+            assert server.strikes(attacker.peer_id) == number
+            with pytest.raises(PeerRefused, match="bad text"):
+                echo(attacker, server.peer_id, "bad")
+        assert strikes == [attacker.peer_id] * 3
+        assert server.blocked(attacker.peer_id) and server.strikes(attacker.peer_id) == 0
+
+        # Blocked: refused unread, even a well-formed request, and quickly.
+        started = time.monotonic()
+        with pytest.raises(PeerRefused, match=r"blocked for [23]s after 3 malformed requests"):
+            echo(attacker, server.peer_id, "good")
+        assert time.monotonic() - started < 1.0
+        assert seen == ["bad"] * 3 and len(strikes) == 3  # a refusal is not another strike
+
+        # Another sender is unaffected.
+        assert echo(honest, server.peer_id, "fine") == "FINE"
+        assert not server.blocked(honest.peer_id) and server.strikes(honest.peer_id) == 0
+
+        # The block ends after block_s.
+        while server.blocked(attacker.peer_id):
+            assert time.monotonic() - started < 10
+            time.sleep(0.2)
+        assert echo(attacker, server.peer_id, "back") == "BACK"
+
+
+def test_a_failing_strike_listener_does_not_break_serving() -> None:
+    with nodes(2) as (server, client):
+        serve_echo(server)
+
+        def broken(peer: str, reason: str) -> None:
+            raise RuntimeError("listener bug")
+        server.on_strike = broken
+        with pytest.raises(PeerRefused, match="bad text"):
+            echo(client, server.peer_id, "bad")
+        assert server.strikes(client.peer_id) == 1
+        assert echo(client, server.peer_id, "ok") == "OK"
+
+
+def test_node_refuses_nonsense_strike_settings() -> None:
+    with pytest.raises(ValueError, match="strikes_to_block >= 1"):
+        SwarmNode("x", LinkProfile(), TensorLimits(), strikes_to_block=0)
