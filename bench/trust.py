@@ -130,6 +130,7 @@ def run_scenario(scenario: str, config: RunConfig, groups: int, local_stages: li
         verifier = Verifier(client, directory, config, loaded.spec.hidden_size,
                             loaded.tokenizer.pad_token_id)
         touched = caught = flagged = wrongful = skipped = 0
+        honest_gaps, honest_margins = [], []
 
         def generate(index: int) -> tuple[RolloutGroup, Any]:
             sessions: list[Any] = []
@@ -144,6 +145,9 @@ def run_scenario(scenario: str, config: RunConfig, groups: int, local_stages: li
                 peer.node.peer_id in provenance.stage_peers(peer.index) for peer in hostile)
             touched += involved
             skipped += verdict.outcome == "skipped"
+            if not involved and verdict.token_gaps is not None:
+                honest_gaps.append(verdict.token_gaps)
+                honest_margins.append(verdict.token_margins)
             if verdict.outcome == "failed":
                 if involved and verdict.peer == culprit and verdict.stage == culprit_stage:
                     caught += 1
@@ -156,8 +160,17 @@ def run_scenario(scenario: str, config: RunConfig, groups: int, local_stages: li
                   f"{verdict.outcome} {verdict.detail[:100]}", flush=True)
         serving = sum(peer.busy_s for peer in peers)
         checking = sum(peer.verify_busy_s for peer in peers)
+        nothing = [torch.full((1,), float("nan"))]  # every group went through the culprit
+        gaps, margins = torch.cat(honest_gaps or nothing), torch.cat(honest_margins or nothing)
         return {"scenario": scenario, "groups": groups, "touched": touched, "caught": caught,
                 "flagged": flagged, "wrongful": wrongful, "skipped": skipped,
+                "honest_tokens": gaps.numel(), "honest_gap_p99": float(gaps.quantile(0.99)),
+                "honest_gap_max": float(gaps.max()),
+                "honest_margin_p99": float(margins.quantile(0.99)),
+                "honest_margin_max": float(margins.max()),
+                "honest_over_tolerance": float(
+                    ((gaps > config.trust.logprob_tolerance)
+                     | (margins > config.trust.sampling_tolerance)).float().mean()),
                 "serve_s": serving, "check_s": checking,
                 "check_over_generation": checking / serving}
     finally:
@@ -205,6 +218,16 @@ def main(argv: list[str] | None = None) -> None:
         f"spot-checks and trainer flags ({args.model}, {args.groups} groups per scenario)",
         ["scenario", "groups", "culprit's groups", "checks caught", "trainer flagged",
          "wrongful blame", "skipped", "check / generate", f"cost at f={fraction}"], rows)
+    common.print_table(
+        "honest tokens re-executed (every scenario's groups the culprit did not touch)",
+        ["scenario", "tokens", "log-prob gap p99", "max", "sampling margin p99", "max",
+         "beyond tolerance"],
+        [[r["scenario"], r["honest_tokens"], r["honest_gap_p99"], r["honest_gap_max"],
+          r["honest_margin_p99"], r["honest_margin_max"], r["honest_over_tolerance"]]
+         for r in results],
+        caption=f"tolerances: log-prob {config.trust.logprob_tolerance}, margin "
+                f"{config.trust.sampling_tolerance}; a check fails above "
+                f"{config.trust.max_mismatch_fraction:.0%} of a group's tokens")
     common.write_json(args.json, {"model": args.model, "results": results})
 
 

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from rich.console import Console
 from swarm_helpers import Swarm, start_swarm, tiny_run_config
+from test_swarm import make_batch
 
 from decentrl.config import RunConfig
 from decentrl.model.loading import load_model
@@ -192,11 +195,61 @@ def test_honest_bf16_and_fp32_replicas_pass_each_others_checks(
                                config.seed)
         verifier = Verifier(swarm.client, chain.directory, config, model.spec.hidden_size,
                             model.tokenizer.pad_token_id)
-        outcomes = []
-        for _ in range(24):
+        def generate(index: int) -> tuple[Any, Any]:
             sessions: list[Any] = []
-            [group] = worker.generate_groups(scheduler.next(1), on_session=sessions.append)
-            verdict = verifier.verify(group, sessions[0].provenance)
-            outcomes.append(verdict.outcome)
+            [group] = worker.generate_groups([index], on_session=sessions.append)
+            return group, sessions[0].provenance
+
+        # Two sessions at a time, as the coordinator runs them: they spread over the replicas.
+        with ThreadPoolExecutor(2) as pool:
+            generated = list(pool.map(generate, scheduler.next(24)))
+        served: set[str] = set()
+        for group, provenance in generated:
+            verdict = verifier.verify(group, provenance)
             assert verdict.outcome == "passed", verdict
-    assert outcomes.count("passed") == 24
+            assert verdict.checked == (0, 1)  # by the other replica of each stage
+            served |= provenance.peers()
+        # Both dtypes did original work (so both re-executed the other's).
+        assert served == {peer.node.peer_id for peer in swarm.peers}
+
+
+@pytest.mark.parametrize("history", [2, 0])
+def test_a_check_rewinds_the_verifier_to_the_recorded_version(
+        history: int, tiny_sharp_dir: Path) -> None:
+    """A group sampled at v0 is checked after the replicas moved to v1: the verifier rewinds
+    (exactly: its served weights are the v1 ones afterwards), or, keeping no history, refuses and
+    the check is skipped (nobody is blamed)."""
+    config = trust_config(tiny_sharp_dir, steps=1,
+                          train={"max_staleness": history, "micro_batch_size": 8},
+                          trust={"history_versions": history, "verify_fraction": 1.0})
+    layout = [(0, "training"), (1, "training"), (0, "inference"), (1, "inference"),
+              (0, "inference"), (1, "inference")]
+    with start_swarm(config, layout) as swarm:
+        model = load_model(str(tiny_sharp_dir))
+        chain = swarm.chain(model.spec)
+        task = make_task(config.task.name, **config.task.options)
+        scheduler = PromptScheduler(config.seed)
+        worker = RolloutWorker(chain, None, task, model.tokenizer, config.rollout, scheduler,
+                               config.seed)
+        sessions: list[Any] = []
+        [group] = worker.generate_groups(scheduler.next(1), on_session=sessions.append)
+        assert group.stage_versions == [0, 0]
+        swarm.remote_trainer().train_step(make_batch())
+        replicas = [p for p in swarm.peers if p.role == "inference"]
+        for replica in replicas:
+            replica.node.run(replica.follow_weights(), timeout=60)  # unless it already has
+            assert replica.version == 1
+        served = {p.node.peer_id: {k: v.clone() for k, v in p.model.state_dict().items()}
+                  for p in replicas}
+        chain.directory.refresh()
+        verifier = Verifier(swarm.client, chain.directory, config, model.spec.hidden_size,
+                            model.tokenizer.pad_token_id)
+        verdict = verifier.verify(group, sessions[0].provenance)
+        if history:
+            assert verdict.outcome == "passed", verdict
+        else:
+            assert verdict.outcome == "skipped" and "version" in verdict.detail, verdict
+        for replica in replicas:
+            assert replica.version == 1
+            for name, tensor in replica.model.state_dict().items():
+                assert torch.equal(tensor, served[replica.node.peer_id][name]), name

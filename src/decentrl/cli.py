@@ -164,6 +164,13 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
         console.print(before_after_table(summary))
         gain = summary.after.pass1.mean - summary.before.pass1.mean
         console.print(f"pass@1 change: {gain * 100:+.1f} points")
+    trust = summary.trust
+    console.print(f"trust: {trust['verified']} spot-checks passed, {trust['verify_failed']} failed, "
+                  f"{trust['verify_skipped']} skipped; {trust['flagged']} groups flagged by the "
+                  f"trainer; {trust['submissions_refused']} submissions refused")
+    names = {c.info.get("peer_id"): c.name for c in swarm.children.values()}
+    for peer, why in summary.banned.items():
+        console.print(f"  banned {names.get(peer, peer[-8:])}: {escape(why[:160])}")
     restarts = {c.name: c.restarts for c in swarm.children.values() if c.restarts}
     console.print(f"{summary.steps} steps; wall {time.time() - started:.0f}s; generation "
                   f"failovers {summary.failovers}; training recoveries {summary.recoveries}; "

@@ -70,6 +70,8 @@ class SwarmSummary:
     after: EvalResult
     recoveries: int
     failovers: int
+    trust: dict[str, int]  # spot-checks, flags, bans, refused submissions (Trust.counters)
+    banned: dict[str, str]  # peer id -> the event that tipped it over
 
 
 def check_swarm_config(config: RunConfig) -> None:
@@ -401,7 +403,7 @@ class SwarmCoordinator:
         (self.path / "eval_after.json").write_text(json.dumps(after.to_json(), indent=2))
         self.console.print(self.peer_table())
         return SwarmSummary(self.path, self.step, wall, before, after, self.recoveries,
-                            self.chain.failovers)
+                            self.chain.failovers, self.trust.counters(), self.trust.banned_peers())
 
     def _announce_forever(self) -> None:
         """Keep the run config and the rollout inbox in the DHT (their entries expire), and the

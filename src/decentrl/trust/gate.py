@@ -19,6 +19,7 @@ import queue
 import random
 import secrets
 import threading
+import time
 from collections import Counter
 
 from rich.console import Console
@@ -62,6 +63,7 @@ class Trust:
         # Unpredictable to peers: a peer that knew which groups get checked would lie elsewhere.
         self.random = random.Random(secrets.randbits(64))
         self.verdicts: list[Verdict] = []
+        self.banned_at: dict[str, float] = {}  # wall clock of each peer's first ban
         self.count: Counter[str] = Counter()
 
     # ---- what the coordinator tells the gate ----------------------------------------------
@@ -124,6 +126,17 @@ class Trust:
         self.reputation.record(sender, "failed", detail)
         raise SubmissionRefused(detail)
 
+    def banned_peers(self) -> dict[str, str]:
+        """Every peer banned during the run, with the event that tipped it over."""
+        with self.reputation.lock:
+            events = list(self.reputation.events)
+        banned = {}
+        for event in events:
+            if event.peer in self.banned_at and event.time <= self.banned_at[event.peer]:
+                where = "" if event.stage is None else f" at stage {event.stage}"
+                banned[event.peer] = f"{event.outcome}{where}: {event.detail}"
+        return banned
+
     def counters(self) -> dict[str, int]:
         return {key: self.count[key] for key in ("verified", "verify_failed", "verify_skipped",
                                                  "flagged", "banned", "submissions_refused")}
@@ -183,5 +196,6 @@ class Trust:
 
     def _banned(self, peer: str, seconds: float) -> None:
         self.count["banned"] += 1
+        self.banned_at.setdefault(peer, time.time())
         self.console.print(f"[red]peer {peer[-8:]} banned for {seconds:.0f}s (score "
                            f"{self.reputation.score(peer):.2f})[/]")

@@ -109,6 +109,10 @@ class Verdict:
     tokens: int  # completion tokens re-executed
     checked: tuple[int, ...]  # the stages whose work was judged (by another replica)
     seconds: float
+    # When the last stage was judged: every completion token's |claimed - re-executed|
+    # behaviour log-prob and its seeded sampling margin (what the tolerances are set against).
+    token_gaps: torch.Tensor | None = None
+    token_margins: torch.Tensor | None = None
 
 
 class Verifier:
@@ -140,8 +144,8 @@ class Verifier:
         checked = tuple(s for s in range(stages) if independent[s])
         session = secrets.token_hex(8)
         try:
-            failure = self._replay(group, layout, provenance, [v for v in verifiers if v],
-                                   session, checked)
+            failure, scores = self._replay(group, layout, provenance,
+                                           [v for v in verifiers if v], session, checked)
         except (RemoteError, WireError, MessageLost, ValueError, TimeoutError) as error:
             return Verdict(group.group_id, "skipped", None, None, f"re-execution failed: {error}",
                            0, (), time.monotonic() - started)
@@ -156,17 +160,18 @@ class Verifier:
                         pass  # the verifier drops idle sessions itself
         seconds = time.monotonic() - started
         if failure is None:
-            return Verdict(group.group_id, "passed", None, None, "", tokens, checked, seconds)
+            return Verdict(group.group_id, "passed", None, None, "", tokens, checked, seconds,
+                           *scores)
         stage, column, detail = failure
         peer = provenance.stages[stage].peer_at(column)
         return Verdict(group.group_id, "failed", stage, peer, detail, tokens,
-                       tuple(s for s in checked if s <= stage), seconds)
+                       tuple(s for s in checked if s <= stage), seconds, *scores)
 
     def _replay(self, group: RolloutGroup, layout: Layout, provenance: Provenance,
                 verifiers: list[str], session: str, checked: tuple[int, ...]
-                ) -> tuple[int, int, str] | None:
-        """Re-execute every segment on the verifiers; (stage, column, why) of the first lie
-        among the `checked` stages."""
+                ) -> tuple[tuple[int, int, str] | None, tuple[torch.Tensor | None, ...]]:
+        """Re-execute every segment on the verifiers: (stage, column, why) of the first lie
+        among the `checked` stages, or None; and the token gaps and margins if judged."""
         rollout, trust = self.config.rollout, self.config.trust
         stages = self.config.num_stages
         batch = layout.ids.shape[0]
@@ -213,27 +218,27 @@ class Verifier:
             if check.failed and check.first_failure is not None:
                 row, position = check.first_failure
                 column = layout.prompt_columns - len(group.rollouts[row].prompt_tokens) + position
-                return stage, column, (f"stage {stage}: {check.failed} of {check.checked} "
+                return (stage, column, f"stage {stage}: {check.failed} of {check.checked} "
                                        f"commitment points differ (worst relative error "
-                                       f"{check.worst:.3f}, mean {check.mean:.3f})")
+                                       f"{check.worst:.3f}, mean {check.mean:.3f})"), (None, None)
         if stages - 1 not in checked:
-            return None
-        return self._judge_tokens(layout, scores[0], scores[1], trust.logprob_tolerance,
-                                  trust.sampling_tolerance, trust.max_mismatch_fraction)
-
-    def _judge_tokens(self, layout: Layout, logprobs: torch.Tensor, margins: torch.Tensor,
-                      logprob_tolerance: float, sampling_tolerance: float,
-                      max_fraction: float) -> tuple[int, int, str] | None:
-        """The last stage's verdict from the re-executed log-probs and sampling margins."""
+            return None, (None, None)
         scored = layout.targets >= 0
-        gap = (layout.claimed - logprobs).abs()
-        bad = scored & ((gap > logprob_tolerance) | (margins > sampling_tolerance))
-        count, total = int(bad.sum()), int(scored.sum())
-        if count <= max_fraction * total:
+        gaps = (layout.claimed - scores[0]).abs()[scored]
+        margins = scores[1][scored]
+        return self._judge_tokens(layout, gaps, margins), (gaps, margins)
+
+    def _judge_tokens(self, layout: Layout, gaps: torch.Tensor, margins: torch.Tensor
+                      ) -> tuple[int, int, str] | None:
+        """The last stage's verdict from every scored token's log-prob gap and sampling margin
+        (in the row-major order of `layout.targets >= 0`)."""
+        trust = self.config.trust
+        bad = (gaps > trust.logprob_tolerance) | (margins > trust.sampling_tolerance)
+        count, total = int(bad.sum()), bad.numel()
+        if count <= trust.max_mismatch_fraction * total:
             return None
-        column = int(bad.any(0).nonzero()[0])
-        worst_gap = float(gap[scored].max())
-        worst_margin = float(margins[scored].max())
+        column = int((layout.targets >= 0).nonzero()[bad][:, 1].min())
+        worst_gap, worst_margin = float(gaps.max()), float(margins.max())
         detail = (f"last stage: {count} of {total} tokens do not re-execute (worst log-prob gap "
                   f"{worst_gap:.2f}, worst sampling margin {worst_margin:.2f})")
         return self.config.num_stages - 1, column, detail
