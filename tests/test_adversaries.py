@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -155,7 +155,7 @@ def test_a_flood_of_malformed_requests_is_blocked_and_banned(
                                    TensorLimits())
         swarm.sockets.extend(attacker.socket_paths())
         stop = threading.Event()
-        thread = threading.Thread(target=flood, args=(attacker, config, stop, 0.02, 2**20),
+        thread = threading.Thread(target=flood, args=(attacker, config, stop, 0.02),
                                   daemon=True)
         try:
             with coordinated(config, swarm) as coordinator:

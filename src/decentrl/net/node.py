@@ -312,13 +312,16 @@ class SwarmNode:
 
     # ---- serving ---------------------------------------------------------------------------
 
-    def serve(self, method: str, handler: Handler) -> None:
+    def serve(self, method: str, handler: Handler, max_bytes: int | None = None) -> None:
+        """Serve `method` with `handler`; a request over `max_bytes` (default: the node's limit)
+        is refused, and counted as a strike, as soon as that many bytes came in."""
         assert self.p2p is not None
+        limit = min(max_bytes or self.limits.max_total_bytes, self.limits.max_total_bytes)
 
         async def stream_handler(requests: Any, context: P2PContext) -> Any:
             sender = str(context.remote_id)
             try:
-                messages = await self._receive(method, requests)
+                messages = await self._receive(method, requests, limit)
                 self._refuse_if_blocked(sender)
                 request_id, envelope, parts = self._open_request(method, messages, sender)
             except ValueError as error:  # WireError and SignatureError included
@@ -374,14 +377,14 @@ class SwarmNode:
         except (P2PDaemonError, TimeoutError) as error:
             log.warning("%s: could not stop serving %s: %s", self.name, method, error)
 
-    async def _receive(self, method: str, requests: Any) -> list[Any]:
+    async def _receive(self, method: str, requests: Any, limit: int) -> list[Any]:
         """A request's messages, read whole (also from a blocked sender: the stream must be
-        drained before the refusal goes back), never past the node's size limit."""
+        drained before the refusal goes back), never past `limit` bytes."""
         messages, size = [], 0
         async for message in requests:
             size += message.ByteSize()
-            if size > self.limits.max_total_bytes:
-                raise WireError(f"{method} request over {self.limits.max_total_bytes} bytes")
+            if size > limit:
+                raise WireError(f"{method} request over {limit} bytes")
             messages.append(message)
         return messages
 

@@ -16,11 +16,13 @@ from collections.abc import Callable
 
 from decentrl.net.node import Reply, Request, SwarmNode
 from decentrl.net.transport import TransportClosed
-from decentrl.net.wire import WireError, decode_struct, encode_struct
+from decentrl.net.wire import decode_struct, encode_struct
 from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.protocol import InboxRecord, RolloutsQueued, coordinator_key
 
 COORDINATOR_SUBKEY = "inbox"
+# A rollout group is token ids and log-probs, a few hundred KiB even for long completions.
+MAX_SUBMISSION_BYTES = 8 * 2**20
 
 
 class HivemindTransport:
@@ -38,7 +40,7 @@ class HivemindTransport:
         self._closed = threading.Event()
         self.rejected_submissions = 0
         if self._inbox is not None:
-            node.serve("submit_rollouts", self._serve_rollouts)
+            node.serve("submit_rollouts", self._serve_rollouts, MAX_SUBMISSION_BYTES)
             self.announce_inbox()
 
     def _check_open(self) -> None:

@@ -31,6 +31,7 @@ from decentrl.config import RunConfig
 from decentrl.model.loading import load_tokenizer, resolve_model
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, Reply, SwarmNode
+from decentrl.net.swarm_transport import MAX_SUBMISSION_BYTES
 from decentrl.net.wire import WireError, decode_struct
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
 from decentrl.swarm.peer import StagePeer
@@ -133,16 +134,16 @@ class HostilePeer(StagePeer):
 
 def submit_replays(node: SwarmNode, config: RunConfig, stop: threading.Event,
                    every_s: float = 1.0, start: threading.Event | None = None) -> int:
-    """The replay adversary: once `start` is set (the run has accepted rollouts), submit groups
-    of the problems the coordinator handed out first (its order follows the public seed), with
-    the correct answer and made-up log-probs, until `stop`; returns how many submissions were
-    refused."""
+    """The replay adversary: once the run has accepted rollouts (`start` is set; by default,
+    once a stage peer announces version 1 or later), submit groups of the problems the
+    coordinator handed out first (its order follows the public seed), with the correct answer
+    and made-up log-probs, until `stop`; returns how many submissions were refused."""
     task = make_task(config.task.name, **config.task.options)
     tokenizer = load_tokenizer(resolve_model(config.model))
     scheduler = PromptScheduler(config.seed)
     refused = 0
-    while start is not None and not start.wait(0.5):
-        if stop.is_set():
+    while not (start.is_set() if start is not None else _trained(node, config)):
+        if stop.wait(0.5):
             return refused
     while not stop.wait(every_s):
         index = scheduler.next(1)[0]
@@ -169,29 +170,38 @@ def submit_replays(node: SwarmNode, config: RunConfig, stop: threading.Event,
     return refused
 
 
+def _trained(node: SwarmNode, config: RunConfig) -> bool:
+    """Whether a stage peer announces a version past 0 (rollouts were accepted and trained)."""
+    for stage in range(config.num_stages):
+        for raw in node.run(node.lookup(stage_key(config.name, stage)), timeout=10).values():
+            if decode_struct(raw, PeerRecord).version > 0:
+                return True
+    return False
+
+
 def flood(node: SwarmNode, config: RunConfig, stop: threading.Event, every_s: float = 0.2,
-          oversized_bytes: int = 80 * 2**20) -> int:
+          oversized_bytes: int = MAX_SUBMISSION_BYTES + 2**20) -> int:
     """The flood adversary: malformed requests (a body of the wrong type, tensors of the wrong
-    shape) and oversized ones to the coordinator and every stage peer, until `stop`; returns how
-    many were sent."""
+    shape) to the coordinator and every stage peer, and oversized submissions to the
+    coordinator's inbox, until `stop`; returns how many were sent."""
     sent = 0
+    inbox: str | None = None
     targets: list[str] = []
     rng = random.Random()
     while not stop.wait(every_s):
         if sent % 20 == 0:  # refresh who is out there now and then
             entries = node.run(node.lookup(coordinator_key(config.name)), timeout=10)
-            targets = [decode_struct(entries["inbox"], InboxRecord).peer_id] \
-                if "inbox" in entries else []
+            inbox = decode_struct(entries["inbox"], InboxRecord).peer_id \
+                if "inbox" in entries else None
+            targets = [inbox] if inbox else []
             for stage in range(config.num_stages):
-                for peer, raw in node.run(node.lookup(stage_key(config.name, stage)),
-                                          timeout=10).items():
-                    decode_struct(raw, PeerRecord)
-                    targets.append(peer)
+                targets += node.run(node.lookup(stage_key(config.name, stage)), timeout=10)
         if not targets:
             continue
         target = rng.choice(targets)
-        attack = rng.choice(("wrong-body", "wrong-tensors", "oversized"))
-        method = "submit_rollouts" if target == targets[0] else "inference_step"
+        attack = rng.choice(("wrong-body", "wrong-tensors", "oversized") if target == inbox
+                            else ("wrong-body", "wrong-tensors"))
+        method = "submit_rollouts" if target == inbox else "inference_step"
         tensors = {}
         if attack == "wrong-tensors":
             tensors = {"inputs": torch.zeros(3, 2, 7)}
