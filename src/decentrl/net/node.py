@@ -61,6 +61,10 @@ from decentrl.net.wire import (
 from decentrl.trust.identity import Identity, verify
 
 log = logging.getLogger(__name__)
+# hivemind logs every request a handler refuses as a warning with its traceback; the node logs
+# refusals itself (one line, with the sender), and a flood of malformed requests would otherwise
+# bury everything else.
+logging.getLogger("hivemind.p2p.p2p_daemon").setLevel(logging.ERROR)
 
 T = TypeVar("T")
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
