@@ -54,6 +54,12 @@ from decentrl.trust.reputation import Reputation
 
 log = logging.getLogger(__name__)
 
+# A commitment is checked against the activations as relayed: after the activation codec (int8
+# moves an entry by up to 1/254 of its row's largest value) rather than recomputed. A mismatch
+# there counts as proof of a lie, so twice the re-execution tolerance: a lie worth telling (the
+# demo's corrupter, noise at 0.5x std) is a mean error of 0.18, far over either.
+RELAY_TOLERANCE = CommitTolerance(rel_tol=0.3, max_mean_error=0.08)
+
 CPU = torch.device("cpu")
 
 
@@ -373,7 +379,7 @@ class RemoteChain:
         self.node, self.directory, self.swarm, self.trust = node, directory, swarm, trust
         self.num_stages = directory.num_stages
         self.vocab_size, self.hidden_size = spec.vocab_size, spec.hidden_size
-        self.tolerance = CommitTolerance()
+        self.tolerance = RELAY_TOLERANCE
         self.reputation = reputation
         self.failovers = 0
 
