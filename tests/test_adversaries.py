@@ -237,7 +237,11 @@ def test_a_check_rewinds_the_verifier_to_the_recorded_version(
         swarm.remote_trainer().train_step(make_batch())
         replicas = [p for p in swarm.peers if p.role == "inference"]
         for replica in replicas:
-            replica.node.run(replica.follow_weights(), timeout=60)  # unless it already has
+            # Their follow loops fetch v1 by themselves; this only waits for it (a dial to the
+            # publisher can fail once while the daemons are young: the loop tries again).
+            deadline = time.monotonic() + 60
+            while replica.version != 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
             assert replica.version == 1
         served = {p.node.peer_id: {k: v.clone() for k, v in p.model.state_dict().items()}
                   for p in replicas}
