@@ -103,6 +103,7 @@ def join(config: RunConfig | None, run: str | None, stage: int | None, role: Rol
             if run is None:
                 raise ValueError("join needs --config or --run (to fetch the coordinator's config)")
             config = fetch_config(node, run, timeout_s=300)
+
         def until_stopped() -> None:
             while not stop.wait(1.0):
                 if exit_with_parent and os.getppid() != parent:
@@ -176,9 +177,9 @@ class LocalSwarm:
             for replica in range(self.replicas):
                 self._add(f"infer{stage}.{replica}", ["join", "--stage", str(stage), "--role",
                                                       "inference"], addresses)
-        collusion = self.config.path / "collusion"
-        collusion.mkdir(exist_ok=True)
+        collusion = self.config.path / "collusion"  # where an inject-answers pair meets
         for kind in self.adversaries:
+            collusion.mkdir(exist_ok=True)
             if kind not in ADVERSARIES:
                 raise ValueError(f"unknown adversary {kind!r}; one of {ADVERSARIES}")
             stages = adversary_stages(kind, self.config.num_stages)
