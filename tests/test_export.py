@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import build, chat_prompts
 from safetensors.torch import load_file
 
-from helpers import build, chat_prompts
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.blocks import positions_from_valid
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.stages import StageModule
-from decentrl.release.export import export_hf_folder, load_stages_from_folder
+from decentrl.release.export import export_hf_folder, export_run, load_stages_from_folder
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.generate import generate, left_pad
 from decentrl.rollout.sampling import SamplingConfig
@@ -188,3 +188,38 @@ def test_missing_head_is_refused(sharp: LoadedModel, tmp_path: Path) -> None:
     stage.norm = None
     with pytest.raises(ValueError, match="lack.*model.norm.weight.*lm_head.weight"):
         export_hf_folder([stage], sharp.hf_config, sharp.tokenizer, tmp_path / "model")
+
+
+def test_a_runs_latest_checkpoint_exports_to_the_same_model(
+        trained: list[StageModule], tiny_sharp_dir: Path, tmp_path: Path) -> None:
+    """`decentrl export RUN_DIR OUT_DIR`: the stage shards a run's training peers checkpointed
+    become one folder holding exactly the trained weights; a folder that is not a complete run
+    is refused by name."""
+    from swarm_helpers import tiny_run_config
+    from typer.testing import CliRunner
+
+    from decentrl.cli import app
+
+    config = tiny_run_config(tiny_sharp_dir, 2, run_dir=str(tmp_path / "runs"))
+    run_dir = config.path
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(config.model_dump_json())
+    train = TrainConfig(lr=1e-3)
+    PipelineTrainer.local(trained, train, loss_config_from(train, 8), SamplingConfig(),
+                          torch.float32).save(run_dir / "checkpoints", {"step": 1})
+
+    result = CliRunner().invoke(app, ["export", str(run_dir), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    expected = state(trained)
+    assert tensors.keys() == expected.keys()
+    assert all(torch.equal(tensors[k], expected[k]) for k in expected)
+
+    (run_dir / "checkpoints" / "v1" / "stage1.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="lacks stage1.pt"):
+        export_run(run_dir, tmp_path / "again")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        export_run(tmp_path, tmp_path / "again")
+    refused = CliRunner().invoke(app, ["export", str(run_dir), str(tmp_path / "again"),
+                                       "--dtype", "int8"])
+    assert refused.exit_code == 2 and "--dtype must be one of" in refused.output

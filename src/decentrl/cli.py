@@ -165,9 +165,9 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
         gain = summary.after.pass1.mean - summary.before.pass1.mean
         console.print(f"pass@1 change: {gain * 100:+.1f} points")
     trust = summary.trust
-    console.print(f"trust: {trust['verified']} spot-checks passed, {trust['verify_failed']} failed, "
-                  f"{trust['verify_skipped']} skipped; {trust['flagged']} groups flagged by the "
-                  f"trainer; {trust['submissions_refused']} submissions refused")
+    console.print(f"trust: {trust['verified']} spot-checks passed, {trust['verify_failed']} "
+                  f"failed, {trust['verify_skipped']} skipped; {trust['flagged']} groups flagged "
+                  f"by the trainer; {trust['submissions_refused']} submissions refused")
     names = {c.info.get("peer_id"): c.name for c in swarm.children.values()}
     for peer, why in summary.banned.items():
         console.print(f"  banned {names.get(peer, peer[-8:])}: {escape(why[:160])}")
@@ -344,6 +344,28 @@ def eval_command(
                   + (f", pass@{pass_k} {result.pass_k.as_percent()}" if result.pass_k else ""))
     if output is not None:
         output.write_text(json.dumps(result.to_json(), indent=2))
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="a run folder, e.g. runs/demo")],
+    out_dir: Annotated[Path, typer.Argument(help="where the Hugging Face folder goes")],
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "float32",
+) -> None:
+    """Assemble a run's latest checkpoint (every stage's shard) into a Hugging Face folder that
+    transformers.AutoModelForCausalLM loads."""
+    from decentrl.release.export import EXPORT_DTYPES, export_run
+
+    chosen = {name: dtype_ for dtype_, name in EXPORT_DTYPES.items()}.get(dtype)
+    if chosen is None:
+        fail(f"--dtype must be one of {', '.join(EXPORT_DTYPES.values())}, got {dtype!r}")
+        return
+    try:
+        folder = export_run(run_dir, out_dir, chosen)
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as error:
+        fail(str(error))
+        return
+    console.print(f"exported {run_dir} to {folder}")
 
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"

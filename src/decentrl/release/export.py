@@ -19,8 +19,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from decentrl.model.loading import load_model
+from decentrl.config import load_config
+from decentrl.learn.trainer import latest_checkpoint
+from decentrl.model.loading import load_model, load_tokenizer, resolve_model
 from decentrl.model.lora import has_lora, merge_lora
+from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 
 EXPORT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -155,6 +158,38 @@ def replace_folder(new: Path, target: Path) -> None:
             raise
     finally:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Assemble the latest checkpoint of a run (its folder: `config.json` and
+    `checkpoints/latest` -> `checkpoints/v<N>/stage<i>.pt`, written by a local run or by the
+    swarm's training peers) into a Hugging Face folder at `out_dir`."""
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run folder: it has no config.json")
+    config = load_config(config_path)
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    if checkpoint is None or not checkpoint.is_dir():
+        raise FileNotFoundError(f"{run_dir} has no complete checkpoint (checkpoints/latest)")
+    stages, versions = [], set()
+    for index in range(config.num_stages):
+        path = checkpoint / f"stage{index}.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint {checkpoint} lacks {path.name}")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        stage = load_stage(config, index, torch.device("cpu"), torch.float32)
+        try:
+            stage.load_state_dict(state["weights"])
+        except (KeyError, RuntimeError) as error:
+            raise ValueError(f"{path} does not hold stage {index} of this run: {error}") from None
+        stage.version = int(state["version"])
+        versions.add(stage.version)
+        stages.append(stage)
+    if len(versions) != 1:
+        raise ValueError(f"checkpoint {checkpoint} mixes stage versions {sorted(versions)}")
+    folder = resolve_model(config.model)
+    hf_config = json.loads((folder / "config.json").read_text())
+    return export_hf_folder(stages, hf_config, load_tokenizer(folder), out_dir, dtype=dtype)
 
 
 def load_stages_from_folder(path: Path, num_stages: int, device: torch.device,

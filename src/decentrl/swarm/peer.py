@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
@@ -31,10 +30,9 @@ from decentrl.config import RunConfig
 from decentrl.device import compute_dtype, pick_device
 from decentrl.learn.batch import TrainBatch
 from decentrl.learn.trainer import LossInputs, StageTrainer, loss_config_from
-from decentrl.model.blocks import ModelSpec
-from decentrl.model.loading import read_tensors, resolve_model
-from decentrl.model.lora import add_lora, has_lora, lora_tensors
-from decentrl.model.stages import StageCache, StageModule, StagePlan, build_stage
+from decentrl.model.lora import has_lora, lora_tensors
+from decentrl.model.run_stage import load_stage
+from decentrl.model.stages import StageCache, StageModule
 from decentrl.net.node import Reply, Request, SwarmNode
 from decentrl.net.wire import decode_struct, encode_struct
 from decentrl.rollout.chain import last_position, step_generator
@@ -89,32 +87,6 @@ class PeerError(ValueError):
 class PeerBusy(RuntimeError):
     """A well-formed request this peer cannot serve in its present state (a session it no longer
     holds, no room, another version): no fault of the sender's, so no strike."""
-
-
-def stage_tensor_names(spec: ModelSpec, plan: StagePlan, index: int) -> set[str]:
-    with torch.device("meta"):
-        names = set(StageModule(spec, plan, index).hf_names().values())
-    if "lm_head.weight" in names:
-        names.add("model.embed_tokens.weight")  # a tied checkpoint's head is the embedding
-    return names
-
-
-def load_stage(config: RunConfig, index: int, device: torch.device, dtype: torch.dtype
-               ) -> StageModule:
-    """This stage's module, reading only its own tensors from the local model folder, with the
-    run's LoRA adapters when it trains only those (seeded: every peer of a stage builds the same
-    ones)."""
-    folder = resolve_model(config.model)
-    hf_config = json.loads((folder / "config.json").read_text())
-    spec = ModelSpec.from_hf_config(hf_config)
-    plan = StagePlan.even(spec.num_layers, config.num_stages)
-    names = stage_tensor_names(spec, plan, index)
-    stage = build_stage(spec, plan, index, read_tensors(folder, names.__contains__), device,
-                        torch.float32)
-    train = config.train
-    if train.lora_rank > 0:
-        add_lora(stage, train.lora_rank, train.lora_alpha, train.lora_targets, config.seed)
-    return stage.to(dtype)
 
 
 def published_tensors(stage: StageModule) -> dict[str, torch.Tensor]:

@@ -1,0 +1,40 @@
+"""The stage a run builds: exactly one stage's layers, read from the run's model folder (only its
+own tensors), with the run's LoRA adapters when it trains only those. Peers build their stage
+this way, and so does the export of a run's checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from decentrl.config import RunConfig
+from decentrl.model.blocks import ModelSpec
+from decentrl.model.loading import read_tensors, resolve_model
+from decentrl.model.lora import add_lora
+from decentrl.model.stages import StageModule, StagePlan, build_stage
+
+
+def stage_tensor_names(spec: ModelSpec, plan: StagePlan, index: int) -> set[str]:
+    with torch.device("meta"):
+        names = set(StageModule(spec, plan, index).hf_names().values())
+    if "lm_head.weight" in names:
+        names.add("model.embed_tokens.weight")  # a tied checkpoint's head is the embedding
+    return names
+
+
+def load_stage(config: RunConfig, index: int, device: torch.device, dtype: torch.dtype
+               ) -> StageModule:
+    """Stage `index` of the run's even plan at version 0. LoRA adapters are seeded by the run's
+    seed: every peer of a stage builds the same ones."""
+    folder = resolve_model(config.model)
+    hf_config = json.loads((folder / "config.json").read_text())
+    spec = ModelSpec.from_hf_config(hf_config)
+    plan = StagePlan.even(spec.num_layers, config.num_stages)
+    names = stage_tensor_names(spec, plan, index)
+    stage = build_stage(spec, plan, index, read_tensors(folder, names.__contains__), device,
+                        torch.float32)
+    train = config.train
+    if train.lora_rank > 0:
+        add_lora(stage, train.lora_rank, train.lora_alpha, train.lora_targets, config.seed)
+    return stage.to(dtype)
