@@ -3,6 +3,7 @@ exactly what the chain computes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -204,16 +205,32 @@ def test_a_runs_latest_checkpoint_exports_to_the_same_model(
     run_dir = config.path
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(config.model_dump_json())
+    interval = {"mean": 0.555, "low": 0.486, "high": 0.622, "n": 200}
+    (run_dir / "eval_after.json").write_text(json.dumps(
+        {"task": "sums", "problems": 200, "pass1": interval, "pass_k": None, "k": 1}))
+    (run_dir / "metrics.jsonl").write_text('{"event": "step", "step": 1}\n')
     train = TrainConfig(lr=1e-3)
     PipelineTrainer.local(trained, train, loss_config_from(train, 8), SamplingConfig(),
                           torch.float32).save(run_dir / "checkpoints", {"step": 1})
 
     result = CliRunner().invoke(app, ["export", str(run_dir), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
-    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    out = tmp_path / "out"
+    tensors = load_file(out / "model.safetensors")
     expected = state(trained)
     assert tensors.keys() == expected.keys()
     assert all(torch.equal(tensors[k], expected[k]) for k in expected)
+    card = (out / "README.md").read_text()
+    assert "| pass@1 (greedy) | - | 55.5% [48.6, 62.2] |" in card
+    assert "1 optimizer steps; this is weight version 1 of every stage" in card
+    shard = (run_dir / "checkpoints" / "v1" / "stage0.pt").read_bytes()
+    assert hashlib.sha256(shard).hexdigest() in card
+    # SHA256SUMS covers every other file, as `sha256sum -c` reads it.
+    listed = dict(reversed(line.split("  ")) for line in
+                  (out / "SHA256SUMS").read_text().splitlines())
+    assert sorted(listed) == sorted(p.name for p in out.iterdir() if p.name != "SHA256SUMS")
+    for name, digest in listed.items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest, name
 
     (run_dir / "checkpoints" / "v1" / "stage1.pt").unlink()
     with pytest.raises(FileNotFoundError, match="lacks stage1.pt"):

@@ -127,6 +127,7 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
     import threading
 
     from decentrl.model.loading import resolve_model
+    from decentrl.release.export import export_run
     from decentrl.swarm.coordinate import SwarmCoordinator
     from decentrl.swarm.launch import LocalSwarm
     from decentrl.trust.adversary import ADVERSARIES
@@ -171,6 +172,9 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
     names = {c.info.get("peer_id"): c.name for c in swarm.children.values()}
     for peer, why in summary.banned.items():
         console.print(f"  banned {names.get(peer, peer[-8:])}: {escape(why[:160])}")
+    model_dir = export_run(config.path, config.path / "model")
+    console.print(f"exported the post-trained model (Hugging Face folder, model card, "
+                  f"SHA256SUMS) to {model_dir}")
     restarts = {c.name: c.restarts for c in swarm.children.values() if c.restarts}
     console.print(f"{summary.steps} steps; wall {time.time() - started:.0f}s; generation "
                   f"failovers {summary.failovers}; training recoveries {summary.recoveries}; "

@@ -9,6 +9,7 @@ with their adapters merged into the weights: the folder is a plain model.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import re
 import shutil
@@ -25,11 +26,13 @@ from decentrl.model.loading import load_model, load_tokenizer, resolve_model
 from decentrl.model.lora import has_lora, merge_lora
 from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule, StagePlan, build_stages
+from decentrl.release.card import model_card
 
 EXPORT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 REQUIRED_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 WRITTEN_FILES = ("model.safetensors", "config.json", "generation_config.json")
+CHECKSUMS = "SHA256SUMS"
 
 
 def merge_stage_tensors(stages: list[StageModule], num_layers: int) -> dict[str, torch.Tensor]:
@@ -103,7 +106,8 @@ def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], token
 
     The folder is written under a temporary name next to `out_dir` and renamed into place, so a
     reader never sees half a model; an existing `out_dir` is replaced. `extra_files` maps relative
-    file names to text (a model card, a training report)."""
+    file names to text (a model card, a training report). `SHA256SUMS` lists every file's
+    checksum (`sha256sum -c SHA256SUMS` checks a download)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype must be one of {list(EXPORT_DTYPES)}, got {dtype}")
     if not stages:
@@ -135,11 +139,26 @@ def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], token
             path = staging / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
+        (staging / CHECKSUMS).write_text(checksums(staging))
         replace_folder(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checksums(folder: Path) -> str:
+    """`sha256sum` lines for every file under `folder`, sorted by path."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    return "".join(f"{file_sha256(p)}  {p.relative_to(folder).as_posix()}\n" for p in files)
 
 
 def replace_folder(new: Path, target: Path) -> None:
@@ -163,7 +182,8 @@ def replace_folder(new: Path, target: Path) -> None:
 def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
     """Assemble the latest checkpoint of a run (its folder: `config.json` and
     `checkpoints/latest` -> `checkpoints/v<N>/stage<i>.pt`, written by a local run or by the
-    swarm's training peers) into a Hugging Face folder at `out_dir`."""
+    swarm's training peers) into a Hugging Face folder at `out_dir`, with a model card
+    (`README.md`) built from the run's config, evaluations and shard checksums."""
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder: it has no config.json")
@@ -171,11 +191,12 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32)
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is None or not checkpoint.is_dir():
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint (checkpoints/latest)")
-    stages, versions = [], set()
+    stages, versions, hashes = [], set(), []
     for index in range(config.num_stages):
         path = checkpoint / f"stage{index}.pt"
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {checkpoint} lacks {path.name}")
+        hashes.append(file_sha256(path))
         state = torch.load(path, map_location="cpu", weights_only=True)
         stage = load_stage(config, index, torch.device("cpu"), torch.float32)
         try:
@@ -187,9 +208,25 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32)
         stages.append(stage)
     if len(versions) != 1:
         raise ValueError(f"checkpoint {checkpoint} mixes stage versions {sorted(versions)}")
+    evaluations = [json.loads(path.read_text()) if path.is_file() else None
+                   for path in (run_dir / "eval_before.json", run_dir / "eval_after.json")]
+    card = model_card(config, versions.pop(), _steps(run_dir), hashes, *evaluations)
     folder = resolve_model(config.model)
     hf_config = json.loads((folder / "config.json").read_text())
-    return export_hf_folder(stages, hf_config, load_tokenizer(folder), out_dir, dtype=dtype)
+    return export_hf_folder(stages, hf_config, load_tokenizer(folder), out_dir,
+                            extra_files={"README.md": card}, dtype=dtype)
+
+
+def _steps(run_dir: Path) -> int:
+    """The last training step a run's metrics.jsonl records (0 without one)."""
+    path = run_dir / "metrics.jsonl"
+    steps = 0
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("event") == "step":
+                steps = max(steps, int(record["step"]))
+    return steps
 
 
 def load_stages_from_folder(path: Path, num_stages: int, device: torch.device,

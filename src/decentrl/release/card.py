@@ -1,0 +1,78 @@
+"""The model card of an exported run: what the model is, how it was trained, how well it does
+(with intervals), where its weights came from, and what it cannot be trusted for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from decentrl.config import RunConfig
+
+
+def _percent(interval: dict[str, float]) -> str:
+    return (f"{100 * interval['mean']:.1f}% [{100 * interval['low']:.1f}, "
+            f"{100 * interval['high']:.1f}]")
+
+
+def evaluation_table(before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
+    """A markdown table of held-out pass@1 (and pass@k) before and after training, 95% CIs."""
+    if after is None:
+        return "No held-out evaluation was recorded for this run.\n"
+    rows = [("pass@1 (greedy)", "pass1")]
+    if after.get("pass_k") is not None:
+        rows.append((f"pass@{after['k']} (sampled, T=1)", "pass_k"))
+    lines = [f"Held-out `{after['task']}`, {after['problems']} problems, 95% confidence intervals:",
+             "", "| | before | after |", "|---|---|---|"]
+    for label, key in rows:
+        earlier = _percent(before[key]) if before and before.get(key) else "-"
+        lines.append(f"| {label} | {earlier} | {_percent(after[key])} |")
+    return "\n".join(lines) + "\n"
+
+
+def model_card(config: RunConfig, version: int, steps: int, stage_hashes: list[str],
+               before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
+    train, rollout = config.train, config.rollout
+    stages = "\n".join(f"| {index} | `{digest}` |" for index, digest in enumerate(stage_hashes))
+    options = ", ".join(f"{k}={v}" for k, v in sorted(config.task.options.items())) or "defaults"
+    adapters = (f"LoRA rank {train.lora_rank} (alpha {train.lora_alpha}) on "
+                f"{', '.join(train.lora_targets)}, merged into the weights"
+                if train.lora_rank else "full fine-tuning")
+    return f"""---
+base_model: {config.model}
+tags: [decentrl, reinforcement-learning, grpo]
+---
+# {config.name}: {config.model} post-trained with RL by decentrl
+
+Post-trained from `{config.model}` with reinforcement learning on verifiable `{config.task.name}`
+problems ({options}), by a decentrl swarm: the model was cut into {config.num_stages} pipeline
+stages, each trained by its own peer, while inference replicas of each stage generated the
+rollouts.
+
+## Training
+- Algorithm: `{train.loss}` with group-relative advantages (group of {rollout.group_size}),
+  {rollout.prompts_per_step} prompts per step, lr {train.lr}, {adapters}.
+- Off-policy corrections: truncated importance weights (cap {train.tis_cap}), decoupled
+  objective {train.decoupled}, at most {train.max_staleness} versions of staleness.
+- Sampling for rollouts: temperature {rollout.temperature}, top-p {rollout.top_p}, top-k
+  {rollout.top_k}, at most {rollout.max_new_tokens} new tokens.
+- {steps} optimizer steps; this is weight version {version} of every stage.
+- Trust: every reward recomputed by the coordinator, {100 * config.trust.verify_fraction:.0f}% of
+  rollout groups re-executed by other replicas, poisoned rows flagged and left out of the loss.
+
+## Evaluation
+{evaluation_table(before, after)}
+## Provenance
+The stage shards this folder was assembled from (sha256 of each checkpoint file):
+
+| stage | sha256 |
+|---|---|
+{stages}
+
+`SHA256SUMS` lists the checksum of every file in this folder.
+
+## Known limits
+- Trained and evaluated on one task family only; other abilities were not measured and may have
+  regressed.
+- Small RL runs vary from run to run; the intervals above are over the held-out problems, not
+  over training runs.
+- Evaluations ran through the swarm's replicas; a replica not yet banned could have skewed them.
+"""
