@@ -22,11 +22,13 @@ from swarm_helpers import Swarm, start_swarm, tiny_run_config
 from test_swarm import make_batch
 
 from decentrl.config import RunConfig
-from decentrl.model.loading import load_model
+from decentrl.model.loading import LoadedModel, load_model
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.wire import TensorLimits
+from decentrl.swarm.client import RemoteChain
 from decentrl.swarm.coordinate import SwarmCoordinator
+from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
@@ -49,12 +51,15 @@ def trust_config(model_dir: Path, steps: int, **overrides: Any) -> RunConfig:
         **overrides})
 
 
-def start_hostile(swarm: Swarm, stage: int, kind: str, collusion: Path) -> HostilePeer:
-    node = SwarmNode.start(f"hostile-{kind}", swarm.client.addresses(), LinkProfile(),
-                           TensorLimits())
+def add_replica(swarm: Swarm, config: RunConfig, stage: int, name: str,
+                adversary: str | None = None, collusion: Path | None = None) -> StagePeer:
+    """An inference replica (hostile with `adversary`) joining `swarm` with its own `config`;
+    shut down with the swarm."""
+    node = SwarmNode.start(name, swarm.client.addresses(), LinkProfile(), TensorLimits())
     try:
-        peer = HostilePeer(swarm.config, stage, "inference", node, name=f"hostile{stage}",
-                           adversary=kind, collusion_dir=collusion)
+        peer = StagePeer(config, stage, "inference", node, name=name) if adversary is None \
+            else HostilePeer(config, stage, "inference", node, name=name, adversary=adversary,
+                             collusion_dir=collusion)
         peer.start()
     except BaseException:
         node.shutdown()
@@ -62,6 +67,18 @@ def start_hostile(swarm: Swarm, stage: int, kind: str, collusion: Path) -> Hosti
     swarm.peers.append(peer)
     swarm.sockets.extend(node.socket_paths())
     return peer
+
+
+def generation(swarm: Swarm, config: RunConfig, model_dir: Path
+               ) -> tuple[LoadedModel, RemoteChain, RolloutWorker, PromptScheduler]:
+    """What a test needs to generate groups through `swarm` itself, as the coordinator does."""
+    model = load_model(str(model_dir))
+    chain = swarm.chain(model.spec)
+    task = make_task(config.task.name, **config.task.options)
+    scheduler = PromptScheduler(config.seed)
+    worker = RolloutWorker(chain, None, task, model.tokenizer, config.rollout, scheduler,
+                           config.seed)
+    return model, chain, worker, scheduler
 
 
 @contextmanager
@@ -84,7 +101,7 @@ def set_when(event: threading.Event, condition: Any, stop: threading.Event) -> N
         time.sleep(0.1)
 
 
-def honest_ids(swarm: Swarm, hostile: list[HostilePeer]) -> list[str]:
+def honest_ids(swarm: Swarm, hostile: list[StagePeer]) -> list[str]:
     bad = {p.node.peer_id for p in hostile}
     return [p.node.peer_id for p in swarm.peers if p.node.peer_id not in bad]
 
@@ -104,7 +121,8 @@ def test_hostile_replica_is_caught_blamed_and_banned(
     # short run bans it for sure.
     layout = [p for p in LAYOUT if kind != "inject-answers" or p != (0, "inference")]
     with start_swarm(config, layout) as swarm:
-        hostile = [start_hostile(swarm, stage, kind, tmp_path) for stage in stages]
+        hostile = [add_replica(swarm, config, stage, f"hostile{stage}", kind, tmp_path)
+                   for stage in stages]
         culprit = hostile[-1].node.peer_id  # the pair's last-stage injector lies
         with coordinated(config, swarm) as coordinator:
             summary = coordinator.run(wait_s=60)
@@ -184,21 +202,11 @@ def test_honest_bf16_and_fp32_replicas_pass_each_others_checks(
     with start_swarm(config, [(0, "inference"), (1, "inference")]) as swarm:
         # A bf16 replica beside each fp32 one: every check re-executes on the other dtype.
         for stage in (0, 1):
-            node = SwarmNode.start(f"bf16-{stage}", swarm.client.addresses(), LinkProfile(),
-                                   TensorLimits())
-            from decentrl.swarm.peer import StagePeer
-            peer = StagePeer(bf16, stage, "inference", node, name=f"bf16{stage}")
-            peer.start()
-            swarm.peers.append(peer)
-            swarm.sockets.extend(node.socket_paths())
-        model = load_model(str(tiny_sharp_dir))
-        chain = swarm.chain(model.spec)
-        task = make_task(config.task.name, **config.task.options)
-        scheduler = PromptScheduler(config.seed)
-        worker = RolloutWorker(chain, None, task, model.tokenizer, config.rollout, scheduler,
-                               config.seed)
+            add_replica(swarm, bf16, stage, f"bf16-{stage}")
+        model, chain, worker, scheduler = generation(swarm, config, tiny_sharp_dir)
         verifier = Verifier(swarm.client, chain.directory, config, model.spec.hidden_size,
                             model.tokenizer.pad_token_id)
+
         def generate(index: int) -> tuple[Any, Any]:
             sessions: list[Any] = []
             [group] = worker.generate_groups([index], on_session=sessions.append)
@@ -229,12 +237,7 @@ def test_a_check_rewinds_the_verifier_to_the_recorded_version(
     layout = [(0, "training"), (1, "training"), (0, "inference"), (1, "inference"),
               (0, "inference"), (1, "inference")]
     with start_swarm(config, layout) as swarm:
-        model = load_model(str(tiny_sharp_dir))
-        chain = swarm.chain(model.spec)
-        task = make_task(config.task.name, **config.task.options)
-        scheduler = PromptScheduler(config.seed)
-        worker = RolloutWorker(chain, None, task, model.tokenizer, config.rollout, scheduler,
-                               config.seed)
+        model, chain, worker, scheduler = generation(swarm, config, tiny_sharp_dir)
         sessions: list[Any] = []
         [group] = worker.generate_groups(scheduler.next(1), on_session=sessions.append)
         assert group.stage_versions == [0, 0]

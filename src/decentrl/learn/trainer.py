@@ -248,10 +248,13 @@ class PipelineTrainer:
         self.train, self.loss, self.sampling = train, loss, sampling
         self.reference_stages = reference_stages
         self.device = device
-        # The last step's RowStats of every batch row, in batch order, and which of them the
-        # trust flags caught (they did not count in the loss).
+        # The last step's RowStats of every batch row, in batch order.
         self.row_stats: RowStats | None = None
-        self.flagged: torch.Tensor | None = None
+
+    @property
+    def flagged(self) -> torch.Tensor | None:
+        """Rows of the last step the trust flags caught (they did not count in the loss)."""
+        return None if self.row_stats is None else flagged_rows(*self.row_stats, self.loss)
 
     @classmethod
     def local(cls, stages: list[StageModule], train: TrainConfig, loss: LossConfig,
@@ -320,7 +323,6 @@ class PipelineTrainer:
         # Minibatches are disjoint slices in order: their micro-batches' rows are the batch's.
         self.row_stats = (torch.cat([r[0].float().cpu() for r in rows_seen]),
                           torch.cat([r[1].float().cpu() for r in rows_seen]))
-        self.flagged = flagged_rows(*self.row_stats, self.loss)
         result = {key: value / micro_count for key, value in totals.items() if key != "grad_norm"}
         result["grad_norm"] = totals["grad_norm"] / self.train.updates_per_batch
         return result

@@ -348,9 +348,9 @@ class StagePeer:
                     key_valid: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
         """The signed activation commitment of the new positions' outputs (trust/commit.py)."""
         trust = self.config.trust
-        return commitment_to_wire(make_commitment(hidden.float().cpu(), positions,
-                                                  key_valid[:, start:], trust.commit_interval,
-                                                  trust.commit_top_k))
+        # Only the commitment points are gathered (on the compute device), never the whole output.
+        return commitment_to_wire(make_commitment(hidden, positions, key_valid[:, start:],
+                                                  trust.commit_interval, trust.commit_top_k))
 
     def _session(self, body: InferenceStep | VerifyStep) -> Session:
         """The session a step continues (opened by its first step), checked against it."""
@@ -451,7 +451,7 @@ class StagePeer:
 
     def _check_targets(self, body: VerifyStep, tensors: dict[str, torch.Tensor],
                        shape: torch.Size) -> torch.Tensor | None:
-        if not self.model or not self.model.is_last:
+        if self.model is None or not self.model.is_last:
             return None
         targets = tensors.get("targets")
         if targets is None or targets.dtype != torch.long or targets.shape != shape:

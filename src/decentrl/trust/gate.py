@@ -62,7 +62,6 @@ class Trust:
             queue.Queue(maxsize=VERIFY_BACKLOG)
         # Unpredictable to peers: a peer that knew which groups get checked would lie elsewhere.
         self.random = random.Random(secrets.randbits(64))
-        self.verdicts: list[Verdict] = []
         self.banned_at: dict[str, float] = {}  # wall clock of each peer's first ban
         self.count: Counter[str] = Counter()
 
@@ -166,7 +165,6 @@ class Trust:
         """Turn a verdict into reputation: every peer whose work checked out passed; the blamed
         one failed. A flagged group that could not be checked counts as a flag against the
         replicas that sampled it."""
-        self.verdicts.append(verdict)
         if verdict.outcome == "skipped":
             self.count["verify_skipped"] += 1
             log.info("check of group %s skipped: %s", verdict.group_id, verdict.detail)

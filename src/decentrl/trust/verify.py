@@ -106,7 +106,6 @@ class Verdict:
     stage: int | None  # the stage blamed (failed)
     peer: str | None  # the replica blamed (failed)
     detail: str
-    tokens: int  # completion tokens re-executed
     checked: tuple[int, ...]  # the stages whose work was judged (by another replica)
     seconds: float
     # When the last stage was judged: every completion token's |claimed - re-executed|
@@ -125,7 +124,6 @@ class Verifier:
     def verify(self, group: RolloutGroup, provenance: Provenance) -> Verdict:
         started = time.monotonic()
         layout = session_layout(group, self.pad_id)
-        tokens = sum(len(r.completion_tokens) for r in group.rollouts)
         stages = self.config.num_stages
         # Another replica per stage where there is one. Where there is none, the replica that
         # did the work re-executes it: that feeds the later stages, but judges nothing of its
@@ -140,7 +138,7 @@ class Verifier:
                 if peer is not None:
                     self.directory.release(peer)
             return Verdict(group.group_id, "skipped", None, None,
-                           "no replica to re-execute on", 0, (), time.monotonic() - started)
+                           "no replica to re-execute on", (), time.monotonic() - started)
         checked = tuple(s for s in range(stages) if independent[s])
         session = secrets.token_hex(8)
         try:
@@ -148,7 +146,7 @@ class Verifier:
                                            [v for v in verifiers if v], session, checked)
         except (RemoteError, WireError, MessageLost, ValueError, TimeoutError) as error:
             return Verdict(group.group_id, "skipped", None, None, f"re-execution failed: {error}",
-                           0, (), time.monotonic() - started)
+                           (), time.monotonic() - started)
         finally:
             for peer in verifiers:
                 if peer is not None:
@@ -160,11 +158,10 @@ class Verifier:
                         pass  # the verifier drops idle sessions itself
         seconds = time.monotonic() - started
         if failure is None:
-            return Verdict(group.group_id, "passed", None, None, "", tokens, checked, seconds,
-                           *scores)
+            return Verdict(group.group_id, "passed", None, None, "", checked, seconds, *scores)
         stage, column, detail = failure
         peer = provenance.stages[stage].peer_at(column)
-        return Verdict(group.group_id, "failed", stage, peer, detail, tokens,
+        return Verdict(group.group_id, "failed", stage, peer, detail,
                        tuple(s for s in checked if s <= stage), seconds, *scores)
 
     def _replay(self, group: RolloutGroup, layout: Layout, provenance: Provenance,
