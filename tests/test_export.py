@@ -208,7 +208,15 @@ def test_a_runs_latest_checkpoint_exports_to_the_same_model(
     interval = {"mean": 0.555, "low": 0.486, "high": 0.622, "n": 200}
     (run_dir / "eval_after.json").write_text(json.dumps(
         {"task": "sums", "problems": 200, "pass1": interval, "pass_k": None, "k": 1}))
-    (run_dir / "metrics.jsonl").write_text('{"event": "step", "step": 1}\n')
+    peers = [{"peer_id": f"12D3KooW{name}", "name": name, "stage": stage, "role": role,
+              "version": 1, "tokens_per_s": 10.0, "bytes_sent": 1000, "reputation": 1.0,
+              "banned": False}
+             for stage in range(2) for name, role in ((f"train{stage}", "training"),
+                                                      (f"infer{stage}.0", "inference"))]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in [
+        {"event": "step", "elapsed_s": 10.0, "step": 1, "version": 1, "reward": 0.5,
+         "accuracy": 0.5, "staleness_mean": 0.0},
+        {"event": "swarm", "elapsed_s": 11.0, "step": 1, "version": 1, "peers": peers}]))
     train = TrainConfig(lr=1e-3)
     PipelineTrainer.local(trained, train, loss_config_from(train, 8), SamplingConfig(),
                           torch.float32).save(run_dir / "checkpoints", {"step": 1})
@@ -223,6 +231,7 @@ def test_a_runs_latest_checkpoint_exports_to_the_same_model(
     card = (out / "README.md").read_text()
     assert "| pass@1 (greedy) | - | 55.5% [48.6, 62.2] |" in card
     assert "1 optimizer steps; this is weight version 1 of every stage" in card
+    assert "| infer1.0 | 1 | inference | 1 | `12D3KooWinfer1.0` |" in card  # who trained it
     shard = (run_dir / "checkpoints" / "v1" / "stage0.pt").read_bytes()
     assert hashlib.sha256(shard).hexdigest() in card
     # SHA256SUMS covers every other file, as `sha256sum -c` reads it.

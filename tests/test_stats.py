@@ -91,6 +91,15 @@ def test_accuracy_formatting() -> None:
     assert Accuracy.from_values([0.2, 0.4, 0.6]).as_percent() == "40.0% [17.4, 62.6]"
 
 
+def test_mean_scores_are_clipped_to_the_unit_interval() -> None:
+    # One problem of 8 solved: mean 0.125, sample sd sqrt(8 * 0.125 * 0.875 / 7) = 0.353553, so
+    # the standard error is 0.125 and the raw interval 0.125 -/+ 0.245 = [-0.12, 0.37].
+    accuracy = Accuracy.from_values([1.0] + [0.0] * 7)
+    assert accuracy.low == 0.0 and accuracy.high == pytest.approx(0.125 + 1.96 * 0.125)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        Accuracy.from_values([0.5, 1.5])
+
+
 def test_difference_interval_matches_newcombe() -> None:
     # Newcombe (1998), Table II, example (a): 56/70 vs 48/80 -> 0.2000 [0.0524, 0.3339].
     low, high = difference_interval(56, 70, 48, 80, z=1.959964)

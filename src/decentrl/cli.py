@@ -1,4 +1,4 @@
-"""The `decentrl` command line: demo · train · coordinate · join · eval · bench."""
+"""The `decentrl` command line: demo · train · coordinate · join · eval · export · report · bench."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from decentrl.config import ConfigError, RunConfig, load_config, parse_config
+from decentrl.observe.logs import configure_logging
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="RL post-training of language models on a swarm of untrusted peers.")
@@ -203,13 +204,6 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, terminate)
 
 
-def configure_logging() -> None:
-    import logging
-
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("decentrl").setLevel(logging.INFO)
-
-
 @app.command()
 def coordinate(
     config: Annotated[Path, typer.Option("--config", help="run.toml")],
@@ -226,13 +220,13 @@ def coordinate(
     from decentrl.swarm.coordinate import SwarmCoordinator
     from decentrl.swarm.launch import link_profile
 
-    configure_logging()
     exit_on_sigterm()
     try:
         run_config = load_config(config)
     except ConfigError as error:
         fail(str(error))
         return
+    configure_logging("coordinator", json_file=run_config.path / "logs" / "coordinator.jsonl")
     node = SwarmNode.start("coordinator", initial_peers or [], link_profile(run_config),
                            TensorLimits())
     coordinator = None
@@ -270,6 +264,9 @@ def join(
              "forge-logprobs, inject-answers, corrupt-activations, replay or flood")] = None,
     collusion_dir: Annotated[Optional[Path], typer.Option(  # noqa: UP007
         help="folder an inject-answers pair shares")] = None,
+    log_json: Annotated[bool, typer.Option(
+        help="log JSON lines to stderr (the local launcher makes stderr the peer's log file)")]
+    = False,
 ) -> None:
     """Start a peer that holds exactly the layers of one stage and serves it until stopped."""
     import signal
@@ -281,7 +278,7 @@ def join(
     from decentrl.swarm.protocol import Role
     from decentrl.trust.adversary import ADVERSARIES
 
-    configure_logging()
+    configure_logging(name, json_stderr=log_json)
     if role not in ("inference", "training", "both"):
         fail(f"--role must be inference, training or both, got {role!r}")
     if stage != "auto" and not stage.isdigit():
@@ -308,46 +305,71 @@ def join(
 @app.command("eval")
 def eval_command(
     model: Annotated[str, typer.Option(help="Hugging Face folder, or smollm2-135m-instruct")],
-    task: Annotated[str, typer.Option(help="task name, e.g. sums or rg:chain_sum")] = "sums",
-    option: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007 - typer needs Optional
-        help="task option KEY=VALUE (JSON value), repeatable")] = None,
-    problems: int = 200, pass_k: int = 4, max_new_tokens: int = 24, batch_size: int = 64,
-    num_stages: int = 1, device: str = "auto", dtype: str = "auto", seed: int = 0,
+    base: Annotated[Optional[str], typer.Option(  # noqa: UP007 - typer needs Optional
+        help="the model before post-training: adds before/after changes and the KL divergence "
+             "and perplexity against it on a general prompt set")] = None,
+    task: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        help="evaluate only this task family, e.g. sums or rg:chain_sum (default: the suite, "
+             "two-digit sums and sums of three terms and of three digits)")] = None,
+    option: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
+        help="option of --task, KEY=VALUE (JSON value), repeatable")] = None,
+    problems: Annotated[Optional[int], typer.Option(  # noqa: UP007
+        help="held-out problems per family (default: 100)")] = None,
+    pass_k: Annotated[int, typer.Option(help="k of the sampled pass@k (1: greedy only)")] = 4,
+    max_new_tokens: Annotated[Optional[int], typer.Option(  # noqa: UP007
+        help="completion budget per problem (default: each family's own)")] = None,
+    batch_size: int = 64, num_stages: int = 1, device: str = "auto", dtype: str = "auto",
+    seed: int = 0,
     output: Annotated[Optional[Path], typer.Option(help="write the result as JSON here")] = None,  # noqa: UP007
 ) -> None:
-    """Held-out pass@1 (greedy) and pass@k (sampled) with 95% confidence intervals."""
-    from decentrl.device import compute_dtype, pick_device
-    from decentrl.evaluate.runner import evaluate
-    from decentrl.model.loading import load_model
-    from decentrl.model.stages import StagePlan, build_stages
-    from decentrl.rollout.chain import LocalChain
-    from decentrl.tasks import make_task
+    """Held-out pass@1 (greedy) and pass@k (sampled) with 95% confidence intervals on several task
+    families; with --base, the changes and the drift from the base on general text."""
+    from decentrl.evaluate.suite import (
+        DEFAULT_SUITE,
+        Family,
+        evaluate_suite,
+        suite_table_rows,
+        with_overrides,
+    )
+    from decentrl.observe.progress import progress_bar
 
+    if option and task is None:
+        fail("--option needs --task (the default suite's families carry their own options)")
+    if output is not None and not output.parent.is_dir():
+        fail(f"--output {output}: folder {output.parent} does not exist")
     options = {}
     for item in option or []:
         key, sep, value = item.partition("=")
-        if not sep:
+        if not sep or not key:
             fail(f"--option {item!r} must look like KEY=VALUE")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
-    try:
-        task_obj = make_task(task, **options)
-        loaded = load_model(model)
-        chosen = pick_device(device)
-        stages = build_stages(loaded.spec, StagePlan.even(loaded.spec.num_layers, num_stages),
-                              loaded.tensors, chosen, compute_dtype(chosen, dtype))
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
-        fail(str(error))
-        return
-    result = evaluate(LocalChain(stages), task_obj, loaded.tokenizer, problems, max_new_tokens,
-                      batch_size, pass_k=pass_k, seed=seed)
-    console.print(f"{task} held-out, {result.problems} problems: pass@1 "
-                  f"{result.pass1.as_percent()}"
-                  + (f", pass@{pass_k} {result.pass_k.as_percent()}" if result.pass_k else ""))
+    with progress_bar(console, "evaluating", None) as update:
+        try:
+            families = DEFAULT_SUITE if task is None else [Family(task, options)]
+            result = evaluate_suite(
+                model, base, with_overrides(families, problems, max_new_tokens), pass_k=pass_k,
+                batch_size=batch_size, num_stages=num_stages, device=device, dtype=dtype,
+                seed=seed,
+                progress=lambda description, done, total: update(done, total, description))
+        except (ValueError, FileNotFoundError, RuntimeError) as error:
+            fail(str(error))
+            return
+    header, rows = suite_table_rows(result)
+    table = Table(title=f"{escape(result.model)}"
+                        + (f" against {escape(result.base)}" if result.base else "")
+                        + " (held-out, 95% CI)")
+    for column in header:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*map(escape, row))
+    console.print(table)
+    console.print(f"evaluated in {result.seconds:.0f}s")
     if output is not None:
         output.write_text(json.dumps(result.to_json(), indent=2))
+        console.print(f"wrote {output}")
 
 
 @app.command()
@@ -370,6 +392,20 @@ def export(
         fail(str(error))
         return
     console.print(f"exported {run_dir} to {folder}")
+
+
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="a run folder, e.g. runs/demo")]) -> None:
+    """Write RUN_DIR/report/report.md with PNG plots (before/after evaluation, reward, staleness,
+    throughput, the swarm's peers and traffic, verification events); prints its path."""
+    from decentrl.observe.report import build_report
+
+    try:
+        path = build_report(run_dir)
+    except (ValueError, FileNotFoundError) as error:
+        fail(str(error))
+        return
+    typer.echo(path)  # plain: a script may read the path
 
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"

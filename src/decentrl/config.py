@@ -127,6 +127,10 @@ class SwarmConfig(Section):
     max_session_tokens: int = Field(65536, ge=1, description="batch x max_length a peer accepts "
                                     "for one session (bounds its KV cache)")
     inference_replicas: int = Field(2, ge=1, description="per stage, for the local launcher")
+    dashboard_port: int | None = Field(0, ge=0, le=65535, description="the coordinator's web "
+                                       "dashboard on 127.0.0.1 (0: any free port; None: off)")
+    snapshot_every_s: float = Field(10.0, gt=0, description="how often the coordinator records "
+                                    "every peer's state in metrics.jsonl (for the report)")
 
 
 class SyncConfig(Section):

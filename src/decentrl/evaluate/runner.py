@@ -3,6 +3,8 @@ confidence interval (Wilson for pass@1; normal approximation over problems for p
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -42,8 +44,10 @@ def _solved(chain: InferenceChain, task: Task, batch_problems: list[Problem], to
 
 def evaluate(chain: InferenceChain, task: Task, tokenizer: Any, num_problems: int,
              max_new_tokens: int, batch_size: int, pass_k: int = 1, seed: int = 0,
-             split: str = "heldout", progress: Any = None, concurrency: int = 1) -> EvalResult:
-    """`progress`, if given, is called with the number of greedy problems done so far.
+             split: str = "heldout", progress: Callable[[int, int], None] | None = None,
+             concurrency: int = 1) -> EvalResult:
+    """`progress`, if given, is called with (generations done, generations in all): one greedy
+    generation per problem, and `pass_k` sampled ones when pass_k > 1.
     `concurrency` > 1 runs that many batches at once (over a swarm, so hop latency is hidden and
     every replica works); the result does not depend on it."""
     items = problems(task, split, num_problems)  # type: ignore[arg-type]
@@ -59,16 +63,18 @@ def evaluate(chain: InferenceChain, task: Task, tokenizer: Any, num_problems: in
         for sub in range(0, len(items), per_batch):
             repeated = [p for p in items[sub:sub + per_batch] for _ in range(pass_k)]
             jobs.append((sub, repeated, sampled, seed * 1_000_003 + sub))
-    done = 0
+    done, total = 0, sum(len(chunk) for _, chunk, _, _ in jobs)
+    lock = threading.Lock()
 
     def run(job: tuple[int, list[Problem], SamplingConfig, int | None]
             ) -> tuple[list[bool], list[str], list[int]]:
         nonlocal done
         start, chunk, sampling, job_seed = job
         out = _solved(chain, task, chunk, tokenizer, max_new_tokens, sampling, job_seed)
-        if progress is not None and sampling.greedy:
-            done += len(chunk)
-            progress(done)
+        if progress is not None:
+            with lock:
+                done += len(chunk)
+                progress(done, total)
         return out
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:

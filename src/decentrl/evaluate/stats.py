@@ -88,9 +88,13 @@ class Accuracy:
 
     @classmethod
     def from_values(cls, values: Sequence[float]) -> Accuracy:
-        """Mean of per-problem scores (e.g. pass@k), with its normal-approximation interval."""
+        """Mean of per-problem scores in [0, 1] (e.g. pass@k), with its normal-approximation
+        interval clipped to [0, 1]: the normal approximation overshoots near the ends with few
+        problems (1 of 8 solved gives -12%), and no score lies outside."""
+        if not all(0.0 <= v <= 1.0 for v in values):
+            raise ValueError("per-problem scores must lie in [0, 1]")
         mean, low, high = mean_interval(values)
-        return cls(mean=mean, low=low, high=high, n=len(values))
+        return cls(mean=mean, low=max(0.0, low), high=min(1.0, high), n=len(values))
 
     def as_percent(self) -> str:
         """For tables: "43.5% [38.1, 49.0]"."""

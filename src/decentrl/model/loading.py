@@ -85,8 +85,15 @@ def resolve_model(source: str) -> Path:
     if source == DEFAULT_MODEL:
         folder = cache_root() / "models" / DEFAULT_MODEL
         if not (folder / "config.json").is_file():
-            print(f"converting {GGUF_FILE} into {folder} (once)")
-            convert_gguf(gguf_path(), folder)
+            from rich.console import Console
+
+            from decentrl.observe.progress import progress_bar
+
+            # stderr: a peer's stdout carries its ready line to the launcher.
+            console = Console(stderr=True)
+            console.print(f"converting {GGUF_FILE} into {folder} (once)")
+            with progress_bar(console, "converting the GGUF to safetensors", None):
+                convert_gguf(gguf_path(), folder)
         return folder
     folder = Path(source).expanduser()
     if not (folder / "config.json").is_file():

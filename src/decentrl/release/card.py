@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from decentrl.config import RunConfig
+from decentrl.evaluate.suite import SuiteResult, suite_table_markdown
+from decentrl.observe.report import SwarmRecord, markdown_text, peer_name
 
 
 def _percent(interval: dict[str, float]) -> str:
@@ -28,8 +30,31 @@ def evaluation_table(before: dict[str, Any] | None, after: dict[str, Any] | None
     return "\n".join(lines) + "\n"
 
 
+def suite_section(suite: SuiteResult | None) -> str:
+    if suite is None:
+        return ""
+    families = ", ".join(f"`{f.family.label}`" for f in suite.families)
+    return (f"Against the base model, on held-out problems of {families}, and on a general "
+            f"prompt set (drift from the base: perplexity and KL per token); pass@1 greedy, "
+            f"pass@{suite.pass_k} sampled at T=1, 95% intervals:\n\n"
+            f"{suite_table_markdown(suite)}\nThe run's own evaluation, through the swarm:\n\n")
+
+
+def swarm_section(snapshot: SwarmRecord | None) -> str:
+    """The peers at the run's last snapshot (who trained it and who served it)."""
+    if snapshot is None:
+        return "No record of the swarm's peers was kept for this run.\n"
+    lines = [f"The swarm at the run's last snapshot (step {snapshot.step}):", "",
+             "| peer | stage | role | weight version | peer id |", "|---|---|---|---|---|"]
+    for peer in sorted(snapshot.peers, key=lambda p: (p.stage, p.role, p.name)):
+        lines.append(f"| {markdown_text(peer_name(peer.name, peer.peer_id))} | {peer.stage} | "
+                     f"{peer.role} | {peer.version} | `{markdown_text(peer.peer_id)}` |")
+    return "\n".join(lines) + "\n"
+
+
 def model_card(config: RunConfig, version: int, steps: int, stage_hashes: list[str],
-               before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
+               before: dict[str, Any] | None, after: dict[str, Any] | None,
+               suite: SuiteResult | None = None, snapshot: SwarmRecord | None = None) -> str:
     train, rollout = config.train, config.rollout
     stages = "\n".join(f"| {index} | `{digest}` |" for index, digest in enumerate(stage_hashes))
     options = ", ".join(f"{k}={v}" for k, v in sorted(config.task.options.items())) or "defaults"
@@ -59,8 +84,9 @@ rollouts.
   rollout groups re-executed by other replicas, poisoned rows flagged and left out of the loss.
 
 ## Evaluation
-{evaluation_table(before, after)}
+{suite_section(suite)}{evaluation_table(before, after)}
 ## Provenance
+{swarm_section(snapshot)}
 The stage shards this folder was assembled from (sha256 of each checkpoint file):
 
 | stage | sha256 |
@@ -70,9 +96,17 @@ The stage shards this folder was assembled from (sha256 of each checkpoint file)
 `SHA256SUMS` lists the checksum of every file in this folder.
 
 ## Known limits
-- Trained and evaluated on one task family only; other abilities were not measured and may have
-  regressed.
+- {limits_of(suite)}
 - Small RL runs vary from run to run; the intervals above are over the held-out problems, not
   over training runs.
-- Evaluations ran through the swarm's replicas; a replica not yet banned could have skewed them.
 """
+
+
+def limits_of(suite: SuiteResult | None) -> str:
+    if suite is None:
+        return ("Trained and evaluated on one task family only, through the swarm's replicas (a "
+                "replica not yet banned could have skewed it); other abilities were not measured "
+                "and may have regressed.")
+    return ("Abilities beyond the families above and the general prompt set were not measured "
+            "and may have regressed. The comparison with the base was run on this folder's "
+            "weights on one machine, not through the swarm.")

@@ -21,11 +21,13 @@ import torch
 from safetensors.torch import save_file
 
 from decentrl.config import load_config
+from decentrl.evaluate.suite import SuiteResult
 from decentrl.learn.trainer import latest_checkpoint
 from decentrl.model.loading import load_model, load_tokenizer, resolve_model
 from decentrl.model.lora import has_lora, merge_lora
 from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule, StagePlan, build_stages
+from decentrl.observe.report import read_metrics
 from decentrl.release.card import model_card
 
 EXPORT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -183,7 +185,8 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32)
     """Assemble the latest checkpoint of a run (its folder: `config.json` and
     `checkpoints/latest` -> `checkpoints/v<N>/stage<i>.pt`, written by a local run or by the
     swarm's training peers) into a Hugging Face folder at `out_dir`, with a model card
-    (`README.md`) built from the run's config, evaluations and shard checksums."""
+    (`README.md`) built from the run's config, evaluations (evaluation.json too, when the run's
+    model was compared with its base), last swarm snapshot and shard checksums."""
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder: it has no config.json")
@@ -210,23 +213,18 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32)
         raise ValueError(f"checkpoint {checkpoint} mixes stage versions {sorted(versions)}")
     evaluations = [json.loads(path.read_text()) if path.is_file() else None
                    for path in (run_dir / "eval_before.json", run_dir / "eval_after.json")]
-    card = model_card(config, versions.pop(), _steps(run_dir), hashes, *evaluations)
+    suite_path = run_dir / "evaluation.json"
+    suite = SuiteResult.from_json(json.loads(suite_path.read_text())) if suite_path.is_file() \
+        else None
+    metrics = run_dir / "metrics.jsonl"
+    records = read_metrics(metrics) if metrics.is_file() else None
+    steps = max((r.step for r in records.steps), default=0) if records else 0
+    snapshot = records.snapshots[-1] if records and records.snapshots else None
+    card = model_card(config, versions.pop(), steps, hashes, *evaluations, suite, snapshot)
     folder = resolve_model(config.model)
     hf_config = json.loads((folder / "config.json").read_text())
     return export_hf_folder(stages, hf_config, load_tokenizer(folder), out_dir,
                             extra_files={"README.md": card}, dtype=dtype)
-
-
-def _steps(run_dir: Path) -> int:
-    """The last training step a run's metrics.jsonl records (0 without one)."""
-    path = run_dir / "metrics.jsonl"
-    steps = 0
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if record.get("event") == "step":
-                steps = max(steps, int(record["step"]))
-    return steps
 
 
 def load_stages_from_folder(path: Path, num_stages: int, device: torch.device,

@@ -190,6 +190,11 @@ class Directory:
             state.banned_until = time.monotonic() + self.swarm.ban_s
         log.warning("peer %s avoided for %.0fs: %s", peer[-8:], self.swarm.ban_s, reason)
 
+    def records(self) -> dict[str, PeerRecord]:
+        """Every live announcement, by peer id."""
+        with self.lock:
+            return {peer: s.record for peer, s in self.peers.items()}
+
     def stage_summary(self) -> list[list[PeerRecord]]:
         with self.lock:
             return [[s.record for s in self.peers.values() if s.record.stage == stage]

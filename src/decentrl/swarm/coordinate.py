@@ -36,6 +36,9 @@ from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import load_tokenizer, resolve_model
 from decentrl.net.node import SwarmNode
 from decentrl.net.swarm_transport import HivemindTransport
+from decentrl.observe.dashboard import DashboardServer
+from decentrl.observe.live import SwarmObserver
+from decentrl.observe.progress import progress_bar
 from decentrl.rollout.chain import InferenceSession
 from decentrl.rollout.types import ScoredGroup
 from decentrl.swarm.client import (
@@ -72,6 +75,7 @@ class SwarmSummary:
     failovers: int
     trust: dict[str, int]  # spot-checks, flags, bans, refused submissions (Trust.counters)
     banned: dict[str, str]  # peer id -> the event that tipped it over
+    dashboard_url: str | None
 
 
 def check_swarm_config(config: RunConfig) -> None:
@@ -131,6 +135,11 @@ class SwarmCoordinator:
         self.recoveries = 0
         self.failed_steps = 0
         self.generation_errors = 0
+        self.metrics = MetricsLog(self.path / "metrics.jsonl", time.time())
+        self.observer = SwarmObserver(config, self.directory, self.trust.reputation, self.metrics,
+                                      lambda: self.trainer.version, lambda: self.step,
+                                      self.trust.counters)
+        self.dashboard: DashboardServer | None = None
 
     # ---- the swarm ------------------------------------------------------------------------
 
@@ -342,13 +351,19 @@ class SwarmCoordinator:
     # ---- evaluation -----------------------------------------------------------------------
 
     def evaluate(self, label: str, pass_k: int, metrics: MetricsLog) -> EvalResult:
+        phase = self.observer.phase
+        self.observer.phase = "evaluating"
         self.wait_for_replicas(self.trainer.version, timeout_s=120)
         ev = self.config.eval
-        result = evaluate(self.chain, self.eval_task, self.tokenizer, ev.problems,
-                          ev.max_new_tokens, ev.batch_size, pass_k=pass_k, seed=self.config.seed,
-                          concurrency=self.config.swarm.sessions_in_flight)
+        with progress_bar(self.console, f"evaluating ({label})", None) as update:
+            result = evaluate(self.chain, self.eval_task, self.tokenizer, ev.problems,
+                              ev.max_new_tokens, ev.batch_size, pass_k=pass_k,
+                              seed=self.config.seed,
+                              concurrency=self.config.swarm.sessions_in_flight,
+                              progress=lambda done, total: update(done, total=total))
         self.console.print(metrics.evaluation(label, self.step, self.trainer.version, result,
                                               pass_k))
+        self.observer.phase = phase
         return result
 
     # ---- the run --------------------------------------------------------------------------
@@ -356,8 +371,12 @@ class SwarmCoordinator:
     def run(self, wait_s: float = 300) -> SwarmSummary:
         config = self.config
         started = time.time()
-        metrics = MetricsLog(self.path / "metrics.jsonl", started)
+        metrics = self.metrics
         (self.path / "config.json").write_text(config.model_dump_json(indent=2))
+        if config.swarm.dashboard_port is not None:
+            self.dashboard = DashboardServer(self.observer.state, port=config.swarm.dashboard_port)
+            self.dashboard.start()
+            self.console.print(f"dashboard: {self.dashboard.url}")
         self.console.print(f"[bold]{config.name}[/]: coordinator {self.node.peer_id[-8:]} waiting "
                            f"for {config.num_stages} stages")
         self.wait_for_swarm(wait_s)
@@ -384,15 +403,23 @@ class SwarmCoordinator:
             thread.start()
         train_started = time.time()
         budget = config.train.time_budget_s
+        self.observer.phase = "training"
+        # The bar runs over whichever ends training first: the steps or the time budget.
+        by_time = budget is not None and budget < config.train.steps * 60
         try:
-            while self.step < config.train.steps:
-                if budget is not None and time.time() - train_started > budget:
-                    self.console.print(f"time budget of {budget:.0f}s reached after "
-                                       f"{self.step} steps")
-                    break
-                self._train_one_step(metrics)
-                if config.eval.every and self.step % config.eval.every == 0:
-                    self.evaluate("during", 1, metrics)
+            with progress_bar(self.console, "training", budget if by_time else config.train.steps,
+                              counted=not by_time) as update:
+                while self.step < config.train.steps:
+                    if budget is not None and time.time() - train_started > budget:
+                        self.console.print(f"time budget of {budget:.0f}s reached after "
+                                           f"{self.step} steps")
+                        break
+                    self._train_one_step(metrics)
+                    update(time.time() - train_started if by_time else self.step,
+                           description=f"training: step {self.step}, "
+                                       f"{self.ingestion.stats.accepted} groups accepted")
+                    if config.eval.every and self.step % config.eval.every == 0:
+                        self.evaluate("during", 1, metrics)
         finally:
             self.stop.set()
             for thread in threads:
@@ -402,18 +429,25 @@ class SwarmCoordinator:
         after = self.evaluate("after", config.eval.pass_k, metrics)
         (self.path / "eval_after.json").write_text(json.dumps(after.to_json(), indent=2))
         self.console.print(self.peer_table())
+        self.observer.record()
+        self.observer.phase = "finished"
         return SwarmSummary(self.path, self.step, wall, before, after, self.recoveries,
-                            self.chain.failovers, self.trust.counters(), self.trust.banned_peers())
+                            self.chain.failovers, self.trust.counters(), self.trust.banned_peers(),
+                            self.dashboard.url if self.dashboard is not None else None)
 
     def _announce_forever(self) -> None:
         """Keep the run config and the rollout inbox in the DHT (their entries expire), and the
         directory current: peers that joined (a restarted replica is a new peer) get sessions,
         and peers whose announcements expired stop being chosen."""
+        last_snapshot = 0.0
         while not self.stop.wait(self.config.swarm.announce_every_s):
             try:
                 self.directory.publish_config(self.config.model_dump_json())
                 self.transport.announce_inbox()
                 self.directory.refresh()
+                if time.monotonic() - last_snapshot >= self.config.swarm.snapshot_every_s:
+                    last_snapshot = time.monotonic()
+                    self.observer.record()
             except Exception as error:  # noqa: BLE001 - the next round retries
                 log.warning("announce failed: %s", error)
 
@@ -425,5 +459,7 @@ class SwarmCoordinator:
 
     def close(self) -> None:
         self.stop.set()
+        if self.dashboard is not None:
+            self.dashboard.close()
         self.transport.close()
         self.store.close()

@@ -5,6 +5,7 @@ training batches with group-relative advantages."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,9 +111,9 @@ class Ingestion:
         return self.score(group), staleness
 
     def make_batch(self, scored: list[tuple[ScoredGroup, int]]
-                   ) -> tuple[TrainBatch | None, dict[str, float], list[str]]:
-        """A training batch from scored groups (None when no group carries signal), stats, and
-        the group id of every batch row."""
+                   ) -> tuple[TrainBatch | None, dict[str, Any], list[str]]:
+        """A training batch from scored groups (None when no group carries signal), stats (numbers,
+        and the groups per staleness), and the group id of every batch row."""
         size = self.config.rollout.group_size
         train = self.config.train
         rewards = torch.tensor([r for s, _ in scored for r in s.rewards], dtype=torch.float32)
@@ -131,6 +132,10 @@ class Ingestion:
             "staleness_max": float(max(staleness)),
             "completion_tokens_mean": sum(len(r.completion_tokens) for r in rollouts) / len(rollouts),
             "finished_fraction": sum(r.finished for r in rollouts) / len(rollouts),
+            "generated_tokens": float(sum(len(r.completion_tokens) for r in rollouts)),
+            # JSON object keys are strings; the report's histogram reads them back as versions.
+            "staleness_counts": {str(k): n for k, n in
+                                 sorted(Counter(st for _, st in scored).items())},
         }
         if not kept:
             return None, stats, []

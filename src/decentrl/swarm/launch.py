@@ -194,7 +194,8 @@ class LocalSwarm:
         return addresses
 
     def _add(self, name: str, args: list[str], addresses: list[str]) -> None:
-        full = [*args, "--config", str(self.config_path), "--name", name, "--exit-with-parent"]
+        full = [*args, "--config", str(self.config_path), "--name", name, "--exit-with-parent",
+                "--log-json"]
         for address in addresses:
             full += ["--initial-peers", address]
         self.children[name] = Child(name, full, self.logs / f"{name}.log")

@@ -229,7 +229,8 @@ class StagePeer:
             version=self.version, tokens_per_s=round(tokens_per_s, 1),
             free_sessions=max(0, self.config.swarm.max_sessions_per_peer - len(self.sessions))
             if self.serves_inference else 0,
-            training_ready=self.trains)
+            training_ready=self.trains,
+            bytes_sent=self.node.links.uplink.bytes_sent if self.node.links is not None else 0)
 
     async def announce(self) -> None:
         ttl = 5 * self.config.swarm.announce_every_s

@@ -37,6 +37,7 @@ class PeerRecord(Body):
     tokens_per_s: float  # measured inference throughput (0 until it has served)
     free_sessions: int
     training_ready: bool  # a training peer whose weights are loaded and that accepts steps
+    bytes_sent: int = 0  # everything this peer has uploaded so far (requests and replies)
 
 
 def weights_key(run: str, stage: int) -> str:

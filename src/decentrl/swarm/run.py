@@ -31,6 +31,7 @@ from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.lora import add_lora
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.net.local import LocalTransport
+from decentrl.observe.progress import progress_bar
 from decentrl.release.export import export_hf_folder
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.types import ScoredGroup
@@ -53,14 +54,25 @@ class RunSummary:
 
 
 class MetricsLog:
+    """metrics.jsonl, and this run's records in memory for the dashboard. Written from the
+    training loop and the swarm's observer thread."""
+
     def __init__(self, path: Path, started: float) -> None:
         self.path, self.started = path, started
+        self.records: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"event": event, "elapsed_s": round(time.time() - self.started, 3), **fields}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        with self.lock:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            self.records.append(record)
         return record
+
+    def of(self, event: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return [r for r in self.records if r["event"] == event]
 
     def evaluation(self, label: str, step: int, version: int, result: EvalResult,
                    pass_k: int) -> str:
@@ -152,9 +164,11 @@ class LocalRun:
     def evaluate(self, label: str, pass_k: int) -> EvalResult:
         copy_weights([t.stage for t in self.trainer.stage_trainers], self.eval_chain)
         ev = self.config.eval
-        result = evaluate(self.eval_chain, self.eval_task, self.model.tokenizer, ev.problems,
-                          ev.max_new_tokens, ev.batch_size, pass_k=pass_k,
-                          seed=self.config.seed)
+        with progress_bar(self.console, f"evaluating ({label})", None) as update:
+            result = evaluate(self.eval_chain, self.eval_task, self.model.tokenizer, ev.problems,
+                              ev.max_new_tokens, ev.batch_size, pass_k=pass_k,
+                              seed=self.config.seed,
+                              progress=lambda done, total: update(done, total=total))
         self.console.print(self.metrics.evaluation(label, self.step, self.trainer.version,
                                                    result, pass_k))
         return result

@@ -1,0 +1,119 @@
+"""The coordinator's running account of its swarm, for operators: a snapshot of every peer (stage,
+role, version, throughput, bytes uploaded, reputation) and every verification event go into
+metrics.jsonl as they happen (the per-run report plots them afterwards), and `state()` is what the
+live dashboard shows (observe/dashboard.py serves it)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from decentrl.config import RunConfig
+from decentrl.swarm.client import Directory
+from decentrl.swarm.run import MetricsLog
+from decentrl.trust.reputation import Reputation
+
+Phase = Literal["waiting", "evaluating", "training", "finished"]
+# A verification event's detail is written by the verifier from an untrusted peer's output.
+MAX_DETAIL_CHARS = 300
+EVENTS_SHOWN = 200
+# The keys of a step record the dashboard draws; the whole record is in metrics.jsonl.
+STEP_KEYS = ("step", "elapsed_s", "version", "reward", "accuracy", "staleness_mean",
+             "completion_tokens_mean", "train_s", "wait_s", "sequences", "tokens_per_s")
+
+
+def with_throughput(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Step records with `tokens_per_s`: the tokens a step's batch generated over the time since
+    the step before. The first step has none (its interval holds the evaluation before training),
+    nor have records without `generated_tokens` (older runs). The report smooths the same
+    quantity over a few steps (observe/report.py `throughput`)."""
+    out = steps[:1]
+    for before, record in zip(steps, steps[1:]):
+        seconds = record["elapsed_s"] - before["elapsed_s"]
+        if "generated_tokens" in record and seconds > 0:  # a resumed run restarts its clock
+            record = {**record, "tokens_per_s": round(record["generated_tokens"] / seconds, 1)}
+        out.append(record)
+    return out
+
+
+@dataclass
+class SwarmObserver:
+    config: RunConfig
+    directory: Directory
+    reputation: Reputation
+    metrics: MetricsLog
+    learner_version: Callable[[], int]
+    step: Callable[[], int]
+    trust_counters: Callable[[], dict[str, int]]
+    phase: Phase = "waiting"
+    names: dict[str, str] = field(default_factory=dict)  # kept after a peer leaves
+    events_logged: int = 0
+    # Reentrant: record() holds it (the announce thread and the run's end both record) and
+    # calls peers(), which takes it too.
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def peers(self) -> list[dict[str, Any]]:
+        records = self.directory.records()
+        with self.lock:
+            self.names.update({peer: record.name for peer, record in records.items()})
+        return [{"peer_id": peer, "name": r.name, "stage": r.stage, "layers": list(r.layers),
+                 "role": r.role, "version": r.version, "tokens_per_s": r.tokens_per_s,
+                 "bytes_sent": r.bytes_sent, "reputation": round(self.reputation.score(peer), 3),
+                 "banned": self.reputation.banned(peer)}
+                for peer, r in sorted(records.items(), key=lambda item: (item[1].stage,
+                                                                          item[1].name))]
+
+    def record(self) -> None:
+        """One swarm snapshot, and the verification events since the last call, into
+        metrics.jsonl."""
+        with self.lock:
+            self.metrics.write("swarm", step=self.step(), version=self.learner_version(),
+                               peers=self.peers())
+            with self.reputation.lock:
+                new = self.reputation.events[self.events_logged:]
+            self.events_logged += len(new)
+            for event in new:
+                self.metrics.write("trust", time=round(event.time, 3), peer=event.peer,
+                                   name=self.names.get(event.peer, event.peer[-8:]),
+                                   stage=event.stage, outcome=event.outcome,
+                                   detail=event.detail[:MAX_DETAIL_CHARS])
+
+    def updates(self, peers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Per stage, how far the learner's newest weights have spread among its replicas."""
+        learner = self.learner_version()
+        out = []
+        for stage in range(self.config.num_stages):
+            versions = [p["version"] for p in peers
+                        if p["stage"] == stage and p["role"] != "training"]
+            out.append({"stage": stage, "learner_version": learner, "replicas": len(versions),
+                        "replicas_current": sum(v >= learner for v in versions),
+                        "oldest_replica_version": min(versions) if versions else None})
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """What the dashboard shows now (a JSON object; observe/dashboard.py documents it)."""
+        peers = self.peers()
+        stages = []
+        for stage in range(self.config.num_stages):
+            members = [p for p in peers if p["stage"] == stage]
+            first, stop = members[0]["layers"] if members else (None, None)
+            stages.append({"stage": stage,  # the first and the last layer, as people count them
+                           "layers": [first, stop - 1] if stop is not None else None,
+                           "peers": members})
+        steps = with_throughput(self.metrics.of("step"))
+        events = self.metrics.of("trust")[-EVENTS_SHOWN:]
+        return {
+            "run": self.config.name, "phase": self.phase,
+            "elapsed_s": round(time.time() - self.metrics.started, 1), "step": self.step(),
+            "version": self.learner_version(), "max_steps": self.config.train.steps,
+            "time_budget_s": self.config.train.time_budget_s,
+            "steps": [{k: r[k] for k in STEP_KEYS if k in r} for r in steps],
+            "evals": self.metrics.of("eval"),
+            "stages": stages, "updates": self.updates(peers),
+            "trust": self.trust_counters(),
+            "trust_events": [{k: e[k] for k in ("time", "elapsed_s", "peer", "name", "stage",
+                                                 "outcome", "detail")} for e in events],
+        }

@@ -1,0 +1,619 @@
+"""The per-run report: `report/report.md` with PNG plots beside it, built afterwards from what a
+run folder holds (config.json, metrics.jsonl, the evaluations, run.sqlite, the exported model).
+
+Every section degrades to one line when its data is missing (an older run, a local run without a
+swarm). Peer names, verification details and model completions are untrusted text: the report
+escapes them before they reach Markdown, and keeps math parsing off where they reach a plot."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from decentrl.config import RunConfig, load_config
+from decentrl.evaluate.divergence import Interval
+from decentrl.evaluate.runner import EvalResult
+from decentrl.evaluate.stats import Accuracy
+from decentrl.evaluate.suite import (
+    SuiteResult,
+    mean_change,
+    pass1_change,
+    percent_change,
+    suite_table_markdown,
+)
+
+ROLES = ("inference", "training", "both")
+OUTCOMES = ("passed", "failed", "proved", "flagged", "malformed")
+TRUST_COUNTERS = ("verified", "verify_failed", "verify_skipped", "flagged", "banned",
+                  "submissions_refused")
+# Steps per throughput point: one step's interval is noisy (a batch can wait on a slow replica).
+THROUGHPUT_WINDOW = 5
+SUMMARY_STEPS = 5  # the training table compares the means of the first and the last few steps
+EVENTS_LISTED = 50  # non-"passed" verification events in the table; a flood would drown it
+DETAIL_CHARS = 160
+PLOT_LABEL_CHARS = 24
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+FIGURE_SIZE = (8.0, 4.0)
+DPI = 120
+# CommonMark lets a backslash escape any of these; together they rule out tables broken by `|`,
+# links, emphasis, code spans, raw HTML and (on GitHub) math.
+MARKDOWN_SPECIALS = set("\\`*_[]<>|~&#!$")
+PLOT_NAMES = ("reward_accuracy.png", "staleness.png", "throughput.png", "bytes_per_peer.png",
+              "peers.png", "verification.png")
+
+
+# ---------------------------------------------------------------------------------- records
+
+
+class StepRecord(msgspec.Struct):
+    elapsed_s: float
+    step: int
+    version: int
+    reward: float
+    accuracy: float
+    staleness_mean: float
+    groups: float = 0.0
+    completion_tokens_mean: float = 0.0
+    generated_tokens: float | None = None  # absent before the swarm logged it
+    staleness_counts: dict[int, int] | None = None  # groups of the batch per staleness
+    wire_bytes: float | None = None  # the coordinator's links, both directions, cumulative
+    # Cumulative trust counters of a swarm run (absent in local and older runs).
+    verified: int | None = None
+    verify_failed: int | None = None
+    verify_skipped: int | None = None
+    flagged: int | None = None
+    banned: int | None = None
+    submissions_refused: int | None = None
+
+
+class EvalRecord(msgspec.Struct):
+    elapsed_s: float
+    label: str
+    step: int
+    pass1: float
+    pass1_low: float
+    pass1_high: float
+
+
+class PeerRecord(msgspec.Struct):
+    peer_id: str
+    stage: int
+    role: str
+    version: int
+    tokens_per_s: float
+    bytes_sent: int
+    reputation: float
+    banned: bool
+    name: str = ""
+
+
+class SwarmRecord(msgspec.Struct):
+    elapsed_s: float
+    step: int
+    version: int
+    peers: list[PeerRecord]
+
+
+class TrustRecord(msgspec.Struct):
+    elapsed_s: float
+    peer: str
+    stage: int | None
+    outcome: str
+    name: str = ""
+    detail: str = ""
+
+
+class Envelope(msgspec.Struct):
+    """What every record has."""
+
+    event: str
+    elapsed_s: float
+
+
+RECORD_TYPES: dict[str, type[msgspec.Struct]] = {
+    "step": StepRecord, "eval": EvalRecord, "swarm": SwarmRecord, "trust": TrustRecord}
+
+
+@dataclass
+class RunRecords:
+    """metrics.jsonl by kind of event, in file order."""
+
+    steps: list[StepRecord]
+    evals: list[EvalRecord]
+    snapshots: list[SwarmRecord]
+    trust: list[TrustRecord]
+
+    @property
+    def wall_s(self) -> float:
+        times = [r.elapsed_s for kind in (self.steps, self.evals, self.snapshots, self.trust)
+                 for r in kind]
+        return max(times, default=0.0)
+
+
+def read_metrics(path: Path) -> RunRecords:
+    """The run's records; a line that is not a valid record raises ValueError naming the file and
+    line. Events this report does not draw are skipped."""
+    found: dict[str, list[Any]] = {kind: [] for kind in RECORD_TYPES}
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            raw = msgspec.json.decode(line, type=dict[str, Any])
+            event = msgspec.convert(raw, Envelope).event
+            kind = RECORD_TYPES.get(event)
+            if kind is not None:
+                # Not strict: JSON object keys are strings, staleness_counts' keys are versions.
+                found[event].append(msgspec.convert(raw, kind, strict=False))
+        except msgspec.DecodeError as error:  # a ValidationError too
+            raise ValueError(f"{path}, line {number}: malformed metrics record: {error}") from None
+    return RunRecords(found["step"], found["eval"], found["swarm"], found["trust"])
+
+
+def read_evaluation(path: Path) -> EvalResult | None:
+    """eval_before.json or eval_after.json; None when the run has none."""
+    if not path.is_file():
+        return None
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=EvalResult)
+    except msgspec.DecodeError as error:
+        raise ValueError(f"{path}: not an evaluation result: {error}") from None
+
+
+# ------------------------------------------------------------------------------ derived data
+
+
+def staleness_counts(steps: Sequence[StepRecord], store: Path) -> dict[int, int]:
+    """Groups trained per staleness (in versions). From the step records; runs from before they
+    carried the counts fall back on the run store's trained groups."""
+    if any(r.staleness_counts is None for r in steps) and store.is_file():
+        return stored_staleness_counts(store)
+    total: Counter[int] = Counter()
+    for record in steps:
+        total.update(record.staleness_counts or {})
+    return dict(sorted(total.items()))
+
+
+def stored_staleness_counts(store: Path) -> dict[int, int]:
+    # Read-only: the report must never change a run's durable state.
+    try:
+        # closing(): a connection's own context manager ends a transaction, not the connection.
+        with closing(sqlite3.connect(f"{store.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            rows = db.execute("SELECT staleness, COUNT(*) FROM groups WHERE state = 'trained' "
+                              "GROUP BY staleness ORDER BY staleness").fetchall()
+    except sqlite3.Error:
+        return {}  # not a run store we can read: the section says there is no data
+    return {int(staleness): int(count) for staleness, count in rows}
+
+
+def generated_tokens(record: StepRecord, group_size: int) -> float:
+    """Completion tokens of the step's batch; older records only have the mean per rollout."""
+    if record.generated_tokens is not None:
+        return record.generated_tokens
+    return record.completion_tokens_mean * record.groups * group_size
+
+
+@dataclass(frozen=True)
+class ThroughputPoint:
+    elapsed_s: float
+    tokens_per_s: float
+    steps_per_min: float
+
+
+def throughput(steps: Sequence[StepRecord], group_size: int) -> list[ThroughputPoint]:
+    """Generated tokens per second and steps per minute over the last THROUGHPUT_WINDOW steps,
+    at each step. The first step has no interval before it (the run started with an evaluation),
+    so the series starts at the second."""
+    points = []
+    for index in range(1, len(steps)):
+        start = max(0, index - THROUGHPUT_WINDOW)
+        seconds = steps[index].elapsed_s - steps[start].elapsed_s
+        if seconds <= 0:
+            continue  # a resumed run restarts its clock
+        tokens = sum(generated_tokens(r, group_size) for r in steps[start + 1:index + 1])
+        points.append(ThroughputPoint(steps[index].elapsed_s, tokens / seconds,
+                                      60 * (index - start) / seconds))
+    return points
+
+
+def mean_of(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+# ----------------------------------------------------------------------------- text helpers
+
+
+def markdown_text(text: str, limit: int = DETAIL_CHARS) -> str:
+    """Untrusted text as one line of inert Markdown, at most `limit` characters before escaping
+    (so an escape is never cut in half)."""
+    flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    if len(flat) > limit:
+        flat = flat[:limit - 1] + "…"
+    return "".join(f"\\{c}" if c in MARKDOWN_SPECIALS else c for c in flat)
+
+
+def plot_label(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= PLOT_LABEL_CHARS else flat[:PLOT_LABEL_CHARS - 1] + "…"
+
+
+def byte_unit(count: float) -> tuple[int, str]:
+    """(bytes per unit, its name): the largest binary unit not above `count`."""
+    power = 0
+    while power < len(BYTE_UNITS) - 1 and abs(count) >= 1024 ** (power + 1):
+        power += 1
+    return 1024 ** power, BYTE_UNITS[power]
+
+
+def human_bytes(count: float) -> str:
+    scale, unit = byte_unit(count)
+    return f"{count:.0f} B" if scale == 1 else f"{count / scale:.1f} {unit}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def peer_name(name: str, peer_id: str) -> str:
+    return name or peer_id[-8:]
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min"
+
+
+def number(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def image(path: Path, alt: str) -> str:
+    return f"![{alt}]({path.name})"
+
+
+# ------------------------------------------------------------------------ before/after table
+
+
+def accuracy_row(label: str, before: Accuracy | None, after: Accuracy | None,
+                 change_of: Callable[[Accuracy, Accuracy], Interval]) -> list[str]:
+    """`change_of(after, before)`: the suite's interval of the change, the one its table shows."""
+    change = percent_change(change_of(after, before)) if before and after else "-"
+    return [label, before.as_percent() if before else "-", after.as_percent() if after else "-",
+            change]
+
+
+def held_out_table(before: EvalResult | None, after: EvalResult | None) -> str:
+    """pass@1 and pass@k of the run's own held-out evaluation, before and after training."""
+    shown = after or before
+    if shown is None:
+        return "No held-out evaluation was recorded for this run."
+    rows = [accuracy_row("pass@1 (greedy)", before.pass1 if before else None,
+                         after.pass1 if after else None, pass1_change)]
+    if shown.pass_k is not None:
+        rows.append(accuracy_row(f"pass@{shown.k} (sampled, T=1)",
+                                 before.pass_k if before else None,
+                                 after.pass_k if after else None, mean_change))
+    rows.append(["mean completion tokens",
+                 *(number(r.mean_completion_tokens, 1) if r else "-" for r in (before, after)),
+                 "-"])
+    return (f"Held-out `{shown.task}`, {shown.problems} problems, 95% confidence intervals "
+            "(change: after - before).\n\n" + table(["", "before", "after", "change"], rows))
+
+
+def evaluation_section(run_dir: Path, before: EvalResult | None,
+                       after: EvalResult | None) -> str:
+    # The suite (base model vs the exported one, several task families, drift on general text)
+    # supersedes the run's own single-task evaluation.
+    suite = run_dir / "evaluation.json"
+    if not suite.is_file():
+        return "## Before and after\n\n" + held_out_table(before, after)
+    try:
+        result = SuiteResult.from_json(json.loads(suite.read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{suite}: not an evaluation suite result: {error!r}") from None
+    return "## Before and after\n\n" + suite_table_markdown(result)
+
+
+# ------------------------------------------------------------------------------------- plots
+
+OUTCOME_COLORS = {"passed": "tab:green", "failed": "tab:red", "proved": "darkred",
+                  "flagged": "tab:orange", "malformed": "tab:purple"}
+ROLE_COLORS = {"inference": "tab:blue", "training": "tab:orange", "both": "tab:green",
+               "banned": "tab:red"}
+
+
+def new_figure(rows: int = 1, height: float = FIGURE_SIZE[1]) -> tuple[Figure, list[Any]]:
+    # A Figure made without pyplot is registered nowhere: nothing to close, no global backend.
+    figure = Figure(figsize=(FIGURE_SIZE[0], height), layout="constrained")
+    axes = list(figure.subplots(rows, 1, sharex=True, squeeze=False)[:, 0])
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    return figure, axes
+
+
+def plot_reward_accuracy(records: RunRecords, path: Path) -> None:
+    figure, (ax,) = new_figure()
+    elapsed = [r.elapsed_s / 60 for r in records.steps]
+    # Reward wide and pale beneath accuracy: without a format bonus the two lines coincide.
+    ax.plot(elapsed, [r.reward for r in records.steps], linewidth=4, alpha=0.4,
+            label="reward (training batch)")
+    ax.plot(elapsed, [r.accuracy for r in records.steps], label="accuracy (training batch)")
+    if records.evals:
+        ax.errorbar([e.elapsed_s / 60 for e in records.evals], [e.pass1 for e in records.evals],
+                    yerr=[[e.pass1 - e.pass1_low for e in records.evals],
+                          [e.pass1_high - e.pass1 for e in records.evals]],
+                    fmt="o", color="black", capsize=4, label="held-out pass@1 (95% CI)")
+        for record in records.evals:
+            ax.annotate(plot_label(record.label), (record.elapsed_s / 60, record.pass1),
+                        textcoords="offset points", xytext=(6, 6), parse_math=False)
+    ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
+    ax.set_xlim(left=0)
+    ax.set(xlabel="elapsed (minutes)", ylabel="fraction", title="Reward and accuracy")
+    ax.legend(loc="best")
+    figure.savefig(path, dpi=DPI)
+
+
+def plot_staleness(counts: dict[int, int], path: Path) -> None:
+    figure, (ax,) = new_figure()
+    bars = ax.bar(list(counts), list(counts.values()), color="tab:blue")
+    ax.bar_label(bars)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="staleness (versions behind the learner)", ylabel="groups trained",
+           title="Staleness of trained groups")
+    figure.savefig(path, dpi=DPI)
+
+
+def plot_throughput(points: Sequence[ThroughputPoint], path: Path) -> None:
+    figure, (tokens_ax, steps_ax) = new_figure(rows=2, height=5.5)
+    elapsed = [p.elapsed_s / 60 for p in points]
+    tokens_ax.plot(elapsed, [p.tokens_per_s for p in points], color="tab:blue")
+    tokens_ax.set(ylabel="generated tokens/s",
+                  title=f"Throughput (over the last {THROUGHPUT_WINDOW} steps)")
+    steps_ax.plot(elapsed, [p.steps_per_min for p in points], color="tab:orange")
+    steps_ax.set(xlabel="elapsed (minutes)", ylabel="training steps/min")
+    for ax in (tokens_ax, steps_ax):
+        ax.set_ylim(bottom=0)
+        ax.set_xlim(left=0)
+    figure.savefig(path, dpi=DPI)
+
+
+def bytes_sent_by_peer(snapshot: SwarmRecord) -> list[tuple[str, float]]:
+    """(label, bytes uploaded so far) of every peer in a snapshot, the most first."""
+    sent = [(f"{plot_label(peer_name(p.name, p.peer_id))} (stage {p.stage})", float(p.bytes_sent))
+            for p in snapshot.peers]
+    return sorted(sent, key=lambda item: -item[1])
+
+
+def plot_bytes_per_peer(snapshot: SwarmRecord, wire_bytes: float | None, path: Path) -> None:
+    bars = [(label, sent, "tab:blue") for label, sent in bytes_sent_by_peer(snapshot)]
+    if wire_bytes is not None:
+        bars.append(("coordinator (sent + received)", wire_bytes, "tab:gray"))
+    figure, (ax,) = new_figure(height=max(3.0, 1.2 + 0.35 * len(bars)))
+    positions = range(len(bars))
+    # One unit for the axis (the largest bar's), so its ticks fall on round numbers.
+    scale, unit = byte_unit(max((b[1] for b in bars), default=0.0))
+    drawn = ax.barh(positions, [b[1] / scale for b in bars], color=[b[2] for b in bars])
+    ax.bar_label(drawn, labels=[human_bytes(b[1]) for b in bars], padding=3)
+    # Peer names are chosen by peers: no mathtext, so "$" cannot break or restyle the plot.
+    ax.set_yticks(list(positions), labels=[b[0] for b in bars], parse_math=False)
+    ax.invert_yaxis()
+    ax.margins(x=0.15)
+    ax.set(xlabel=unit, title=f"Bytes sent per peer (at {minutes(snapshot.elapsed_s)})")
+    figure.savefig(path, dpi=DPI)
+
+
+def role_counts(snapshot: SwarmRecord, stage: int) -> dict[str, int]:
+    """Peers of one stage by role; a banned peer counts as banned whatever its role."""
+    found = Counter("banned" if p.banned else p.role for p in snapshot.peers if p.stage == stage)
+    return {role: found[role] for role in (*ROLES, "banned")}
+
+
+def plot_peers(snapshots: Sequence[SwarmRecord], path: Path) -> None:
+    stages = sorted({p.stage for s in snapshots for p in s.peers})
+    figure, axes = new_figure(rows=len(stages), height=1.2 + 2.0 * len(stages))
+    elapsed = [s.elapsed_s / 60 for s in snapshots]
+    for ax, stage in zip(axes, stages):
+        series = [role_counts(s, stage) for s in snapshots]
+        floor = [0] * len(series)
+        for role, color in ROLE_COLORS.items():  # stacked: the top edge is the stage's peers
+            top = [below + counts[role] for below, counts in zip(floor, series)]
+            if top != floor:
+                ax.fill_between(elapsed, floor, top, step="post", color=color, alpha=0.75,
+                                linewidth=0, label=role)
+            floor = top
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(bottom=0)
+        ax.set_xlim(left=0)
+        ax.set(ylabel="peers", title=f"stage {stage}")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    axes[-1].set_xlabel("elapsed (minutes)")
+    figure.suptitle("Peers per stage by role")
+    figure.savefig(path, dpi=DPI)
+
+
+def outcome_order(events: Sequence[TrustRecord]) -> list[str]:
+    present = {e.outcome for e in events}
+    return [o for o in OUTCOMES if o in present] + sorted(present - set(OUTCOMES))
+
+
+def plot_verification(events: Sequence[TrustRecord], path: Path) -> None:
+    outcomes = outcome_order(events)
+    figure, (ax,) = new_figure(height=max(2.5, 1.2 + 0.5 * len(outcomes)))
+    times = [[e.elapsed_s / 60 for e in events if e.outcome == o] for o in outcomes]
+    ax.eventplot(times, lineoffsets=list(range(len(outcomes))), linelengths=0.7,
+                 colors=[OUTCOME_COLORS.get(o, "tab:gray") for o in outcomes])
+    ax.set_yticks(range(len(outcomes)),
+                  labels=[f"{plot_label(o)} ({len(t)})" for o, t in zip(outcomes, times)],
+                  parse_math=False)
+    ax.invert_yaxis()
+    ax.set_xlim(left=0)
+    ax.set(xlabel="elapsed (minutes)", title="Verification events by outcome")
+    figure.savefig(path, dpi=DPI)
+
+
+# ---------------------------------------------------------------------------------- sections
+
+
+def header(config: RunConfig, records: RunRecords) -> str:
+    steps = records.steps
+    trained = (f"{len(steps)} steps to weight version {steps[-1].version}" if steps
+               else "no training steps")
+    return (f"# Run report: {config.name}\n\n`{config.model}` post-trained on "
+            f"`{config.task.name}` ({config.train.mode}, {config.num_stages} stages): {trained}, "
+            f"wall time {minutes(records.wall_s)}.")
+
+
+def training_table(steps: Sequence[StepRecord], points: Sequence[ThroughputPoint]) -> str:
+    first, last = steps[:SUMMARY_STEPS], steps[-SUMMARY_STEPS:]
+    rows = []
+    for label, value in (("reward", lambda r: r.reward), ("accuracy", lambda r: r.accuracy),
+                         ("staleness (versions)", lambda r: r.staleness_mean)):
+        rows.append([label, number(mean_of([value(r) for r in first])),
+                     number(mean_of([value(r) for r in last]))])
+    rows.append(["generated tokens/s",
+                 number(mean_of([p.tokens_per_s for p in points[:SUMMARY_STEPS]]), 1),
+                 number(mean_of([p.tokens_per_s for p in points[-SUMMARY_STEPS:]]), 1)])
+    return table(["mean over", f"first {len(first)} steps", f"last {len(last)} steps"], rows)
+
+
+def training_section(run_dir: Path, config: RunConfig, records: RunRecords, folder: Path) -> str:
+    if not records.steps:
+        return "## Training\n\nNo training steps were recorded."
+    parts = ["## Training"]
+    plot_reward_accuracy(records, folder / "reward_accuracy.png")
+    points = throughput(records.steps, config.rollout.group_size)
+    parts += [image(folder / "reward_accuracy.png", "reward and accuracy"),
+              training_table(records.steps, points)]
+    counts = staleness_counts(records.steps, run_dir / "run.sqlite")
+    if counts:
+        plot_staleness(counts, folder / "staleness.png")
+        parts.append(image(folder / "staleness.png", "staleness histogram"))
+    else:
+        parts.append("No staleness counts were recorded.")
+    if points:
+        plot_throughput(points, folder / "throughput.png")
+        parts.append(image(folder / "throughput.png", "throughput"))
+    else:
+        parts.append("Too few steps to measure throughput.")
+    return "\n\n".join(parts)
+
+
+def peers_table(snapshot: SwarmRecord) -> str:
+    rows = [[markdown_text(peer_name(p.name, p.peer_id)), str(p.stage), markdown_text(p.role),
+             str(p.version), f"{p.tokens_per_s:.1f}", human_bytes(p.bytes_sent),
+             f"{p.reputation:.2f}", "yes" if p.banned else "no"] for p in snapshot.peers]
+    return table(["peer", "stage", "role", "version", "tok/s", "bytes sent", "reputation",
+                  "banned"], rows)
+
+
+def swarm_section(records: RunRecords, folder: Path) -> str:
+    if not any(s.peers for s in records.snapshots):
+        return ("## Swarm\n\nNo swarm snapshots with peers were recorded (a local run, or one "
+                "from before the swarm logged them).")
+    last = records.snapshots[-1]
+    wire_bytes = records.steps[-1].wire_bytes if records.steps else None
+    plot_bytes_per_peer(last, wire_bytes, folder / "bytes_per_peer.png")
+    plot_peers(records.snapshots, folder / "peers.png")
+    return "\n\n".join([
+        "## Swarm",
+        (f"Peers at the last snapshot ({minutes(last.elapsed_s)}, step {last.step}, "
+         f"learner version {last.version}):"),
+        peers_table(last),
+        image(folder / "bytes_per_peer.png", "bytes sent per peer"),
+        image(folder / "peers.png", "peers per stage over time"),
+    ])
+
+
+def counters_table(step: StepRecord) -> str | None:
+    counts = {name: getattr(step, name) for name in TRUST_COUNTERS}
+    if all(value is None for value in counts.values()):
+        return None
+    return table(["counter", "count"],
+                 [[name, "-" if value is None else str(value)] for name, value in counts.items()])
+
+
+def events_table(events: Sequence[TrustRecord]) -> str:
+    notable = [e for e in events if e.outcome != "passed"]
+    if not notable:
+        return "Every verification passed."
+    rows = [[minutes(e.elapsed_s), markdown_text(peer_name(e.name, e.peer)),
+             "-" if e.stage is None else str(e.stage), markdown_text(e.outcome),
+             markdown_text(e.detail)] for e in notable[:EVENTS_LISTED]]
+    text = table(["time", "peer", "stage", "outcome", "detail"], rows)
+    if len(notable) > EVENTS_LISTED:
+        text += f"\n\n… and {len(notable) - EVENTS_LISTED} more (metrics.jsonl has them all)."
+    return text
+
+
+def verification_section(records: RunRecords, folder: Path) -> str:
+    counters = counters_table(records.steps[-1]) if records.steps else None
+    if counters is None and not records.trust:
+        return "## Verification\n\nNo verification counters or events were recorded."
+    parts = ["## Verification"]
+    if counters is not None:
+        parts += ["Counters at the last step:", counters]
+    if records.trust:
+        plot_verification(records.trust, folder / "verification.png")
+        parts += [image(folder / "verification.png", "verification events"),
+                  events_table(records.trust)]
+    else:
+        parts.append("No verification events were recorded.")
+    return "\n\n".join(parts)
+
+
+def samples_section(after: EvalResult | None) -> str:
+    if after is None or not after.samples:
+        return "## Sample completions\n\nNo evaluation samples were recorded."
+    rows = [[markdown_text(str(s.get("question", ""))), markdown_text(str(s.get("completion", ""))),
+             "yes" if s.get("correct") else "no"] for s in after.samples]
+    return ("## Sample completions\n\nGreedy completions of the final evaluation:\n\n"
+            + table(["question", "completion", "correct"], rows))
+
+
+def model_section(run_dir: Path) -> str:
+    # model/: the swarm demo's export; final/: the model a local run saves.
+    folders = [name for name in ("model", "final") if (run_dir / name).is_dir()]
+    if not folders:
+        return ("## Exported model\n\nNo exported model folder (`decentrl export RUN_DIR OUT_DIR` "
+                "makes one).")
+    lines = []
+    for folder in folders:
+        links = [f"[{name}](../{folder}/{name})" for name in ("README.md", "SHA256SUMS")
+                 if (run_dir / folder / name).is_file()]
+        extra = f" ({', '.join(links)})" if links else ""
+        lines.append(f"- Hugging Face folder: [{folder}/](../{folder}/){extra}")
+    return "## Exported model\n\n" + "\n".join(lines)
+
+
+def build_report(run_dir: Path) -> Path:
+    """Write `run_dir/report/report.md` and its PNG plots; returns the path of report.md.
+    Raises FileNotFoundError for a folder that is not a run, ValueError for a malformed file."""
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run folder: it has no config.json")
+    config = load_config(config_path)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    before = read_evaluation(run_dir / "eval_before.json")
+    after = read_evaluation(run_dir / "eval_after.json")
+    folder = run_dir / "report"
+    folder.mkdir(exist_ok=True)
+    for name in PLOT_NAMES:  # a rebuild must not show plots whose data is gone
+        (folder / name).unlink(missing_ok=True)
+    sections = [header(config, records), evaluation_section(run_dir, before, after),
+                training_section(run_dir, config, records, folder),
+                swarm_section(records, folder), verification_section(records, folder),
+                samples_section(after), model_section(run_dir)]
+    path = folder / "report.md"
+    path.write_text("\n\n".join(sections) + "\n")
+    return path
