@@ -8,15 +8,21 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Optional, cast
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.panel import Panel
 from rich.table import Table
 
 from decentrl.config import ConfigError, RunConfig, load_config, parse_config
 from decentrl.observe.logs import configure_logging
+
+if TYPE_CHECKING:
+    from decentrl.evaluate.suite import Family, SuiteResult
+    from decentrl.swarm.coordinate import SwarmSummary
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="RL post-training of language models on a swarm of untrusted peers.")
@@ -42,6 +48,11 @@ DEMO_CONFIG = {
               "sessions_in_flight": 8},
     "threads": 1,
 }
+
+
+# The release comparison at the demo's end: greedy pass@1 on every family of the default suite
+# (the swarm's own evaluation has pass@k), about two minutes for base and model on 2 cores.
+DEMO_SUITE_PROBLEMS = 100
 
 
 def fail(message: str) -> None:
@@ -72,9 +83,37 @@ def before_after_table(summary) -> Table:
     return table
 
 
+def suite_table(result: SuiteResult) -> Table:
+    from decentrl.evaluate.suite import suite_table_rows
+
+    header, rows = suite_table_rows(result)
+    table = Table(title=f"{escape(result.model)}"
+                        + (f" against {escape(result.base)}" if result.base else "")
+                        + " (held-out, 95% CI)")
+    for column in header:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*map(escape, row))
+    return table
+
+
+def run_suite(model: str | Path, base: str | None, families: Sequence[Family], **options: Any
+              ) -> SuiteResult:
+    """evaluate_suite under a progress bar; `options` are evaluate_suite's."""
+    from decentrl.evaluate.suite import evaluate_suite
+    from decentrl.observe.progress import progress_bar
+
+    with progress_bar(console, "evaluating", None) as update:
+        return evaluate_suite(
+            model, base, families,
+            progress=lambda description, done, total: update(done, total, description),
+            **options)
+
+
 def run_training(config: RunConfig) -> None:
     from decentrl.swarm.run import LocalRun
 
+    configure_logging("run", json_file=config.path / "logs" / "run.jsonl")
     started = time.time()
     try:
         summary = LocalRun(config, console).run()
@@ -85,7 +124,10 @@ def run_training(config: RunConfig) -> None:
     gain = summary.after.pass1.mean - summary.before.pass1.mean
     console.print(f"pass@1 change: {gain * 100:+.1f} points; {summary.steps} steps; "
                   f"wall {time.time() - started:.0f}s; peak memory {peak_memory_gib():.2f} GiB")
-    console.print(f"run folder: {summary.path}  (final model: {summary.path / 'final'})")
+    from decentrl.observe.report import build_report
+
+    console.print(f"run folder: {summary.path}  (final model: {summary.path / 'final'}; report: "
+                  f"{build_report(summary.path)})")
 
 
 @app.command()
@@ -127,7 +169,9 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
                    ) -> None:
     import threading
 
+    from decentrl.evaluate.suite import DEFAULT_SUITE, with_overrides
     from decentrl.model.loading import resolve_model
+    from decentrl.observe.report import build_report
     from decentrl.release.export import export_run
     from decentrl.swarm.coordinate import SwarmCoordinator
     from decentrl.swarm.launch import LocalSwarm
@@ -137,6 +181,7 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
     started = time.time()
     resolve_model(config.model)  # convert the GGUF once, before the peers race to do it
     config.path.mkdir(parents=True, exist_ok=True)
+    configure_logging("coordinator", json_file=config.path / "logs" / "coordinator.jsonl")
     config_path = config.path / "swarm-config.json"
     config_path.write_text(config.model_dump_json(indent=2))
     swarm = LocalSwarm(config, config_path, config.swarm.inference_replicas,
@@ -164,23 +209,46 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
         swarm.shutdown()
     if summary.before is not None:
         console.print(before_after_table(summary))
-        gain = summary.after.pass1.mean - summary.before.pass1.mean
-        console.print(f"pass@1 change: {gain * 100:+.1f} points")
-    trust = summary.trust
-    console.print(f"trust: {trust['verified']} spot-checks passed, {trust['verify_failed']} "
-                  f"failed, {trust['verify_skipped']} skipped; {trust['flagged']} groups flagged "
-                  f"by the trainer; {trust['submissions_refused']} submissions refused")
-    names = {c.info.get("peer_id"): c.name for c in swarm.children.values()}
-    for peer, why in summary.banned.items():
-        console.print(f"  banned {names.get(peer, peer[-8:])}: {escape(why[:160])}")
+    # The release's own numbers: the exported folder, what people download, against the base,
+    # computed here rather than through replicas the run could not fully verify.
     model_dir = export_run(config.path, config.path / "model")
-    console.print(f"exported the post-trained model (Hugging Face folder, model card, "
-                  f"SHA256SUMS) to {model_dir}")
+    console.print(f"exported to {model_dir}; comparing it with {config.model} "
+                  f"({DEMO_SUITE_PROBLEMS} held-out problems per family, and the general set)")
+    suite = run_suite(model_dir, config.model,
+                      with_overrides(DEFAULT_SUITE, problems=DEMO_SUITE_PROBLEMS), pass_k=1,
+                      seed=config.seed)
+    (config.path / "evaluation.json").write_text(json.dumps(suite.to_json(), indent=2))
+    console.print(suite_table(suite))
+    export_run(config.path, model_dir)  # again: the model card now carries that comparison
+    report = build_report(config.path)
+    names = {c.info.get("peer_id"): c.name for c in swarm.children.values()}
     restarts = {c.name: c.restarts for c in swarm.children.values() if c.restarts}
-    console.print(f"{summary.steps} steps; wall {time.time() - started:.0f}s; generation "
-                  f"failovers {summary.failovers}; training recoveries {summary.recoveries}; "
-                  f"peers restarted {restarts or 'none'}")
-    console.print(f"run folder: {summary.path}")
+    console.print(Panel(demo_summary(summary, time.time() - started, names, restarts, model_dir,
+                                     report), title=f"{config.name}: summary", expand=False))
+
+
+def demo_summary(summary: SwarmSummary, wall_s: float, names: dict[str, str],
+                 restarts: dict[str, int], model_dir: Path, report: Path) -> str:
+    """The few lines that say how the demo went and where everything is."""
+    lines = [f"{summary.steps} steps in {wall_s / 60:.1f} min; generation failovers "
+             f"{summary.failovers}, training recoveries {summary.recoveries}, peers restarted "
+             f"{restarts or 'none'}"]
+    if summary.before is not None:
+        gain = summary.after.pass1.mean - summary.before.pass1.mean
+        lines.append(f"held-out {summary.after.task} pass@1 {summary.before.pass1.as_percent()} "
+                     f"-> {summary.after.pass1.as_percent()} ({100 * gain:+.1f} points)")
+    trust = summary.trust
+    lines.append(f"trust: {trust['verified']} spot-checks passed, {trust['verify_failed']} "
+                 f"failed, {trust['verify_skipped']} skipped; {trust['flagged']} groups flagged "
+                 f"by the trainer; {trust['submissions_refused']} submissions refused")
+    lines += [f"  banned {escape(names.get(peer, peer[-8:]))}: {escape(why[:160])}"
+              for peer, why in summary.banned.items()]
+    lines += [f"model:  {model_dir} (Hugging Face folder, model card README.md, SHA256SUMS)",
+              f"report: {report}",
+              f"logs:   {summary.path / 'logs'} (JSON lines)"]
+    if summary.dashboard_url is not None:
+        lines.append(f"the dashboard was at {summary.dashboard_url} while the run lasted")
+    return "\n".join(lines)
 
 
 @app.command()
@@ -324,14 +392,7 @@ def eval_command(
 ) -> None:
     """Held-out pass@1 (greedy) and pass@k (sampled) with 95% confidence intervals on several task
     families; with --base, the changes and the drift from the base on general text."""
-    from decentrl.evaluate.suite import (
-        DEFAULT_SUITE,
-        Family,
-        evaluate_suite,
-        suite_table_rows,
-        with_overrides,
-    )
-    from decentrl.observe.progress import progress_bar
+    from decentrl.evaluate.suite import DEFAULT_SUITE, Family, with_overrides
 
     if option and task is None:
         fail("--option needs --task (the default suite's families carry their own options)")
@@ -346,26 +407,15 @@ def eval_command(
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
-    with progress_bar(console, "evaluating", None) as update:
-        try:
-            families = DEFAULT_SUITE if task is None else [Family(task, options)]
-            result = evaluate_suite(
-                model, base, with_overrides(families, problems, max_new_tokens), pass_k=pass_k,
-                batch_size=batch_size, num_stages=num_stages, device=device, dtype=dtype,
-                seed=seed,
-                progress=lambda description, done, total: update(done, total, description))
-        except (ValueError, FileNotFoundError, RuntimeError) as error:
-            fail(str(error))
-            return
-    header, rows = suite_table_rows(result)
-    table = Table(title=f"{escape(result.model)}"
-                        + (f" against {escape(result.base)}" if result.base else "")
-                        + " (held-out, 95% CI)")
-    for column in header:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*map(escape, row))
-    console.print(table)
+    try:
+        families = DEFAULT_SUITE if task is None else [Family(task, options)]
+        result = run_suite(model, base, with_overrides(families, problems, max_new_tokens),
+                           pass_k=pass_k, batch_size=batch_size, num_stages=num_stages,
+                           device=device, dtype=dtype, seed=seed)
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        fail(str(error))
+        return
+    console.print(suite_table(result))
     console.print(f"evaluated in {result.seconds:.0f}s")
     if output is not None:
         output.write_text(json.dumps(result.to_json(), indent=2))
