@@ -1,6 +1,7 @@
 """In-process swarms for the swarm tests: every peer is its own SwarmNode (its own p2p daemon) and
 StagePeer in this process, all bootstrapped from one client node that also plays the coordinator.
-`start_swarm` shuts every node down on the way out and checks that none left a unix socket."""
+`start_swarm` shuts every node down on the way out and checks that none left a unix socket.
+`launched_swarm` is the other kind: every peer a separate `decentrl join` process."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from decentrl.net.node import TRUNCATED_REPLY_RETRIES, RemoteError, SwarmNode, s
 from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, encode_struct, to_messages
 from decentrl.rollout.chain import LocalChain
 from decentrl.swarm.client import Directory, RemoteChain, RemoteStageWorker
+from decentrl.swarm.launch import LocalSwarm
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.protocol import Role
 from decentrl.swarm.worker import sampling_config
@@ -303,3 +305,19 @@ class _ObservedSession:
         if self.owner.before_close is not None:
             self.owner.before_close(self.session)
         self.session.close()
+
+
+@contextmanager
+def launched_swarm(config: RunConfig, replicas: int) -> Iterator[LocalSwarm]:
+    """The local launcher's swarm for `config` (a training peer and `replicas` inference peers per
+    stage, each a process), shut down on the way out with no p2pd socket left behind."""
+    config.path.mkdir(parents=True)
+    config_path = config.path / "swarm-config.json"
+    config_path.write_text(config.model_dump_json())
+    local = LocalSwarm(config, config_path, replicas=replicas)
+    try:
+        local.start()
+        yield local
+    finally:
+        local.shutdown()
+    assert not local.sockets, f"leftover p2pd sockets: {local.sockets}"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from swarm_helpers import launched_swarm
 
 from decentrl.config import ConfigError, RunConfig, parse_config
 from decentrl.swarm.coordinate import SwarmCoordinator, check_swarm_config
-from decentrl.swarm.launch import LocalSwarm
 from decentrl.swarm.store import RunStore
 
 
@@ -48,16 +48,8 @@ class CrashingCoordinator(SwarmCoordinator):
 @pytest.fixture
 def swarm(tiny_model_dir: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
     config = swarm_config(tiny_model_dir, tmp_path / "runs", steps=6)
-    config.path.mkdir(parents=True)
-    path = config.path / "swarm-config.json"
-    path.write_text(config.model_dump_json())
-    local = LocalSwarm(config, path, replicas=1)
-    try:
-        local.start()
+    with launched_swarm(config, replicas=1) as local:
         yield config, local
-    finally:
-        local.shutdown()
-    assert not local.sockets, f"leftover p2pd sockets: {local.sockets}"
 
 
 def assert_nothing_lost(store: RunStore, steps: int) -> None:

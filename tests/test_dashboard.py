@@ -66,7 +66,8 @@ def run_state() -> dict[str, Any]:
     events.append({"time": 1764770100.0, "elapsed_s": 300.1, "peer": peer_id("s1-infer-1"),
                    "name": "s1-infer-1", "stage": 1, "outcome": "failed",
                    "detail": f"activations differ at layer 20 {INJECTED}"})
-    return {"run": "demo", "phase": "training", "elapsed_s": 460.0, "step": STEPS,
+    return {"run": "demo", "phase": "training", "elapsed_s": 460.0, "training_s": 330.0,
+            "step": STEPS,
             "version": STEPS, "max_steps": 1000, "time_budget_s": 720, "steps": steps,
             "evals": evals, "stages": stages, "updates": updates,
             "trust": {"verified": 3, "verify_failed": 1, "verify_skipped": 0, "flagged": 1,
@@ -168,6 +169,7 @@ def test_the_page_renders_the_runs_state_in_chromium(dashboard: DashboardServer,
         assert name in text
     assert "Stage 1 · layers 16–31 · 3 peers" in text
     assert f"step {STEPS} of 1000" in text
+    assert "trained 5m 30s of 12m 00s" in text  # the budget counts from the start of training
     assert f"{accuracy_at(STEPS):.3f}" in text  # the latest accuracy
     assert "…" + peer_id("s0-learner")[-8:] in text
     assert "117.7 MiB" in text  # bytes sent, in human units

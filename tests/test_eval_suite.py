@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import build
 from typer.testing import CliRunner
 
 from decentrl.cli import app
@@ -35,7 +36,6 @@ from decentrl.evaluate.suite import (
     with_overrides,
 )
 from decentrl.model.loading import load_model
-from helpers import build
 
 # Different lengths, so batches of two are left-padded and one batch holds a single prompt.
 PROMPTS = [

@@ -1,7 +1,8 @@
 """A swarm run seen from the outside, end to end on loopback with every peer a separate process:
 the coordinator's dashboard shows the live run in headless Chromium, metrics.jsonl records the
 swarm as it changes, the per-run report is built from it, and the exported model is the swarm's
-model: transformers generates, greedily, exactly the tokens the swarm's replicas generate."""
+model: transformers generates, greedily, exactly the tokens the swarm's replicas generate (with
+sparse updates, so the weights the replicas serve are not the learner's)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from browser import chromium, read_page
 from helpers import chat_prompts
 from rich.console import Console
-from swarm_helpers import tiny_run_config
+from swarm_helpers import launched_swarm, tiny_run_config
 
 from decentrl.model.loading import load_model
 from decentrl.observe.report import build_report
@@ -24,10 +25,20 @@ from decentrl.release.export import export_run
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.swarm.coordinate import SwarmCoordinator
-from decentrl.swarm.launch import LocalSwarm
+from decentrl.tasks import Problem, Reward, SumsTask
 
 STEPS = 4
 QUESTIONS = ["What is 12 + 30?", "Name a colour.", "Say hello.", "Count to three."]
+
+
+class DigitsTask(SumsTask):
+    """Sums rewarded by the share of digits in the completion: a tiny random model earns some,
+    unevenly within a group, so the learner's weights move (with the sums' reward they never
+    would: every group earns 0)."""
+
+    def reward(self, problem: Problem, completion: str) -> Reward:
+        digits = sum(c.isdigit() for c in completion)
+        return Reward(correct=digits / max(1, len(completion)), format=0.0)
 
 
 def fetch_state(url: str) -> dict[str, Any]:
@@ -43,18 +54,11 @@ def test_a_swarm_run_is_watched_reported_and_released(tiny_sharp_dir: Path,
         train={"steps": STEPS, "micro_batch_size": 8, "checkpoint_every": 2,
                "zero_variance_groups": "keep", "max_staleness": 4},
         eval={"problems": 8, "pass_k": 2, "max_new_tokens": 6, "batch_size": 8},
-        # Dense updates: the replicas then hold exactly the learner's weights, so the swarm's
-        # greedy tokens can be compared with the export's.
-        sync={"mode": "dense"},
         swarm={"announce_every_s": 1.0, "snapshot_every_s": 1.0, "sessions_in_flight": 2,
                "dashboard_port": 0})
-    config.path.mkdir(parents=True)
-    config_path = config.path / "swarm-config.json"
-    config_path.write_text(config.model_dump_json())
-    local = LocalSwarm(config, config_path, replicas=2)
-    try:
-        local.start()
+    with launched_swarm(config, replicas=2) as local:
         coordinator = SwarmCoordinator(config, local.bootstrap, Console(quiet=True))
+        coordinator.ingestion.task = DigitsTask()  # the coordinator scores; peers never do
         live: list[dict[str, Any]] = []
 
         def watch() -> None:  # what an operator sees mid-run
@@ -78,9 +82,6 @@ def test_a_swarm_run_is_watched_reported_and_released(tiny_sharp_dir: Path,
             check_export_matches_the_swarm(coordinator, config.path, config.path / "model")
         finally:
             coordinator.close()
-    finally:
-        local.shutdown()
-    assert not local.sockets, f"leftover p2pd sockets: {local.sockets}"
     check_metrics_and_report(config.path)
 
 
@@ -117,8 +118,13 @@ def check_export_matches_the_swarm(coordinator: SwarmCoordinator, run_dir: Path,
                                    out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    folder = export_run(run_dir, out)
+    folder = export_run(run_dir, out)  # the served weights
+    learner = load_model(str(export_run(run_dir, out.with_name("learner"), weights="learner")))
     exported = load_model(str(folder))
+    # Sparse updates: the replicas' weights lag the learner's; the release is what they served.
+    assert exported.tensors.keys() == learner.tensors.keys()
+    assert any(not torch.equal(exported.tensors[k], learner.tensors[k]) for k in learner.tensors)
+    assert "as the swarm's inference replicas served it" in (folder / "README.md").read_text()
     prompts = chat_prompts(exported, QUESTIONS)
     eos, pad = exported.tokenizer.eos_token_id, exported.tokenizer.pad_token_id
     assert coordinator.chain.versions() == (STEPS,) * coordinator.config.num_stages

@@ -1,4 +1,4 @@
-"""The `decentrl` command line: demo · train · coordinate · join · eval · export · report · bench."""
+"""The `decentrl` command line: demo, train, coordinate, join, eval, export, report, bench."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import resource
 import sys
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional, cast
 
 import typer
@@ -22,6 +22,7 @@ from decentrl.observe.logs import configure_logging
 
 if TYPE_CHECKING:
     from decentrl.evaluate.suite import Family, SuiteResult
+    from decentrl.release.export import Weights
     from decentrl.swarm.coordinate import SwarmSummary
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -427,17 +428,23 @@ def export(
     run_dir: Annotated[Path, typer.Argument(help="a run folder, e.g. runs/demo")],
     out_dir: Annotated[Path, typer.Argument(help="where the Hugging Face folder goes")],
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "float32",
+    weights: Annotated[str, typer.Option(
+        help="served: what the swarm's replicas served (generated the rollouts, answered the "
+             "evaluations); learner: the training peers' own (they differ with sparse updates)")]
+    = "served",
 ) -> None:
     """Assemble a run's latest checkpoint (every stage's shard) into a Hugging Face folder that
     transformers.AutoModelForCausalLM loads."""
-    from decentrl.release.export import EXPORT_DTYPES, export_run
+    from decentrl.release.export import EXPORT_DTYPES, WEIGHTS, export_run
 
     chosen = {name: dtype_ for dtype_, name in EXPORT_DTYPES.items()}.get(dtype)
     if chosen is None:
         fail(f"--dtype must be one of {', '.join(EXPORT_DTYPES.values())}, got {dtype!r}")
         return
+    if weights not in WEIGHTS:
+        fail(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     try:
-        folder = export_run(run_dir, out_dir, chosen)
+        folder = export_run(run_dir, out_dir, chosen, cast("Weights", weights))
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as error:
         fail(str(error))
         return

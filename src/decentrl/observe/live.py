@@ -49,6 +49,8 @@ class SwarmObserver:
     step: Callable[[], int]
     trust_counters: Callable[[], dict[str, int]]
     phase: Phase = "waiting"
+    training_began: float | None = None  # wall clock; the time budget counts from here
+    training_ended: float | None = None
     names: dict[str, str] = field(default_factory=dict)  # kept after a peer leaves
     events_logged: int = 0
     # Reentrant: record() holds it (the announce thread and the run's end both record) and
@@ -107,7 +109,10 @@ class SwarmObserver:
         events = self.metrics.of("trust")[-EVENTS_SHOWN:]
         return {
             "run": self.config.name, "phase": self.phase,
-            "elapsed_s": round(time.time() - self.metrics.started, 1), "step": self.step(),
+            "elapsed_s": round(time.time() - self.metrics.started, 1),
+            "training_s": None if self.training_began is None
+            else round((self.training_ended or time.time()) - self.training_began, 1),
+            "step": self.step(),
             "version": self.learner_version(), "max_steps": self.config.train.steps,
             "time_budget_s": self.config.train.time_budget_s,
             "steps": [{k: r[k] for k in STEP_KEYS if k in r} for r in steps],

@@ -85,7 +85,7 @@ class EvalRecord(msgspec.Struct):
     pass1_high: float
 
 
-class PeerRecord(msgspec.Struct):
+class PeerSnapshot(msgspec.Struct):
     peer_id: str
     stage: int
     role: str
@@ -101,7 +101,7 @@ class SwarmRecord(msgspec.Struct):
     elapsed_s: float
     step: int
     version: int
-    peers: list[PeerRecord]
+    peers: list[PeerSnapshot]
 
 
 class TrustRecord(msgspec.Struct):

@@ -54,7 +54,8 @@ def swarm_section(snapshot: SwarmRecord | None) -> str:
 
 def model_card(config: RunConfig, version: int, steps: int, stage_hashes: list[str],
                before: dict[str, Any] | None, after: dict[str, Any] | None,
-               suite: SuiteResult | None = None, snapshot: SwarmRecord | None = None) -> str:
+               suite: SuiteResult | None = None, snapshot: SwarmRecord | None = None,
+               weights: str = "learner") -> str:
     train, rollout = config.train, config.rollout
     stages = "\n".join(f"| {index} | `{digest}` |" for index, digest in enumerate(stage_hashes))
     options = ", ".join(f"{k}={v}" for k, v in sorted(config.task.options.items())) or "defaults"
@@ -79,7 +80,7 @@ rollouts.
   objective {train.decoupled}, at most {train.max_staleness} versions of staleness.
 - Sampling for rollouts: temperature {rollout.temperature}, top-p {rollout.top_p}, top-k
   {rollout.top_k}, at most {rollout.max_new_tokens} new tokens.
-- {steps} optimizer steps; this is weight version {version} of every stage.
+- {steps} optimizer steps; this is weight version {version} of every stage, {WEIGHTS_TEXT[weights]}.
 - Trust: every reward recomputed by the coordinator, {100 * config.trust.verify_fraction:.0f}% of
   rollout groups re-executed by other replicas, poisoned rows flagged and left out of the loss.
 
@@ -100,6 +101,13 @@ The stage shards this folder was assembled from (sha256 of each checkpoint file)
 - Small RL runs vary from run to run; the intervals above are over the held-out problems, not
   over training runs.
 """
+
+
+WEIGHTS_TEXT = {
+    "served": "as the swarm's inference replicas served it (sparse updates: the learner's smallest "
+              "changes not yet sent are not in it)",
+    "learner": "the training peers' own weights",
+}
 
 
 def limits_of(suite: SuiteResult | None) -> str:

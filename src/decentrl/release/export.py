@@ -15,7 +15,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from safetensors.torch import save_file
@@ -35,6 +35,8 @@ REQUIRED_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.w
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 WRITTEN_FILES = ("model.safetensors", "config.json", "generation_config.json")
 CHECKSUMS = "SHA256SUMS"
+Weights = Literal["served", "learner"]
+WEIGHTS: tuple[str, ...] = get_args(Weights)
 
 
 def merge_stage_tensors(stages: list[StageModule], num_layers: int) -> dict[str, torch.Tensor]:
@@ -181,12 +183,20 @@ def replace_folder(new: Path, target: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
+               weights: Weights = "served") -> Path:
     """Assemble the latest checkpoint of a run (its folder: `config.json` and
     `checkpoints/latest` -> `checkpoints/v<N>/stage<i>.pt`, written by a local run or by the
     swarm's training peers) into a Hugging Face folder at `out_dir`, with a model card
     (`README.md`) built from the run's config, evaluations (evaluation.json too, when the run's
-    model was compared with its base), last swarm snapshot and shard checksums."""
+    model was compared with its base), last swarm snapshot and shard checksums.
+
+    `weights`: "served", the weights the inference replicas held at that version (what generated
+    the rollouts and answered the swarm's evaluations; with sparse updates the learner's changes
+    not yet sent are missing), or "learner", the training peers' own. A checkpoint that carries no
+    served weights (a local run, whose replicas get every version whole) has one kind only."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     config_path = run_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder: it has no config.json")
@@ -194,7 +204,7 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32)
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is None or not checkpoint.is_dir():
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint (checkpoints/latest)")
-    stages, versions, hashes = [], set(), []
+    stages, versions, hashes, served = [], set(), [], []
     for index in range(config.num_stages):
         path = checkpoint / f"stage{index}.pt"
         if not path.is_file():
@@ -202,8 +212,13 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32)
         hashes.append(file_sha256(path))
         state = torch.load(path, map_location="cpu", weights_only=True)
         stage = load_stage(config, index, torch.device("cpu"), torch.float32)
+        tensors = state.get("weights")
+        served.append(weights == "served" and "served" in state)
+        if served[-1]:
+            # In LoRA mode only the adapters were published; the rest is the learner's (frozen).
+            tensors = {**tensors, **state["served"]}
         try:
-            stage.load_state_dict(state["weights"])
+            stage.load_state_dict(tensors)
         except (KeyError, RuntimeError) as error:
             raise ValueError(f"{path} does not hold stage {index} of this run: {error}") from None
         stage.version = int(state["version"])
@@ -211,6 +226,8 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32)
         stages.append(stage)
     if len(versions) != 1:
         raise ValueError(f"checkpoint {checkpoint} mixes stage versions {sorted(versions)}")
+    if len(set(served)) != 1:
+        raise ValueError(f"checkpoint {checkpoint} carries served weights for some stages only")
     evaluations = [json.loads(path.read_text()) if path.is_file() else None
                    for path in (run_dir / "eval_before.json", run_dir / "eval_after.json")]
     suite_path = run_dir / "evaluation.json"
@@ -220,7 +237,8 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32)
     records = read_metrics(metrics) if metrics.is_file() else None
     steps = max((r.step for r in records.steps), default=0) if records else 0
     snapshot = records.snapshots[-1] if records and records.snapshots else None
-    card = model_card(config, versions.pop(), steps, hashes, *evaluations, suite, snapshot)
+    card = model_card(config, versions.pop(), steps, hashes, *evaluations, suite, snapshot,
+                      "served" if served[0] else "learner")
     folder = resolve_model(config.model)
     hf_config = json.loads((folder / "config.json").read_text())
     return export_hf_folder(stages, hf_config, load_tokenizer(folder), out_dir,

@@ -385,6 +385,10 @@ class SwarmCoordinator:
             self.checkpoint()  # version 0: what a replacement training peer starts from
         self.console.print(self.peer_table())
         self.pending = [(g.scored, g.staleness) for g in self.store.pending_groups()]
+        # Announcing (and with it the directory and the swarm snapshots) starts now, so the
+        # dashboard follows the peers through the first evaluation too.
+        threads = [threading.Thread(target=self._announce_forever, name="announce", daemon=True)]
+        threads[0].start()
         resumed = self.step > 0
         before = None
         if not resumed:
@@ -393,17 +397,16 @@ class SwarmCoordinator:
         else:
             self.console.print(f"resumed at step {self.step} (version {self.trainer.version}); "
                                f"{len(self.pending)} accepted groups pending")
-        threads = [threading.Thread(target=self._generation_thread, name=f"generate-{i}",
+        workers = [threading.Thread(target=self._generation_thread, name=f"generate-{i}",
                                     daemon=True) for i in range(config.swarm.sessions_in_flight)]
-        threads.append(threading.Thread(target=self._announce_forever, name="announce",
-                                        daemon=True))
-        threads.append(threading.Thread(target=self.trust.verify_forever, args=(self.stop,),
+        workers.append(threading.Thread(target=self.trust.verify_forever, args=(self.stop,),
                                         name="verify", daemon=True))
-        for thread in threads:
+        for thread in workers:
             thread.start()
+        threads += workers
         train_started = time.time()
         budget = config.train.time_budget_s
-        self.observer.phase = "training"
+        self.observer.phase, self.observer.training_began = "training", train_started
         # The bar runs over whichever ends training first: the steps or the time budget.
         by_time = budget is not None and budget < config.train.steps * 60
         try:
@@ -421,6 +424,7 @@ class SwarmCoordinator:
                     if config.eval.every and self.step % config.eval.every == 0:
                         self.evaluate("during", 1, metrics)
         finally:
+            self.observer.training_ended = time.time()
             self.stop.set()
             for thread in threads:
                 thread.join(timeout=config.swarm.request_timeout_s * (config.swarm.retries + 2))

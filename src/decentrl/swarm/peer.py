@@ -683,7 +683,14 @@ class StagePeer:
         path = self.checkpoint_path(version)
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_suffix(".tmp")
-        torch.save(self._trainer().state(), staging)
+        state = self._trainer().state()
+        if self.publisher is not None:
+            # What the replicas serve at this version goes along: it generated the rollouts and
+            # the swarm's evaluations, and `decentrl export` releases it by default.
+            served = self.publisher.served().result(timeout=self.config.swarm.request_timeout_s)
+            if served.version == version:
+                state["served"] = served.tensors
+        torch.save(state, staging)
         os.replace(staging, path)  # a crash mid-save leaves no half-written checkpoint
 
     def _load(self, version: int) -> None:

@@ -234,6 +234,14 @@ class WeightPublisher(UpdateServer):
         """Publish `version` of the weights (a private copy is taken before this returns)."""
         return self._encoder.submit(self._encode, version, cpu_float32_copy(tensors))
 
+    def served(self) -> Future[PublishedState]:
+        """A copy of what replicas are brought to, once every update submitted before this call
+        is encoded (so at the newest published version). With sparse updates this is not the
+        learner's weights: the entries not yet sent still wait in the error feedback."""
+        return self._encoder.submit(lambda: PublishedState(
+            self.state.version, {k: v.clone() for k, v in self.state.tensors.items()},
+            self.state.hash))
+
     def reset(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
         """Start over from these weights (a rollback to a checkpoint): a new keyframe, no deltas."""
         return self._encoder.submit(self._restart, version, cpu_float32_copy(tensors))

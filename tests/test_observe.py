@@ -1,0 +1,60 @@
+"""The small pieces of the operator's view: JSON-lines logs, and the throughput the dashboard
+derives from step records."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from decentrl.observe.live import with_throughput
+from decentrl.observe.logs import configure_logging
+
+
+@pytest.fixture
+def restored_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    ours = logging.getLogger("decentrl").level
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+    logging.getLogger("decentrl").setLevel(ours)
+
+
+def test_logs_are_json_lines_with_their_extra_fields(tmp_path: Path,
+                                                     restored_logging: None) -> None:
+    path = tmp_path / "logs" / "coordinator.jsonl"
+    configure_logging("coordinator", json_file=path)
+    logging.getLogger("decentrl.swarm").info("step done", extra={"step": 3, "version": 3})
+    logging.getLogger("somebody.else").info("chatter nobody asked for")
+    try:
+        raise ValueError("bad tensor")
+    except ValueError:
+        logging.getLogger("decentrl.net").exception("request refused")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["message"] for line in lines] == ["step done", "request refused"]
+    first, second = lines
+    assert first["level"] == "info" and first["logger"] == "decentrl.swarm"
+    assert first["process"] == "coordinator" and (first["step"], first["version"]) == (3, 3)
+    assert first["time"].endswith("+00:00")
+    assert second["level"] == "error" and "ValueError: bad tensor" in second["exception"]
+
+
+def test_throughput_is_tokens_over_the_time_since_the_step_before() -> None:
+    steps = [{"step": 1, "elapsed_s": 100.0, "generated_tokens": 500.0},
+             {"step": 2, "elapsed_s": 110.0, "generated_tokens": 400.0},
+             {"step": 3, "elapsed_s": 130.0},  # an older record: no generated_tokens
+             {"step": 4, "elapsed_s": 5.0, "generated_tokens": 300.0}]  # a restarted clock
+    out = with_throughput(steps)
+    assert "tokens_per_s" not in out[0]  # its interval holds the evaluation before training
+    assert out[1]["tokens_per_s"] == 40.0
+    assert "tokens_per_s" not in out[2] and "tokens_per_s" not in out[3]
+    assert "tokens_per_s" not in steps[1]  # the records themselves are left alone
