@@ -237,8 +237,10 @@ def test_the_evaluation_suite_supplies_the_table_when_the_run_has_one(tmp_path: 
                         seconds=60.0)
     (run_dir / "evaluation.json").write_text(json.dumps(suite.to_json()))
     text = build_report(run_dir).read_text()
-    assert "## Before and after\n\n" + suite_table_markdown(suite) in text
-    assert "Held-out `sums`" not in text  # the run's own table gives way
+    top = text.index("## Before and after")
+    # The comparison with the base first, then the run's own evaluation through the swarm.
+    assert top < text.index(suite_table_markdown(suite)) < text.index("Held-out `sums`") \
+        < text.index("## Training")
 
     (run_dir / "evaluation.json").write_text('{"model": "m"}')
     with pytest.raises(ValueError, match="evaluation.json: not an evaluation suite result"):

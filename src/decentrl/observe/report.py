@@ -313,16 +313,20 @@ def held_out_table(before: EvalResult | None, after: EvalResult | None) -> str:
 
 def evaluation_section(run_dir: Path, before: EvalResult | None,
                        after: EvalResult | None) -> str:
-    # The suite (base model vs the exported one, several task families, drift on general text)
-    # supersedes the run's own single-task evaluation.
+    # The suite (the base against the exported model, on several task families, and the drift
+    # on general text) comes first; the run's own evaluation through the swarm follows.
     suite = run_dir / "evaluation.json"
+    own = held_out_table(before, after)
     if not suite.is_file():
-        return "## Before and after\n\n" + held_out_table(before, after)
+        return "## Before and after\n\n" + own
     try:
         result = SuiteResult.from_json(json.loads(suite.read_text()))
     except (json.JSONDecodeError, KeyError, TypeError) as error:
         raise ValueError(f"{suite}: not an evaluation suite result: {error!r}") from None
-    return "## Before and after\n\n" + suite_table_markdown(result)
+    base = markdown_text(result.base or "")
+    return (f"## Before and after\n\nThe exported model against `{base}`, held-out problems, "
+            f"95% confidence intervals:\n\n{suite_table_markdown(result)}"
+            f"\nThe run's own evaluation, through the swarm's replicas.\n\n{own}")
 
 
 # ------------------------------------------------------------------------------------- plots
