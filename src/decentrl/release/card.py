@@ -7,6 +7,7 @@ from typing import Any
 
 from decentrl.config import RunConfig
 from decentrl.evaluate.suite import SuiteResult, suite_table_markdown
+from decentrl.model.loading import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID
 from decentrl.observe.report import SwarmRecord, markdown_text, peer_name
 
 
@@ -34,9 +35,10 @@ def suite_section(suite: SuiteResult | None) -> str:
     if suite is None:
         return ""
     families = ", ".join(f"`{f.family.label}`" for f in suite.families)
+    sampled = f", pass@{suite.pass_k} sampled at T=1" if suite.pass_k > 1 else ""
     return (f"Against the base model, on held-out problems of {families}, and on a general "
-            f"prompt set (drift from the base: perplexity and KL per token); pass@1 greedy, "
-            f"pass@{suite.pass_k} sampled at T=1, 95% intervals:\n\n"
+            f"prompt set (drift from the base: perplexity and KL per token); pass@1 greedy"
+            f"{sampled}, 95% intervals:\n\n"
             f"{suite_table_markdown(suite)}\nThe run's own evaluation, through the swarm:\n\n")
 
 
@@ -62,8 +64,9 @@ def model_card(config: RunConfig, version: int, steps: int, stage_hashes: list[s
     adapters = (f"LoRA rank {train.lora_rank} (alpha {train.lora_alpha}) on "
                 f"{', '.join(train.lora_targets)}, merged into the weights"
                 if train.lora_rank else "full fine-tuning")
+    base = DEFAULT_MODEL_HUB_ID if config.model == DEFAULT_MODEL else config.model
     return f"""---
-base_model: {config.model}
+base_model: {base}
 tags: [decentrl, reinforcement-learning, grpo]
 ---
 # {config.name}: {config.model} post-trained with RL by decentrl

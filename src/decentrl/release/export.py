@@ -144,6 +144,10 @@ def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], token
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
         (staging / CHECKSUMS).write_text(checksums(staging))
+        # mkdtemp makes the folder private (0700) and safetensors writes its file 0600; a release
+        # is for everyone to read.
+        for path in [staging, *staging.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
         replace_folder(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
