@@ -1,4 +1,11 @@
-"""Batched token-by-token generation over an inference chain, with the KV cache."""
+"""Batched token-by-token generation over an inference chain, with the KV cache.
+
+Multi-turn episodes run in the same loop: when a row samples a stop token, `on_stop` may hand
+back the tokens that continue its conversation (an environment's reply, then the next assistant
+header). Those are fed to the row one per step, as forced tokens, while the other rows go on
+sampling, so every row still advances one position per step: one session, one batch, and the
+version of every position is the step's, as in single-turn generation. A forced token was not
+sampled: it carries no behaviour log-prob and no gradient (`Generation.generated` says which)."""
 
 from __future__ import annotations
 
@@ -15,9 +22,10 @@ from decentrl.rollout.types import VersionSpan, oldest_versions
 @dataclass
 class Generation:
     tokens: list[int]
-    logprobs: list[float]  # behaviour log-prob of each token, under the sampled distribution
+    logprobs: list[float]  # behaviour log-prob of each sampled token; 0.0 for a forced one
     finished: bool  # ended with a stop token rather than at max_new_tokens
     spans: list[VersionSpan]  # the weights that sampled the tokens (only spans that cover one)
+    generated: list[bool]  # per token: sampled by the model (True) or forced by on_stop (False)
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -63,15 +71,22 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device
     return ids.to(device), valid.to(device)
 
 
+# Called with (row, the row's tokens so far, the stop token included) when the row samples a stop
+# token: the tokens to force next, or None to end the row there.
+OnStop = Callable[[int, list[int]], list[int] | None]
+
+
 def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: int,
              sampling: SamplingConfig, stop_ids: set[int], pad_id: int,
              seed: int | None = None,
-             on_session: Callable[[InferenceSession], None] | None = None) -> list[Generation]:
-    """Sample up to `max_new_tokens` per prompt. Every step draws with its own seed derived from
-    `seed` (None: torch's global generator), so a seed gives the same samples on any chain.
-    Stage weights may change between steps: each generation's spans say which versions sampled
-    which of its tokens. `on_session` is handed the session (a swarm session records who computed
-    what, for spot-checks)."""
+             on_session: Callable[[InferenceSession], None] | None = None,
+             on_stop: OnStop | None = None) -> list[Generation]:
+    """Sample up to `max_new_tokens` per prompt (forced tokens count). Every step draws with its
+    own seed derived from `seed` (None: torch's global generator), so a seed gives the same
+    samples on any chain. Stage weights may change between steps: each generation's spans say
+    which versions sampled which of its tokens. `on_session` is handed the session (a swarm
+    session records who computed what, for spot-checks); `on_stop` continues a row past a stop
+    token (see the module docstring)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and no empty prompt")
     if max_new_tokens < 1:
@@ -85,7 +100,9 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
     next_position = positions[:, -1:] + 1
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
-    tokens_out, logprobs_out, versions_out = [], [], []
+    forced: list[list[int]] = [[] for _ in range(batch)]  # per row, tokens still to force
+    is_forced = torch.zeros(batch, dtype=torch.bool)
+    tokens_out, logprobs_out, versions_out, forced_out = [], [], [], []
     session = chain.open_session(batch, prompt_length + max_new_tokens)
     if on_session is not None:
         on_session(session)
@@ -94,11 +111,22 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
                                                   sampling, step_seed(seed, 0))
         for step in range(max_new_tokens):
             tokens = tokens.masked_fill(done, pad_id)
+            if on_stop is not None:
+                tokens, logprobs, is_forced = force_tokens(tokens, logprobs, forced, done)
             tokens_out.append(tokens)
             logprobs_out.append(logprobs)
             versions_out.append(versions)
+            forced_out.append(is_forced)
             done_before = done
-            done = done | torch.isin(tokens, stop)
+            stopped = torch.isin(tokens, stop) & ~is_forced.to(device)
+            if on_stop is not None:
+                history = torch.stack(tokens_out, 1).cpu()
+                for row in stopped.nonzero()[:, 0].tolist():
+                    continuation = on_stop(row, history[row].tolist())
+                    if continuation:
+                        forced[row] = list(continuation)
+                        stopped[row] = False
+            done = done | stopped
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
             # Finished rows keep decoding padding (cheaper than reshaping the batch and caches);
@@ -112,16 +140,36 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
         session.close()
     all_tokens = torch.stack(tokens_out, 1).cpu()
     all_logprobs = torch.stack(logprobs_out, 1).float().cpu()
+    all_forced = torch.stack(forced_out, 1)
     spans = version_spans(versions_out)
     results = []
     for row in range(batch):
         row_tokens = all_tokens[row].tolist()
+        row_forced = all_forced[row].tolist()
         length = len(row_tokens)
         finished = False
         for i, token in enumerate(row_tokens):
-            if token in stop_ids:
+            # A stop token the row went on from (an episode's turn end) is not its end.
+            if token in stop_ids and not row_forced[i] and (
+                    i + 1 == len(row_tokens) or not row_forced[i + 1]):
                 length, finished = i + 1, True
                 break
         results.append(Generation(row_tokens[:length], all_logprobs[row, :length].tolist(),
-                                  finished, [span for span in spans if span.start < length]))
+                                  finished, [span for span in spans if span.start < length],
+                                  [not f for f in row_forced[:length]]))
     return results
+
+
+def force_tokens(tokens: torch.Tensor, logprobs: torch.Tensor, forced: list[list[int]],
+                 done: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's tokens with each row's next forced token (if it has one) in place of its
+    sample, the log-probs with 0.0 there, and which rows were forced."""
+    is_forced = torch.tensor([bool(queue) and not bool(finished)
+                              for queue, finished in zip(forced, done.tolist())])
+    if not bool(is_forced.any()):
+        return tokens, logprobs, is_forced
+    tokens, logprobs = tokens.clone(), logprobs.clone()
+    for row in is_forced.nonzero()[:, 0].tolist():
+        tokens[row] = forced[row].pop(0)
+        logprobs[row] = 0.0
+    return tokens, logprobs, is_forced

@@ -1,0 +1,100 @@
+"""Multi-turn generation (issue #7): when a row samples a stop token, an environment's reply is fed
+to it as forced tokens while the other rows go on sampling. Forced tokens carry no behaviour
+log-prob, the continuation sees them exactly as if they had been part of the prompt, and a chain of
+three stages generates the same episode as one stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import build, chat_prompts
+
+from decentrl.model.loading import LoadedModel, load_model
+from decentrl.rollout.chain import LocalChain
+from decentrl.rollout.generate import OnStop, generate
+from decentrl.rollout.sampling import SamplingConfig
+
+GREEDY = SamplingConfig(temperature=0.0)
+QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 * 34, then add 5.", "2+2=?"]
+BUDGET = 40
+
+
+@pytest.fixture(scope="module")
+def sharp(tiny_sharp_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_sharp_dir))
+
+
+def replies_once(reply: list[int], calls: list[tuple[int, int]]) -> OnStop:
+    """An environment that answers each row's first turn with `reply` and ends its second."""
+    turns: dict[int, int] = {}
+
+    def on_stop(row: int, tokens: list[int]) -> list[int] | None:
+        calls.append((row, len(tokens)))
+        turns[row] = turns.get(row, 0) + 1
+        return list(reply) if turns[row] == 1 else None
+
+    return on_stop
+
+
+def first_turn_stop(model: LoadedModel, prompts: list[list[int]]) -> int:
+    """A token that greedy decoding of the first prompt reaches after a few steps: the tiny
+    model rarely samples its end-of-turn token, so the test's turns end on this one."""
+    plain = generate(LocalChain(build(model, 1)), prompts[:1], 6, GREEDY, set(), 0)
+    return plain[0].tokens[3]
+
+
+def test_forced_tokens_continue_a_turn_as_if_they_were_prompt(sharp: LoadedModel) -> None:
+    prompts = chat_prompts(sharp, QUESTIONS)
+    stop = first_turn_stop(sharp, prompts)
+    reply = sharp.tokenizer.encode("ok: 7.", add_special_tokens=False)
+    calls: list[tuple[int, int]] = []
+    pad = sharp.tokenizer.pad_token_id
+    out = generate(LocalChain(build(sharp, 1)), prompts, BUDGET, GREEDY, {stop}, pad,
+                   on_stop=replies_once(reply, calls))
+    first = out[0]
+    turn_end = first.tokens.index(stop)
+    forced = slice(turn_end + 1, turn_end + 1 + len(reply))
+    assert first.tokens[forced] == reply
+    assert first.generated == ([True] * (turn_end + 1) + [False] * len(reply)
+                               + [True] * (len(first.tokens) - forced.stop))
+    assert all(lp == 0.0 for lp in first.logprobs[forced])
+    assert all(lp < 0.0 for lp, g in zip(first.logprobs, first.generated) if g)
+    assert (0, turn_end + 1) in calls  # the environment saw the turn, its stop token included
+    # The second turn is what greedy decoding gives with the first turn and the reply as prompt:
+    # the forced tokens went into the KV cache like any prompt token.
+    again = generate(LocalChain(build(sharp, 1)), [prompts[0] + first.tokens[:forced.stop]],
+                     BUDGET - forced.stop, GREEDY, {stop}, pad)[0]
+    assert first.tokens[forced.stop:] == again.tokens
+    assert first.finished == again.finished
+    # Rows that never reached the stop token were never forced.
+    for generation in out:
+        if stop not in generation.tokens:
+            assert all(generation.generated)
+
+
+def test_a_three_stage_chain_generates_the_same_episode(sharp: LoadedModel) -> None:
+    prompts = chat_prompts(sharp, QUESTIONS)
+    stop = first_turn_stop(sharp, prompts)
+    reply = sharp.tokenizer.encode("result: 408", add_special_tokens=False)
+    pad = sharp.tokenizer.pad_token_id
+    episodes = [generate(LocalChain(build(sharp, stages)), prompts, BUDGET, GREEDY, {stop}, pad,
+                         on_stop=replies_once(reply, []))
+                for stages in (1, 3)]
+    for one, three in zip(*episodes):
+        assert (one.tokens, one.generated, one.finished) == \
+            (three.tokens, three.generated, three.finished)
+        torch.testing.assert_close(torch.tensor(one.logprobs), torch.tensor(three.logprobs))
+    assert any(not all(g.generated) for g in episodes[0])  # some row did take a second turn
+
+
+def test_without_on_stop_every_token_is_generated(sharp: LoadedModel) -> None:
+    prompts = chat_prompts(sharp, QUESTIONS)
+    stop = first_turn_stop(sharp, prompts)
+    out = generate(LocalChain(build(sharp, 2)), prompts, BUDGET, GREEDY, {stop},
+                   sharp.tokenizer.pad_token_id)
+    for generation in out:
+        assert generation.generated == [True] * len(generation.tokens)
+        if generation.finished:
+            assert generation.tokens[-1] == stop
