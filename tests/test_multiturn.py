@@ -1,20 +1,26 @@
 """Multi-turn generation (issue #7): when a row samples a stop token, an environment's reply is fed
 to it as forced tokens while the other rows go on sampling. Forced tokens carry no behaviour
-log-prob, the continuation sees them exactly as if they had been part of the prompt, and a chain of
-three stages generates the same episode as one stage."""
+log-prob, the continuation sees them exactly as if they had been part of the prompt, a chain of
+three stages generates the same episode as one stage, and in training an environment's tokens are
+context without loss or gradient."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import build, chat_prompts
 
+from decentrl.config import TrainConfig
+from decentrl.learn.batch import build_batch
+from decentrl.learn.trainer import LossInputs, loss_config_from, micro_batch_loss, stage_forward
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.generate import OnStop, generate
 from decentrl.rollout.sampling import SamplingConfig
+from decentrl.rollout.types import Rollout
 
 GREEDY = SamplingConfig(temperature=0.0)
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 * 34, then add 5.", "2+2=?"]
@@ -98,3 +104,46 @@ def test_without_on_stop_every_token_is_generated(sharp: LoadedModel) -> None:
         assert generation.generated == [True] * len(generation.tokens)
         if generation.finished:
             assert generation.tokens[-1] == stop
+
+
+def episode_rollout(prompt: list[int], tokens: list[int], generated: list[bool]) -> Rollout:
+    return Rollout(prompt_tokens=prompt, completion_tokens=tokens,
+                   behaviour_logprobs=[-1.0 if g else 0.0 for g in generated], finished=True,
+                   completion_text="", generated=generated)
+
+
+def test_environment_tokens_are_context_but_carry_no_loss(sharp: LoadedModel) -> None:
+    prompt = chat_prompts(sharp, ["What is 3 + 4?"])[0]
+    turn = sharp.tokenizer.encode("call", add_special_tokens=False)
+    reply = sharp.tokenizer.encode("= 7", add_special_tokens=False)
+    answer = sharp.tokenizer.encode("7", add_special_tokens=False)
+    tokens = turn + reply + answer
+    generated = [True] * len(turn) + [False] * len(reply) + [True] * len(answer)
+    rollouts = [episode_rollout(prompt, tokens, generated),
+                episode_rollout(prompt, answer, [True] * len(answer))]
+    batch = build_batch(rollouts, [1.0, -1.0], [0, 0], sharp.tokenizer.pad_token_id)
+    assert batch.completion_valid[0].tolist() == [True] * len(tokens)
+    assert batch.completion_generated[0].tolist() == generated
+    assert batch.num_target_tokens == len(turn) + 2 * len(answer)
+
+    stages = build(sharp, 1)
+    train = TrainConfig()
+    loss = loss_config_from(train, 16)
+    logits = stage_forward(stages[0], (batch.prompts, batch.completions), batch)
+    logits = logits.detach().requires_grad_(True)
+    inputs = LossInputs(None, None, batch.num_sequences, batch.num_target_tokens)
+    value, _, _ = micro_batch_loss(logits, batch, inputs, loss, SamplingConfig())
+    value.backward()
+    # Rows of the logits follow the valid completion tokens in row-major order.
+    per_token = logits.grad.abs().sum(-1)
+    env = ~batch.completion_generated[batch.completion_valid]
+    assert int(env.sum()) == len(reply)
+    assert torch.all(per_token[env] == 0) and torch.all(per_token[~env] > 0)
+    # What an environment token claims as behaviour log-prob changes nothing.
+    poisoned = replace(batch, behaviour_logprobs=batch.behaviour_logprobs.masked_fill(
+        batch.completion_valid & ~batch.completion_generated, -50.0))
+    again, _, _ = micro_batch_loss(logits.detach(), poisoned, inputs, loss, SamplingConfig())
+    assert float(again) == pytest.approx(float(value.detach()))
+
+    with pytest.raises(ValueError, match="needs at least one generated"):
+        build_batch([episode_rollout(prompt, reply, [False] * len(reply))], [1.0], [0], 0)

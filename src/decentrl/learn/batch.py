@@ -23,7 +23,8 @@ class TrainBatch:
     prompt_valid: torch.Tensor  # [Np, P] bool
     prompt_positions: torch.Tensor  # [Np, P] long
     completions: torch.Tensor  # [B, C] long, right-padded: the targets
-    completion_valid: torch.Tensor  # [B, C] bool: real completion tokens (the loss mask)
+    completion_valid: torch.Tensor  # [B, C] bool: real completion tokens (all are context)
+    completion_generated: torch.Tensor  # [B, C] bool: those the model sampled (the loss mask)
     completion_positions: torch.Tensor  # [B, C] long, continuing after the prompt
     prompt_of: torch.Tensor  # [B] long: row of each completion's prompt in `prompts`
     behaviour_logprobs: torch.Tensor  # [B, C] float
@@ -36,7 +37,7 @@ class TrainBatch:
 
     @property
     def num_target_tokens(self) -> int:
-        return int(self.completion_valid.sum())
+        return int(self.completion_generated.sum())
 
     def select(self, rows: slice) -> TrainBatch:
         """Completion rows `rows` and just the prompts they use."""
@@ -74,6 +75,12 @@ def build_batch(rollouts: list[Rollout], advantages: list[float], staleness: lis
         if len(rollout.behaviour_logprobs) != len(rollout.completion_tokens):
             raise ValueError(f"rollout {row} has {len(rollout.completion_tokens)} completion "
                              f"tokens but {len(rollout.behaviour_logprobs)} behaviour log-probs")
+        if rollout.generated is not None and (
+                len(rollout.generated) != len(rollout.completion_tokens)
+                or not any(rollout.generated)):
+            raise ValueError(f"rollout {row} marks {len(rollout.generated)} tokens generated or "
+                             f"not for {len(rollout.completion_tokens)} completion tokens, and "
+                             "needs at least one generated")
         prompt_of.append(prompt_rows.setdefault(tuple(rollout.prompt_tokens), len(prompt_rows)))
     prompt_length = max(len(p) for p in prompt_rows)
     prompts = torch.full((len(prompt_rows), prompt_length), pad_id, dtype=torch.long)
@@ -84,11 +91,13 @@ def build_batch(rollouts: list[Rollout], advantages: list[float], staleness: lis
     completion_length = max(len(r.completion_tokens) for r in rollouts)
     completions = torch.full((len(rollouts), completion_length), pad_id, dtype=torch.long)
     completion_valid = torch.zeros(completions.shape, dtype=torch.bool)
+    completion_generated = torch.zeros(completions.shape, dtype=torch.bool)
     behaviour = torch.zeros(completions.shape, dtype=torch.float32)
     for row, rollout in enumerate(rollouts):
         n = len(rollout.completion_tokens)
         completions[row, :n] = torch.tensor(rollout.completion_tokens, dtype=torch.long)
         completion_valid[row, :n] = True
+        completion_generated[row, :n] = torch.tensor(rollout.generated_mask(), dtype=torch.bool)
         behaviour[row, :n] = torch.tensor(rollout.behaviour_logprobs, dtype=torch.float32)
     prompt_of_tensor = torch.tensor(prompt_of, dtype=torch.long)
     prompt_lengths = prompt_valid.sum(1)[prompt_of_tensor]
@@ -97,7 +106,7 @@ def build_batch(rollouts: list[Rollout], advantages: list[float], staleness: lis
         prompts=prompts, prompt_valid=prompt_valid,
         prompt_positions=positions_from_valid(prompt_valid),
         completions=completions, completion_valid=completion_valid,
-        completion_positions=completion_positions, prompt_of=prompt_of_tensor,
+        completion_generated=completion_generated, completion_positions=completion_positions, prompt_of=prompt_of_tensor,
         behaviour_logprobs=behaviour,
         advantages=torch.tensor(advantages, dtype=torch.float32),
         staleness=torch.tensor(staleness, dtype=torch.long),

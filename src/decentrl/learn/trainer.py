@@ -66,15 +66,18 @@ def micro_batch_loss(logits: torch.Tensor, batch: TrainBatch, inputs: LossInputs
     """The policy loss of one micro-batch from the last stage's logits [N, vocab] of its targets,
     its metrics, and every row's statistics. Rows `flagged_rows` catches do not count in the loss
     (the normalisers keep the batch's totals, so the other rows' weights do not change)."""
-    mask = batch.completion_valid
-    picked, entropy = sampling_logprobs_and_entropy(logits, batch.completions[mask], sampling)
-    logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-    logprobs = logprobs.masked_scatter(mask, picked)
+    valid = batch.completion_valid
+    picked, entropy = sampling_logprobs_and_entropy(logits, batch.completions[valid], sampling)
+    logprobs = torch.zeros(valid.shape, dtype=torch.float32, device=logits.device)
+    logprobs = logprobs.masked_scatter(valid, picked)
+    # Only the tokens the model sampled count: an environment's tokens are context (they were
+    # scored above with the rest, one forward pass) with no behaviour log-prob to compare with.
+    mask = batch.completion_generated
     with torch.no_grad():
         lengths = mask.sum(1).clamp(min=1)
-        surprise = torch.zeros(mask.shape, device=logits.device).masked_scatter(
-            mask, picked + entropy)
-        row_surprise = surprise.sum(1) / lengths
+        surprise = torch.zeros(valid.shape, device=logits.device).masked_scatter(
+            valid, picked + entropy)
+        row_surprise = (surprise * mask).sum(1) / lengths
         row_log_ratio = ((logprobs - batch.behaviour_logprobs) * mask).sum(1) / lengths
         flagged = flagged_rows(row_surprise, row_log_ratio, loss)
     counted = mask & ~flagged[:, None]
@@ -83,7 +86,7 @@ def micro_batch_loss(logits: torch.Tensor, batch: TrainBatch, inputs: LossInputs
         batch.behaviour_logprobs, batch.advantages, counted, loss,
         reference_logprobs=inputs.reference, total_sequences=inputs.total_sequences,
         total_tokens=inputs.total_tokens)
-    metrics["entropy"] = float(entropy.mean())
+    metrics["entropy"] = float(entropy[mask[valid]].mean())
     metrics["flagged_fraction"] = float(flagged.float().mean())
     return value, metrics, (row_surprise, row_log_ratio)
 

@@ -13,9 +13,16 @@ class Rollout(msgspec.Struct, frozen=True, kw_only=True):
 
     prompt_tokens: list[int]
     completion_tokens: list[int]
-    behaviour_logprobs: list[float]  # one per completion token
+    behaviour_logprobs: list[float]  # one per completion token (0.0 where not generated)
     finished: bool  # ended with a stop token (not cut at the length limit)
     completion_text: str
+    # Per completion token: sampled by the model (True) or an environment's, fed in by the
+    # episode (False: no behaviour log-prob, no gradient). None: every token was sampled.
+    generated: list[bool] | None = None
+
+    def generated_mask(self) -> list[bool]:
+        return self.generated if self.generated is not None else [True] * len(
+            self.completion_tokens)
 
 
 class VersionSpan(msgspec.Struct, frozen=True, kw_only=True):

@@ -75,8 +75,8 @@ SESSION_IDLE_S = 300.0
 # Re-execution scores are bounded so that they can travel (messages carry finite floats only).
 SCORE_BOUND = 1e4
 BATCH_FIELDS = ("prompts", "prompt_valid", "prompt_positions", "completions", "completion_valid",
-                "completion_positions", "prompt_of", "behaviour_logprobs", "advantages",
-                "staleness")
+                "completion_generated", "completion_positions", "prompt_of",
+                "behaviour_logprobs", "advantages", "staleness")
 
 
 class PeerError(ValueError):
@@ -571,6 +571,7 @@ class StagePeer:
             "prompt_positions": (torch.long, prompts.shape),
             "completions": (torch.long, completions.shape),
             "completion_valid": (torch.bool, completions.shape),
+            "completion_generated": (torch.bool, completions.shape),
             "completion_positions": (torch.long, completions.shape),
             "prompt_of": (torch.long, completions.shape[:1]),
             "behaviour_logprobs": (torch.float32, completions.shape),
@@ -596,6 +597,8 @@ class StagePeer:
             if positions.numel() and (int(positions.min()) < 0
                                       or int(positions.max()) >= self.spec.max_positions):
                 raise PeerError(f"{name} must be in [0, {self.spec.max_positions})")
+        if bool((batch.completion_generated & ~batch.completion_valid).any()):
+            raise PeerError("completion_generated marks tokens that completion_valid does not")
         return batch
 
     def _check_activations(self, inputs: tuple[torch.Tensor, torch.Tensor],

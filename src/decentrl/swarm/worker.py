@@ -68,7 +68,8 @@ class RolloutWorker:
             rollouts = [
                 Rollout(prompt_tokens=prompt, completion_tokens=g.tokens,
                         behaviour_logprobs=g.logprobs, finished=g.finished,
-                        completion_text=self.tokenizer.decode(g.tokens, skip_special_tokens=True))
+                        completion_text=self.tokenizer.decode(g.tokens, skip_special_tokens=True),
+                        generated=None if all(g.generated) else g.generated)
                 for g in rows
             ]
             # The rows share the session's steps: each row's spans are a prefix of the longest's.
