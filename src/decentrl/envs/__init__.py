@@ -1,0 +1,73 @@
+"""Environments: multi-turn episodes with tools, and any task as a one-turn environment.
+
+`make_environment("agentic-calculator")` builds the word problems with a Python calculator tool,
+`make_environment("agentic-countdown")` countdown with a checking tool, and
+`make_environment("task:sums", max_digits=3)` any task of `decentrl.tasks` as one turn.
+ENVIRONMENT_NAMES lists the environments we use and test.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from decentrl.envs.base import (
+    Environment,
+    EnvStep,
+    Episode,
+    EpisodeResult,
+    Message,
+    StopReason,
+    run_episode,
+)
+from decentrl.envs.single_turn import TASK_ENVIRONMENT_PREFIX, TaskEnvironment
+from decentrl.tasks import make_task
+
+ENVIRONMENT_NAMES: tuple[str, ...] = (
+    "agentic-calculator",
+    "agentic-countdown",
+    "task:sums",
+    "task:rg:chain_sum",
+)
+
+
+def make_environment(name: str, **options: Any) -> Environment:
+    """The environment registered as `name`, built with `options` (its constructor arguments;
+    for "task:<name>", the task's options)."""
+    if name.startswith(TASK_ENVIRONMENT_PREFIX):
+        return TaskEnvironment(make_task(name.removeprefix(TASK_ENVIRONMENT_PREFIX), **options))
+    # Imported here because both import reasoning-gym, which takes about two seconds.
+    if name == "agentic-calculator":
+        from decentrl.envs.calculator import CalculatorEnvironment
+
+        environment_class: type = CalculatorEnvironment
+    elif name == "agentic-countdown":
+        from decentrl.envs.countdown import CountdownEnvironment
+
+        environment_class = CountdownEnvironment
+    else:
+        raise ValueError(
+            f"unknown environment {name!r}; known environments: {', '.join(ENVIRONMENT_NAMES)} "
+            f"(or {TASK_ENVIRONMENT_PREFIX}<task name> for any task)"
+        )
+    known_options = list(inspect.signature(environment_class).parameters)
+    for option in options:
+        if option not in known_options:
+            raise ValueError(
+                f"environment {name!r} has no option {option!r}; its options: "
+                f"{', '.join(known_options)}"
+            )
+    return environment_class(**options)
+
+
+__all__ = [
+    "ENVIRONMENT_NAMES",
+    "EnvStep",
+    "Environment",
+    "Episode",
+    "EpisodeResult",
+    "Message",
+    "StopReason",
+    "make_environment",
+    "run_episode",
+]

@@ -1,0 +1,93 @@
+"""The environment protocol: episodes that alternate assistant turns and environment responses.
+
+An Environment makes Episodes the way a Task makes Problems: `episode(split, index)` is a pure
+function of (split, index), and the problem behind it comes from `draw_in_split`, so a held-out
+episode never appears in training. An Episode works on text: `messages()` is the conversation so
+far (system prompt with the tool descriptions, then the user's question, then the turns), and
+`respond(assistant_text)` records one assistant turn and answers with an EnvStep: the messages
+the environment appends (tool results or error observations), whether the episode is over, the
+final reward once it is, and an optional per-turn signal.
+
+Every episode ends within `max_turns` assistant turns, so `run_episode` always terminates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from decentrl.tasks.base import Problem, Reward, Split
+
+Message = dict[str, str]  # {"role": ..., "content": ...}, as chat templates take them
+# Why an episode ended: a reply without a tool call (the final answer), or a limit.
+StopReason = Literal["answer", "turn_limit", "tool_call_limit"]
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    messages: list[Message]  # what the environment appends after the turn; empty when done
+    done: bool
+    reward: Reward | None  # the final reward when done, else None
+    turn_signal: float | None  # a shaping signal for this turn; None where the env gives none
+
+
+class Episode(Protocol):
+    problem: Problem
+    max_turns: int  # assistant turns
+    max_tool_calls: int  # tool calls over the whole episode, malformed ones included
+    turns: int
+    tool_calls: int  # every call the assistant attempted, malformed ones included
+    invalid_calls: int  # the malformed ones: answered with an error observation, not run
+    stop_reason: StopReason | None  # None while the episode runs
+    reward: Reward | None  # None while the episode runs
+
+    def messages(self) -> list[Message]:
+        """A copy of the conversation so far; the last message is never the assistant's while
+        the episode runs, so it is always the assistant's turn next."""
+        ...
+
+    def respond(self, assistant_text: str) -> EnvStep:
+        """Record one assistant turn. Never raises on any text; raises once the episode is over."""
+        ...
+
+
+class Environment(Protocol):
+    name: str
+
+    def episode(self, split: Split, index: int) -> Episode:
+        """A fresh episode; the same (split, index) always starts the same conversation."""
+        ...
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    problem: Problem
+    messages: list[Message]  # the whole conversation, the assistant's turns included
+    reward: Reward
+    turns: int
+    tool_calls: int
+    invalid_calls: int
+    turn_signals: list[float | None]  # one per assistant turn
+    stop_reason: StopReason
+
+
+def run_episode(episode: Episode, policy: Callable[[list[Message]], str]) -> EpisodeResult:
+    """Play an episode to its end: `policy` reads the conversation and writes the next turn."""
+    turn_signals: list[float | None] = []
+    while True:
+        step = episode.respond(policy(episode.messages()))
+        turn_signals.append(step.turn_signal)
+        if step.done:
+            break
+    assert step.reward is not None and episode.stop_reason is not None  # done says so
+    return EpisodeResult(
+        problem=episode.problem,
+        messages=episode.messages(),
+        reward=step.reward,
+        turns=episode.turns,
+        tool_calls=episode.tool_calls,
+        invalid_calls=episode.invalid_calls,
+        turn_signals=turn_signals,
+        stop_reason=episode.stop_reason,
+    )

@@ -1,0 +1,178 @@
+"""Arithmetic word problems with a Python calculator tool ("agentic-calculator").
+
+Each problem is a short story (shopping, ages, travel, baking, saving) with two to four operations
+on numbers large enough that a small model gains from computing them with the tool. The tool
+`python` evaluates an expression in the sandbox (no file system, no network, time and memory
+limits). The final answer is the reply without a tool call: the number inside <answer></answer>
+if the reply has the tags, else its last number, read the way the "sums" task reads answers.
+
+The split key is the story's template and numbers ("shopping:3,45,2,18,200"), not the names or
+items in it: two stories that differ only in who buys what share a split.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from reasoning_gym.utils import extract_answer as extract_tagged_answer
+
+from decentrl.envs.sandbox import ToolResult, run_expression
+from decentrl.envs.tool_calls import Tool, ToolEpisode, check_tool_limits, tools_system_prompt
+from decentrl.tasks.arithmetic import SumsTask
+from decentrl.tasks.base import Problem, Reward, Split, check_heldout_fraction, draw_in_split
+
+NAMES = ("Maya", "Tom", "Aisha", "Lukas", "Sofia", "Kenji", "Priya", "Omar")
+# SumsTask's answer reading does not depend on its options.
+read_last_number = SumsTask().extract_answer
+
+INSTRUCTIONS = (
+    "You solve arithmetic word problems. Use the python tool to compute; do not do arithmetic in "
+    "your head. When you know the result, reply without a tool call and give the final answer "
+    "as a number inside <answer></answer> tags."
+)
+
+
+def python_tool_run(arguments: dict[str, Any]) -> ToolResult:
+    return run_expression(arguments["expression"])
+
+
+PYTHON_TOOL = Tool(
+    name="python",
+    description="Evaluate one Python arithmetic expression, such as (3 + 4) * 12, and return its "
+    "value.",
+    arguments={"expression": {"type": "string", "description": "the expression to evaluate"}},
+    run=python_tool_run,
+)
+SYSTEM_PROMPT = tools_system_prompt(INSTRUCTIONS, [PYTHON_TOOL])
+
+# A story: (question, answer, the numbers that define it) from a seeded generator.
+Story = tuple[str, int, tuple[int, ...]]
+
+
+def shopping(rng: random.Random, name: str) -> Story:
+    first, second = rng.choice(
+        [("notebooks", "pens"), ("apples", "melons"), ("tickets", "drinks"), ("shirts", "hats")]
+    )
+    count_a, price_a = rng.randint(2, 9), rng.randint(12, 95)
+    count_b, price_b = rng.randint(2, 9), rng.randint(12, 95)
+    total = count_a * price_a + count_b * price_b
+    paid = (total // 100 + 1) * 100
+    question = (
+        f"{name} buys {count_a} {first} at ${price_a} each and {count_b} {second} at ${price_b} "
+        f"each, and pays with ${paid}. How many dollars of change does {name} get back?"
+    )
+    return question, paid - total, (count_a, price_a, count_b, price_b, paid)
+
+
+def ages(rng: random.Random, name: str) -> Story:
+    age, times = rng.randint(4, 12), rng.randint(3, 5)
+    gap, years = rng.randint(20, 35), rng.randint(2, 15)
+    question = (
+        f"{name} is {age} years old. {name}'s aunt is {times} times as old as {name}, and "
+        f"{name}'s grandfather is {gap} years older than the aunt. How old will the grandfather "
+        f"be in {years} years?"
+    )
+    return question, age * times + gap + years, (age, times, gap, years)
+
+
+def travel(rng: random.Random, name: str) -> Story:
+    speed_a, hours_a = rng.randint(45, 120), rng.randint(2, 9)
+    speed_b, hours_b = rng.randint(45, 120), rng.randint(2, 9)
+    question = (
+        f"{name} drives at {speed_a} km per hour for {hours_a} hours, then at {speed_b} km per "
+        f"hour for {hours_b} hours. How many kilometres does {name} drive in total?"
+    )
+    return question, speed_a * hours_a + speed_b * hours_b, (speed_a, hours_a, speed_b, hours_b)
+
+
+def baking(rng: random.Random, name: str) -> Story:
+    trays, per_tray, per_box = rng.randint(5, 20), rng.randint(12, 36), rng.randint(4, 12)
+    baked = trays * per_tray
+    # Choose the boxes first so that what is left after selling divides evenly into them.
+    boxes = rng.randint(baked // (2 * per_box) + 1, (baked - 1) // per_box)
+    sold = baked - boxes * per_box
+    question = (
+        f"{name} bakes {trays} trays of {per_tray} cookies, sells {sold} of them, and packs the "
+        f"rest into boxes of {per_box}. How many boxes does {name} fill?"
+    )
+    return question, boxes, (trays, per_tray, sold, per_box)
+
+
+def saving(rng: random.Random, name: str) -> Story:
+    weeks, earned, spent = rng.randint(6, 30), rng.randint(40, 150), rng.randint(5, 35)
+    saved = weeks * (earned - spent)
+    bike = rng.randint(saved // 4, saved - 1)
+    question = (
+        f"{name} earns ${earned} a week and spends ${spent} a week on bus fares. After {weeks} "
+        f"weeks {name} buys a bike for ${bike}. How many dollars does {name} have left?"
+    )
+    return question, saved - bike, (weeks, earned, spent, bike)
+
+
+STORIES: dict[str, Callable[[random.Random, str], Story]] = {
+    "shopping": shopping,
+    "ages": ages,
+    "travel": travel,
+    "baking": baking,
+    "saving": saving,
+}
+
+
+class CalculatorEpisode(ToolEpisode):
+    def score(self, final_answer: str) -> Reward:
+        tagged = extract_tagged_answer(final_answer)
+        answer = read_last_number(tagged if tagged is not None else final_answer)
+        # Both sides are canonical integer strings, so string equality is integer equality.
+        return Reward(correct=1.0 if answer == self.problem.answer else 0.0, format=0.0)
+
+
+class CalculatorEnvironment:
+    name = "agentic-calculator"
+
+    def __init__(
+        self,
+        heldout_fraction: float = 0.1,
+        max_turns: int = 4,
+        max_tool_calls: int = 4,
+        invalid_call_penalty: float = 0.1,
+    ) -> None:
+        check_heldout_fraction(heldout_fraction)
+        check_tool_limits(max_turns, max_tool_calls, invalid_call_penalty)
+        self.heldout_fraction = heldout_fraction
+        self.max_turns = max_turns
+        self.max_tool_calls = max_tool_calls
+        self.invalid_call_penalty = invalid_call_penalty
+
+    def problem(self, split: Split, index: int) -> Problem:
+        return draw_in_split(
+            self.name,
+            split,
+            index,
+            self.heldout_fraction,
+            lambda seed: self._candidate(index, seed),
+        )
+
+    def _candidate(self, index: int, seed: int) -> Problem:
+        rng = random.Random(seed)
+        story = rng.choice(sorted(STORIES))
+        question, answer, numbers = STORIES[story](rng, rng.choice(NAMES))
+        return Problem(
+            task=self.name,
+            index=index,
+            question=question,
+            answer=str(answer),
+            key=f"{story}:{','.join(map(str, numbers))}",
+            metadata={"story": story, "numbers": list(numbers)},
+        )
+
+    def episode(self, split: Split, index: int) -> CalculatorEpisode:
+        return CalculatorEpisode(
+            self.problem(split, index),
+            SYSTEM_PROMPT,
+            [PYTHON_TOOL],
+            max_turns=self.max_turns,
+            max_tool_calls=self.max_tool_calls,
+            invalid_call_penalty=self.invalid_call_penalty,
+        )

@@ -1,0 +1,200 @@
+"""Countdown with a checking tool ("agentic-countdown"): reach a target from given numbers.
+
+Why countdown and not a lookup task: searching for an expression is genuinely multi-step (propose,
+check, revise), the tool's feedback is what drives the search, and the problems are exactly those
+of the single-turn task "rg:countdown" with the same config (the same seeds, the same split keys),
+so the agentic and the single-turn setting can be compared on the same held-out problems.
+
+The tool `check` evaluates a candidate expression in the sandbox and reports its value, whether it
+uses only the given numbers (each at most once) and whether it reaches the target. The final
+answer is an expression inside <answer></answer>. With `require_check` (the default) the episode
+is solved only by an answer the tool has confirmed in this episode (whitespace aside): the answer
+cannot be reached without the tool's results, which is what the environment is for. Without it,
+any answer that reaches the target with the given numbers solves it.
+
+reasoning-gym's own countdown scorer is not used: it parses answers with sympy's parse_expr,
+which evaluates model text in this process, and it demands every number be used.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from reasoning_gym.utils import extract_answer as extract_tagged_answer
+
+from decentrl.envs.sandbox import ToolResult, run_expression
+from decentrl.envs.tool_calls import Tool, ToolEpisode, check_tool_limits, tools_system_prompt
+from decentrl.tasks.base import Problem, Reward, Split, check_heldout_fraction
+from decentrl.tasks.reasoning_gym import ReasoningGymTask
+
+# Smaller than reasoning-gym's default (4-6 numbers up to 100, targets 100-999) so that a 135M
+# model finds solutions now and then; any option given in `config` overrides these.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "min_numbers": 3,
+    "max_numbers": 4,
+    "max_value": 25,
+    "min_target": 10,
+    "max_target": 100,
+}
+# Integers, + - * /, parentheses and spaces; "**" and "//" are not countdown operations.
+EXPRESSION_RE = re.compile(r"[\d\s+\-*/()]+", re.ASCII)  # ASCII: "٣" is a \d too
+FORBIDDEN_OPERATORS = ("**", "//")
+INTEGER_RE = re.compile(r"\d+", re.ASCII)
+TARGET_TOLERANCE = 1e-6  # "/" gives floats; 10 / 3 * 3 must still count as 10
+
+INSTRUCTIONS = (
+    "You play countdown: combine the given numbers with + - * / and parentheses to make the "
+    "target. Each number may be used at most once; not all of them need to be used. Check "
+    "candidate expressions with the check tool. When the tool confirms an expression reaches "
+    "the target, reply without a tool call and give that expression inside <answer></answer> "
+    "tags."
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    result: ToolResult  # what the tool tells the model
+    solves: bool  # reaches the target using only the given numbers, each at most once
+
+
+def normalized(expression: str) -> str:
+    return "".join(expression.split())
+
+
+def overused_numbers(used: list[int], numbers: list[int]) -> str | None:
+    """Why `used` is not drawn from `numbers` (each at most once), or None when it is."""
+    available = Counter(numbers)
+    for number, count in sorted(Counter(used).items()):
+        if available[number] == 0:
+            return f"{number} is not one of the numbers"
+        if count > available[number]:
+            return f"{number} is used {count} times but given {available[number]} time(s)"
+    return None
+
+
+def check_expression(expression: str, numbers: list[int], target: int) -> Check:
+    if not EXPRESSION_RE.fullmatch(expression) or any(
+        operator in expression for operator in FORBIDDEN_OPERATORS
+    ):
+        return Check(
+            ToolResult(ok=False, output="", error="an expression may only hold integers, "
+                       "+ - * /, parentheses and spaces"),
+            solves=False,
+        )
+    evaluated = run_expression(expression)
+    if not evaluated.ok:
+        return Check(evaluated, solves=False)
+    try:
+        value = float(evaluated.output)
+    except ValueError:  # a value too long to show in full
+        value = math.nan
+    reaches = abs(value - target) <= TARGET_TOLERANCE
+    overuse = overused_numbers([int(n) for n in INTEGER_RE.findall(expression)], numbers)
+    numbers_verdict = "yes" if overuse is None else f"no ({overuse})"
+    report = (
+        f"value: {evaluated.output}\n"
+        f"uses only the given numbers, each at most once: {numbers_verdict}\n"
+        f"reaches the target {target}: {'yes' if reaches else 'no'}"
+    )
+    return Check(ToolResult(ok=True, output=report, error=None), solves=reaches and overuse is None)
+
+
+class CountdownEpisode(ToolEpisode):
+    def __init__(
+        self,
+        problem: Problem,
+        require_check: bool,
+        max_turns: int,
+        max_tool_calls: int,
+        invalid_call_penalty: float,
+    ) -> None:
+        self.numbers: list[int] = problem.metadata["numbers"]
+        self.target: int = problem.metadata["target"]
+        self.require_check = require_check
+        self.confirmed: set[str] = set()  # normalized expressions the tool found to solve it
+        tool = Tool(
+            name="check",
+            description="Evaluate a candidate countdown expression; report its value, whether "
+            "it uses only the given numbers (each at most once) and whether it reaches the "
+            "target.",
+            arguments={"expression": {"type": "string", "description": "e.g. (25 - 5) * 4"}},
+            run=self.run_check,
+        )
+        super().__init__(
+            problem,
+            tools_system_prompt(INSTRUCTIONS, [tool]),
+            [tool],
+            max_turns=max_turns,
+            max_tool_calls=max_tool_calls,
+            invalid_call_penalty=invalid_call_penalty,
+        )
+
+    def run_check(self, arguments: dict[str, Any]) -> ToolResult:
+        check = check_expression(arguments["expression"], self.numbers, self.target)
+        if check.solves:
+            self.confirmed.add(normalized(arguments["expression"]))
+        return check.result
+
+    def score(self, final_answer: str) -> Reward:
+        answer = extract_tagged_answer(final_answer)
+        if answer is None:
+            solved = False
+        elif self.require_check:
+            solved = normalized(answer) in self.confirmed
+        else:
+            solved = check_expression(answer, self.numbers, self.target).solves
+        return Reward(correct=1.0 if solved else 0.0, format=0.0)
+
+
+class CountdownEnvironment:
+    name = "agentic-countdown"
+
+    def __init__(
+        self,
+        heldout_fraction: float = 0.1,
+        config: dict[str, Any] | None = None,
+        require_check: bool = True,
+        max_turns: int = 8,
+        max_tool_calls: int = 8,
+        invalid_call_penalty: float = 0.1,
+    ) -> None:
+        check_heldout_fraction(heldout_fraction)
+        check_tool_limits(max_turns, max_tool_calls, invalid_call_penalty)
+        if not isinstance(require_check, bool):
+            raise ValueError(f"require_check must be a bool, got {require_check!r}")
+        # Problems, seeds and split keys are those of "rg:countdown" with the same config.
+        self.puzzles = ReasoningGymTask(
+            "countdown",
+            heldout_fraction=heldout_fraction,
+            config={**DEFAULT_CONFIG, **(config or {})},
+        )
+        self.require_check = require_check
+        self.max_turns = max_turns
+        self.max_tool_calls = max_tool_calls
+        self.invalid_call_penalty = invalid_call_penalty
+
+    def problem(self, split: Split, index: int) -> Problem:
+        puzzle = self.puzzles.problem(split, index)
+        numbers = puzzle.metadata["entry"]["metadata"]["numbers"]
+        target = puzzle.metadata["entry"]["metadata"]["target"]
+        return Problem(
+            task=self.name,
+            index=index,
+            question=f"Numbers: {', '.join(map(str, numbers))}\nTarget: {target}",
+            answer=puzzle.answer,  # one solution; others count as well
+            key=puzzle.key,
+            metadata={"numbers": numbers, "target": target, "seed": puzzle.metadata["seed"]},
+        )
+
+    def episode(self, split: Split, index: int) -> CountdownEpisode:
+        return CountdownEpisode(
+            self.problem(split, index),
+            self.require_check,
+            max_turns=self.max_turns,
+            max_tool_calls=self.max_tool_calls,
+            invalid_call_penalty=self.invalid_call_penalty,
+        )

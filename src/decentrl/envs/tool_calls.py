@@ -1,0 +1,292 @@
+"""Tool calls in the Hermes/Qwen format SmolLM2 was trained on, and the episode that runs them.
+
+The system prompt describes the tools as JSON schemas inside <tools></tools>. The assistant calls
+one by writing <tool_call>{"name": ..., "arguments": {...}}</tool_call>; a JSON list of such
+objects inside one tag (SmolLM2's own template writes that) is several calls, and an empty list
+none. Each call answers with one "tool" message, in the order of the calls: the tool's output, or
+"error: ..." saying what was wrong, so that the model can fix the call. A malformed call is not
+run and counts as invalid; a well-formed call whose tool fails (a division by zero, say) is a valid
+call with an error result.
+
+A reply without any tool call is the final answer and ends the episode. Parsing reads any text,
+however hostile, without raising.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from decentrl.envs.base import EnvStep, Message, StopReason
+from decentrl.envs.sandbox import ToolResult
+from decentrl.tasks.arithmetic import check_int_option
+from decentrl.tasks.base import Problem, Reward, is_real
+
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+ERROR_PREFIX = "error: "
+MAX_CALLS_PER_TURN = 4
+# Model text quoted back in an error is cut to this length: hostile output must not flood the
+# context through its own error messages.
+MAX_QUOTE_CHARS = 60
+# JSON schema types a tool argument may have, and the Python values that match them.
+JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+}
+LAST_TURN_NOTE = "note: no more tool calls; your next reply is your final answer."
+# A call block, closed or running to the end of the reply.
+TOOL_CALL_BLOCK_RE = re.compile(
+    re.escape(OPEN_TAG) + r".*?(?:" + re.escape(CLOSE_TAG) + r"|\Z)", re.DOTALL
+)
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    # Argument name -> JSON schema ({"type": "string", "description": ...}); all are required.
+    arguments: dict[str, dict[str, str]]
+    run: Callable[[dict[str, Any]], ToolResult]  # takes arguments already checked against it
+
+    def schema(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": {
+                    "type": "object",
+                    "properties": self.arguments,
+                    "required": list(self.arguments),
+                },
+            },
+        }
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One attempted call: a well-formed `call`, or the `error` observation that rejects it."""
+
+    call: ToolCall | None
+    error: str | None
+
+
+def tools_system_prompt(instructions: str, tools: Sequence[Tool]) -> str:
+    schemas = "\n".join(json.dumps(tool.schema()) for tool in tools)
+    return (
+        f"{instructions}\n\n"
+        "# Tools\n\n"
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{schemas}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n'
+        "Each call's result comes back in a tool message, in the order of the calls."
+    )
+
+
+def quoted(text: str) -> str:
+    shown = text if len(text) <= MAX_QUOTE_CHARS else text[:MAX_QUOTE_CHARS] + "..."
+    return json.dumps(shown)
+
+
+def json_type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    for name, python_type in JSON_TYPES.items():
+        if isinstance(value, python_type):
+            return name
+    return {list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def matches_json_type(value: Any, json_type: str) -> bool:
+    # bool is an int subclass in Python but not a JSON number.
+    return not isinstance(value, bool) and isinstance(value, JSON_TYPES[json_type])
+
+
+def check_call(item: Any, tools: Mapping[str, Tool]) -> ParsedCall:
+    """One decoded JSON value as a call of one of `tools`, or the error that rejects it."""
+
+    def rejected(reason: str) -> ParsedCall:
+        return ParsedCall(call=None, error=ERROR_PREFIX + reason)
+
+    if not isinstance(item, dict):
+        return rejected(
+            'a tool call must be a JSON object {"name": ..., "arguments": {...}}, '
+            f"got {json_type_name(item)}"
+        )
+    name = item.get("name")
+    if not isinstance(name, str):
+        return rejected('tool call has no "name" string')
+    if name not in tools:
+        return rejected(f"unknown tool {quoted(name)}; available tools: {', '.join(tools)}")
+    tool = tools[name]
+    arguments = item.get("arguments", {})
+    if not isinstance(arguments, dict):
+        return rejected(f'"arguments" of tool {name} must be a JSON object, got '
+                        f"{json_type_name(arguments)}")
+    for argument in arguments:
+        if argument not in tool.arguments:
+            return rejected(f"tool {name} has no argument {quoted(argument)}; its arguments: "
+                            f"{', '.join(tool.arguments)}")
+    for argument, schema in tool.arguments.items():
+        if argument not in arguments:
+            return rejected(f"tool {name} is missing argument {argument!r}")
+        if not matches_json_type(arguments[argument], schema["type"]):
+            return rejected(f"argument {argument!r} of tool {name} must be a {schema['type']}, "
+                            f"got {json_type_name(arguments[argument])}")
+    return ParsedCall(call=ToolCall(name=name, arguments=arguments), error=None)
+
+
+def parse_block(body: str, tools: Mapping[str, Tool]) -> list[ParsedCall]:
+    try:
+        decoded = json.loads(body)
+    except json.JSONDecodeError as error:
+        return [ParsedCall(None, f"{ERROR_PREFIX}tool_call is not valid JSON: {error.msg} at "
+                                 f"character {error.pos}")]
+    except (ValueError, RecursionError):  # absurdly deep nesting, invalid surrogates
+        return [ParsedCall(None, f"{ERROR_PREFIX}tool_call is not valid JSON")]
+    items = decoded if isinstance(decoded, list) else [decoded]
+    return [check_call(item, tools) for item in items]
+
+
+def parse_tool_calls(text: str, tools: Mapping[str, Tool],
+                     max_calls: int = MAX_CALLS_PER_TURN) -> list[ParsedCall]:
+    """Every call attempted in `text`, in order; [] when the text is a final answer."""
+    parsed: list[ParsedCall] = []
+    position = 0
+    while len(parsed) <= max_calls:
+        start = text.find(OPEN_TAG, position)
+        if text.find(CLOSE_TAG, position, len(text) if start == -1 else start) != -1:
+            parsed.append(ParsedCall(None, f"{ERROR_PREFIX}{CLOSE_TAG} without an opening "
+                                           f"{OPEN_TAG}"))
+        if start == -1:
+            break
+        end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
+        if end == -1:
+            parsed.append(ParsedCall(None, f"{ERROR_PREFIX}{OPEN_TAG} is not closed by "
+                                           f"{CLOSE_TAG}"))
+            break
+        parsed.extend(parse_block(text[start + len(OPEN_TAG):end], tools))
+        position = end + len(CLOSE_TAG)
+    if len(parsed) > max_calls:
+        # One error stands for all the extra calls, however many: a reply with thousands of
+        # calls must not answer with thousands of messages.
+        too_many = f"more than {max_calls} tool calls in one turn; the rest were not run"
+        return parsed[:max_calls] + [ParsedCall(None, ERROR_PREFIX + too_many)]
+    return parsed
+
+
+def strip_tool_calls(text: str) -> str:
+    """The prose of a reply: what is left once its tool-call blocks are removed."""
+    return TOOL_CALL_BLOCK_RE.sub("", text).replace(CLOSE_TAG, "").strip()
+
+
+def defanged(text: str) -> str:
+    """Environment text with chat-template control markers broken up.
+
+    A tool's output can hold any text (a Python string, a quoted tool name); "<|im_end|>" in a
+    tool message would end it early once the conversation is rendered and tokenized.
+    """
+    return text.replace("<|", "< |")
+
+
+def check_tool_limits(max_turns: int, max_tool_calls: int, invalid_call_penalty: float) -> None:
+    check_int_option("max_turns", max_turns, 1, 1000)
+    check_int_option("max_tool_calls", max_tool_calls, 0, 1000)
+    if not (is_real(invalid_call_penalty) and 0.0 <= invalid_call_penalty <= 1.0):
+        raise ValueError(f"invalid_call_penalty must be in [0, 1], got {invalid_call_penalty!r}")
+
+
+class ToolEpisode(ABC):
+    """A conversation in which the assistant may call tools until it replies without a call.
+
+    The reply without a call is the final answer, which `score` turns into the reward. When the
+    episode hits a limit instead (`max_turns` replies, or more than `max_tool_calls` calls), the
+    calls of the last reply are not run and the reward scores that reply's prose, if any. Each
+    turn's signal is -invalid_call_penalty per malformed call (0.0 for a clean turn).
+    """
+
+    def __init__(
+        self,
+        problem: Problem,
+        system_prompt: str,
+        tools: Sequence[Tool],
+        max_turns: int,
+        max_tool_calls: int,
+        invalid_call_penalty: float,
+    ) -> None:
+        self.problem = problem
+        self.tools = {tool.name: tool for tool in tools}
+        self.max_turns = max_turns
+        self.max_tool_calls = max_tool_calls
+        self.invalid_call_penalty = invalid_call_penalty
+        self.turns = 0
+        self.tool_calls = 0
+        self.invalid_calls = 0
+        self.stop_reason: StopReason | None = None
+        self.reward: Reward | None = None
+        self._messages: list[Message] = [
+            {"role": "system", "content": system_prompt},
+            {"role": "user", "content": problem.question},
+        ]
+
+    @abstractmethod
+    def score(self, final_answer: str) -> Reward:
+        """The reward for the final answer (the prose of the last reply; may be empty)."""
+
+    def messages(self) -> list[Message]:
+        return [dict(message) for message in self._messages]
+
+    def respond(self, assistant_text: str) -> EnvStep:
+        if self.stop_reason is not None:
+            raise RuntimeError(f"episode of problem {self.problem.index} is over "
+                               f"({self.stop_reason}); start a new one")
+        self.turns += 1
+        self._messages.append({"role": "assistant", "content": assistant_text})
+        parsed = parse_tool_calls(assistant_text, self.tools)
+        invalid = sum(1 for attempt in parsed if attempt.error is not None)
+        self.tool_calls += len(parsed)
+        self.invalid_calls += invalid
+        turn_signal = -self.invalid_call_penalty * invalid if invalid else 0.0  # not -0.0
+        if not parsed:
+            return self._finish("answer", assistant_text, turn_signal)
+        if self.tool_calls > self.max_tool_calls:
+            return self._finish("tool_call_limit", strip_tool_calls(assistant_text), turn_signal)
+        if self.turns >= self.max_turns:
+            return self._finish("turn_limit", strip_tool_calls(assistant_text), turn_signal)
+        observations = [self._observe(attempt) for attempt in parsed]
+        # The model cannot count its budget; telling it keeps its last turn from being wasted on
+        # a call that would not run.
+        if self.turns == self.max_turns - 1 or self.tool_calls == self.max_tool_calls:
+            observations[-1] = f"{observations[-1]}\n{LAST_TURN_NOTE}"
+        appended = [{"role": "tool", "content": defanged(text)} for text in observations]
+        self._messages.extend(appended)
+        return EnvStep(messages=[dict(m) for m in appended], done=False, reward=None,
+                       turn_signal=turn_signal)
+
+    def _observe(self, attempt: ParsedCall) -> str:
+        if attempt.call is None:
+            assert attempt.error is not None  # a ParsedCall holds one or the other
+            return attempt.error
+        result = self.tools[attempt.call.name].run(attempt.call.arguments)
+        return result.output if result.ok else f"{ERROR_PREFIX}{result.error}"
+
+    def _finish(self, stop_reason: StopReason, final_answer: str, turn_signal: float) -> EnvStep:
+        self.stop_reason = stop_reason
+        self.reward = self.score(final_answer)
+        return EnvStep(messages=[], done=True, reward=self.reward, turn_signal=turn_signal)

@@ -1,0 +1,273 @@
+"""The calculator tool's sandbox: right answers, refusals, runaway code stopped, no process left."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from decentrl.envs import sandbox
+from decentrl.envs.sandbox import (
+    MAX_EXPRESSION_CHARS,
+    MEMORY_LIMIT_ERROR,
+    TRUNCATION_MARKER,
+    ToolResult,
+    run_expression,
+)
+
+# Far above what any call should take (about 50 ms, a timeout about timeout_s): a stopped runaway
+# returns well within it on a busy machine, a runaway that is not stopped does not.
+BOUNDED_WALL_S = 5.0
+
+
+def timed(expression: str, **limits: float) -> tuple[ToolResult, float]:
+    start = time.monotonic()
+    result = run_expression(expression, **limits)  # type: ignore[arg-type]
+    return result, time.monotonic() - start
+
+
+# --- ordinary arithmetic --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "output"),
+    [
+        ("(3 + 4) * 12", "84"),
+        ("2 + 3 * 4 - 1", "13"),
+        ("2 ** 3 ** 2", "512"),  # right-associative
+        ("-2 ** 2", "-4"),  # ** binds tighter than unary minus
+        ("7 / 2", "3.5"),
+        ("7 // 2 + -7 % 3", "5"),
+        ("0.1 + 0.2", "0.30000000000000004"),
+        ("1_000 * 3", "3000"),
+        ("10 ** 30", "1" + "0" * 30),
+        ("sqrt(16) + floor(2.7) + ceil(2.1)", "9.0"),
+        ("max(3, 9, 2) - min([4, 5])", "5"),
+        ("round(2.675, 2)", "2.67"),
+        ("round(7.5)", "8"),
+        ("factorial(5) + comb(5, 2) + gcd(12, 18)", "136"),
+        ("abs(-3) + len([1, 2]) + sum((1, 2, 3.5))", "11.5"),
+        ("pow(2, 10)", "1024"),
+        ("log(8, 2) + log10(100)", "5.0"),
+        ("pi * 2 == tau", "True"),
+        ("int('12') + float('0.5')", "12.5"),
+        ("2 < 3 <= 3 > 1", "True"),
+        ("1 if 0 else 2", "2"),
+        ("0 or [] or 5", "5"),
+        ("1 and 0", "0"),
+        ("not 3 in [1, 2]", "True"),
+        ("[1, 2] + [3]", "[1, 2, 3]"),
+        ("(1,)", "(1,)"),
+        ("{'a': 1}", "{'a': 1}"),
+        ("'ab' * 2", "'abab'"),
+        ("  7  ", "7"),
+    ],
+)
+def test_ordinary_arithmetic(expression: str, output: str) -> None:
+    assert run_expression(expression) == ToolResult(ok=True, output=output, error=None)
+
+
+@pytest.mark.parametrize(
+    ("expression", "error"),
+    [
+        ("1 / 0", "ZeroDivisionError: division by zero"),
+        ("sqrt(-1)", "ValueError: math domain error"),
+        ("abs(1, 2)", "TypeError: abs() takes 1 argument, got 2"),
+        ("min()", "TypeError: min() takes at least 1 arguments, got 0"),
+        ("sum(['a'])", "TypeError: unsupported operand type(s) for +: 'int' and 'str'"),
+        ("1 +", "SyntaxError: invalid syntax"),
+        ("(2", "SyntaxError: '(' was never closed at column 1"),
+        ("1 2", "SyntaxError: invalid syntax"),
+        ("x = 3", "SyntaxError: invalid syntax"),
+        ("import os", "SyntaxError: invalid syntax"),
+        ("", "SyntaxError: invalid syntax"),
+    ],
+)
+def test_errors_are_reported_as_python_would(expression: str, error: str) -> None:
+    result = run_expression(expression)
+    assert not result.ok and result.output == ""
+    assert result.error is not None and result.error.startswith(error)
+
+
+# --- escapes --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("expression", "error"),
+    [
+        ("().__class__", "not allowed: attribute access"),
+        ("().__class__.__base__.__subclasses__()", "not allowed: attribute access"),
+        ("(1).real", "not allowed: attribute access"),
+        ("__import__('os')", "NameError: name '__import__' is not defined"),
+        ("open('/etc/passwd')", "NameError: name 'open' is not defined"),
+        ("eval('1')", "NameError: name 'eval' is not defined"),
+        ("os", "NameError: name 'os' is not defined"),
+        ("__builtins__", "NameError: name '__builtins__' is not defined"),
+        ("1 if True else os", "NameError: name 'os' is not defined"),  # untaken branches too
+        ("lambda: 1", "not allowed: lambda"),
+        ("(lambda: 1)()", "not allowed: lambda"),
+        ("(1)(2)", "not allowed: calling anything but a function by its name"),
+        ("[x for x in [1]]", "not allowed: comprehensions"),
+        ("sum(x for x in [1])", "not allowed: comprehensions"),
+        ("(y := 3)", "not allowed: assignment (:=)"),
+        ("f'{1}'", "not allowed: f-strings"),
+        ("[1, 2][0]", "not allowed: subscripts"),
+        ("max([1], key=len)", "not allowed: keyword arguments"),
+        ("max(*[1, 2])", "not allowed: * unpacking"),
+        ("{**{}}", "not allowed: ** unpacking"),
+        ("1 << 3", "not allowed: the << operator"),
+        ("1 is 1", "not allowed: the is operator"),
+        ("sqrt", "not allowed: sqrt is a function"),
+        ("b'x'", "not allowed: bytes literals"),
+        ("'%s' % 1", "not allowed: % string formatting"),
+        ("-" * 200 + "1", "not allowed: expressions nested more than"),
+        ("1+" * 300 + "1", f"not allowed: expressions longer than {MAX_EXPRESSION_CHARS}"),
+    ],
+)
+def test_forbidden_constructs_are_refused(expression: str, error: str) -> None:
+    result = run_expression(expression)
+    assert not result.ok
+    assert result.error is not None and result.error.startswith(error)
+
+
+def test_hostile_text_never_raises() -> None:
+    for expression in ["'\ud800'", "\x00", "1 +\n\n+", "'''", "\\", "\u0661 + 1"]:
+        result = run_expression(expression)
+        # Whatever the answer, the caller can encode it (a tokenizer, a log).
+        (result.output + (result.error or "")).encode("utf-8")
+    not_a_string = run_expression(42)  # type: ignore[arg-type]
+    assert not not_a_string.ok and not_a_string.error is not None
+    assert not_a_string.error.startswith("TypeError: the expression must be a string")
+
+
+# --- runaway code ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "9**9**9",
+        "pow(10, 10**8)",
+        "2 ** 10001",
+        "factorial(10**6)",
+        "comb(10**9, 5 * 10**8)",
+        "'x' * 10**10",
+        "[0] * 10**10",
+        "10**10 * (1, 2)",
+        "round(5, -10**6)",
+        "int('f' * 4000, 16)",
+    ],
+)
+def test_astronomical_results_are_refused(expression: str) -> None:
+    result, wall_s = timed(expression)
+    assert not result.ok and result.error is not None
+    assert result.error.startswith("too large:")
+    assert wall_s < BOUNDED_WALL_S
+
+
+def test_work_past_the_timeout_is_stopped() -> None:
+    # Each max() is short; the SIGALRM timer stops the evaluation between them.
+    many_short_steps = " + ".join(["max([0] * 10**6)"] * 25)
+    result, wall_s = timed(many_short_steps, timeout_s=0.1)
+    assert result == ToolResult(ok=False, output="", error="timeout: took longer than 0.1 s")
+    assert wall_s < BOUNDED_WALL_S
+    # One comparison of 10**12 items never returns to the interpreter: the CPU limit or the
+    # caller's watchdog kills the child.
+    nested = "[[[0] * 10**4] * 10**4] * 10**4"
+    result, wall_s = timed(f"{nested} == {nested}", timeout_s=0.5)
+    assert result == ToolResult(ok=False, output="", error="timeout: took longer than 0.5 s")
+    assert wall_s < BOUNDED_WALL_S
+
+
+def test_memory_limit_is_reported() -> None:
+    # Forty separate 8 MB lists: every step is legal, the total is past 256 MB.
+    forty_lists = "[" + "[0]*10**6," * 40 + "]"
+    result, wall_s = timed(forty_lists, memory_mb=256)
+    assert result == ToolResult(ok=False, output="", error=MEMORY_LIMIT_ERROR)
+    assert wall_s < BOUNDED_WALL_S
+    # The same with room to spare.
+    assert run_expression("len([" + "[0]*10**6," * 4 + "])").output == "4"
+
+
+def test_child_limits_hold_even_if_the_interpreter_were_escaped() -> None:
+    # The whitelist gives no way to open a file or a socket; if an escape found one, the child's
+    # resource limits would still refuse. Apply them in a throwaway interpreter and try.
+    probe = f"""
+import json, runpy, socket
+sandbox = runpy.run_path({sandbox.__file__!r}, run_name="sandbox_probe")
+sandbox["_limit_resources"](timeout_s=1.0, memory_mb=64)
+refused = []
+for attempt in (
+    lambda: open("/etc/hostname"),
+    lambda: socket.socket(),
+    lambda: bytearray(100 * 2**20),
+):
+    try:
+        attempt()
+    except (OSError, MemoryError) as error:
+        refused.append(type(error).__name__)
+print(json.dumps(refused))
+"""
+    completed = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert json.loads(completed.stdout) == ["OSError", "OSError", "MemoryError"]
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+def test_output_is_truncated() -> None:
+    result = run_expression("'x' * 1000", max_output_chars=50)
+    assert result.ok and len(result.output) == 50
+    assert result.output == "'" + "x" * (49 - len(TRUNCATION_MARKER)) + TRUNCATION_MARKER
+    long_number = run_expression("10 ** 300")
+    assert len(long_number.output) == 200 and long_number.output.startswith("1000")
+    long_error = run_expression("int('" + "z" * 400 + "')", max_output_chars=40)
+    assert long_error.error is not None and len(long_error.error) == 40
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"timeout_s": 0},
+        {"timeout_s": -1.0},
+        {"timeout_s": math.nan},
+        {"memory_mb": 1},
+        {"max_output_chars": 0},
+    ],
+)
+def test_bad_limits_are_programming_errors(limits: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        run_expression("1", **limits)  # type: ignore[arg-type]
+
+
+# --- processes ------------------------------------------------------------------------------------
+
+
+def test_no_child_process_is_left_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[int] = []
+
+    class RecordingPopen(subprocess.Popen):  # type: ignore[type-arg]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            started.append(self.pid)
+
+    monkeypatch.setattr(sandbox.subprocess, "Popen", RecordingPopen)
+    expressions = ["1 + 1", "().__class__", "1 / 0", "9**9**9", "(2"] * 8
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(run_expression, expressions))
+    assert [result.ok for result in results] == [True, False, False, False, False] * 8
+    timed_out = run_expression(" + ".join(["max([0] * 10**6)"] * 25), timeout_s=0.1)
+    assert timed_out.error == "timeout: took longer than 0.1 s"
+    assert len(started) == len(expressions) + 1
+    for pid in started:
+        with pytest.raises(ChildProcessError):  # reaped: no zombie, not running
+            os.waitpid(pid, os.WNOHANG)
+        assert not os.path.exists(f"/proc/{pid}")
