@@ -118,7 +118,7 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
             versions_out.append(versions)
             forced_out.append(is_forced)
             done_before = done
-            stopped = torch.isin(tokens, stop) & ~is_forced.to(device)
+            stopped = torch.isin(tokens, stop) & ~is_forced.to(device) & ~done
             if on_stop is not None:
                 history = torch.stack(tokens_out, 1).cpu()
                 for row in stopped.nonzero()[:, 0].tolist():
