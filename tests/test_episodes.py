@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from decentrl.envs.base import EnvStep, Message
+from decentrl.evaluate.episodes import evaluate_episodes
 from decentrl.model.tiny import tiny_tokenizer
 from decentrl.rollout.chain import StepResult
 from decentrl.rollout.episodes import continuation_text, generate_episodes
@@ -24,7 +25,7 @@ class LookupEpisode:
 
     def __init__(self) -> None:
         self.conversation: list[Message] = [{"role": "user", "content": "what is x?"}]
-        self.turns = 0
+        self.turns = self.tool_calls = self.invalid_calls = 0
         self.reward: Reward | None = None
 
     def messages(self) -> list[Message]:
@@ -34,6 +35,8 @@ class LookupEpisode:
         self.turns += 1
         self.conversation.append({"role": "assistant", "content": assistant_text})
         if self.turns == 1:
+            self.tool_calls += 1
+            self.invalid_calls += assistant_text != "look up x"
             reply = [{"role": "tool", "content": TOOL_REPLY}]
             self.conversation += reply
             return EnvStep(messages=reply, done=False, reward=None, turn_signal=None)
@@ -124,3 +127,36 @@ def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
     turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     with pytest.raises(ValueError, match="only appends"):
         continuation_text(tokenizer, turn, [*turn, {"role": "tool", "content": "r"}])
+
+
+class LookupEnvironment:
+    name = "lookup"
+
+    def episode(self, split: str, index: int) -> LookupEpisode:
+        return LookupEpisode()
+
+
+def test_episode_evaluation_counts_success_turns_and_calls() -> None:
+    tokenizer = tiny_tokenizer()
+    # 5 episodes in batches of 2: right, wrong, right after a malformed lookup, right, cut short.
+    scripts = [["look up x", "7"], ["look up x", "8"], ["look up y", "7"], ["look up x", "7"],
+               ["look up x and more and more and more", "7"]]
+
+    class Chain(ScriptedChain):
+        calls = 0
+
+        def open_session(self, batch: int, max_length: int) -> ScriptedSession:
+            first = 2 * Chain.calls
+            Chain.calls += 1
+            return ScriptedSession(scripts[first:first + batch], tokenizer)
+
+    result = evaluate_episodes(Chain(scripts, tokenizer), LookupEnvironment(), tokenizer, 5, 40,
+                               batch_size=2)
+    assert result.episodes == 5 and result.success.n == 5
+    assert result.success.mean == pytest.approx(3 / 5)
+    assert result.cut_by_budget == 1
+    assert result.mean_turns == pytest.approx((2 + 2 + 2 + 2 + 1) / 5)
+    assert result.mean_tool_calls == pytest.approx(1.0)
+    assert result.invalid_call_rate == pytest.approx(2 / 5)  # "look up y" and the long one
+    with pytest.raises(ValueError, match="num_episodes"):
+        evaluate_episodes(Chain(scripts, tokenizer), LookupEnvironment(), tokenizer, 0, 40, 2)
