@@ -210,7 +210,8 @@ def test_a_runs_latest_checkpoint_exports_to_the_same_model(
     (run_dir / "config.json").write_text(config.model_dump_json())
     interval = {"mean": 0.555, "low": 0.486, "high": 0.622, "n": 200}
     (run_dir / "eval_after.json").write_text(json.dumps(
-        {"task": "sums", "problems": 200, "pass1": interval, "pass_k": None, "k": 1}))
+        {"task": "sums", "split": "heldout", "problems": 200, "pass1": interval, "pass_k": None,
+         "k": 1, "mean_completion_tokens": 9.5, "samples": []}))
     peers = [{"peer_id": f"12D3KooW{name}", "name": name, "stage": stage, "role": role,
               "version": 1, "tokens_per_s": 10.0, "bytes_sent": 1000, "reputation": 1.0,
               "banned": False}

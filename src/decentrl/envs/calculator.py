@@ -20,12 +20,10 @@ from reasoning_gym.utils import extract_answer as extract_tagged_answer
 
 from decentrl.envs.sandbox import ToolResult, run_expression
 from decentrl.envs.tool_calls import Tool, ToolEpisode, check_tool_limits, tools_system_prompt
-from decentrl.tasks.arithmetic import SumsTask
+from decentrl.tasks.arithmetic import last_number
 from decentrl.tasks.base import Problem, Reward, Split, check_heldout_fraction, draw_in_split
 
 NAMES = ("Maya", "Tom", "Aisha", "Lukas", "Sofia", "Kenji", "Priya", "Omar")
-# SumsTask's answer reading does not depend on its options.
-read_last_number = SumsTask().extract_answer
 
 INSTRUCTIONS = (
     "You solve arithmetic word problems. Use the python tool to compute; do not do arithmetic in "
@@ -123,7 +121,7 @@ STORIES: dict[str, Callable[[random.Random, str], Story]] = {
 class CalculatorEpisode(ToolEpisode):
     def score(self, final_answer: str) -> Reward:
         tagged = extract_tagged_answer(final_answer)
-        answer = read_last_number(tagged if tagged is not None else final_answer)
+        answer = last_number(tagged if tagged is not None else final_answer)
         # Both sides are canonical integer strings, so string equality is integer equality.
         return Reward(correct=1.0 if answer == self.problem.answer else 0.0, format=0.0)
 

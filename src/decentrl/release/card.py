@@ -3,32 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from decentrl.config import RunConfig
+from decentrl.evaluate.runner import EvalResult
 from decentrl.evaluate.suite import SuiteResult, suite_table_markdown
 from decentrl.model.loading import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID
-from decentrl.observe.report import SwarmRecord, markdown_text, peer_name
-
-
-def _percent(interval: dict[str, float]) -> str:
-    return (f"{100 * interval['mean']:.1f}% [{100 * interval['low']:.1f}, "
-            f"{100 * interval['high']:.1f}]")
-
-
-def evaluation_table(before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
-    """A markdown table of held-out pass@1 (and pass@k) before and after training, 95% CIs."""
-    if after is None:
-        return "No held-out evaluation was recorded for this run.\n"
-    rows = [("pass@1 (greedy)", "pass1")]
-    if after.get("pass_k") is not None:
-        rows.append((f"pass@{after['k']} (sampled, T=1)", "pass_k"))
-    lines = [f"Held-out `{after['task']}`, {after['problems']} problems, 95% confidence intervals:",
-             "", "| | before | after |", "|---|---|---|"]
-    for label, key in rows:
-        earlier = _percent(before[key]) if before and before.get(key) else "-"
-        lines.append(f"| {label} | {earlier} | {_percent(after[key])} |")
-    return "\n".join(lines) + "\n"
+from decentrl.observe.report import SwarmRecord, held_out_table, markdown_text, peer_name
 
 
 def suite_section(suite: SuiteResult | None) -> str:
@@ -55,7 +34,7 @@ def swarm_section(snapshot: SwarmRecord | None) -> str:
 
 
 def model_card(config: RunConfig, version: int, steps: int, stage_hashes: list[str],
-               before: dict[str, Any] | None, after: dict[str, Any] | None,
+               before: EvalResult | None, after: EvalResult | None,
                suite: SuiteResult | None = None, snapshot: SwarmRecord | None = None,
                weights: str = "learner") -> str:
     train, rollout = config.train, config.rollout
@@ -88,7 +67,8 @@ rollouts.
   rollout groups re-executed by other replicas, poisoned rows flagged and left out of the loss.
 
 ## Evaluation
-{suite_section(suite)}{evaluation_table(before, after)}
+{suite_section(suite)}{held_out_table(before, after)}
+
 ## Provenance
 {swarm_section(snapshot)}
 The stage shards this folder was assembled from (sha256 of each checkpoint file):

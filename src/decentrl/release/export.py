@@ -27,7 +27,7 @@ from decentrl.model.loading import load_model, load_tokenizer, resolve_model
 from decentrl.model.lora import has_lora, merge_lora
 from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule, StagePlan, build_stages
-from decentrl.observe.report import read_metrics
+from decentrl.observe.report import read_evaluation, read_metrics
 from decentrl.release.card import model_card
 
 EXPORT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -216,13 +216,10 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
         hashes.append(file_sha256(path))
         state = torch.load(path, map_location="cpu", weights_only=True)
         stage = load_stage(config, index, torch.device("cpu"), torch.float32)
-        tensors = state.get("weights")
         served.append(weights == "served" and "served" in state)
-        if served[-1]:
-            # In LoRA mode only the adapters were published; the rest is the learner's (frozen).
-            tensors = {**tensors, **state["served"]}
         try:
-            stage.load_state_dict(tensors)
+            # In LoRA mode only the adapters were published; the rest is the learner's (frozen).
+            stage.load_state_dict({**state["weights"], **(state["served"] if served[-1] else {})})
         except (KeyError, RuntimeError) as error:
             raise ValueError(f"{path} does not hold stage {index} of this run: {error}") from None
         stage.version = int(state["version"])
@@ -232,8 +229,8 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
         raise ValueError(f"checkpoint {checkpoint} mixes stage versions {sorted(versions)}")
     if len(set(served)) != 1:
         raise ValueError(f"checkpoint {checkpoint} carries served weights for some stages only")
-    evaluations = [json.loads(path.read_text()) if path.is_file() else None
-                   for path in (run_dir / "eval_before.json", run_dir / "eval_after.json")]
+    evaluations = [read_evaluation(run_dir / name) for name in ("eval_before.json",
+                                                                "eval_after.json")]
     suite_path = run_dir / "evaluation.json"
     suite = SuiteResult.from_json(json.loads(suite_path.read_text())) if suite_path.is_file() \
         else None

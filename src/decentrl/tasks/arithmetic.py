@@ -39,6 +39,22 @@ def check_int_option(name: str, value: object, low: int, high: int) -> None:
         raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
 
 
+def last_number(text: str) -> str | None:
+    """The last number in the text, canonical: "1,234." -> "1234", "85.0" -> "85".
+
+    A number with a non-zero decimal part comes back as written ("3.5") and so never matches
+    an integer answer.
+    """
+    matches = NUMBER_RE.findall(text)
+    if not matches:
+        return None
+    integer_part, decimal_part = matches[-1]
+    integer_part = integer_part.replace(",", "")
+    if decimal_part.strip("0"):
+        return f"{integer_part}.{decimal_part}"
+    return str(int(integer_part))
+
+
 class SumsTask:
     name = "sums"
 
@@ -90,19 +106,7 @@ class SumsTask:
         return [{"role": "user", "content": problem.question}]
 
     def extract_answer(self, completion: str) -> str | None:
-        """The last number in the completion, canonical: "1,234." -> "1234", "85.0" -> "85".
-
-        A number with a non-zero decimal part comes back as written ("3.5") and so never matches
-        an integer answer.
-        """
-        matches = NUMBER_RE.findall(completion)
-        if not matches:
-            return None
-        integer_part, decimal_part = matches[-1]
-        integer_part = integer_part.replace(",", "")
-        if decimal_part.strip("0"):
-            return f"{integer_part}.{decimal_part}"
-        return str(int(integer_part))
+        return last_number(completion)
 
     def reward(self, problem: Problem, completion: str) -> Reward:
         extracted = self.extract_answer(completion)
