@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from decentrl.envs import EpisodeResult, Message, make_environment, run_episode
-from decentrl.envs.calculator import PYTHON_TOOL, CalculatorEnvironment
+from decentrl.envs.calculator import MULTI_STEP_STORIES, PYTHON_TOOL, CalculatorEnvironment
 from decentrl.envs.countdown import (
     DEFAULT_CONFIG,
     CountdownEnvironment,
@@ -57,6 +57,8 @@ STORY_EXPRESSIONS: dict[str, Callable[..., str]] = {
     "baking": lambda trays, per_tray, sold, per_box:
         f"({trays} * {per_tray} - {sold}) // {per_box}",
     "saving": lambda weeks, earned, spent, bike: f"{weeks} * ({earned} - {spent}) - {bike}",
+    "purchase": lambda count, price: f"{count} * {price}",
+    "distance": lambda speed, hours: f"{speed} * {hours}",
 }
 
 
@@ -80,7 +82,7 @@ def test_episodes_are_deterministic_and_splits_disjoint(name: str) -> None:
 
 
 def test_calculator_problems() -> None:
-    environment = CalculatorEnvironment()
+    environment = CalculatorEnvironment(stories=list(STORY_EXPRESSIONS))
     problems = [environment.problem("train", index) for index in range(300)]
     assert {problem.metadata["story"] for problem in problems} == set(STORY_EXPRESSIONS)
     for problem in problems:
@@ -90,6 +92,11 @@ def test_calculator_problems() -> None:
         )
         # Every number of the story appears in its text.
         assert all(str(number) in problem.question for number in problem.metadata["numbers"])
+
+
+def test_calculator_defaults_to_the_multi_step_stories() -> None:
+    stories = {CalculatorEnvironment().problem("train", i).metadata["story"] for i in range(100)}
+    assert stories == set(MULTI_STEP_STORIES)
 
 
 def test_calculator_problems_are_pinned() -> None:
@@ -403,3 +410,42 @@ def test_make_environment_errors_name_the_known_ones() -> None:
         make_environment("agentic-countdown", max_turns=0)
     assert make_environment("task:sums", max_digits=3).task.max_digits == 3
     assert make_environment("agentic-countdown", max_turns=2).episode("train", 0).max_turns == 2
+
+
+# --- one-step stories and the prefilled first call ----------------------------------------------
+
+
+def test_one_step_stories_are_solved_through_the_prefilled_call() -> None:
+    environment = CalculatorEnvironment(stories=["purchase", "distance"], prefill_first_call=True)
+    stories = set()
+    for index in range(12):
+        episode = environment.episode("train", index)
+        stories.add(episode.problem.metadata["story"])
+        prefix = episode.turn_prefix()
+        assert prefix == '<tool_call>\n{"name": "python", "arguments": {"expression": "'
+        # The policy writes the rest of the call after the prefix; run_episode joins them.
+        expression = story_expression(episode.problem)
+        result = run_episode(episode, scripted(expression + '"}}\n</tool_call>',
+                                               answer_with_last_tool_output))
+        assert result.messages[2]["content"] == prefix + expression + '"}}\n</tool_call>'
+        assert result.reward.solved and (result.turns, result.tool_calls) == (2, 1)
+        assert episode.turn_prefix() == ""  # only the first turn is prefilled
+    assert stories == {"purchase", "distance"}
+
+
+def test_prefill_is_off_by_default_and_countdown_has_it_too() -> None:
+    assert CalculatorEnvironment().episode("train", 0).turn_prefix() == ""
+    countdown = make_environment("agentic-countdown", prefill_first_call=True)
+    assert countdown.episode("train", 0).turn_prefix().endswith('{"name": "check", '
+                                                                '"arguments": {"expression": "')
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"stories": ["purchase", "dragons"]}, "stories must be"),
+    ({"stories": []}, "stories must be"),
+    ({"stories": "purchase"}, "stories must be"),
+    ({"prefill_first_call": "yes"}, "prefill_first_call must be"),
+])
+def test_calculator_options_are_checked(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_environment("agentic-calculator", **options)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from decentrl.envs.base import EnvStep, Message
-from decentrl.evaluate.episodes import evaluate_episodes
+from decentrl.evaluate.runner import evaluate
 from decentrl.model.tiny import tiny_tokenizer
 from decentrl.rollout.chain import StepResult
 from decentrl.rollout.episodes import continuation_text, generate_episodes
 from decentrl.rollout.sampling import SamplingConfig
-from decentrl.tasks import Reward
+from decentrl.tasks import Problem, Reward
 
 TOOL_REPLY = "7"
 
@@ -30,6 +30,9 @@ class LookupEpisode:
 
     def messages(self) -> list[Message]:
         return copy.deepcopy(self.conversation)
+
+    def turn_prefix(self) -> str:
+        return ""
 
     def respond(self, assistant_text: str) -> EnvStep:
         self.turns += 1
@@ -126,11 +129,15 @@ def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
                                "<|im_end|>{% endfor %}")
     turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     with pytest.raises(ValueError, match="only appends"):
-        continuation_text(tokenizer, turn, [*turn, {"role": "tool", "content": "r"}])
+        continuation_text(tokenizer, turn, [*turn, {"role": "tool", "content": "r"}], True)
 
 
 class LookupEnvironment:
     name = "lookup"
+
+    def problem(self, split: str, index: int) -> Problem:
+        return Problem(task=self.name, index=index, question="what is x?", answer=TOOL_REPLY,
+                       key=str(index))
 
     def episode(self, split: str, index: int) -> LookupEpisode:
         return LookupEpisode()
@@ -150,13 +157,14 @@ def test_episode_evaluation_counts_success_turns_and_calls() -> None:
             Chain.calls += 1
             return ScriptedSession(scripts[first:first + batch], tokenizer)
 
-    result = evaluate_episodes(Chain(scripts, tokenizer), LookupEnvironment(), tokenizer, 5, 40,
-                               batch_size=2)
-    assert result.episodes == 5 and result.success.n == 5
-    assert result.success.mean == pytest.approx(3 / 5)
-    assert result.cut_by_budget == 1
-    assert result.mean_turns == pytest.approx((2 + 2 + 2 + 2 + 1) / 5)
-    assert result.mean_tool_calls == pytest.approx(1.0)
-    assert result.invalid_call_rate == pytest.approx(2 / 5)  # "look up y" and the long one
-    with pytest.raises(ValueError, match="num_episodes"):
-        evaluate_episodes(Chain(scripts, tokenizer), LookupEnvironment(), tokenizer, 0, 40, 2)
+    result = evaluate(Chain(scripts, tokenizer), LookupEnvironment(), tokenizer, 5, 40,
+                      batch_size=2)
+    assert result.problems == 5 and result.pass1.n == 5
+    assert result.pass1.mean == pytest.approx(3 / 5)
+    assert result.episodes is not None
+    assert result.episodes.cut_by_budget == 1
+    assert result.episodes.mean_turns == pytest.approx((2 + 2 + 2 + 2 + 1) / 5)
+    assert result.episodes.mean_tool_calls == pytest.approx(1.0)
+    assert result.episodes.invalid_call_rate == pytest.approx(2 / 5)  # "look up y", the long one
+    with pytest.raises(ValueError, match="num_problems"):
+        evaluate(Chain(scripts, tokenizer), LookupEnvironment(), tokenizer, 0, 40, 2)

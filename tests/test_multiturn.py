@@ -147,3 +147,20 @@ def test_environment_tokens_are_context_but_carry_no_loss(sharp: LoadedModel) ->
 
     with pytest.raises(ValueError, match="needs at least one generated"):
         build_batch([episode_rollout(prompt, reply, [False] * len(reply))], [1.0], [0], 0)
+
+
+def test_a_turn_ending_on_the_last_token_of_the_budget_is_not_finished(sharp: LoadedModel
+                                                                       ) -> None:
+    prompts = chat_prompts(sharp, QUESTIONS)[:1]
+    stop = first_turn_stop(sharp, prompts)
+    reply = sharp.tokenizer.encode("ok", add_special_tokens=False)
+    pad = sharp.tokenizer.pad_token_id
+    turn_end = generate(LocalChain(build(sharp, 1)), prompts, BUDGET, GREEDY, {stop}, pad,
+                        on_stop=replies_once(reply, []))[0].tokens.index(stop)
+    # The environment answered the turn, but the budget ended before its reply went in: the row
+    # was cut, not finished. Without an environment the same stop ends the row.
+    [cut] = generate(LocalChain(build(sharp, 1)), prompts, turn_end + 1, GREEDY, {stop}, pad,
+                     on_stop=replies_once(reply, []))
+    assert len(cut.tokens) == turn_end + 1 and not cut.finished
+    [ended] = generate(LocalChain(build(sharp, 1)), prompts, turn_end + 1, GREEDY, {stop}, pad)
+    assert ended.tokens == cut.tokens and ended.finished

@@ -4,6 +4,9 @@
 `make_environment("agentic-countdown")` countdown with a checking tool, and
 `make_environment("task:sums", max_digits=3)` any task of `decentrl.tasks` as one turn.
 ENVIRONMENT_NAMES lists the environments we use and test.
+
+A run trains on either: `make_task_or_environment` builds a Task for a task's name and an
+Environment for an agentic one; rollout workers, ingestion and evaluation take both.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from decentrl.envs.base import (
     run_episode,
 )
 from decentrl.envs.single_turn import TASK_ENVIRONMENT_PREFIX, TaskEnvironment
-from decentrl.tasks import make_task
+from decentrl.tasks import Task, make_task
 
+# Multi-turn environments: a run whose task is one of these trains on episodes.
+AGENTIC_ENVIRONMENTS: tuple[str, ...] = ("agentic-calculator", "agentic-countdown")
 ENVIRONMENT_NAMES: tuple[str, ...] = (
     "agentic-calculator",
     "agentic-countdown",
@@ -60,7 +65,15 @@ def make_environment(name: str, **options: Any) -> Environment:
     return environment_class(**options)
 
 
+def make_task_or_environment(name: str, options: dict[str, Any]) -> Task | Environment:
+    """What a run trains or evaluates on: the environment for an agentic name, else the task."""
+    if name in AGENTIC_ENVIRONMENTS:
+        return make_environment(name, **options)
+    return make_task(name, **options)
+
+
 __all__ = [
+    "AGENTIC_ENVIRONMENTS",
     "ENVIRONMENT_NAMES",
     "EnvStep",
     "Environment",
@@ -69,5 +82,6 @@ __all__ = [
     "Message",
     "StopReason",
     "make_environment",
+    "make_task_or_environment",
     "run_episode",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from decentrl.tasks.base import Problem, Reward, Split
 
@@ -47,13 +47,24 @@ class Episode(Protocol):
         the episode runs, so it is always the assistant's turn next."""
         ...
 
+    def turn_prefix(self) -> str:
+        """The text the next assistant turn starts with, written by the environment (assistant
+        prefill; "" for none). The model writes the rest of the turn after it."""
+        ...
+
     def respond(self, assistant_text: str) -> EnvStep:
-        """Record one assistant turn. Never raises on any text; raises once the episode is over."""
+        """Record one assistant turn (its prefix included). Never raises on any text; raises
+        once the episode is over."""
         ...
 
 
+@runtime_checkable
 class Environment(Protocol):
     name: str
+
+    def problem(self, split: Split, index: int) -> Problem:
+        """The problem behind episode (split, index)."""
+        ...
 
     def episode(self, split: Split, index: int) -> Episode:
         """A fresh episode; the same (split, index) always starts the same conversation."""
@@ -73,10 +84,12 @@ class EpisodeResult:
 
 
 def run_episode(episode: Episode, policy: Callable[[list[Message]], str]) -> EpisodeResult:
-    """Play an episode to its end: `policy` reads the conversation and writes the next turn."""
+    """Play an episode to its end: `policy` reads the conversation and writes the next turn
+    (after the episode's `turn_prefix`)."""
     turn_signals: list[float | None] = []
     while True:
-        step = episode.respond(policy(episode.messages()))
+        prefix = episode.turn_prefix()
+        step = episode.respond(prefix + policy(episode.messages()))
         turn_signals.append(step.turn_signal)
         if step.done:
             break

@@ -6,6 +6,10 @@ on numbers large enough that a small model gains from computing them with the to
 limits). The final answer is the reply without a tool call: the number inside <answer></answer>
 if the reply has the tags, else its last number, read the way the "sums" task reads answers.
 
+`stories` picks the kinds of story: the default five take two to four operations; "purchase" and
+"distance" take one, for models that cannot yet chain calls. With `prefill_first_call` the first
+turn starts with the opening of a python call (see ToolEpisode).
+
 The split key is the story's template and numbers ("shopping:3,45,2,18,200"), not the names or
 items in it: two stories that differ only in who buys what share a split.
 """
@@ -19,7 +23,13 @@ from typing import Any
 from reasoning_gym.utils import extract_answer as extract_tagged_answer
 
 from decentrl.envs.sandbox import ToolResult, run_expression
-from decentrl.envs.tool_calls import Tool, ToolEpisode, check_tool_limits, tools_system_prompt
+from decentrl.envs.tool_calls import (
+    Tool,
+    ToolEpisode,
+    call_opening,
+    check_tool_limits,
+    tools_system_prompt,
+)
 from decentrl.tasks.arithmetic import last_number
 from decentrl.tasks.base import Problem, Reward, Split, check_heldout_fraction, draw_in_split
 
@@ -44,6 +54,13 @@ PYTHON_TOOL = Tool(
     run=python_tool_run,
 )
 SYSTEM_PROMPT = tools_system_prompt(INSTRUCTIONS, [PYTHON_TOOL])
+# A solved one-step problem as real turns (`worked_example`); not a story the generator makes.
+WORKED_EXAMPLE: list[dict[str, str]] = [
+    {"role": "user", "content": "Sam buys 7 kites at $36 each. How many dollars does Sam pay?"},
+    {"role": "assistant", "content": call_opening(PYTHON_TOOL) + '7 * 36"}}\n</tool_call>'},
+    {"role": "tool", "content": "252"},
+    {"role": "assistant", "content": "Sam pays $252.\n<answer>252</answer>"},
+]
 
 # A story: (question, answer, the numbers that define it) from a seeded generator.
 Story = tuple[str, int, tuple[int, ...]]
@@ -109,13 +126,34 @@ def saving(rng: random.Random, name: str) -> Story:
     return question, saved - bike, (weeks, earned, spent, bike)
 
 
+def purchase(rng: random.Random, name: str) -> Story:
+    item = rng.choice(["notebooks", "apples", "tickets", "shirts", "lamps", "books"])
+    count, price = rng.randint(3, 19), rng.randint(12, 95)
+    question = f"{name} buys {count} {item} at ${price} each. How many dollars does {name} pay?"
+    return question, count * price, (count, price)
+
+
+def distance(rng: random.Random, name: str) -> Story:
+    speed, hours = rng.randint(45, 120), rng.randint(3, 12)
+    question = (
+        f"{name} drives at {speed} km per hour for {hours} hours. How many kilometres does "
+        f"{name} drive?"
+    )
+    return question, speed * hours, (speed, hours)
+
+
 STORIES: dict[str, Callable[[random.Random, str], Story]] = {
     "shopping": shopping,
     "ages": ages,
     "travel": travel,
     "baking": baking,
     "saving": saving,
+    "purchase": purchase,
+    "distance": distance,
 }
+# Stories with one multiplication: the level at which a 135M model starts to solve episodes.
+ONE_STEP_STORIES = ("purchase", "distance")
+MULTI_STEP_STORIES = ("shopping", "ages", "travel", "baking", "saving")
 
 
 class CalculatorEpisode(ToolEpisode):
@@ -135,9 +173,23 @@ class CalculatorEnvironment:
         max_turns: int = 4,
         max_tool_calls: int = 4,
         invalid_call_penalty: float = 0.1,
+        stories: list[str] | tuple[str, ...] = MULTI_STEP_STORIES,
+        prefill_first_call: bool = False,
+        worked_example: bool = False,
     ) -> None:
         check_heldout_fraction(heldout_fraction)
         check_tool_limits(max_turns, max_tool_calls, invalid_call_penalty)
+        if not isinstance(stories, (list, tuple)) or not stories or any(
+                story not in STORIES for story in stories):
+            raise ValueError(f"stories must be a non-empty list of {', '.join(STORIES)}; "
+                             f"got {stories!r}")
+        for option, value in (("prefill_first_call", prefill_first_call),
+                              ("worked_example", worked_example)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{option} must be true or false, got {value!r}")
+        self.worked_example = worked_example
+        self.stories = sorted(set(stories))
+        self.prefill_first_call = prefill_first_call
         self.heldout_fraction = heldout_fraction
         self.max_turns = max_turns
         self.max_tool_calls = max_tool_calls
@@ -154,7 +206,7 @@ class CalculatorEnvironment:
 
     def _candidate(self, index: int, seed: int) -> Problem:
         rng = random.Random(seed)
-        story = rng.choice(sorted(STORIES))
+        story = rng.choice(self.stories)
         question, answer, numbers = STORIES[story](rng, rng.choice(NAMES))
         return Problem(
             task=self.name,
@@ -173,4 +225,6 @@ class CalculatorEnvironment:
             max_turns=self.max_turns,
             max_tool_calls=self.max_tool_calls,
             invalid_call_penalty=self.invalid_call_penalty,
+            prefill_first_call=self.prefill_first_call,
+            example=WORKED_EXAMPLE if self.worked_example else (),
         )

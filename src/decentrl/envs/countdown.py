@@ -111,6 +111,7 @@ class CountdownEpisode(ToolEpisode):
         max_turns: int,
         max_tool_calls: int,
         invalid_call_penalty: float,
+        prefill_first_call: bool = False,
     ) -> None:
         self.numbers: list[int] = problem.metadata["numbers"]
         self.target: int = problem.metadata["target"]
@@ -131,6 +132,7 @@ class CountdownEpisode(ToolEpisode):
             max_turns=max_turns,
             max_tool_calls=max_tool_calls,
             invalid_call_penalty=invalid_call_penalty,
+            prefill_first_call=prefill_first_call,
         )
 
     def run_check(self, arguments: dict[str, Any]) -> ToolResult:
@@ -161,11 +163,15 @@ class CountdownEnvironment:
         max_turns: int = 8,
         max_tool_calls: int = 8,
         invalid_call_penalty: float = 0.1,
+        prefill_first_call: bool = False,
     ) -> None:
         check_heldout_fraction(heldout_fraction)
         check_tool_limits(max_turns, max_tool_calls, invalid_call_penalty)
-        if not isinstance(require_check, bool):
-            raise ValueError(f"require_check must be a bool, got {require_check!r}")
+        for option, value in (("require_check", require_check),
+                              ("prefill_first_call", prefill_first_call)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{option} must be true or false, got {value!r}")
+        self.prefill_first_call = prefill_first_call
         # Problems, seeds and split keys are those of "rg:countdown" with the same config.
         self.puzzles = ReasoningGymTask(
             "countdown",
@@ -197,4 +203,5 @@ class CountdownEnvironment:
             max_turns=self.max_turns,
             max_tool_calls=self.max_tool_calls,
             invalid_call_penalty=self.invalid_call_penalty,
+            prefill_first_call=self.prefill_first_call,
         )

@@ -29,6 +29,9 @@ class TaskEpisode:
     def messages(self) -> list[Message]:
         return [dict(message) for message in self._messages]
 
+    def turn_prefix(self) -> str:
+        return ""
+
     def respond(self, assistant_text: str) -> EnvStep:
         if self.stop_reason is not None:
             raise RuntimeError(f"episode of problem {self.problem.index} is over; it has one turn")
@@ -44,5 +47,8 @@ class TaskEnvironment:
         self.task = task
         self.name = TASK_ENVIRONMENT_PREFIX + task.name
 
+    def problem(self, split: Split, index: int) -> Problem:
+        return self.task.problem(split, index)
+
     def episode(self, split: Split, index: int) -> TaskEpisode:
-        return TaskEpisode(self.task, self.task.problem(split, index))
+        return TaskEpisode(self.task, self.problem(split, index))

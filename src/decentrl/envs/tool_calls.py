@@ -205,6 +205,15 @@ def defanged(text: str) -> str:
     return text.replace("<|", "< |")
 
 
+def call_opening(tool: Tool) -> str:
+    """A call of `tool` written up to the opening quote of its first (string) argument's value."""
+    argument = next(iter(tool.arguments), None)
+    if argument is None or tool.arguments[argument]["type"] != "string":
+        raise ValueError(f"tool {tool.name} has no string argument to prefill")
+    call = json.dumps({"name": tool.name, "arguments": {argument: ""}})
+    return f"{OPEN_TAG}\n{call[:-3]}"
+
+
 def check_tool_limits(max_turns: int, max_tool_calls: int, invalid_call_penalty: float) -> None:
     check_int_option("max_turns", max_turns, 1, 1000)
     check_int_option("max_tool_calls", max_tool_calls, 0, 1000)
@@ -219,6 +228,13 @@ class ToolEpisode(ABC):
     episode hits a limit instead (`max_turns` replies, or more than `max_tool_calls` calls), the
     calls of the last reply are not run and the reward scores that reply's prose, if any. Each
     turn's signal is -invalid_call_penalty per malformed call (0.0 for a clean turn).
+
+    With `prefill_first_call` the first assistant turn starts with the opening of a call to the
+    first tool, up to the value of its first argument (`call_opening`): a small model that never
+    calls tools on its own then has only to write the argument and close the call, so RL gets a
+    signal from the first step. `example` is a solved conversation (user, assistant, tool, ...
+    assistant) placed before the question: a worked example as real turns, which a small model
+    imitates far more readily than one described in the system prompt.
     """
 
     def __init__(
@@ -229,12 +245,15 @@ class ToolEpisode(ABC):
         max_turns: int,
         max_tool_calls: int,
         invalid_call_penalty: float,
+        prefill_first_call: bool = False,
+        example: Sequence[Message] = (),
     ) -> None:
         self.problem = problem
         self.tools = {tool.name: tool for tool in tools}
         self.max_turns = max_turns
         self.max_tool_calls = max_tool_calls
         self.invalid_call_penalty = invalid_call_penalty
+        self.first_turn_prefix = call_opening(tools[0]) if prefill_first_call else ""
         self.turns = 0
         self.tool_calls = 0
         self.invalid_calls = 0
@@ -242,6 +261,7 @@ class ToolEpisode(ABC):
         self.reward: Reward | None = None
         self._messages: list[Message] = [
             {"role": "system", "content": system_prompt},
+            *(dict(message) for message in example),
             {"role": "user", "content": problem.question},
         ]
 
@@ -251,6 +271,9 @@ class ToolEpisode(ABC):
 
     def messages(self) -> list[Message]:
         return [dict(message) for message in self._messages]
+
+    def turn_prefix(self) -> str:
+        return self.first_turn_prefix if self.turns == 0 else ""
 
     def respond(self, assistant_text: str) -> EnvStep:
         if self.stop_reason is not None:

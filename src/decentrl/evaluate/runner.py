@@ -1,5 +1,9 @@
 """Held-out evaluation over an inference chain: greedy pass@1 and sampled pass@k, each with a 95%
-confidence interval (Wilson for pass@1; normal approximation over problems for pass@k)."""
+confidence interval (Wilson for pass@1; normal approximation over problems for pass@k).
+
+An environment is evaluated the same way, a whole episode per sample: pass@1 is the greedy
+episode success rate, and `episodes` adds the greedy episodes' mean turns, tool calls per episode
+and the share of calls that were malformed. An episode the token budget cut short is a failure."""
 
 from __future__ import annotations
 
@@ -9,11 +13,36 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from decentrl.envs import Environment
 from decentrl.evaluate.stats import Accuracy, pass_at_k
 from decentrl.rollout.chain import InferenceChain
+from decentrl.rollout.episodes import generate_episodes
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.tasks import Problem, Task, problems, render_prompt
+
+
+@dataclass
+class EpisodeStats:
+    """Over greedy episodes: what the agent did, beside whether it succeeded."""
+
+    mean_turns: float
+    mean_tool_calls: float
+    invalid_call_rate: float | None  # None: no tool call was made
+    cut_by_budget: int  # episodes the token budget ended before the environment did
+
+
+@dataclass
+class Outcomes:
+    """One batch's generations, judged."""
+
+    solved: list[bool]
+    texts: list[str]
+    lengths: list[int]
+    turns: list[int]  # per sample; 1 for a single-turn task
+    tool_calls: list[int]
+    invalid_calls: list[int]
+    cut: list[bool]  # an episode the budget ended (False for a single-turn task)
 
 
 @dataclass
@@ -26,23 +55,37 @@ class EvalResult:
     k: int
     mean_completion_tokens: float
     samples: list[dict[str, Any]]  # a few (question, completion, correct) for the report
+    episodes: EpisodeStats | None = None  # for an environment
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _solved(chain: InferenceChain, task: Task, batch_problems: list[Problem], tokenizer: Any,
-            max_new_tokens: int, sampling: SamplingConfig, seed: int | None
-            ) -> tuple[list[bool], list[str], list[int]]:
+def _judge(chain: InferenceChain, task: Task | Environment, split: str,
+           batch_problems: list[Problem], tokenizer: Any, max_new_tokens: int,
+           sampling: SamplingConfig, seed: int | None) -> Outcomes:
+    if isinstance(task, Environment):
+        episodes = [task.episode(split, p.index) for p in batch_problems]  # type: ignore[arg-type]
+        played = generate_episodes(chain, episodes, tokenizer, max_new_tokens, sampling, seed)
+        return Outcomes(
+            solved=[p.reward is not None and p.reward.solved for p in played],
+            texts=[tokenizer.decode(p.generation.tokens, skip_special_tokens=True)
+                   for p in played],
+            lengths=[len(p.generation.tokens) for p in played],
+            turns=[e.turns for e in episodes], tool_calls=[e.tool_calls for e in episodes],
+            invalid_calls=[e.invalid_calls for e in episodes],
+            cut=[p.reward is None for p in played])
     prompts = [render_prompt(task, p, tokenizer) for p in batch_problems]
     generations = generate(chain, prompts, max_new_tokens, sampling, {tokenizer.eos_token_id},
                            tokenizer.pad_token_id, seed)
     texts = [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in generations]
-    solved = [task.reward(p, text).solved for p, text in zip(batch_problems, texts)]
-    return solved, texts, [len(g.tokens) for g in generations]
+    count = len(batch_problems)
+    return Outcomes(solved=[task.reward(p, text).solved for p, text in zip(batch_problems, texts)],
+                    texts=texts, lengths=[len(g.tokens) for g in generations], turns=[1] * count,
+                    tool_calls=[0] * count, invalid_calls=[0] * count, cut=[False] * count)
 
 
-def evaluate(chain: InferenceChain, task: Task, tokenizer: Any, num_problems: int,
+def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, num_problems: int,
              max_new_tokens: int, batch_size: int, pass_k: int = 1, seed: int = 0,
              split: str = "heldout", progress: Callable[[int, int], None] | None = None,
              concurrency: int = 1) -> EvalResult:
@@ -50,6 +93,9 @@ def evaluate(chain: InferenceChain, task: Task, tokenizer: Any, num_problems: in
     generation per problem, and `pass_k` sampled ones when pass_k > 1.
     `concurrency` > 1 runs that many batches at once (over a swarm, so hop latency is hidden and
     every replica works); the result does not depend on it."""
+    if num_problems < 1 or batch_size < 1:
+        raise ValueError(f"num_problems and batch_size must be >= 1, got {num_problems} and "
+                         f"{batch_size}")
     items = problems(task, split, num_problems)  # type: ignore[arg-type]
     greedy = SamplingConfig(temperature=0.0)
     sampled = SamplingConfig(temperature=1.0)
@@ -66,11 +112,10 @@ def evaluate(chain: InferenceChain, task: Task, tokenizer: Any, num_problems: in
     done, total = 0, sum(len(chunk) for _, chunk, _, _ in jobs)
     lock = threading.Lock()
 
-    def run(job: tuple[int, list[Problem], SamplingConfig, int | None]
-            ) -> tuple[list[bool], list[str], list[int]]:
+    def run(job: tuple[int, list[Problem], SamplingConfig, int | None]) -> Outcomes:
         nonlocal done
         start, chunk, sampling, job_seed = job
-        out = _solved(chain, task, chunk, tokenizer, max_new_tokens, sampling, job_seed)
+        out = _judge(chain, task, split, chunk, tokenizer, max_new_tokens, sampling, job_seed)
         if progress is not None:
             with lock:
                 done += len(chunk)
@@ -79,27 +124,35 @@ def evaluate(chain: InferenceChain, task: Task, tokenizer: Any, num_problems: in
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         results = list(pool.map(run, jobs))
-    greedy_solved: list[bool] = []
-    lengths: list[int] = []
+    greedy = Outcomes([], [], [], [], [], [], [])
     samples: list[dict[str, Any]] = []
     sampled_correct = [0] * len(items)
-    for (start, chunk, sampling, _), (solved, texts, n_tokens) in zip(jobs, results):
+    for (start, chunk, sampling, _), out in zip(jobs, results):
         if sampling.greedy:
-            greedy_solved += solved
-            lengths += n_tokens
+            for field in vars(greedy):
+                getattr(greedy, field).extend(getattr(out, field))
             if len(samples) < 8:
                 samples += [{"question": p.question, "completion": t, "correct": s}
-                            for p, t, s in zip(chunk, texts, solved)][: 8 - len(samples)]
+                            for p, t, s in zip(chunk, out.texts, out.solved)][: 8 - len(samples)]
         else:
-            for j, ok in enumerate(solved):
+            for j, ok in enumerate(out.solved):
                 sampled_correct[start + j // pass_k] += int(ok)
     pass_k_accuracy = None
     if pass_k > 1:
         pass_k_accuracy = Accuracy.from_values(
             [pass_at_k(pass_k, c, pass_k) for c in sampled_correct])
+    episodes = None
+    if isinstance(task, Environment):
+        calls = sum(greedy.tool_calls)
+        episodes = EpisodeStats(
+            mean_turns=sum(greedy.turns) / len(items),
+            mean_tool_calls=calls / len(items),
+            invalid_call_rate=sum(greedy.invalid_calls) / calls if calls else None,
+            cut_by_budget=sum(greedy.cut))
     return EvalResult(
         task=task.name, split=split, problems=len(items),
-        pass1=Accuracy.from_counts(sum(greedy_solved), len(greedy_solved)),
+        pass1=Accuracy.from_counts(sum(greedy.solved), len(greedy.solved)),
         pass_k=pass_k_accuracy, k=pass_k,
-        mean_completion_tokens=sum(lengths) / len(lengths), samples=samples,
+        mean_completion_tokens=sum(greedy.lengths) / len(greedy.lengths), samples=samples,
+        episodes=episodes,
     )

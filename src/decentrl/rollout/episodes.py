@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from decentrl.envs.base import Episode, Message
+from decentrl.envs.tool_calls import CLOSE_TAG
 from decentrl.rollout.chain import InferenceChain, InferenceSession
-from decentrl.rollout.generate import Generation, generate
+from decentrl.rollout.generate import Generation, ends_turn, generate
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.tasks import Reward
 
@@ -36,11 +37,13 @@ def render(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> 
                                          add_generation_prompt=generation_prompt)
 
 
-def continuation_text(tokenizer: Any, turn_end: list[Message], after: list[Message]) -> str:
-    """What follows an assistant turn's end-of-turn token once the environment answers: the rest
-    of that turn's rendering (ChatML: a newline), the environment's messages, and the next
-    assistant header. `turn_end` is the conversation up to and including the assistant turn,
-    `after` the same with the environment's messages appended."""
+def continuation_text(tokenizer: Any, turn_end: list[Message], after: list[Message],
+                      closed_by_model: bool) -> str:
+    """What follows an assistant turn's last token once the environment answers: the rest of
+    that turn's rendering (ChatML: the end-of-turn token unless the model wrote it
+    (`closed_by_model`), then a newline), the environment's messages, and the next assistant
+    header. `turn_end` is the conversation up to and including the assistant turn, `after` the
+    same with the environment's messages appended."""
     closed = render(tokenizer, turn_end, generation_prompt=False)
     answered = render(tokenizer, after, generation_prompt=True)
     if not answered.startswith(closed):
@@ -50,7 +53,50 @@ def continuation_text(tokenizer: Any, turn_end: list[Message], after: list[Messa
     end = closed.rfind(stop)
     if end < 0:
         raise ValueError(f"the chat template does not end an assistant turn with {stop!r}")
-    return closed[end + len(stop):] + answered[len(closed):]
+    return closed[end + len(stop) if closed_by_model else end:] + answered[len(closed):]
+
+
+def tool_call_stops(tokenizer: Any) -> list[list[int]]:
+    """The stop sequences of tool-using episodes: a turn ends with its tool call's closing tag."""
+    return [tokenizer.encode(CLOSE_TAG, add_special_tokens=False)]
+
+
+class EpisodeTokens:
+    """One episode driven by tokens: its prompt, and at each turn's end the tokens the
+    environment's answer adds. Generation and the coordinator's replay share it, so a replayed
+    episode sees exactly the tokens a generated one did."""
+
+    def __init__(self, episode: Episode, tokenizer: Any) -> None:
+        self.episode, self.tokenizer = episode, tokenizer
+        self.prefix = episode.turn_prefix()  # the current turn's prefill
+        self.turn_start = 0  # where the current turn's own tokens begin in the completion
+        self.turn_signals: list[float | None] = []  # the environment's signal for each turn
+
+    def prompt(self) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(
+            self.episode.messages(), add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(rendered["input_ids"]) + self.tokenizer.encode(self.prefix,
+                                                                   add_special_tokens=False)
+
+    def turn_ended(self, completion: list[int]) -> list[int] | None:
+        """`completion` ends a turn: the environment's answer as tokens to force, or None when
+        the episode is over."""
+        tokenizer = self.tokenizer
+        text = self.prefix + tokenizer.decode(completion[self.turn_start:],
+                                              skip_special_tokens=True)
+        before = self.episode.messages()
+        step = self.episode.respond(text)
+        self.turn_signals.append(step.turn_signal)
+        if step.done:
+            return None
+        turn_end = [*before, {"role": "assistant", "content": text}]
+        self.prefix = self.episode.turn_prefix()
+        closed_by_model = completion[-1] == tokenizer.eos_token_id
+        forced = tokenizer.encode(continuation_text(tokenizer, turn_end,
+                                                    [*turn_end, *step.messages], closed_by_model)
+                                  + self.prefix, add_special_tokens=False)
+        self.turn_start = len(completion) + len(forced)
+        return forced
 
 
 def generate_episodes(chain: InferenceChain, episodes: list[Episode], tokenizer: Any,
@@ -60,26 +106,47 @@ def generate_episodes(chain: InferenceChain, episodes: list[Episode], tokenizer:
     """One row per episode, all in one session, until every episode is over or a row's
     `max_new_tokens` (the environment's tokens count) run out; such an episode is left
     unfinished (no reward)."""
-    prompts = [tokenizer.apply_chat_template(e.messages(), add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"]
-               for e in episodes]
-    turn_start = [0] * len(episodes)  # where each row's current assistant turn began
-
-    def on_stop(row: int, tokens: list[int]) -> list[int] | None:
-        episode = episodes[row]
-        text = tokenizer.decode(tokens[turn_start[row]:], skip_special_tokens=True)
-        before = episode.messages()
-        step = episode.respond(text)
-        if step.done:
-            return None
-        turn_end = [*before, {"role": "assistant", "content": text}]
-        forced = tokenizer.encode(continuation_text(tokenizer, turn_end,
-                                                    [*turn_end, *step.messages]),
-                                  add_special_tokens=False)
-        turn_start[row] = len(tokens) + len(forced)
-        return forced
-
+    rows = [EpisodeTokens(e, tokenizer) for e in episodes]
+    prompts = [row.prompt() for row in rows]
     generations = generate(chain, prompts, max_new_tokens, sampling,
                            {tokenizer.eos_token_id}, tokenizer.pad_token_id, seed, on_session,
-                           on_stop)
+                           lambda row, tokens: rows[row].turn_ended(tokens),
+                           tool_call_stops(tokenizer))
     return [EpisodeRollout(g, e, p) for g, e, p in zip(generations, episodes, prompts)]
+
+
+def replay_episode(episode: Episode, tokenizer: Any, prompt: list[int], completion: list[int],
+                   generated: list[bool]) -> EpisodeTokens:
+    """Play a fresh `episode` through a rollout's tokens, as generation did: every assistant
+    turn (the generated tokens) goes to the environment, whose answers must be exactly the
+    rollout's forced tokens. Returns the played episode (finished, or cut by the budget) with its
+    turn signals; raises
+    ValueError where the rollout's prompt or environment tokens are not what the environment
+    gives (a peer's transcript is never trusted)."""
+    if len(generated) != len(completion):
+        raise ValueError(f"the generated mask has {len(generated)} entries for "
+                         f"{len(completion)} completion tokens")
+    driver = EpisodeTokens(episode, tokenizer)
+    if driver.prompt() != list(prompt):
+        raise ValueError("the prompt is not the episode's")
+    stops = tool_call_stops(tokenizer)
+    position = 0
+    while position < len(completion):
+        if not generated[position]:
+            raise ValueError(f"completion token {position} is marked as the environment's, but "
+                             "no turn ended before it")
+        position += 1
+        if not ends_turn(completion[:position], generated[:position], {tokenizer.eos_token_id},
+                         stops):
+            continue
+        forced = driver.turn_ended(completion[:position])
+        if forced is None:
+            if position != len(completion):
+                raise ValueError(f"{len(completion) - position} tokens follow the episode's end")
+            break
+        given = completion[position:position + len(forced)]
+        if given != forced[:len(given)] or any(generated[position:position + len(given)]):
+            raise ValueError(f"the environment's tokens after turn {episode.turns} are not what "
+                             "the environment answers")
+        position += len(forced)
+    return driver

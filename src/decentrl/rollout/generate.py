@@ -5,11 +5,14 @@ back the tokens that continue its conversation (an environment's reply, then the
 header). Those are fed to the row one per step, as forced tokens, while the other rows go on
 sampling, so every row still advances one position per step: one session, one batch, and the
 version of every position is the step's, as in single-turn generation. A forced token was not
-sampled: it carries no behaviour log-prob and no gradient (`Generation.generated` says which)."""
+sampled: it carries no behaviour log-prob and no gradient (`Generation.generated` says which).
+
+A row also stops when its sampled tokens end with one of `stop_sequences` (a tool call's closing
+tag, so that a turn ends with its call instead of running on past it)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +74,18 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device
     return ids.to(device), valid.to(device)
 
 
+def ends_turn(tokens: Sequence[int], generated: Sequence[bool], stop_ids: set[int],
+              stop_sequences: Sequence[Sequence[int]]) -> bool:
+    """Whether the last token of `tokens` stops its row: a sampled stop token, or a sampled token
+    that completes one of `stop_sequences`."""
+    if not tokens or not generated[-1]:
+        return False
+    if tokens[-1] in stop_ids:
+        return True
+    return any(0 < len(stop) <= len(tokens) and list(tokens[-len(stop):]) == list(stop)
+               for stop in stop_sequences)
+
+
 # Called with (row, the row's tokens so far, the stop token included) when the row samples a stop
 # token: the tokens to force next, or None to end the row there.
 OnStop = Callable[[int, list[int]], list[int] | None]
@@ -80,13 +95,14 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
              sampling: SamplingConfig, stop_ids: set[int], pad_id: int,
              seed: int | None = None,
              on_session: Callable[[InferenceSession], None] | None = None,
-             on_stop: OnStop | None = None) -> list[Generation]:
+             on_stop: OnStop | None = None,
+             stop_sequences: Sequence[Sequence[int]] = ()) -> list[Generation]:
     """Sample up to `max_new_tokens` per prompt (forced tokens count). Every step draws with its
     own seed derived from `seed` (None: torch's global generator), so a seed gives the same
     samples on any chain. Stage weights may change between steps: each generation's spans say
     which versions sampled which of its tokens. `on_session` is handed the session (a swarm
     session records who computed what, for spot-checks); `on_stop` continues a row past a stop
-    token (see the module docstring)."""
+    token or a stop sequence (see the module docstring)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and no empty prompt")
     if max_new_tokens < 1:
@@ -119,8 +135,13 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
             forced_out.append(is_forced)
             done_before = done
             stopped = torch.isin(tokens, stop) & ~is_forced.to(device) & ~done
-            if on_stop is not None:
+            if on_stop is not None or stop_sequences:
                 history = torch.stack(tokens_out, 1).cpu()
+                sampled = ~torch.stack(forced_out, 1)
+                for row in (~stopped & ~done).nonzero()[:, 0].tolist():
+                    stopped[row] = ends_turn(history[row].tolist(), sampled[row].tolist(), set(),
+                                             stop_sequences)
+            if on_stop is not None:
                 for row in stopped.nonzero()[:, 0].tolist():
                     continuation = on_stop(row, history[row].tolist())
                     if continuation:
@@ -148,15 +169,18 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
         row_forced = all_forced[row].tolist()
         length = len(row_tokens)
         finished = False
-        for i, token in enumerate(row_tokens):
-            # A stop token the row went on from (an episode's turn end) is not its end.
-            if token in stop_ids and not row_forced[i] and (
+        row_generated = [not f for f in row_forced]
+        # Only a row that stopped is finished: one whose turn ended on the budget's last token
+        # was continued by on_stop and then cut, its environment reply never fed.
+        for i in range(len(row_tokens) if bool(done[row]) else 0):
+            # A stop the row went on from (an episode's turn end) is not its end.
+            if ends_turn(row_tokens[:i + 1], row_generated[:i + 1], stop_ids, stop_sequences) and (
                     i + 1 == len(row_tokens) or not row_forced[i + 1]):
                 length, finished = i + 1, True
                 break
         results.append(Generation(row_tokens[:length], all_logprobs[row, :length].tolist(),
                                   finished, [span for span in spans if span.start < length],
-                                  [not f for f in row_forced[:length]]))
+                                  row_generated[:length]))
     return results
 
 

@@ -29,6 +29,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from decentrl.config import ConfigError, RunConfig
+from decentrl.envs import make_task_or_environment
 from decentrl.evaluate.runner import EvalResult, evaluate
 from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
@@ -53,7 +54,6 @@ from decentrl.swarm.run import MetricsLog, step_line
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.store import RunStore
 from decentrl.swarm.worker import RolloutWorker, sampling_config
-from decentrl.tasks import make_task
 from decentrl.trust.gate import Trust
 
 log = logging.getLogger(__name__)
@@ -104,8 +104,9 @@ class SwarmCoordinator:
         folder = resolve_model(config.model)
         self.spec = ModelSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
         self.tokenizer = load_tokenizer(folder)
-        self.task = make_task(config.task.name, **config.task.options)
-        self.eval_task = make_task(config.eval.task.name, **config.eval.task.options)
+        self.task = make_task_or_environment(config.task.name, config.task.options)
+        self.eval_task = make_task_or_environment(config.eval.task.name,
+                                                  config.eval.task.options)
         self.directory = Directory(node, config.name, config.num_stages, config.swarm)
         self.trust = Trust(config, node, self.directory, self.spec.hidden_size,
                            self.tokenizer.pad_token_id, self.console)

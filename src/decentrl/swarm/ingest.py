@@ -1,6 +1,11 @@
 """Ingestion, the coordinator's gate for rollouts: check a rollout group, recompute its rewards
 itself (a peer's claim never counts), enforce the staleness bound, and turn accepted groups into
-training batches with group-relative advantages."""
+training batches with group-relative advantages.
+
+An episode's reward comes from replaying it: a fresh episode of the same problem is played
+through the rollout's assistant turns, and the environment's replies must be exactly the tokens
+the rollout says the environment gave (rollout/episodes.py, `replay_episode`). The episode's
+return is its final reward (0 when the token budget cut it short) plus its per-turn signals."""
 
 from __future__ import annotations
 
@@ -12,9 +17,11 @@ from typing import Any
 import torch
 
 from decentrl.config import RunConfig
+from decentrl.envs import Environment
 from decentrl.learn.advantages import filter_zero_variance_groups, group_advantages
 from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.losses import StaleRolloutError, check_staleness
+from decentrl.rollout.episodes import replay_episode
 from decentrl.rollout.types import RolloutGroup, ScoredGroup, check_version_spans
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.tasks import Task
@@ -39,7 +46,7 @@ class IngestStats:
 
 
 class Ingestion:
-    def __init__(self, config: RunConfig, task: Task, tokenizer: Any,
+    def __init__(self, config: RunConfig, task: Task | Environment, tokenizer: Any,
                  scheduler: PromptScheduler) -> None:
         self.config, self.task, self.tokenizer, self.scheduler = config, task, tokenizer, scheduler
         self.vocab_size = len(tokenizer)
@@ -67,6 +74,9 @@ class Ingestion:
                                     "and <= 0")
             if any(not 0 <= t < self.vocab_size for t in r.completion_tokens + r.prompt_tokens):
                 raise RejectedGroup(f"group {group.group_id}: token id outside the vocabulary")
+            if r.generated is not None and not isinstance(self.task, Environment):
+                raise RejectedGroup(f"group {group.group_id}: a single-turn rollout has no "
+                                    "environment tokens")
         try:
             check_version_spans(group, self.config.num_stages)
         except ValueError as error:
@@ -79,13 +89,13 @@ class Ingestion:
                 self.config.train.max_staleness)
         except ValueError as error:  # StaleRolloutError is not one: the caller counts it apart
             raise RejectedGroup(f"group {group.group_id}: {error}") from None
-        # Checked last: a group that fails another check leaves its problem index claimable.
-        if not self.scheduler.take(group.problem_index):
-            raise RejectedGroup(f"group {group.group_id}: problem {group.problem_index} was not "
-                                "scheduled, or its result was already accepted")
         return staleness
 
     def score(self, group: RolloutGroup) -> ScoredGroup:
+        """The group's rewards, computed here; raises RejectedGroup for an episode whose
+        environment tokens are not the environment's."""
+        if isinstance(self.task, Environment):
+            return self.score_episodes(group, self.task)
         problem = self.task.problem("train", group.problem_index)
         rewards, correct = [], []
         for r in group.rollouts:
@@ -96,10 +106,30 @@ class Ingestion:
             correct.append(float(reward.solved))
         return ScoredGroup(group=group, rewards=rewards, correct=correct)
 
+    def score_episodes(self, group: RolloutGroup, environment: Environment) -> ScoredGroup:
+        rewards, correct = [], []
+        for row, r in enumerate(group.rollouts):
+            try:
+                replayed = replay_episode(environment.episode("train", group.problem_index),
+                                          self.tokenizer, r.prompt_tokens, r.completion_tokens,
+                                          r.generated_mask())
+            except ValueError as error:
+                raise RejectedGroup(f"group {group.group_id}, rollout {row}: {error}") from None
+            final = replayed.episode.reward
+            signals = sum(s for s in replayed.turn_signals if s is not None)
+            rewards.append((final.total if final is not None else 0.0) + signals)
+            correct.append(float(final is not None and final.solved))
+        return ScoredGroup(group=group, rewards=rewards, correct=correct)
+
     def ingest(self, group: RolloutGroup, learner_version: int) -> tuple[ScoredGroup, int] | None:
         """The scored group and its staleness, or None (counted) if it is rejected or too stale."""
         try:
             staleness = self.check(group, learner_version)
+            scored = self.score(group)
+            # Taken last: a group that fails a check leaves its problem index claimable.
+            if not self.scheduler.take(group.problem_index):
+                raise RejectedGroup(f"group {group.group_id}: problem {group.problem_index} was "
+                                    "not scheduled, or its result was already accepted")
         except StaleRolloutError:
             self.stats.stale += 1
             return None
@@ -108,7 +138,7 @@ class Ingestion:
             log.warning("rejected group %s: %s", group.group_id, error)
             return None
         self.stats.accepted += 1
-        return self.score(group), staleness
+        return scored, staleness
 
     def make_batch(self, scored: list[tuple[ScoredGroup, int]]
                    ) -> tuple[TrainBatch | None, dict[str, Any], list[str]]:

@@ -25,6 +25,7 @@ from rich.console import Console
 
 from decentrl.config import RunConfig, TrainConfig
 from decentrl.device import compute_dtype, pick_device
+from decentrl.envs import make_task_or_environment
 from decentrl.evaluate.runner import EvalResult, evaluate
 from decentrl.learn.trainer import PipelineTrainer, latest_checkpoint, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
@@ -38,7 +39,6 @@ from decentrl.rollout.types import ScoredGroup
 from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.worker import RolloutWorker, sampling_config
-from decentrl.tasks import Task, make_task
 
 # How long the learner waits for rollouts before checking that the worker is still alive.
 POLL_SECONDS = 0.5
@@ -122,8 +122,9 @@ class LocalRun:
         self.model = model or load_model(config.model)
         spec = self.model.spec
         self.plan = StagePlan.even(spec.num_layers, config.num_stages)
-        self.task: Task = make_task(config.task.name, **config.task.options)
-        self.eval_task: Task = make_task(config.eval.task.name, **config.eval.task.options)
+        self.task = make_task_or_environment(config.task.name, config.task.options)
+        self.eval_task = make_task_or_environment(config.eval.task.name,
+                                                  config.eval.task.options)
         tensors = self.model.tensors
         # fp32 master weights for the learner; the inference replicas run in the compute dtype.
         learner = with_lora(build_stages(spec, self.plan, tensors, self.device, torch.float32),

@@ -1,7 +1,8 @@
 """A rollout worker: the inference side. It takes the prompts the coordinator schedules, generates
 G samples of each over its chain of stages, and hands the groups over the transport. Between
 generations it picks up newer stage weights; every group records which versions sampled which of
-its tokens."""
+its tokens. For an environment a sample is a whole episode: assistant turns and the
+environment's replies, in one session (rollout/episodes.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from typing import Any
 import torch
 
 from decentrl.config import RolloutConfig
+from decentrl.envs import Environment
 from decentrl.net.transport import RolloutTransport, Transport
 from decentrl.rollout.chain import InferenceChain, InferenceSession, LocalChain
-from decentrl.rollout.generate import generate
+from decentrl.rollout.episodes import generate_episodes
+from decentrl.rollout.generate import Generation, generate
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import Rollout, RolloutGroup, oldest_versions
 from decentrl.swarm.scheduler import PromptScheduler
@@ -27,7 +30,8 @@ def sampling_config(rollout: RolloutConfig) -> SamplingConfig:
 
 
 class RolloutWorker:
-    def __init__(self, chain: InferenceChain, transport: RolloutTransport | None, task: Task,
+    def __init__(self, chain: InferenceChain, transport: RolloutTransport | None,
+                 task: Task | Environment,
                  tokenizer: Any, rollout: RolloutConfig, scheduler: PromptScheduler,
                  seed: int) -> None:
         self.chain, self.transport, self.task, self.tokenizer = chain, transport, task, tokenizer
@@ -53,14 +57,9 @@ class RolloutWorker:
                         on_session: Callable[[InferenceSession], None] | None = None
                         ) -> list[RolloutGroup]:
         size = self.rollout.group_size
-        problems = [self.task.problem("train", i) for i in problem_indices]
-        prompts = [render_prompt(self.task, p, self.tokenizer) for p in problems]
         # Seeded by the problems, so a rerun (or a resumed run) draws the same samples.
         sampling_seed = self.seed * 2**32 + problem_indices[0]
-        generations = generate(
-            self.chain, [p for p in prompts for _ in range(size)], self.rollout.max_new_tokens,
-            self.sampling, {self.tokenizer.eos_token_id}, self.tokenizer.pad_token_id,
-            sampling_seed, on_session)
+        generations, prompts = self._generate(problem_indices, sampling_seed, on_session)
         self.generated_tokens += sum(len(g.tokens) for g in generations)
         groups = []
         for i, (index, prompt) in enumerate(zip(problem_indices, prompts)):
@@ -79,6 +78,24 @@ class RolloutWorker:
                                        version_spans=spans, sampling_seed=sampling_seed,
                                        rollouts=rollouts))
         return groups
+
+    def _generate(self, problem_indices: list[int], sampling_seed: int,
+                  on_session: Callable[[InferenceSession], None] | None
+                  ) -> tuple[list[Generation], list[list[int]]]:
+        """G generations per problem (problem-major) and each problem's prompt."""
+        size, max_new_tokens = self.rollout.group_size, self.rollout.max_new_tokens
+        if isinstance(self.task, Environment):
+            episodes = [self.task.episode("train", i) for i in problem_indices for _ in range(size)]
+            played = generate_episodes(self.chain, episodes, self.tokenizer, max_new_tokens,
+                                       self.sampling, sampling_seed, on_session)
+            return [p.generation for p in played], [p.prompt for p in played[::size]]
+        task = self.task
+        prompts = [render_prompt(task, task.problem("train", i), self.tokenizer)
+                   for i in problem_indices]
+        generations = generate(
+            self.chain, [p for p in prompts for _ in range(size)], max_new_tokens, self.sampling,
+            {self.tokenizer.eos_token_id}, self.tokenizer.pad_token_id, sampling_seed, on_session)
+        return generations, prompts
 
     def run(self, stop: threading.Event, threads: int | None = None) -> None:
         """Generate until `stop` is set (the asynchronous actor). Errors end the loop and are kept

@@ -9,9 +9,10 @@ that did not serve the original, in segments: each segment covers the decoding s
 What is compared:
 - every stage but the last: the activation commitments the original replicas signed, against the
   verifier's hidden states at the same (row, position) points (trust/commit.py);
-- the last stage: each completion token's claimed behaviour log-prob against the re-executed one,
-  and its seeded sampling margin (0 when the token is what the seeded draw gives; a token that was
-  not drawn, such as a random or injected one, has a large margin).
+- the last stage: each sampled completion token's claimed behaviour log-prob against the
+  re-executed one, and its seeded sampling margin (0 when the token is what the seeded draw gives;
+  a token that was not drawn, such as a random or injected one, has a large margin). Tokens an
+  environment forced into a multi-turn episode are fed but not judged here (nothing sampled them).
 
 The first stage that fails is blamed (the stages after it were fed its lie), at the replica that
 served the failing column. Tolerances are calibrated so that bf16 and fp32 replicas agree."""
@@ -31,7 +32,7 @@ from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, SwarmNode
 from decentrl.net.wire import WireError, decode_struct
 from decentrl.rollout.generate import left_pad
-from decentrl.rollout.types import RolloutGroup
+from decentrl.rollout.types import Rollout, RolloutGroup
 from decentrl.swarm.client import Directory
 from decentrl.swarm.protocol import CloseSession, Sampling, VerifyReply, VerifyStep
 from decentrl.trust.commit import Commitment, CommitTolerance, check_commitment
@@ -60,7 +61,12 @@ class Layout:
 def session_layout(group: RolloutGroup, pad_id: int) -> Layout:
     """Step 0 fed the left-padded prompts [B, P] and sampled completion token 0 from column P-1;
     step k >= 1 fed completion token k-1 at column P+k-1 (padding for rows already finished) and
-    sampled token k there. The last token sampled is never fed."""
+    sampled token k there. The last token sampled is never fed.
+
+    In a multi-turn episode some completion tokens were forced (an environment's reply, fed in
+    place of the step's sample): they are fed like any other token, so the whole episode is
+    teacher-forced and every stage's commitments are checked at their columns too, but they have
+    no target (-1) and no claimed log-prob, since the model never sampled them."""
     rows = group.rollouts
     ids, prompt_valid = left_pad([r.prompt_tokens for r in rows], pad_id, torch.device("cpu"))
     batch, prompt = ids.shape
@@ -81,10 +87,23 @@ def session_layout(group: RolloutGroup, pad_id: int) -> Layout:
         valid[row, prompt:prompt + fed] = True
         positions[row, prompt:] = torch.arange(len(rollout.prompt_tokens),
                                                len(rollout.prompt_tokens) + steps - 1)
-        targets[row, prompt - 1:prompt - 1 + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        sampled = sampled_mask(rollout)
+        targets[row, prompt - 1:prompt - 1 + len(tokens)] = torch.tensor(
+            tokens, dtype=torch.long).masked_fill(~sampled, -1)
         claimed[row, prompt - 1:prompt - 1 + len(tokens)] = torch.tensor(
-            rollout.behaviour_logprobs, dtype=torch.float32)
+            rollout.behaviour_logprobs, dtype=torch.float32).masked_fill(~sampled, 0.0)
     return Layout(full, valid, positions, targets, claimed, prompt)
+
+
+def sampled_mask(rollout: Rollout) -> torch.Tensor:
+    """Which completion tokens the model sampled [len(completion_tokens)] bool: all of them in a
+    single-turn rollout (`generated` None). Raises ValueError when the mask does not cover the
+    completion token for token (a target would land on the wrong column)."""
+    generated = rollout.generated_mask()
+    if len(generated) != len(rollout.completion_tokens):
+        raise ValueError(f"the generated mask has {len(generated)} entries for "
+                         f"{len(rollout.completion_tokens)} completion tokens")
+    return torch.tensor(generated, dtype=torch.bool)
 
 
 def segments(group: RolloutGroup, layout: Layout) -> list[tuple[int, int, list[int]]]:
