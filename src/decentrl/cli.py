@@ -51,6 +51,35 @@ DEMO_CONFIG = {
 }
 
 
+# The agentic demo: arithmetic word problems with the python tool, in episodes of up to three
+# turns. SmolLM2-135M never calls a tool unaided (0 of 32 episodes); with the first call's opening
+# prefilled and one worked example as real turns it solves about half of the one-step stories
+# greedily, and the tool's format is there for RL to sharpen. Episodes are long (about 450 prompt
+# tokens with the tool schema and the example), so fewer, smaller groups make a step.
+AGENTIC_TASK = {"name": "agentic-calculator",
+                "options": {"stories": ["purchase", "distance"], "prefill_first_call": True,
+                            "worked_example": True, "max_turns": 3}}
+AGENTIC_DEMO_CHANGES: dict[str, Any] = {
+    "task": AGENTIC_TASK,
+    "rollout": {"group_size": 8, "prompts_per_step": 4, "max_new_tokens": 80},
+    "train": {"micro_batch_size": 8},
+    "eval": {"task": AGENTIC_TASK, "problems": 64, "pass_k": 1, "max_new_tokens": 80,
+             "batch_size": 16},
+}
+DEMO_TASKS = ("sums", AGENTIC_TASK["name"])
+
+
+def demo_config(task: str) -> dict[str, Any]:
+    """The demo's config for `task` (one of DEMO_TASKS)."""
+    data = json.loads(json.dumps(DEMO_CONFIG))
+    if task == AGENTIC_TASK["name"]:
+        for section, changes in AGENTIC_DEMO_CHANGES.items():
+            data[section] = {**data[section], **changes} if section != "task" else changes
+    elif task != "sums":
+        raise ValueError(f"the demo runs one of {', '.join(DEMO_TASKS)}, not {task!r}")
+    return data
+
+
 # The release comparison at the demo's end: greedy pass@1 on every family of the default suite
 # (the swarm's own evaluation has pass@k), about two minutes for base and model on 2 cores.
 DEMO_SUITE_PROBLEMS = 100
@@ -69,18 +98,22 @@ def peak_memory_gib() -> float:
 
 
 def before_after_table(summary) -> Table:
+    from decentrl.evaluate.runner import episode_rows, pass1_label
+
     table = Table(title=f"held-out {summary.before.task} ({summary.before.problems} problems, "
                         "95% CI)")
     table.add_column("")
     table.add_column("before")
     table.add_column("after")
-    table.add_row("pass@1 (greedy)", summary.before.pass1.as_percent(),
+    table.add_row(pass1_label(summary.before), summary.before.pass1.as_percent(),
                   summary.after.pass1.as_percent())
     if summary.before.pass_k is not None and summary.after.pass_k is not None:
         table.add_row(f"pass@{summary.before.k} (T=1)", summary.before.pass_k.as_percent(),
                       summary.after.pass_k.as_percent())
     table.add_row("mean completion tokens", f"{summary.before.mean_completion_tokens:.1f}",
                   f"{summary.after.mean_completion_tokens:.1f}")
+    for row in episode_rows(summary.before, summary.after):
+        table.add_row(*row)
     return table
 
 
@@ -144,11 +177,19 @@ def demo(
     adversaries: Annotated[bool, typer.Option(
         help="add one hostile peer of every kind (trust/adversary.py) beside the honest ones")]
     = False,
+    task: Annotated[str, typer.Option(
+        help=f"what to post-train on: {' or '.join(DEMO_TASKS)} (multi-turn episodes with a "
+             "python tool)")] = "sums",
 ) -> None:
-    """Post-train SmolLM2-135M-Instruct on sums over a local swarm on loopback (coordinator plus
-    2 stages x (2 inference replicas + 1 training peer), emulated WAN links); report held-out
-    two-digit accuracy before and after."""
-    data = json.loads(json.dumps(DEMO_CONFIG))
+    """Post-train SmolLM2-135M-Instruct over a local swarm on loopback (coordinator plus
+    2 stages x (2 inference replicas + 1 training peer), emulated WAN links), on sums or on
+    tool-using word-problem episodes; report held-out accuracy (episode success) before and
+    after."""
+    try:
+        data = demo_config(task)
+    except ValueError as error:
+        fail(str(error))
+        return
     data["name"] = name
     data["train"]["time_budget_s"] = budget
     try:
@@ -170,7 +211,8 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
                    ) -> None:
     import threading
 
-    from decentrl.evaluate.suite import DEFAULT_SUITE, with_overrides
+    from decentrl.envs import AGENTIC_ENVIRONMENTS
+    from decentrl.evaluate.suite import DEFAULT_SUITE, Family, with_overrides
     from decentrl.model.loading import resolve_model
     from decentrl.observe.report import build_report
     from decentrl.release.export import export_run
@@ -215,9 +257,13 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
     model_dir = export_run(config.path, config.path / "model")
     console.print(f"exported to {model_dir}; comparing it with {config.model} "
                   f"({DEMO_SUITE_PROBLEMS} held-out problems per family, and the general set)")
-    suite = run_suite(model_dir, config.model,
-                      with_overrides(DEFAULT_SUITE, problems=DEMO_SUITE_PROBLEMS), pass_k=1,
-                      seed=config.seed)
+    # A task run is compared on the sums suite; an agentic run on its own environment.
+    families = (with_overrides(DEFAULT_SUITE, problems=DEMO_SUITE_PROBLEMS)
+                if config.task.name not in AGENTIC_ENVIRONMENTS else
+                [Family(config.eval.task.name, dict(config.eval.task.options),
+                        problems=config.eval.problems,
+                        max_new_tokens=config.eval.max_new_tokens)])
+    suite = run_suite(model_dir, config.model, families, pass_k=1, seed=config.seed)
     (config.path / "evaluation.json").write_text(json.dumps(suite.to_json(), indent=2))
     console.print(suite_table(suite))
     export_run(config.path, model_dir)  # again: the model card now carries that comparison

@@ -61,6 +61,28 @@ class EvalResult:
         return asdict(self)
 
 
+def pass1_label(result: EvalResult) -> str:
+    return "episode success (greedy)" if result.episodes is not None else "pass@1 (greedy)"
+
+
+def episode_rows(before: EvalResult | None, after: EvalResult | None) -> list[list[str]]:
+    """Rows [metric, before, after] of the greedy episodes' statistics; none for a task."""
+    if (before is None or before.episodes is None) and (after is None or after.episodes is None):
+        return []
+
+    def cells(read: Callable[[EvalResult, EpisodeStats], str]) -> list[str]:
+        return [read(r, r.episodes) if r is not None and r.episodes is not None else "-"
+                for r in (before, after)]
+
+    return [
+        ["turns per episode", *cells(lambda r, e: f"{e.mean_turns:.2f}")],
+        ["tool calls per episode", *cells(lambda r, e: f"{e.mean_tool_calls:.2f}")],
+        ["invalid-call rate", *cells(lambda r, e: "-" if e.invalid_call_rate is None
+                                     else f"{100 * e.invalid_call_rate:.1f}%")],
+        ["cut by the token budget", *cells(lambda r, e: f"{e.cut_by_budget} of {r.problems}")],
+    ]
+
+
 def _judge(chain: InferenceChain, task: Task | Environment, split: str,
            batch_problems: list[Problem], tokenizer: Any, max_new_tokens: int,
            sampling: SamplingConfig, seed: int | None) -> Outcomes:

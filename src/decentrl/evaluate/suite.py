@@ -30,12 +30,19 @@ from decentrl.evaluate.divergence import (
     evaluate_general,
     load_general_prompts,
 )
-from decentrl.evaluate.runner import EvalResult, evaluate
+from decentrl.envs import Environment, make_task_or_environment
+from decentrl.evaluate.runner import (
+    EpisodeStats,
+    EvalResult,
+    episode_rows,
+    evaluate,
+    pass1_label,
+)
 from decentrl.evaluate.stats import Z_95, Accuracy, difference_interval
 from decentrl.model.loading import LoadedModel, load_model, load_tokenizer, resolve_model
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.rollout.chain import LocalChain
-from decentrl.tasks import Task, make_task
+from decentrl.tasks import Task
 
 # Reports progress as (what is being done, units done, units in all; None: not known yet).
 SuiteProgress = Callable[[str, int, int | None], None]
@@ -108,8 +115,10 @@ class SuiteResult:
 
 
 def eval_result_from_json(data: dict[str, Any]) -> EvalResult:
+    episodes = data.get("episodes")
     return EvalResult(**{**data, "pass1": Accuracy(**data["pass1"]),
-                         "pass_k": Accuracy(**data["pass_k"]) if data["pass_k"] else None})
+                         "pass_k": Accuracy(**data["pass_k"]) if data["pass_k"] else None,
+                         "episodes": EpisodeStats(**episodes) if episodes else None})
 
 
 def interval_from_json(data: dict[str, Any] | None) -> Interval | None:
@@ -160,8 +169,8 @@ def load_stages(source: str, num_stages: int, device: torch.device, dtype: torch
 
 
 def evaluate_families(label: str, stages: list[StageModule], tokenizer: Any,
-                      tasks: Sequence[tuple[Family, Task]], pass_k: int, batch_size: int,
-                      seed: int, progress: SuiteProgress) -> list[EvalResult]:
+                      tasks: Sequence[tuple[Family, Task | Environment]], pass_k: int,
+                      batch_size: int, seed: int, progress: SuiteProgress) -> list[EvalResult]:
     results = []
     for family, task in tasks:
         description = f"{label} · {family.label}"
@@ -190,7 +199,8 @@ def evaluate_suite(model: str | Path, base: str | Path | None = None,
         raise ValueError(f"pass_k must be >= 1, got {pass_k}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    tasks = [(family, make_task(family.task, **family.options)) for family in families]
+    tasks = [(family, make_task_or_environment(family.task, family.options))
+             for family in families]
     model_folder = resolve_model(str(model))
     if base is not None and (load_tokenizer(resolve_model(str(base))).get_vocab()
                              != load_tokenizer(model_folder).get_vocab()):
@@ -249,7 +259,7 @@ def suite_table_rows(result: SuiteResult) -> tuple[list[str], list[list[str]]]:
     rows: list[list[str]] = []
     for item in result.families:
         name = f"{item.family.label} ({item.model.problems} problems)"
-        metrics = [("pass@1 (greedy)", item.model.pass1,
+        metrics = [(pass1_label(item.model), item.model.pass1,
                     item.base.pass1 if item.base else None, item.pass1_change)]
         if item.model.pass_k is not None:
             metrics.append((f"pass@{item.model.k} (T=1)", item.model.pass_k,
@@ -263,6 +273,9 @@ def suite_table_rows(result: SuiteResult) -> tuple[list[str], list[list[str]]]:
                 row.append(after.as_percent())
             rows.append(row)
             name = ""
+        for metric, before_cell, after_cell in episode_rows(item.base, item.model):
+            rows.append(["", metric, *([before_cell, after_cell, ""] if with_base
+                                       else [after_cell])])
     general = result.general
     name = f"general set ({general.prompts} prompts, {general.tokens} tokens)"
     if general.base_perplexity is not None and general.kl is not None:

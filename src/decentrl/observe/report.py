@@ -22,7 +22,7 @@ from matplotlib.ticker import MaxNLocator
 
 from decentrl.config import RunConfig, load_config
 from decentrl.evaluate.divergence import Interval
-from decentrl.evaluate.runner import EvalResult
+from decentrl.evaluate.runner import EvalResult, episode_rows, pass1_label
 from decentrl.evaluate.stats import Accuracy
 from decentrl.evaluate.suite import (
     SuiteResult,
@@ -298,7 +298,7 @@ def held_out_table(before: EvalResult | None, after: EvalResult | None) -> str:
     shown = after or before
     if shown is None:
         return "No held-out evaluation was recorded for this run."
-    rows = [accuracy_row("pass@1 (greedy)", before.pass1 if before else None,
+    rows = [accuracy_row(pass1_label(shown), before.pass1 if before else None,
                          after.pass1 if after else None, pass1_change)]
     if shown.pass_k is not None:
         rows.append(accuracy_row(f"pass@{shown.k} (sampled, T=1)",
@@ -307,6 +307,7 @@ def held_out_table(before: EvalResult | None, after: EvalResult | None) -> str:
     rows.append(["mean completion tokens",
                  *(number(r.mean_completion_tokens, 1) if r else "-" for r in (before, after)),
                  "-"])
+    rows += [[*row, "-"] for row in episode_rows(before, after)]
     return (f"Held-out `{shown.task}`, {shown.problems} problems, 95% confidence intervals "
             "(change: after - before).\n\n" + table(["", "before", "after", "change"], rows))
 
