@@ -6,6 +6,7 @@ import torch
 
 from decentrl.model.loading import LoadedModel
 from decentrl.model.stages import StageModule, StagePlan, build_stages
+from decentrl.trust.verify import Layout
 
 
 def build(model: LoadedModel, num_stages: int) -> list[StageModule]:
@@ -19,3 +20,12 @@ def chat_prompts(model: LoadedModel, questions: list[str]) -> list[list[int]]:
     return [model.tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                                 add_generation_prompt=True)["input_ids"]
             for q in questions]
+
+
+def layout_logits(stages: list[StageModule], layout: Layout) -> torch.Tensor:
+    """The logits of one teacher-forced prefill over a verification layout."""
+    with torch.inference_mode():
+        x = layout.ids
+        for stage in stages:
+            x = stage.body(x, layout.positions, layout.valid)
+        return stages[-1].head(x)

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from swarm_helpers import local_chain, tiny_run_config
 
 from decentrl.config import RunConfig, parse_config
 from decentrl.envs import Environment, make_task_or_environment
 from decentrl.model.loading import LoadedModel, load_model
+from decentrl.release.card import model_card
 from decentrl.rollout.episodes import generate_episodes, replay_episode
 from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.ingest import Ingestion, RejectedGroup
@@ -21,7 +23,6 @@ from decentrl.swarm.run import LocalRun
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
-from swarm_helpers import local_chain, tiny_run_config
 
 CALCULATOR = {"name": "agentic-calculator",
               "options": {"stories": ["purchase"], "prefill_first_call": True, "max_turns": 3}}
@@ -142,8 +143,7 @@ def test_replay_refuses_a_mask_of_the_wrong_length(plain: LoadedModel,
     assert isinstance(environment, Environment)
     with pytest.raises(ValueError, match="generated mask has"):
         replay_episode(environment.episode("train", group.problem_index), plain.tokenizer,
-                       rollout.prompt_tokens, rollout.completion_tokens,
-                       rollout.generated_mask()[:-1])
+                       msgspec.structs.replace(rollout, generated=rollout.generated_mask()[:-1]))
 
 
 def test_the_local_loop_trains_on_episodes(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -169,3 +169,12 @@ def test_the_local_loop_trains_on_episodes(tiny_model_dir: Path, tmp_path: Path)
     assert after["task"] == "agentic-calculator" and after["problems"] == 3
     assert after["episodes"] == {"mean_turns": 0.0, "mean_tool_calls": 0.0,
                                  "invalid_call_rate": None, "cut_by_budget": 3}
+
+
+def test_the_model_card_says_how_an_agentic_model_is_prompted(tiny_model_dir: Path) -> None:
+    agentic = agentic_config(tiny_model_dir)
+    card = model_card(agentic, 3, 3, ["ab" * 32], None, None)
+    assert "multi-turn episodes with tools" in card and "<tool_call>" in card
+    assert "prefill_first_call=True" in card
+    single_turn = tiny_run_config(tiny_model_dir, 2)
+    assert "<tool_call>" not in model_card(single_turn, 3, 3, ["ab" * 32], None, None)

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from swarm_helpers import ObservedChain, Swarm, local_chain, start_swarm, tiny_run_config
 
 from decentrl.envs.base import EnvStep, Message, StopReason
 from decentrl.model.loading import LoadedModel, load_model
@@ -29,9 +30,9 @@ from decentrl.model.tiny import tiny_tokenizer
 from decentrl.rollout.episodes import EpisodeRollout, generate_episodes, replay_episode
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig
+from decentrl.rollout.types import Rollout
 from decentrl.swarm import client as swarm_client
 from decentrl.tasks import Problem, Reward
-from swarm_helpers import ObservedChain, Swarm, local_chain, start_swarm, tiny_run_config
 
 GREEDY = SamplingConfig(temperature=0.0)
 BUDGET = 80  # completion tokens per episode, the environment's included
@@ -198,8 +199,10 @@ def test_the_group_exercises_turns_replies_early_ends_and_the_budget(
         assert all(lp < 0.0 for lp, s in zip(generation.logprobs, generation.generated) if s)
         # A fresh episode replayed through these tokens hears the same turns and answers with
         # exactly the forced tokens (replay raises otherwise).
-        played = replay_episode(ToolEpisode(*spec), tokenizer, rollout.prompt,
-                                generation.tokens, generation.generated)
+        played = replay_episode(ToolEpisode(*spec), tokenizer, Rollout(
+            prompt_tokens=rollout.prompt, completion_tokens=generation.tokens,
+            behaviour_logprobs=generation.logprobs, finished=generation.finished,
+            completion_text="", generated=generation.generated))
         assert played.episode.turns == rollout.episode.turns
         assert played.episode.reward == rollout.reward
     # A finished episode's conversation renders to exactly its prompt and completion.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build
+from helpers import build, layout_logits
 from swarm_helpers import tiny_run_config
 
 from decentrl.config import TrainConfig, TrustConfig
@@ -81,11 +81,7 @@ def test_teacher_forced_layout_reproduces_the_behaviour_logprobs(
     assert layout.width == layout.prompt_columns + max(lengths) - 1
     assert int((layout.targets >= 0).sum()) == sum(lengths)
     # One prefill over the whole layout gives every sampled token's log-prob again.
-    with torch.inference_mode():
-        x = layout.ids
-        for stage in stages:
-            x = stage.body(x, layout.positions, layout.valid)
-        logits = stages[-1].head(x)
+    logits = layout_logits(stages, layout)
     scored = layout.targets >= 0
     again = sampling_logprobs(logits[scored], layout.targets[scored],
                               sampling_config(config.rollout))

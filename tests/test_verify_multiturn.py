@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from helpers import build, chat_prompts
+from helpers import build, chat_prompts, layout_logits
 from swarm_helpers import Swarm, start_swarm, tiny_run_config
 
 from decentrl.config import RunConfig
@@ -23,7 +23,6 @@ from decentrl.rollout.generate import OnStop, generate
 from decentrl.rollout.sampling import sampling_logprobs
 from decentrl.rollout.types import Rollout, RolloutGroup, oldest_versions
 from decentrl.swarm.worker import sampling_config
-from decentrl.trust import verify as verify_module
 from decentrl.trust.provenance import Provenance
 from decentrl.trust.verify import Verifier, session_layout
 
@@ -119,11 +118,7 @@ def test_forced_tokens_are_fed_but_have_no_target(sharp: LoadedModel,
     assert layout.ids[fed].tolist() == tokens_at(group, fed, layout.prompt_columns)
 
     # One teacher-forced prefill of the whole episode gives every sampled token's log-prob again.
-    with torch.inference_mode():
-        x = layout.ids
-        for stage in stages:
-            x = stage.body(x, layout.positions, layout.valid)
-        logits = stages[-1].head(x)
+    logits = layout_logits(stages, layout)
     scored = layout.targets >= 0
     again = sampling_logprobs(logits[scored], layout.targets[scored],
                               sampling_config(config.rollout))
@@ -213,12 +208,10 @@ def test_a_tampered_sample_after_the_environment_is_caught(checked: Any,
     assert verdict.peer in provenance.stage_peers(1)
 
 
-def test_demanding_samples_at_forced_tokens_would_fail_the_honest_group(
-        checked: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The layout before multi-turn support: every completion token a target."""
+def test_demanding_samples_at_forced_tokens_would_fail_the_honest_group(checked: Any) -> None:
+    """The same group claimed as all sampled (the single-turn layout: every completion token a
+    target) fails: the check must know which tokens the environment gave."""
     _, verifier, group, provenance = checked
-    monkeypatch.setattr(verify_module, "sampled_mask",
-                        lambda rollout: torch.ones(len(rollout.completion_tokens),
-                                                   dtype=torch.bool))
-    verdict = verifier.verify(group, provenance)
+    as_sampled = [msgspec.structs.replace(r, generated=None) for r in group.rollouts]
+    verdict = verifier.verify(msgspec.structs.replace(group, rollouts=as_sampled), provenance)
     assert verdict.outcome == "failed" and verdict.stage == 1, verdict

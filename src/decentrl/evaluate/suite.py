@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from decentrl.device import compute_dtype, pick_device
+from decentrl.envs import Environment, make_task_or_environment
 from decentrl.evaluate.divergence import (
     GeneralPrompt,
     GeneralResult,
@@ -30,7 +31,6 @@ from decentrl.evaluate.divergence import (
     evaluate_general,
     load_general_prompts,
 )
-from decentrl.envs import Environment, make_task_or_environment
 from decentrl.evaluate.runner import (
     EpisodeStats,
     EvalResult,

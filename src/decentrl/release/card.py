@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from decentrl.config import RunConfig
+from decentrl.envs import AGENTIC_ENVIRONMENTS
 from decentrl.evaluate.runner import EvalResult
 from decentrl.evaluate.suite import SuiteResult, suite_table_markdown
 from decentrl.model.loading import DEFAULT_MODEL, DEFAULT_MODEL_HUB_ID
@@ -44,6 +45,12 @@ def model_card(config: RunConfig, version: int, steps: int, stage_hashes: list[s
                 f"{', '.join(train.lora_targets)}, merged into the weights"
                 if train.lora_rank else "full fine-tuning")
     base = DEFAULT_MODEL_HUB_ID if config.model == DEFAULT_MODEL else config.model
+    episodes = ("\n\nThe problems were multi-turn episodes with tools: the system prompt lists the "
+                "tools as JSON schemas, the model calls one as `<tool_call>{\"name\": ..., "
+                "\"arguments\": {...}}</tool_call>` and reads its result in a `tool` message, and "
+                "the reply without a call is the final answer. Prompt it the same way (with the "
+                "options above: a prefilled first call, a worked example)."
+                if config.task.name in AGENTIC_ENVIRONMENTS else "")
     return f"""---
 base_model: {base}
 tags: [decentrl, reinforcement-learning, grpo]
@@ -53,7 +60,7 @@ tags: [decentrl, reinforcement-learning, grpo]
 Post-trained from `{config.model}` with reinforcement learning on verifiable `{config.task.name}`
 problems ({options}), by a decentrl swarm: the model was cut into {config.num_stages} pipeline
 stages, each trained by its own peer, while inference replicas of each stage generated the
-rollouts.
+rollouts.{episodes}
 
 ## Training
 - Algorithm: `{train.loss}` with group-relative advantages (group of {rollout.group_size}),

@@ -18,6 +18,7 @@ from decentrl.envs.tool_calls import CLOSE_TAG
 from decentrl.rollout.chain import InferenceChain, InferenceSession
 from decentrl.rollout.generate import Generation, ends_turn, generate
 from decentrl.rollout.sampling import SamplingConfig
+from decentrl.rollout.types import Rollout
 from decentrl.tasks import Reward
 
 
@@ -115,19 +116,15 @@ def generate_episodes(chain: InferenceChain, episodes: list[Episode], tokenizer:
     return [EpisodeRollout(g, e, p) for g, e, p in zip(generations, episodes, prompts)]
 
 
-def replay_episode(episode: Episode, tokenizer: Any, prompt: list[int], completion: list[int],
-                   generated: list[bool]) -> EpisodeTokens:
+def replay_episode(episode: Episode, tokenizer: Any, rollout: Rollout) -> EpisodeTokens:
     """Play a fresh `episode` through a rollout's tokens, as generation did: every assistant
     turn (the generated tokens) goes to the environment, whose answers must be exactly the
     rollout's forced tokens. Returns the played episode (finished, or cut by the budget) with its
-    turn signals; raises
-    ValueError where the rollout's prompt or environment tokens are not what the environment
-    gives (a peer's transcript is never trusted)."""
-    if len(generated) != len(completion):
-        raise ValueError(f"the generated mask has {len(generated)} entries for "
-                         f"{len(completion)} completion tokens")
+    turn signals; raises ValueError where the rollout's prompt or environment tokens are not what
+    the environment gives (a peer's transcript is never trusted)."""
+    completion, generated = rollout.completion_tokens, rollout.generated_mask()
     driver = EpisodeTokens(episode, tokenizer)
-    if driver.prompt() != list(prompt):
+    if driver.prompt() != list(rollout.prompt_tokens):
         raise ValueError("the prompt is not the episode's")
     stops = tool_call_stops(tokenizer)
     position = 0

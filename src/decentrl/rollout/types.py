@@ -21,8 +21,14 @@ class Rollout(msgspec.Struct, frozen=True, kw_only=True):
     generated: list[bool] | None = None
 
     def generated_mask(self) -> list[bool]:
-        return self.generated if self.generated is not None else [True] * len(
-            self.completion_tokens)
+        """Per completion token, whether the model sampled it. Raises ValueError when a peer's
+        mask does not cover the completion token for token."""
+        if self.generated is None:
+            return [True] * len(self.completion_tokens)
+        if len(self.generated) != len(self.completion_tokens):
+            raise ValueError(f"the generated mask has {len(self.generated)} entries for "
+                             f"{len(self.completion_tokens)} completion tokens")
+        return self.generated
 
 
 class VersionSpan(msgspec.Struct, frozen=True, kw_only=True):

@@ -111,8 +111,7 @@ class Ingestion:
         for row, r in enumerate(group.rollouts):
             try:
                 replayed = replay_episode(environment.episode("train", group.problem_index),
-                                          self.tokenizer, r.prompt_tokens, r.completion_tokens,
-                                          r.generated_mask())
+                                          self.tokenizer, r)
             except ValueError as error:
                 raise RejectedGroup(f"group {group.group_id}, rollout {row}: {error}") from None
             final = replayed.episode.reward

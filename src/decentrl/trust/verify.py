@@ -32,7 +32,7 @@ from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, SwarmNode
 from decentrl.net.wire import WireError, decode_struct
 from decentrl.rollout.generate import left_pad
-from decentrl.rollout.types import Rollout, RolloutGroup
+from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.client import Directory
 from decentrl.swarm.protocol import CloseSession, Sampling, VerifyReply, VerifyStep
 from decentrl.trust.commit import Commitment, CommitTolerance, check_commitment
@@ -87,23 +87,12 @@ def session_layout(group: RolloutGroup, pad_id: int) -> Layout:
         valid[row, prompt:prompt + fed] = True
         positions[row, prompt:] = torch.arange(len(rollout.prompt_tokens),
                                                len(rollout.prompt_tokens) + steps - 1)
-        sampled = sampled_mask(rollout)
+        sampled = torch.tensor(rollout.generated_mask(), dtype=torch.bool)
         targets[row, prompt - 1:prompt - 1 + len(tokens)] = torch.tensor(
             tokens, dtype=torch.long).masked_fill(~sampled, -1)
         claimed[row, prompt - 1:prompt - 1 + len(tokens)] = torch.tensor(
             rollout.behaviour_logprobs, dtype=torch.float32).masked_fill(~sampled, 0.0)
     return Layout(full, valid, positions, targets, claimed, prompt)
-
-
-def sampled_mask(rollout: Rollout) -> torch.Tensor:
-    """Which completion tokens the model sampled [len(completion_tokens)] bool: all of them in a
-    single-turn rollout (`generated` None). Raises ValueError when the mask does not cover the
-    completion token for token (a target would land on the wrong column)."""
-    generated = rollout.generated_mask()
-    if len(generated) != len(rollout.completion_tokens):
-        raise ValueError(f"the generated mask has {len(generated)} entries for "
-                         f"{len(rollout.completion_tokens)} completion tokens")
-    return torch.tensor(generated, dtype=torch.bool)
 
 
 def segments(group: RolloutGroup, layout: Layout) -> list[tuple[int, int, list[int]]]:
