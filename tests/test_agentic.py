@@ -178,3 +178,29 @@ def test_the_model_card_says_how_an_agentic_model_is_prompted(tiny_model_dir: Pa
     assert "prefill_first_call=True" in card
     single_turn = tiny_run_config(tiny_model_dir, 2)
     assert "<tool_call>" not in model_card(single_turn, 3, 3, ["ab" * 32], None, None)
+
+
+def test_a_task_trains_as_one_turn_episodes_through_its_adapter(plain: LoadedModel,
+                                                                tiny_model_dir: Path) -> None:
+    config = tiny_run_config(tiny_model_dir, 2, task={"name": "task:sums",
+                                                      "options": {"max_digits": 1}},
+                             rollout={"group_size": GROUP, "max_new_tokens": BUDGET,
+                                      "temperature": 1.0})
+    environment = make_task_or_environment(config.task.name, config.task.options)
+    assert isinstance(environment, Environment)
+    scheduler = PromptScheduler(config.seed)
+    worker = RolloutWorker(local_chain(plain, 2), None, environment, plain.tokenizer,
+                           config.rollout, scheduler, config.seed)
+    [group] = worker.generate_groups(scheduler.next(1))
+    assert group.task == "task:sums"
+    assert all(r.generated is None for r in group.rollouts)  # one turn: nothing forced
+    accepted = Ingestion(config, environment, plain.tokenizer, scheduler).ingest(group, 0)
+    assert accepted is not None
+    # The episode's reward is the task's own for a finished reply, and 0 for one the budget cut.
+    task = make_task("sums", max_digits=1)
+    problem = task.problem("train", group.problem_index)
+    expected = [task.reward(problem, plain.tokenizer.decode(
+        r.completion_tokens, skip_special_tokens=True)).total if r.finished else 0.0
+        for r in group.rollouts]
+    assert accepted[0].rewards == pytest.approx(expected)
+    assert any(r.finished for r in group.rollouts) and not all(r.finished for r in group.rollouts)

@@ -18,7 +18,7 @@ from decentrl.learn.batch import build_batch
 from decentrl.learn.trainer import LossInputs, loss_config_from, micro_batch_loss, stage_forward
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.rollout.chain import LocalChain
-from decentrl.rollout.generate import OnStop, generate
+from decentrl.rollout.generate import OnStop, ends_turn, generate
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import Rollout
 
@@ -164,3 +164,18 @@ def test_a_turn_ending_on_the_last_token_of_the_budget_is_not_finished(sharp: Lo
     assert len(cut.tokens) == turn_end + 1 and not cut.finished
     [ended] = generate(LocalChain(build(sharp, 1)), prompts, turn_end + 1, GREEDY, {stop}, pad)
     assert ended.tokens == cut.tokens and ended.finished
+
+
+def test_a_stop_sequence_ends_a_turn_where_the_model_completes_it(sharp: LoadedModel) -> None:
+    prompts = chat_prompts(sharp, QUESTIONS)[:1]
+    pad = sharp.tokenizer.pad_token_id
+    plain = generate(LocalChain(build(sharp, 1)), prompts, 8, GREEDY, set(), pad)[0].tokens
+    sequence = plain[2:4]
+    [stopped] = generate(LocalChain(build(sharp, 1)), prompts, 8, GREEDY, set(), pad,
+                         stop_sequences=[sequence])
+    end = next(i + 2 for i in range(len(plain) - 1) if plain[i:i + 2] == sequence)
+    assert stopped.tokens == plain[:end] and stopped.finished
+    # Only a sampled token completes a stop sequence: one the environment forced does not.
+    assert ends_turn([7, *sequence], [True, True, True], set(), [sequence])
+    assert not ends_turn([7, *sequence], [True, True, False], set(), [sequence])
+    assert not ends_turn(sequence[1:], [True], set(), [sequence])

@@ -66,8 +66,9 @@ def make_environment(name: str, **options: Any) -> Environment:
 
 
 def make_task_or_environment(name: str, options: dict[str, Any]) -> Task | Environment:
-    """What a run trains or evaluates on: the environment for an agentic name, else the task."""
-    if name in AGENTIC_ENVIRONMENTS:
+    """What a run trains or evaluates on: the environment for an agentic name or a one-turn
+    "task:<name>" adapter (trained as episodes), else the task itself."""
+    if name in AGENTIC_ENVIRONMENTS or name.startswith(TASK_ENVIRONMENT_PREFIX):
         return make_environment(name, **options)
     return make_task(name, **options)
 
