@@ -8,7 +8,12 @@ from collections.abc import Callable
 import pytest
 
 from decentrl.envs import EpisodeResult, Message, make_environment, run_episode
-from decentrl.envs.calculator import MULTI_STEP_STORIES, PYTHON_TOOL, CalculatorEnvironment
+from decentrl.envs.calculator import (
+    MULTI_STEP_STORIES,
+    PYTHON_TOOL,
+    WORKED_EXAMPLE,
+    CalculatorEnvironment,
+)
 from decentrl.envs.countdown import (
     DEFAULT_CONFIG,
     CountdownEnvironment,
@@ -449,3 +454,16 @@ def test_prefill_is_off_by_default_and_countdown_has_it_too() -> None:
 def test_calculator_options_are_checked(options: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_environment("agentic-calculator", **options)
+
+
+def test_the_worked_example_is_a_solved_episode_no_generated_problem_shares() -> None:
+    environment = CalculatorEnvironment(stories=["purchase", "distance"], worked_example=True)
+    messages = environment.episode("train", 0).messages()
+    assert messages[1:5] == WORKED_EXAMPLE and messages[5]["role"] == "user"
+    # The example's call really gives its answer, through the sandbox.
+    replay = CalculatorEnvironment(stories=["purchase"]).episode("train", 0)
+    step = replay.respond(WORKED_EXAMPLE[1]["content"])
+    assert step.messages == [{"role": "tool", "content": WORKED_EXAMPLE[2]["content"]}]
+    keys = {environment.problem(split, i).key for split in ("train", "heldout")
+            for i in range(300)}
+    assert "purchase:7,108" not in keys and not any(k.endswith(",108") for k in keys)

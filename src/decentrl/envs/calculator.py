@@ -54,12 +54,13 @@ PYTHON_TOOL = Tool(
     run=python_tool_run,
 )
 SYSTEM_PROMPT = tools_system_prompt(INSTRUCTIONS, [PYTHON_TOOL])
-# A solved one-step problem as real turns (`worked_example`); not a story the generator makes.
+# A solved one-step problem as real turns (`worked_example`). Its price is outside the range
+# "purchase" draws from, so the example never gives away the answer of a generated problem.
 WORKED_EXAMPLE: list[dict[str, str]] = [
-    {"role": "user", "content": "Sam buys 7 kites at $36 each. How many dollars does Sam pay?"},
-    {"role": "assistant", "content": call_opening(PYTHON_TOOL) + '7 * 36"}}\n</tool_call>'},
-    {"role": "tool", "content": "252"},
-    {"role": "assistant", "content": "Sam pays $252.\n<answer>252</answer>"},
+    {"role": "user", "content": "Sam buys 7 kites at $108 each. How many dollars does Sam pay?"},
+    {"role": "assistant", "content": call_opening(PYTHON_TOOL) + '7 * 108"}}\n</tool_call>'},
+    {"role": "tool", "content": "756"},
+    {"role": "assistant", "content": "Sam pays $756.\n<answer>756</answer>"},
 ]
 
 # A story: (question, answer, the numbers that define it) from a seeded generator.
