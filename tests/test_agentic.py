@@ -12,6 +12,7 @@ import msgspec
 import pytest
 from swarm_helpers import local_chain, tiny_run_config
 
+from decentrl.cli import demo_config
 from decentrl.config import RunConfig, parse_config
 from decentrl.envs import Environment, make_task_or_environment
 from decentrl.model.loading import LoadedModel, load_model
@@ -204,3 +205,15 @@ def test_a_task_trains_as_one_turn_episodes_through_its_adapter(plain: LoadedMod
         for r in group.rollouts]
     assert accepted[0].rewards == pytest.approx(expected)
     assert any(r.finished for r in group.rollouts) and not all(r.finished for r in group.rollouts)
+
+
+def test_the_agentic_demo_config_trains_and_evaluates_the_environment() -> None:
+    config = parse_config(demo_config("agentic-calculator"))
+    assert config.task.name == config.eval.task.name == "agentic-calculator"
+    assert config.task.options["prefill_first_call"] and config.task.options["worked_example"]
+    # The rest is the sums demo's swarm: the same stages, replicas and emulated links.
+    sums = parse_config(demo_config("sums"))
+    assert (config.num_stages, config.swarm) == (sums.num_stages, sums.swarm)
+    assert sums.task.name == "sums"
+    with pytest.raises(ValueError, match="the demo runs one of sums, agentic-calculator"):
+        demo_config("agentic-countdown")
