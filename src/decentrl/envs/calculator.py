@@ -31,7 +31,7 @@ from decentrl.envs.tool_calls import (
     tools_system_prompt,
 )
 from decentrl.tasks.arithmetic import last_number
-from decentrl.tasks.base import Problem, Reward, Split, check_heldout_fraction, draw_in_split
+from decentrl.tasks.base import Problem, Reward, Split, SplitDrawn, check_heldout_fraction
 
 NAMES = ("Maya", "Tom", "Aisha", "Lukas", "Sofia", "Kenji", "Priya", "Omar")
 
@@ -165,7 +165,7 @@ class CalculatorEpisode(ToolEpisode):
         return Reward(correct=1.0 if answer == self.problem.answer else 0.0, format=0.0)
 
 
-class CalculatorEnvironment:
+class CalculatorEnvironment(SplitDrawn):
     name = "agentic-calculator"
 
     def __init__(
@@ -195,15 +195,6 @@ class CalculatorEnvironment:
         self.max_turns = max_turns
         self.max_tool_calls = max_tool_calls
         self.invalid_call_penalty = invalid_call_penalty
-
-    def problem(self, split: Split, index: int) -> Problem:
-        return draw_in_split(
-            self.name,
-            split,
-            index,
-            self.heldout_fraction,
-            lambda seed: self._candidate(index, seed),
-        )
 
     def _candidate(self, index: int, seed: int) -> Problem:
         rng = random.Random(seed)

@@ -14,10 +14,9 @@ import re
 from decentrl.tasks.base import (
     Problem,
     Reward,
-    Split,
+    SplitDrawn,
     check_format_weight,
     check_heldout_fraction,
-    draw_in_split,
 )
 
 MAX_DIGITS = 9
@@ -55,7 +54,7 @@ def last_number(text: str) -> str | None:
     return str(int(integer_part))
 
 
-class SumsTask:
+class SumsTask(SplitDrawn):
     name = "sums"
 
     def __init__(
@@ -76,15 +75,6 @@ class SumsTask:
         self.terms = terms
         self.heldout_fraction = heldout_fraction
         self.format_weight = format_weight
-
-    def problem(self, split: Split, index: int) -> Problem:
-        return draw_in_split(
-            self.name,
-            split,
-            index,
-            self.heldout_fraction,
-            lambda seed: self._candidate(index, seed),
-        )
 
     def _candidate(self, index: int, seed: int) -> Problem:
         rng = random.Random(seed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args
@@ -130,6 +131,22 @@ def draw_in_split(
         f"candidates (heldout_fraction={heldout_fraction}); its problem space is too small "
         f"for this split"
     )
+
+
+class SplitDrawn(ABC):
+    """A problem generator split by key: `problem(split, index)` draws candidates from
+    `_candidate(index, seed)` until one falls in `split` (`draw_in_split`)."""
+
+    name: str
+    heldout_fraction: float
+
+    def problem(self, split: Split, index: int) -> Problem:
+        return draw_in_split(self.name, split, index, self.heldout_fraction,
+                             lambda seed: self._candidate(index, seed))
+
+    @abstractmethod
+    def _candidate(self, index: int, seed: int) -> Problem:
+        """Problem `index`'s candidate for `seed`: a pure function of both."""
 
 
 def problems(task: Task, split: Split, count: int, start: int = 0) -> list[Problem]:

@@ -29,10 +29,9 @@ from reasoning_gym.utils import extract_answer as extract_tagged_answer
 from decentrl.tasks.base import (
     Problem,
     Reward,
-    Split,
+    SplitDrawn,
     check_format_weight,
     check_heldout_fraction,
-    draw_in_split,
 )
 
 TASK_PREFIX = "rg:"
@@ -47,7 +46,7 @@ def dataset_names() -> list[str]:
     return sorted(DATASETS)
 
 
-class ReasoningGymTask:
+class ReasoningGymTask(SplitDrawn):
     def __init__(
         self,
         dataset: str,
@@ -90,15 +89,6 @@ class ReasoningGymTask:
 
     def _generate_entry(self, seed: int) -> dict[str, Any]:
         return self._build_dataset(seed)[0]
-
-    def problem(self, split: Split, index: int) -> Problem:
-        return draw_in_split(
-            self.name,
-            split,
-            index,
-            self.heldout_fraction,
-            lambda seed: self._candidate(index, seed),
-        )
 
     def _candidate(self, index: int, seed: int) -> Problem:
         entry = self._entry(seed)
