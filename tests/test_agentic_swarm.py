@@ -51,7 +51,7 @@ EPISODES: list[tuple[str, str, int]] = [
 ]
 
 
-class ToolEpisode:
+class AnyTurnCallsEpisode:
     """Any text is a valid turn: each assistant turn is a tool call that the tool answers with
     TOOL_REPLY, until a turn contains ANSWER (the final answer) or `max_turns` turns are played.
     Every turn starts with the environment's `prefix` (assistant prefill)."""
@@ -88,8 +88,8 @@ class ToolEpisode:
                        turn_signal=float(len(assistant_text)))
 
 
-def fresh_episodes() -> list[ToolEpisode]:
-    return [ToolEpisode(*spec) for spec in EPISODES]
+def fresh_episodes() -> list[AnyTurnCallsEpisode]:
+    return [AnyTurnCallsEpisode(*spec) for spec in EPISODES]
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +199,7 @@ def test_the_group_exercises_turns_replies_early_ends_and_the_budget(
         assert all(lp < 0.0 for lp, s in zip(generation.logprobs, generation.generated) if s)
         # A fresh episode replayed through these tokens hears the same turns and answers with
         # exactly the forced tokens (replay raises otherwise).
-        played = replay_episode(ToolEpisode(*spec), tokenizer, Rollout(
+        played = replay_episode(AnyTurnCallsEpisode(*spec), tokenizer, Rollout(
             prompt_tokens=rollout.prompt, completion_tokens=generation.tokens,
             behaviour_logprobs=generation.logprobs, finished=generation.finished,
             completion_text="", generated=generation.generated))

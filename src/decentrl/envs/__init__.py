@@ -28,12 +28,7 @@ from decentrl.tasks import Task, make_task
 
 # Multi-turn environments: a run whose task is one of these trains on episodes.
 AGENTIC_ENVIRONMENTS: tuple[str, ...] = ("agentic-calculator", "agentic-countdown")
-ENVIRONMENT_NAMES: tuple[str, ...] = (
-    "agentic-calculator",
-    "agentic-countdown",
-    "task:sums",
-    "task:rg:chain_sum",
-)
+ENVIRONMENT_NAMES: tuple[str, ...] = (*AGENTIC_ENVIRONMENTS, "task:sums", "task:rg:chain_sum")
 
 
 def make_environment(name: str, **options: Any) -> Environment:

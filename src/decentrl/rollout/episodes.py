@@ -127,14 +127,16 @@ def replay_episode(episode: Episode, tokenizer: Any, rollout: Rollout) -> Episod
     if driver.prompt() != list(rollout.prompt_tokens):
         raise ValueError("the prompt is not the episode's")
     stops = tool_call_stops(tokenizer)
+    longest_stop = max(len(stop) for stop in stops)
     position = 0
     while position < len(completion):
         if not generated[position]:
             raise ValueError(f"completion token {position} is marked as the environment's, but "
                              "no turn ended before it")
         position += 1
-        if not ends_turn(completion[:position], generated[:position], {tokenizer.eos_token_id},
-                         stops):
+        start = max(0, position - longest_stop)  # ends_turn reads no further back than this
+        if not ends_turn(completion[start:position], generated[start:position],
+                         {tokenizer.eos_token_id}, stops):
             continue
         forced = driver.turn_ended(completion[:position])
         if forced is None:

@@ -163,6 +163,7 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
     all_logprobs = torch.stack(logprobs_out, 1).float().cpu()
     all_forced = torch.stack(forced_out, 1)
     spans = version_spans(versions_out)
+    longest_stop = max((len(stop) for stop in stop_sequences), default=1)
     results = []
     for row in range(batch):
         row_tokens = all_tokens[row].tolist()
@@ -173,9 +174,10 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
         # Only a row that stopped is finished: one whose turn ended on the budget's last token
         # was continued by on_stop and then cut, its environment reply never fed.
         for i in range(len(row_tokens) if bool(done[row]) else 0):
+            start = max(0, i + 1 - longest_stop)  # ends_turn reads no further back than this
             # A stop the row went on from (an episode's turn end) is not its end.
-            if ends_turn(row_tokens[:i + 1], row_generated[:i + 1], stop_ids, stop_sequences) and (
-                    i + 1 == len(row_tokens) or not row_forced[i + 1]):
+            if ends_turn(row_tokens[start:i + 1], row_generated[start:i + 1], stop_ids,
+                         stop_sequences) and (i + 1 == len(row_tokens) or not row_forced[i + 1]):
                 length, finished = i + 1, True
                 break
         results.append(Generation(row_tokens[:length], all_logprobs[row, :length].tolist(),
