@@ -68,7 +68,11 @@ def test_a_swarm_run_is_watched_reported_and_released(tiny_sharp_dir: Path,
                 state = fetch_state(coordinator.dashboard.url)
                 if state["phase"] == "training" and state["step"] >= 2 and state["steps"]:
                     live.append(state)
-                    return
+                    # Peers announce their traffic every second and the coordinator reads the
+                    # announcements every second: under load the first snapshots of a fast run
+                    # can predate any peer's first reply.
+                    if any(p["bytes_sent"] > 0 for s in state["stages"] for p in s["peers"]):
+                        return
                 time.sleep(0.2)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -87,7 +91,7 @@ def test_a_swarm_run_is_watched_reported_and_released(tiny_sharp_dir: Path,
 
 def check_live_state(live: list[dict[str, Any]], num_stages: int) -> None:
     assert live, "the dashboard never showed the run training"
-    state = live[0]
+    state = live[-1]
     assert [s["stage"] for s in state["stages"]] == list(range(num_stages))
     for stage in state["stages"]:
         # A peer whose announcement lapsed under load drops out of one snapshot: not all three
@@ -99,7 +103,9 @@ def check_live_state(live: list[dict[str, Any]], num_stages: int) -> None:
     assert all(1 <= u["replicas"] <= 2 for u in state["updates"])
     assert state["evals"][0]["label"] == "before"
     last = state["steps"][-1]
-    assert last["step"] == state["step"] and 0 <= last["accuracy"] <= 1
+    # The step counter moves just before the step's metrics line is written: a snapshot taken
+    # between the two shows the table one step behind.
+    assert state["step"] - 1 <= last["step"] <= state["step"] and 0 <= last["accuracy"] <= 1
     assert last["tokens_per_s"] > 0
 
 
