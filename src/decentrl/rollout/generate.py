@@ -119,6 +119,11 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
     forced: list[list[int]] = [[] for _ in range(batch)]  # per row, tokens still to force
     is_forced = torch.zeros(batch, dtype=torch.bool)
     tokens_out, logprobs_out, versions_out, forced_out = [], [], [], []
+    # Each row's tokens so far on the host, for stop sequences and on_stop: appended a step at a
+    # time, since stacking the whole history at every step is quadratic in the episode's length.
+    row_tokens_so_far: list[list[int]] = [[] for _ in range(batch)]
+    row_sampled_so_far: list[list[bool]] = [[] for _ in range(batch)]
+    longest_stop = max((len(stop) for stop in stop_sequences), default=1)
     session = chain.open_session(batch, prompt_length + max_new_tokens)
     if on_session is not None:
         on_session(session)
@@ -136,14 +141,17 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
             done_before = done
             stopped = torch.isin(tokens, stop) & ~is_forced.to(device) & ~done
             if on_stop is not None or stop_sequences:
-                history = torch.stack(tokens_out, 1).cpu()
-                sampled = ~torch.stack(forced_out, 1)
+                for row, (token, was_forced) in enumerate(zip(tokens.tolist(),
+                                                              is_forced.tolist())):
+                    row_tokens_so_far[row].append(token)
+                    row_sampled_so_far[row].append(not was_forced)
                 for row in (~stopped & ~done).nonzero()[:, 0].tolist():
-                    stopped[row] = ends_turn(history[row].tolist(), sampled[row].tolist(), set(),
+                    stopped[row] = ends_turn(row_tokens_so_far[row][-longest_stop:],
+                                             row_sampled_so_far[row][-longest_stop:], set(),
                                              stop_sequences)
             if on_stop is not None:
                 for row in stopped.nonzero()[:, 0].tolist():
-                    continuation = on_stop(row, history[row].tolist())
+                    continuation = on_stop(row, list(row_tokens_so_far[row]))
                     if continuation:
                         forced[row] = list(continuation)
                         stopped[row] = False
@@ -163,7 +171,6 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
     all_logprobs = torch.stack(logprobs_out, 1).float().cpu()
     all_forced = torch.stack(forced_out, 1)
     spans = version_spans(versions_out)
-    longest_stop = max((len(stop) for stop in stop_sequences), default=1)
     results = []
     for row in range(batch):
         row_tokens = all_tokens[row].tolist()
