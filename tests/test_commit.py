@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decentrl.model.loading import DEFAULT_MODEL, LoadedModel, cache_root, load_model
+from decentrl.model.loading import DEFAULT_MODEL, LoadedModel, load_model
 from decentrl.model.stages import StageModule, StagePlan, build_stage
 from decentrl.net.wire import decode_tensor, encode_tensor
 from decentrl.trust.commit import (
@@ -232,9 +232,7 @@ def test_parse_commitment_refuses_malformed_tensors(name: str, tensor: torch.Ten
 def test_real_model_commitments() -> None:
     """SmolLM2's stage 0 (15 of 30 layers): honest bf16 decoding passes an fp32 recomputation
     with another padding, an output scaled by 1.1 or with noise of 0.2x its std fails."""
-    if not (cache_root() / "models" / DEFAULT_MODEL / "config.json").is_file():
-        pytest.skip(f"{DEFAULT_MODEL} is not converted into the cache")
-    real = load_model(DEFAULT_MODEL)
+    real = load_model(DEFAULT_MODEL)  # converted from the wheel's GGUF on first use
     texts = ["The quick brown fox jumps over the lazy dog, twice, and then sleeps.",
              "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
              "What is 37 + 48? Let me think step by step. 37 + 48 = 85.",
