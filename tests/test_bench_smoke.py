@@ -68,6 +68,20 @@ def test_generation_prints_figures(tiny_model_dir: Path,
     assert "rows identical to HF" in output
 
 
+def test_episode_generation_prints_figures(tiny_model_dir: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("episode_generation")
+    options = '{"stories": ["purchase"], "prefill_first_call": true, "max_turns": 3}'
+    bench.main(["--model", str(tiny_model_dir), "--device", "cpu", "--batch", "4",
+                "--group-size", "2", "--options", options, "--max-new-tokens", "6",
+                "--steps", "1", "--warmup", "0", "--threads", "1", "--in-process"])
+    values = figures(capsys.readouterr().out, "episode_generation")
+    assert_positive(values, ["prompt_tokens_per_row", "prefill_s", "episodes_s",
+                             "episodes_sampled_tokens_per_s", "prefill_share"])
+    # Two episodes per problem: half of the prompt tokens repeat their group's prompt.
+    assert values["repeated_prompt_share"] == pytest.approx(0.5)
+
+
 def test_update_bytes_prints_figures(tiny_model_dir: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("update_bytes")

@@ -13,6 +13,7 @@ from decentrl.device import compute_dtype, pick_device
 from decentrl.model.blocks import positions_from_valid
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.stages import StageModule, StagePlan, build_stages
+from decentrl.rollout.chain import last_position
 from decentrl.rollout.generate import left_pad
 
 CPU = torch.device("cpu")
@@ -187,6 +188,38 @@ def test_kv_cache_matches_full_forward(tiny_model: LoadedModel, num_stages: int)
     with pytest.raises(ValueError, match="KV cache overflow"):
         stages[0](ids[:, :1], positions[:, :1], torch.ones(ids.shape[0], ids.shape[1] + 1,
                                                             dtype=torch.bool), caches[0])
+
+
+def test_a_sessions_first_step_runs_each_distinct_row_once(tiny_model: LoadedModel) -> None:
+    """A group's rows share their prompt: the first step computes it once and copies its keys,
+    values and outputs to the repeats; the cache then continues as if every row had run."""
+    stages = build(tiny_model, 2)
+    first, second = prompts(tiny_model)[:2]
+    rows = [first, first, second, first]
+    ids, valid = left_pad(rows, tiny_model.tokenizer.pad_token_id, CPU)
+    positions = positions_from_valid(valid)
+    batch_sizes: list[int] = []
+    stages[1].layers[0].register_forward_hook(lambda module, args, out: batch_sizes.append(
+        args[0].shape[0]))
+    caches = [stage.new_cache(len(rows), ids.shape[1] + 1) for stage in stages]
+    with torch.no_grad():
+        x = ids
+        for stage, cache in zip(stages, caches):
+            x = stage(x, positions, valid, cache, head_positions=last_position(ids))
+        assert batch_sizes == [2]  # the second stage's inputs repeat as the prompts do
+        assert torch.equal(x[0], x[1]) and torch.equal(x[0], x[3])
+        full = chain_logits(stages, ids, valid)[:, -1]
+        assert torch.allclose(x, full, atol=ATOL, rtol=0)
+        # The next step feeds every row the same token, but their pasts differ: all rows run.
+        token = torch.full((len(rows), 1), 5, dtype=torch.long)
+        step_valid = torch.cat([valid, torch.ones(len(rows), 1, dtype=torch.bool)], 1)
+        x = token
+        batch_sizes.clear()
+        for stage, cache in zip(stages, caches):
+            x = stage(x, positions[:, -1:] + 1, step_valid, cache)
+        assert batch_sizes == [len(rows)]
+        extended = chain_logits(stages, torch.cat([ids, token], 1), step_valid)[:, -1]
+        assert torch.allclose(x[:, -1], extended, atol=ATOL, rtol=0)
 
 
 def test_key_valid_must_cover_cache_and_input(tiny_model: LoadedModel) -> None:

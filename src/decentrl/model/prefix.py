@@ -6,23 +6,11 @@ short-answer tasks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from decentrl.model.stages import StageModule
-
-
-class RecordingKV:
-    """Keeps one layer's prompt keys/values (with their graph) as the prompt runs."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-
-    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys, self.values = keys, values
-        return keys, values
+from decentrl.model.stages import LayerList, RecordingKV, StageModule
 
 
 @dataclass
@@ -37,12 +25,6 @@ class SharedPromptKV:
               ) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.cat([self.keys[self.prompt_of], keys], dim=2),
                 torch.cat([self.values[self.prompt_of], values], dim=2))
-
-
-@dataclass
-class LayerList:
-    layers: list = field(default_factory=list)
-    length: int = 0
 
 
 def shared_prompt_body(stage: StageModule, prompt_inputs: torch.Tensor,

@@ -10,7 +10,7 @@ independently; an exported model says `tie_word_embeddings: false` and carries b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -89,6 +89,40 @@ class StageCache:
         self.length = 0
 
 
+class RecordingKV:
+    """Keeps one layer's keys/values of a forward from position 0, as computed (with their graph
+    when gradients are on)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+@dataclass
+class LayerList:
+    layers: list = field(default_factory=list)
+    length: int = 0
+
+
+def distinct_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows equal in every one of `tensors` (bit for bit) are one: the first row of each distinct
+    row [U], and for every row the index of its distinct row among those [B]."""
+    batch = tensors[0].shape[0]
+    key = torch.zeros(batch, dtype=torch.long, device=tensors[0].device)
+    for tensor in tensors:
+        bits = tensor.reshape(batch, -1).contiguous().view(torch.uint8)
+        _, inverse = torch.unique(bits, dim=0, return_inverse=True)
+        key = key * batch + inverse
+    _, row_of = torch.unique(key, return_inverse=True)
+    first = torch.full((int(row_of.max()) + 1,), batch, dtype=torch.long, device=key.device)
+    first = first.scatter_reduce(0, row_of, torch.arange(batch, device=key.device), "amin")
+    return first, row_of
+
+
 class StageModule(nn.Module):
     """One pipeline stage. Input: token ids (stage 0) or hidden states; output: hidden states, or
     logits at the last stage. `version` counts the optimizer steps behind these weights."""
@@ -117,6 +151,10 @@ class StageModule(nn.Module):
         if key_valid.shape[1] != start + inputs.shape[1]:
             raise ValueError(f"key_valid covers {key_valid.shape[1]} positions, expected "
                              f"{start} cached + {inputs.shape[1]} new")
+        if isinstance(cache, StageCache) and start == 0 and inputs.shape[0] > 1:
+            first, row_of = distinct_rows(inputs, positions, key_valid)
+            if first.shape[0] < inputs.shape[0]:
+                return self._prefill_distinct(inputs, positions, key_valid, cache, first, row_of)
         x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
         rope = rotary_tables(positions, self.spec.head_dim, self.spec.rope_theta, x.dtype)
         mask = attention_mask(key_valid, start, inputs.shape[1])
@@ -125,6 +163,18 @@ class StageModule(nn.Module):
         if cache is not None:
             cache.length = start + inputs.shape[1]
         return x
+
+    def _prefill_distinct(self, inputs: torch.Tensor, positions: torch.Tensor,
+                          key_valid: torch.Tensor, cache: StageCache, first: torch.Tensor,
+                          row_of: torch.Tensor) -> torch.Tensor:
+        """A session's first step when rows repeat (a group's episodes share their prompt): each
+        distinct row runs once, and its keys/values and outputs are copied to its repeats."""
+        recorded = LayerList([RecordingKV() for _ in self.layers])
+        x = self.body(inputs[first], positions[first], key_valid[first], recorded)
+        for layer_cache, layer in zip(cache.layers, recorded.layers):
+            layer_cache.write(0, layer.keys[row_of], layer.values[row_of])
+        cache.length = inputs.shape[1]
+        return x[row_of]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head (last stage only)."""
