@@ -137,6 +137,19 @@ def run_worker(script: Path, argv: list[str]) -> dict[str, Any]:
     return result
 
 
+def variant_setup(args: Any) -> tuple[Any, torch.device, torch.dtype]:
+    """What a variant worker starts with, from the shared options: quiet transformers, `--threads`,
+    the device and dtype, and the loaded model."""
+    from decentrl.device import compute_dtype, pick_device
+    from decentrl.model.loading import load_model
+
+    quiet_transformers()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    return load_model(args.model), device, compute_dtype(device, args.dtype)
+
+
 def emit_result(result: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 

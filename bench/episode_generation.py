@@ -27,8 +27,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
 import common  # noqa: E402
 
 VARIANTS = ("prefill", "episodes")
@@ -66,21 +64,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    from decentrl.device import compute_dtype, pick_device
     from decentrl.envs import make_environment
-    from decentrl.model.loading import load_model
     from decentrl.model.stages import StagePlan, build_stages
     from decentrl.rollout.chain import LocalChain
     from decentrl.rollout.episodes import EpisodeTokens, generate_episodes
     from decentrl.rollout.generate import generate
     from decentrl.rollout.sampling import SamplingConfig
 
-    common.quiet_transformers()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
-    dtype = compute_dtype(device, args.dtype)
-    loaded = load_model(args.model)
+    loaded, device, dtype = common.variant_setup(args)
     tokenizer = loaded.tokenizer
     plan = StagePlan.even(loaded.spec.num_layers, args.stages)
     chain = LocalChain(build_stages(loaded.spec, plan, loaded.tensors, device, dtype))

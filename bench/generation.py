@@ -109,15 +109,7 @@ def hf_generator(loaded, prompts, args, device, dtype):
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    from decentrl.device import compute_dtype, pick_device
-    from decentrl.model.loading import load_model
-
-    common.quiet_transformers()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
-    dtype = compute_dtype(device, args.dtype)
-    loaded = load_model(args.model)
+    loaded, device, dtype = common.variant_setup(args)
     prompts = make_prompts(loaded.tokenizer, args.batch)
     make = decentrl_generator if variant == "decentrl" else hf_generator
     run = make(loaded, prompts, args, device, dtype)
