@@ -123,7 +123,6 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
     # time, since stacking the whole history at every step is quadratic in the episode's length.
     row_tokens_so_far: list[list[int]] = [[] for _ in range(batch)]
     row_sampled_so_far: list[list[bool]] = [[] for _ in range(batch)]
-    longest_stop = max((len(stop) for stop in stop_sequences), default=1)
     session = chain.open_session(batch, prompt_length + max_new_tokens)
     if on_session is not None:
         on_session(session)
@@ -146,9 +145,8 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
                     row_tokens_so_far[row].append(token)
                     row_sampled_so_far[row].append(not was_forced)
                 for row in (~stopped & ~done).nonzero()[:, 0].tolist():
-                    stopped[row] = ends_turn(row_tokens_so_far[row][-longest_stop:],
-                                             row_sampled_so_far[row][-longest_stop:], set(),
-                                             stop_sequences)
+                    stopped[row] = ends_turn(row_tokens_so_far[row], row_sampled_so_far[row],
+                                             set(), stop_sequences)
             if on_stop is not None:
                 for row in stopped.nonzero()[:, 0].tolist():
                     continuation = on_stop(row, list(row_tokens_so_far[row]))
@@ -171,6 +169,7 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
     all_logprobs = torch.stack(logprobs_out, 1).float().cpu()
     all_forced = torch.stack(forced_out, 1)
     spans = version_spans(versions_out)
+    longest_stop = max((len(stop) for stop in stop_sequences), default=1)
     results = []
     for row in range(batch):
         row_tokens = all_tokens[row].tolist()
