@@ -1,4 +1,6 @@
-"""Asynchronous against synchronous RL on the swarm: training wall-clock seconds to reach the same
+"""Async against sync RL: wall-clock to the same accuracy.
+
+Asynchronous against synchronous RL on the swarm: training wall-clock seconds to reach the same
 held-out accuracy under emulated WAN latency.
 
 Both variants are the swarm coordinator (`SwarmCoordinator`, swarm/coordinate.py) over a fresh

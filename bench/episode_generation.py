@@ -1,4 +1,6 @@
-"""Episode generation: where the time of agentic rollouts goes. `--batch` episodes of an
+"""Where the time of agentic episode generation goes.
+
+Episode generation: where the time of agentic rollouts goes. `--batch` episodes of an
 environment (default: the agentic demo's, `decentrl demo --task agentic-calculator`) in one
 session over a LocalChain of `--stages` stages, `--group-size` episodes per problem as a swarm
 group has, so each group's rows share one prompt.

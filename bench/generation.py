@@ -1,4 +1,6 @@
-"""Generation throughput: decentrl's `generate` over a LocalChain of `--stages` stages versus
+"""Generation throughput against Hugging Face generate.
+
+Generation throughput: decentrl's `generate` over a LocalChain of `--stages` stages versus
 Hugging Face `model.generate`, on the same model folder, the same dtype (`compute_dtype(device)`:
 bf16 where the hardware has it), the same batch of `--batch` left-padded sums prompts, and
 `--max-new-tokens` new tokens.

@@ -1,4 +1,6 @@
-"""The learning curve of a run: held-out pass@1 (95% CI) at every evaluation and the training
+"""A run's held-out accuracy and reward against wall-clock.
+
+The learning curve of a run: held-out pass@1 (95% CI) at every evaluation and the training
 reward / accuracy per step, against wall-clock seconds, read from the run's metrics.jsonl. Prints
 both as tables and saves learning_curve.png in the run folder.
 

@@ -1,4 +1,6 @@
-"""Bytes that cross stage boundaries per rollout and per training step in the swarm, for each
+"""Bytes between stages per rollout and step, per codec.
+
+Bytes that cross stage boundaries per rollout and per training step in the swarm, for each
 activation codec (fp32, bf16, int8).
 
 What runs, per codec (`--codecs`, each in its own process unless `--in-process`): a client node

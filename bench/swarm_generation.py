@@ -1,4 +1,6 @@
-"""Generation throughput (new tokens/s) through a swarm of stage peers with an emulated round trip
+"""Swarm generation tokens/s as sessions in flight grow.
+
+Generation throughput (new tokens/s) through a swarm of stage peers with an emulated round trip
 on every hop, against the same generation in one process, as the number of concurrent sessions
 grows.
 

@@ -1,4 +1,6 @@
-"""Trainer throughput: one policy update (GRPO loss, the same batch) through decentrl's
+"""One policy update: the pipeline against plain PyTorch.
+
+Trainer throughput: one policy update (GRPO loss, the same batch) through decentrl's
 PipelineTrainer versus a plain single-module PyTorch loop over Hugging Face's
 AutoModelForCausalLM loaded from the same folder.
 

@@ -1,4 +1,6 @@
-"""Trust: how often each hostile peer is caught, how often an honest one is wrongly blamed, and
+"""Hostile peers caught, honest ones blamed, checks' cost.
+
+Trust: how often each hostile peer is caught, how often an honest one is wrongly blamed, and
 what spot-checks cost next to generation.
 
 What runs: a 2-stage swarm in this process over loopback (every peer on its own SwarmNode), on

@@ -1,4 +1,6 @@
-"""Bytes per weight update against a dense bf16 copy of the weights, for full fine-tuning and for
+"""Bytes per weight update against dense bf16 copies.
+
+Bytes per weight update against a dense bf16 copy of the weights, for full fine-tuning and for
 LoRA, over real RL steps of the demo's model and task.
 
 Each variant runs the single-machine run (`LocalRun`, swarm/run.py) step by step in synchronous

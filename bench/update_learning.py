@@ -1,4 +1,6 @@
-"""Does learning suffer when replicas receive compressed updates? The swarm demo run twice for the
+"""Learning with sparse against dense weight updates.
+
+Does learning suffer when replicas receive compressed updates? The swarm demo run twice for the
 same number of steps, once with sparse updates (sync.mode = "sparse": top-k int8 deltas with
 error feedback, the default) and once with dense ones (sync.mode = "dense": every version a
 float32 keyframe, so replicas run the trainer's exact weights); held-out accuracy after the same

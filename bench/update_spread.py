@@ -1,4 +1,6 @@
-"""Time for a weight update to reach every inference replica of a stage over emulated consumer
+"""Time for an update to reach every replica of a stage.
+
+Time for a weight update to reach every inference replica of a stage over emulated consumer
 uplinks (20 Mbit/s by default), with 2, 4 and 8 replicas: the swarm (replicas fetch chunks from
 each other) against a star (every replica downloads from the publisher). Target: the swarm's time
 stays nearly flat as replicas are added.

@@ -1,4 +1,6 @@
-"""decentrl against TRL's GRPOTrainer: held-out accuracy against training wall-clock, on the same
+"""decentrl against TRL's GRPOTrainer at the same budget.
+
+decentrl against TRL's GRPOTrainer: held-out accuracy against training wall-clock, on the same
 model, task, prompts and hyperparameters, each side given the same training-time budget.
 
     decentrl bench vs-trl [--budget 900] [--eval-every 10] [--eval-problems 200] [--out runs/vs-trl]

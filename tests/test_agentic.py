@@ -16,7 +16,6 @@ from decentrl.cli import demo_config
 from decentrl.config import RunConfig, parse_config
 from decentrl.envs import Environment, make_task_or_environment
 from decentrl.model.loading import LoadedModel, load_model
-from decentrl.release.card import model_card
 from decentrl.rollout.episodes import generate_episodes, replay_episode
 from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.ingest import Ingestion, RejectedGroup
@@ -170,15 +169,6 @@ def test_the_local_loop_trains_on_episodes(tiny_model_dir: Path, tmp_path: Path)
     assert after["task"] == "agentic-calculator" and after["problems"] == 3
     assert after["episodes"] == {"mean_turns": 0.0, "mean_tool_calls": 0.0,
                                  "invalid_call_rate": None, "cut_by_budget": 3}
-
-
-def test_the_model_card_says_how_an_agentic_model_is_prompted(tiny_model_dir: Path) -> None:
-    agentic = agentic_config(tiny_model_dir)
-    card = model_card(agentic, 3, 3, ["ab" * 32], None, None)
-    assert "multi-turn episodes with tools" in card and "<tool_call>" in card
-    assert "prefill_first_call=True" in card
-    single_turn = tiny_run_config(tiny_model_dir, 2)
-    assert "<tool_call>" not in model_card(single_turn, 3, 3, ["ab" * 32], None, None)
 
 
 def test_a_task_trains_as_one_turn_episodes_through_its_adapter(plain: LoadedModel,

@@ -4,6 +4,7 @@ accepted rollout lost and no version skipped."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from rich.console import Console
 from swarm_helpers import launched_swarm
 
 from decentrl.config import ConfigError, RunConfig, parse_config
+from decentrl.model.blocks import ModelSpec
 from decentrl.swarm.coordinate import SwarmCoordinator, check_swarm_config
 from decentrl.swarm.store import RunStore
 
@@ -112,9 +114,13 @@ def test_training_peer_death_rolls_back_to_checkpoint(swarm) -> None:  # type: i
 
 def test_swarm_refuses_what_it_cannot_run(tiny_model_dir: Path, tmp_path: Path) -> None:
     base = swarm_config(tiny_model_dir, tmp_path, 1).model_dump()
+    spec = ModelSpec.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
     for section, field, value, message in [("train", "kl_coef", 0.1, "kl_coef"),
                                            ("train", "updates_per_batch", 2, "updates_per_batch"),
                                            ("train", "mode", "sync", "async")]:
         data = {**base, section: {**base[section], field: value}}
         with pytest.raises(ConfigError, match=message):
-            check_swarm_config(parse_config(data))
+            check_swarm_config(parse_config(data), spec)
+    layers = spec.num_layers
+    with pytest.raises(ConfigError, match=rf"num_stages must be in \[1, {layers}\].*got {layers + 1}"):
+        check_swarm_config(parse_config({**base, "num_stages": layers + 1}), spec)

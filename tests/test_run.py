@@ -133,5 +133,5 @@ def test_example_configs_load(path: Path) -> None:
 def test_unknown_task_lists_the_known_ones(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(tiny_model_dir, tmp_path)
     config = config.model_copy(update={"task": config.task.model_copy(update={"name": "nope"})})
-    with pytest.raises(ValueError, match="known tasks: sums"):
+    with pytest.raises(ValueError, match="unknown task 'nope'; tasks: sums"):
         LocalRun(config)

@@ -1,15 +1,24 @@
-"""The `decentrl` command line: demo, train, coordinate, join, eval, export, report, bench."""
+"""The `decentrl` command line: demo, train, coordinate, join, eval, export, report, bench.
+
+Every failure a user can cause (a bad argument, config, address or folder; a peer that is not
+there) ends in one line on stderr that names the problem, and exit code 2; an unexpected error
+ends in one line and exit code 1. The traceback goes to the run's JSON log, and to the terminal
+with `decentrl --debug`."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.util
+import inspect
 import json
+import logging
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional, cast
+from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar, cast
 
 import typer
 from rich.console import Console
@@ -17,7 +26,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-from decentrl.config import ConfigError, RunConfig, load_config, parse_config
+from decentrl.config import RunConfig, is_run_folder, load_config, parse_config
 from decentrl.observe.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -25,9 +34,59 @@ if TYPE_CHECKING:
     from decentrl.release.export import Weights
     from decentrl.swarm.coordinate import SwarmSummary
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="RL post-training of language models on a swarm of untrusted peers.")
+log = logging.getLogger(__name__)
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Reinforcement-learning post-training of language models on a swarm of "
+                       "untrusted peers.")
 console = Console()
+Command = TypeVar("Command", bound=Callable[..., None])
+# What a user's input or a user's swarm can cause: shown as one line with exit code 2. Anything
+# else is a bug: one line too, exit code 1.
+USER_ERRORS = (ValueError, OSError, RuntimeError, TimeoutError)
+INTERRUPTED_EXIT = 130
+debug_mode = False
+
+
+@app.callback()
+def options(debug: Annotated[bool, typer.Option(
+        "--debug", help="Show the full traceback of an error instead of one line.")] = False
+            ) -> None:
+    global debug_mode
+    debug_mode = debug
+
+
+def command(name: str | None = None, **settings: Any) -> Callable[[Command], Command]:
+    """`app.command`, with every error of the command reported as one line (see the module's
+    docstring) instead of a traceback."""
+    def register(function: Command) -> Command:
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> None:
+            try:
+                function(*args, **kwargs)
+            except KeyboardInterrupt:
+                Console(stderr=True).print("interrupted")
+                raise typer.Exit(code=INTERRUPTED_EXIT) from None
+            except (typer.Exit, typer.Abort):
+                raise
+            except Exception as error:
+                if debug_mode:
+                    raise
+                # INFO: the terminal's handler shows warnings and up, so the traceback reaches
+                # the JSON log (where one is configured) and not the screen.
+                log.info("%s failed", function.__name__, exc_info=error)
+                if isinstance(error, USER_ERRORS):
+                    fail(str(error) or type(error).__name__)
+                fail(f"unexpected {type(error).__name__}: {error} (a bug; `decentrl --debug` "
+                     "shows where)", code=1)
+
+        # Typer keeps a docstring's line breaks, which land mid-sentence at other widths.
+        paragraphs = inspect.cleandoc(function.__doc__ or "").split("\n\n")
+        settings.setdefault("help", "\n\n".join(" ".join(p.split()) for p in paragraphs))
+        app.command(name, **settings)(run)
+        return function
+
+    return register
+
 
 DEMO_CONFIG = {
     "name": "demo",
@@ -88,10 +147,11 @@ def demo_config(task: str) -> dict[str, Any]:
 DEMO_SUITE_PROBLEMS = 100
 
 
-def fail(message: str) -> None:
+def fail(message: str, code: int = 2) -> None:
     # stderr: stdout is data for whoever started a peer (its ready line).
-    Console(stderr=True).print(f"[red]error:[/] {escape(message)}")
-    raise typer.Exit(code=2)
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(message)}",
+                                               highlight=False)
+    raise typer.Exit(code=code)
 
 
 def peak_memory_gib() -> float:
@@ -152,11 +212,7 @@ def run_training(config: RunConfig) -> None:
 
     configure_logging("run", json_file=config.path / "logs" / "run.jsonl")
     started = time.time()
-    try:
-        summary = LocalRun(config, console).run()
-    except (ConfigError, ValueError, FileNotFoundError) as error:
-        fail(str(error))
-        return
+    summary = LocalRun(config, console).run()
     console.print(before_after_table(summary))
     gain = summary.after.pass1.mean - summary.before.pass1.mean
     console.print(f"pass@1 change: {gain * 100:+.1f} points; {summary.steps} steps; "
@@ -167,42 +223,45 @@ def run_training(config: RunConfig) -> None:
                   f"{build_report(summary.path)})")
 
 
-@app.command()
+@command()
 def demo(
-    name: Annotated[str, typer.Option(help="run name (folder under runs/)")] = "demo",
-    budget: Annotated[float, typer.Option(help="training time budget in seconds")] = 720,
-    chaos: Annotated[bool, typer.Option(help="kill and restart a random peer every few minutes")]
-    = False,
-    chaos_every: Annotated[float, typer.Option(help="seconds between chaos kills")] = 120,
-    local: Annotated[bool, typer.Option(help="one process, no network (the issue-2 loop)")]
-    = False,
-    fresh: Annotated[bool, typer.Option(help="delete an earlier run of this name first")] = True,
+    name: Annotated[str, typer.Option(help="The run's name: its folder under runs/.")] = "demo",
+    budget: Annotated[float, typer.Option(help="Seconds of training, after which the run "
+                                               "evaluates and exports.")] = 720,
+    chaos: Annotated[bool, typer.Option(
+        "--chaos", help="Kill a random peer and restart it every few minutes while the run "
+                        "goes on.")] = False,
+    chaos_every: Annotated[float, typer.Option(help="Seconds between two chaos kills.")] = 120,
+    local: Annotated[bool, typer.Option(
+        "--local", help="Run every stage in this one process, with no network, instead of a "
+                        "swarm of peers.")] = False,
+    fresh: Annotated[bool, typer.Option(help="Delete an earlier run of this name first (only a "
+                                             "folder that holds a run).")] = True,
     adversaries: Annotated[bool, typer.Option(
-        help="add one hostile peer of every kind (trust/adversary.py) beside the honest ones")]
-    = False,
+        "--adversaries",
+        help="Add one hostile peer of every kind beside the honest ones, to watch the swarm "
+             "catch them.")] = False,
     task: Annotated[str, typer.Option(
-        help=f"what to post-train on: {' or '.join(DEMO_TASKS)} (multi-turn episodes with a "
-             "python tool)")] = "sums",
+        help=f"What to post-train on: {' or '.join(DEMO_TASKS)} (word problems solved in "
+             "episodes with a python tool).")] = "sums",
 ) -> None:
-    """Post-train SmolLM2-135M-Instruct over a local swarm on loopback (coordinator plus
-    2 stages x (2 inference replicas + 1 training peer), emulated WAN links), on sums or on
-    tool-using word-problem episodes; report held-out accuracy (episode success) before and
-    after."""
-    try:
-        data = demo_config(task)
-    except ValueError as error:
-        fail(str(error))
-        return
+    """Post-train SmolLM2-135M-Instruct over a swarm on this machine.
+
+    The swarm is a coordinator plus 2 stages, each with 2 inference replicas and 1 training peer,
+    talking over emulated WAN links on loopback. It trains on sums or on tool-using word-problem
+    episodes, reports held-out accuracy (or episode success) before and after, and exports the
+    model."""
+    data = demo_config(task)
     data["name"] = name
     data["train"]["time_budget_s"] = budget
-    try:
-        config = parse_config(data)
-    except ConfigError as error:
-        fail(str(error))
-        return
+    config = parse_config(data)
     if fresh and config.path.exists():
+        if not is_run_folder(config.path):
+            fail(f"{config.path} exists and does not hold a run, so the demo will not delete it; "
+                 "choose another --name, or move that folder")
         import shutil
 
+        console.print(f"deleting the earlier run in {config.path} (--no-fresh keeps it)")
         shutil.rmtree(config.path)
     if local:
         run_training(config)
@@ -235,19 +294,15 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
     stop_chaos = threading.Event()
     coordinator = None
     try:
-        console.print(f"starting {len(swarm.children) or 'the'} peers (logs in {swarm.logs})")
-        swarm.start()
-        for line in swarm.layout():
-            console.print(f"  {line}")
+        console.print(f"starting the peers; each is ready once it has loaded its stage (logs "
+                      f"in {swarm.logs})")
+        swarm.start(on_ready=lambda child: console.print(f"  ready: {swarm.describe(child)}"))
         assert swarm.bootstrap is not None
         coordinator = SwarmCoordinator(config, swarm.bootstrap, console)
         if chaos_every is not None:
             threading.Thread(target=swarm.chaos, args=(stop_chaos, chaos_every, config.seed,
                                                        console.print), daemon=True).start()
         summary = coordinator.run()
-    except (ConfigError, ValueError, FileNotFoundError, RuntimeError, TimeoutError) as error:
-        fail(str(error))
-        return
     finally:
         stop_chaos.set()
         if coordinator is not None:
@@ -257,7 +312,7 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
         console.print(before_after_table(summary))
     # The release's own numbers: the exported folder, what people download, against the base,
     # computed here rather than through replicas the run could not fully verify.
-    model_dir = export_run(config.path, config.path / "model")
+    model_dir = export_run(config.path, config.path / "model", force=True)
     # A task run is compared on the sums suite; an agentic run on its own environment.
     families = (with_overrides(DEFAULT_SUITE, problems=DEMO_SUITE_PROBLEMS)
                 if config.task.name not in AGENTIC_ENVIRONMENTS else
@@ -269,7 +324,8 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
     suite = run_suite(model_dir, config.model, families, pass_k=1, seed=config.seed)
     (config.path / "evaluation.json").write_text(json.dumps(suite.to_json(), indent=2))
     console.print(suite_table(suite))
-    export_run(config.path, model_dir)  # again: the model card now carries that comparison
+    # Again, over the first export: the model card now carries that comparison.
+    export_run(config.path, model_dir, force=True)
     report = build_report(config.path)
     names = {c.info.get("peer_id"): c.name for c in swarm.children.values()}
     restarts = {c.name: c.restarts for c in swarm.children.values() if c.restarts}
@@ -288,9 +344,10 @@ def demo_summary(summary: SwarmSummary, wall_s: float, names: dict[str, str],
         lines.append(f"held-out {summary.after.task} pass@1 {summary.before.pass1.as_percent()} "
                      f"-> {summary.after.pass1.as_percent()} ({100 * gain:+.1f} points)")
     trust = summary.trust
-    lines.append(f"trust: {trust['verified']} spot-checks passed, {trust['verify_failed']} "
-                 f"failed, {trust['verify_skipped']} skipped; {trust['flagged']} groups flagged "
-                 f"by the trainer; {trust['submissions_refused']} submissions refused")
+    lines.append(f"trust: {trust['verified']} groups spot-checked and passed, "
+                 f"{trust['verify_failed']} failed, {trust['verify_skipped']} checks skipped; "
+                 f"{trust['flagged']} groups flagged by the trainer; "
+                 f"{trust['submissions_refused']} submissions refused")
     lines += [f"  banned {escape(names.get(peer, peer[-8:]))}: {escape(why[:160])}"
               for peer, why in summary.banned.items()]
     lines += [f"model:  {model_dir} (Hugging Face folder, model card README.md, SHA256SUMS)",
@@ -301,15 +358,13 @@ def demo_summary(summary: SwarmSummary, wall_s: float, names: dict[str, str],
     return "\n".join(lines)
 
 
-@app.command()
-def train(config: Annotated[Path, typer.Option("--config", help="run.toml")]) -> None:
-    """Run a post-training job described by a TOML config (resumes from its checkpoint)."""
-    try:
-        run_config = load_config(config)
-    except ConfigError as error:
-        fail(str(error))
-        return
-    run_training(run_config)
+@command()
+def train(config: Annotated[Path, typer.Option(
+        "--config", help="The run's TOML file (examples/sums.toml is one).")]) -> None:
+    """Run a post-training job in this one process, as a TOML config describes it.
+
+    A run that stopped resumes from its last checkpoint."""
+    run_training(load_config(config))
 
 
 def exit_on_sigterm() -> None:
@@ -322,77 +377,131 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, terminate)
 
 
-@app.command()
+def join_command(run: str, addresses: Sequence[str]) -> str:
+    """The command a volunteer types to join `run`."""
+    return " ".join(["decentrl join", f"--run {run}", "--stage auto",
+                     *(f"--initial-peers {address}" for address in addresses)])
+
+
+@command()
 def coordinate(
-    config: Annotated[Path, typer.Option("--config", help="run.toml")],
+    config: Annotated[Path, typer.Option("--config", help="The run's TOML file.")],
     initial_peers: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
-        help="multiaddr of a running peer, repeatable (none: this node bootstraps the swarm)")]
-    = None,
-    wait: Annotated[float, typer.Option(help="seconds to wait for every stage to have peers")]
-    = 600,
+        help="The multiaddr of a peer already in the swarm, repeatable. Without one, this "
+             "node starts the swarm and others join it.")] = None,
+    wait: Annotated[float, typer.Option(
+        help="Seconds to wait for every stage to have an inference replica and a training "
+             "peer.")] = 600,
 ) -> None:
-    """Coordinate a swarm run: schedule prompts, route generation through inference peers,
-    ingest and store rollouts, train the pipeline of training peers, evaluate, checkpoint."""
+    """Coordinate a swarm run.
+
+    The coordinator schedules prompts, routes generation through inference peers, checks and
+    stores the rollouts, trains the pipeline of training peers, evaluates and checkpoints. It
+    prints the command that volunteers run to join."""
     from decentrl.net.node import SwarmNode
     from decentrl.net.wire import TensorLimits
     from decentrl.swarm.coordinate import SwarmCoordinator
     from decentrl.swarm.launch import link_profile
 
     exit_on_sigterm()
-    try:
-        run_config = load_config(config)
-    except ConfigError as error:
-        fail(str(error))
-        return
+    run_config = load_config(config)
     configure_logging("coordinator", json_file=run_config.path / "logs" / "coordinator.jsonl")
     node = SwarmNode.start("coordinator", initial_peers or [], link_profile(run_config),
                            TensorLimits())
     coordinator = None
     try:
-        for address in node.addresses():
-            console.print(f"peers join with: --initial-peers {address}")
-        coordinator = SwarmCoordinator(run_config, node, console)
+        coordinator = SwarmCoordinator(run_config, node, console)  # checks the whole config
+        joining = join_command(run_config.name, node.addresses())
+        (run_config.path / "join.txt").write_text(joining + "\n")
+        console.print("peers join with this command (a training peer adds --role training "
+                      f"--checkpoint-dir DIR; it is also in {run_config.path / 'join.txt'}):",
+                      highlight=False)
+        # One line, never wrapped: a terminal that wraps it copies a broken address.
+        console.print(joining, soft_wrap=True, highlight=False, markup=False)
         summary = coordinator.run(wait_s=wait)
         console.print(f"{summary.steps} steps; after: pass@1 {summary.after.pass1.as_percent()}")
-    except (ConfigError, ValueError, RuntimeError, TimeoutError) as error:
-        fail(str(error))
     finally:
         if coordinator is not None:
             coordinator.close()
         node.shutdown()
 
 
-@app.command()
+def reachability(address: str) -> str:
+    """Who can dial `address`, from its IP alone."""
+    import ipaddress
+
+    parts = address.split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return "reachable by name"
+    ip = ipaddress.ip_address(parts[2])
+    if ip.is_loopback:
+        return "this machine only"
+    if ip.is_private or ip.is_link_local:
+        return "this local network only"
+    return "directly"
+
+
+def print_join_event(event: dict[str, Any]) -> None:
+    """A joined peer's summary, in words (the launcher reads the same events as JSON lines)."""
+    from decentrl.observe.terminal import terminal_text
+
+    if "ready" not in event:
+        return  # its sockets: for a launcher that must clean up after it
+    role = event["role"]
+    where = (f"stage {event['stage']} of {event['num_stages']}, layers {event['layers']}, {role}"
+             if "stage" in event else f"hostile client ({role})")
+    console.print(f"joined run {terminal_text(event['run'])} as {event['name']}: {where}",
+                  highlight=False)
+    console.print(f"  peer id {event['peer_id']}", highlight=False, soft_wrap=True)
+    for address in event["addresses"]:
+        console.print(f"  listening on {address} (reachable from {reachability(address)})",
+                      highlight=False, soft_wrap=True)
+    console.print("serving until Ctrl-C")
+
+
+@command()
 def join(
-    stage: Annotated[str, typer.Option(help="stage index, or auto (the least-served stage)")],
-    initial_peers: Annotated[list[str], typer.Option(help="multiaddr of a swarm peer, repeatable")],
-    role: Annotated[str, typer.Option(help="inference, training or both")] = "inference",
+    initial_peers: Annotated[list[str], typer.Option(
+        help="The multiaddr of a peer in the swarm (the coordinator prints it), repeatable.")],
+    stage: Annotated[str, typer.Option(
+        help="The stage to serve: its index, or auto for the stage that needs a peer most.")]
+    = "auto",
+    role: Annotated[str, typer.Option(
+        help="inference (generate rollouts), training (train the stage) or both.")]
+    = "inference",
     config: Annotated[Optional[Path], typer.Option(  # noqa: UP007
-        "--config", help="run config (default: fetch the coordinator's from the DHT)")] = None,
+        "--config", help="The run's config file. Without it, the peer fetches the "
+                         "coordinator's through the swarm.")] = None,
     run: Annotated[Optional[str], typer.Option(  # noqa: UP007
-        help="run name, when --config is not given")] = None,
+        help="The run's name, when --config is not given.")] = None,
+    wait: Annotated[float, typer.Option(
+        help="Seconds to wait for the coordinator's config.")] = 300,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(  # noqa: UP007
-        help="where a training peer saves and resumes checkpoints")] = None,
-    name: Annotated[str, typer.Option(help="a name for logs and the peer table")] = "peer",
+        help="Where a training peer saves its checkpoints and resumes from them.")] = None,
+    name: Annotated[str, typer.Option(help="A name for logs and the peer table.")] = "peer",
     exit_with_parent: Annotated[bool, typer.Option(
-        help="stop when the process that started this one exits (used by the local launcher)")]
-    = False,
+        "--exit-with-parent",
+        help="Stop when the process that started this one exits (the local launcher uses "
+             "it).")] = False,
     adversary: Annotated[Optional[str], typer.Option(  # noqa: UP007
-        help="run a hostile peer instead (trust tests and demos): random-tokens, "
-             "forge-logprobs, inject-answers, corrupt-activations, replay or flood")] = None,
+        help="Run a hostile peer instead, for trust tests and demos: random-tokens, "
+             "forge-logprobs, inject-answers, corrupt-activations, replay or flood.")] = None,
     collusion_dir: Annotated[Optional[Path], typer.Option(  # noqa: UP007
-        help="folder an inject-answers pair shares")] = None,
+        help="A folder that an inject-answers pair shares.")] = None,
     log_json: Annotated[bool, typer.Option(
-        help="log JSON lines to stderr (the local launcher makes stderr the peer's log file)")]
-    = False,
+        "--log-json",
+        help="Log JSON lines to stderr and print machine-readable events on stdout (the local "
+             "launcher reads them).")] = False,
 ) -> None:
-    """Start a peer that holds exactly the layers of one stage and serves it until stopped."""
+    """Serve one stage of a run's model (exactly its layers) until stopped."""
     import signal
     import threading
 
     import torch
 
+    from decentrl.net.node import check_peer_addresses
     from decentrl.swarm.launch import join as join_swarm
+    from decentrl.swarm.launch import print_json_line
     from decentrl.swarm.protocol import Role
     from decentrl.trust.adversary import ADVERSARIES
 
@@ -403,54 +512,32 @@ def join(
         fail(f"--stage must be a stage index or auto, got {stage!r}")
     if adversary is not None and adversary not in ADVERSARIES:
         fail(f"--adversary must be one of {', '.join(ADVERSARIES)}, got {adversary!r}")
-    try:
-        run_config = load_config(config) if config is not None else None
-    except ConfigError as error:
-        fail(str(error))
-        return
+    if config is None and run is None:
+        fail("join needs --run (the run's name, from the coordinator's join command) or "
+             "--config")
+    check_peer_addresses(initial_peers)
+    run_config = load_config(config) if config is not None else None
+    if run_config is not None and stage != "auto" and int(stage) >= run_config.num_stages:
+        fail(f"--stage {stage}: run {run_config.name!r} has stages 0 to "
+             f"{run_config.num_stages - 1}")
     torch.set_num_threads(run_config.threads if run_config and run_config.threads else 1)
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    previous = {signum: signal.signal(signum, lambda *_: stop.set())
+                for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
-        join_swarm(run_config, run, None if stage == "auto" else int(stage),
-                   cast(Role, role), initial_peers, checkpoint_dir, name, stop, exit_with_parent,
-                   adversary, collusion_dir)
-    except (ConfigError, ValueError, RuntimeError, TimeoutError, FileNotFoundError) as error:
-        fail(str(error))
+        join_swarm(run_config, run, None if stage == "auto" else int(stage), cast(Role, role),
+                   initial_peers, checkpoint_dir, name, stop, exit_with_parent, adversary,
+                   collusion_dir, report=print_json_line if log_json else print_join_event,
+                   console=Console(stderr=True), config_wait_s=wait)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-@app.command("eval")
-def eval_command(
-    model: Annotated[str, typer.Option(help="Hugging Face folder, or smollm2-135m-instruct")],
-    base: Annotated[Optional[str], typer.Option(  # noqa: UP007 - typer needs Optional
-        help="the model before post-training: adds before/after changes and the KL divergence "
-             "and perplexity against it on a general prompt set")] = None,
-    task: Annotated[Optional[str], typer.Option(  # noqa: UP007
-        help="evaluate only this task family, e.g. sums, rg:chain_sum or an environment such as "
-             "agentic-calculator (default: the suite, two-digit sums and sums of three terms and "
-             "of three digits)")] = None,
-    option: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
-        help="option of --task, KEY=VALUE (JSON value), repeatable")] = None,
-    problems: Annotated[Optional[int], typer.Option(  # noqa: UP007
-        help="held-out problems per family (default: 100)")] = None,
-    pass_k: Annotated[int, typer.Option(help="k of the sampled pass@k (1: greedy only)")] = 4,
-    max_new_tokens: Annotated[Optional[int], typer.Option(  # noqa: UP007
-        help="completion budget per problem (default: each family's own)")] = None,
-    batch_size: int = 64, num_stages: int = 1, device: str = "auto", dtype: str = "auto",
-    seed: int = 0,
-    output: Annotated[Optional[Path], typer.Option(help="write the result as JSON here")] = None,  # noqa: UP007
-) -> None:
-    """Held-out pass@1 (greedy) and pass@k (sampled) with 95% confidence intervals on several task
-    families; with --base, the changes and the drift from the base on general text."""
-    from decentrl.evaluate.suite import DEFAULT_SUITE, Family, with_overrides
-
-    if option and task is None:
-        fail("--option needs --task (the default suite's families carry their own options)")
-    if output is not None and not output.parent.is_dir():
-        fail(f"--output {output}: folder {output.parent} does not exist")
-    options = {}
-    for item in option or []:
+def parse_options(items: Sequence[str]) -> dict[str, Any]:
+    """--option KEY=VALUE items: the value as JSON where it parses, else as a string."""
+    options: dict[str, Any] = {}
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             fail(f"--option {item!r} must look like KEY=VALUE")
@@ -458,14 +545,51 @@ def eval_command(
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
-    try:
-        families = DEFAULT_SUITE if task is None else [Family(task, options)]
-        result = run_suite(model, base, with_overrides(families, problems, max_new_tokens),
-                           pass_k=pass_k, batch_size=batch_size, num_stages=num_stages,
-                           device=device, dtype=dtype, seed=seed)
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
-        fail(str(error))
-        return
+    return options
+
+
+@command("eval")
+def eval_command(
+    model: Annotated[str, typer.Option(
+        help="An exported Hugging Face folder, or smollm2-135m-instruct for the base model.")],
+    base: Annotated[Optional[str], typer.Option(  # noqa: UP007 - typer needs Optional
+        help="The model before post-training: adds the changes against it, and the drift "
+             "from it (KL divergence, perplexity) on a general prompt set.")] = None,
+    task: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        help="Evaluate this task family only, such as sums, rg:chain_sum or an environment "
+             "such as agentic-calculator. Without it: the suite of two-digit sums and sums of "
+             "three terms and of three digits.")] = None,
+    option: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
+        help="An option of --task as KEY=VALUE (the value in JSON), repeatable.")] = None,
+    problems: Annotated[Optional[int], typer.Option(  # noqa: UP007
+        help="Held-out problems per family (default: 100).")] = None,
+    pass_k: Annotated[int, typer.Option(
+        help="The k of the sampled pass@k; 1 evaluates greedily only.")] = 4,
+    max_new_tokens: Annotated[Optional[int], typer.Option(  # noqa: UP007
+        help="The completion budget per problem (default: each family's own).")] = None,
+    batch_size: Annotated[int, typer.Option(help="Problems generated at once.")] = 64,
+    num_stages: Annotated[int, typer.Option(
+        help="Stages to cut the model into (the same answers; for testing the chain).")] = 1,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, fp32, bf16 or fp16.")] = "auto",
+    seed: Annotated[int, typer.Option(help="The seed of the sampled completions.")] = 0,
+    output: Annotated[Optional[Path], typer.Option(  # noqa: UP007
+        help="Also write the result as JSON to this file.")] = None,
+) -> None:
+    """Measure held-out accuracy, before and after post-training.
+
+    Greedy pass@1 and sampled pass@k, with 95% confidence intervals, on several task families;
+    with --base, the changes and the drift from the base on general text."""
+    from decentrl.evaluate.suite import DEFAULT_SUITE, Family, with_overrides
+
+    if option and task is None:
+        fail("--option needs --task (the default suite's families carry their own options)")
+    if output is not None and not output.parent.is_dir():
+        fail(f"--output {output}: folder {output.parent} does not exist")
+    families = DEFAULT_SUITE if task is None else [Family(task, parse_options(option or []))]
+    result = run_suite(model, base, with_overrides(families, problems, max_new_tokens),
+                       pass_k=pass_k, batch_size=batch_size, num_stages=num_stages,
+                       device=device, dtype=dtype, seed=seed)
     console.print(suite_table(result))
     console.print(f"evaluated in {result.seconds:.0f}s")
     if output is not None:
@@ -473,18 +597,26 @@ def eval_command(
         console.print(f"wrote {output}")
 
 
-@app.command()
+@command()
 def export(
-    run_dir: Annotated[Path, typer.Argument(help="a run folder, e.g. runs/demo")],
-    out_dir: Annotated[Path, typer.Argument(help="where the Hugging Face folder goes")],
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "float32",
+    run_dir: Annotated[Path, typer.Argument(help="A run folder, such as runs/demo.")],
+    out_dir: Annotated[Path, typer.Argument(
+        help="A new or empty folder for the Hugging Face model.")],
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
     weights: Annotated[str, typer.Option(
-        help="served: what the swarm's replicas served (generated the rollouts, answered the "
-             "evaluations); learner: the training peers' own (they differ with sparse updates)")]
-    = "served",
+        help="served: the weights the swarm's replicas served (they generated the rollouts and "
+             "answered the evaluations); learner: the training peers' own (they differ with "
+             "sparse updates).")] = "served",
+    force: Annotated[bool, typer.Option(
+        "--force",
+        help="Replace an earlier export at OUT_DIR. Other files, a run folder or the run "
+             "itself are never replaced.")] = False,
 ) -> None:
-    """Assemble a run's latest checkpoint (every stage's shard) into a Hugging Face folder that
-    transformers.AutoModelForCausalLM loads."""
+    """Export a run's model as a Hugging Face folder.
+
+    Assembles the run's latest checkpoint (every stage's shard) into a folder that
+    transformers.AutoModelForCausalLM loads, with a model card and checksums. Nothing is
+    deleted, unless --force replaces an earlier export that nobody has added files to."""
     from decentrl.release.export import EXPORT_DTYPES, WEIGHTS, export_run
 
     chosen = {name: dtype_ for dtype_, name in EXPORT_DTYPES.items()}.get(dtype)
@@ -493,41 +625,56 @@ def export(
         return
     if weights not in WEIGHTS:
         fail(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    try:
-        folder = export_run(run_dir, out_dir, chosen, cast("Weights", weights))
-    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as error:
-        fail(str(error))
-        return
+    folder = export_run(run_dir, out_dir, chosen, cast("Weights", weights), force=force)
     console.print(f"exported {run_dir} to {folder}")
 
 
-@app.command()
-def report(run_dir: Annotated[Path, typer.Argument(help="a run folder, e.g. runs/demo")]) -> None:
-    """Write RUN_DIR/report/report.md with PNG plots (before/after evaluation, reward, staleness,
-    throughput, the swarm's peers and traffic, verification events); prints its path."""
+@command()
+def report(run_dir: Annotated[Path, typer.Argument(
+        help="A run folder, such as runs/demo.")]) -> None:
+    """Write a run's report: RUN_DIR/report/report.md with PNG plots.
+
+    The report shows the evaluations before and after, the learning signals, staleness,
+    throughput, the swarm's peers and traffic, and the verification events; the command prints
+    its path."""
     from decentrl.observe.report import build_report
 
-    try:
-        path = build_report(run_dir)
-    except (ValueError, FileNotFoundError) as error:
-        fail(str(error))
-        return
-    typer.echo(path)  # plain: a script may read the path
+    typer.echo(build_report(run_dir))  # plain: a script may read the path
 
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(help="benchmark name")]) -> None:
-    """Run bench/NAME.py (extra arguments are passed on)."""
+def benchmarks() -> dict[str, str]:
+    """Each benchmark of the source checkout by name, with its docstring's summary line."""
+    found = {}
+    for path in sorted(BENCH_DIR.glob("*.py")):
+        if path.stem == "common":
+            continue
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        found[path.stem.replace("_", "-")] = docstring.partition("\n")[0]
+    return found
+
+
+def bench_help() -> str:
+    if not BENCH_DIR.is_dir():
+        return "Run a benchmark of the source checkout (not found here)."
+    listing = "\n".join(f"- {name}: {summary}" for name, summary in benchmarks().items())
+    return ("Run a benchmark of the source checkout; extra arguments go to it (NAME --help "
+            f"lists them).\n\nThe benchmarks:\n\n\b\n{listing}")
+
+
+@command(help=bench_help(),
+         context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context, name: Annotated[str, typer.Argument(
+        help="The benchmark, as listed below.")]) -> None:
     if not BENCH_DIR.is_dir():
         fail(f"benchmarks live in the source checkout ({BENCH_DIR} is missing)")
-    available = sorted(p.stem.replace("_", "-") for p in BENCH_DIR.glob("*.py")
-                       if p.stem != "common")
+    available = benchmarks()
+    if name not in available:
+        fail(f"unknown benchmark {name!r}; available: {', '.join(available)} "
+             "(decentrl bench --help says what each measures)")
     path = BENCH_DIR / f"{name.replace('-', '_')}.py"
-    if not path.is_file() or path.stem == "common":
-        fail(f"unknown benchmark {name!r}; available: {', '.join(available)}")
     sys.path.insert(0, str(BENCH_DIR))
     spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
     assert spec is not None and spec.loader is not None

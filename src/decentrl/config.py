@@ -235,18 +235,38 @@ def parse_config(data: dict[str, Any], **overrides: Any) -> RunConfig:
         raise ConfigError(describe_validation_error(error)) from None
 
 
+# What a run writes beside its config.json, by which a run folder is recognised.
+RUN_FOLDER_MARKERS = ("checkpoints", "run.sqlite", "metrics.jsonl")
+
+
+def is_run_folder(path: Path) -> bool:
+    """A run's folder, recognised by what it holds: its config and its checkpoints, store or
+    metrics."""
+    return (path / "config.json").is_file() and any(
+        (path / name).exists() for name in RUN_FOLDER_MARKERS)
+
+
 def load_config(path: Path, **overrides: Any) -> RunConfig:
     """A TOML config, or the config.json a run folder holds."""
+    if path.is_dir():
+        hint = (f"; to resume the run in it, give {path / 'config.json'}"
+                if (path / "config.json").is_file() else "")
+        raise ConfigError(f"config {path} is a folder, not a file: give a TOML file such as "
+                          f"examples/sums.toml{hint}")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ConfigError(f"config {path} is not a text file") from None
     if path.suffix == ".json":
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(text)
         except json.JSONDecodeError as error:
             raise ConfigError(f"{path} is not valid JSON: {error}") from None
         return parse_config(data, **overrides)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path} is not valid TOML: {error}") from None
     return parse_config(data, **overrides)

@@ -24,7 +24,13 @@ from decentrl.envs.base import (
     run_episode,
 )
 from decentrl.envs.single_turn import TASK_ENVIRONMENT_PREFIX, TaskEnvironment
-from decentrl.tasks import Task, make_task
+from decentrl.tasks import (
+    REASONING_GYM_PREFIX,
+    TASK_NAMES,
+    Task,
+    is_task_name,
+    make_task,
+)
 
 # Multi-turn environments: a run whose task is one of these trains on episodes.
 AGENTIC_ENVIRONMENTS: tuple[str, ...] = ("agentic-calculator", "agentic-countdown")
@@ -65,6 +71,13 @@ def make_task_or_environment(name: str, options: dict[str, Any]) -> Task | Envir
     "task:<name>" adapter (trained as episodes), else the task itself."""
     if name in AGENTIC_ENVIRONMENTS or name.startswith(TASK_ENVIRONMENT_PREFIX):
         return make_environment(name, **options)
+    if not is_task_name(name):
+        raise ValueError(
+            f"unknown task {name!r}; tasks: {', '.join(TASK_NAMES)} (or "
+            f"{REASONING_GYM_PREFIX}<name> for any reasoning-gym dataset); multi-turn environments "
+            f"with tools: {', '.join(AGENTIC_ENVIRONMENTS)} (or {TASK_ENVIRONMENT_PREFIX}<task> "
+            "for a task as one-turn episodes)"
+        )
     return make_task(name, **options)
 
 

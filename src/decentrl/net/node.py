@@ -42,6 +42,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
+from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
@@ -68,6 +69,7 @@ logging.getLogger("hivemind.p2p.p2p_daemon").setLevel(logging.ERROR)
 
 T = TypeVar("T")
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+EXAMPLE_ADDRESS = "/ip4/192.0.2.7/tcp/31337/p2p/12D3KooW..."
 # Replies kept for retried requests; activations are a few MiB, so a short memory.
 REPLY_CACHE_SIZE = 16
 STARTUP_TIMEOUT_S = 60.0
@@ -81,6 +83,24 @@ STRIKE_TABLE_SIZE = 1024
 SIGNATURE_DOMAIN = b"decentrl/1"
 MessageKind = Literal["request", "reply"]
 _KIND_BYTE: dict[MessageKind, bytes] = {"request": b"\x00", "reply": b"\x01"}
+
+
+class SwarmStartError(RuntimeError):
+    """The p2p daemon did not start, or none of the initial peers answered it."""
+
+
+def check_peer_addresses(addresses: Sequence[str]) -> None:
+    """Raise ValueError naming the first address that is not a peer's full multiaddr
+    (`/ip4/<host>/tcp/<port>/p2p/<peer id>`): the daemon would fail on it with a Go error."""
+    for address in addresses:
+        try:
+            protocols = [protocol.name for protocol in Multiaddr(address).protocols()]
+        except ValueError as error:
+            raise ValueError(f"peer address {address!r} is not a multiaddr ({error}); use the "
+                             f"address the peer printed, like {EXAMPLE_ADDRESS}") from None
+        if "p2p" not in protocols:
+            raise ValueError(f"peer address {address!r} lacks its /p2p/<peer id> part; use the "
+                             f"address the peer printed, like {EXAMPLE_ADDRESS}")
 
 
 class RemoteError(RuntimeError):
@@ -212,11 +232,20 @@ class SwarmNode:
               limits: TensorLimits, host: str = LOOPBACK, compute_threads: int | None = None,
               identity: Identity | None = None, strikes_to_block: int = STRIKES_TO_BLOCK,
               strike_window_s: float = STRIKE_WINDOW_S, block_s: float = BLOCK_S) -> SwarmNode:
+        check_peer_addresses(initial_peers)
         node = cls(name, link_profile, limits, compute_threads, identity, strikes_to_block,
                    strike_window_s, block_s)
         node._thread.start()
         try:
             node.run(node._start(list(initial_peers), host), timeout=STARTUP_TIMEOUT_S)
+        except P2PDaemonError as error:
+            node.shutdown()
+            if "failed to connect to bootstrap peers" in str(error):
+                raise SwarmStartError(
+                    f"none of the initial peers answered ({', '.join(initial_peers)}): check "
+                    "that the peer is running and that the address is the one it printed"
+                ) from None
+            raise SwarmStartError(f"the p2p daemon did not start: {error}") from None
         except BaseException:
             node.shutdown()
             raise

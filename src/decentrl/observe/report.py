@@ -8,13 +8,14 @@ escapes them before they reach Markdown, and keeps math parsing off where they r
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from matplotlib.figure import Figure
@@ -34,8 +35,22 @@ from decentrl.evaluate.suite import (
 
 ROLES = ("inference", "training", "both")
 OUTCOMES = ("passed", "failed", "proved", "flagged", "malformed")
-TRUST_COUNTERS = ("verified", "verify_failed", "verify_skipped", "flagged", "banned",
-                  "submissions_refused")
+# The total a trust counter counts from: groups accepted or trained, or peers seen in the swarm.
+Total = Literal["accepted", "trained", "peers"]
+# What each cumulative counter of trust/gate.py counts, and of which total.
+TRUST_COUNTERS: dict[str, tuple[str, Total | None]] = {
+    "verified": ("groups whose spot-check passed", "accepted"),
+    "verify_failed": ("groups whose spot-check caught a lie", "accepted"),
+    "verify_skipped": ("spot-checks skipped (backlog full, no other replica to redo the work, or "
+                       "the re-execution failed)", "accepted"),
+    "flagged": ("groups with rows the trainer's log-probs flagged (left out of the loss, then "
+                "re-checked)", "trained"),
+    "banned": ("bans (a peer banned again counts again)", "peers"),
+    "submissions_refused": ("groups other peers submitted, refused (this coordinator leases no "
+                            "problems, so it admits none)", None),
+}
+# Reward and accuracy closer than this at every step are one series (no format bonus).
+SAME_SERIES_TOLERANCE = 1e-6
 # Steps per throughput point: one step's interval is noisy (a batch can wait on a slow replica).
 THROUGHPUT_WINDOW = 5
 SUMMARY_STEPS = 5  # the training table compares the means of the first and the last few steps
@@ -48,8 +63,9 @@ DPI = 120
 # CommonMark lets a backslash escape any of these; together they rule out tables broken by `|`,
 # links, emphasis, code spans, raw HTML and (on GitHub) math.
 MARKDOWN_SPECIALS = set("\\`*_[]<>|~&#!$")
-PLOT_NAMES = ("reward_accuracy.png", "staleness.png", "throughput.png", "bytes_per_peer.png",
-              "peers.png", "verification.png")
+PLOT_NAMES = ("reward_accuracy.png", "staleness.png", "throughput.png", "loss.png",
+              "grad_norm.png", "kl.png", "entropy.png", "importance_weights.png", "step_time.png",
+              "bytes_per_peer.png", "peers.png", "verification.png")
 
 
 # ---------------------------------------------------------------------------------- records
@@ -74,6 +90,18 @@ class StepRecord(msgspec.Struct):
     flagged: int | None = None
     banned: int | None = None
     submissions_refused: int | None = None
+    # The step's time, and the trainer's metrics (learn/trainer.py, learn/losses.py): absent in
+    # older runs, and the trainer's when no group of the batch carried signal.
+    wait_s: float | None = None
+    train_s: float | None = None
+    policy_loss: float | None = None
+    grad_norm: float | None = None
+    behaviour_kl: float | None = None
+    kl: float | None = None  # to the reference model: only when the loss has a KL penalty
+    entropy: float | None = None
+    tis_weight_mean: float | None = None
+    tis_truncated_fraction: float | None = None
+    mis_masked_fraction: float | None = None
 
 
 class EvalRecord(msgspec.Struct):
@@ -184,16 +212,63 @@ def staleness_counts(steps: Sequence[StepRecord], store: Path) -> dict[int, int]
     return dict(sorted(total.items()))
 
 
-def stored_staleness_counts(store: Path) -> dict[int, int]:
+def query_store(store: Path, sql: str) -> list[tuple[Any, ...]]:
+    """Rows of a query on the run store; none when there is no store we can read (the sections
+    then say so)."""
+    if not store.is_file():
+        return []
     # Read-only: the report must never change a run's durable state.
     try:
         # closing(): a connection's own context manager ends a transaction, not the connection.
         with closing(sqlite3.connect(f"{store.resolve().as_uri()}?mode=ro", uri=True)) as db:
-            rows = db.execute("SELECT staleness, COUNT(*) FROM groups WHERE state = 'trained' "
-                              "GROUP BY staleness ORDER BY staleness").fetchall()
+            return db.execute(sql).fetchall()
     except sqlite3.Error:
-        return {}  # not a run store we can read: the section says there is no data
+        return []
+
+
+def stored_staleness_counts(store: Path) -> dict[int, int]:
+    rows = query_store(store, "SELECT staleness, COUNT(*) FROM groups WHERE state = 'trained' "
+                              "GROUP BY staleness ORDER BY staleness")
     return {int(staleness): int(count) for staleness, count in rows}
+
+
+@dataclass(frozen=True)
+class GroupTotals:
+    """Accepted rollout groups by what became of them. Without a run store only the trained ones
+    are known (from the step records), so `pending` and `dropped` are None."""
+
+    trained: int
+    pending: int | None = None
+    dropped: int | None = None
+
+    @property
+    def accepted(self) -> int | None:
+        if self.pending is None or self.dropped is None:
+            return None
+        return self.trained + self.pending + self.dropped
+
+
+def group_totals(steps: Sequence[StepRecord], store: Path) -> GroupTotals:
+    states = {str(state): int(count) for state, count in
+              query_store(store, "SELECT state, COUNT(*) FROM groups GROUP BY state")}
+    if not states:
+        return GroupTotals(trained=round(sum(r.groups for r in steps)))
+    return GroupTotals(states.get("trained", 0), states.get("pending", 0),
+                       states.get("dropped", 0))
+
+
+def peers_seen(snapshots: Sequence[SwarmRecord]) -> int:
+    return len({p.peer_id for s in snapshots for p in s.peers})
+
+
+def reward_accuracy_series(steps: Sequence[StepRecord]) -> list[tuple[str, list[float]]]:
+    """(label, values) of each line to draw: one when reward and accuracy are the same series
+    (a task without a format bonus rewards exactly the solved rollouts), else both."""
+    rewards, accuracies = [r.reward for r in steps], [r.accuracy for r in steps]
+    if all(math.isclose(r, a, rel_tol=0.0, abs_tol=SAME_SERIES_TOLERANCE)
+           for r, a in zip(rewards, accuracies)):
+        return [("reward = accuracy", rewards)]
+    return [("reward", rewards), ("accuracy", accuracies)]
 
 
 def generated_tokens(record: StepRecord, group_size: int) -> float:
@@ -274,6 +349,11 @@ def minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
+def duration(seconds: float) -> str:
+    # A short run's seconds would all round to "0.0 min".
+    return f"{seconds:.1f} s" if seconds < 120 else minutes(seconds)
+
+
 def number(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -350,10 +430,9 @@ def new_figure(rows: int = 1, height: float = FIGURE_SIZE[1]) -> tuple[Figure, l
 def plot_reward_accuracy(records: RunRecords, path: Path) -> None:
     figure, (ax,) = new_figure()
     elapsed = [r.elapsed_s / 60 for r in records.steps]
-    # Reward wide and pale beneath accuracy: without a format bonus the two lines coincide.
-    ax.plot(elapsed, [r.reward for r in records.steps], linewidth=4, alpha=0.4,
-            label="reward (training batch)")
-    ax.plot(elapsed, [r.accuracy for r in records.steps], label="accuracy (training batch)")
+    lines = reward_accuracy_series(records.steps)
+    for label, values in lines:
+        ax.plot(elapsed, values, label=f"{label} (training batch)")
     if records.evals:
         ax.errorbar([e.elapsed_s / 60 for e in records.evals], [e.pass1 for e in records.evals],
                     yerr=[[e.pass1 - e.pass1_low for e in records.evals],
@@ -364,7 +443,8 @@ def plot_reward_accuracy(records: RunRecords, path: Path) -> None:
                         textcoords="offset points", xytext=(6, 6), parse_math=False)
     ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
     ax.set_xlim(left=0)
-    ax.set(xlabel="elapsed (minutes)", ylabel="fraction", title="Reward and accuracy")
+    title = "Reward = accuracy" if len(lines) == 1 else "Reward and accuracy"
+    ax.set(xlabel="elapsed (minutes)", ylabel="mean per rollout", title=title)
     ax.legend(loc="best")
     figure.savefig(path, dpi=DPI)
 
@@ -390,6 +470,106 @@ def plot_throughput(points: Sequence[ThroughputPoint], path: Path) -> None:
     for ax in (tokens_ax, steps_ax):
         ax.set_ylim(bottom=0)
         ax.set_xlim(left=0)
+    figure.savefig(path, dpi=DPI)
+
+
+@dataclass(frozen=True)
+class Panel:
+    ylabel: str
+    lines: tuple[tuple[str, str], ...]  # (StepRecord field, legend label)
+
+
+@dataclass(frozen=True)
+class StepPlot:
+    """A figure of trainer metrics against the training step, one panel per axis."""
+
+    name: str
+    title: str
+    caption: str  # what the plot shows, the sentence under it in report.md
+    panels: tuple[Panel, ...]
+
+    def fields(self) -> list[str]:
+        return [field for panel in self.panels for field, _ in panel.lines]
+
+
+NATS = "nats per token"
+STEP_PLOTS = (
+    StepPlot("loss.png", "Policy loss",
+             "The policy loss the optimizer minimised at each step (the surrogate, before any KL "
+             "penalty). Its level moves with the batch's advantages, so its trend and noise say "
+             "more than its value.",
+             (Panel("loss", (("policy_loss", "policy loss"),)),)),
+    StepPlot("grad_norm.png", "Gradient norm",
+             "The L2 norm of each step's gradient before clipping (the mean over the step's "
+             "optimizer updates): a step above `train.max_grad_norm` had its update scaled down "
+             "to it.",
+             (Panel("L2 norm", (("grad_norm", "gradient norm"),)),)),
+    StepPlot("kl.png", "KL divergence",
+             "How off-policy each batch was: KL from the behaviour policy (the replicas' weights "
+             "that sampled the batch, maybe versions behind) to the learner's policy at the "
+             "start of the update, per generated token (k3 estimate); and KL to the reference "
+             "model when the loss has a KL penalty.",
+             (Panel(NATS, (("behaviour_kl", "KL(behaviour || learner)"),
+                           ("kl", "KL(learner || reference)"))),)),
+    StepPlot("entropy.png", "Entropy",
+             "The entropy of the learner's next-token distribution (after the sampling "
+             "transform), per generated token of the batch: a fall towards zero means the model "
+             "stopped exploring.",
+             (Panel(NATS, (("entropy", "entropy"),)),)),
+    StepPlot("importance_weights.png", "Importance weights",
+             "The off-policy correction: the mean over the batch's tokens of the importance "
+             "weights (learner / behaviour probability, truncated at `train.tis_cap`), the share "
+             "of tokens whose weight was truncated, and the share of sequences the sequence-level "
+             "mask (`train.mis_low`, `train.mis_high`) left out of the loss.",
+             (Panel("mean weight", (("tis_weight_mean", "mean truncated weight"),)),
+              Panel("fraction", (("tis_truncated_fraction", "tokens truncated at the cap"),
+                                 ("mis_masked_fraction", "sequences masked"))))),
+)
+
+
+def logged(steps: Sequence[StepRecord], field: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records that logged `field`."""
+    found = [(r.step, value) for r in steps if (value := getattr(r, field)) is not None]
+    return [step for step, _ in found], [value for _, value in found]
+
+
+def plot_step_metrics(plot: StepPlot, steps: Sequence[StepRecord], path: Path) -> None:
+    figure, axes = new_figure(rows=len(plot.panels), height=1.0 + 2.2 * len(plot.panels))
+    for ax, panel in zip(axes, plot.panels):
+        drawn = False
+        for field, label in panel.lines:
+            x, y = logged(steps, field)
+            if x:
+                ax.plot(x, y, marker="o", markersize=2.5, linewidth=1.2, label=label)
+                drawn = True
+        if drawn:
+            ax.legend(loc="best", fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center")
+        ax.set(ylabel=panel.ylabel)
+    axes[0].set_title(plot.title)
+    axes[-1].set_xlabel("training step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    figure.savefig(path, dpi=DPI)
+
+
+def timed_steps(steps: Sequence[StepRecord]) -> list[tuple[int, float, float]]:
+    """(step, seconds waiting for rollouts, seconds training) of the records that logged both."""
+    return [(r.step, r.wait_s, r.train_s) for r in steps
+            if r.wait_s is not None and r.train_s is not None]
+
+
+def plot_step_time(timed: Sequence[tuple[int, float, float]], path: Path) -> None:
+    figure, (ax,) = new_figure(height=3.2)
+    numbers = [step for step, _, _ in timed]
+    waits = [wait for _, wait, _ in timed]
+    ax.bar(numbers, waits, width=0.8, linewidth=0, color="tab:gray",
+           label="waiting for rollout groups")
+    ax.bar(numbers, [train for _, _, train in timed], width=0.8, bottom=waits, linewidth=0,
+           color="tab:blue", label="training")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="training step", ylabel="seconds", title="Where each step's time went")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     figure.savefig(path, dpi=DPI)
 
 
@@ -463,7 +643,8 @@ def plot_verification(events: Sequence[TrustRecord], path: Path) -> None:
                   parse_math=False)
     ax.invert_yaxis()
     ax.set_xlim(left=0)
-    ax.set(xlabel="elapsed (minutes)", title="Verification events by outcome")
+    ax.set(xlabel="elapsed (minutes)",
+           title="Verification events by outcome (per peer and stage, not per group)")
     figure.savefig(path, dpi=DPI)
 
 
@@ -480,16 +661,55 @@ def header(config: RunConfig, records: RunRecords) -> str:
 
 
 def training_table(steps: Sequence[StepRecord], points: Sequence[ThroughputPoint]) -> str:
-    first, last = steps[:SUMMARY_STEPS], steps[-SUMMARY_STEPS:]
-    rows = []
-    for label, value in (("reward", lambda r: r.reward), ("accuracy", lambda r: r.accuracy),
-                         ("staleness (versions)", lambda r: r.staleness_mean)):
-        rows.append([label, number(mean_of([value(r) for r in first])),
-                     number(mean_of([value(r) for r in last]))])
-    rows.append(["generated tokens/s",
-                 number(mean_of([p.tokens_per_s for p in points[:SUMMARY_STEPS]]), 1),
-                 number(mean_of([p.tokens_per_s for p in points[-SUMMARY_STEPS:]]), 1)])
-    return table(["mean over", f"first {len(first)} steps", f"last {len(last)} steps"], rows)
+    series = [*reward_accuracy_series(steps),
+              ("staleness (versions)", [r.staleness_mean for r in steps])]
+    rows = [[label, number(mean_of(values[:SUMMARY_STEPS])),
+             number(mean_of(values[-SUMMARY_STEPS:]))] for label, values in series]
+    rates = [p.tokens_per_s for p in points]
+    rows.append(["generated tokens/s", number(mean_of(rates[:SUMMARY_STEPS]), 1),
+                 number(mean_of(rates[-SUMMARY_STEPS:]), 1)])
+    shown = min(SUMMARY_STEPS, len(steps))
+    return table(["mean over", f"first {shown} steps", f"last {shown} steps"], rows)
+
+
+def reward_caption(config: RunConfig, steps: Sequence[StepRecord]) -> str:
+    if len(reward_accuracy_series(steps)) == 1:
+        lead = ("Reward and accuracy are one series in this run (a rollout's reward is 1 when "
+                "it solves its problem, else 0), drawn once")
+    else:
+        lead = "Reward and accuracy (the share of rollouts that solved their problem)"
+    return (f"{lead}: the mean per rollout of each step's training batch "
+            f"({config.rollout.prompts_per_step} groups of {config.rollout.group_size} "
+            "rollouts), and the held-out pass@1 evaluations with their 95% intervals.")
+
+
+def step_time_caption(timed: Sequence[tuple[int, float, float]]) -> str:
+    waiting = sum(wait for _, wait, _ in timed)
+    training = sum(train for _, _, train in timed)
+    total = waiting + training
+    share = f" ({100 * waiting / total:.0f}% of the step time)" if total > 0 else ""
+    return ("Each step's seconds waiting for its rollout groups (generation on the replicas) "
+            "and training on them (the update through the pipeline's stages). Over "
+            f"{len(timed)} steps: {duration(waiting)} waiting{share} and {duration(training)} "
+            "training.")
+
+
+def trainer_parts(steps: Sequence[StepRecord], folder: Path) -> list[str]:
+    parts = ["### The learner"]
+    for plot in STEP_PLOTS:
+        if any(getattr(r, field) is not None for r in steps for field in plot.fields()):
+            plot_step_metrics(plot, steps, folder / plot.name)
+            parts += [image(folder / plot.name, plot.title), plot.caption]
+        else:
+            parts.append(f"{plot.title}: not in the step records (an older run, or no batch "
+                         "carried a learning signal).")
+    timed = timed_steps(steps)
+    if timed:
+        plot_step_time(timed, folder / "step_time.png")
+        parts += [image(folder / "step_time.png", "step time"), step_time_caption(timed)]
+    else:
+        parts.append("No step times were recorded.")
+    return parts
 
 
 def training_section(run_dir: Path, config: RunConfig, records: RunRecords, folder: Path) -> str:
@@ -499,18 +719,24 @@ def training_section(run_dir: Path, config: RunConfig, records: RunRecords, fold
     plot_reward_accuracy(records, folder / "reward_accuracy.png")
     points = throughput(records.steps, config.rollout.group_size)
     parts += [image(folder / "reward_accuracy.png", "reward and accuracy"),
-              training_table(records.steps, points)]
+              reward_caption(config, records.steps), training_table(records.steps, points)]
     counts = staleness_counts(records.steps, run_dir / "run.sqlite")
     if counts:
         plot_staleness(counts, folder / "staleness.png")
-        parts.append(image(folder / "staleness.png", "staleness histogram"))
+        parts += [image(folder / "staleness.png", "staleness histogram"),
+                  (f"The {sum(counts.values())} groups trained, by staleness: how many versions "
+                   "the learner had moved on between the weights that sampled a group and the "
+                   "step that trained it.")]
     else:
         parts.append("No staleness counts were recorded.")
     if points:
         plot_throughput(points, folder / "throughput.png")
-        parts.append(image(folder / "throughput.png", "throughput"))
+        parts += [image(folder / "throughput.png", "throughput"),
+                  (f"Completion tokens the replicas generated per second, and training steps "
+                   f"per minute, each over the last {THROUGHPUT_WINDOW} steps.")]
     else:
         parts.append("Too few steps to measure throughput.")
+    parts += trainer_parts(records.steps, folder)
     return "\n\n".join(parts)
 
 
@@ -532,20 +758,59 @@ def swarm_section(records: RunRecords, folder: Path) -> str:
     plot_peers(records.snapshots, folder / "peers.png")
     return "\n\n".join([
         "## Swarm",
-        (f"Peers at the last snapshot ({minutes(last.elapsed_s)}, step {last.step}, "
-         f"learner version {last.version}):"),
+        (f"The {len(last.peers)} peers at the last snapshot ({minutes(last.elapsed_s)}, step "
+         f"{last.step}, learner version {last.version}; {peers_seen(records.snapshots)} peers "
+         "were seen during the run):"),
         peers_table(last),
         image(folder / "bytes_per_peer.png", "bytes sent per peer"),
+        "Bytes each of those peers has uploaded since it started, and the coordinator's own "
+        "traffic (sent and received).",
         image(folder / "peers.png", "peers per stage over time"),
+        "Peers of each stage over time by role, stacked: the top edge is the stage's peers.",
     ])
 
 
-def counters_table(step: StepRecord) -> str | None:
+def groups_line(totals: GroupTotals) -> str:
+    if totals.accepted is None:
+        return (f"{totals.trained} rollout groups trained (from the step records: without a run "
+                "store the groups accepted are unknown).")
+    return (f"{totals.accepted} rollout groups accepted: {totals.trained} trained, "
+            f"{totals.dropped} dropped, {totals.pending} still pending at the end.")
+
+
+def out_of(count: int | None, kind: Total | None, totals: GroupTotals, peers: int) -> str:
+    """The total a trust counter counts from, with the counter's share of it."""
+    if kind is None:
+        return "-"
+    if kind == "peers":
+        return f"{peers} peers seen"
+    total = totals.accepted if kind == "accepted" else totals.trained
+    if total is None:
+        return f"groups {kind}: unknown"
+    share = f" ({100 * count / total:.1f}%)" if count is not None and total > 0 else ""
+    return f"{total} groups {kind}{share}"
+
+
+def counters_table(step: StepRecord, totals: GroupTotals, peers: int) -> str | None:
     counts = {name: getattr(step, name) for name in TRUST_COUNTERS}
     if all(value is None for value in counts.values()):
         return None
-    return table(["counter", "count"],
-                 [[name, "-" if value is None else str(value)] for name, value in counts.items()])
+    rows = [[name, "-" if count is None else str(count), TRUST_COUNTERS[name][0],
+             out_of(count, TRUST_COUNTERS[name][1], totals, peers)]
+            for name, count in counts.items()]
+    return table(["counter", "count", "what it counts", "out of"], rows)
+
+
+def events_caption(events: Sequence[TrustRecord], num_stages: int, verified: int | None) -> str:
+    passed = sum(e.outcome == "passed" for e in events)
+    groups = "the groups verified" if verified is None else f"the {verified} groups verified"
+    return (f"The {len(events)} verification events, one mark each. They count peers' work at "
+            "one stage, not groups: a spot-check adds a `passed` event for each stage another "
+            "replica re-executed, one per peer that served it (so up to "
+            f"{num_stages} per group in this run): the {passed} `passed` events come from "
+            f"{groups} and from the stages checked before a failure. `failed` and `proved` "
+            "blame one peer at one stage, `flagged` is one per last-stage replica of a flagged "
+            "group that could not be checked, `malformed` one per malformed message.")
 
 
 def events_table(events: Sequence[TrustRecord]) -> str:
@@ -555,22 +820,30 @@ def events_table(events: Sequence[TrustRecord]) -> str:
     rows = [[minutes(e.elapsed_s), markdown_text(peer_name(e.name, e.peer)),
              "-" if e.stage is None else str(e.stage), markdown_text(e.outcome),
              markdown_text(e.detail)] for e in notable[:EVENTS_LISTED]]
-    text = table(["time", "peer", "stage", "outcome", "detail"], rows)
+    text = (f"The {len(notable)} events other than `passed`:\n\n"
+            + table(["time", "peer", "stage", "outcome", "detail"], rows))
     if len(notable) > EVENTS_LISTED:
         text += f"\n\n… and {len(notable) - EVENTS_LISTED} more (metrics.jsonl has them all)."
     return text
 
 
-def verification_section(records: RunRecords, folder: Path) -> str:
-    counters = counters_table(records.steps[-1]) if records.steps else None
+def verification_section(run_dir: Path, config: RunConfig, records: RunRecords,
+                         folder: Path) -> str:
+    totals = group_totals(records.steps, run_dir / "run.sqlite")
+    counters = (counters_table(records.steps[-1], totals, peers_seen(records.snapshots))
+                if records.steps else None)
     if counters is None and not records.trust:
         return "## Verification\n\nNo verification counters or events were recorded."
     parts = ["## Verification"]
     if counters is not None:
-        parts += ["Counters at the last step:", counters]
+        parts += [groups_line(totals),
+                  "The trust counters at the last step, each out of the total it counts from:",
+                  counters]
     if records.trust:
         plot_verification(records.trust, folder / "verification.png")
         parts += [image(folder / "verification.png", "verification events"),
+                  events_caption(records.trust, config.num_stages,
+                                 records.steps[-1].verified if records.steps else None),
                   events_table(records.trust)]
     else:
         parts.append("No verification events were recorded.")
@@ -582,7 +855,8 @@ def samples_section(after: EvalResult | None) -> str:
         return "## Sample completions\n\nNo evaluation samples were recorded."
     rows = [[markdown_text(str(s.get("question", ""))), markdown_text(str(s.get("completion", ""))),
              "yes" if s.get("correct") else "no"] for s in after.samples]
-    return ("## Sample completions\n\nGreedy completions of the final evaluation:\n\n"
+    return (f"## Sample completions\n\nGreedy completions of the final evaluation, "
+            f"{len(after.samples)} of its {after.problems} problems:\n\n"
             + table(["question", "completion", "correct"], rows))
 
 
@@ -617,7 +891,8 @@ def build_report(run_dir: Path) -> Path:
         (folder / name).unlink(missing_ok=True)
     sections = [header(config, records), evaluation_section(run_dir, before, after),
                 training_section(run_dir, config, records, folder),
-                swarm_section(records, folder), verification_section(records, folder),
+                swarm_section(records, folder),
+                verification_section(run_dir, config, records, folder),
                 samples_section(after), model_section(run_dir)]
     path = folder / "report.md"
     path.write_text("\n\n".join(sections) + "\n")

@@ -4,31 +4,42 @@ The folder loads with `transformers.AutoModelForCausalLM` and `AutoTokenizer`. T
 embedding were untied when the stages were built (see model/stages.py), so the exported config says
 `tie_word_embeddings: false` and the checkpoint carries both matrices. LoRA stages are exported
 with their adapters merged into the weights: the folder is a plain model.
+
+An export never deletes what it did not write: it refuses an output folder that is not empty
+unless asked to replace an earlier export (`force`), and refuses always a folder that is, or
+holds, a run folder or anything the export reads.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
+import os
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, get_args
 
 import torch
 from safetensors.torch import save_file
 
-from decentrl.config import load_config
+from decentrl.config import is_run_folder, load_config
 from decentrl.evaluate.suite import SuiteResult
 from decentrl.learn.trainer import latest_checkpoint
-from decentrl.model.loading import load_model, load_tokenizer, resolve_model
+from decentrl.model.loading import (
+    base_origin,
+    file_sha256,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
 from decentrl.model.lora import has_lora, merge_lora
 from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.observe.report import read_evaluation, read_metrics
-from decentrl.release.card import model_card
+from decentrl.release.card import ModelSize, model_card
 
 EXPORT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 REQUIRED_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
@@ -37,6 +48,13 @@ WRITTEN_FILES = ("model.safetensors", "config.json", "generation_config.json")
 CHECKSUMS = "SHA256SUMS"
 Weights = Literal["served", "learner"]
 WEIGHTS: tuple[str, ...] = get_args(Weights)
+# A run folder holds its config and at least one of these (swarm/run.py, swarm/coordinate.py).
+SHOWN_NAMES = 3  # entries a refusal names before "..."
+
+
+class UnsafeOutputFolder(ValueError):
+    """The output folder holds something the export must not replace; the message says what is
+    there and what to do."""
 
 
 def merge_stage_tensors(stages: list[StageModule], num_layers: int) -> dict[str, torch.Tensor]:
@@ -87,8 +105,10 @@ def plain_stage(stage: StageModule) -> StageModule:
 
 
 def export_config(hf_config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    config = dict(hf_config)
-    config.pop("quantization_config", None)
+    # "_"-prefixed keys are the converter's bookkeeping (the GGUF's own model name, for one), and
+    # the weights are no longer quantized.
+    config = {key: value for key, value in hf_config.items()
+              if not key.startswith("_") and key != "quantization_config"}
     config["tie_word_embeddings"] = False
     config["dtype"] = EXPORT_DTYPES[dtype]
     config["torch_dtype"] = EXPORT_DTYPES[dtype]  # the name transformers 4 reads
@@ -103,15 +123,10 @@ def check_extra_name(name: str) -> None:
         raise ValueError(f"extra file name {name!r} would overwrite the exported {name}")
 
 
-def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], tokenizer: Any,
-                     out_dir: Path, extra_files: dict[str, str] | None = None,
-                     dtype: torch.dtype = torch.float32) -> Path:
-    """Write the model of `stages` (all of them, any order) as a Hugging Face folder at `out_dir`.
-
-    The folder is written under a temporary name next to `out_dir` and renamed into place, so a
-    reader never sees half a model; an existing `out_dir` is replaced. `extra_files` maps relative
-    file names to text (a model card, a training report). `SHA256SUMS` lists every file's
-    checksum (`sha256sum -c SHA256SUMS` checks a download)."""
+def release_tensors(stages: list[StageModule], hf_config: dict[str, Any],
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model of `stages` (all of them, any order) as the tensors of one Hugging Face
+    checkpoint in `dtype`, on the CPU, LoRA adapters merged."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype must be one of {list(EXPORT_DTYPES)}, got {dtype}")
     if not stages:
@@ -120,14 +135,35 @@ def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], token
     if hf_config.get("num_hidden_layers") != num_layers:
         raise ValueError(f"hf_config has num_hidden_layers={hf_config.get('num_hidden_layers')} "
                          f"but the stages were built for {num_layers} layers")
-    extra_files = extra_files or {}
+    merged = merge_stage_tensors([plain_stage(stage) for stage in stages], num_layers)
+    return {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
+            for name, t in sorted(merged.items())}
+
+
+def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], tokenizer: Any,
+                     out_dir: Path, extra_files: dict[str, str] | None = None,
+                     dtype: torch.dtype = torch.float32, force: bool = False) -> Path:
+    """Write the model of `stages` (all of them, any order) as a Hugging Face folder at `out_dir`.
+
+    `out_dir` must be new or empty; with `force` it may hold an earlier export, which is replaced
+    (check_output_folder). `extra_files` maps relative file names to text (a model card, a
+    training report). `SHA256SUMS` lists every file's checksum (`sha256sum -c SHA256SUMS` checks
+    a download)."""
+    out_dir = Path(out_dir)
+    check_output_folder(out_dir, force)
+    return write_hf_folder(release_tensors(stages, hf_config, dtype), hf_config, tokenizer,
+                           out_dir, extra_files or {}, dtype, force)
+
+
+def write_hf_folder(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any], tokenizer: Any,
+                    out_dir: Path, extra_files: dict[str, str], dtype: torch.dtype,
+                    force: bool) -> Path:
+    """Write `tensors` and the rest of the folder at `out_dir`, which the caller has checked
+    (check_output_folder). The folder is written under a temporary name next to `out_dir` and
+    renamed into place, so a reader never sees half a model, and an earlier export (`force`) is
+    replaced only then."""
     for name in extra_files:
         check_extra_name(name)
-    merged = merge_stage_tensors([plain_stage(stage) for stage in stages], num_layers)
-    tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
-               for name, t in sorted(merged.items())}
-
-    out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -148,19 +184,75 @@ def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], token
         # is for everyone to read.
         for path in [staging, *staging.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
-        replace_folder(staging, out_dir)
+        if force:
+            replace_folder(staging, out_dir)
+        else:
+            # A rename replaces an empty folder and fails on one that filled up meanwhile.
+            staging.rename(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def names_text(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:SHOWN_NAMES])
+    return shown + (", ..." if len(names) > SHOWN_NAMES else "")
+
+
+def check_output_folder(out_dir: Path, force: bool, inputs: Mapping[str, Path] | None = None
+                        ) -> None:
+    """Refuse an `out_dir` that writing the export would lose files from, with an
+    UnsafeOutputFolder that says what is there and what to do. Refused always: a file, a folder
+    that is or holds one of `inputs` (what the export reads, by description), a run folder.
+    Refused unless `force`: any other non-empty folder. Refused even then: one holding a file
+    that its SHA256SUMS does not list, i.e. anything but an earlier export as it was written."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UnsafeOutputFolder(f"{out_dir} is a file, not a folder: choose an empty or new "
+                                 "folder for the export")
+    target = out_dir.resolve()
+    for description, path in (inputs or {}).items():
+        source = path.resolve()
+        if source == target:
+            raise UnsafeOutputFolder(f"{out_dir} is {description}, which this export reads: "
+                                     "choose an empty or new folder outside it")
+        if target in source.parents:
+            raise UnsafeOutputFolder(f"{out_dir} holds {description} {path}, which this export "
+                                     "reads: choose an empty or new folder outside it")
+    entries = [entry.name for entry in out_dir.iterdir()] if out_dir.exists() else []
+    if not entries:
+        return
+    if is_run_folder(out_dir):
+        raise UnsafeOutputFolder(f"{out_dir} is a run folder (config.json with its checkpoints, "
+                                 "store or metrics): choose an empty or new folder; an export "
+                                 "never replaces a run")
+    sums = out_dir / CHECKSUMS
+    if not force and sums.is_file():
+        raise UnsafeOutputFolder(f"{out_dir} holds an earlier export: pass --force to replace "
+                                 "it, or choose an empty or new folder")
+    if not force:
+        raise UnsafeOutputFolder(f"{out_dir} is not empty (it holds {names_text(entries)}): "
+                                 "choose an empty or new folder")
+    listed = {CHECKSUMS, *(line.split("  ", 1)[-1] for line in sums.read_text().splitlines())
+              } if sums.is_file() else set()
+    unlisted: list[str] = []
+    # Symbolic links are entries, never followed: replacing the folder removes the link only.
+    for root, dirs, files in os.walk(out_dir):
+        here = Path(root)
+        if is_run_folder(here):
+            raise UnsafeOutputFolder(f"{out_dir} holds the run folder {here}: choose an empty or "
+                                     "new folder; an export never replaces a run")
+        links = [name for name in dirs if (here / name).is_symlink()]
+        for name in [*files, *links]:
+            relative = (here / name).relative_to(out_dir).as_posix()
+            if relative not in listed:
+                unlisted.append(relative)
+        if len(unlisted) > SHOWN_NAMES:
+            break  # enough to name; the folder may be large
+    if unlisted:
+        raise UnsafeOutputFolder(f"{out_dir} holds files that no export wrote "
+                                 f"({names_text(unlisted)}): choose an empty or new folder; "
+                                 "--force replaces only an earlier export")
 
 
 def checksums(folder: Path) -> str:
@@ -188,12 +280,16 @@ def replace_folder(new: Path, target: Path) -> None:
 
 
 def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
-               weights: Weights = "served") -> Path:
+               weights: Weights = "served", force: bool = False) -> Path:
     """Assemble the latest checkpoint of a run (its folder: `config.json` and
     `checkpoints/latest` -> `checkpoints/v<N>/stage<i>.pt`, written by a local run or by the
     swarm's training peers) into a Hugging Face folder at `out_dir`, with a model card
     (`README.md`) built from the run's config, evaluations (evaluation.json too, when the run's
     model was compared with its base), last swarm snapshot and shard checksums.
+
+    `out_dir` must be new or empty, or with `force` an earlier export, and never the run folder,
+    a folder holding it, or the base model's folder (check_output_folder); a folder inside the
+    run (`runs/demo/model`) is the usual place.
 
     `weights`: "served", the weights the inference replicas held at that version (what generated
     the rollouts and answered the swarm's evaluations; with sparse updates the learner's changes
@@ -208,6 +304,9 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is None or not checkpoint.is_dir():
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint (checkpoints/latest)")
+    folder = resolve_model(config.model)
+    check_output_folder(out_dir, force, {"the run folder": run_dir, "the checkpoint": checkpoint,
+                                         "the base model's folder": folder})
     stages, versions, hashes, served = [], set(), [], []
     for index in range(config.num_stages):
         path = checkpoint / f"stage{index}.pt"
@@ -238,12 +337,23 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
     records = read_metrics(metrics) if metrics.is_file() else None
     steps = max((r.step for r in records.steps), default=0) if records else 0
     snapshot = records.snapshots[-1] if records and records.snapshots else None
-    card = model_card(config, versions.pop(), steps, hashes, *evaluations, suite, snapshot,
-                      "served" if served[0] else "learner")
-    folder = resolve_model(config.model)
     hf_config = json.loads((folder / "config.json").read_text())
-    return export_hf_folder(stages, hf_config, load_tokenizer(folder), out_dir,
-                            extra_files={"README.md": card}, dtype=dtype)
+    tensors = release_tensors(stages, hf_config, dtype)
+    card = model_card(config, base_origin(config.model), model_size(tensors, hf_config),
+                      versions.pop(), steps, hashes, *evaluations, suite, snapshot,
+                      "served" if served[0] else "learner")
+    return write_hf_folder(tensors, hf_config, load_tokenizer(folder), out_dir,
+                           {"README.md": card}, dtype, force)
+
+
+def model_size(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> ModelSize:
+    """What the exported `tensors` hold, and what the base held: a base that ties its head to
+    its embedding stores that matrix once."""
+    parameters = sum(t.numel() for t in tensors.values())
+    tied = tensors["lm_head.weight"].numel() if hf_config.get("tie_word_embeddings") else 0
+    dtype = EXPORT_DTYPES[next(iter(tensors.values())).dtype]
+    return ModelSize(parameters, parameters - tied, dtype,
+                     sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
 def load_stages_from_folder(path: Path, num_stages: int, device: torch.device,

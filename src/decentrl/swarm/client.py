@@ -89,6 +89,9 @@ class Directory:
     # Peers the run's reputation banned (trust/reputation.py): never chosen, not even as a last
     # resort, unlike peers merely avoided after a failure.
     distrusted: Callable[[str], bool] = lambda peer: False
+    # Called with (peer id, its record, True) for each peer that appeared and (.., False) for
+    # each whose announcement expired, after a refresh, outside the lock.
+    on_change: Callable[[str, PeerRecord, bool], None] = lambda peer, record, joined: None
 
     def refresh(self) -> None:
         found: dict[str, PeerRecord] = {}
@@ -104,14 +107,15 @@ class Directory:
                 if record.stage == stage:
                     found[peer] = record
         with self.lock:
+            joined = [(peer, record) for peer, record in found.items() if peer not in self.peers]
+            left = [(peer, self.peers.pop(peer).record) for peer in set(self.peers) - set(found)]
             for peer, record in found.items():
-                state = self.peers.get(peer)
-                if state is None:
-                    self.peers[peer] = PeerState(record)
-                else:
-                    state.record = record
-            for gone in set(self.peers) - set(found):
-                del self.peers[gone]
+                state = self.peers.setdefault(peer, PeerState(record))
+                state.record = record
+        for peer, record in joined:
+            self.on_change(peer, record, True)
+        for peer, record in left:
+            self.on_change(peer, record, False)
 
     def publish_config(self, config_json: str) -> None:
         self.node.run(self.node.announce(coordinator_key(self.run), "config",

@@ -34,12 +34,14 @@ from decentrl.evaluate.runner import EvalResult, evaluate
 from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.blocks import ModelSpec
+from decentrl.model.stages import StagePlan
 from decentrl.model.loading import load_tokenizer, resolve_model
 from decentrl.net.node import SwarmNode
 from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.observe.dashboard import DashboardServer
 from decentrl.observe.live import SwarmObserver
 from decentrl.observe.progress import progress_bar
+from decentrl.observe.terminal import terminal_text
 from decentrl.rollout.chain import InferenceSession
 from decentrl.rollout.types import ScoredGroup
 from decentrl.swarm.client import (
@@ -50,6 +52,7 @@ from decentrl.swarm.client import (
     SwarmUnavailable,
 )
 from decentrl.swarm.ingest import Ingestion
+from decentrl.swarm.protocol import PeerRecord, layer_span
 from decentrl.swarm.run import MetricsLog, step_line
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.store import RunStore
@@ -78,7 +81,12 @@ class SwarmSummary:
     dashboard_url: str | None
 
 
-def check_swarm_config(config: RunConfig) -> None:
+def check_swarm_config(config: RunConfig, spec: ModelSpec) -> None:
+    """Raise ConfigError for a config the swarm cannot run on a model of `spec`."""
+    try:
+        StagePlan.even(spec.num_layers, config.num_stages)
+    except ValueError as error:
+        raise ConfigError(f"invalid configuration: {error}") from None
     if config.train.kl_coef > 0:
         raise ConfigError("train.kl_coef > 0 is not supported in the swarm yet (the reference "
                           "model would have to live on the training peers)")
@@ -89,9 +97,33 @@ def check_swarm_config(config: RunConfig) -> None:
         raise ConfigError("the swarm coordinator runs train.mode = 'async' only")
 
 
+def stages_lacking(stages: list[list[PeerRecord]]) -> list[str]:
+    """What each stage still needs before a run can start, in words ("stage 1 has no training
+    peer (1 is loading its weights)"); empty when every stage has what it needs."""
+    lacking = []
+    for index, records in enumerate(stages):
+        needs = []
+        if not any(r.role in ("inference", "both") for r in records):
+            needs.append("no inference replica")
+        trainers = [r for r in records if r.role in ("training", "both")]
+        if not any(r.training_ready for r in trainers):
+            loading = f" ({len(trainers)} loading)" if trainers else ""
+            needs.append(f"no training peer ready{loading}")
+        if needs:
+            lacking.append(f"stage {index} has {' and '.join(needs)}")
+    return lacking
+
+
 class SwarmCoordinator:
     def __init__(self, config: RunConfig, node: SwarmNode, console: Console | None = None) -> None:
-        check_swarm_config(config)
+        """Checks everything about `config` that can be checked here (the model, the stages, the
+        tasks, an earlier run's store) before anything is announced."""
+        folder = resolve_model(config.model)
+        self.spec = ModelSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
+        check_swarm_config(config, self.spec)
+        self.task = make_task_or_environment(config.task.name, config.task.options)
+        self.eval_task = make_task_or_environment(config.eval.task.name,
+                                                  config.eval.task.options)
         if config.threads is not None:
             torch.set_num_threads(config.threads)  # the coordinator relays; the peers compute
         self.config, self.node = config, node
@@ -101,13 +133,9 @@ class SwarmCoordinator:
         self.checkpoints = self.path / "checkpoints"
         self.store = RunStore(self.path / "run.sqlite")
         self.store.check_or_set_config(config.model_dump_json())
-        folder = resolve_model(config.model)
-        self.spec = ModelSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
         self.tokenizer = load_tokenizer(folder)
-        self.task = make_task_or_environment(config.task.name, config.task.options)
-        self.eval_task = make_task_or_environment(config.eval.task.name,
-                                                  config.eval.task.options)
-        self.directory = Directory(node, config.name, config.num_stages, config.swarm)
+        self.directory = Directory(node, config.name, config.num_stages, config.swarm,
+                                   on_change=self._peer_changed)
         self.trust = Trust(config, node, self.directory, self.spec.hidden_size,
                            self.tokenizer.pad_token_id, self.console)
         self.chain = RemoteChain(node, self.directory, config.swarm, config.trust, self.spec,
@@ -145,21 +173,30 @@ class SwarmCoordinator:
     # ---- the swarm ------------------------------------------------------------------------
 
     def wait_for_swarm(self, timeout_s: float) -> None:
-        """Until every stage has an inference replica and a training peer."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.directory.publish_config(self.config.model_dump_json())
-            self.directory.refresh()
-            stages = self.directory.stage_summary()
-            missing = [i for i, records in enumerate(stages)
-                       if not any(r.role in ("inference", "both") for r in records)
-                       or not any(r.training_ready for r in records)]
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                raise SwarmUnavailable(f"stages {missing} have no inference replica or no "
-                                       f"training peer after {timeout_s:.0f}s")
-            time.sleep(1.0)
+        """Until every stage has an inference replica and a training peer that is ready."""
+        started = time.monotonic()
+        with progress_bar(self.console, "waiting for peers", timeout_s, counted=False) as update:
+            while True:
+                self.directory.publish_config(self.config.model_dump_json())
+                self.directory.refresh()
+                lacking = stages_lacking(self.directory.stage_summary())
+                if not lacking:
+                    return
+                waited = time.monotonic() - started
+                if waited > timeout_s:
+                    raise SwarmUnavailable(f"after {timeout_s:.0f}s of waiting, "
+                                           f"{'; '.join(lacking)}")
+                update(waited, description=f"waiting for peers: {'; '.join(lacking)}")
+                time.sleep(1.0)
+
+    def _peer_changed(self, peer: str, record: PeerRecord, joined: bool) -> None:
+        what = (f"stage {record.stage} layers {layer_span(record.layers)}, {record.role}"
+                if joined else f"stage {record.stage}: its announcement expired")
+        self.console.print(f"{terminal_text(record.name)} ({peer[-8:]}) "
+                           f"{'joined' if joined else 'left'}: {what}", highlight=False)
+        log.info("peer %s", "joined" if joined else "left",
+                 extra={"peer_id": peer, "peer_name": record.name, "stage": record.stage,
+                        "role": record.role})
 
     def peer_table(self) -> Table:
         table = Table(title="who holds which layers")
@@ -167,7 +204,7 @@ class SwarmCoordinator:
             table.add_column(column)
         for stage, records in enumerate(self.directory.stage_summary()):
             for record in sorted(records, key=lambda r: r.name):
-                table.add_row(str(stage), record.name, f"{record.layers[0]}-{record.layers[1] - 1}",
+                table.add_row(str(stage), terminal_text(record.name), layer_span(record.layers),
                               record.role, str(record.version), f"{record.tokens_per_s:.0f}")
         return table
 

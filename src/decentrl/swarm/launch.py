@@ -14,16 +14,28 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
 
 from decentrl.config import RunConfig, parse_config
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.wire import TensorLimits, decode_struct
 from decentrl.swarm.peer import StagePeer
-from decentrl.swarm.protocol import CoordinatorRecord, PeerRecord, Role, coordinator_key, stage_key
+from decentrl.observe.progress import progress_bar
+from decentrl.swarm.protocol import (
+    CoordinatorRecord,
+    PeerRecord,
+    Role,
+    coordinator_key,
+    layer_span,
+    stage_key,
+)
 from decentrl.trust.adversary import (
     ADVERSARIES,
     HostilePeer,
@@ -35,6 +47,7 @@ from decentrl.trust.adversary import (
 log = logging.getLogger(__name__)
 
 READY = "DECENTRL-READY"
+LOOKUP_TIMEOUT_S = 30.0
 INFERENCE_NICENESS = 10
 
 
@@ -56,16 +69,28 @@ def link_profile(config: RunConfig) -> LinkProfile:
                        loss=link.loss, seed=config.seed)
 
 
-def fetch_config(node: SwarmNode, run: str, timeout_s: float) -> RunConfig:
-    """The run config the coordinator announces (a peer started without --config)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        entries = node.run(node.lookup(coordinator_key(run)), timeout=30)
-        if "config" in entries:
-            record = decode_struct(entries["config"], CoordinatorRecord)
-            return parse_config(json.loads(record.config_json))
-        time.sleep(1.0)
-    raise TimeoutError(f"no coordinator of run {run!r} announced a config within {timeout_s:.0f}s")
+def fetch_config(node: SwarmNode, run: str, timeout_s: float, stop: threading.Event,
+                 console: Console) -> RunConfig | None:
+    """The run config the coordinator announces (a peer started without --config), waited for
+    at most `timeout_s`; None once `stop` is set."""
+    waiting = f"waiting for the coordinator of run {run!r} to announce its config"
+    console.print(f"{waiting} (up to {timeout_s:.0f}s)", markup=False, highlight=False)
+    with progress_bar(console, escape(waiting), timeout_s, counted=False) as update:
+        started = time.monotonic()
+        while not stop.is_set() and (waited := time.monotonic() - started) < timeout_s:
+            update(waited)
+            entries = node.run(node.lookup(coordinator_key(run)), timeout=LOOKUP_TIMEOUT_S)
+            if "config" in entries:
+                record = decode_struct(entries["config"], CoordinatorRecord)
+                return parse_config(json.loads(record.config_json))
+            stop.wait(1.0)
+    if stop.is_set():
+        console.print("stopped before the coordinator's config arrived")
+        return None
+    raise TimeoutError(f"no coordinator of run {run!r} announced a config within "
+                       f"{timeout_s:.0f}s: check the run name in the join command the coordinator "
+                       "printed (it is also in the run folder's join.txt), and that the "
+                       "coordinator is running")
 
 
 def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
@@ -75,7 +100,7 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
     for stage in range(config.num_stages):
         records = [decode_struct(raw, PeerRecord)
                    for raw in node.run(node.lookup(stage_key(config.name, stage)),
-                                       timeout=30).values()]
+                                       timeout=LOOKUP_TIMEOUT_S).values()]
         if role == "training":
             capacity.append((sum(r.training_ready for r in records), stage))
         else:
@@ -84,25 +109,35 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
     return min(capacity)[1]
 
 
+def print_json_line(event: dict[str, Any]) -> None:
+    print(json.dumps(event), flush=True)
+
+
 def join(config: RunConfig | None, run: str | None, stage: int | None, role: Role,
          initial_peers: list[str], checkpoint_dir: Path | None, name: str,
          stop: threading.Event, exit_with_parent: bool = False, adversary: str | None = None,
-         collusion_dir: Path | None = None) -> None:
+         collusion_dir: Path | None = None, report: Callable[[dict[str, Any]], None] =
+         print_json_line, console: Console | None = None, config_wait_s: float = 300) -> None:
     """Run one stage peer until `stop` is set (or, with `exit_with_parent`, until the process
-    that started it is gone: a launcher that dies must not leave peers behind). Prints its
-    sockets first, then READY with its peer id, stage and layers. `adversary` makes it a
-    hostile peer (trust/adversary.py): a stage peer that lies, or a client that attacks."""
+    that started it is gone: a launcher that dies must not leave peers behind). `report` gets
+    its sockets first (whoever started it must be able to remove them if it dies), then, once
+    it serves, a READY event: peer id, run, stage, layers ("0-14"), role, addresses.
+    `adversary` makes it a hostile peer (trust/adversary.py): a stage peer that lies, or a client
+    that attacks. `console` shows the wait for the coordinator's config."""
+    if config is None and run is None:
+        raise ValueError("join needs --config or --run (to fetch the coordinator's config)")
     parent = os.getppid()
     profile = link_profile(config) if config is not None else LinkProfile()
     threads = config.threads if config is not None and config.threads else None
     node = SwarmNode.start(name, initial_peers, profile, TensorLimits(), compute_threads=threads)
-    # First thing: whoever started us must be able to remove these if we die.
-    print(json.dumps({"sockets": node.socket_paths()}), flush=True)
+    report({"sockets": node.socket_paths()})
     try:
         if config is None:
-            if run is None:
-                raise ValueError("join needs --config or --run (to fetch the coordinator's config)")
-            config = fetch_config(node, run, timeout_s=300)
+            assert run is not None
+            config = fetch_config(node, run, config_wait_s, stop,
+                                  console or Console(stderr=True))
+            if config is None:
+                return
 
         def until_stopped() -> None:
             while not stop.wait(1.0):
@@ -111,9 +146,10 @@ def join(config: RunConfig | None, run: str | None, stage: int | None, role: Rol
                     break
             stop.set()
 
+        ready = {"ready": READY, "name": name, "peer_id": node.peer_id, "run": config.name,
+                 "addresses": node.addresses()}
         if adversary in ("replay", "flood"):
-            print(json.dumps({"ready": READY, "name": name, "peer_id": node.peer_id,
-                              "role": adversary}), flush=True)
+            report({**ready, "role": adversary})
             watcher = threading.Thread(target=until_stopped, daemon=True)
             watcher.start()
             attack = submit_replays if adversary == "replay" else flood
@@ -126,8 +162,8 @@ def join(config: RunConfig | None, run: str | None, stage: int | None, role: Rol
         else:
             peer = StagePeer(config, chosen, role, node, checkpoint_dir, name)
         peer.start()
-        print(json.dumps({"ready": READY, "name": name, "peer_id": node.peer_id,
-                          "stage": chosen, "layers": list(peer.layers), "role": role}), flush=True)
+        report({**ready, "stage": chosen, "num_stages": config.num_stages,
+                "layers": layer_span(peer.layers), "role": role})
         until_stopped()
         peer.stop()
     finally:
@@ -163,8 +199,9 @@ class LocalSwarm:
         self.children: dict[str, Child] = {}
         self.sockets: set[str] = set()
 
-    def start(self) -> list[str]:
-        """A bootstrap DHT node in this process (it routes nothing else), then every peer."""
+    def start(self, on_ready: Callable[[Child], None] = lambda child: None) -> list[str]:
+        """A bootstrap DHT node in this process (it routes nothing else), then every peer;
+        `on_ready` hears of each peer as it becomes ready (loading a stage takes a while)."""
         # The coordinator runs on this node: its calls are the hops, so they cross emulated links.
         self.bootstrap = SwarmNode.start("bootstrap", [], link_profile(self.config),
                                          TensorLimits())
@@ -191,6 +228,7 @@ class LocalSwarm:
             self._spawn(child)
         for child in self.children.values():
             self._wait_ready(child, timeout_s=300)
+            on_ready(child)
         return addresses
 
     def _add(self, name: str, args: list[str], addresses: list[str]) -> None:
@@ -232,12 +270,14 @@ class LocalSwarm:
         raise TimeoutError(f"{child.name} was not ready within {timeout_s:.0f}s")
 
     def layout(self) -> list[str]:
-        lines = []
-        for c in self.children.values():
-            start, stop = c.info.get("layers", (0, 0))
-            lines.append(f"{c.name}: stage {c.info.get('stage')} layers {start}-{stop - 1} "
-                         f"({c.info.get('role')}, pid {c.process.pid if c.process else '-'})")
-        return lines
+        return [self.describe(child) for child in self.children.values()]
+
+    @staticmethod
+    def describe(child: Child) -> str:
+        """A ready peer: its stage, layers, role and process id."""
+        return (f"{child.name}: stage {child.info.get('stage')} layers "
+                f"{child.info.get('layers')} ({child.info.get('role')}, pid "
+                f"{child.process.pid if child.process else '-'})")
 
     def kill(self, name: str) -> None:
         """SIGKILL a peer and its daemon (a crash, not a goodbye), then remove its sockets."""

@@ -40,6 +40,12 @@ class PeerRecord(Body):
     bytes_sent: int = 0  # everything this peer has uploaded so far (requests and replies)
 
 
+def layer_span(layers: tuple[int, int]) -> str:
+    """Layers [start, stop) as people count them: (0, 15) -> "0-14"."""
+    start, stop = layers
+    return f"{start}-{stop - 1}"
+
+
 def weights_key(run: str, stage: int) -> str:
     return f"decentrl/{run}/weights{stage}"
 

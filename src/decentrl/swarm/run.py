@@ -263,8 +263,9 @@ class LocalRun:
         wall = time.time() - started
         after = self.evaluate("after", config.eval.pass_k)
         (self.path / "eval_after.json").write_text(json.dumps(after.to_json(), indent=2))
+        # The run's own folder: a resumed run replaces what it exported before.
         export_hf_folder([t.stage for t in self.trainer.stage_trainers], self.model.hf_config,
-                         self.model.tokenizer, self.path / "final")
+                         self.model.tokenizer, self.path / "final", force=True)
         return RunSummary(self.path, self.step, wall, before, after)
 
     def _train_one_step(self, stop: threading.Event) -> None:

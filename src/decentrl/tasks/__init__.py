@@ -31,6 +31,11 @@ TASK_NAMES: tuple[str, ...] = (
 )
 
 
+def is_task_name(name: str) -> bool:
+    """Whether `make_task` knows `name`."""
+    return name == SumsTask.name or name.startswith(REASONING_GYM_PREFIX)
+
+
 def make_task(name: str, **options: Any) -> Task:
     """The task registered as `name`, built with `options` (each task's constructor arguments)."""
     if name == SumsTask.name:
@@ -67,5 +72,6 @@ __all__ = [
     "make_task",
     "problems",
     "render_prompt",
+    "is_task_name",
     "split_of",
 ]
