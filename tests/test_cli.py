@@ -27,7 +27,7 @@ from decentrl.net.node import SwarmNode
 from decentrl.net.wire import TensorLimits, encode_struct
 from decentrl.swarm.client import Directory
 from decentrl.swarm.coordinate import stages_lacking
-from decentrl.swarm.protocol import PeerRecord, stage_key
+from decentrl.swarm.protocol import PeerRecord, Role, stage_key
 
 UNUSED_PEER_ID = "12D3KooWJGBqqn7rRqELaz3AxHTAUHtWH1Dj2L9H5nryw5SeGVx6"
 
@@ -158,9 +158,9 @@ def test_coordinate_checks_the_config_against_the_model_before_it_announces(
 
 
 def test_the_coordinator_says_what_each_stage_lacks() -> None:
-    def record(stage: int, role: str, ready: bool = False) -> PeerRecord:
+    def record(stage: int, role: Role, ready: bool = False) -> PeerRecord:
         return PeerRecord(name="p", stage=stage, layers=(0, 2), role=role, version=0,
-                          tokens_per_s=0.0, free_sessions=4, training_ready=ready)  # type: ignore[arg-type]
+                          tokens_per_s=0.0, free_sessions=4, training_ready=ready)
 
     assert stages_lacking([[record(0, "inference"), record(0, "training", ready=True)],
                            [record(1, "both", ready=True)]]) == []

@@ -122,5 +122,6 @@ def test_swarm_refuses_what_it_cannot_run(tiny_model_dir: Path, tmp_path: Path) 
         with pytest.raises(ConfigError, match=message):
             check_swarm_config(parse_config(data), spec)
     layers = spec.num_layers
-    with pytest.raises(ConfigError, match=rf"num_stages must be in \[1, {layers}\].*got {layers + 1}"):
+    too_many = rf"num_stages must be in \[1, {layers}\].*got {layers + 1}"
+    with pytest.raises(ConfigError, match=too_many):
         check_swarm_config(parse_config({**base, "num_stages": layers + 1}), spec)
