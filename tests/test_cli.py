@@ -157,6 +157,20 @@ def test_coordinate_checks_the_config_against_the_model_before_it_announces(
     assert not (config.path / "join.txt").exists()
 
 
+def test_coordinate_prints_the_join_command_on_one_line_and_says_what_it_waited_for(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = tiny_run_config(tiny_model_dir, 2, run_dir=str(tmp_path / "runs"), threads=1)
+    path = tmp_path / "run.json"
+    path.write_text(config.model_dump_json())
+    done = run_cli("coordinate", "--config", str(path), "--wait", "2")
+    saved = (config.path / "join.txt").read_text().strip()
+    assert saved.startswith(f"decentrl join --run {config.name} --stage auto --initial-peers "
+                            "/ip4/127.0.0.1/tcp/") and "/p2p/12D3KooW" in saved
+    assert saved in done.stdout.splitlines()  # one line, however narrow the terminal
+    assert_one_line_failure(done, "after 2s of waiting, stage 0 has no inference replica and no "
+                                  "training peer ready; stage 1 has")
+
+
 def test_the_coordinator_says_what_each_stage_lacks() -> None:
     def record(stage: int, role: Role, ready: bool = False) -> PeerRecord:
         return PeerRecord(name="p", stage=stage, layers=(0, 2), role=role, version=0,
