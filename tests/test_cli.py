@@ -221,7 +221,7 @@ def test_the_directory_tells_of_each_peer_that_joins_or_leaves(tiny_model_dir: P
 def test_train_says_a_folder_is_not_a_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     assert_refused(invoke("train", "--config", str(tmp_path)), "is a folder, not a file",
-                   f"give {tmp_path / 'config.json'}")
+                   f"the config of the run in it is {tmp_path / 'config.json'}")
 
 
 def test_an_unknown_task_lists_the_environments_too() -> None:

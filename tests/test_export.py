@@ -426,7 +426,7 @@ def test_the_card_is_what_a_hugging_face_user_expects(
     parameters = sum(t.numel() for t in weights.values())
     head = weights["lm_head.weight"].numel()
     assert f"{parameters:,} parameters: the base's {parameters - head:,} plus {head:,}" in card
-    assert "Stored in float32" in card and "exactly the trained weights" in card
+    assert "Stored in float32" in card and "the export rounded nothing" in card
     base_weights = hashlib.sha256((tiny_sharp_dir / "model.safetensors").read_bytes()).hexdigest()
     assert f"| `model.safetensors` | `{base_weights}` |" in card
     # The prompt is a held-out problem of the run's task, and the example runs as printed.

@@ -249,7 +249,7 @@ def is_run_folder(path: Path) -> bool:
 def load_config(path: Path, **overrides: Any) -> RunConfig:
     """A TOML config, or the config.json a run folder holds."""
     if path.is_dir():
-        hint = (f"; to resume the run in it, give {path / 'config.json'}"
+        hint = (f"; the config of the run in it is {path / 'config.json'}"
                 if (path / "config.json").is_file() else "")
         raise ConfigError(f"config {path} is a folder, not a file: give a TOML file such as "
                           f"examples/sums.toml{hint}")

@@ -136,8 +136,8 @@ def model_section(size: ModelSize) -> str:
                        "embedding and the head; the pipeline puts them on different machines, so "
                        "they were untied and trained apart.")
     # Training peers keep float32 master weights whatever their compute dtype.
-    stored = ("the precision the training peers keep their weights in, so these are exactly the "
-              "trained weights" if size.dtype == "float32" else
+    stored = ("the precision the training peers keep their weights in, so the export rounded "
+              "nothing" if size.dtype == "float32" else
               "rounded from the float32 weights the run trained, as asked at export")
     return f"""- {parameters}
 - Stored in {size.dtype} ({megabytes(size.nbytes)} of tensors): {stored}.
