@@ -660,8 +660,8 @@ def bench_help() -> str:
     if not BENCH_DIR.is_dir():
         return "Run a benchmark of the source checkout (not found here)."
     listing = "\n".join(f"- {name}: {summary}" for name, summary in benchmarks().items())
-    return ("Run a benchmark of the source checkout; extra arguments go to it (NAME --help "
-            f"lists them).\n\nThe benchmarks:\n\n\b\n{listing}")
+    return ("Run a benchmark of the source checkout; extra arguments go to it (decentrl bench "
+            f"NAME -- --help lists them).\n\nThe benchmarks:\n\n\b\n{listing}")
 
 
 @command(help=bench_help(),
