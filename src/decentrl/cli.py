@@ -48,9 +48,10 @@ debug_mode = False
 
 
 @app.callback()
-def options(debug: Annotated[bool, typer.Option(
-        "--debug", help="Show the full traceback of an error instead of one line.")] = False
-            ) -> None:
+def options(
+    debug: Annotated[bool, typer.Option(
+        "--debug", help="Show the full traceback of an error instead of one line.")] = False,
+) -> None:
     global debug_mode
     debug_mode = debug
 
