@@ -73,14 +73,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import torch  # noqa: E402
 
-import common  # noqa: E402
 from decentrl.config import SyncConfig  # noqa: E402
 from decentrl.net.link import LinkProfile  # noqa: E402
 from decentrl.net.node import SwarmNode  # noqa: E402
+from decentrl.net.protocol import PeerRecord, UpdateManifest, stage_key  # noqa: E402
 from decentrl.net.wire import TensorLimits, encode_struct  # noqa: E402
-from decentrl.swarm.protocol import PeerRecord, UpdateManifest, stage_key  # noqa: E402
 from decentrl.sync.delta import PublishedState, TensorChange  # noqa: E402
 from decentrl.sync.distribute import StoredUpdate, WeightFollower, WeightPublisher  # noqa: E402
 

@@ -24,10 +24,10 @@ from decentrl.cli import app, print_join_event
 from decentrl.envs import AGENTIC_ENVIRONMENTS, make_task_or_environment
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
+from decentrl.net.protocol import PeerRecord, Role, stage_key
 from decentrl.net.wire import TensorLimits, encode_struct
 from decentrl.swarm.client import Directory
 from decentrl.swarm.coordinate import stages_lacking
-from decentrl.swarm.protocol import PeerRecord, Role, stage_key
 
 UNUSED_PEER_ID = "12D3KooWJGBqqn7rRqELaz3AxHTAUHtWH1Dj2L9H5nryw5SeGVx6"
 

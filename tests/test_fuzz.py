@@ -15,6 +15,8 @@ from hivemind.proto import runtime_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from decentrl.net import protocol
+from decentrl.net.identity import Identity
 from decentrl.net.node import Envelope, signed_envelope, verify_envelope
 from decentrl.net.wire import (
     DTYPES,
@@ -30,7 +32,6 @@ from decentrl.net.wire import (
     to_messages,
 )
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
-from decentrl.swarm import protocol
 from decentrl.sync.delta import (
     PublishedState,
     apply_payload,
@@ -40,7 +41,6 @@ from decentrl.sync.delta import (
     encode_keyframe,
     payload_bytes,
 )
-from decentrl.trust.identity import Identity
 
 FUZZ = settings(max_examples=150, deadline=2000,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -19,10 +19,10 @@ from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import crypto_pb2, runtime_pb2
 
+from decentrl.net.identity import Identity, SignatureError, public_key_of, verify
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import PeerRefused, Reply, Request, SwarmNode
 from decentrl.net.wire import TensorLimits, decode_struct, to_messages
-from decentrl.trust.identity import Identity, SignatureError, public_key_of, verify
 
 # An RSA peer id ("Qm..."): a sha2-256 multihash of its key, so the key is not in the id.
 RSA_PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"

@@ -20,32 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-
-from decentrl.learn.batch import TrainBatch, build_batch
-from decentrl.model.loading import LoadedModel, load_model
-from decentrl.model.stages import StageModule, StagePlan
-from decentrl.net.link import LinkProfile
-from decentrl.net.node import RemoteError
-from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, decode_struct
-from decentrl.rollout.chain import LocalChain, last_position
-from decentrl.rollout.generate import Generation, generate
-from decentrl.rollout.sampling import SamplingConfig
-from decentrl.rollout.types import Rollout
-from decentrl.swarm import client as swarm_client
-from decentrl.swarm.peer import BATCH_FIELDS, StagePeer
-from decentrl.swarm.protocol import (
-    CheckpointRequest,
-    ChunkRequest,
-    CloseSession,
-    Empty,
-    InferenceReply,
-    InferenceStep,
-    Sampling,
-    TrainBackward,
-    TrainForward,
-    TrainStep,
-    VersionReply,
-)
 from swarm_helpers import (
     ObservedChain,
     Swarm,
@@ -58,6 +32,32 @@ from swarm_helpers import (
     tiny_run_config,
     unchecked_parts,
 )
+
+from decentrl.learn.batch import TrainBatch, build_batch
+from decentrl.model.loading import LoadedModel, load_model
+from decentrl.model.stages import StageModule, StagePlan
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import RemoteError
+from decentrl.net.protocol import (
+    CheckpointRequest,
+    ChunkRequest,
+    CloseSession,
+    Empty,
+    InferenceReply,
+    InferenceStep,
+    Sampling,
+    TrainBackward,
+    TrainForward,
+    TrainStep,
+    VersionReply,
+)
+from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, decode_struct
+from decentrl.rollout.chain import LocalChain, last_position
+from decentrl.rollout.generate import Generation, generate
+from decentrl.rollout.sampling import SamplingConfig
+from decentrl.rollout.types import Rollout
+from decentrl.swarm import client as swarm_client
+from decentrl.swarm.peer import BATCH_FIELDS, StagePeer
 
 PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11]]
 GREEDY = SamplingConfig(temperature=0.0)

@@ -13,14 +13,15 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-
 from helpers import build
 from swarm_helpers import ObservedChain, start_swarm, tiny_run_config
+
 from decentrl.config import RunConfig
 from decentrl.learn.batch import build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.stages import StageModule
+from decentrl.net.protocol import InferenceReply
 from decentrl.net.wire import decode_struct
 from decentrl.rollout.chain import LocalChain, StepResult
 from decentrl.rollout.generate import generate, version_spans
@@ -28,7 +29,6 @@ from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import RolloutGroup, VersionSpan, check_version_spans
 from decentrl.swarm.ingest import Ingestion, RejectedGroup
 from decentrl.swarm.peer import StagePeer
-from decentrl.swarm.protocol import InferenceReply
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.worker import RolloutWorker, sampling_config
 from decentrl.tasks import make_task

@@ -501,9 +501,9 @@ def join(
     import torch
 
     from decentrl.net.node import check_peer_addresses
+    from decentrl.net.protocol import Role
     from decentrl.swarm.launch import join as join_swarm
     from decentrl.swarm.launch import print_json_line
-    from decentrl.swarm.protocol import Role
     from decentrl.trust.adversary import ADVERSARIES
 
     configure_logging(name, json_stderr=log_json)

@@ -10,7 +10,7 @@ gets the same answer instead of running the request twice. Every hop goes throug
 emulator (net/link.py) on the caller's side, and every call has a timeout: nothing waits forever
 on a peer.
 
-The node's Ed25519 key (trust/identity.py) is its daemon's libp2p identity. Every request and
+The node's Ed25519 key (net/identity.py) is its daemon's libp2p identity. Every request and
 every reply is signed by its sender (`Envelope.signature`, over `message_digest`) and checked
 against the authenticated remote peer id before its tensors are decoded or its handler runs; the
 signature vouches for the message itself, also where someone relays it later. A sender whose
@@ -45,6 +45,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
+from decentrl.net.identity import Identity, verify
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
 from decentrl.net.wire import (
     ActivationCodec,
@@ -59,7 +60,6 @@ from decentrl.net.wire import (
     message_bytes,
     to_messages,
 )
-from decentrl.trust.identity import Identity, verify
 
 log = logging.getLogger(__name__)
 # hivemind logs every request a handler refuses as a warning with its traceback; the node logs

@@ -15,10 +15,10 @@ import threading
 from collections.abc import Callable
 
 from decentrl.net.node import Reply, Request, SwarmNode
+from decentrl.net.protocol import InboxRecord, RolloutsQueued, coordinator_key
 from decentrl.net.transport import TransportClosed
 from decentrl.net.wire import decode_struct, encode_struct
 from decentrl.rollout.types import RolloutGroup
-from decentrl.swarm.protocol import InboxRecord, RolloutsQueued, coordinator_key
 
 COORDINATOR_SUBKEY = "inbox"
 # A rollout group is token ids and log-probs, a few hundred KiB even for long completions.

@@ -26,11 +26,7 @@ from decentrl.learn.trainer import Activations, LossInputs
 from decentrl.model.blocks import ModelSpec
 from decentrl.net.link import MessageLost
 from decentrl.net.node import PeerRefused, RemoteError, SwarmNode
-from decentrl.net.wire import ActivationCodec, WireError, decode_struct, encode_struct
-from decentrl.rollout.chain import StepResult
-from decentrl.rollout.sampling import SamplingConfig
-from decentrl.swarm.peer import BATCH_FIELDS
-from decentrl.swarm.protocol import (
+from decentrl.net.protocol import (
     CheckpointRequest,
     CloseSession,
     CoordinatorRecord,
@@ -48,6 +44,10 @@ from decentrl.swarm.protocol import (
     coordinator_key,
     stage_key,
 )
+from decentrl.net.wire import ActivationCodec, WireError, decode_struct, encode_struct
+from decentrl.rollout.chain import StepResult
+from decentrl.rollout.sampling import SamplingConfig
+from decentrl.swarm.peer import BATCH_FIELDS
 from decentrl.trust.commit import CommitTolerance, check_commitment, commit_points, parse_commitment
 from decentrl.trust.provenance import Provenance
 from decentrl.trust.reputation import Reputation

@@ -34,9 +34,10 @@ from decentrl.evaluate.runner import EvalResult, evaluate
 from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.blocks import ModelSpec
-from decentrl.model.stages import StagePlan
 from decentrl.model.loading import load_tokenizer, resolve_model
+from decentrl.model.stages import StagePlan
 from decentrl.net.node import SwarmNode
+from decentrl.net.protocol import PeerRecord, layer_span
 from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.observe.dashboard import DashboardServer
 from decentrl.observe.live import SwarmObserver
@@ -52,7 +53,6 @@ from decentrl.swarm.client import (
     SwarmUnavailable,
 )
 from decentrl.swarm.ingest import Ingestion
-from decentrl.swarm.protocol import PeerRecord, layer_span
 from decentrl.swarm.run import MetricsLog, step_line
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.store import RunStore

@@ -25,10 +25,7 @@ from rich.markup import escape
 from decentrl.config import RunConfig, parse_config
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
-from decentrl.net.wire import TensorLimits, decode_struct
-from decentrl.swarm.peer import StagePeer
-from decentrl.observe.progress import progress_bar
-from decentrl.swarm.protocol import (
+from decentrl.net.protocol import (
     CoordinatorRecord,
     PeerRecord,
     Role,
@@ -36,6 +33,9 @@ from decentrl.swarm.protocol import (
     layer_span,
     stage_key,
 )
+from decentrl.net.wire import TensorLimits, decode_struct
+from decentrl.observe.progress import progress_bar
+from decentrl.swarm.peer import StagePeer
 from decentrl.trust.adversary import (
     ADVERSARIES,
     HostilePeer,

@@ -34,17 +34,7 @@ from decentrl.model.lora import has_lora, lora_tensors
 from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageCache, StageModule
 from decentrl.net.node import Reply, Request, SwarmNode
-from decentrl.net.wire import decode_struct, encode_struct
-from decentrl.rollout.chain import last_position, step_generator
-from decentrl.rollout.generate import step_seed
-from decentrl.rollout.sampling import (
-    SamplingConfig,
-    sample,
-    sampling_margin,
-    sampling_noise,
-    transformed_logits,
-)
-from decentrl.swarm.protocol import (
+from decentrl.net.protocol import (
     CheckpointRequest,
     CloseSession,
     Empty,
@@ -61,6 +51,16 @@ from decentrl.swarm.protocol import (
     VerifyStep,
     VersionReply,
     stage_key,
+)
+from decentrl.net.wire import decode_struct, encode_struct
+from decentrl.rollout.chain import last_position, step_generator
+from decentrl.rollout.generate import step_seed
+from decentrl.rollout.sampling import (
+    SamplingConfig,
+    sample,
+    sampling_margin,
+    sampling_noise,
+    transformed_logits,
 )
 from decentrl.swarm.worker import sampling_config
 from decentrl.sync.delta import PublishedState, TensorChange

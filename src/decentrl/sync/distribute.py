@@ -41,8 +41,7 @@ import torch
 from decentrl.config import SyncConfig
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, Reply, Request, SwarmNode
-from decentrl.net.wire import WireError, decode_struct, encode_struct
-from decentrl.swarm.protocol import (
+from decentrl.net.protocol import (
     ChunkRequest,
     PeerRecord,
     SyncPlan,
@@ -52,6 +51,7 @@ from decentrl.swarm.protocol import (
     stage_key,
     weights_key,
 )
+from decentrl.net.wire import WireError, decode_struct, encode_struct
 from decentrl.sync.delta import (
     PublishedState,
     TensorChange,

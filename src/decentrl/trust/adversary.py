@@ -31,11 +31,7 @@ from decentrl.config import RunConfig
 from decentrl.model.loading import load_tokenizer, resolve_model
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, Reply, SwarmNode
-from decentrl.net.swarm_transport import MAX_SUBMISSION_BYTES
-from decentrl.net.wire import WireError, decode_struct
-from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
-from decentrl.swarm.peer import StagePeer
-from decentrl.swarm.protocol import (
+from decentrl.net.protocol import (
     Empty,
     InboxRecord,
     InferenceStep,
@@ -43,6 +39,10 @@ from decentrl.swarm.protocol import (
     coordinator_key,
     stage_key,
 )
+from decentrl.net.swarm_transport import MAX_SUBMISSION_BYTES
+from decentrl.net.wire import WireError, decode_struct
+from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
+from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.tasks import make_task, render_prompt
 
