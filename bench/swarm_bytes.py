@@ -42,9 +42,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import torch  # noqa: E402
 
-import common  # noqa: E402
 from decentrl.config import RunConfig, parse_config  # noqa: E402
 from decentrl.net.link import LinkProfile  # noqa: E402
 from decentrl.net.node import SwarmNode  # noqa: E402
@@ -115,9 +115,10 @@ def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
     from decentrl.learn.batch import build_batch
     from decentrl.learn.trainer import PipelineTrainer, loss_config_from
     from decentrl.model.loading import load_model
+    from decentrl.net.directory import Directory
     from decentrl.rollout.generate import generate
     from decentrl.rollout.types import Rollout
-    from decentrl.swarm.client import Directory, RemoteChain, RemoteStageWorker
+    from decentrl.swarm.client import RemoteChain, RemoteStageWorker
     from decentrl.swarm.worker import sampling_config
     from decentrl.tasks import make_task, problems, render_prompt
 

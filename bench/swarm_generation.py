@@ -53,9 +53,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import torch  # noqa: E402
 
-import common  # noqa: E402
 from decentrl.config import parse_config  # noqa: E402
 from decentrl.swarm.launch import LocalSwarm  # noqa: E402
 
@@ -180,7 +180,8 @@ def run_local(args: argparse.Namespace, loaded: Any, device: torch.device,
 
 
 def run_swarm(args: argparse.Namespace, loaded: Any, folder: Path) -> dict[str, Any]:
-    from decentrl.swarm.client import Directory, RemoteChain
+    from decentrl.net.directory import Directory
+    from decentrl.swarm.client import RemoteChain
 
     torch.set_num_threads(1)  # the client only relays; the peers compute
     config = parse_config({

@@ -7,7 +7,7 @@ What runs: a 2-stage swarm in this process over loopback (every peer on its own 
 the demo's task and sampling (sums, group 8, 20 new tokens, temperature 1). Per scenario:
 - `honest`: two honest replicas per stage, one in the run's compute dtype and one in fp32, so
   every check re-executes on the other dtype;
-- one scenario per stage adversary (trust/adversary.py): one honest replica per stage plus the
+- one scenario per stage adversary (swarm/adversary.py): one honest replica per stage plus the
   hostile peer(s), which the client picks for about half of the sessions.
 `--groups` N groups are generated two sessions at a time (`RolloutWorker`, one group per session,
 as the coordinator does; the client spreads concurrent sessions over the replicas), then each is
@@ -45,16 +45,17 @@ from decentrl.learn.losses import flagged_rows  # noqa: E402
 from decentrl.learn.trainer import LossInputs, loss_config_from, micro_batch_loss, stage_forward  # noqa: E402,E501
 from decentrl.model.loading import load_model  # noqa: E402
 from decentrl.model.stages import StagePlan, build_stages  # noqa: E402
+from decentrl.net.directory import Directory  # noqa: E402
 from decentrl.net.link import LinkProfile  # noqa: E402
 from decentrl.net.node import SwarmNode  # noqa: E402
 from decentrl.net.wire import TensorLimits  # noqa: E402
 from decentrl.rollout.types import RolloutGroup  # noqa: E402
-from decentrl.swarm.client import Directory, RemoteChain  # noqa: E402
+from decentrl.swarm.adversary import HostilePeer, adversary_stages  # noqa: E402
+from decentrl.swarm.client import RemoteChain  # noqa: E402
 from decentrl.swarm.peer import StagePeer  # noqa: E402
 from decentrl.swarm.scheduler import PromptScheduler  # noqa: E402
 from decentrl.swarm.worker import RolloutWorker, sampling_config  # noqa: E402
 from decentrl.tasks import make_task  # noqa: E402
-from decentrl.trust.adversary import HostilePeer, adversary_stages  # noqa: E402
 from decentrl.trust.verify import Verifier  # noqa: E402
 
 SCENARIOS = ("honest", "random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations")

@@ -26,12 +26,13 @@ from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import LoadedModel
 from decentrl.model.stages import StageModule, StagePlan, build_stages
+from decentrl.net.directory import Directory
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import TRUNCATED_REPLY_RETRIES, RemoteError, SwarmNode, signed_envelope
 from decentrl.net.protocol import Role
 from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, encode_struct, to_messages
 from decentrl.rollout.chain import LocalChain
-from decentrl.swarm.client import Directory, RemoteChain, RemoteStageWorker
+from decentrl.swarm.client import RemoteChain, RemoteStageWorker
 from decentrl.swarm.launch import LocalSwarm
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.worker import sampling_config

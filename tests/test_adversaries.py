@@ -1,4 +1,4 @@
-"""Hostile peers in a live swarm (trust/adversary.py), each against the coordinator's defences:
+"""Hostile peers in a live swarm (swarm/adversary.py), each against the coordinator's defences:
 it is detected, blamed on the right peer and stage, banned, and training goes on without it. And
 the converse: honest replicas in bf16 and fp32 check each other many times and nobody is banned.
 
@@ -26,13 +26,13 @@ from decentrl.model.loading import LoadedModel, load_model
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.wire import TensorLimits
+from decentrl.swarm.adversary import HostilePeer, flood, submit_replays
 from decentrl.swarm.client import RemoteChain
 from decentrl.swarm.coordinate import SwarmCoordinator
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
-from decentrl.trust.adversary import HostilePeer, flood, submit_replays
 from decentrl.trust.verify import Verifier
 
 LAYOUT = [(0, "training"), (1, "training"), (0, "inference"), (1, "inference")]

@@ -26,7 +26,7 @@ from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import PeerRecord, Role, stage_key
 from decentrl.net.wire import TensorLimits, encode_struct
-from decentrl.swarm.client import Directory
+from decentrl.net.directory import Directory
 from decentrl.swarm.coordinate import stages_lacking
 
 UNUSED_PEER_ID = "12D3KooWJGBqqn7rRqELaz3AxHTAUHtWH1Dj2L9H5nryw5SeGVx6"

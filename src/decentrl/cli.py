@@ -199,7 +199,7 @@ def run_suite(model: str | Path, base: str | None, families: Sequence[Family], *
               ) -> SuiteResult:
     """evaluate_suite under a progress bar; `options` are evaluate_suite's."""
     from decentrl.evaluate.suite import evaluate_suite
-    from decentrl.observe.progress import progress_bar
+    from decentrl.progress import progress_bar
 
     with progress_bar(console, "evaluating", None) as update:
         return evaluate_suite(
@@ -279,9 +279,9 @@ def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bo
     from decentrl.model.loading import resolve_model
     from decentrl.observe.report import build_report
     from decentrl.release.export import export_run
+    from decentrl.swarm.adversary import ADVERSARIES
     from decentrl.swarm.coordinate import SwarmCoordinator
     from decentrl.swarm.launch import LocalSwarm
-    from decentrl.trust.adversary import ADVERSARIES
 
     exit_on_sigterm()
     started = time.time()
@@ -502,9 +502,9 @@ def join(
 
     from decentrl.net.node import check_peer_addresses
     from decentrl.net.protocol import Role
+    from decentrl.swarm.adversary import ADVERSARIES
     from decentrl.swarm.launch import join as join_swarm
     from decentrl.swarm.launch import print_json_line
-    from decentrl.trust.adversary import ADVERSARIES
 
     configure_logging(name, json_stderr=log_json)
     if role not in ("inference", "training", "both"):

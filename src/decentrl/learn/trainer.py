@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ import torch
 
 from decentrl.config import TrainConfig, TrustConfig
 from decentrl.learn.batch import TrainBatch
+from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.learn.losses import LossConfig, flagged_rows, policy_loss
 from decentrl.model.prefix import predicting_hidden, shared_prompt_body
 from decentrl.model.stages import StageModule
@@ -358,31 +357,29 @@ class PipelineTrainer:
         return norm
 
     def save(self, root: Path, extra: dict) -> Path:
-        """Write a checkpoint into its own folder `root/v<version>`, then point `root/latest` at
-        it with an atomic rename. A crash mid-save leaves the previous checkpoint in charge."""
-        folder = root / f"v{self.version}"
+        """Write a checkpoint of every stage at this version under `root` (a CheckpointLayout),
+        then put it in charge."""
+        layout = CheckpointLayout(root)
+        folder = layout.folder(self.version)
         folder.mkdir(parents=True, exist_ok=True)
         for trainer in self.stage_trainers:
-            torch.save(trainer.state(), folder / f"stage{trainer.stage.index}.pt")
-        (folder / "trainer.json").write_text(json.dumps({"version": self.version, **extra}))
-        pointer = root / "latest"
-        pointer.with_suffix(".tmp").write_text(folder.name)
-        os.replace(pointer.with_suffix(".tmp"), pointer)
-        for old in root.glob("v*"):
-            if old.is_dir() and old != folder:
-                shutil.rmtree(old, ignore_errors=True)
+            torch.save(trainer.state(), layout.stage_file(self.version, trainer.stage.index))
+        layout.meta_file(self.version).write_text(json.dumps({"version": self.version, **extra}))
+        layout.commit(self.version)
         return folder
 
     def load(self, root: Path) -> dict:
-        """Load the checkpoint `root/latest` points at; a bad checkpoint changes nothing."""
-        folder = latest_checkpoint(root)
-        if folder is None:
+        """Load the checkpoint in charge under `root`; a bad checkpoint changes nothing."""
+        layout = CheckpointLayout(root)
+        version = layout.latest_version()
+        if version is None:
             raise FileNotFoundError(f"{root} holds no checkpoint (no 'latest' pointer)")
-        meta = folder / "trainer.json"
-        paths = [folder / f"stage{trainer.stage.index}.pt" for trainer in self.stage_trainers]
+        meta = layout.meta_file(version)
+        paths = [layout.stage_file(version, trainer.stage.index)
+                 for trainer in self.stage_trainers]
         for path in [meta, *paths]:
             if not path.is_file():
-                raise FileNotFoundError(f"checkpoint {folder} has no {path.name}")
+                raise FileNotFoundError(f"checkpoint {layout.folder(version)} has no {path.name}")
         states = [torch.load(path, map_location=self.device, weights_only=True) for path in paths]
         info = json.loads(meta.read_text())
         for path, state in zip(paths, states):
@@ -397,10 +394,3 @@ class PipelineTrainer:
 def _rows(per_token: torch.Tensor | None, minibatch: slice, micro: slice) -> torch.Tensor | None:
     """The rows of a whole-batch [B, C] tensor that belong to one micro-batch of a minibatch."""
     return None if per_token is None else per_token[minibatch][micro]
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    return root / pointer.read_text().strip()

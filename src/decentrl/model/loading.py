@@ -133,7 +133,7 @@ def resolve_model(source: str) -> Path:
         if not (folder / "config.json").is_file():
             from rich.console import Console
 
-            from decentrl.observe.progress import progress_bar
+            from decentrl.progress import progress_bar
 
             # stderr: a peer's stdout carries its ready line to the launcher.
             console = Console(stderr=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from decentrl.config import RunConfig
-from decentrl.swarm.client import Directory
+from decentrl.net.directory import Directory
 from decentrl.swarm.run import MetricsLog
 from decentrl.trust.reputation import Reputation
 

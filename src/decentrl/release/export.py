@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from decentrl.config import is_run_folder, load_config
 from decentrl.evaluate.suite import SuiteResult
-from decentrl.learn.trainer import latest_checkpoint
+from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.model.loading import (
     base_origin,
     file_sha256,
@@ -301,15 +301,17 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
     if not config_path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder: it has no config.json")
     config = load_config(config_path)
-    checkpoint = latest_checkpoint(run_dir / "checkpoints")
-    if checkpoint is None or not checkpoint.is_dir():
+    layout = CheckpointLayout(run_dir / "checkpoints")
+    version = layout.latest_version()
+    if version is None or not layout.folder(version).is_dir():
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint (checkpoints/latest)")
     folder = resolve_model(config.model)
+    checkpoint = layout.folder(version)
     check_output_folder(out_dir, force, {"the run folder": run_dir, "the checkpoint": checkpoint,
                                          "the base model's folder": folder})
     stages, versions, hashes, served = [], set(), [], []
     for index in range(config.num_stages):
-        path = checkpoint / f"stage{index}.pt"
+        path = layout.stage_file(version, index)
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {checkpoint} lacks {path.name}")
         hashes.append(file_sha256(path))

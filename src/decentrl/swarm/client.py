@@ -12,9 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import secrets
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,27 +22,24 @@ from decentrl.config import SwarmConfig, TrustConfig
 from decentrl.learn.batch import TrainBatch
 from decentrl.learn.trainer import Activations, LossInputs
 from decentrl.model.blocks import ModelSpec
+from decentrl.net.directory import Directory, SwarmUnavailable
 from decentrl.net.link import MessageLost
 from decentrl.net.node import PeerRefused, RemoteError, SwarmNode
 from decentrl.net.protocol import (
     CheckpointRequest,
     CloseSession,
-    CoordinatorRecord,
     Empty,
     GradNorm,
     InferenceReply,
     InferenceStep,
-    PeerRecord,
     Sampling,
     TrainBackward,
     TrainForward,
     TrainForwardReply,
     TrainStep,
     VersionReply,
-    coordinator_key,
-    stage_key,
 )
-from decentrl.net.wire import ActivationCodec, WireError, decode_struct, encode_struct
+from decentrl.net.wire import ActivationCodec, WireError, decode_struct
 from decentrl.rollout.chain import StepResult
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.swarm.peer import BATCH_FIELDS
@@ -61,148 +56,6 @@ log = logging.getLogger(__name__)
 RELAY_TOLERANCE = CommitTolerance(rel_tol=0.3, max_mean_error=0.08)
 
 CPU = torch.device("cpu")
-
-
-class SwarmUnavailable(RuntimeError):
-    """No live peer could do the work after every retry; the caller decides what to do."""
-
-
-@dataclass
-class PeerState:
-    record: PeerRecord
-    latency_s: float = 0.1  # smoothed round trip of this process's calls
-    sessions: int = 0  # sessions this process has open on the peer
-    banned_until: float = 0.0
-    failures: int = 0
-
-
-@dataclass
-class Directory:
-    """Live peers per stage, refreshed from the DHT, plus what this process learned of them."""
-
-    node: SwarmNode
-    run: str
-    num_stages: int
-    swarm: SwarmConfig
-    peers: dict[str, PeerState] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    # Peers the run's reputation banned (trust/reputation.py): never chosen, not even as a last
-    # resort, unlike peers merely avoided after a failure.
-    distrusted: Callable[[str], bool] = lambda peer: False
-    # Called with (peer id, its record, True) for each peer that appeared and (.., False) for
-    # each whose announcement expired, after a refresh, outside the lock.
-    on_change: Callable[[str, PeerRecord, bool], None] = lambda peer, record, joined: None
-
-    def refresh(self) -> None:
-        found: dict[str, PeerRecord] = {}
-        for stage in range(self.num_stages):
-            entries = self.node.run(self.node.lookup(stage_key(self.run, stage)),
-                                    timeout=self.swarm.request_timeout_s)
-            for peer, raw in entries.items():
-                try:
-                    record = decode_struct(raw, PeerRecord)
-                except WireError as error:
-                    log.warning("ignoring a bad announcement from %s: %s", peer[-8:], error)
-                    continue
-                if record.stage == stage:
-                    found[peer] = record
-        with self.lock:
-            joined = [(peer, record) for peer, record in found.items() if peer not in self.peers]
-            left = [(peer, self.peers.pop(peer).record) for peer in set(self.peers) - set(found)]
-            for peer, record in found.items():
-                state = self.peers.setdefault(peer, PeerState(record))
-                state.record = record
-        for peer, record in joined:
-            self.on_change(peer, record, True)
-        for peer, record in left:
-            self.on_change(peer, record, False)
-
-    def publish_config(self, config_json: str) -> None:
-        self.node.run(self.node.announce(coordinator_key(self.run), "config",
-                                         encode_struct(CoordinatorRecord(config_json=config_json)),
-                                         5 * self.swarm.announce_every_s), timeout=60)
-
-    def _live(self, stage: int) -> list[tuple[str, PeerState]]:
-        now = time.monotonic()
-        return [(peer, s) for peer, s in self.peers.items()
-                if s.record.stage == stage and s.banned_until <= now
-                and not self.distrusted(peer)]
-
-    def choose_inference(self, stage: int, allow_banned: bool = False) -> str | None:
-        """A replica for a new session: the newest weights (fresher rollouts), then the most
-        room, then the lowest latency. With `allow_banned`, when every replica of the stage is
-        banned, the one whose ban ends first: a peer that failed once is better than no peer."""
-        with self.lock:
-            replicas = [(p, s) for p, s in self.peers.items()
-                        if s.record.stage == stage and s.record.role in ("inference", "both")
-                        and s.record.free_sessions - s.sessions > 0 and not self.distrusted(p)]
-            if not replicas:
-                return None
-            now = time.monotonic()
-            candidates = [(p, s) for p, s in replicas if s.banned_until <= now]
-            if not candidates:
-                if not allow_banned:
-                    return None
-                candidates = [min(replicas, key=lambda item: item[1].banned_until)]
-            newest = max(s.record.version for _, s in candidates)
-            peer, state = min(candidates, key=lambda item: (
-                newest - item[1].record.version,
-                item[1].sessions / max(1, item[1].record.free_sessions), item[1].latency_s))
-            state.sessions += 1
-            return peer
-
-    def choose_verifier(self, stage: int, exclude: set[str]) -> str | None:
-        """A replica to re-execute someone else's work on: one that follows the stage's weights
-        (it can rewind them), is not banned, and is none of `exclude` (who did the work)."""
-        now = time.monotonic()
-        with self.lock:
-            candidates = [(p, s) for p, s in self.peers.items()
-                          if s.record.stage == stage and s.record.role == "inference"
-                          and p not in exclude and s.banned_until <= now
-                          and not self.distrusted(p)]
-            if not candidates:
-                return None
-            peer, state = min(candidates, key=lambda item: (
-                item[1].sessions / max(1, item[1].record.free_sessions), item[1].latency_s))
-            state.sessions += 1
-            return peer
-
-    def release(self, peer: str) -> None:
-        with self.lock:
-            if peer in self.peers:
-                self.peers[peer].sessions = max(0, self.peers[peer].sessions - 1)
-
-    def training_peer(self, stage: int) -> tuple[str, PeerRecord] | None:
-        with self.lock:
-            ready = [(p, s.record) for p, s in self._live(stage)
-                     if s.record.training_ready]
-        return max(ready, key=lambda item: item[1].version) if ready else None
-
-    def observe(self, peer: str, seconds: float) -> None:
-        with self.lock:
-            state = self.peers.get(peer)
-            if state is not None:
-                state.latency_s = 0.8 * state.latency_s + 0.2 * seconds
-                state.failures = 0
-
-    def ban(self, peer: str, reason: str) -> None:
-        with self.lock:
-            state = self.peers.get(peer)
-            if state is None:
-                return
-            state.failures += 1
-            state.banned_until = time.monotonic() + self.swarm.ban_s
-        log.warning("peer %s avoided for %.0fs: %s", peer[-8:], self.swarm.ban_s, reason)
-
-    def records(self) -> dict[str, PeerRecord]:
-        """Every live announcement, by peer id."""
-        with self.lock:
-            return {peer: s.record for peer, s in self.peers.items()}
-
-    def stage_summary(self) -> list[list[PeerRecord]]:
-        with self.lock:
-            return [[s.record for s in self.peers.values() if s.record.stage == stage]
-                    for stage in range(self.num_stages)]
 
 
 def backoff(attempt: int) -> float:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -31,27 +29,23 @@ from rich.table import Table
 from decentrl.config import ConfigError, RunConfig
 from decentrl.envs import make_task_or_environment
 from decentrl.evaluate.runner import EvalResult, evaluate
+from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import load_tokenizer, resolve_model
 from decentrl.model.stages import StagePlan
+from decentrl.net.directory import Directory, SwarmUnavailable
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import PeerRecord, layer_span
 from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.observe.dashboard import DashboardServer
 from decentrl.observe.live import SwarmObserver
-from decentrl.observe.progress import progress_bar
 from decentrl.observe.terminal import terminal_text
+from decentrl.progress import progress_bar
 from decentrl.rollout.chain import InferenceSession
 from decentrl.rollout.types import ScoredGroup
-from decentrl.swarm.client import (
-    Directory,
-    RemoteChain,
-    RemoteSession,
-    RemoteStageWorker,
-    SwarmUnavailable,
-)
+from decentrl.swarm.client import RemoteChain, RemoteSession, RemoteStageWorker
 from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.run import MetricsLog, step_line
 from decentrl.swarm.scheduler import PromptScheduler
@@ -378,13 +372,8 @@ class SwarmCoordinator:
         version = self.trainer.version
         for worker in self.workers:
             worker.checkpoint("save", version)
-        pointer = self.checkpoints / "latest"
-        pointer.with_suffix(".tmp").write_text(f"v{version}")
-        os.replace(pointer.with_suffix(".tmp"), pointer)
+        CheckpointLayout(self.checkpoints).commit(version)
         self.store.record_checkpoint(version, self.step, len(self.workers))
-        for old in self.checkpoints.glob("v*"):
-            if old.is_dir() and old.name != f"v{version}":
-                shutil.rmtree(old, ignore_errors=True)
 
     # ---- evaluation -----------------------------------------------------------------------
 

@@ -34,15 +34,15 @@ from decentrl.net.protocol import (
     stage_key,
 )
 from decentrl.net.wire import TensorLimits, decode_struct
-from decentrl.observe.progress import progress_bar
-from decentrl.swarm.peer import StagePeer
-from decentrl.trust.adversary import (
+from decentrl.progress import progress_bar
+from decentrl.swarm.adversary import (
     ADVERSARIES,
     HostilePeer,
     adversary_stages,
     flood,
     submit_replays,
 )
+from decentrl.swarm.peer import StagePeer
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def join(config: RunConfig | None, run: str | None, stage: int | None, role: Rol
     that started it is gone: a launcher that dies must not leave peers behind). `report` gets
     its sockets first (whoever started it must be able to remove them if it dies), then, once
     it serves, a READY event: peer id, run, stage, layers ("0-14"), role, addresses.
-    `adversary` makes it a hostile peer (trust/adversary.py): a stage peer that lies, or a client
+    `adversary` makes it a hostile peer (swarm/adversary.py): a stage peer that lies, or a client
     that attacks. `console` shows the wait for the coordinator's config."""
     if config is None and run is None:
         raise ValueError("join needs --config or --run (to fetch the coordinator's config)")
@@ -189,7 +189,7 @@ class LocalSwarm:
     def __init__(self, config: RunConfig, config_path: Path, replicas: int,
                  training: bool = True, adversaries: Sequence[str] = ()) -> None:
         """`training=False` starts inference replicas only (generation benchmarks).
-        `adversaries` adds hostile peers (trust/adversary.py) beside the honest ones."""
+        `adversaries` adds hostile peers (swarm/adversary.py) beside the honest ones."""
         self.config, self.config_path, self.replicas = config, config_path, replicas
         self.training = training
         self.adversaries = list(adversaries)

@@ -29,6 +29,7 @@ import torch
 from decentrl.config import RunConfig
 from decentrl.device import compute_dtype, pick_device
 from decentrl.learn.batch import TrainBatch
+from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.learn.trainer import LossInputs, StageTrainer, loss_config_from
 from decentrl.model.lora import has_lora, lora_tensors
 from decentrl.model.run_stage import load_stage
@@ -664,7 +665,7 @@ class StagePeer:
 
     def checkpoint_path(self, version: int) -> Path:
         assert self.checkpoint_dir is not None
-        return self.checkpoint_dir / f"v{version}" / f"stage{self.index}.pt"
+        return CheckpointLayout(self.checkpoint_dir).stage_file(version, self.index)
 
     async def _checkpoint(self, request: Request) -> Reply:
         body = decode_struct(request.body, CheckpointRequest)
@@ -710,9 +711,8 @@ class StagePeer:
     def _resume_from_checkpoint(self) -> None:
         """A replacement training peer starts from the newest complete checkpoint of its stage."""
         assert self.checkpoint_dir is not None
-        pointer = self.checkpoint_dir / "latest"
-        if not pointer.is_file():
+        version = CheckpointLayout(self.checkpoint_dir).latest_version()
+        if version is None:
             return
-        version = int(pointer.read_text().strip().lstrip("v"))
         self._load(version)
         log.info("%s: stage %d resumed from checkpoint v%d", self.name, self.index, version)

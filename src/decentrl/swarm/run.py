@@ -27,12 +27,13 @@ from decentrl.config import RunConfig, TrainConfig
 from decentrl.device import compute_dtype, pick_device
 from decentrl.envs import make_task_or_environment
 from decentrl.evaluate.runner import EvalResult, evaluate
-from decentrl.learn.trainer import PipelineTrainer, latest_checkpoint, loss_config_from
+from decentrl.learn.checkpoints import CheckpointLayout
+from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.lora import add_lora
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.net.local import LocalTransport
-from decentrl.observe.progress import progress_bar
+from decentrl.progress import progress_bar
 from decentrl.release.export import export_hf_folder
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.types import ScoredGroup
@@ -149,7 +150,7 @@ class LocalRun:
         self.checkpoints = self.path / "checkpoints"
         self.step = 0
         scheduler_start = 0
-        if latest_checkpoint(self.checkpoints) is not None:
+        if CheckpointLayout(self.checkpoints).latest() is not None:
             meta = self.trainer.load(self.checkpoints)
             self.step, scheduler_start = meta["step"], meta["scheduled"]
             copy_weights([t.stage for t in self.trainer.stage_trainers], self.chain)

@@ -26,9 +26,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from decentrl.config import RunConfig
+from decentrl.net.directory import Directory
 from decentrl.net.node import SwarmNode
 from decentrl.rollout.types import RolloutGroup
-from decentrl.swarm.client import Directory
 from decentrl.trust.provenance import Provenance
 from decentrl.trust.reputation import Reputation
 from decentrl.trust.verify import Verdict, Verifier

@@ -28,13 +28,13 @@ from typing import Literal
 import torch
 
 from decentrl.config import RunConfig
+from decentrl.net.directory import Directory
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, SwarmNode
 from decentrl.net.protocol import CloseSession, Sampling, VerifyReply, VerifyStep
 from decentrl.net.wire import WireError, decode_struct
 from decentrl.rollout.generate import left_pad
 from decentrl.rollout.types import RolloutGroup
-from decentrl.swarm.client import Directory
 from decentrl.trust.commit import Commitment, CommitTolerance, check_commitment
 from decentrl.trust.provenance import Provenance
 
