@@ -5,7 +5,8 @@ awaits `send(request_bytes, "out")` before the request and `send(response_bytes,
 hands the response on. A message costs its transmission time (bytes over bandwidth, one message at
 a time per direction, as on a real link) and then the one-way propagation delay (half the link's
 round-trip time plus jitter); it may be lost. All randomness comes from seeded generators, so a run
-with the same peers and seed sees the same links."""
+with the same peers and seed sees the same links. Every wait goes through a `LinkClock` (the event
+loop's by default), so a test can see the exact delays the emulator asks for without waiting."""
 
 from __future__ import annotations
 
@@ -15,8 +16,28 @@ import math
 import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 DIRECTIONS = ("out", "in")
+
+
+class LinkClock(Protocol):
+    """What the emulator waits with. It never reads the time: a message's cost is a delay it
+    computes up front and then waits out, so a clock is only a way to wait. A test passes one that
+    records the delays asked for instead of sleeping through them."""
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class EventLoopClock:
+    """The real clock: `asyncio.sleep` on the running event loop."""
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+# Stateless, so every link and uplink can share it.
+EVENT_LOOP_CLOCK = EventLoopClock()
 
 
 class MessageLost(ConnectionError):
@@ -94,12 +115,14 @@ class LinkStats:
 class Link:
     """The emulated link between `local` and `remote`, used from the local side for both ways."""
 
-    def __init__(self, local: str, remote: str, profile: LinkProfile) -> None:
+    def __init__(self, local: str, remote: str, profile: LinkProfile,
+                 clock: LinkClock = EVENT_LOOP_CLOCK) -> None:
         if local == remote:
             raise ValueError(f"peer {local!r} has no link to itself")
         self.local = local
         self.remote = remote
         self.profile = profile
+        self.clock = clock
         self.rtt_s = profile.rtt_seconds(local, remote)
         self.stats = LinkStats()
         # Seeded per ordered pair, so each side's draws are reproducible on their own.
@@ -141,9 +164,9 @@ class Link:
             # Only the transmission holds the lock: concurrent messages pipeline behind each other
             # and then propagate side by side.
             async with self._lock(direction):
-                await asyncio.sleep(nbytes * 8 / (profile.bandwidth_mbps * 1e6))
+                await self.clock.sleep(nbytes * 8 / (profile.bandwidth_mbps * 1e6))
         if delay > 0.0:
-            await asyncio.sleep(delay)
+            await self.clock.sleep(delay)
         if lost:
             self.stats.lost += 1
             raise MessageLost(f"emulated link {self.local} -> {self.remote} lost a {direction} "
@@ -157,8 +180,9 @@ class Uplink:
     take turns by destination (round robin), as concurrent TCP flows share a link: a peer that
     asked once is not queued behind every message of a peer that asked many times."""
 
-    def __init__(self, mbps: float | None) -> None:
+    def __init__(self, mbps: float | None, clock: LinkClock = EVENT_LOOP_CLOCK) -> None:
         self.mbps = mbps
+        self.clock = clock
         self.bytes_sent = 0
         self._waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
         self._busy = False
@@ -180,7 +204,7 @@ class Uplink:
                 self._next_turn()
             raise
         try:
-            await asyncio.sleep(nbytes * 8 / (self.mbps * 1e6))
+            await self.clock.sleep(nbytes * 8 / (self.mbps * 1e6))
         finally:
             self._busy = False
             self._next_turn()
@@ -209,16 +233,17 @@ class LinkEmulator:
 
     local: str
     profile: LinkProfile = field(default_factory=LinkProfile)
+    clock: LinkClock = field(default=EVENT_LOOP_CLOCK, repr=False)
     _links: dict[str, Link] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.uplink = Uplink(self.profile.uplink_mbps)
+        self.uplink = Uplink(self.profile.uplink_mbps, self.clock)
 
     def link(self, remote: str) -> Link:
         """The link to `remote`, created on first use."""
         link = self._links.get(remote)
         if link is None:
-            link = Link(self.local, remote, self.profile)
+            link = Link(self.local, remote, self.profile, self.clock)
             self._links[remote] = link
         return link
 
