@@ -5,6 +5,7 @@ version span, and the trainer's own poison flags."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,10 +13,11 @@ from helpers import build, layout_logits
 from swarm_helpers import tiny_run_config
 
 from decentrl.config import TrainConfig, TrustConfig
-from decentrl.learn.batch import build_batch
+from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.losses import LossConfig, flagged_rows
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
+from decentrl.model.stages import StageModule
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.sampling import sampling_logprobs
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
@@ -109,9 +111,32 @@ def test_segments_follow_the_version_spans() -> None:
     assert segments(group, layout) == [(0, 4, [3, 7]), (4, 7, [4, 7])]
 
 
+def step_gradients(model: LoadedModel, train: TrainConfig, loss: LossConfig, batch: TrainBatch
+                   ) -> torch.Tensor:
+    """Every parameter's gradient, flattened in stage and parameter order, as one training step
+    from fresh copies of `model`'s weights hands it to the optimizer."""
+    trainer = PipelineTrainer.local(build(model, 2), train, loss, sampling_config(
+        tiny_run_config(Path("."), 2).rollout), torch.float32)
+    captured: list[torch.Tensor] = []
+    for worker in trainer.stage_trainers:
+        def capture(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any,
+                    stage: StageModule = worker.stage) -> None:
+            captured.extend(torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                            for p in stage.parameters())
+        worker.optimizer.register_step_pre_hook(capture)
+    trainer.train_step(batch)
+    return torch.cat([g.flatten() for g in captured])
+
+
+def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b|: how far `a` is from `b`, whatever the gradients' scale."""
+    return float((a - b).norm() / b.norm())
+
+
 def test_trainer_flags_poisoned_rows_and_leaves_them_out_of_the_loss(
         tiny_model: LoadedModel) -> None:
-    train = TrainConfig(micro_batch_size=4, lr=1e-2)
+    # No clipping: the gradients compared below reach the optimizer exactly as the loss made them.
+    train = TrainConfig(micro_batch_size=4, lr=1e-2, max_grad_norm=None)
     loss = loss_config_from(train, 8, TrustConfig())
     assert flagged_rows(torch.tensor([-1.0, -7.0, -1.0]), torch.tensor([0.1, 0.1, -2.0]),
                         loss).tolist() == [False, True, True]
@@ -120,22 +145,40 @@ def test_trainer_flags_poisoned_rows_and_leaves_them_out_of_the_loss(
     stages = build(tiny_model, 2)
     trainer = PipelineTrainer.local(stages, train, loss, sampling_config(
         tiny_run_config(Path("."), 2).rollout), torch.float32)
-    # Four rows of the same prompt: behaviour log-probs = the policy's, except the third row's,
-    # forged 3 nats low.
+    # Four rows of one prompt with different completions, behaviour log-probs = the policy's,
+    # except the third row's, forged 3 nats low. Distinct rows: a trainer that left out the
+    # wrong row would not match the batch without the forged one.
     prompt = [3, 4, 5]
-    tokens = [7, 8, 9, 10]
+    completions = [[7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17, 18], [19, 20, 21, 22]]
+    forged = 2
     honest = trainer._chain_logprobs(stages, build_batch(
         [Rollout(prompt_tokens=prompt, completion_tokens=tokens, behaviour_logprobs=[0.0] * 4,
-                 finished=False, completion_text="")], [0.0], [0], 0))[0].tolist()
-    rows = [Rollout(prompt_tokens=prompt, completion_tokens=tokens, behaviour_logprobs=honest,
-                    finished=False, completion_text="") for _ in range(2)]
-    rows.append(Rollout(prompt_tokens=prompt, completion_tokens=tokens,
-                        behaviour_logprobs=[v - 3.0 for v in honest], finished=False,
-                        completion_text=""))
-    rows.append(rows[0])
-    batch = build_batch(rows, [1.0, -1.0, 1.0, -1.0], [0] * 4, 0)
+                 finished=False, completion_text="") for tokens in completions],
+        [0.0] * 4, [0] * 4, 0)).tolist()
+    rows = [Rollout(prompt_tokens=prompt, completion_tokens=tokens,
+                    behaviour_logprobs=[v - 3.0 for v in logprobs] if i == forged else logprobs,
+                    finished=False, completion_text="")
+            for i, (tokens, logprobs) in enumerate(zip(completions, honest))]
+    advantages = [1.0, -1.0, 1.0, -0.5]
+    batch = build_batch(rows, advantages, [0] * 4, 0)
     metrics = trainer.train_step(batch)
     assert trainer.flagged is not None and trainer.flagged.tolist() == [False, False, True, False]
     assert metrics["flagged_fraction"] == pytest.approx(0.25)
     assert trainer.row_stats is not None
     torch.testing.assert_close(trainer.row_stats[1][:2], torch.zeros(2), atol=1e-4, rtol=0)
+
+    # Left out of the loss: the flagged batch's gradient is the gradient of the batch without
+    # the forged row. The loss's normalisers keep the whole batch's counts (4 rows of 4 tokens)
+    # so that a flag does not reweight the other rows; the smaller batch normalises by 3 rows,
+    # hence the factor 3/4.
+    kept = [i for i in range(4) if i != forged]
+    flagged = step_gradients(tiny_model, train, loss, batch)
+    without = step_gradients(tiny_model, train, loss, build_batch(
+        [rows[i] for i in kept], [advantages[i] for i in kept], [0] * 3, 0))
+    assert relative_distance(flagged, 0.75 * without) < 1e-5
+    # With the flags off, the forged row (its behaviour weight capped at tis_cap) moves the
+    # gradient: the comparison above can tell a row left out from a row left in.
+    unflagged_loss = loss_config_from(train, 8)
+    assert unflagged_loss.flag_log_ratio is None and unflagged_loss.flag_surprise is None
+    assert relative_distance(step_gradients(tiny_model, train, unflagged_loss, batch),
+                             flagged) > 0.1
