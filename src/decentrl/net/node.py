@@ -203,6 +203,9 @@ class SwarmNode:
         self.block_s = block_s
         # Called with (peer id, reason) on each strike, from the loop thread.
         self.on_strike: Callable[[str, str], None] | None = None
+        # Where strike and block times are read, in monotonic seconds. An attribute, so a test can
+        # move a block's end past without waiting for it.
+        self.strike_clock: Callable[[], float] = time.monotonic
         # Strike times and blocks per sender: written on the loop, read from any thread.
         self._strike_lock = threading.Lock()
         self._strike_times: dict[str, deque[float]] = {}
@@ -448,7 +451,7 @@ class SwarmNode:
 
     def strikes(self, peer: str) -> int:
         """`peer`'s strikes within the last `strike_window_s` (0 while it is blocked)."""
-        horizon = time.monotonic() - self.strike_window_s
+        horizon = self.strike_clock() - self.strike_window_s
         with self._strike_lock:
             return sum(t > horizon for t in self._strike_times.get(peer, ()))
 
@@ -457,7 +460,7 @@ class SwarmNode:
 
     def _block_left(self, peer: str) -> tuple[float, int] | None:
         """(seconds left, strikes that caused it) of `peer`'s block, or None."""
-        now = time.monotonic()
+        now = self.strike_clock()
         with self._strike_lock:
             block = self._blocks.get(peer)
             if block is None:
@@ -477,7 +480,7 @@ class SwarmNode:
 
     def _strike(self, sender: str, method: str, error: Exception) -> None:
         """Count a request refused as malformed against its sender; block it at the limit."""
-        now = time.monotonic()
+        now = self.strike_clock()
         horizon = now - self.strike_window_s
         with self._strike_lock:
             block = self._blocks.get(sender)
