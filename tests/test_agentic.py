@@ -147,14 +147,12 @@ def test_replay_refuses_a_mask_of_the_wrong_length(plain: LoadedModel,
 
 
 def test_the_local_loop_trains_on_episodes(tiny_model_dir: Path, tmp_path: Path) -> None:
-    config = parse_config({
-        "name": "agentic", "run_dir": str(tmp_path), "model": str(tiny_model_dir),
-        "num_stages": 2, "dtype": "fp32", "threads": 1, "task": CALCULATOR,
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 60},
-        "train": {"steps": 2, "micro_batch_size": 4, "zero_variance_groups": "keep",
-                  "mode": "sync"},
-        "eval": {"task": CALCULATOR, "problems": 3, "max_new_tokens": 60},
-    })
+    config = tiny_run_config(
+        tiny_model_dir, 2, run_dir=str(tmp_path), threads=1, task=CALCULATOR,
+        rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 60},
+        train={"steps": 2, "micro_batch_size": 4, "zero_variance_groups": "keep",
+               "mode": "sync"},
+        eval={"task": CALCULATOR, "problems": 3, "max_new_tokens": 60})
     summary = LocalRun(config).run()
     assert summary.steps == 2
     records = [json.loads(line) for line in (summary.path / "metrics.jsonl").read_text()

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import build, chat_prompts
 from safetensors.torch import load_file
+from swarm_helpers import tiny_run_config
 from transformers import AutoModelForCausalLM
 
-from helpers import build, chat_prompts
 from decentrl.config import LORA_TARGETS, ConfigError, TrainConfig, parse_config
 from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
@@ -241,16 +242,14 @@ def test_merge_computes_what_the_adapters_computed(tiny_model: LoadedModel) -> N
 # ------------------------------------------------------------------------------ a whole run
 
 def test_lora_run_trains_and_exports_a_plain_model(tiny_model_dir: Path, tmp_path: Path) -> None:
-    config = parse_config({
-        "name": "lora", "run_dir": str(tmp_path), "model": str(tiny_model_dir), "num_stages": 2,
-        "dtype": "fp32", "threads": 1,
-        "task": {"name": "sums", "options": {"max_digits": 1}},
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6},
-        "train": {"mode": "sync", "steps": 2, "micro_batch_size": 8, "checkpoint_every": 2,
-                  "zero_variance_groups": "keep", "lr": 1e-2, "lora_rank": RANK,
-                  "lora_alpha": ALPHA, "lora_targets": ["q_proj", "v_proj", "down_proj"]},
-        "eval": {"problems": 2, "pass_k": 1, "max_new_tokens": 6},
-    })
+    config = tiny_run_config(
+        tiny_model_dir, 2, run_dir=str(tmp_path), threads=1,
+        task={"name": "sums", "options": {"max_digits": 1}},
+        rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6},
+        train={"mode": "sync", "steps": 2, "micro_batch_size": 8, "checkpoint_every": 2,
+               "zero_variance_groups": "keep", "lora_rank": RANK, "lora_alpha": ALPHA,
+               "lora_targets": ["q_proj", "v_proj", "down_proj"]},
+        eval={"problems": 2, "pass_k": 1, "max_new_tokens": 6})
     run = LocalRun(config)
     learner = [t.stage for t in run.trainer.stage_trainers]
     # The tiny model earns no reward, so every advantage and gradient is zero: give B values up
