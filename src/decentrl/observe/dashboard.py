@@ -73,11 +73,13 @@ def _finite(value: Any) -> Any:
 
 class _Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], family: socket.AddressFamily,
-                 state: Callable[[], dict[str, Any]], page: bytes, policy: str) -> None:
+                 state: Callable[[], dict[str, Any]], page: bytes, policy: str,
+                 client_timeout_s: float | None) -> None:
         self.address_family = family
         self.state = state
         self.page = page
         self.policy = policy
+        self.client_timeout_s = client_timeout_s
         super().__init__(address, _Handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -91,7 +93,12 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
-    timeout = CLIENT_TIMEOUT_S
+
+    def setup(self) -> None:
+        # StreamRequestHandler.setup applies `timeout` to the connection: the server's, so a test
+        # can make a stalled client stall forever.
+        self.timeout = self.server.client_timeout_s
+        super().setup()
 
     def do_GET(self) -> None:
         host = urlsplit(f"//{self.headers.get('Host', '')}").hostname or ""
@@ -136,16 +143,18 @@ class _Handler(BaseHTTPRequestHandler):
 
 class DashboardServer:
     """Serves the dashboard: `GET /` the page, `GET /api/state` the JSON of `state()`, called
-    afresh on every request from a handler thread (so it must be safe to call from any thread)."""
+    afresh on every request from a handler thread (so it must be safe to call from any thread).
+    A client that sends nothing for `client_timeout_s` is dropped (None: never)."""
 
     def __init__(self, state: Callable[[], dict[str, Any]], host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, client_timeout_s: float | None = CLIENT_TIMEOUT_S) -> None:
         if not _is_loopback(host):
             raise ValueError(f"the dashboard has no authentication and serves only on a loopback "
                              f"address (127.0.0.1, ::1, localhost), not {host!r}")
         self._state = state
         self._host = host
         self._port = port
+        self._client_timeout_s = client_timeout_s
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -157,7 +166,7 @@ class DashboardServer:
             page, policy = _page()
             family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
             self._server = _Server((self._host.strip("[]"), self._port), family, self._state,
-                                   page, policy)
+                                   page, policy, self._client_timeout_s)
             self._thread = threading.Thread(target=self._server.serve_forever,
                                             name="dashboard", daemon=True)
             self._thread.start()
