@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,20 +17,45 @@ from decentrl.envs import sandbox
 from decentrl.envs.sandbox import (
     MAX_EXPRESSION_CHARS,
     MEMORY_LIMIT_ERROR,
+    STARTUP_ALLOWANCE_S,
     TRUNCATION_MARKER,
     ToolResult,
     run_expression,
 )
 
-# Far above what any call should take (about 50 ms, a timeout about timeout_s): a stopped runaway
-# returns well within it on a busy machine, a runaway that is not stopped does not.
-BOUNDED_WALL_S = 5.0
+# Each max() is short: the child's SIGALRM timer can stop the evaluation between them.
+MANY_SHORT_STEPS = " + ".join(["max([0] * 10**6)"] * 25)
+# One comparison of 10**12 items never returns to the interpreter: no timer in the child can stop
+# it, only its CPU limit or the caller's watchdog.
+NESTED = "[[[0] * 10**4] * 10**4] * 10**4"
+ONE_ENDLESS_STEP = f"{NESTED} == {NESTED}"
 
 
-def timed(expression: str, **limits: float) -> tuple[ToolResult, float]:
-    start = time.monotonic()
-    result = run_expression(expression, **limits)  # type: ignore[arg-type]
-    return result, time.monotonic() - start
+class ScriptedClock:
+    """A watchdog clock that reads `times` in turn, then the last one forever; it counts its
+    reads."""
+
+    def __init__(self, *times: float) -> None:
+        self.times = list(times)
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.times[min(self.reads, len(self.times)) - 1]
+
+
+@pytest.fixture
+def children(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Every child the sandbox starts, to read how it ended."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    class RecordingPopen(subprocess.Popen):  # type: ignore[type-arg]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            started.append(self)
+
+    monkeypatch.setattr(sandbox.subprocess, "Popen", RecordingPopen)
+    yield started
 
 
 # --- ordinary arithmetic --------------------------------------------------------------------------
@@ -165,32 +191,47 @@ def test_hostile_text_never_raises() -> None:
     ],
 )
 def test_astronomical_results_are_refused(expression: str) -> None:
-    result, wall_s = timed(expression)
+    # The child's own answer, under a watchdog that never fires: a size guard refused the result
+    # before computing it (a result computed anyway would end in a timeout or the memory limit).
+    result = run_expression(expression, clock=ScriptedClock(0.0))
     assert not result.ok and result.error is not None
     assert result.error.startswith("too large:")
-    assert wall_s < BOUNDED_WALL_S
 
 
-def test_work_past_the_timeout_is_stopped() -> None:
-    # Each max() is short; the SIGALRM timer stops the evaluation between them.
-    many_short_steps = " + ".join(["max([0] * 10**6)"] * 25)
-    result, wall_s = timed(many_short_steps, timeout_s=0.1)
+def test_the_childs_timer_stops_work_past_the_timeout(
+        children: list[subprocess.Popen[bytes]]) -> None:
+    # The watchdog never fires here: the child stopped itself and answered.
+    result = run_expression(MANY_SHORT_STEPS, timeout_s=0.1, clock=ScriptedClock(0.0))
     assert result == ToolResult(ok=False, output="", error="timeout: took longer than 0.1 s")
-    assert wall_s < BOUNDED_WALL_S
-    # One comparison of 10**12 items never returns to the interpreter: the CPU limit or the
-    # caller's watchdog kills the child.
-    nested = "[[[0] * 10**4] * 10**4] * 10**4"
-    result, wall_s = timed(f"{nested} == {nested}", timeout_s=0.5)
+    assert [child.returncode for child in children] == [0]
+
+
+def test_the_cpu_limit_kills_a_child_stuck_in_one_operation(
+        children: list[subprocess.Popen[bytes]]) -> None:
+    # The watchdog never fires here: the kernel stopped the child at ceil(timeout_s) CPU seconds.
+    result = run_expression(ONE_ENDLESS_STEP, timeout_s=0.5, clock=ScriptedClock(0.0))
     assert result == ToolResult(ok=False, output="", error="timeout: took longer than 0.5 s")
-    assert wall_s < BOUNDED_WALL_S
+    assert [child.returncode for child in children] == [-signal.SIGXCPU]
+
+
+def test_the_watchdog_kills_the_child_at_its_deadline_and_not_before(
+        children: list[subprocess.Popen[bytes]]) -> None:
+    # Started at 10.0, the deadline is 10.0 + timeout_s + the startup allowance. The watchdog
+    # reads its clock once to set the deadline, keeps waiting at a hair before it, and stops at
+    # it, long before the child could reach its CPU limit.
+    deadline = 10.0 + 0.5 + STARTUP_ALLOWANCE_S
+    clock = ScriptedClock(10.0, deadline - 0.001, deadline)
+    result = run_expression(ONE_ENDLESS_STEP, timeout_s=0.5, clock=clock)
+    assert result == ToolResult(ok=False, output="", error="timeout: took longer than 0.5 s")
+    assert clock.reads == 3
+    assert [child.returncode for child in children] == [-signal.SIGKILL]
 
 
 def test_memory_limit_is_reported() -> None:
     # Forty separate 8 MB lists: every step is legal, the total is past 256 MB.
     forty_lists = "[" + "[0]*10**6," * 40 + "]"
-    result, wall_s = timed(forty_lists, memory_mb=256)
+    result = run_expression(forty_lists, memory_mb=256, clock=ScriptedClock(0.0))
     assert result == ToolResult(ok=False, output="", error=MEMORY_LIMIT_ERROR)
-    assert wall_s < BOUNDED_WALL_S
     # The same with room to spare.
     assert run_expression("len([" + "[0]*10**6," * 4 + "])").output == "4"
 
@@ -234,40 +275,35 @@ def test_output_is_truncated() -> None:
 
 
 @pytest.mark.parametrize(
-    "limits",
+    ("limits", "message"),
     [
-        {"timeout_s": 0},
-        {"timeout_s": -1.0},
-        {"timeout_s": math.nan},
-        {"memory_mb": 1},
-        {"max_output_chars": 0},
+        ({"timeout_s": 0}, "timeout_s must be a positive number of seconds, got 0"),
+        ({"timeout_s": -1.0}, "timeout_s must be a positive number of seconds, got -1.0"),
+        ({"timeout_s": math.nan}, "timeout_s must be a positive number of seconds, got nan"),
+        ({"memory_mb": 1}, "memory_mb must be an integer >= 64, got 1"),
+        ({"max_output_chars": 0}, "max_output_chars must be an integer >= 10, got 0"),
     ],
 )
-def test_bad_limits_are_programming_errors(limits: dict[str, float]) -> None:
-    with pytest.raises(ValueError):
+def test_bad_limits_are_programming_errors(limits: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{message}$"):
         run_expression("1", **limits)  # type: ignore[arg-type]
 
 
 # --- processes ------------------------------------------------------------------------------------
 
 
-def test_no_child_process_is_left_behind(monkeypatch: pytest.MonkeyPatch) -> None:
-    started: list[int] = []
-
-    class RecordingPopen(subprocess.Popen):  # type: ignore[type-arg]
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-            started.append(self.pid)
-
-    monkeypatch.setattr(sandbox.subprocess, "Popen", RecordingPopen)
+def test_no_child_process_is_left_behind(children: list[subprocess.Popen[bytes]]) -> None:
     expressions = ["1 + 1", "().__class__", "1 / 0", "9**9**9", "(2"] * 8
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(run_expression, expressions))
     assert [result.ok for result in results] == [True, False, False, False, False] * 8
-    timed_out = run_expression(" + ".join(["max([0] * 10**6)"] * 25), timeout_s=0.1)
+    timed_out = run_expression(MANY_SHORT_STEPS, timeout_s=0.1)
     assert timed_out.error == "timeout: took longer than 0.1 s"
-    assert len(started) == len(expressions) + 1
-    for pid in started:
-        with pytest.raises(ChildProcessError):  # reaped: no zombie, not running
-            os.waitpid(pid, os.WNOHANG)
-        assert not os.path.exists(f"/proc/{pid}")
+    killed = run_expression(ONE_ENDLESS_STEP, timeout_s=0.5, clock=ScriptedClock(0.0, 100.0))
+    assert killed.error == "timeout: took longer than 0.5 s"
+    assert len(children) == len(expressions) + 2
+    for child in children:
+        # Reaped: no zombie, not running.
+        with pytest.raises(ChildProcessError, match="No child processes"):
+            os.waitpid(child.pid, os.WNOHANG)
+        assert not os.path.exists(f"/proc/{child.pid}")

@@ -93,12 +93,19 @@ class ToolResult:
 
 
 def run_expression(
-    expression: str, timeout_s: float = 1.0, memory_mb: int = 256, max_output_chars: int = 200
+    expression: str,
+    timeout_s: float = 1.0,
+    memory_mb: int = 256,
+    max_output_chars: int = 200,
+    *,
+    clock: Callable[[], float] = time.monotonic,
 ) -> ToolResult:
     """Evaluate `expression` in a sandboxed child process (see the module docstring).
 
     Never raises for anything in `expression` (a non-string one included: it comes from a model);
-    raises ValueError for a bad `timeout_s`, `memory_mb` or `max_output_chars`."""
+    raises ValueError for a bad `timeout_s`, `memory_mb` or `max_output_chars`. `clock` is the
+    watchdog's, in monotonic seconds: a test passes one it controls to put the watchdog's
+    deadline where it wants without waiting for it."""
     _check_limits(timeout_s, memory_mb, max_output_chars)
     if not isinstance(expression, str):
         kind = type(expression).__name__
@@ -109,7 +116,7 @@ def run_expression(
         sys.executable, "-I", "-S", "-B", _THIS_FILE,
         repr(float(timeout_s)), str(memory_mb), str(max_output_chars),
     ]  # fmt: skip
-    deadline = time.monotonic() + timeout_s + STARTUP_ALLOWANCE_S
+    deadline = clock() + timeout_s + STARTUP_ALLOWANCE_S
     try:
         child = subprocess.Popen(
             command,
@@ -125,7 +132,7 @@ def run_expression(
         return _failure(f"sandbox failed to start: {error}")
     with child:  # closes the pipes and reaps the child
         try:
-            reply = _exchange(child, expression.encode("utf-8", "surrogatepass"), deadline)
+            reply = _exchange(child, expression.encode("utf-8", "surrogatepass"), deadline, clock)
         finally:
             # Before reaping: until then the child's pid, which is its group's id, stays ours.
             _kill_process_group(child.pid)
@@ -156,7 +163,9 @@ def _timeout_error(timeout_s: float) -> str:
     return f"timeout: took longer than {float(timeout_s)} s"
 
 
-def _exchange(child: subprocess.Popen[bytes], request: bytes, deadline: float) -> bytes | None:
+def _exchange(
+    child: subprocess.Popen[bytes], request: bytes, deadline: float, clock: Callable[[], float]
+) -> bytes | None:
     """Send the expression to the child and read its reply until it closes stdout; None when the
     deadline passes first. Stops reading past _MAX_REPLY_BYTES (the reply is then malformed)."""
     assert child.stdin is not None and child.stdout is not None
@@ -169,7 +178,7 @@ def _exchange(child: subprocess.Popen[bytes], request: bytes, deadline: float) -
     reply = bytearray()
     with selectors.DefaultSelector() as selector:
         selector.register(child.stdout, selectors.EVENT_READ)
-        while (remaining_s := deadline - time.monotonic()) > 0:
+        while (remaining_s := deadline - clock()) > 0:
             if not selector.select(remaining_s):
                 continue
             chunk = os.read(child.stdout.fileno(), 65536)
