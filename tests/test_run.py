@@ -4,14 +4,18 @@ resume from their checkpoint, and reject what a peer must not be able to slip in
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from decentrl.config import ConfigError, RunConfig, load_config, parse_config
 from decentrl.rollout.types import RolloutGroup
+from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.run import LocalRun
 
 
@@ -78,32 +82,73 @@ def test_async_run_learner_drops_groups_past_the_staleness_bound(
     assert run.ingestion.stats.stale == 1
 
 
+def refusal_reason(ingestion: Ingestion, group: RolloutGroup,
+                   caplog: pytest.LogCaptureFixture) -> str:
+    """Why the coordinator's ingestion refused `group`, as its log tells the operator; fails the
+    test if the group was accepted."""
+    logger = Ingestion.__module__
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=logger):
+        assert ingestion.ingest(group, 0) is None, f"group {group.group_id} was accepted"
+    [record] = [r for r in caplog.records if r.name == logger]
+    return record.getMessage()
+
+
 def test_coordinator_rejects_unscheduled_replayed_and_malformed_groups(
-        tiny_model_dir: Path, tmp_path: Path) -> None:
+        tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     run = LocalRun(tiny_config(tiny_model_dir, tmp_path, mode="sync"))
-    indices = run.scheduler.next(1)
-    group = run.worker.generate_groups(indices)[0]
-    unscheduled = RolloutGroup(**{**_fields(group), "problem_index": indices[0] + 1000})
-    assert run.ingestion.ingest(unscheduled, 0) is None
-    bad_token = group.rollouts[0].__class__(**{**_fields(group.rollouts[0]),
-                                               "completion_tokens": [10**6]
-                                               * len(group.rollouts[0].completion_tokens)})
-    malformed = RolloutGroup(**{**_fields(group), "rollouts": [bad_token] + group.rollouts[1:]})
-    assert run.ingestion.ingest(malformed, 0) is None
+    [index] = run.scheduler.next(1)
+    group = run.worker.generate_groups([index])[0]
+    unscheduled = msgspec.structs.replace(group, problem_index=index + 1000)
+    assert re.search(rf"problem {index + 1000} was not scheduled",
+                     refusal_reason(run.ingestion, unscheduled, caplog))
+    first = group.rollouts[0]
+    bad_token = msgspec.structs.replace(
+        first, completion_tokens=[10**6] * len(first.completion_tokens))
+    malformed = msgspec.structs.replace(group, rollouts=[bad_token, *group.rollouts[1:]])
+    assert re.search(rf"group {group.group_id}: token id outside the vocabulary",
+                     refusal_reason(run.ingestion, malformed, caplog))
     assert run.ingestion.stats.rejected == 2
     # The genuine group is still accepted after the bad ones (they changed nothing) ...
     accepted = run.ingestion.ingest(group, 0)
     assert accepted is not None
-    # ... and its rewards were recomputed from the tokens, whatever text came along.
     scored, staleness = accepted
     assert staleness == 0 and len(scored.rewards) == 4
-    # A replay of an accepted group is refused.
-    assert run.ingestion.ingest(group, 0) is None
+    # ... and a replay of it is refused: its problem's result is already in.
+    assert re.search(rf"problem {index} was not scheduled, or its result was already accepted",
+                     refusal_reason(run.ingestion, group, caplog))
     assert run.ingestion.stats.rejected == 3
 
 
-def _fields(struct: object) -> dict:
-    return {name: getattr(struct, name) for name in struct.__struct_fields__}  # type: ignore[attr-defined]
+def test_coordinator_rewards_the_completion_tokens_not_the_claimed_text(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A peer edits a completion's tokens to another answer and claims the original one in the
+    text it sends along: the reward is what the tokens earn, never what the text claims."""
+    run = LocalRun(tiny_config(tiny_model_dir, tmp_path, mode="sync"))
+    tokenizer = run.model.tokenizer
+
+    def edited(group: RolloutGroup, tokens_say: str, text_claims: str) -> RolloutGroup:
+        tokens = tokenizer.encode(tokens_say, add_special_tokens=False)
+        first = msgspec.structs.replace(group.rollouts[0], completion_tokens=tokens,
+                                        behaviour_logprobs=[-1.0] * len(tokens),
+                                        completion_text=text_claims)
+        return msgspec.structs.replace(group, rollouts=[first, *group.rollouts[1:]])
+
+    for group in run.worker.generate_groups(run.scheduler.next(2)):
+        problem = run.task.problem("train", group.problem_index)
+        right, wrong = problem.answer, str(int(problem.answer) + 1)
+        genuine = run.ingestion.score(group).rewards
+        for tokens_say, text_claims in [(right, wrong), (wrong, right)]:
+            tampered = edited(group, tokens_say, text_claims)
+            earned = run.task.reward(problem, tokens_say).total
+            claimed = run.task.reward(problem, text_claims).total
+            assert earned != claimed
+            assert run.ingestion.score(tampered).rewards == [earned, *genuine[1:]]
+        # Through the coordinator's gate too: accepted, and scored from its tokens.
+        accepted = run.ingestion.ingest(edited(group, right, wrong), 0)
+        assert accepted is not None
+        assert accepted[0].rewards[0] == run.task.reward(problem, right).total
+        assert accepted[0].correct[0] == 1.0
 
 
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
