@@ -14,6 +14,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -279,19 +280,37 @@ def test_session_survives_a_timeout_on_its_only_replica(tiny_sharp_dir: Path,
     it still holds rather than refuse the replay."""
     config = tiny_run_config(tiny_sharp_dir, 2, swarm={"request_timeout_s": 2.0, "ban_s": 0.0})
     with start_swarm(config, [(0, "inference"), (1, "inference")]) as swarm:
+        # The client's calls, watched for the one it gives up on.
+        client_gave_up = threading.Event()
+        real_call_sync = swarm.client.call_sync
+
+        def watched_call_sync(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return real_call_sync(*args, **kwargs)
+            except RemoteError as error:
+                if "no answer within" in str(error):
+                    client_gave_up.set()
+                raise
+        swarm.client.call_sync = watched_call_sync  # type: ignore[method-assign]
+
         peer = swarm.peer(1)
         real_infer, calls = peer._infer, []
+        late_reply_followed_the_timeout: list[bool] = []
 
-        def slow_once(body: InferenceStep, tensors: dict[str, torch.Tensor]) -> Any:
+        def late_once(body: InferenceStep, tensors: dict[str, torch.Tensor]) -> Any:
             calls.append(body.start)
             reply = real_infer(body, tensors)
             if len(calls) == 3:
-                time.sleep(2.5)
+                # Answer only once the client has given up on this call: too late however fast
+                # or slow the machine is. A deadlock guard, not a measurement: the client gives
+                # up after request_timeout_s.
+                late_reply_followed_the_timeout.append(client_gave_up.wait(timeout=120))
             return reply
-        peer._infer = slow_once  # type: ignore[method-assign]
+        peer._infer = late_once  # type: ignore[method-assign]
         chain = ObservedChain(swarm.chain(sharp.spec))
         got = run(chain, max_new_tokens=6)
         assert_same_generations(got, run(local_chain(sharp, 2), max_new_tokens=6))
+        assert late_reply_followed_the_timeout == [True]
         # At least one timeout (more if the machine is slow) and a replay to the same replica.
         assert chain.sessions[0].failovers >= 1
         assert calls.count(0) >= 2  # the first step, and the replay after the timeout
