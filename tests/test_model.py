@@ -229,16 +229,68 @@ def test_key_valid_must_cover_cache_and_input(tiny_model: LoadedModel) -> None:
         stage(ids, torch.arange(3)[None], torch.ones(1, 2, dtype=torch.bool))
 
 
-def test_pick_device_and_dtype() -> None:
+def pretend_available(monkeypatch: pytest.MonkeyPatch, cuda: bool, mps: bool) -> None:
+    """What torch reports about CUDA and Apple MPS, whatever this machine has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+
+
+@pytest.mark.parametrize(("cuda", "mps", "picked"), [
+    (True, True, "cuda"),
+    (True, False, "cuda"),
+    (False, True, "mps"),
+    (False, False, "cpu"),
+])
+def test_auto_picks_cuda_then_mps_then_cpu(monkeypatch: pytest.MonkeyPatch, cuda: bool,
+                                            mps: bool, picked: str) -> None:
+    pretend_available(monkeypatch, cuda, mps)
+    assert pick_device("auto") == torch.device(picked)
+    assert pick_device() == torch.device(picked)  # "auto" is the default
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "mps"])
+def test_an_explicit_device_is_honoured(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    # Every backend available: "auto" would pick CUDA, a name is taken as it is.
+    pretend_available(monkeypatch, cuda=True, mps=True)
+    assert pick_device(name) == torch.device(name)
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("cuda", "device 'cuda' was asked for but torch sees no CUDA device"),
+    ("mps", "device 'mps' was asked for but this machine has no usable Apple MPS"),
+])
+def test_an_explicit_device_that_is_missing_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                       name: str, message: str) -> None:
+    pretend_available(monkeypatch, cuda=False, mps=False)
+    with pytest.raises(RuntimeError, match=f"^{message}$"):
+        pick_device(name)
     assert pick_device("cpu") == CPU
-    assert pick_device("auto").type in ("cpu", "cuda", "mps")
-    with pytest.raises(ValueError, match="'tpu'"):
+
+
+def test_an_unknown_device_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"device must be one of \('auto', 'cpu', 'cuda', "
+                                         r"'mps'\), got 'tpu'"):
         pick_device("tpu")
+
+
+@pytest.mark.parametrize(("capability", "auto"), [
+    ("AVX512_BF16", torch.bfloat16),
+    ("AMX", torch.bfloat16),
+    ("AVX2", torch.float32),
+    ("DEFAULT", torch.float32),
+])
+def test_compute_dtype_is_bf16_only_where_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch,
+                                                         capability: str,
+                                                         auto: torch.dtype) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert compute_dtype(CPU, "auto") == compute_dtype(CPU) == auto
+    # An explicit dtype is taken as it is.
     assert compute_dtype(CPU, "fp32") == torch.float32
     assert compute_dtype(CPU, "bf16") == torch.bfloat16
-    assert compute_dtype(CPU, "auto") in (torch.float32, torch.bfloat16)
-    with pytest.raises(ValueError, match="'float64'"):
+    assert compute_dtype(CPU, "fp16") == torch.float16
+
+
+def test_an_unknown_dtype_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"dtype must be one of \('auto', 'bf16', 'fp32', "
+                                         r"'fp16'\), got 'float64'"):
         compute_dtype(CPU, "float64")
-    if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="cuda"):
-            pick_device("cuda")
