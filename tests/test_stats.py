@@ -80,7 +80,7 @@ def test_mean_interval_by_hand() -> None:
 
 def test_mean_interval_degenerate_and_empty() -> None:
     assert mean_interval([0.7]) == (0.7, 0.7, 0.7)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="mean_interval needs at least one value"):
         mean_interval([])
 
 

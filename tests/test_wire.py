@@ -250,6 +250,6 @@ def test_no_tensors_is_one_message() -> None:
 
 
 def test_limits_are_frozen() -> None:
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="cannot assign to field"):
         TensorLimits().max_tensors = 1  # type: ignore[misc]
     assert TensorSpec("a", "raw", "int64", (1,), 1).parts == 1
