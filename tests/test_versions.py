@@ -2,7 +2,7 @@
 generation, and the group records which versions sampled which of its tokens (`version_spans`).
 Local generation with weight swaps mid-generation, generation's span bookkeeping, ingestion
 refusing spans that are malformed or disagree with `stage_versions`, and a swarm replica that
-loads new weights while a session runs through it."""
+takes its training peer's published update while a session runs through it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from decentrl.learn.batch import build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.stages import StageModule
-from decentrl.net.protocol import InferenceReply
+from decentrl.net.protocol import InferenceReply, Role
 from decentrl.net.wire import decode_struct
 from decentrl.rollout.chain import LocalChain, StepResult
 from decentrl.rollout.generate import generate, version_spans
@@ -34,6 +34,8 @@ from decentrl.swarm.worker import RolloutWorker, sampling_config
 from decentrl.tasks import make_task
 
 CPU = torch.device("cpu")
+# A generous bound on a delta's trip from publisher to replica (well under a second on loopback).
+UPDATE_WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -209,21 +211,31 @@ def test_ingestion_refuses_bad_version_spans(
     assert ingestion.ingest(group, learner_version=0) is not None
 
 
-# ---- a swarm replica loads new weights while a session runs through it -----------------------
+# ---- a swarm replica takes an update from its training peer while a session runs through it --
 
-def load_weights(peer: StagePeer, version: int, tensors: dict[str, torch.Tensor]) -> None:
-    """Load weights into a replica on its compute thread, between two requests it serves (as a
-    replica applies an update). The only place this file reaches into the peer."""
-    peer.node.run(peer.node.compute(peer._load_weights, version, tensors), timeout=30)
+def publish_and_follow(publisher_peer: StagePeer, replica: StagePeer, version: int,
+                       tensors: dict[str, torch.Tensor], timeout_s: float) -> None:
+    """`version` of a stage's weights from its training peer to a replica, the way an optimizer
+    step's update travels: the publisher encodes a delta against what it published before and
+    announces it; the replica fetches the plan and the chunks, checks the state hash and commits
+    the changed entries on its compute thread, between two requests it serves."""
+    assert publisher_peer.publisher is not None and replica.follower is not None
+    publisher_peer.publisher.publish(version, tensors).result(timeout_s)
+    # The follow loop may have caught the announcement first; either way, once this returns
+    # the replica holds the update (one sync at a time).
+    replica.node.run(replica.follow_weights(), timeout=timeout_s)
 
 
 def test_swarm_replica_update_mid_generation_is_recorded(
         sharp: LoadedModel, tiny_sharp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = run_config(tiny_sharp_dir, 3, group_size=3, max_new_tokens=10)
-    with start_swarm(config, [(0, "inference"), (1, "inference"), (2, "inference")]) as swarm:
-        replica = swarm.peer(1)
-        assert replica.model is not None
-        new = fresh_weights(replica.model, seed=1)
+    layout: list[tuple[int, Role]] = [(0, "inference"), (1, "training"), (1, "inference"),
+                                      (2, "inference")]
+    with start_swarm(config, layout) as swarm:
+        publisher_peer, replica = swarm.peer(1, "training"), swarm.peer(1, "inference")
+        assert publisher_peer.trainer is not None and replica.follower is not None
+        # Stands in for the weights an optimizer step leaves on the training peer.
+        new = fresh_weights(publisher_peer.trainer.stage, seed=1)
         stage_of = {peer.node.peer_id: peer.index for peer in swarm.peers}
         replies: list[tuple[int, int]] = []  # (stage, version) of every inference reply
         call_sync = swarm.client.call_sync
@@ -235,21 +247,27 @@ def test_swarm_replica_update_mid_generation_is_recorded(
             return raw, out
         monkeypatch.setattr(swarm.client, "call_sync", recording_call)
 
-        # Another thread loads v1 into the stage-1 replica once the prefill is done; generation
-        # does not wait for it before step 3, so the update lands between two decode steps
-        # somewhere in between, wherever the replica's compute thread takes it.
-        prefilled, loaded = threading.Event(), threading.Event()
+        # Another thread publishes v1 of stage 1 once the prefill is done and has the replica
+        # follow it; generation does not wait for it before step 3, so the update lands between
+        # two decode steps somewhere in between, wherever the replica's compute thread takes it.
+        prefilled, followed = threading.Event(), threading.Event()
+        update_errors: list[BaseException] = []
 
         def update() -> None:
-            prefilled.wait(30)
-            load_weights(replica, 1, new)
-            loaded.set()
+            try:
+                assert prefilled.wait(UPDATE_WAIT_S)
+                publish_and_follow(publisher_peer, replica, 1, new, UPDATE_WAIT_S)
+            except BaseException as error:  # the session's wait below reports it
+                update_errors.append(error)
+            finally:
+                followed.set()
 
         def after_step(session: Any, step: int) -> None:
             if step == 0:
                 prefilled.set()
             if step == 2:
-                assert loaded.wait(30)
+                assert followed.wait(2 * UPDATE_WAIT_S)
+                assert not update_errors, f"the update failed: {update_errors}"
 
         updater = threading.Thread(target=update, daemon=True)
         updater.start()
@@ -257,7 +275,15 @@ def test_swarm_replica_update_mid_generation_is_recorded(
         scheduler = PromptScheduler(config.seed)
         [group] = rollout_worker(chain, config, sharp, scheduler).generate_groups(
             scheduler.next(1))
-        updater.join(30)
+        updater.join(UPDATE_WAIT_S)
+        # The replica serves exactly what the publisher published, and it came as a delta.
+        publisher = publisher_peer.publisher
+        assert publisher is not None and replica.model is not None
+        assert (replica.version, replica.follower.state.hash) == (1, publisher.state.hash)
+        assert ("delta", 1) in replica.follower.updates
+        served = replica.model.state_dict()
+        for name, value in publisher.state.tensors.items():
+            assert torch.equal(served[name].float(), value), name
 
     # One reply per stage and step, in stage order (no failover happened).
     steps = len(replies) // 3
