@@ -186,8 +186,8 @@ def span(start: int, *versions: int) -> VersionSpan:
     ([span(0, 0, -1)], [0, -1], "negative version"),
     ([span(0, 0, 0), span(99, 1, 0)], [0, 0], "at 99 covers no token"),
     # A group that claims fresher weights than sampled its first tokens, to pass staleness.
-    ([span(0, 0, 0), span(1, 1, 0)], [1, 0], r"stage_versions \[1, 0\] is not the per-stage "
-                                             r"minimum of version_spans, \[0, 0\]"),
+    ([span(0, 0, 0), span(1, 1, 0)], [1, 0], (r"stage_versions \[1, 0\] is not the per-stage "
+                                              r"minimum of version_spans, \[0, 0\]")),
 
     # A later span that claims weights the learner has not made yet.
     ([span(0, 0, 0), span(1, 1, 0)], [0, 0], "rollout version 1 is newer than learner version 0"),
@@ -257,7 +257,7 @@ def test_swarm_replica_update_mid_generation_is_recorded(
             try:
                 assert prefilled.wait(UPDATE_WAIT_S)
                 publish_and_follow(publisher_peer, replica, 1, new, UPDATE_WAIT_S)
-            except BaseException as error:  # the session's wait below reports it
+            except BaseException as error:  # noqa: BLE001 - reported by the session's wait
                 update_errors.append(error)
             finally:
                 followed.set()
