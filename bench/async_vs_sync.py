@@ -3,17 +3,17 @@
 Asynchronous against synchronous RL on the swarm: training wall-clock seconds to reach the same
 held-out accuracy under emulated WAN latency.
 
-Both variants are the swarm coordinator (`SwarmCoordinator`, swarm/coordinate.py) over a fresh
+Both variants are the swarm coordinator (`swarm_run`, swarm/coordinate.py) over a fresh
 local swarm on loopback (`LocalSwarm`: per stage, one training peer and `--replicas` inference
 peers, each a separate process with `--threads` torch threads), with the same config, seed, model,
 prompts and problem order:
 - `async`: the coordinator as it runs: `--sessions-in-flight` generation threads keep generating
   groups (up to `max_staleness + 1` batches ahead) while the learner trains; rollouts may be up to
   `--max-staleness` versions old (importance-corrected).
-- `sync`: a subclass in this file that alternates: wait until every inference replica serves the
-  learner's current weights, generate exactly one batch (`prompts_per_step` groups, the same
-  `--sessions-in-flight` sessions at a time), then train on it with no generation running. Every
-  rollout is on-policy (staleness 0).
+- `sync`: the loop with this file's `SyncHooks`, which make it alternate: wait until every
+  inference replica serves the learner's current weights, generate exactly one batch
+  (`prompts_per_step` groups, the same `--sessions-in-flight` sessions at a time), then train on
+  it with no generation running. Every rollout is on-policy (staleness 0).
 
 The coordinator's node carries the emulated link (`--rtt-ms LOW,HIGH` per pair of peers, plus
 `--jitter-ms`), as do the peers (replicas fetch weights over it). Both variants evaluate greedy
@@ -44,7 +44,6 @@ plot --out/async_vs_sync.png.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import threading
@@ -54,54 +53,38 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-import common  # noqa: E402
-from decentrl.cli import DEMO_CONFIG  # noqa: E402
 from decentrl.config import RunConfig, parse_config  # noqa: E402
+from decentrl.demo import DEMO_CONFIG  # noqa: E402
 from decentrl.evaluate.runner import EvalResult  # noqa: E402
-from decentrl.swarm.coordinate import POLL_S, SwarmCoordinator  # noqa: E402
-from decentrl.swarm.run import MetricsLog  # noqa: E402
+from decentrl.observe.metrics import read_metrics  # noqa: E402
+from decentrl.swarm.coordinate import swarm_run  # noqa: E402
+from decentrl.swarm.loop import POLL_S, RunHooks, StopTraining, TrainingLoop  # noqa: E402
 
 VARIANTS = ("async", "sync")
 TARGET_SPEEDUP = 1.5
 
 
-class TargetReached(Exception):
-    """An evaluation reached the target accuracy: the variant's run ends there."""
+class BenchHooks(RunHooks):
+    """The bench's clock (training seconds, evaluations excluded) and stopping rule (target
+    reached or budget spent) on the coordinator's loop, which runs asynchronously as it does."""
 
-
-class BudgetSpent(Exception):
-    """The variant spent its training budget without reaching the target."""
-
-
-class BenchCoordinator(SwarmCoordinator):
-    """The swarm coordinator with the bench's clock (training seconds, evaluations excluded) and
-    stopping rule (target reached or budget spent). Runs asynchronously, as the coordinator does."""
-
-    def __init__(self, config: RunConfig, node: Any, console: Console, target: float,
-                 budget_s: float) -> None:
-        super().__init__(config, node, console)
+    def __init__(self, target: float, budget_s: float) -> None:
         self.target, self.budget_s = target, budget_s
         self.clock_start: float | None = None
         self.paused_s = 0.0
+        self.evaluation_started = 0.0
         self.curve: list[dict[str, Any]] = []
         self.reached_s: float | None = None
-        self.frozen_s: float | None = None  # the clock's final reading, once the run ends
+        self.frozen_s: float | None = None  # the clock's final reading, once training ends
+        self.outcome = "steps"
         # No new group starts while an evaluation runs (both variants), so the async variant does
         # not get generation done off the clock.
         self.generation_open = threading.Event()
         self.generation_open.set()
-        generate_groups = self.generator.generate_groups
-
-        def gated(indices: list[int]) -> list[Any]:
-            while not self.generation_open.wait(POLL_S):
-                if self.stop.is_set():
-                    return []
-            return generate_groups(indices)
-
-        self.generator.generate_groups = gated  # type: ignore[method-assign]
 
     def clock(self) -> float:
         if self.frozen_s is not None:
@@ -110,83 +93,87 @@ class BenchCoordinator(SwarmCoordinator):
             return 0.0
         return time.time() - self.clock_start - self.paused_s
 
-    def evaluate(self, label: str, pass_k: int, metrics: MetricsLog) -> EvalResult:
-        if label == "after":  # the run reached its last step: training is over
+    def before_generation(self, loop: TrainingLoop, stop: threading.Event) -> bool:
+        while not self.generation_open.wait(POLL_S):
+            if stop.is_set():
+                return False
+        return True
+
+    def before_evaluation(self, loop: TrainingLoop, label: str) -> None:
+        if label == "after" and self.frozen_s is None:  # the last step: training is over
             self.frozen_s = self.clock()
         self.generation_open.clear()
-        started = time.time()
-        try:
-            result = super().evaluate(label, pass_k, metrics)
-        finally:
-            self.generation_open.set()
+        self.evaluation_started = time.time()
+
+    def after_evaluation(self, loop: TrainingLoop, label: str, result: EvalResult) -> None:
+        self.generation_open.set()
         if self.clock_start is None:  # the evaluation before training: the clock starts now
             self.clock_start = time.time()
         else:
-            self.paused_s += time.time() - started
-        point = {"label": label, "step": self.step, "clock_s": round(self.clock(), 2),
+            self.paused_s += time.time() - self.evaluation_started
+        point = {"label": label, "step": loop.step, "clock_s": round(self.clock(), 2),
                  "pass1": result.pass1.mean, "low": result.pass1.low, "high": result.pass1.high}
         self.curve.append(point)
         if label != "before" and self.reached_s is None and result.pass1.mean >= self.target:
             self.reached_s = point["clock_s"]
             self.frozen_s = self.clock()
-            raise TargetReached
-        return result
+            self.outcome = "target"
+            if label == "during":
+                raise StopTraining(f"pass@1 reached the target {self.target:.2f}")
 
-    def before_step(self) -> None:
-        """Work before each training step (the sync variant generates its batch here)."""
-
-    def _train_one_step(self, metrics: MetricsLog) -> None:
+    def before_step(self, loop: TrainingLoop) -> None:
         if self.clock() >= self.budget_s:
             self.frozen_s = self.clock()
-            raise BudgetSpent
-        self.before_step()
-        super()._train_one_step(metrics)
+            self.outcome = "budget"
+            raise StopTraining(f"the {self.budget_s:.0f}s budget is spent")
 
 
-class SyncCoordinator(BenchCoordinator):
-    """Generate one batch, then train on it, never both at once. The coordinator's own generation
-    loop runs unchanged, but each group needs a ticket: a step hands out `prompts_per_step`
-    tickets, the `sessions_in_flight` generation threads turn each into one group, and training
+class SyncHooks(BenchHooks):
+    """Generate one batch, then train on it, never both at once. The coordinator's generation
+    loops run unchanged, but each group needs a ticket: a step hands out `prompts_per_step`
+    tickets, the `sessions_in_flight` generation loops turn each into one group, and training
     starts once every ticket's group is generated; no ticket is out while the step trains."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, target: float, budget_s: float) -> None:
+        super().__init__(target, budget_s)
         self.tickets = threading.Semaphore(0)
         self.generated = threading.Semaphore(0)
-        generate_groups = self.generator.generate_groups
 
-        def ticketed(indices: list[int]) -> list[Any]:
-            while not self.tickets.acquire(timeout=POLL_S):
-                if self.stop.is_set():
-                    return []
-            try:
-                groups = generate_groups(indices)
-            except BaseException:
-                self.tickets.release()  # the loop retries with another problem
-                raise
+    def before_generation(self, loop: TrainingLoop, stop: threading.Event) -> bool:
+        if not super().before_generation(loop, stop):
+            return False
+        while not self.tickets.acquire(timeout=POLL_S):
+            if stop.is_set():
+                return False
+        return True
+
+    def after_generation(self, loop: TrainingLoop, succeeded: bool) -> None:
+        if succeeded:
             self.generated.release()
-            return groups
+        else:
+            self.tickets.release()  # the loop retries with another problem
 
-        self.generator.generate_groups = ticketed  # type: ignore[method-assign]
-
-    def before_step(self) -> None:
-        self.wait_for_every_replica(self.trainer.version)
-        needed = self.config.rollout.prompts_per_step
+    def before_step(self, loop: TrainingLoop) -> None:
+        super().before_step(loop)
+        self.wait_for_every_replica(loop, loop.trainer.version)
+        needed = loop.config.rollout.prompts_per_step
         for _ in range(needed):
             self.tickets.release()
         for _ in range(needed):
             while not self.generated.acquire(timeout=POLL_S):
-                if self.stop.is_set():
+                if loop.stop.is_set():
                     raise RuntimeError("stopped while generating a batch")
         # The training step that follows collects these groups (the coordinator's own ingestion:
         # checked, scored, stored) and trains on them.
 
-    def wait_for_every_replica(self, version: int, timeout_s: float = 300.0) -> None:
+    def wait_for_every_replica(self, loop: TrainingLoop, version: int,
+                               timeout_s: float = 300.0) -> None:
         """Until every inference replica serves `version` (the stock wait needs one per stage)."""
+        directory = loop.backend.directory
         deadline = time.monotonic() + timeout_s
         while True:
-            self.directory.refresh()
-            replicas = [r for records in self.directory.stage_summary() for r in records
+            directory.refresh()
+            replicas = [r for records in directory.stage_summary() for r in records
                         if r.role == "inference"]
             if replicas and all(r.version == version for r in replicas):
                 return
@@ -241,7 +228,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_config(args: argparse.Namespace, variant: str, model: str) -> RunConfig:
-    """The demo's setup (DEMO_CONFIG in cli.py), sized by the options; the same for both."""
+    """The demo's setup (DEMO_CONFIG in demo.py), sized by the options; the same for both."""
     return parse_config({
         "name": variant, "run_dir": args.out, "seed": args.seed, "model": model,
         "device": args.device, "dtype": args.dtype, "num_stages": args.stages,
@@ -281,29 +268,25 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         config_path = common.fresh_swarm_folder(config)
         swarm = LocalSwarm(config, config_path, args.replicas)
         node = coordinator = None
-        outcome = "steps"
         try:
             addresses = swarm.start()
             # The coordinator's own node carries the emulated link (LocalSwarm's bootstrap node
             # has a perfect one): it is the caller of every inference and training hop.
             node = SwarmNode.start("coordinator", addresses, link_profile(config), TensorLimits())
-            kind = SyncCoordinator if variant == "sync" else BenchCoordinator
-            coordinator = kind(config, node, console, args.target, args.budget)
-            try:
-                coordinator.run(wait_s=300)
-            except TargetReached:
-                outcome = "target"
-            except BudgetSpent:
-                outcome = "budget"
-            steps = read_steps(config.path / "metrics.jsonl")
+            kind = SyncHooks if variant == "sync" else BenchHooks
+            hooks = kind(args.target, args.budget)
+            coordinator = swarm_run(config, node, console, hooks=[hooks])
+            coordinator.run(wait_s=300)
+            steps = read_metrics(config.path / "metrics.jsonl").steps
             return {
-                "variant": variant, "outcome": outcome, "reached_s": coordinator.reached_s,
-                "clock_s": coordinator.clock(), "steps": coordinator.step,
-                "curve": coordinator.curve, "generation_errors": coordinator.generation_errors,
-                "failovers": coordinator.chain.failovers, "run": str(config.path),
-                "staleness_mean": mean(steps, "staleness_mean"),
-                "wait_s_mean": mean(steps, "wait_s"), "train_s_mean": mean(steps, "train_s"),
-                "reward_mean": mean(steps, "reward"),
+                "variant": variant, "outcome": hooks.outcome, "reached_s": hooks.reached_s,
+                "clock_s": hooks.clock(), "steps": coordinator.step,
+                "curve": hooks.curve, "generation_errors": coordinator.generation_errors,
+                "failovers": coordinator.backend.chain.failovers, "run": str(config.path),
+                "staleness_mean": mean([r.staleness_mean for r in steps]),
+                "wait_s_mean": mean([r.wait_s for r in steps]),
+                "train_s_mean": mean([r.train_s for r in steps]),
+                "reward_mean": mean([r.reward for r in steps]),
                 "machine": common.machine(torch.device("cpu")),
             }
         finally:
@@ -314,16 +297,9 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
             swarm.shutdown()
 
 
-def read_steps(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if r.get("event") == "step"]
-
-
-def mean(records: list[dict[str, Any]], key: str) -> float:
-    values = [float(r[key]) for r in records if key in r]
-    return sum(values) / len(values) if values else float("nan")
+def mean(values: list[float | None]) -> float:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else float("nan")
 
 
 def main(argv: list[str] | None = None) -> None:

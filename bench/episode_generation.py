@@ -35,7 +35,7 @@ VARIANTS = ("prefill", "episodes")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from decentrl.cli import AGENTIC_TASK
+    from decentrl.demo import AGENTIC_TASK
 
     parser = common.bench_parser("episode_generation", __doc__, "run",
                                  {"batch": "episodes per run (the rows of one session)"})

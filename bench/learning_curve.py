@@ -106,9 +106,9 @@ def plot(evals: list[dict[str, Any]], steps: list[dict[str, Any]], window: int, 
 
 def train(run: Path, budget: float, eval_every: int) -> None:
     """The demo run (its config, a fresh folder) with an evaluation every `eval_every` steps."""
-    from decentrl.cli import DEMO_CONFIG
+    from decentrl.demo import DEMO_CONFIG
     from decentrl.config import parse_config
-    from decentrl.swarm.run import LocalRun
+    from decentrl.swarm.local import local_run
 
     data = json.loads(json.dumps(DEMO_CONFIG))
     data["name"], data["run_dir"] = run.name, str(run.parent)
@@ -117,7 +117,7 @@ def train(run: Path, budget: float, eval_every: int) -> None:
     config = parse_config(data)
     if config.path.exists():
         shutil.rmtree(config.path)
-    LocalRun(config).run()
+    local_run(config).run()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,10 +39,10 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 import common  # noqa: E402
-from decentrl.cli import DEMO_CONFIG  # noqa: E402
+from decentrl.demo import DEMO_CONFIG  # noqa: E402
 from decentrl.config import parse_config  # noqa: E402
 from decentrl.swarm.peer import published_tensors  # noqa: E402
-from decentrl.swarm.run import LocalRun, copy_weights  # noqa: E402
+from decentrl.swarm.local import copy_weights, local_run  # noqa: E402
 from decentrl.sync.delta import (  # noqa: E402
     PublishedState,
     apply_payload,
@@ -79,7 +79,7 @@ def run_variant(variant: str, args: Any) -> dict[str, Any]:
         data["train"].update(mode="sync", steps=args.steps, zero_variance_groups="keep")
         if variant == "lora":
             data["train"].update(lora_rank=args.lora_rank, lr=args.lora_lr)
-        run = LocalRun(parse_config(data), console=Console(quiet=True))
+        run = local_run(parse_config(data), console=Console(quiet=True))
         stages = [t.stage for t in run.trainer.stage_trainers]
         published = [PublishedState.of(0, published_tensors(s)) for s in stages]
         start = [{n: t.clone() for n, t in p.tensors.items()} for p in published]
@@ -99,7 +99,7 @@ def run_variant(variant: str, args: Any) -> dict[str, Any]:
             batch, stats, _ = run.ingestion.make_batch(scored)
             if batch is not None:
                 run.trainer.train_step(batch)
-            copy_weights(stages, run.chain)
+            copy_weights(stages, run.backend.chain)
             step_s = time.perf_counter() - started
             size, encode_s, missing, moved = 0, 0.0, 0.0, 0.0
             for stage, state, first in zip(stages, published, start):

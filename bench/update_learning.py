@@ -7,7 +7,7 @@ float32 keyframe, so replicas run the trainer's exact weights); held-out accurac
 number of steps, with 95% confidence intervals, and the difference between the two.
 
 Each variant is a fresh local swarm on loopback (`LocalSwarm`: per stage one training peer and
-`--replicas` inference peers, each its own process), the demo's config (cli.DEMO_CONFIG: task,
+`--replicas` inference peers, each its own process), the demo's config (demo.DEMO_CONFIG: task,
 model, batch, learning rate, 60-120 ms links), a fixed number of `--steps` instead of a time
 budget, and the same seed, so both see the same problems in the same order. Evaluation is greedy
 pass@1 on `--eval-problems` held-out two-digit sums over the swarm (the replicas), before and
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 import common  # noqa: E402
-from decentrl.cli import DEMO_CONFIG  # noqa: E402
+from decentrl.demo import DEMO_CONFIG  # noqa: E402
 from decentrl.config import RunConfig, parse_config  # noqa: E402
 from decentrl.evaluate.stats import difference_interval  # noqa: E402
 
@@ -56,7 +56,7 @@ def make_config(args: Any, variant: str, model: str) -> RunConfig:
 
 def run_variant(variant: str, args: Any) -> dict[str, Any]:
     from decentrl.model.loading import resolve_model
-    from decentrl.swarm.coordinate import SwarmCoordinator
+    from decentrl.swarm.coordinate import swarm_run
     from decentrl.swarm.launch import LocalSwarm
 
     common.quiet_transformers()
@@ -72,7 +72,7 @@ def run_variant(variant: str, args: Any) -> dict[str, Any]:
         try:
             swarm.start()
             assert swarm.bootstrap is not None
-            coordinator = SwarmCoordinator(config, swarm.bootstrap, console)
+            coordinator = swarm_run(config, swarm.bootstrap, console)
             summary = coordinator.run(wait_s=300)
         finally:
             if coordinator is not None:

@@ -5,7 +5,7 @@ model, task, prompts and hyperparameters, each side given the same training-time
 
     decentrl bench vs-trl [--budget 900] [--eval-every 10] [--eval-problems 200] [--out runs/vs-trl]
 
-Both sides train with the demo's config (decentrl.cli.DEMO_CONFIG): sums of 1-2 digit numbers,
+Both sides train with the demo's config (decentrl.demo.DEMO_CONFIG): sums of 1-2 digit numbers,
 the same train problems in the same order, 8 prompts x 8 samples = 64 completions per optimizer
 step in micro-batches of the same size, the same max new tokens, temperature 1, learning rate,
 AdamW betas, clipping range and gradient clipping, the GRPO loss (each sequence's token mean, then
@@ -46,15 +46,17 @@ from typing import Any, NamedTuple
 import torch
 from common import machine, print_table, quiet_transformers, save_figure
 
-from decentrl.cli import DEMO_CONFIG
 from decentrl.config import RunConfig, parse_config
+from decentrl.demo import DEMO_CONFIG
 from decentrl.device import compute_dtype, pick_device
 from decentrl.evaluate.runner import EvalResult, evaluate
 from decentrl.evaluate.stats import Accuracy
 from decentrl.model.loading import load_model
 from decentrl.model.stages import StagePlan, build_stages
+from decentrl.observe.metrics import StepRecord, read_metrics
 from decentrl.rollout.chain import LocalChain
-from decentrl.swarm.run import LocalRun
+from decentrl.swarm.local import local_run
+from decentrl.swarm.loop import POLL_S, RunHooks, StopTraining, TrainingLoop
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.tasks import make_task
 
@@ -69,7 +71,7 @@ class EvalPoint(NamedTuple):  # not a dataclass: `decentrl bench` loads benches 
     pass1: float
     low: float  # 95% CI
     high: float
-    label: str  # before / during / end
+    label: str  # before / during / after
 
 
 def at_checkpoints(points: list[EvalPoint], checkpoints: list[float]) -> list[EvalPoint | None]:
@@ -161,77 +163,64 @@ def bench_config(model: str, eval_every: int, eval_problems: int, out: Path,
 # ---- decentrl ------------------------------------------------------------------------------
 
 
-class BudgetReached(Exception):
-    pass
+class BudgetHooks(RunHooks):
+    """The bench's clock and stopping rule on the training loop: an evaluation pauses the clock
+    and holds new generation (the generation loop finishes the batch it is on and then waits, so
+    an evaluation hides at most the rest of one batch); training stops when the budget leaves no
+    room for another step, and the loop's final evaluation then measures the last weights."""
 
-
-class GatedScheduler:
-    """The run's scheduler, handing out no new prompts while `open` is clear: the rollout worker
-    finishes the batch it is on and then waits, so an evaluation (which pauses the clock) hides
-    at most the rest of one batch's generation."""
-
-    def __init__(self, scheduler: PromptScheduler, open_: threading.Event) -> None:
-        self.scheduler, self.open = scheduler, open_
-
-    def next(self, count: int) -> list[int]:
-        self.open.wait()
-        return self.scheduler.next(count)
-
-
-class BudgetedRun(LocalRun):
-    """LocalRun whose budget counts training time only: an evaluation pauses the clock and the
-    rollout worker's new batches. Raises BudgetReached from the training loop when the budget
-    leaves no room for another step; the caller then evaluates the final weights."""
-
-    def __init__(self, config: RunConfig, budget_s: float) -> None:
-        super().__init__(config)
+    def __init__(self, budget_s: float) -> None:
         self.budget = StepBudget(budget_s)
         self.points: list[EvalPoint] = []
         self.generation_open = threading.Event()
         self.generation_open.set()
-        gate = GatedScheduler(self.scheduler, self.generation_open)
-        self.worker.scheduler = gate  # type: ignore[assignment]
+        self.pause: contextlib.ExitStack | None = None
 
-    def evaluate(self, label: str, pass_k: int) -> EvalResult:
+    def before_generation(self, loop: TrainingLoop, stop: threading.Event) -> bool:
+        while not self.generation_open.wait(POLL_S):
+            if stop.is_set():
+                return False
+        return True
+
+    def before_evaluation(self, loop: TrainingLoop, label: str) -> None:
         self.generation_open.clear()
-        try:
-            with self.budget.clock.paused():
-                result = super().evaluate(label, pass_k)
-        finally:
-            self.generation_open.set()
-        self.points.append(point(result, self.budget.clock.seconds(), self.step, label))
-        return result
+        self.pause = contextlib.ExitStack()
+        self.pause.enter_context(self.budget.clock.paused())
 
-    def _train_one_step(self, stop: threading.Event) -> None:
-        if self.budget.clock.started is None:
-            self.budget.clock.start()
-        elif not self.budget.room_for_another():
-            raise BudgetReached
-        super()._train_one_step(stop)
-        self.budget.step_done(self.step)
-        if self.step >= self.config.train.steps:
+    def after_evaluation(self, loop: TrainingLoop, label: str, result: EvalResult) -> None:
+        if self.pause is not None:
+            self.pause.close()
+        self.generation_open.set()
+        self.points.append(point(result, self.budget.clock.seconds(), loop.step, label))
+
+    def training_started(self, loop: TrainingLoop) -> None:
+        self.budget.clock.start()
+
+    def before_step(self, loop: TrainingLoop) -> None:
+        if self.budget.steps and not self.budget.room_for_another():
+            raise StopTraining(f"the {self.budget.budget_s:.0f}s budget has no room for another "
+                               "step")
+
+    def after_step(self, loop: TrainingLoop, record: StepRecord) -> None:
+        self.budget.step_done(loop.step)
+        if loop.step >= loop.config.train.steps:
             self.budget.clock.stop()
 
 
 def run_decentrl(config: RunConfig, budget_s: float) -> dict[str, Any]:
     if config.path.exists():
-        shutil.rmtree(config.path)  # LocalRun would resume from an old checkpoint
+        shutil.rmtree(config.path)  # the loop would resume from an old checkpoint
     threads = torch.get_num_threads()  # an async run splits the cores between its threads
-    run = BudgetedRun(config, budget_s)
+    hooks = BudgetHooks(budget_s)
+    run = local_run(config, hooks=[hooks])
     try:
         run.run()
-    except BudgetReached:
-        if run.points[-1].step != run.step:  # else the last periodic evaluation saw these weights
-            run.evaluate("end", pass_k=1)
     finally:
+        run.close()
         torch.set_num_threads(threads)
-    rewards = {}
-    for line in (config.path / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record["event"] == "step":
-            rewards[record["step"]] = record["reward"]
-    steps = [{**s, "reward": rewards.get(s["step"])} for s in run.budget.steps]
-    return side_result(run.points, steps, run.budget.clock.paused_s)
+    rewards = {r.step: r.reward for r in read_metrics(config.path / "metrics.jsonl").steps}
+    steps = [{**s, "reward": rewards.get(int(s["step"]))} for s in hooks.budget.steps]
+    return side_result(hooks.points, steps, hooks.budget.clock.paused_s)
 
 
 def side_result(points: list[EvalPoint], steps: list[dict[str, Any]], eval_s: float
@@ -340,7 +329,7 @@ def run_trl(config: RunConfig, budget_s: float, out: Path) -> dict[str, Any]:
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             budget.clock.stop()
-            held_out(kwargs["model"], state.global_step, "end")
+            held_out(kwargs["model"], state.global_step, "after")
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
                    **kwargs: Any) -> None:

@@ -28,7 +28,8 @@ from decentrl.net.node import SwarmNode
 from decentrl.net.wire import TensorLimits
 from decentrl.swarm.adversary import HostilePeer, flood, submit_replays
 from decentrl.swarm.client import RemoteChain
-from decentrl.swarm.coordinate import SwarmCoordinator
+from decentrl.swarm.coordinate import swarm_run
+from decentrl.swarm.loop import TrainingLoop
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.worker import RolloutWorker
@@ -82,11 +83,11 @@ def generation(swarm: Swarm, config: RunConfig, model_dir: Path
 
 
 @contextmanager
-def coordinated(config: RunConfig, swarm: Swarm) -> Iterator[SwarmCoordinator]:
+def coordinated(config: RunConfig, swarm: Swarm) -> Iterator[TrainingLoop]:
     # The training peers keep their checkpoints in the swarm's folder; the coordinator moves
     # its `latest` pointer in the run folder.
     (config.path / "checkpoints").mkdir(parents=True, exist_ok=True)
-    coordinator = SwarmCoordinator(config, swarm.client, Console(quiet=True))
+    coordinator = swarm_run(config, swarm.client, Console(quiet=True))
     try:
         yield coordinator
     finally:
@@ -126,7 +127,7 @@ def test_hostile_replica_is_caught_blamed_and_banned(
         culprit = hostile[-1].node.peer_id  # the pair's last-stage injector lies
         with coordinated(config, swarm) as coordinator:
             summary = coordinator.run(wait_s=60)
-            reputation = coordinator.trust.reputation
+            reputation = coordinator.backend.trust.reputation
             events = [e for e in reputation.events if e.peer == culprit and e.outcome == outcome]
             assert events, f"{kind} was never caught: {reputation.events}"
             assert {e.stage for e in events} == {blamed_stage}
@@ -134,7 +135,7 @@ def test_hostile_replica_is_caught_blamed_and_banned(
             for peer in honest_ids(swarm, hostile):
                 assert not reputation.banned(peer), reputation.counts(peer)
                 assert reputation.counts(peer).get("failed", 0) == 0
-            assert coordinator.trust.count["verified"] > 0  # honest groups checked out
+            assert coordinator.backend.trust.count["verified"] > 0  # honest groups checked out
             assert summary.steps == config.train.steps
 
 
@@ -154,9 +155,9 @@ def test_replayed_submissions_are_refused_and_their_sender_banned(
                 thread.start()
                 # The replays start once the coordinator has accepted a group of its own.
                 threading.Thread(target=set_when, daemon=True, args=(
-                    accepted, lambda: bool(coordinator.trust.accepted_ids), stop)).start()
+                    accepted, lambda: bool(coordinator.backend.trust.accepted_ids), stop)).start()
                 summary = coordinator.run(wait_s=60)
-                reputation = coordinator.trust.reputation
+                reputation = coordinator.backend.trust.reputation
                 assert reputation.banned(attacker.peer_id)
                 details = [e.detail for e in reputation.events if e.peer == attacker.peer_id]
                 assert any("replayed group" in d for d in details), details
@@ -183,7 +184,7 @@ def test_a_flood_of_malformed_requests_is_blocked_and_banned(
             with coordinated(config, swarm) as coordinator:
                 thread.start()
                 summary = coordinator.run(wait_s=60)
-                reputation = coordinator.trust.reputation
+                reputation = coordinator.backend.trust.reputation
                 assert reputation.banned(attacker.peer_id)
                 assert reputation.counts(attacker.peer_id).get("malformed", 0) >= 5
                 assert summary.steps == config.train.steps

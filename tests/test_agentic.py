@@ -12,14 +12,14 @@ import msgspec
 import pytest
 from swarm_helpers import local_chain, tiny_run_config
 
-from decentrl.cli import demo_config
 from decentrl.config import RunConfig, parse_config
+from decentrl.demo import demo_config
 from decentrl.envs import Environment, make_task_or_environment
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.rollout.episodes import generate_episodes, replay_episode
 from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.ingest import Ingestion, RejectedGroup
-from decentrl.swarm.run import LocalRun
+from decentrl.swarm.local import local_run
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
@@ -153,7 +153,7 @@ def test_the_local_loop_trains_on_episodes(tiny_model_dir: Path, tmp_path: Path)
         train={"steps": 2, "micro_batch_size": 4, "zero_variance_groups": "keep",
                "mode": "sync"},
         eval={"task": CALCULATOR, "problems": 3, "max_new_tokens": 60})
-    summary = LocalRun(config).run()
+    summary = local_run(config).run()
     assert summary.steps == 2
     records = [json.loads(line) for line in (summary.path / "metrics.jsonl").read_text()
                .splitlines()]

@@ -19,14 +19,14 @@ import typer
 from swarm_helpers import tiny_run_config
 from typer.testing import CliRunner, Result
 
-from decentrl import cli
+from decentrl import cli, demo
 from decentrl.cli import app, print_join_event
 from decentrl.envs import AGENTIC_ENVIRONMENTS, make_task_or_environment
+from decentrl.net.directory import Directory
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import PeerRecord, Role, stage_key
 from decentrl.net.wire import TensorLimits, encode_struct
-from decentrl.net.directory import Directory
 from decentrl.swarm.coordinate import stages_lacking
 
 UNUSED_PEER_ID = "12D3KooWJGBqqn7rRqELaz3AxHTAUHtWH1Dj2L9H5nryw5SeGVx6"
@@ -248,10 +248,10 @@ def test_debug_shows_the_traceback_and_a_bug_is_one_line_with_exit_code_1(
     config = tmp_path / "run.toml"
     config.write_text('name = "x"\n')
 
-    def broken(config: object) -> None:
+    def broken(config: object, console: object) -> None:
         raise KeyError("stage")
 
-    monkeypatch.setattr(cli, "run_training", broken)
+    monkeypatch.setattr(demo, "run_local", broken)
     bug = invoke("train", "--config", str(config))
     assert bug.exit_code == 1 and "Traceback" not in bug.output
     assert "unexpected KeyError: 'stage' (a bug; `decentrl --debug` shows where)" in \

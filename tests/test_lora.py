@@ -25,7 +25,7 @@ from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.generate import generate, left_pad
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import Rollout
-from decentrl.swarm.run import LocalRun
+from decentrl.swarm.local import local_run
 
 CPU = torch.device("cpu")
 SAMPLING = SamplingConfig(temperature=1.0)
@@ -250,18 +250,19 @@ def test_lora_run_trains_and_exports_a_plain_model(tiny_model_dir: Path, tmp_pat
                "zero_variance_groups": "keep", "lora_rank": RANK, "lora_alpha": ALPHA,
                "lora_targets": ["q_proj", "v_proj", "down_proj"]},
         eval={"problems": 2, "pass_k": 1, "max_new_tokens": 6})
-    run = LocalRun(config)
+    run = local_run(config)
     learner = [t.stage for t in run.trainer.stage_trainers]
     # The tiny model earns no reward, so every advantage and gradient is zero: give B values up
     # front, as training would, so that the replicas and the merge have something to carry.
     set_b(learner, seed=4)
     summary = run.run()
     assert summary.steps == 2 and run.trainer.version == 2
-    assert all(has_lora(stage) for stage in learner + run.chain.stages + run.eval_chain.stages)
+    replicas = run.backend.chain.stages + run.backend.eval_chain.stages
+    assert all(has_lora(stage) for stage in learner + replicas)
     # The replicas generated and evaluated with the learner's adapters.
-    assert run.chain.versions() == (1, 1)  # synced before the second step's rollouts
-    for trained, *replicas in zip(learner, run.chain.stages, run.eval_chain.stages):
-        for replica in replicas:
+    assert run.backend.chain.versions() == (1, 1)  # synced before the second step's rollouts
+    for trained, *copies in zip(learner, run.backend.chain.stages, run.backend.eval_chain.stages):
+        for replica in copies:
             assert lora_tensors(trained).keys() == lora_tensors(replica).keys()
             assert all(torch.equal(t, lora_tensors(replica)[name])
                        for name, t in lora_tensors(trained).items())
@@ -271,18 +272,18 @@ def test_lora_run_trains_and_exports_a_plain_model(tiny_model_dir: Path, tmp_pat
     assert not any("lora" in name for name in exported)
     assert json.loads((final / "config.json").read_text())["tie_word_embeddings"] is False
     hf = AutoModelForCausalLM.from_pretrained(final).eval()
-    tokens, valid, positions = prompts(run.model)
+    tokens, valid, positions = prompts(run.backend.model)
     with torch.no_grad():
         expected = hf(input_ids=tokens, attention_mask=valid.long(), position_ids=positions).logits
-    actual = logits(learner, run.model)
+    actual = logits(learner, run.backend.model)
     assert torch.allclose(actual[valid], expected[valid], atol=1e-4)
     # The merge changed the adapted projections, nothing else.
-    original = run.model.tensors
+    original = run.backend.model.tensors
     changed = {name for name in original if not torch.equal(exported[name], original[name])}
     assert changed == {name for name in original
                        if name.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight"))}
     # The checkpoint resumes into LoRA stages.
-    resumed = LocalRun(config.model_copy(update={"train": config.train.model_copy(
+    resumed = local_run(config.model_copy(update={"train": config.train.model_copy(
         update={"steps": 3})}))
     assert resumed.step == 2
     for trained, stage in zip(learner, resumed.trainer.stage_trainers):

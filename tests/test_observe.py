@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from decentrl.observe.live import with_throughput
+from decentrl.observe.live import dashboard_steps
 from decentrl.observe.logs import configure_logging
+from decentrl.observe.metrics import StepRecord
 
 
 @pytest.fixture
@@ -48,13 +49,18 @@ def test_logs_are_json_lines_with_their_extra_fields(tmp_path: Path,
     assert second["level"] == "error" and "ValueError: bad tensor" in second["exception"]
 
 
+def step(number: int, elapsed_s: float, generated_tokens: float | None) -> StepRecord:
+    return StepRecord(step=number, version=number, reward=0.5, accuracy=0.5, staleness_mean=0.0,
+                      elapsed_s=elapsed_s, generated_tokens=generated_tokens)
+
+
 def test_throughput_is_tokens_over_the_time_since_the_step_before() -> None:
-    steps = [{"step": 1, "elapsed_s": 100.0, "generated_tokens": 500.0},
-             {"step": 2, "elapsed_s": 110.0, "generated_tokens": 400.0},
-             {"step": 3, "elapsed_s": 130.0},  # an older record: no generated_tokens
-             {"step": 4, "elapsed_s": 5.0, "generated_tokens": 300.0}]  # a restarted clock
-    out = with_throughput(steps)
+    steps = [step(1, 100.0, 500.0), step(2, 110.0, 400.0),
+             step(3, 130.0, None),  # an older record: no generated_tokens
+             step(4, 5.0, 300.0)]  # a restarted clock
+    out = dashboard_steps(steps)
     assert "tokens_per_s" not in out[0]  # its interval holds the evaluation before training
     assert out[1]["tokens_per_s"] == 40.0
     assert "tokens_per_s" not in out[2] and "tokens_per_s" not in out[3]
-    assert "tokens_per_s" not in steps[1]  # the records themselves are left alone
+    assert [row["step"] for row in out] == [1, 2, 3, 4]
+    assert "generated_tokens" not in out[1]  # the dashboard draws only STEP_KEYS

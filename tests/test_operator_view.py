@@ -24,7 +24,8 @@ from decentrl.observe.report import build_report
 from decentrl.release.export import export_run
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig
-from decentrl.swarm.coordinate import SwarmCoordinator
+from decentrl.swarm.coordinate import swarm_run
+from decentrl.swarm.loop import TrainingLoop
 from decentrl.tasks import Problem, Reward, SumsTask
 
 STEPS = 4
@@ -57,15 +58,15 @@ def test_a_swarm_run_is_watched_reported_and_released(tiny_sharp_dir: Path,
         swarm={"announce_every_s": 1.0, "snapshot_every_s": 1.0, "sessions_in_flight": 2,
                "dashboard_port": 0})
     with launched_swarm(config, replicas=2) as local:
-        coordinator = SwarmCoordinator(config, local.bootstrap, Console(quiet=True))
+        coordinator = swarm_run(config, local.bootstrap, Console(quiet=True))
         coordinator.ingestion.task = DigitsTask()  # the coordinator scores; peers never do
         live: list[dict[str, Any]] = []
 
         def watch() -> None:  # what an operator sees mid-run
-            while coordinator.dashboard is None and not coordinator.stop.is_set():
+            while coordinator.backend.dashboard is None and not coordinator.stop.is_set():
                 time.sleep(0.1)
             while not coordinator.stop.is_set():
-                state = fetch_state(coordinator.dashboard.url)
+                state = fetch_state(coordinator.backend.dashboard.url)
                 if state["phase"] == "training" and state["step"] >= 2 and state["steps"]:
                     live.append(state)
                     # Peers announce their traffic every second and the coordinator reads the
@@ -109,10 +110,11 @@ def check_live_state(live: list[dict[str, Any]], num_stages: int) -> None:
     assert last["tokens_per_s"] > 0
 
 
-def check_dashboard_page(coordinator: SwarmCoordinator, tmp_path: Path) -> None:
-    assert coordinator.dashboard is not None
-    text, _ = read_page(chromium(coordinator.dashboard.url, tmp_path / "profile", "--dump-dom"))
-    state = fetch_state(coordinator.dashboard.url)
+def check_dashboard_page(coordinator: TrainingLoop, tmp_path: Path) -> None:
+    assert coordinator.backend.dashboard is not None
+    url = coordinator.backend.dashboard.url
+    text, _ = read_page(chromium(url, tmp_path / "profile", "--dump-dom"))
+    state = fetch_state(url)
     assert state["phase"] == "finished"
     for stage in state["stages"]:
         for peer in stage["peers"]:
@@ -120,7 +122,7 @@ def check_dashboard_page(coordinator: SwarmCoordinator, tmp_path: Path) -> None:
     assert f"{STEPS} of {coordinator.config.train.steps}" in " ".join(text.split())
 
 
-def check_export_matches_the_swarm(coordinator: SwarmCoordinator, run_dir: Path,
+def check_export_matches_the_swarm(coordinator: TrainingLoop, run_dir: Path,
                                    out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -133,8 +135,9 @@ def check_export_matches_the_swarm(coordinator: SwarmCoordinator, run_dir: Path,
     assert "as the swarm's inference replicas served it" in (folder / "README.md").read_text()
     prompts = chat_prompts(exported, QUESTIONS)
     eos, pad = exported.tokenizer.eos_token_id, exported.tokenizer.pad_token_id
-    assert coordinator.chain.versions() == (STEPS,) * coordinator.config.num_stages
-    swarm = generate(coordinator.chain, prompts, 12, SamplingConfig(temperature=0.0), {eos}, pad)
+    assert coordinator.backend.chain.versions() == (STEPS,) * coordinator.config.num_stages
+    swarm = generate(coordinator.backend.chain, prompts, 12, SamplingConfig(temperature=0.0),
+                     {eos}, pad)
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     for prompt, generation in zip(prompts, swarm):
         with torch.no_grad():

@@ -241,6 +241,19 @@ def test_config_mismatch_is_described(path: Path) -> None:
         assert json.loads(store.get_meta("config") or "") == config
 
 
+def test_a_resumed_run_may_change_only_what_may_change(path: Path) -> None:
+    config = {"train": {"lr": 1e-6, "steps": 100}, "seed": 1}
+    longer = {"train": {"lr": 1e-6, "steps": 200}, "seed": 1}
+    with RunStore(path) as store:
+        store.check_or_set_config(json.dumps(config))
+        store.check_or_set_config(json.dumps(longer), may_change=("train.steps",))
+        assert json.loads(store.get_meta("config") or "") == longer  # the new length is kept
+        other_seed = {"train": {"lr": 1e-6, "steps": 300}, "seed": 2}
+        with pytest.raises(ValueError, match=r"seed: stored 1, given 2$"):
+            store.check_or_set_config(json.dumps(other_seed), may_change=("train.steps",))
+        assert json.loads(store.get_meta("config") or "") == longer
+
+
 def test_garbage_file_and_directory_are_refused(tmp_path: Path) -> None:
     garbage = tmp_path / "garbage.sqlite"
     garbage.write_bytes(b"this is not a database, it is just some bytes" * 100)

@@ -13,9 +13,7 @@ import importlib.util
 import inspect
 import json
 import logging
-import resource
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar, cast
@@ -23,16 +21,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar, cast
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.panel import Panel
-from rich.table import Table
 
-from decentrl.config import RunConfig, is_run_folder, load_config, parse_config
+from decentrl.config import load_config, parse_config
+from decentrl.demo import DEMO_TASKS
 from decentrl.observe.logs import configure_logging
 
 if TYPE_CHECKING:
-    from decentrl.evaluate.suite import Family, SuiteResult
     from decentrl.release.export import Weights
-    from decentrl.swarm.coordinate import SwarmSummary
 
 log = logging.getLogger(__name__)
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -89,139 +84,11 @@ def command(name: str | None = None, **settings: Any) -> Callable[[Command], Com
     return register
 
 
-DEMO_CONFIG = {
-    "name": "demo",
-    "num_stages": 2,
-    # No format bonus: it pays a bare wrong number, a trap the policy fell into in 3 runs of 3
-    # (3-token answers, training accuracy stuck near 0.1); without it, 0.4-0.5 within 10 steps.
-    "task": {"name": "sums", "options": {"min_digits": 1, "max_digits": 2, "format_weight": 0.0}},
-    "rollout": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 20},
-    # 12 minutes of training leave room for the two evaluations inside the 20-minute budget.
-    "train": {"mode": "async", "steps": 1000, "time_budget_s": 720, "loss": "grpo", "lr": 3e-5,
-              "micro_batch_size": 32, "max_staleness": 2,
-              # A dead training peer costs the steps since the last checkpoint (a few seconds
-              # to write both stages' weights and optimizer state).
-              "checkpoint_every": 5},
-    "eval": {"task": {"name": "sums", "options": {"min_digits": 2, "max_digits": 2}},
-             "problems": 200, "pass_k": 4, "every": 0},
-    # Peers on three continents: every hop 60-120 ms round trip, with jitter.
-    "swarm": {"link": {"rtt_ms": [60, 120], "jitter_ms": 10}, "inference_replicas": 2,
-              "sessions_in_flight": 8},
-    "threads": 1,
-}
-
-
-# The agentic demo: arithmetic word problems with the python tool, in episodes of up to three
-# turns. SmolLM2-135M never calls a tool unaided (0 of 32 episodes); with the first call's opening
-# prefilled and one worked example as real turns it solves about half of the one-step stories
-# greedily, and the tool's format is there for RL to sharpen. Episodes are long (about 450 prompt
-# tokens with the tool schema and the example), so fewer, smaller groups make a step.
-AGENTIC_TASK = {"name": "agentic-calculator",
-                "options": {"stories": ["purchase", "distance"], "prefill_first_call": True,
-                            "worked_example": True, "max_turns": 3}}
-AGENTIC_DEMO_CHANGES: dict[str, Any] = {
-    "task": AGENTIC_TASK,
-    # Sampled at T=1, 3-19% of episodes succeed per step where greedy decoding solves 50%, yet
-    # the greedy success rose more than at T=0.7 (+20 against +11 points, one run each): T=1
-    # samples the long, rambling turns that RL then removes (16 of 64 cut by the budget -> 0).
-    "rollout": {"group_size": 8, "prompts_per_step": 4, "max_new_tokens": 80},
-    "train": {"micro_batch_size": 8},
-    "eval": {"task": AGENTIC_TASK, "problems": 64, "pass_k": 1, "max_new_tokens": 80,
-             "batch_size": 16},
-}
-DEMO_TASKS = ("sums", AGENTIC_TASK["name"])
-
-
-def demo_config(task: str) -> dict[str, Any]:
-    """The demo's config for `task` (one of DEMO_TASKS)."""
-    data = json.loads(json.dumps(DEMO_CONFIG))
-    if task == AGENTIC_TASK["name"]:
-        for section, changes in AGENTIC_DEMO_CHANGES.items():
-            data[section] = {**data[section], **changes} if section != "task" else changes
-    elif task != "sums":
-        raise ValueError(f"the demo runs one of {', '.join(DEMO_TASKS)}, not {task!r}")
-    return data
-
-
-# The release comparison at the demo's end: greedy pass@1 on every family of the default suite
-# (the swarm's own evaluation has pass@k), about two minutes for base and model on 2 cores.
-DEMO_SUITE_PROBLEMS = 100
-
-
 def fail(message: str, code: int = 2) -> None:
     # stderr: stdout is data for whoever started a peer (its ready line).
     Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(message)}",
                                                highlight=False)
     raise typer.Exit(code=code)
-
-
-def peak_memory_gib() -> float:
-    # ru_maxrss is KiB on Linux and bytes on macOS.
-    scale = 1 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
-
-
-def before_after_table(summary) -> Table:
-    from decentrl.evaluate.runner import episode_rows, pass1_label
-
-    table = Table(title=f"held-out {summary.before.task} ({summary.before.problems} problems, "
-                        "95% CI)")
-    table.add_column("")
-    table.add_column("before")
-    table.add_column("after")
-    table.add_row(pass1_label(summary.before), summary.before.pass1.as_percent(),
-                  summary.after.pass1.as_percent())
-    if summary.before.pass_k is not None and summary.after.pass_k is not None:
-        table.add_row(f"pass@{summary.before.k} (T=1)", summary.before.pass_k.as_percent(),
-                      summary.after.pass_k.as_percent())
-    table.add_row("mean completion tokens", f"{summary.before.mean_completion_tokens:.1f}",
-                  f"{summary.after.mean_completion_tokens:.1f}")
-    for row in episode_rows(summary.before, summary.after):
-        table.add_row(*row)
-    return table
-
-
-def suite_table(result: SuiteResult) -> Table:
-    from decentrl.evaluate.suite import suite_table_rows
-
-    header, rows = suite_table_rows(result)
-    table = Table(title=f"{escape(result.model)}"
-                        + (f" against {escape(result.base)}" if result.base else "")
-                        + " (held-out, 95% CI)")
-    for column in header:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*map(escape, row))
-    return table
-
-
-def run_suite(model: str | Path, base: str | None, families: Sequence[Family], **options: Any
-              ) -> SuiteResult:
-    """evaluate_suite under a progress bar; `options` are evaluate_suite's."""
-    from decentrl.evaluate.suite import evaluate_suite
-    from decentrl.progress import progress_bar
-
-    with progress_bar(console, "evaluating", None) as update:
-        return evaluate_suite(
-            model, base, families,
-            progress=lambda description, done, total: update(done, total, description),
-            **options)
-
-
-def run_training(config: RunConfig) -> None:
-    from decentrl.swarm.run import LocalRun
-
-    configure_logging("run", json_file=config.path / "logs" / "run.jsonl")
-    started = time.time()
-    summary = LocalRun(config, console).run()
-    console.print(before_after_table(summary))
-    gain = summary.after.pass1.mean - summary.before.pass1.mean
-    console.print(f"pass@1 change: {gain * 100:+.1f} points; {summary.steps} steps; "
-                  f"wall {time.time() - started:.0f}s; peak memory {peak_memory_gib():.2f} GiB")
-    from decentrl.observe.report import build_report
-
-    console.print(f"run folder: {summary.path}  (final model: {summary.path / 'final'}; report: "
-                  f"{build_report(summary.path)})")
 
 
 @command()
@@ -252,111 +119,19 @@ def demo(
     talking over emulated WAN links on loopback. It trains on sums or on tool-using word-problem
     episodes, reports held-out accuracy (or episode success) before and after, and exports the
     model."""
+    from decentrl.demo import demo_config, fresh_run_folder, run_local, run_swarm_demo
+
     data = demo_config(task)
     data["name"] = name
     data["train"]["time_budget_s"] = budget
     config = parse_config(data)
-    if fresh and config.path.exists():
-        if not is_run_folder(config.path):
-            fail(f"{config.path} exists and does not hold a run, so the demo will not delete it; "
-                 "choose another --name, or move that folder")
-        import shutil
-
-        console.print(f"deleting the earlier run in {config.path} (--no-fresh keeps it)")
-        shutil.rmtree(config.path)
+    if fresh:
+        fresh_run_folder(config, console)
     if local:
-        run_training(config)
+        run_local(config, console)
     else:
-        run_swarm_demo(config, chaos_every if chaos else None, adversaries)
-
-
-def run_swarm_demo(config: RunConfig, chaos_every: float | None, adversaries: bool = False
-                   ) -> None:
-    import threading
-
-    from decentrl.envs import AGENTIC_ENVIRONMENTS
-    from decentrl.evaluate.suite import DEFAULT_SUITE, Family, with_overrides
-    from decentrl.model.loading import resolve_model
-    from decentrl.observe.report import build_report
-    from decentrl.release.export import export_run
-    from decentrl.swarm.adversary import ADVERSARIES
-    from decentrl.swarm.coordinate import SwarmCoordinator
-    from decentrl.swarm.launch import LocalSwarm
-
-    exit_on_sigterm()
-    started = time.time()
-    resolve_model(config.model)  # convert the GGUF once, before the peers race to do it
-    config.path.mkdir(parents=True, exist_ok=True)
-    configure_logging("coordinator", json_file=config.path / "logs" / "coordinator.jsonl")
-    config_path = config.path / "swarm-config.json"
-    config_path.write_text(config.model_dump_json(indent=2))
-    swarm = LocalSwarm(config, config_path, config.swarm.inference_replicas,
-                       adversaries=ADVERSARIES if adversaries else ())
-    stop_chaos = threading.Event()
-    coordinator = None
-    try:
-        console.print(f"starting the peers; each is ready once it has loaded its stage (logs "
-                      f"in {swarm.logs})")
-        swarm.start(on_ready=lambda child: console.print(f"  ready: {swarm.describe(child)}"))
-        assert swarm.bootstrap is not None
-        coordinator = SwarmCoordinator(config, swarm.bootstrap, console)
-        if chaos_every is not None:
-            threading.Thread(target=swarm.chaos, args=(stop_chaos, chaos_every, config.seed,
-                                                       console.print), daemon=True).start()
-        summary = coordinator.run()
-    finally:
-        stop_chaos.set()
-        if coordinator is not None:
-            coordinator.close()
-        swarm.shutdown()
-    if summary.before is not None:
-        console.print(before_after_table(summary))
-    # The release's own numbers: the exported folder, what people download, against the base,
-    # computed here rather than through replicas the run could not fully verify.
-    model_dir = export_run(config.path, config.path / "model", force=True)
-    # A task run is compared on the sums suite; an agentic run on its own environment.
-    families = (with_overrides(DEFAULT_SUITE, problems=DEMO_SUITE_PROBLEMS)
-                if config.task.name not in AGENTIC_ENVIRONMENTS else
-                [Family(config.eval.task.name, dict(config.eval.task.options),
-                        problems=config.eval.problems,
-                        max_new_tokens=config.eval.max_new_tokens)])
-    console.print(f"exported to {model_dir}; comparing it with {config.model} "
-                  f"({families[0].problems} held-out problems per family, and the general set)")
-    suite = run_suite(model_dir, config.model, families, pass_k=1, seed=config.seed)
-    (config.path / "evaluation.json").write_text(json.dumps(suite.to_json(), indent=2))
-    console.print(suite_table(suite))
-    # Again, over the first export: the model card now carries that comparison.
-    export_run(config.path, model_dir, force=True)
-    report = build_report(config.path)
-    names = {c.info.get("peer_id"): c.name for c in swarm.children.values()}
-    restarts = {c.name: c.restarts for c in swarm.children.values() if c.restarts}
-    console.print(Panel(demo_summary(summary, time.time() - started, names, restarts, model_dir,
-                                     report), title=f"{config.name}: summary", expand=False))
-
-
-def demo_summary(summary: SwarmSummary, wall_s: float, names: dict[str, str],
-                 restarts: dict[str, int], model_dir: Path, report: Path) -> str:
-    """The few lines that say how the demo went and where everything is."""
-    lines = [f"{summary.steps} steps in {wall_s / 60:.1f} min; generation failovers "
-             f"{summary.failovers}, training recoveries {summary.recoveries}, peers restarted "
-             f"{restarts or 'none'}"]
-    if summary.before is not None:
-        gain = summary.after.pass1.mean - summary.before.pass1.mean
-        lines.append(f"held-out {summary.after.task} pass@1 {summary.before.pass1.as_percent()} "
-                     f"-> {summary.after.pass1.as_percent()} ({100 * gain:+.1f} points)")
-    trust = summary.trust
-    lines.append(f"trust: {trust['verified']} groups spot-checked and passed, "
-                 f"{trust['verify_failed']} failed, {trust['verify_skipped']} checks skipped; "
-                 f"{trust['flagged']} groups flagged by the trainer; "
-                 f"{trust['submissions_refused']} submissions refused")
-    lines += [f"  banned {escape(names.get(peer, peer[-8:]))}: {escape(why[:160])}"
-              for peer, why in summary.banned.items()]
-    lines += [f"model:  {model_dir} (Hugging Face folder, model card README.md, SHA256SUMS)",
-              f"report: {report}",
-              f"logs:   {summary.path / 'logs'} (JSON lines)"]
-    if summary.dashboard_url is not None:
-        lines.append(f"the dashboard was at {summary.dashboard_url} while the run lasted")
-    return "\n".join(lines)
+        exit_on_sigterm()
+        run_swarm_demo(config, console, chaos_every if chaos else None, adversaries)
 
 
 @command()
@@ -365,7 +140,9 @@ def train(config: Annotated[Path, typer.Option(
     """Run a post-training job in this one process, as a TOML config describes it.
 
     A run that stopped resumes from its last checkpoint."""
-    run_training(load_config(config))
+    from decentrl.demo import run_local
+
+    run_local(load_config(config), console)
 
 
 def exit_on_sigterm() -> None:
@@ -401,7 +178,7 @@ def coordinate(
     prints the command that volunteers run to join."""
     from decentrl.net.node import SwarmNode
     from decentrl.net.wire import TensorLimits
-    from decentrl.swarm.coordinate import SwarmCoordinator
+    from decentrl.swarm.coordinate import swarm_run
     from decentrl.swarm.launch import link_profile
 
     exit_on_sigterm()
@@ -411,7 +188,7 @@ def coordinate(
                            TensorLimits())
     coordinator = None
     try:
-        coordinator = SwarmCoordinator(run_config, node, console)  # checks the whole config
+        coordinator = swarm_run(run_config, node, console)  # checks the whole config
         joining = join_command(run_config.name, node.addresses())
         (run_config.path / "join.txt").write_text(joining + "\n")
         console.print("peers join with this command (a training peer adds --role training "
@@ -581,6 +358,7 @@ def eval_command(
 
     Greedy pass@1 and sampled pass@k, with 95% confidence intervals, on several task families;
     with --base, the changes and the drift from the base on general text."""
+    from decentrl.demo import run_suite, suite_table
     from decentrl.evaluate.suite import DEFAULT_SUITE, Family, with_overrides
 
     if option and task is None:
@@ -588,7 +366,7 @@ def eval_command(
     if output is not None and not output.parent.is_dir():
         fail(f"--output {output}: folder {output.parent} does not exist")
     families = DEFAULT_SUITE if task is None else [Family(task, parse_options(option or []))]
-    result = run_suite(model, base, with_overrides(families, problems, max_new_tokens),
+    result = run_suite(console, model, base, with_overrides(families, problems, max_new_tokens),
                        pass_k=pass_k, batch_size=batch_size, num_stages=num_stages,
                        device=device, dtype=dtype, seed=seed)
     console.print(suite_table(result))

@@ -11,9 +11,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
+
 from decentrl.config import RunConfig
 from decentrl.net.directory import Directory
-from decentrl.swarm.run import MetricsLog
+from decentrl.observe.metrics import (
+    EvalRecord,
+    MetricsLog,
+    PeerSnapshot,
+    StepRecord,
+    SwarmRecord,
+    TrustRecord,
+)
 from decentrl.trust.reputation import Reputation
 
 Phase = Literal["waiting", "evaluating", "training", "finished"]
@@ -25,17 +34,20 @@ STEP_KEYS = ("step", "elapsed_s", "version", "reward", "accuracy", "staleness_me
              "completion_tokens_mean", "train_s", "wait_s", "sequences", "tokens_per_s")
 
 
-def with_throughput(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Step records with `tokens_per_s`: the tokens a step's batch generated over the time since
-    the step before. The first step has none (its interval holds the evaluation before training),
-    nor have records without `generated_tokens` (older runs). The report smooths the same
-    quantity over a few steps (observe/report.py `throughput`)."""
-    out = steps[:1]
-    for before, record in zip(steps, steps[1:]):
-        seconds = record["elapsed_s"] - before["elapsed_s"]
-        if "generated_tokens" in record and seconds > 0:  # a resumed run restarts its clock
-            record = {**record, "tokens_per_s": round(record["generated_tokens"] / seconds, 1)}
-        out.append(record)
+def dashboard_steps(steps: list[StepRecord]) -> list[dict[str, Any]]:
+    """The dashboard's view of the step records: STEP_KEYS, and `tokens_per_s`, the tokens a
+    step's batch generated over the time since the step before. The first step has none (its
+    interval holds the evaluation before training), nor have records without `generated_tokens`
+    (older runs). The report smooths the same quantity over a few steps (observe/report.py
+    `throughput`)."""
+    out = []
+    for index, record in enumerate(steps):
+        fields = msgspec.structs.asdict(record)
+        row = {key: fields[key] for key in STEP_KEYS if fields.get(key) is not None}
+        seconds = record.elapsed_s - steps[index - 1].elapsed_s if index > 0 else 0.0
+        if record.generated_tokens is not None and seconds > 0:  # a resumed run restarts its clock
+            row["tokens_per_s"] = round(record.generated_tokens / seconds, 1)
+        out.append(row)
     return out
 
 
@@ -57,14 +69,15 @@ class SwarmObserver:
     # calls peers(), which takes it too.
     lock: threading.RLock = field(default_factory=threading.RLock)
 
-    def peers(self) -> list[dict[str, Any]]:
+    def peers(self) -> list[PeerSnapshot]:
         records = self.directory.records()
         with self.lock:
             self.names.update({peer: record.name for peer, record in records.items()})
-        return [{"peer_id": peer, "name": r.name, "stage": r.stage, "layers": list(r.layers),
-                 "role": r.role, "version": r.version, "tokens_per_s": r.tokens_per_s,
-                 "bytes_sent": r.bytes_sent, "reputation": round(self.reputation.score(peer), 3),
-                 "banned": self.reputation.banned(peer)}
+        return [PeerSnapshot(peer_id=peer, name=r.name, stage=r.stage, layers=list(r.layers),
+                             role=r.role, version=r.version, tokens_per_s=r.tokens_per_s,
+                             bytes_sent=r.bytes_sent,
+                             reputation=round(self.reputation.score(peer), 3),
+                             banned=self.reputation.banned(peer))
                 for peer, r in sorted(records.items(), key=lambda item: (item[1].stage,
                                                                           item[1].name))]
 
@@ -72,24 +85,23 @@ class SwarmObserver:
         """One swarm snapshot, and the verification events since the last call, into
         metrics.jsonl."""
         with self.lock:
-            self.metrics.write("swarm", step=self.step(), version=self.learner_version(),
-                               peers=self.peers())
+            self.metrics.write(SwarmRecord(step=self.step(), version=self.learner_version(),
+                                           peers=self.peers()))
             with self.reputation.lock:
                 new = self.reputation.events[self.events_logged:]
             self.events_logged += len(new)
             for event in new:
-                self.metrics.write("trust", time=round(event.time, 3), peer=event.peer,
-                                   name=self.names.get(event.peer, event.peer[-8:]),
-                                   stage=event.stage, outcome=event.outcome,
-                                   detail=event.detail[:MAX_DETAIL_CHARS])
+                self.metrics.write(TrustRecord(
+                    time=round(event.time, 3), peer=event.peer,
+                    name=self.names.get(event.peer, event.peer[-8:]), stage=event.stage,
+                    outcome=event.outcome, detail=event.detail[:MAX_DETAIL_CHARS]))
 
-    def updates(self, peers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def updates(self, peers: list[PeerSnapshot]) -> list[dict[str, Any]]:
         """Per stage, how far the learner's newest weights have spread among its replicas."""
         learner = self.learner_version()
         out = []
         for stage in range(self.config.num_stages):
-            versions = [p["version"] for p in peers
-                        if p["stage"] == stage and p["role"] != "training"]
+            versions = [p.version for p in peers if p.stage == stage and p.role != "training"]
             out.append({"stage": stage, "learner_version": learner, "replicas": len(versions),
                         "replicas_current": sum(v >= learner for v in versions),
                         "oldest_replica_version": min(versions) if versions else None})
@@ -100,13 +112,12 @@ class SwarmObserver:
         peers = self.peers()
         stages = []
         for stage in range(self.config.num_stages):
-            members = [p for p in peers if p["stage"] == stage]
-            first, stop = members[0]["layers"] if members else (None, None)
+            members = [p for p in peers if p.stage == stage]
+            first, stop = members[0].layers if members else (None, None)
             stages.append({"stage": stage,  # the first and the last layer, as people count them
                            "layers": [first, stop - 1] if stop is not None else None,
-                           "peers": members})
-        steps = with_throughput(self.metrics.of("step"))
-        events = self.metrics.of("trust")[-EVENTS_SHOWN:]
+                           "peers": msgspec.to_builtins(members)})
+        events = self.metrics.of(TrustRecord)[-EVENTS_SHOWN:]
         return {
             "run": self.config.name, "phase": self.phase,
             "elapsed_s": round(time.time() - self.metrics.started, 1),
@@ -115,10 +126,11 @@ class SwarmObserver:
             "step": self.step(),
             "version": self.learner_version(), "max_steps": self.config.train.steps,
             "time_budget_s": self.config.train.time_budget_s,
-            "steps": [{k: r[k] for k in STEP_KEYS if k in r} for r in steps],
-            "evals": self.metrics.of("eval"),
+            "steps": dashboard_steps(self.metrics.of(StepRecord)),
+            "evals": msgspec.to_builtins(self.metrics.of(EvalRecord)),
             "stages": stages, "updates": self.updates(peers),
             "trust": self.trust_counters(),
-            "trust_events": [{k: e[k] for k in ("time", "elapsed_s", "peer", "name", "stage",
-                                                 "outcome", "detail")} for e in events],
+            "trust_events": [{"time": e.time, "elapsed_s": e.elapsed_s, "peer": e.peer,
+                              "name": e.name, "stage": e.stage, "outcome": e.outcome,
+                              "detail": e.detail} for e in events],
         }

@@ -32,6 +32,13 @@ from decentrl.evaluate.suite import (
     percent_change,
     suite_table_markdown,
 )
+from decentrl.observe.metrics import (
+    RunRecords,
+    StepRecord,
+    SwarmRecord,
+    TrustRecord,
+    read_metrics,
+)
 
 ROLES = ("inference", "training", "both")
 OUTCOMES = ("passed", "failed", "proved", "flagged", "malformed")
@@ -69,124 +76,6 @@ PLOT_NAMES = ("reward_accuracy.png", "staleness.png", "throughput.png", "loss.pn
 
 
 # ---------------------------------------------------------------------------------- records
-
-
-class StepRecord(msgspec.Struct):
-    elapsed_s: float
-    step: int
-    version: int
-    reward: float
-    accuracy: float
-    staleness_mean: float
-    groups: float = 0.0
-    completion_tokens_mean: float = 0.0
-    generated_tokens: float | None = None  # absent before the swarm logged it
-    staleness_counts: dict[int, int] | None = None  # groups of the batch per staleness
-    wire_bytes: float | None = None  # the coordinator's links, both directions, cumulative
-    # Cumulative trust counters of a swarm run (absent in local and older runs).
-    verified: int | None = None
-    verify_failed: int | None = None
-    verify_skipped: int | None = None
-    flagged: int | None = None
-    banned: int | None = None
-    submissions_refused: int | None = None
-    # The step's time, and the trainer's metrics (learn/trainer.py, learn/losses.py): absent in
-    # older runs, and the trainer's when no group of the batch carried signal.
-    wait_s: float | None = None
-    train_s: float | None = None
-    policy_loss: float | None = None
-    grad_norm: float | None = None
-    behaviour_kl: float | None = None
-    kl: float | None = None  # to the reference model: only when the loss has a KL penalty
-    entropy: float | None = None
-    tis_weight_mean: float | None = None
-    tis_truncated_fraction: float | None = None
-    mis_masked_fraction: float | None = None
-
-
-class EvalRecord(msgspec.Struct):
-    elapsed_s: float
-    label: str
-    step: int
-    pass1: float
-    pass1_low: float
-    pass1_high: float
-
-
-class PeerSnapshot(msgspec.Struct):
-    peer_id: str
-    stage: int
-    role: str
-    version: int
-    tokens_per_s: float
-    bytes_sent: int
-    reputation: float
-    banned: bool
-    name: str = ""
-
-
-class SwarmRecord(msgspec.Struct):
-    elapsed_s: float
-    step: int
-    version: int
-    peers: list[PeerSnapshot]
-
-
-class TrustRecord(msgspec.Struct):
-    elapsed_s: float
-    peer: str
-    stage: int | None
-    outcome: str
-    name: str = ""
-    detail: str = ""
-
-
-class Envelope(msgspec.Struct):
-    """What every record has."""
-
-    event: str
-    elapsed_s: float
-
-
-RECORD_TYPES: dict[str, type[msgspec.Struct]] = {
-    "step": StepRecord, "eval": EvalRecord, "swarm": SwarmRecord, "trust": TrustRecord}
-
-
-@dataclass
-class RunRecords:
-    """metrics.jsonl by kind of event, in file order."""
-
-    steps: list[StepRecord]
-    evals: list[EvalRecord]
-    snapshots: list[SwarmRecord]
-    trust: list[TrustRecord]
-
-    @property
-    def wall_s(self) -> float:
-        times = [r.elapsed_s for kind in (self.steps, self.evals, self.snapshots, self.trust)
-                 for r in kind]
-        return max(times, default=0.0)
-
-
-def read_metrics(path: Path) -> RunRecords:
-    """The run's records; a line that is not a valid record raises ValueError naming the file and
-    line. Events this report does not draw are skipped."""
-    found: dict[str, list[Any]] = {kind: [] for kind in RECORD_TYPES}
-    lines = path.read_text().splitlines() if path.is_file() else []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            raw = msgspec.json.decode(line, type=dict[str, Any])
-            event = msgspec.convert(raw, Envelope).event
-            kind = RECORD_TYPES.get(event)
-            if kind is not None:
-                # Not strict: JSON object keys are strings, staleness_counts' keys are versions.
-                found[event].append(msgspec.convert(raw, kind, strict=False))
-        except msgspec.DecodeError as error:  # a ValidationError too
-            raise ValueError(f"{path}, line {number}: malformed metrics record: {error}") from None
-    return RunRecords(found["step"], found["eval"], found["swarm"], found["trust"])
-
 
 def read_evaluation(path: Path) -> EvalResult | None:
     """eval_before.json or eval_after.json; None when the run has none."""

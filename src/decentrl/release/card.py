@@ -14,7 +14,8 @@ from decentrl.envs.tool_calls import CLOSE_TAG
 from decentrl.evaluate.runner import EvalResult
 from decentrl.evaluate.suite import SuiteResult, suite_table_markdown
 from decentrl.model.loading import DEFAULT_MODEL, BaseOrigin
-from decentrl.observe.report import SwarmRecord, held_out_table, markdown_text, peer_name
+from decentrl.observe.metrics import SwarmRecord
+from decentrl.observe.report import held_out_table, markdown_text, peer_name
 
 # Where the usage snippet loads the model from; a reader replaces it with this folder or the
 # Hub repository it was uploaded to.

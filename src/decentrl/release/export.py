@@ -38,7 +38,8 @@ from decentrl.model.loading import (
 from decentrl.model.lora import has_lora, merge_lora
 from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule, StagePlan, build_stages
-from decentrl.observe.report import read_evaluation, read_metrics
+from decentrl.observe.metrics import read_metrics
+from decentrl.observe.report import read_evaluation
 from decentrl.release.card import ModelSize, model_card
 
 EXPORT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

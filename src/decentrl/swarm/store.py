@@ -338,9 +338,10 @@ class RunStore:
             row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else row[0]
 
-    def check_or_set_config(self, config_json: str) -> None:
+    def check_or_set_config(self, config_json: str, may_change: tuple[str, ...] = ()) -> None:
         """Store the run config on first use; afterwards a restart must bring the same one
-        (compared as JSON, so key order and whitespace do not matter)."""
+        (compared as JSON, so key order and whitespace do not matter), except at the dotted
+        paths of `may_change` (a resumed run may run longer), where the new value is stored."""
         with self._transaction() as db:
             row = db.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()
             if row is None:
@@ -353,28 +354,30 @@ class RunStore:
             old, new = json.loads(stored), json.loads(config_json)
         except json.JSONDecodeError:
             raise ValueError(f"run config differs from the one stored in {self.path}") from None
-        differences = _json_differences(old, new, "")
+        differences = [(path, text) for path, text in _json_differences(old, new, "")
+                       if path not in may_change]
         if not differences:
+            self.set_meta("config", config_json)
             return
-        shown = "; ".join(differences[:5])
+        shown = "; ".join(text for _, text in differences[:5])
         more = f" (and {len(differences) - 5} more)" if len(differences) > 5 else ""
         raise ValueError(f"run config differs from the one stored in {self.path}: "
                          f"{shown}{more}")
 
 
-def _json_differences(old: Any, new: Any, where: str) -> list[str]:
-    """Where two parsed JSON values differ, as 'a.b: stored X, given Y' lines."""
+def _json_differences(old: Any, new: Any, where: str) -> list[tuple[str, str]]:
+    """Where two parsed JSON values differ: (dotted path, 'a.b: stored X, given Y')."""
     if isinstance(old, dict) and isinstance(new, dict):
         out = []
         for key in sorted(old.keys() | new.keys()):
             path = f"{where}.{key}" if where else key
             if key not in new:
-                out.append(f"{path}: stored {json.dumps(old[key])}, missing now")
+                out.append((path, f"{path}: stored {json.dumps(old[key])}, missing now"))
             elif key not in old:
-                out.append(f"{path}: not stored, given {json.dumps(new[key])}")
+                out.append((path, f"{path}: not stored, given {json.dumps(new[key])}"))
             else:
                 out.extend(_json_differences(old[key], new[key], path))
         return out
     if old == new and type(old) is type(new):
         return []
-    return [f"{where or '<config>'}: stored {json.dumps(old)}, given {json.dumps(new)}"]
+    return [(where, f"{where or '<config>'}: stored {json.dumps(old)}, given {json.dumps(new)}")]

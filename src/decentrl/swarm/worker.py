@@ -6,11 +6,8 @@ environment's replies, in one session (rollout/episodes.py)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from decentrl.config import RolloutConfig
 from decentrl.envs import Environment
@@ -37,7 +34,6 @@ class RolloutWorker:
         self.chain, self.transport, self.task, self.tokenizer = chain, transport, task, tokenizer
         self.rollout, self.scheduler, self.seed = rollout, scheduler, seed
         self.sampling = sampling_config(rollout)
-        self.error: BaseException | None = None
         self.generated_tokens = 0
 
     def sync_weights(self) -> bool:
@@ -96,25 +92,3 @@ class RolloutWorker:
             self.chain, [p for p in prompts for _ in range(size)], max_new_tokens, self.sampling,
             {self.tokenizer.eos_token_id}, self.tokenizer.pad_token_id, sampling_seed, on_session)
         return generations, prompts
-
-    def run(self, stop: threading.Event, threads: int | None = None) -> None:
-        """Generate until `stop` is set (the asynchronous actor). Errors end the loop and are kept
-        in `self.error` for the coordinator to raise; they never vanish with the thread.
-        `threads` caps this thread's intra-op CPU threads, so the worker and the learner share the
-        cores instead of both spinning on all of them."""
-        if self.transport is None:
-            raise RuntimeError("this worker has no transport to hand its groups to")
-        transport = self.transport
-        try:
-            if threads is not None:
-                torch.set_num_threads(threads)
-            while not stop.is_set():
-                self.sync_weights()
-                indices = self.scheduler.next(self.rollout.prompts_per_step)
-                for group in self.generate_groups(indices):
-                    while not transport.put_rollouts(group, timeout=0.5):
-                        if stop.is_set():
-                            return
-        except BaseException as error:  # noqa: BLE001 - handed to the coordinator thread
-            self.error = error
-            stop.set()

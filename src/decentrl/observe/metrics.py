@@ -1,0 +1,191 @@
+"""The schema of metrics.jsonl, its writer and its reader: one JSON object a line, tagged by
+`event` ("step", "eval", "swarm", "trust"), with `elapsed_s` since the run's start. The training
+loop, the swarm observer, the dashboard, the report and the benchmarks all go through these types,
+so a field is added, renamed or read in one place.
+
+Fields a record gained over time have defaults, so runs written before them still read; a field
+that is None is left out of the line."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+
+class Record(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="event"):
+    elapsed_s: float = 0.0  # seconds since the run started; the writer stamps it
+
+
+class StepRecord(Record, tag="step"):
+    """One training step: its batch, the time it took, the trainer's metrics (learn/losses.py,
+    learn/trainer.py; absent when no group of the batch carried signal) and, in a swarm run, the
+    coordinator's cumulative counters."""
+
+    step: int
+    version: int  # the learner's version after the step
+    reward: float
+    accuracy: float
+    staleness_mean: float
+    wait_s: float | None = None  # waiting for rollouts
+    train_s: float | None = None
+    sequences: int = 0  # rows trained (groups without reward variance are left out)
+    stale_dropped: int = 0  # cumulative: groups dropped over the staleness bound
+    rejected: int = 0  # cumulative: groups refused by ingestion
+    groups: float = 0.0
+    zero_variance_groups: float = 0.0
+    staleness_max: float = 0.0
+    completion_tokens_mean: float = 0.0
+    finished_fraction: float | None = None
+    generated_tokens: float | None = None
+    staleness_counts: dict[int, int] | None = None  # groups of the batch per staleness
+    # The trainer's metrics.
+    policy_loss: float | None = None
+    grad_norm: float | None = None
+    clip_fraction: float | None = None
+    ratio_mean: float | None = None
+    behaviour_kl: float | None = None  # KL(behaviour || proximal): how off-policy the batch was
+    kl: float | None = None  # to the reference model: only when the loss has a KL penalty
+    entropy: float | None = None
+    flagged_fraction: float | None = None
+    tis_weight_mean: float | None = None
+    tis_truncated_fraction: float | None = None
+    mis_masked_fraction: float | None = None
+    # A swarm run's cumulative counters (trust/gate.py `Trust.counters`, the chain's failovers,
+    # the coordinator's link bytes in both directions).
+    verified: int | None = None
+    verify_failed: int | None = None
+    verify_skipped: int | None = None
+    flagged: int | None = None
+    banned: int | None = None
+    submissions_refused: int | None = None
+    failovers: int | None = None
+    wire_bytes: float | None = None
+
+
+class EvalRecord(Record, tag="eval"):
+    label: str  # "before", "during", "after"
+    step: int
+    pass1: float
+    pass1_low: float
+    pass1_high: float
+    version: int = 0
+    task: str = ""
+    problems: int = 0
+    pass_k: float | None = None
+    k: int | None = None
+
+
+class PeerSnapshot(msgspec.Struct, kw_only=True):
+    peer_id: str
+    stage: int
+    role: str
+    version: int
+    tokens_per_s: float
+    bytes_sent: int
+    reputation: float
+    banned: bool
+    name: str = ""
+    layers: list[int] = []  # [start, stop)
+
+
+class SwarmRecord(Record, tag="swarm"):
+    step: int
+    version: int
+    peers: list[PeerSnapshot]
+
+
+class TrustRecord(Record, tag="trust"):
+    """A verification event (trust/reputation.py); `detail` comes from an untrusted peer's output
+    and is cut short by the writer."""
+
+    peer: str
+    stage: int | None
+    outcome: str
+    name: str = ""
+    detail: str = ""
+    time: float = 0.0  # wall clock of the event
+
+
+AnyRecord = StepRecord | EvalRecord | SwarmRecord | TrustRecord
+KINDS: dict[str, type[Record]] = {"step": StepRecord, "eval": EvalRecord, "swarm": SwarmRecord,
+                                  "trust": TrustRecord}
+R = TypeVar("R", bound=Record)
+
+
+class Event(msgspec.Struct):
+    """What every line has; the kind decides the rest."""
+
+    event: str
+
+
+@dataclass
+class RunRecords:
+    """metrics.jsonl by kind of event, in file order."""
+
+    steps: list[StepRecord]
+    evals: list[EvalRecord]
+    snapshots: list[SwarmRecord]
+    trust: list[TrustRecord]
+
+    @property
+    def wall_s(self) -> float:
+        times = [r.elapsed_s for kind in (self.steps, self.evals, self.snapshots, self.trust)
+                 for r in kind]
+        return max(times, default=0.0)
+
+
+def read_metrics(path: Path) -> RunRecords:
+    """A run's records; a line that is not a valid record raises ValueError naming the file and
+    the line. Events of other kinds are skipped."""
+    found: dict[str, list[Any]] = {kind: [] for kind in KINDS}
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            kind = msgspec.json.decode(line, type=Event).event
+            if kind in KINDS:
+                # Not strict: JSON object keys are strings, staleness_counts' keys are versions.
+                raw = msgspec.json.decode(line)
+                found[kind].append(msgspec.convert(raw, KINDS[kind], strict=False))
+        except msgspec.DecodeError as error:  # a ValidationError too
+            raise ValueError(f"{path}, line {number}: malformed metrics record: {error}") from None
+    return RunRecords(found["step"], found["eval"], found["swarm"], found["trust"])
+
+
+class MetricsLog:
+    """metrics.jsonl, appended as records happen, and this run's records in memory (for the
+    dashboard). Written from the training loop and from the swarm observer's thread."""
+
+    def __init__(self, path: Path, started: float) -> None:
+        self.path, self.started = path, started
+        self.records: list[AnyRecord] = []
+        self.lock = threading.Lock()
+
+    def write(self, record: R) -> R:
+        """Stamp `record` with the time since the run started and append it."""
+        record.elapsed_s = round(time.time() - self.started, 3)
+        line = msgspec.json.encode(record) + b"\n"
+        with self.lock:
+            with self.path.open("ab") as f:
+                f.write(line)
+            self.records.append(record)  # type: ignore[arg-type]  # R is one of AnyRecord
+        return record
+
+    def of(self, kind: type[R]) -> list[R]:
+        with self.lock:
+            return [r for r in self.records if isinstance(r, kind)]
+
+
+def step_line(record: StepRecord) -> str:
+    """The console line of a training step."""
+    return (f"step {record.step:4d}  v{record.version}  reward {record.reward:.3f}  "
+            f"acc {record.accuracy:.3f}  len {record.completion_tokens_mean:.1f}  "
+            f"stale {record.staleness_mean:.2f}  wait {record.wait_s or 0:.1f}s  "
+            f"train {record.train_s or 0:.1f}s  t={record.elapsed_s:.0f}s")
+
