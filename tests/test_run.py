@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from decentrl.config import ConfigError, RunConfig, load_config, parse_config
 from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.ingest import Ingestion
-from decentrl.swarm.run import LocalRun
+from decentrl.swarm.local import local_run
 
 
 def tiny_config(model_dir: Path, run_dir: Path, **train: object) -> RunConfig:
@@ -38,7 +38,7 @@ def read_metrics(path: Path) -> list[dict]:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_run_writes_a_complete_run_folder(tiny_model_dir: Path, tmp_path: Path, mode: str) -> None:
     config = tiny_config(tiny_model_dir, tmp_path, mode=mode)
-    summary = LocalRun(config).run()
+    summary = local_run(config).run()
     assert summary.steps == 3
     records = read_metrics(summary.path)
     steps = [r for r in records if r["event"] == "step"]
@@ -58,11 +58,11 @@ def test_run_writes_a_complete_run_folder(tiny_model_dir: Path, tmp_path: Path, 
 
 
 def test_sync_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
-    straight = LocalRun(tiny_config(tiny_model_dir, tmp_path / "a", mode="sync", steps=4))
+    straight = local_run(tiny_config(tiny_model_dir, tmp_path / "a", mode="sync", steps=4))
     straight.run()
-    first = LocalRun(tiny_config(tiny_model_dir, tmp_path / "b", mode="sync", steps=2))
+    first = local_run(tiny_config(tiny_model_dir, tmp_path / "b", mode="sync", steps=2))
     first.run()
-    resumed = LocalRun(tiny_config(tiny_model_dir, tmp_path / "b", mode="sync", steps=4))
+    resumed = local_run(tiny_config(tiny_model_dir, tmp_path / "b", mode="sync", steps=4))
     assert resumed.step == 2 and resumed.trainer.version == 2
     resumed.run()
     for a, b in zip(straight.trainer.stage_trainers, resumed.trainer.stage_trainers):
@@ -72,7 +72,7 @@ def test_sync_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 def test_async_run_learner_drops_groups_past_the_staleness_bound(
         tiny_model_dir: Path, tmp_path: Path) -> None:
-    run = LocalRun(tiny_config(tiny_model_dir, tmp_path, mode="sync", max_staleness=0))
+    run = local_run(tiny_config(tiny_model_dir, tmp_path, mode="sync", max_staleness=0))
     indices = run.scheduler.next(1)
     group = run.worker.generate_groups(indices)[0]
     # The learner moved on two versions while the group was in flight.
@@ -96,7 +96,7 @@ def refusal_reason(ingestion: Ingestion, group: RolloutGroup,
 
 def test_coordinator_rejects_unscheduled_replayed_and_malformed_groups(
         tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    run = LocalRun(tiny_config(tiny_model_dir, tmp_path, mode="sync"))
+    run = local_run(tiny_config(tiny_model_dir, tmp_path, mode="sync"))
     [index] = run.scheduler.next(1)
     group = run.worker.generate_groups([index])[0]
     unscheduled = msgspec.structs.replace(group, problem_index=index + 1000)
@@ -124,8 +124,8 @@ def test_coordinator_rewards_the_completion_tokens_not_the_claimed_text(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     """A peer edits a completion's tokens to another answer and claims the original one in the
     text it sends along: the reward is what the tokens earn, never what the text claims."""
-    run = LocalRun(tiny_config(tiny_model_dir, tmp_path, mode="sync"))
-    tokenizer = run.model.tokenizer
+    run = local_run(tiny_config(tiny_model_dir, tmp_path, mode="sync"))
+    tokenizer = run.backend.tokenizer
 
     def edited(group: RolloutGroup, tokens_say: str, text_claims: str) -> RolloutGroup:
         tokens = tokenizer.encode(tokens_say, add_special_tokens=False)
@@ -179,4 +179,4 @@ def test_unknown_task_lists_the_known_ones(tiny_model_dir: Path, tmp_path: Path)
     config = tiny_config(tiny_model_dir, tmp_path)
     config = config.model_copy(update={"task": config.task.model_copy(update={"name": "nope"})})
     with pytest.raises(ValueError, match="unknown task 'nope'; tasks: sums"):
-        LocalRun(config)
+        local_run(config)
