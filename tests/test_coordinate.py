@@ -5,8 +5,10 @@ accepted rollout lost and no version skipped."""
 from __future__ import annotations
 
 import json
-import threading
-import time
+import sqlite3
+from collections import Counter
+from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,11 @@ from swarm_helpers import launched_swarm
 
 from decentrl.config import ConfigError, RunConfig, parse_config
 from decentrl.model.blocks import ModelSpec
-from decentrl.swarm.coordinate import SwarmCoordinator, check_swarm_config
-from decentrl.swarm.store import RunStore
+from decentrl.observe.metrics import StepRecord
+from decentrl.rollout.types import ScoredGroup
+from decentrl.swarm.coordinate import check_swarm_config, swarm_run
+from decentrl.swarm.launch import LocalSwarm
+from decentrl.swarm.loop import RunHooks, TrainingLoop
 
 
 def swarm_config(model_dir: Path, run_dir: Path, steps: int) -> RunConfig:
@@ -36,17 +41,6 @@ class Crash(RuntimeError):
     pass
 
 
-class CrashingCoordinator(SwarmCoordinator):
-    """Dies right after recording step `crash_after`, like a killed process (no final save)."""
-
-    crash_after = 0
-
-    def _train_one_step(self, metrics):  # type: ignore[no-untyped-def]
-        super()._train_one_step(metrics)
-        if self.step == self.crash_after:
-            raise Crash(f"coordinator killed after step {self.step}")
-
-
 @pytest.fixture
 def swarm(tiny_model_dir: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
     config = swarm_config(tiny_model_dir, tmp_path / "runs", steps=6)
@@ -54,62 +48,183 @@ def swarm(tiny_model_dir: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
         yield config, local
 
 
-def assert_nothing_lost(store: RunStore, steps: int) -> None:
-    counts = store.counts()
-    assert store.last_step() == steps
-    assert store.last_version() == steps  # one version per step, none skipped
-    assert counts["trained"] >= steps * 4  # prompts_per_step groups per step
-    assert counts["pending"] + counts["trained"] + counts["dropped"] == sum(counts.values())
+# ---- what the run store holds, read beside the coordinator ------------------------------------
+
+@dataclass(frozen=True)
+class StoredGroupState:
+    state: str  # pending, trained or dropped
+    step: int | None  # the step that trained it
+    problem_index: int
 
 
-def test_coordinator_restart_resumes_from_sqlite(swarm) -> None:  # type: ignore[no-untyped-def]
+@dataclass(frozen=True)
+class StoreSnapshot:
+    """One consistent read of a run store: its groups, steps and last checkpoint."""
+
+    groups: dict[str, StoredGroupState]
+    steps: list[tuple[int, int]]  # (step, version), in step order
+    checkpoint: tuple[int, int] | None  # (version, step) of the last complete checkpoint
+
+    def in_state(self, state: str) -> set[str]:
+        return {gid for gid, group in self.groups.items() if group.state == state}
+
+    def trained_after(self, step: int) -> set[str]:
+        return {gid for gid, group in self.groups.items()
+                if group.state == "trained" and group.step is not None and group.step > step}
+
+    def trained_per_step(self) -> dict[int, int]:
+        return dict(Counter(group.step for group in self.groups.values()
+                            if group.state == "trained" and group.step is not None))
+
+
+def read_store(path: Path) -> StoreSnapshot:
+    """The store at `path`, read through a read-only connection in one transaction (the
+    coordinator may be writing it meanwhile)."""
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)) as db:
+        db.execute("BEGIN")
+        groups = {gid: StoredGroupState(state, step, problem)
+                  for gid, state, step, problem in db.execute(
+                      "SELECT group_id, state, step, problem_index FROM groups")}
+        steps = db.execute("SELECT step, version FROM steps ORDER BY step").fetchall()
+        checkpoint = db.execute("SELECT version, step FROM checkpoints "
+                                "ORDER BY version DESC LIMIT 1").fetchone()
+        db.execute("COMMIT")
+    return StoreSnapshot(groups, [tuple(row) for row in steps],
+                         None if checkpoint is None else tuple(checkpoint))
+
+
+def assert_nothing_lost(store: StoreSnapshot, steps: int, groups_per_step: int) -> None:
+    """Every step recorded once with its own version (none skipped), each trained on a full
+    batch, and no problem handed out twice."""
+    assert store.steps == [(step, step) for step in range(1, steps + 1)]
+    assert store.trained_per_step() == dict.fromkeys(range(1, steps + 1), groups_per_step)
+    problems = [group.problem_index for group in store.groups.values()]
+    assert len(problems) == len(set(problems))
+
+
+# ---- a coordinator killed between accepting groups and training them --------------------------
+
+class CrashWhileAccepting:
+    """Kills the coordinator (an exception out of its run, no final save) right after its store
+    committed the `crash_after`-th group accepted for the step after `step`, so that accepted
+    groups wait in the store, pending, when it dies."""
+
+    def __init__(self, loop: TrainingLoop, step: int, crash_after: int,
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+        self.loop, self.step, self.crash_after = loop, step, crash_after
+        self.accepted: list[str] = []
+        self.add_group = loop.store.add_group
+        monkeypatch.setattr(loop.store, "add_group", self)
+
+    def __call__(self, scored: ScoredGroup, staleness: int, learner_version: int) -> None:
+        self.add_group(scored, staleness, learner_version)
+        if self.loop.step == self.step:
+            self.accepted.append(scored.group.group_id)
+            if len(self.accepted) == self.crash_after:
+                raise Crash(f"coordinator killed with {len(self.accepted)} groups of step "
+                            f"{self.step + 1} accepted")
+
+
+def test_coordinator_restart_resumes_from_sqlite(
+        swarm, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     config, local = swarm
-    first = CrashingCoordinator(config, local.bootstrap, Console(quiet=True))
-    first.crash_after = 3
-    with pytest.raises(Crash):
-        first.run(wait_s=120)
-    first.close()
-    with RunStore(config.path / "run.sqlite") as store:
-        assert store.last_step() == 3
-        accepted_before = sum(store.counts().values())
-    second = SwarmCoordinator(config, local.bootstrap, Console(quiet=True))
-    summary = second.run(wait_s=120)
-    second.close()
+    database = config.path / "run.sqlite"
+    first = swarm_run(config, local.bootstrap, Console(quiet=True))
+    crash = CrashWhileAccepting(first, step=3, crash_after=2, monkeypatch=monkeypatch)
+    try:
+        with pytest.raises(Crash, match="killed with 2 groups of step 4 accepted"):
+            first.run(wait_s=120)
+    finally:
+        first.close()
+    before = read_store(database)
+    assert before.steps == [(1, 1), (2, 2), (3, 3)]
+    pending = before.in_state("pending")
+    assert pending == set(crash.accepted)
+    trained = {gid: group for gid, group in before.groups.items() if group.state == "trained"}
+
+    second = swarm_run(config, local.bootstrap, Console(quiet=True))
+    try:
+        summary = second.run(wait_s=120)
+    finally:
+        second.close()
     assert summary.steps == 6
     assert summary.before is None  # resumed, not restarted
-    with RunStore(config.path / "run.sqlite") as store:
-        assert_nothing_lost(store, 6)
-        assert sum(store.counts().values()) >= accepted_before
+    after = read_store(database)
+    # The groups accepted before the crash were trained first thing after the restart...
+    assert {gid: after.groups[gid].state for gid in pending} == dict.fromkeys(pending, "trained")
+    assert {after.groups[gid].step for gid in pending} == {4}
+    # ... and the peers were at the store's version, so nothing trained before was undone.
+    assert summary.recoveries == 0
+    assert {gid: after.groups[gid] for gid in trained} == trained
+    assert_nothing_lost(after, steps=6, groups_per_step=config.rollout.prompts_per_step)
+
+
+# ---- a training peer killed mid-run -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rollback:
+    """What the coordinator had done when the first step after its recovery began."""
+
+    loop_step: int
+    recoveries: int
+    trainer_versions: list[int]
+    store: StoreSnapshot
+
+
+class KillTrainingPeerAfterStep(RunHooks):
+    """Once step `kill_after` is recorded, SIGKILLs a training peer and waits for its replacement
+    (which loads the last checkpoint), on the loop's thread, so the next step is certain to meet
+    the dead peer. Records the store as the kill left it, and the coordinator's state at the
+    first step after its recovery."""
+
+    def __init__(self, local: LocalSwarm, peer: str, kill_after: int, database: Path) -> None:
+        self.local, self.peer, self.kill_after, self.database = local, peer, kill_after, database
+        self.at_kill: StoreSnapshot | None = None
+        self.after_rollback: Rollback | None = None
+
+    def after_step(self, loop: TrainingLoop, record: StepRecord) -> None:
+        if self.at_kill is None and record.step == self.kill_after:
+            self.at_kill = read_store(self.database)
+            self.local.restart(self.peer)
+
+    def before_step(self, loop: TrainingLoop) -> None:
+        if self.after_rollback is None and loop.recoveries > 0:
+            self.after_rollback = Rollback(loop.step, loop.recoveries,
+                                           [worker.version for worker in loop.trainer.workers],
+                                           read_store(self.database))
 
 
 def test_training_peer_death_rolls_back_to_checkpoint(swarm) -> None:  # type: ignore[no-untyped-def]
     config, local = swarm
-    coordinator = SwarmCoordinator(config, local.bootstrap, Console(quiet=True))
-    killed = threading.Event()
-    restart_errors: list[BaseException] = []
-
-    def kill_after_step_three() -> None:
-        while coordinator.step < 3 and not coordinator.stop.is_set():
-            time.sleep(0.05)
-        try:
-            local.restart("train1")  # SIGKILL, then a fresh process that loads the checkpoint
-            killed.set()
-        except BaseException as error:  # the replacement failed: stop the run, fail the test
-            restart_errors.append(error)
-            coordinator.stop.set()
-
-    threading.Thread(target=kill_after_step_three, daemon=True).start()
+    database = config.path / "run.sqlite"
+    # Step 3 is the first after the checkpoint of step 2 (checkpoint_every = 2).
+    kill = KillTrainingPeerAfterStep(local, "train1", kill_after=3, database=database)
+    coordinator = swarm_run(config, local.bootstrap, Console(quiet=True), hooks=[kill])
     try:
         summary = coordinator.run(wait_s=120)
     finally:
         coordinator.close()
-    assert not restart_errors, f"the replacement training peer failed: {restart_errors}"
-    assert killed.is_set()
-    assert summary.steps == 6
-    assert summary.recoveries >= 1
     assert local.children["train1"].restarts == 1
-    with RunStore(config.path / "run.sqlite") as store:
-        assert_nothing_lost(store, 6)
+    assert kill.at_kill is not None, "the run ended before the training peer was killed"
+    assert kill.at_kill.checkpoint == (2, 2)  # (version, step)
+    trained_since_checkpoint = kill.at_kill.trained_after(2)
+    assert len(trained_since_checkpoint) == config.rollout.prompts_per_step
+
+    # The step that met the dead peer failed, and the coordinator rolled every stage back to
+    # the checkpoint: the peers at its version, the later step forgotten, its groups pending.
+    rollback = kill.after_rollback
+    assert rollback is not None, "the coordinator never recovered from the training peer's death"
+    assert rollback.recoveries == 1
+    assert rollback.loop_step == 2
+    assert rollback.trainer_versions == [2] * config.num_stages
+    assert rollback.store.steps == [(1, 1), (2, 2)]
+    assert trained_since_checkpoint <= rollback.store.in_state("pending")
+
+    assert summary.steps == 6
+    assert summary.recoveries == 1
+    after = read_store(database)
+    assert {after.groups[gid].state for gid in trained_since_checkpoint} == {"trained"}
+    assert_nothing_lost(after, steps=6, groups_per_step=config.rollout.prompts_per_step)
 
 
 def test_swarm_refuses_what_it_cannot_run(tiny_model_dir: Path, tmp_path: Path) -> None:
