@@ -6,6 +6,7 @@ training peer serves a stage)."""
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -159,3 +160,8 @@ class Directory:
         with self.lock:
             return [[s.record for s in self.peers.values() if s.record.stage == stage]
                     for stage in range(self.num_stages)]
+
+
+def backoff(attempt: int) -> float:
+    """Exponential with jitter, capped: 0.2 s, 0.4 s, 0.8 s ... 5 s."""
+    return min(5.0, 0.2 * 2 ** attempt) * (0.5 + random.random())

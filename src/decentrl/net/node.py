@@ -34,7 +34,7 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 import torch
@@ -47,6 +47,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from decentrl.net.identity import Identity, verify
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
+from decentrl.net.protocol import Rpc
 from decentrl.net.wire import (
     ActivationCodec,
     TensorLimits,
@@ -68,6 +69,8 @@ log = logging.getLogger(__name__)
 logging.getLogger("hivemind.p2p.p2p_daemon").setLevel(logging.ERROR)
 
 T = TypeVar("T")
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 EXAMPLE_ADDRESS = "/ip4/192.0.2.7/tcp/31337/p2p/12D3KooW..."
 # Replies kept for retried requests; activations are a few MiB, so a short memory.
@@ -163,10 +166,11 @@ def verify_envelope(sender: str, kind: MessageKind, method: str, request_id: str
 
 
 @dataclass
-class Request:
-    """What a handler receives: the decoded body bytes, the tensors, and who sent them."""
+class Request(Generic[Req]):
+    """What a handler receives: the body decoded as its RPC's request, the tensors (checked
+    against the RPC's declaration), and who sent them."""
 
-    body: bytes
+    body: Req
     tensors: dict[str, torch.Tensor]
     sender: str
 
@@ -181,7 +185,7 @@ class Reply:
     encoded: tuple[list[runtime_pb2.Tensor], TensorManifest] | None = None
 
 
-Handler = Callable[[Request], Awaitable[Reply]]
+Handler = Callable[[Request[Req]], Awaitable[Reply]]
 
 
 class SwarmNode:
@@ -287,6 +291,10 @@ class SwarmNode:
         self.links = LinkEmulator(local=str(self.p2p.peer_id), profile=self.link_profile)
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def peer_id(self) -> str:
         assert self.p2p is not None
         return str(self.p2p.peer_id)
@@ -348,11 +356,14 @@ class SwarmNode:
 
     # ---- serving ---------------------------------------------------------------------------
 
-    def serve(self, method: str, handler: Handler, max_bytes: int | None = None) -> None:
-        """Serve `method` with `handler`; a request over `max_bytes` (default: the node's limit)
-        is refused, and counted as a strike, as soon as that many bytes came in."""
+    def serve(self, rpc: Rpc[Req, Any], handler: Handler[Req]) -> None:
+        """Serve `rpc` (net/protocol.py) with `handler`. A request is refused, and counted as a
+        strike, as soon as more than the RPC's size limit came in, and unless its body decodes
+        as the RPC's request and its tensors are the ones the RPC takes; only then does the
+        handler run."""
         assert self.p2p is not None
-        limit = min(max_bytes or self.limits.max_total_bytes, self.limits.max_total_bytes)
+        method = rpc.method
+        limit = min(rpc.max_bytes, self.limits.max_total_bytes)
 
         async def stream_handler(requests: Any, context: P2PContext) -> Any:
             sender = str(context.remote_id)
@@ -373,7 +384,7 @@ class SwarmNode:
                     while len(self._replies) > REPLY_CACHE_SIZE:
                         self._replies.popitem(last=False)
                 try:
-                    cached.set_result(await self._handle(method, handler, request_id, envelope,
+                    cached.set_result(await self._handle(rpc, handler, request_id, envelope,
                                                          parts, sender))
                 except asyncio.CancelledError:
                     log.warning("%s: %s from %s cancelled mid-request", self.name, method,
@@ -402,16 +413,17 @@ class SwarmNode:
                                                runtime_pb2.ExpertRequest, stream_input=True,
                                                stream_output=True), timeout=30)
 
-    def unserve(self, method: str) -> None:
-        """Stop serving `method`, so that another object on this node may serve it later (a
+    def unserve(self, rpc: Rpc[Any, Any]) -> None:
+        """Stop serving `rpc`, so that another object on this node may serve it later (a
         restarted coordinator on the same node). A stopped node serves nothing anyway."""
         if self._closed or self.p2p is None:
             return
         try:
-            self.run(self.p2p.remove_protobuf_handler(f"decentrl.{method}", stream_input=True,
-                                                      stream_output=True), timeout=30)
+            self.run(self.p2p.remove_protobuf_handler(f"decentrl.{rpc.method}",
+                                                      stream_input=True, stream_output=True),
+                     timeout=30)
         except (P2PDaemonError, TimeoutError) as error:
-            log.warning("%s: could not stop serving %s: %s", self.name, method, error)
+            log.warning("%s: could not stop serving %s: %s", self.name, rpc.method, error)
 
     async def _receive(self, method: str, requests: Any, limit: int) -> list[Any]:
         """A request's messages, read whole (also from a blocked sender: the stream must be
@@ -433,18 +445,22 @@ class SwarmNode:
         verify_envelope(sender, "request", method, request_id, envelope, parts)
         return request_id, envelope, parts
 
-    async def _handle(self, method: str, handler: Handler, request_id: str, envelope: Envelope,
-                      parts: list[runtime_pb2.Tensor], sender: str
+    async def _handle(self, rpc: Rpc[Req, Any], handler: Handler[Req], request_id: str,
+                      envelope: Envelope, parts: list[runtime_pb2.Tensor], sender: str
                       ) -> list[runtime_pb2.ExpertResponse]:
+        body = decode_struct(envelope.body, rpc.request)
         tensors = decode_tensors(parts, envelope.manifest, self.limits)
-        reply = await handler(Request(envelope.body, tensors, sender))
+        rpc.check_tensors(tensors)
+        reply = await handler(Request(body, tensors, sender))
+        if not isinstance(reply.body, rpc.reply):  # a bug here, not the sender's fault
+            raise TypeError(f"the {rpc.method} handler replied with {type(reply.body).__name__}, "
+                            f"not {rpc.reply.__name__}")
         if reply.encoded is not None:
             out_parts, manifest = reply.encoded
         else:
             out_parts, manifest = encode_tensors(dict(reply.tensors or {}), reply.codec)
-        body = encode_struct(reply.body) if reply.body is not None else b""
-        metadata = signed_envelope(self.identity, "reply", method, request_id, body, manifest,
-                                   out_parts)
+        metadata = signed_envelope(self.identity, "reply", rpc.method, request_id,
+                                   encode_struct(reply.body), manifest, out_parts)
         return to_messages(runtime_pb2.ExpertResponse, metadata, out_parts)
 
     # ---- strikes against senders of malformed requests -----------------------------------
@@ -511,19 +527,24 @@ class SwarmNode:
 
     # ---- calling -------------------------------------------------------------------------
 
-    async def call(self, peer: str, method: str, body: Any,
+    async def call(self, peer: str, rpc: Rpc[Req, Rep], body: Req,
                    tensors: Mapping[str, torch.Tensor] | None = None,
                    codec: ActivationCodec = "fp32", timeout: float = 30.0,
                    request_id: str | None = None,
                    exact: Mapping[str, torch.Tensor] | None = None
-                   ) -> tuple[bytes, dict[str, torch.Tensor]]:
-        """One request to `peer` through its emulated link: `tensors` go with `codec` (the
-        activations), `exact` in full precision (log-probs, advantages). A reply that arrives
-        incomplete is asked for again (same request id) a few times. Raises PeerRefused (the peer
-        answered with an error), RemoteError (it timed out or could not be reached), MessageLost
-        (the emulated link dropped the request), or WireError (the reply was malformed or not
-        signed by `peer` every time: SignatureError)."""
+                   ) -> tuple[Rep, dict[str, torch.Tensor]]:
+        """One `rpc` request to `peer` through its emulated link: `tensors` go with `codec` (the
+        activations), `exact` in full precision (log-probs, advantages). Returns the reply body,
+        decoded as the RPC's reply, and its tensors. A reply that arrives incomplete is asked for
+        again (same request id) a few times. Raises PeerRefused (the peer answered with an
+        error), RemoteError (it timed out or could not be reached), MessageLost (the emulated
+        link dropped the request), or WireError (the reply was malformed, carried tensors the RPC
+        never replies with, or was not signed by `peer`: SignatureError)."""
         assert self.p2p is not None and self.links is not None
+        if not isinstance(body, rpc.request):
+            raise TypeError(f"{rpc.method} takes a {rpc.request.__name__} body, not "
+                            f"{type(body).__name__}")
+        method = rpc.method
         parts, manifest = encode_tensors(dict(tensors or {}), codec)
         if exact:
             exact_parts, exact_manifest = encode_tensors(dict(exact), "fp32")
@@ -544,8 +565,8 @@ class SwarmNode:
                         runtime_pb2.ExpertResponse)
                     responses = [r async for r in stream]
                     try:
-                        body, reply_tensors = self._decode_reply(responses, peer, method,
-                                                                 request_id)
+                        reply_body, reply_tensors = self._decode_reply(responses, peer, method,
+                                                                       request_id)
                         break
                     except WireError as error:
                         # Seen on loopback about once in a thousand streams under load, with
@@ -570,7 +591,8 @@ class SwarmNode:
         except (ConnectionError, OSError, asyncio.IncompleteReadError, P2PDaemonError) as error:
             # P2PDaemonError includes its subclasses: ControlFailure is a peer we cannot dial.
             raise RemoteError(f"{method} at {peer[-8:]}: {error}") from error
-        return body, reply_tensors
+        rpc.check_reply_tensors(reply_tensors)
+        return decode_struct(reply_body, rpc.reply), reply_tensors
 
     def _decode_reply(self, responses: list[Any], peer: str, method: str, request_id: str
                       ) -> tuple[bytes, dict[str, torch.Tensor]]:
@@ -581,14 +603,14 @@ class SwarmNode:
         verify_envelope(peer, "reply", method, request_id, envelope, parts)
         return envelope.body, decode_tensors(parts, envelope.manifest, self.limits)
 
-    def call_sync(self, peer: str, method: str, body: Any,
+    def call_sync(self, peer: str, rpc: Rpc[Req, Rep], body: Req,
                   tensors: Mapping[str, torch.Tensor] | None = None,
                   codec: ActivationCodec = "fp32", timeout: float = 30.0,
                   request_id: str | None = None,
                   exact: Mapping[str, torch.Tensor] | None = None
-                  ) -> tuple[bytes, dict[str, torch.Tensor]]:
+                  ) -> tuple[Rep, dict[str, torch.Tensor]]:
         # The outer wait is a backstop: the call enforces `timeout` itself.
-        return self.run(self.call(peer, method, body, tensors, codec, timeout, request_id, exact),
+        return self.run(self.call(peer, rpc, body, tensors, codec, timeout, request_id, exact),
                         timeout=timeout + 10)
 
     # ---- DHT -----------------------------------------------------------------------------

@@ -4,9 +4,16 @@ tensors travel beside them (net/node.py) and are checked where they are used."""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import msgspec
+import torch
+
+from decentrl.net.wire import WireError
+from decentrl.rollout.sampling import SamplingConfig
+from decentrl.rollout.types import RolloutGroup
 
 Role = Literal["inference", "training", "both"]
 
@@ -75,12 +82,6 @@ class RolloutsQueued(Body):
 
 # ---- inference ----------------------------------------------------------------------------
 
-class Sampling(Body):
-    temperature: float
-    top_p: float
-    top_k: int
-
-
 class InferenceStep(Body):
     """Feed positions [start, start + T) of a session. Tensors: `inputs` ([B, T] token ids at
     stage 0, else [B, T, hidden]), `positions` [B, T], `key_valid` [B, start + T]. A session is
@@ -90,7 +91,7 @@ class InferenceStep(Body):
     start: int
     batch: int
     max_length: int
-    sampling: Sampling | None = None
+    sampling: SamplingConfig | None = None
     seed: int | None = None
 
 
@@ -125,7 +126,7 @@ class VerifyStep(Body):
     max_length: int
     version: int
     prompt_columns: int
-    sampling: Sampling | None = None
+    sampling: SamplingConfig | None = None
     sampling_seed: int | None = None
 
 
@@ -219,3 +220,120 @@ class ChunkRequest(Body):
     version: int
     index: int
     wait_s: float  # how long a replica that is still fetching this chunk may hold the request
+
+
+
+# ---- the table of RPCs --------------------------------------------------------------------
+#
+# Every RPC is declared here once: its request and reply bodies, the tensors a request may carry
+# (any other name, a missing required one or the wrong kind of dtype is refused before the
+# handler runs), the tensors a reply may carry, the request's size limit, and who may call it.
+# SwarmNode.serve and SwarmNode.call take these declarations, not method names, so a handler
+# cannot skip the checks and a caller cannot send another body.
+
+# Who may call: any peer; the run's coordinator only; peers that serve the same stage. The node
+# checks identities, not yet these roles; each RPC states its callers for that check.
+Callers = Literal["any peer", "coordinator", "same stage"]
+# A tensor's dtype: "float" is any floating dtype (activations travel compressed); "ids or float"
+# is stage 0's token ids or a later stage's hidden states (the handler knows which it serves).
+DtypeKind = Literal["int64", "bool", "float", "float32", "uint8", "ids or float"]
+
+# A request without tensors is a few hundred bytes; this leaves room, and nothing more.
+SMALL_REQUEST_BYTES = 64 * 2**10
+# A rollout group is token ids and log-probs, a few hundred KiB even for long completions.
+MAX_SUBMISSION_BYTES = 8 * 2**20
+COMMITMENT_TENSORS = ("commit_rows", "commit_positions", "commit_indices", "commit_values")
+# A training micro-batch (learn/batch.py TrainBatch), field by field.
+BATCH_TENSORS: dict[str, DtypeKind] = {
+    "prompts": "int64", "prompt_valid": "bool", "prompt_positions": "int64",
+    "completions": "int64", "completion_valid": "bool", "completion_generated": "bool",
+    "completion_positions": "int64", "prompt_of": "int64", "behaviour_logprobs": "float32",
+    "advantages": "float32", "staleness": "int64"}
+_EXACT_DTYPES = {"int64": torch.long, "bool": torch.bool, "float32": torch.float32,
+                 "uint8": torch.uint8}
+
+
+class TensorRule(NamedTuple):
+    kind: DtypeKind
+    required: bool = True
+
+    def admits(self, dtype: torch.dtype) -> bool:
+        if self.kind == "float":
+            return dtype.is_floating_point
+        if self.kind == "ids or float":
+            return dtype == torch.long or dtype.is_floating_point
+        return dtype == _EXACT_DTYPES[self.kind]
+
+
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+
+
+@dataclass(frozen=True)
+class Rpc(Generic[Req, Rep]):
+    method: str
+    request: type[Req]
+    reply: type[Rep]
+    callers: Callers
+    tensors: Mapping[str, TensorRule] = field(default_factory=dict)  # a request's
+    reply_tensors: tuple[str, ...] = ()  # the names a reply may carry
+    max_bytes: int = SMALL_REQUEST_BYTES  # a request's size limit (the node's own may be lower)
+
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Raise WireError unless a request's tensors are the ones this RPC takes."""
+        unknown = sorted(set(tensors) - set(self.tensors))
+        if unknown:
+            raise WireError(f"{self.method} takes no tensors {unknown}")
+        missing = sorted(name for name, rule in self.tensors.items()
+                         if rule.required and name not in tensors)
+        if missing:
+            raise WireError(f"{self.method} needs tensors {missing}")
+        for name, tensor in tensors.items():
+            if not self.tensors[name].admits(tensor.dtype):
+                raise WireError(f"{self.method} tensor {name} must be {self.tensors[name].kind}, "
+                                f"got {tensor.dtype}")
+
+    def check_reply_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Raise WireError if a reply carries a tensor this RPC's replies never carry."""
+        unknown = sorted(set(tensors) - set(self.reply_tensors))
+        if unknown:
+            raise WireError(f"a {self.method} reply carries no tensors {unknown}")
+
+
+# Activations and batches are as large as the node's tensor limit allows (TensorLimits).
+LARGE = 2**62
+STEP_TENSORS = {"inputs": TensorRule("ids or float"), "positions": TensorRule("int64"),
+                "key_valid": TensorRule("bool")}
+
+INFERENCE_STEP = Rpc(
+    "inference_step", InferenceStep, InferenceReply, "any peer", STEP_TENSORS,
+    ("hidden", *COMMITMENT_TENSORS, "tokens", "logprobs"), LARGE)
+CLOSE_SESSION = Rpc("close_session", CloseSession, Empty, "any peer")
+VERIFY_STEP = Rpc(
+    "verify_step", VerifyStep, VerifyReply, "coordinator",
+    {**STEP_TENSORS, "targets": TensorRule("int64", required=False)},
+    ("hidden", "logprobs", "margins"), LARGE)
+TRAIN_FORWARD = Rpc(
+    "train_forward", TrainForward, TrainForwardReply, "coordinator",
+    {**{name: TensorRule(kind) for name, kind in BATCH_TENSORS.items()},
+     "prompt_in": TensorRule("ids or float"), "completion_in": TensorRule("ids or float"),
+     "proximal": TensorRule("float32", required=False),
+     "reference": TensorRule("float32", required=False)},
+    ("prompt_out", "completion_out", "row_surprise", "row_log_ratio"), LARGE)
+TRAIN_BACKWARD = Rpc(
+    "train_backward", TrainBackward, Empty, "coordinator",
+    {"prompt_grad": TensorRule("float", required=False),
+     "completion_grad": TensorRule("float", required=False)},
+    ("prompt_grad", "completion_grad"), LARGE)
+TRAIN_GRAD_NORM = Rpc("train_grad_norm", Empty, GradNorm, "coordinator")
+TRAIN_STEP = Rpc("train_step", TrainStep, VersionReply, "coordinator")
+TRAIN_DISCARD = Rpc("train_discard", Empty, VersionReply, "coordinator")
+CHECKPOINT = Rpc("checkpoint", CheckpointRequest, VersionReply, "coordinator")
+SYNC_PLAN = Rpc("sync_plan", SyncPlanRequest, SyncPlan, "same stage")
+SYNC_CHUNK = Rpc("sync_chunk", ChunkRequest, Empty, "same stage", reply_tensors=("data",))
+SUBMIT_ROLLOUTS = Rpc("submit_rollouts", RolloutGroup, RolloutsQueued, "any peer",
+                      max_bytes=MAX_SUBMISSION_BYTES)
+
+RPCS: dict[str, Rpc[Any, Any]] = {rpc.method: rpc for rpc in (
+    INFERENCE_STEP, CLOSE_SESSION, VERIFY_STEP, TRAIN_FORWARD, TRAIN_BACKWARD, TRAIN_GRAD_NORM,
+    TRAIN_STEP, TRAIN_DISCARD, CHECKPOINT, SYNC_PLAN, SYNC_CHUNK, SUBMIT_ROLLOUTS)}

@@ -15,14 +15,12 @@ import threading
 from collections.abc import Callable
 
 from decentrl.net.node import Reply, Request, SwarmNode
-from decentrl.net.protocol import InboxRecord, RolloutsQueued, coordinator_key
+from decentrl.net.protocol import SUBMIT_ROLLOUTS, InboxRecord, RolloutsQueued, coordinator_key
 from decentrl.net.transport import TransportClosed
 from decentrl.net.wire import decode_struct, encode_struct
 from decentrl.rollout.types import RolloutGroup
 
 COORDINATOR_SUBKEY = "inbox"
-# A rollout group is token ids and log-probs, a few hundred KiB even for long completions.
-MAX_SUBMISSION_BYTES = 8 * 2**20
 
 
 class HivemindTransport:
@@ -38,9 +36,8 @@ class HivemindTransport:
         self._inbox: queue.Queue[RolloutGroup] | None = (
             queue.Queue(maxsize=inbox_size) if inbox_size > 0 else None)
         self._closed = threading.Event()
-        self.rejected_submissions = 0
         if self._inbox is not None:
-            node.serve("submit_rollouts", self._serve_rollouts, MAX_SUBMISSION_BYTES)
+            node.serve(SUBMIT_ROLLOUTS, self._serve_rollouts)
             self.announce_inbox()
 
     def _check_open(self) -> None:
@@ -55,15 +52,11 @@ class HivemindTransport:
                                          encode_struct(InboxRecord(peer_id=self.node.peer_id)),
                                          self.ttl_s), timeout=self.timeout_s)
 
-    async def _serve_rollouts(self, request: Request) -> Reply:
+    async def _serve_rollouts(self, request: Request[RolloutGroup]) -> Reply:
         assert self._inbox is not None
-        try:
-            group = decode_struct(request.body, RolloutGroup)
-            if self.admit is not None:
-                self.admit(group, request.sender)
-        except ValueError:  # WireError is one: the node counts it against the sender
-            self.rejected_submissions += 1
-            raise
+        group = request.body
+        if self.admit is not None:
+            self.admit(group, request.sender)  # its ValueError is a strike against the sender
         try:
             self._inbox.put_nowait(group)
             return Reply(RolloutsQueued(queued=True))
@@ -82,8 +75,8 @@ class HivemindTransport:
         if COORDINATOR_SUBKEY not in entries:
             return False
         coordinator = decode_struct(entries[COORDINATOR_SUBKEY], InboxRecord).peer_id
-        raw, _ = self.node.call_sync(coordinator, "submit_rollouts", group, timeout=timeout)
-        return decode_struct(raw, RolloutsQueued).queued
+        reply, _ = self.node.call_sync(coordinator, SUBMIT_ROLLOUTS, group, timeout=timeout)
+        return reply.queued
 
     def get_rollouts(self, timeout: float) -> RolloutGroup | None:
         self._check_open()
@@ -99,5 +92,5 @@ class HivemindTransport:
             return
         self._closed.set()
         if self._inbox is not None:
-            self.node.unserve("submit_rollouts")
+            self.node.unserve(SUBMIT_ROLLOUTS)
 

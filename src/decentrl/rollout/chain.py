@@ -2,7 +2,7 @@
 sequences; hidden states hop stage to stage and the last stage samples, so only token ids, their
 behaviour log-probs and the weight versions that computed them come back (never a [batch, vocab]
 logits tensor). `LocalChain` runs every stage in this process; the swarm's chain
-(swarm/client.py) runs the same protocol over the network."""
+(swarm/sessions.py) runs the same protocol over the network."""
 
 from __future__ import annotations
 

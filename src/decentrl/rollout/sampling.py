@@ -4,20 +4,25 @@ between learner and behaviour policy is exactly 1 when the weights and numerics 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
+import msgspec
 import torch
 
+from decentrl.config import RolloutConfig
 
-@dataclass(frozen=True)
-class SamplingConfig:
+
+class SamplingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How tokens are drawn; the same struct travels to the last stage (net/protocol.py), where
+    decoding validates it before anything runs."""
+
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -26,6 +31,11 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def sampling_config(rollout: RolloutConfig) -> SamplingConfig:
+    """The sampling a run's rollouts use."""
+    return SamplingConfig(rollout.temperature, rollout.top_p, rollout.top_k)
 
 
 def transformed_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:

@@ -22,6 +22,7 @@ import logging
 import random
 import re
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -30,18 +31,23 @@ import torch
 from decentrl.config import RunConfig
 from decentrl.model.loading import load_tokenizer, resolve_model
 from decentrl.net.link import MessageLost
-from decentrl.net.node import RemoteError, Reply, SwarmNode
+from decentrl.net.node import Handler, RemoteError, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
+    INFERENCE_STEP,
+    MAX_SUBMISSION_BYTES,
+    SUBMIT_ROLLOUTS,
     Empty,
     InboxRecord,
     InferenceStep,
     PeerRecord,
+    Role,
+    Rpc,
     coordinator_key,
     stage_key,
 )
-from decentrl.net.swarm_transport import MAX_SUBMISSION_BYTES
 from decentrl.net.wire import WireError, decode_struct
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
+from decentrl.swarm.inference import InferenceService
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.tasks import make_task, render_prompt
@@ -63,32 +69,41 @@ def adversary_stages(kind: str, num_stages: int) -> list[int]:
             "corrupt-activations": [0]}.get(kind, [])
 
 
-class HostilePeer(StagePeer):
-    def __init__(self, *args: Any, adversary: str, collusion_dir: Path | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+class HostileInference:
+    """An honest inference service, wrapped: its steps run as they would, and the wrapper lies
+    about the result. It uses only the service's public face, as an attacker running our code
+    would."""
+
+    def __init__(self, service: InferenceService, adversary: str,
+                 collusion_dir: Path | None = None) -> None:
         if adversary not in STAGE_ADVERSARIES:
             raise ValueError(f"{adversary!r} is not a stage adversary; one of {STAGE_ADVERSARIES}")
-        last = self.index == self.config.num_stages - 1
-        if adversary in ("random-tokens", "forge-logprobs") and not last:
+        checks = service.checks
+        if adversary in ("random-tokens", "forge-logprobs") and not checks.is_last:
             raise ValueError(f"{adversary} attacks from the last stage")
-        if adversary == "corrupt-activations" and last:
+        if adversary == "corrupt-activations" and checks.is_last:
             raise ValueError("corrupt-activations attacks from a stage that returns activations")
         if adversary == "inject-answers" and collusion_dir is None:
             raise ValueError("inject-answers needs a collusion folder shared by the pair")
-        self.adversary = adversary
-        self.collusion_dir = collusion_dir
+        self.service, self.adversary, self.collusion_dir = service, adversary, collusion_dir
         self.rng = torch.Generator().manual_seed(random.randrange(2**31))
         self.injected: dict[str, int] = {}  # session -> answer tokens emitted so far
-        self.tokenizer = load_tokenizer(resolve_model(self.config.model)) \
+        self.tokenizer = load_tokenizer(resolve_model(service.config.model)) \
             if adversary == "inject-answers" else None
 
+    def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
+        return [(rpc, self._inference_step if rpc is INFERENCE_STEP else handler)
+                for rpc, handler in self.service.handlers()]
+
+    async def _inference_step(self, request: Request[InferenceStep]) -> Reply:
+        return await self.service.node.compute(self._infer, request.body, request.tensors)
+
     def _infer(self, body: InferenceStep, tensors: dict[str, torch.Tensor]) -> Reply:
-        reply = super()._infer(body, tensors)
+        reply = self.service.infer(body, tensors)
         result = dict(reply.tensors or {})
         if self.adversary == "random-tokens":
-            result["tokens"] = torch.randint(self.spec.vocab_size, result["tokens"].shape,
-                                             generator=self.rng)
+            result["tokens"] = torch.randint(self.service.checks.spec.vocab_size,
+                                             result["tokens"].shape, generator=self.rng)
         elif self.adversary == "forge-logprobs":
             result["logprobs"] = result["logprobs"] - FORGED_SHIFT
         elif self.adversary == "corrupt-activations":
@@ -96,9 +111,9 @@ class HostilePeer(StagePeer):
             noisy = hidden + NOISE_SCALE * hidden.std(-1, keepdim=True) * torch.randn(
                 hidden.shape, generator=self.rng)
             result["hidden"] = noisy.to(result["hidden"].dtype)
-            result |= self._commitment(noisy, tensors["positions"], tensors["key_valid"],
-                                       body.start)
-        elif self.index == 0:
+            result |= self.service.commitment(noisy, tensors["positions"], tensors["key_valid"],
+                                              body.start)
+        elif self.service.checks.is_first:
             self._spy(body, tensors)
         else:
             self._inject(body, result)
@@ -163,7 +178,7 @@ def submit_replays(node: SwarmNode, config: RunConfig, stop: threading.Event,
             if "inbox" not in entries:
                 continue
             inbox = decode_struct(entries["inbox"], InboxRecord).peer_id
-            node.call_sync(inbox, "submit_rollouts", group, timeout=10)
+            node.call_sync(inbox, SUBMIT_ROLLOUTS, group, timeout=10)
         except (RemoteError, WireError, MessageLost, TimeoutError) as error:
             refused += 1
             log.info("replay refused: %s", error)
@@ -201,15 +216,25 @@ def flood(node: SwarmNode, config: RunConfig, stop: threading.Event, every_s: fl
         target = rng.choice(targets)
         attack = rng.choice(("wrong-body", "wrong-tensors", "oversized") if target == inbox
                             else ("wrong-body", "wrong-tensors"))
-        method = "submit_rollouts" if target == inbox else "inference_step"
+        # A body of the wrong type: the flooder declares the RPC its own way.
+        rpc = replace(SUBMIT_ROLLOUTS if target == inbox else INFERENCE_STEP, request=Empty)
         tensors = {}
         if attack == "wrong-tensors":
             tensors = {"inputs": torch.zeros(3, 2, 7)}
         elif attack == "oversized":
             tensors = {"inputs": torch.zeros(oversized_bytes // 4)}
         try:
-            node.call_sync(target, method, Empty(), tensors, timeout=10)
+            node.call_sync(target, rpc, Empty(), tensors, timeout=10)
         except (RemoteError, WireError, MessageLost, TimeoutError) as error:
             log.debug("flood refused: %s", error)
         sent += 1
     return sent
+
+
+def hostile_peer(config: RunConfig, stage: int, node: SwarmNode, name: str, adversary: str,
+                 collusion_dir: Path | None = None, role: Role = "inference",
+                 checkpoint_dir: Path | None = None) -> StagePeer:
+    """A peer of `stage` whose inference lies the way `adversary` does."""
+    return StagePeer(config, stage, role, node, checkpoint_dir, name,
+                     wrap_inference=lambda service: HostileInference(service, adversary,
+                                                                     collusion_dir))

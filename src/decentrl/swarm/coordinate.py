@@ -8,7 +8,7 @@ pointer). The coordinator holds no weights. Beside the loop it keeps the run's c
 announced, the directory of peers current, spot-checks rollouts (trust/gate.py) and serves the
 dashboard.
 
-Faults: a generation that loses a peer moves to another replica (swarm/client.py); a training peer
+Faults: a generation that loses a peer moves to another replica (swarm/sessions.py); a training peer
 that dies ends the step, and the loop waits for a replacement (it loads the last checkpoint) and
 rolls every stage back to that checkpoint."""
 
@@ -40,10 +40,11 @@ from decentrl.observe.live import SwarmObserver
 from decentrl.observe.terminal import terminal_text
 from decentrl.progress import progress_bar
 from decentrl.rollout.chain import InferenceChain, InferenceSession
+from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup
-from decentrl.swarm.client import RemoteChain, RemoteSession, RemoteStageWorker
 from decentrl.swarm.loop import RunHooks, RunSummary, TrainingLoop, TrainingUnavailable
-from decentrl.swarm.worker import sampling_config
+from decentrl.swarm.sessions import RemoteChain, RemoteSession
+from decentrl.swarm.training_client import RemoteStageWorker
 from decentrl.trust.gate import Trust
 
 log = logging.getLogger(__name__)

@@ -37,9 +37,9 @@ from decentrl.net.wire import TensorLimits, decode_struct
 from decentrl.progress import progress_bar
 from decentrl.swarm.adversary import (
     ADVERSARIES,
-    HostilePeer,
     adversary_stages,
     flood,
+    hostile_peer,
     submit_replays,
 )
 from decentrl.swarm.peer import StagePeer
@@ -157,8 +157,8 @@ def join(config: RunConfig | None, run: str | None, stage: int | None, role: Rol
             return
         chosen = stage if stage is not None else choose_stage(node, config, role)
         if adversary is not None:
-            peer: StagePeer = HostilePeer(config, chosen, role, node, checkpoint_dir, name,
-                                          adversary=adversary, collusion_dir=collusion_dir)
+            peer = hostile_peer(config, chosen, node, name, adversary, collusion_dir, role,
+                                checkpoint_dir)
         else:
             peer = StagePeer(config, chosen, role, node, checkpoint_dir, name)
         peer.start()

@@ -31,9 +31,9 @@ from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.net.local import LocalTransport
 from decentrl.release.export import export_hf_folder
 from decentrl.rollout.chain import InferenceChain, InferenceSession, LocalChain
+from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.loop import RunHooks, RunSummary, TrainingLoop, TrustEveryone
-from decentrl.swarm.worker import sampling_config
 
 
 def copy_weights(source: list[StageModule], target: LocalChain) -> None:

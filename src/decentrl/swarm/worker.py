@@ -15,15 +15,10 @@ from decentrl.net.transport import RolloutTransport, Transport
 from decentrl.rollout.chain import InferenceChain, InferenceSession, LocalChain
 from decentrl.rollout.episodes import generate_episodes
 from decentrl.rollout.generate import Generation, generate
-from decentrl.rollout.sampling import SamplingConfig
+from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import Rollout, RolloutGroup, oldest_versions
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.tasks import Task, render_prompt
-
-
-def sampling_config(rollout: RolloutConfig) -> SamplingConfig:
-    return SamplingConfig(temperature=rollout.temperature, top_p=rollout.top_p,
-                          top_k=rollout.top_k)
 
 
 class RolloutWorker:

@@ -42,7 +42,10 @@ from decentrl.config import SyncConfig
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
+    SYNC_CHUNK,
+    SYNC_PLAN,
     ChunkRequest,
+    Empty,
     PeerRecord,
     SyncPlan,
     SyncPlanRequest,
@@ -149,7 +152,7 @@ class UpdateServer:
         self.sent_total: Counter[str] = Counter()
         self.received_total: Counter[str] = Counter()
         self._arrived: asyncio.Condition | None = None
-        node.serve("sync_chunk", self._serve_chunk)
+        node.serve(SYNC_CHUNK, self._serve_chunk)
 
     def _condition(self) -> asyncio.Condition:
         if self._arrived is None:
@@ -161,8 +164,8 @@ class UpdateServer:
         for updates newer than their state)."""
         return False
 
-    async def _serve_chunk(self, request: Request) -> Reply:
-        body = decode_struct(request.body, ChunkRequest)
+    async def _serve_chunk(self, request: Request[ChunkRequest]) -> Reply:
+        body = request.body
         if body.stage != self.stage:
             raise WireError(f"this peer serves stage {self.stage}, not {body.stage}")
         key = (body.kind, body.version)
@@ -186,7 +189,7 @@ class UpdateServer:
         data = bytearray(update.data[update.span(body.index)])
         update.sent[request.sender] += len(data)
         self.sent_total[request.sender] += len(data)
-        return Reply(None, {"data": torch.frombuffer(data, dtype=torch.uint8)})
+        return Reply(Empty(), {"data": torch.frombuffer(data, dtype=torch.uint8)})
 
     async def add(self, update: StoredUpdate) -> None:
         self.updates[update.key] = update
@@ -208,7 +211,7 @@ class UpdateServer:
         return rows
 
     def close(self) -> None:
-        self.node.unserve("sync_chunk")
+        self.node.unserve(SYNC_CHUNK)
 
 
 class WeightPublisher(UpdateServer):
@@ -225,7 +228,7 @@ class WeightPublisher(UpdateServer):
         # so the compute thread goes back to training at once.
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"publish-{stage}")
         self._lock = threading.Lock()
-        node.serve("sync_plan", self._serve_plan)
+        node.serve(SYNC_PLAN, self._serve_plan)
         self._store_keyframe()
 
     # ---- publishing (from the compute thread) ---------------------------------------------
@@ -311,8 +314,8 @@ class WeightPublisher(UpdateServer):
                                          encode_struct(record), self.ttl_s),
                       timeout=self.timeout_s)
 
-    async def _serve_plan(self, request: Request) -> Reply:
-        body = decode_struct(request.body, SyncPlanRequest)
+    async def _serve_plan(self, request: Request[SyncPlanRequest]) -> Reply:
+        body = request.body
         if body.stage != self.stage:
             raise WireError(f"this peer publishes stage {self.stage}, not {body.stage}")
         return Reply(self.plan(body.version, body.state_hash))
@@ -336,7 +339,7 @@ class WeightPublisher(UpdateServer):
 
     def close(self) -> None:
         self._encoder.shutdown(wait=True, cancel_futures=True)
-        self.node.unserve("sync_plan")
+        self.node.unserve(SYNC_PLAN)
         super().close()
 
 
@@ -382,12 +385,11 @@ class WeightFollower(UpdateServer):
         errors = []
         for peer, _ in publishers:
             try:
-                raw, _ = await self.node.call(
-                    peer, "sync_plan", SyncPlanRequest(
+                plan, _ = await self.node.call(
+                    peer, SYNC_PLAN, SyncPlanRequest(
                         stage=self.stage, version=self.state.version,
                         state_hash="" if self._want_keyframe else self.state.hash),
                     timeout=self.timeout_s)
-                plan = decode_struct(raw, SyncPlan)
             except (RemoteError, MessageLost, WireError) as error:
                 errors.append(f"{peer[-8:]}: {error}")
                 continue
@@ -473,7 +475,7 @@ class WeightFollower(UpdateServer):
         request = ChunkRequest(stage=self.stage, kind=manifest.kind, version=manifest.version,
                                index=index, wait_s=self.sync.chunk_wait_s)
         try:
-            _, tensors = await self.node.call(source, "sync_chunk", request,
+            _, tensors = await self.node.call(source, SYNC_CHUNK, request,
                                               timeout=self.timeout_s + self.sync.chunk_wait_s)
         except (RemoteError, MessageLost, WireError) as error:
             log.debug("chunk %d of v%d from %s: %s", index, manifest.version, source[-8:], error)

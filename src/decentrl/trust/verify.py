@@ -31,9 +31,10 @@ from decentrl.config import RunConfig
 from decentrl.net.directory import Directory
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, SwarmNode
-from decentrl.net.protocol import CloseSession, Sampling, VerifyReply, VerifyStep
-from decentrl.net.wire import WireError, decode_struct
+from decentrl.net.protocol import CLOSE_SESSION, VERIFY_STEP, CloseSession, VerifyStep
+from decentrl.net.wire import WireError
 from decentrl.rollout.generate import left_pad
+from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup
 from decentrl.trust.commit import Commitment, CommitTolerance, check_commitment
 from decentrl.trust.provenance import Provenance
@@ -160,7 +161,7 @@ class Verifier:
                 if peer is not None:
                     self.directory.release(peer)
                     try:
-                        self.node.call_sync(peer, "close_session", CloseSession(session=session),
+                        self.node.call_sync(peer, CLOSE_SESSION, CloseSession(session=session),
                                             timeout=5)
                     except (RemoteError, WireError, MessageLost, TimeoutError):
                         pass  # the verifier drops idle sessions itself
@@ -192,16 +193,14 @@ class Verifier:
                 body = VerifyStep(
                     session=session, start=first, batch=batch, max_length=layout.width,
                     version=versions[stage], prompt_columns=layout.prompt_columns,
-                    sampling=Sampling(rollout.temperature, rollout.top_p, rollout.top_k)
-                    if last else None, sampling_seed=group.sampling_seed if last else None)
+                    sampling=sampling_config(rollout) if last else None, sampling_seed=group.sampling_seed if last else None)
                 tensors = {"inputs": x, "positions": positions,
                            "key_valid": layout.valid[:, :end]}
                 if last:
                     tensors["targets"] = layout.targets[:, first:end]
-                raw, out = self.node.call_sync(peer, "verify_step", body, tensors,
-                                               self.config.swarm.activation_codec,
-                                               self.config.swarm.request_timeout_s)
-                decode_struct(raw, VerifyReply)
+                _, out = self.node.call_sync(peer, VERIFY_STEP, body, tensors,
+                                             self.config.swarm.activation_codec,
+                                             self.config.swarm.request_timeout_s)
                 if last:
                     for index, name in enumerate(("logprobs", "margins")):
                         value = out.get(name)

@@ -1,53 +1,32 @@
-"""The coordinator's side of the swarm: which peers exist (the DHT directory), how to reach them
-(chosen by load and latency, failures timed out, retried with backoff, and banned for a while),
-a `RemoteChain` that generates through inference peers one stage per hop, and `RemoteStageWorker`s
-that let the pipeline trainer drive training peers as if they were local stage trainers.
+"""Inference sessions over the swarm, with failover: a `RemoteChain` generates through inference
+peers, one replica per stage chosen by the directory (net/directory.py), one hop per stage.
 
 A session that loses a peer mid-generation moves to another replica of the same stage: the client
 keeps every input it sent to each stage, replays them to the new replica in one call (rebuilding
-its KV cache), and carries on; the rollout completes."""
+its KV cache), and carries on; the rollout completes. Every stage but the last signs a commitment
+to the activations it returns; the session checks it against what it received and keeps it, with
+who computed which columns (`provenance`), for spot-checks (trust/)."""
 
 from __future__ import annotations
 
-import logging
-import random
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from decentrl.config import SwarmConfig, TrustConfig
-from decentrl.learn.batch import TrainBatch
-from decentrl.learn.trainer import Activations, LossInputs
 from decentrl.model.blocks import ModelSpec
-from decentrl.net.directory import Directory, SwarmUnavailable
+from decentrl.net.directory import Directory, SwarmUnavailable, backoff
 from decentrl.net.link import MessageLost
-from decentrl.net.node import PeerRefused, RemoteError, SwarmNode
-from decentrl.net.protocol import (
-    CheckpointRequest,
-    CloseSession,
-    Empty,
-    GradNorm,
-    InferenceReply,
-    InferenceStep,
-    Sampling,
-    TrainBackward,
-    TrainForward,
-    TrainForwardReply,
-    TrainStep,
-    VersionReply,
-)
-from decentrl.net.wire import ActivationCodec, WireError, decode_struct
+from decentrl.net.node import RemoteError, SwarmNode
+from decentrl.net.protocol import CLOSE_SESSION, INFERENCE_STEP, CloseSession, InferenceStep
+from decentrl.net.wire import WireError
 from decentrl.rollout.chain import StepResult
 from decentrl.rollout.sampling import SamplingConfig
-from decentrl.swarm.peer import BATCH_FIELDS
 from decentrl.trust.commit import CommitTolerance, check_commitment, commit_points, parse_commitment
 from decentrl.trust.provenance import Provenance
 from decentrl.trust.reputation import Reputation
-
-log = logging.getLogger(__name__)
 
 # A commitment is checked against the activations as relayed: after the activation codec (int8
 # moves an entry by up to 1/254 of its row's largest value) rather than recomputed. A mismatch
@@ -57,13 +36,6 @@ RELAY_TOLERANCE = CommitTolerance(rel_tol=0.3, max_mean_error=0.08)
 
 CPU = torch.device("cpu")
 
-
-def backoff(attempt: int) -> float:
-    """Exponential with jitter, capped: 0.2 s, 0.4 s, 0.8 s ... 5 s."""
-    return min(5.0, 0.2 * 2 ** attempt) * (0.5 + random.random())
-
-
-# ---- inference ------------------------------------------------------------------------------
 
 @dataclass
 class StageHistory:
@@ -141,16 +113,14 @@ class RemoteSession:
             start = 0 if replay else self.cached[stage]
             body = InferenceStep(
                 session=self.id, start=start, batch=self.batch, max_length=self.max_length,
-                sampling=Sampling(sampling.temperature, sampling.top_p, sampling.top_k)
-                if last else None, seed=seed if last else None)
+                sampling=sampling if last else None, seed=seed if last else None)
             tensors = {"inputs": send_inputs, "positions": send_positions,
                        "key_valid": key_valid[:, :start + send_inputs.shape[1]]}
             started = time.monotonic()
             try:
-                raw, out = self.chain.node.call_sync(
-                    peer, "inference_step", body, tensors, swarm.activation_codec,
+                reply, out = self.chain.node.call_sync(
+                    peer, INFERENCE_STEP, body, tensors, swarm.activation_codec,
                     swarm.request_timeout_s, request_id)
-                reply = decode_struct(raw, InferenceReply)
                 result = self._check_reply(out, last, send_inputs.shape[1], inputs.shape[1])
                 if not last:
                     self._keep_commitment(stage, peer, out, result[0], positions, key_valid)
@@ -224,7 +194,7 @@ class RemoteSession:
                 continue
             self.chain.directory.release(peer)
             try:
-                self.chain.node.call_sync(peer, "close_session", CloseSession(session=self.id),
+                self.chain.node.call_sync(peer, CLOSE_SESSION, CloseSession(session=self.id),
                                           timeout=5)
             except (RemoteError, WireError, MessageLost, TimeoutError):
                 pass  # the peer drops idle sessions itself
@@ -255,113 +225,3 @@ class RemoteChain:
 
     def open_session(self, batch: int, max_length: int) -> RemoteSession:
         return RemoteSession(self, batch, max_length)
-
-
-# ---- training -------------------------------------------------------------------------------
-
-class RemoteStageWorker:
-    """A training peer of one stage, as the pipeline trainer's StageWorker."""
-
-    def __init__(self, node: SwarmNode, directory: Directory, stage: int, num_stages: int,
-                 swarm: SwarmConfig) -> None:
-        self.node, self.directory, self.stage = node, directory, stage
-        self.last = stage == num_stages - 1
-        self.swarm = swarm
-        self.peer: str | None = None
-        self._version = 0
-
-    def connect(self) -> int:
-        """Find this stage's training peer (from a fresh look at the DHT: after a failure, the
-        cached one may be a dead process); returns its version."""
-        self.directory.refresh()
-        found = self.directory.training_peer(self.stage)
-        if found is None:
-            raise SwarmUnavailable(f"no training peer for stage {self.stage}")
-        self.peer, record = found
-        self._version = record.version
-        return record.version
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def _call(self, method: str, body: object, tensors: dict[str, torch.Tensor] | None = None,
-              codec: ActivationCodec = "fp32", exact: dict[str, torch.Tensor] | None = None
-              ) -> tuple[bytes, dict[str, torch.Tensor]]:
-        """One call with retries on lost messages; any other failure is the caller's to handle
-        (a training step cannot move to another peer halfway). A peer that cannot be reached is
-        avoided for a while, so that `connect` finds its replacement even while the dead one's
-        announcement has not expired; one that refused a request is not (it may be the stage's
-        only training peer, and the caller brings it back in line)."""
-        if self.peer is None:
-            self.connect()
-        assert self.peer is not None
-        request_id = secrets.token_hex(8)
-        for attempt in range(self.swarm.retries + 1):
-            try:
-                return self.node.call_sync(self.peer, method, body, tensors, codec,
-                                           self.swarm.request_timeout_s, request_id, exact)
-            except MessageLost:
-                time.sleep(backoff(attempt))
-            except (RemoteError, WireError) as error:
-                if not isinstance(error, (PeerRefused, WireError)):
-                    self.directory.ban(self.peer, str(error))
-                self.peer = None
-                raise SwarmUnavailable(f"training stage {self.stage}: {error}") from error
-        raise SwarmUnavailable(f"training stage {self.stage}: {self.swarm.retries + 1} messages "
-                               "lost in a row")
-
-    def forward(self, micro: int, inputs: Activations, batch: TrainBatch,
-                loss_inputs: LossInputs | None = None
-                ) -> tuple[Activations, dict[str, float]]:
-        exact = {name: getattr(batch, name).cpu() for name in BATCH_FIELDS}
-        tensors = {"prompt_in": inputs[0].cpu(), "completion_in": inputs[1].cpu()}
-        body = TrainForward(micro=micro, version=self._version, last=self.last,
-                            total_sequences=loss_inputs.total_sequences if loss_inputs else 0,
-                            total_tokens=loss_inputs.total_tokens if loss_inputs else 0)
-        if loss_inputs is not None:
-            for name in ("proximal", "reference"):
-                value = getattr(loss_inputs, name)
-                if value is not None:
-                    exact[name] = value.cpu()
-        raw, out = self._call("train_forward", body, tensors, self.swarm.activation_codec, exact)
-        reply = decode_struct(raw, TrainForwardReply)
-        names = ("row_surprise", "row_log_ratio") if self.last else ("prompt_out", "completion_out")
-        if any(name not in out for name in names):
-            raise SwarmUnavailable(f"training stage {self.stage} replied without {names}")
-        if self.last:
-            rows = batch.completions.shape[0]
-            if any(out[name].shape != (rows,) for name in names):
-                raise SwarmUnavailable(f"training stage {self.stage} replied row statistics of "
-                                       f"the wrong shape (expected [{rows}])")
-            return (out[names[0]].float(), out[names[1]].float()), reply.metrics
-        return (out[names[0]].float(), out[names[1]].float()), {}
-
-    def backward(self, micro: int, grad_outputs: Activations | None) -> Activations | None:
-        tensors = {} if grad_outputs is None else {"prompt_grad": grad_outputs[0].cpu(),
-                                                   "completion_grad": grad_outputs[1].cpu()}
-        _, out = self._call("train_backward", TrainBackward(micro=micro), tensors,
-                            self.swarm.activation_codec)
-        if self.stage == 0:
-            return None
-        if "prompt_grad" not in out or "completion_grad" not in out:
-            raise SwarmUnavailable(f"training stage {self.stage} replied without gradients")
-        return out["prompt_grad"].float(), out["completion_grad"].float()
-
-    def grad_square_norm(self) -> float:
-        raw, _ = self._call("train_grad_norm", Empty())
-        return decode_struct(raw, GradNorm).square_norm
-
-    def step(self, grad_scale: float) -> None:
-        raw, _ = self._call("train_step", TrainStep(grad_scale=grad_scale,
-                                                    version=self._version + 1))
-        self._version = decode_struct(raw, VersionReply).version
-
-    def discard(self) -> None:
-        raw, _ = self._call("train_discard", Empty())
-        self._version = decode_struct(raw, VersionReply).version
-
-    def checkpoint(self, action: Literal["save", "load"], version: int) -> int:
-        raw, _ = self._call("checkpoint", CheckpointRequest(action=action, version=version))
-        self._version = decode_struct(raw, VersionReply).version
-        return self._version

@@ -1,0 +1,197 @@
+"""The training service of a stage peer: the coordinator drives its stage through the pipeline
+trainer's protocol (learn/trainer.py `StageWorker`) over RPC, micro-batch by micro-batch
+(forward, backward, the gradient norm, the optimizer step, or a discard when the step cannot
+finish), and asks it to save or load checkpoints. Every step publishes the new version of the
+stage (`WeightPublisher`, sync/distribute.py) to its replicas.
+
+A training peer that starts where a checkpoint exists resumes from it: a replacement for a peer
+that died takes over at the run's last complete checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decentrl.config import RunConfig
+from decentrl.learn.checkpoints import CheckpointLayout
+from decentrl.learn.trainer import LossInputs, StageTrainer
+from decentrl.model.stages import StageModule
+from decentrl.net.node import Handler, Reply, Request, SwarmNode
+from decentrl.net.protocol import (
+    CHECKPOINT,
+    TRAIN_BACKWARD,
+    TRAIN_DISCARD,
+    TRAIN_FORWARD,
+    TRAIN_GRAD_NORM,
+    TRAIN_STEP,
+    CheckpointRequest,
+    Empty,
+    GradNorm,
+    Rpc,
+    TrainBackward,
+    TrainForward,
+    TrainForwardReply,
+    TrainStep,
+    VersionReply,
+)
+from decentrl.swarm.inbound import InboundChecks, PeerBusy, PeerError
+from decentrl.swarm.replica import published_tensors
+from decentrl.sync.distribute import WeightPublisher
+
+log = logging.getLogger(__name__)
+
+
+class TrainingService:
+    def __init__(self, config: RunConfig, trainer: StageTrainer, node: SwarmNode,
+                 checks: InboundChecks, checkpoint_dir: Path,
+                 announce: Callable[[], Awaitable[None]], name: str) -> None:
+        """`announce` tells the directory this peer's new version at once (after a step or a
+        rollback)."""
+        self.config, self.trainer, self.node, self.checks = config, trainer, node, checks
+        self.checkpoints = CheckpointLayout(checkpoint_dir)
+        self.announce, self.name = announce, name
+        self.stage = checks.stage
+        self.device = trainer.device
+        # Called (compute thread) with the trainer after its weights changed: a peer that also
+        # serves inference copies them into its served model.
+        self.on_new_weights: Callable[[StageTrainer], None] = lambda trainer: None
+        self._resume_from_checkpoint()
+        self.publisher = WeightPublisher(
+            node, config.name, self.stage, config.sync, trainer.version,
+            published_tensors(trainer.stage), 5 * config.swarm.announce_every_s,
+            config.swarm.request_timeout_s)
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    @property
+    def model(self) -> StageModule:
+        return self.trainer.stage
+
+    def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
+        return [(TRAIN_FORWARD, self._train_forward), (TRAIN_BACKWARD, self._train_backward),
+                (TRAIN_GRAD_NORM, self._train_grad_norm), (TRAIN_STEP, self._train_step),
+                (TRAIN_DISCARD, self._train_discard), (CHECKPOINT, self._checkpoint)]
+
+    def _at_version(self, version: int) -> None:
+        if version != self.trainer.version:
+            raise PeerBusy(f"stage {self.stage} is at version {self.trainer.version}, the request "
+                           f"expects {version}")
+
+    # ---- one step, micro-batch by micro-batch ---------------------------------------------
+
+    async def _train_forward(self, request: Request[TrainForward]) -> Reply:
+        return await self.node.compute(self._forward, request.body, request.tensors)
+
+    def _forward(self, body: TrainForward, tensors: dict[str, torch.Tensor]) -> Reply:
+        self._at_version(body.version)
+        if body.last != self.checks.is_last:
+            raise PeerError(f"the coordinator thinks stage {self.stage} is "
+                            f"{'' if body.last else 'not '}the last stage")
+        batch = self.checks.batch(tensors)
+        inputs = self.checks.activations(tensors, batch)
+        loss_inputs = None
+        if body.last:
+            loss_inputs = LossInputs(tensors.get("proximal"), tensors.get("reference"),
+                                     body.total_sequences, body.total_tokens)
+        out, metrics = self.trainer.forward(body.micro, inputs, batch, loss_inputs)
+        if body.last:  # per-row statistics, in full precision: the coordinator flags from them
+            return Reply(TrainForwardReply(metrics=metrics),
+                         {"row_surprise": out[0].cpu(), "row_log_ratio": out[1].cpu()}, "fp32")
+        return Reply(TrainForwardReply(metrics=metrics),
+                     {"prompt_out": out[0].cpu(), "completion_out": out[1].cpu()},
+                     self.config.swarm.activation_codec)
+
+    async def _train_backward(self, request: Request[TrainBackward]) -> Reply:
+        return await self.node.compute(self._backward, request.body, request.tensors)
+
+    def _backward(self, body: TrainBackward, tensors: dict[str, torch.Tensor]) -> Reply:
+        if body.micro not in self.trainer.saved:
+            raise PeerBusy(f"stage {self.stage} has no forward pass for micro-batch {body.micro}")
+        outputs = self.trainer.saved[body.micro][1]
+        grads = self.checks.gradients(tensors, outputs)
+        if grads is not None:
+            grads = (grads[0].to(self.device, outputs[0].dtype),
+                     grads[1].to(self.device, outputs[1].dtype))
+        back = self.trainer.backward(body.micro, grads)
+        result = {} if back is None or back[0] is None else \
+            {"prompt_grad": back[0].cpu(), "completion_grad": back[1].cpu()}
+        return Reply(Empty(), result, self.config.swarm.activation_codec)
+
+    async def _train_grad_norm(self, request: Request[Empty]) -> Reply:
+        value = await self.node.compute(self.trainer.grad_square_norm)
+        return Reply(GradNorm(square_norm=value))
+
+    async def _train_step(self, request: Request[TrainStep]) -> Reply:
+        body = request.body
+        self._at_version(body.version - 1)
+        if not 0 < body.grad_scale <= 1:
+            raise PeerError(f"grad_scale must be in (0, 1], got {body.grad_scale}")
+        await self.node.compute(self._step, body.grad_scale)
+        await self.announce()
+        return Reply(VersionReply(version=self.trainer.version))
+
+    def _step(self, grad_scale: float) -> None:
+        """Step, then publish the new version (compute thread, between steps: the publisher
+        takes a copy and encodes the update on its own thread)."""
+        self.trainer.step(grad_scale)
+        self.on_new_weights(self.trainer)
+        self.publisher.publish(self.trainer.version, published_tensors(self.trainer.stage))
+
+    async def _train_discard(self, request: Request[Empty]) -> Reply:
+        await self.node.compute(self.trainer.discard)
+        return Reply(VersionReply(version=self.trainer.version))
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    async def _checkpoint(self, request: Request[CheckpointRequest]) -> Reply:
+        body = request.body
+        if body.action == "save":
+            self._at_version(body.version)
+            await self.node.compute(self._save, body.version)
+        else:
+            await self.node.compute(self._load, body.version)
+            await self.node.compute(self.publisher.reset, body.version,
+                                    published_tensors(self.trainer.stage))
+            await self.announce()
+        return Reply(VersionReply(version=self.trainer.version))
+
+    def _save(self, version: int) -> None:
+        path = self.checkpoints.stage_file(version, self.stage)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(".tmp")
+        state = self.trainer.state()
+        # What the replicas serve at this version goes along: it generated the rollouts and the
+        # swarm's evaluations, and `decentrl export` releases it by default.
+        served = self.publisher.served().result(timeout=self.config.swarm.request_timeout_s)
+        if served.version == version:
+            state["served"] = served.tensors
+        torch.save(state, staging)
+        os.replace(staging, path)  # a crash mid-save leaves no half-written checkpoint
+
+    def _load(self, version: int) -> None:
+        path = self.checkpoints.stage_file(version, self.stage)
+        if not path.is_file():
+            raise PeerBusy(f"no checkpoint {path}")
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        if state["version"] != version:
+            raise PeerBusy(f"{path} holds version {state['version']}, not {version}")
+        self.trainer.load_state(state)
+        self.on_new_weights(self.trainer)
+
+    def _resume_from_checkpoint(self) -> None:
+        """A replacement training peer starts from the newest complete checkpoint of its stage."""
+        version = self.checkpoints.latest_version()
+        if version is None:
+            return
+        self._load(version)
+        log.info("%s: stage %d resumed from checkpoint v%d", self.name, self.stage, version)
+
+    def close(self) -> None:
+        self.publisher.close()
