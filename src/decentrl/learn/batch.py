@@ -60,6 +60,7 @@ class TrainBatch:
 
 def build_batch(rollouts: list[Rollout], advantages: list[float], staleness: list[int],
                 pad_id: int) -> TrainBatch:
+    """A training batch of checked rollouts (Rollout.check_lengths: ingestion ran it)."""
     if not rollouts:
         raise ValueError("cannot build a training batch from no rollouts")
     if not len(rollouts) == len(advantages) == len(staleness):
@@ -67,20 +68,7 @@ def build_batch(rollouts: list[Rollout], advantages: list[float], staleness: lis
                          f"{len(staleness)} staleness values")
     prompt_rows: dict[tuple[int, ...], int] = {}
     prompt_of = []
-    for row, rollout in enumerate(rollouts):
-        if not rollout.prompt_tokens:
-            raise ValueError(f"rollout {row} has an empty prompt")
-        if not rollout.completion_tokens:
-            raise ValueError(f"rollout {row} has an empty completion")
-        if len(rollout.behaviour_logprobs) != len(rollout.completion_tokens):
-            raise ValueError(f"rollout {row} has {len(rollout.completion_tokens)} completion "
-                             f"tokens but {len(rollout.behaviour_logprobs)} behaviour log-probs")
-        if rollout.generated is not None and (
-                len(rollout.generated) != len(rollout.completion_tokens)
-                or not any(rollout.generated)):
-            raise ValueError(f"rollout {row} marks {len(rollout.generated)} tokens generated or "
-                             f"not for {len(rollout.completion_tokens)} completion tokens, and "
-                             "needs at least one generated")
+    for rollout in rollouts:
         prompt_of.append(prompt_rows.setdefault(tuple(rollout.prompt_tokens), len(prompt_rows)))
     prompt_length = max(len(p) for p in prompt_rows)
     prompts = torch.full((len(prompt_rows), prompt_length), pad_id, dtype=torch.long)

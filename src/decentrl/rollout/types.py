@@ -15,20 +15,30 @@ class Rollout(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: list[int]
     behaviour_logprobs: list[float]  # one per completion token (0.0 where not generated)
     finished: bool  # ended with a stop token (not cut at the length limit)
-    completion_text: str
     # Per completion token: sampled by the model (True) or an environment's, fed in by the
     # episode (False: no behaviour log-prob, no gradient). None: every token was sampled.
     generated: list[bool] | None = None
 
-    def generated_mask(self) -> list[bool]:
-        """Per completion token, whether the model sampled it. Raises ValueError when a peer's
-        mask does not cover the completion token for token."""
-        if self.generated is None:
-            return [True] * len(self.completion_tokens)
-        if len(self.generated) != len(self.completion_tokens):
+    def check_lengths(self) -> None:
+        """Raise ValueError naming the problem unless the per-token lists agree: a non-empty
+        prompt and completion, one behaviour log-prob per completion token, and a generated
+        mask (if any) that covers the completion and marks at least one sampled token. Ingestion
+        runs it on every rollout a peer sends; whatever reads a rollout after that relies on it."""
+        if not self.prompt_tokens or not self.completion_tokens:
+            raise ValueError("a rollout needs a prompt and a completion")
+        if len(self.behaviour_logprobs) != len(self.completion_tokens):
+            raise ValueError(f"{len(self.completion_tokens)} completion tokens but "
+                             f"{len(self.behaviour_logprobs)} behaviour log-probs")
+        if self.generated is not None and (len(self.generated) != len(self.completion_tokens)
+                                           or not any(self.generated)):
             raise ValueError(f"the generated mask has {len(self.generated)} entries for "
-                             f"{len(self.completion_tokens)} completion tokens")
-        return self.generated
+                             f"{len(self.completion_tokens)} completion tokens, and must mark "
+                             "at least one sampled")
+
+    def generated_mask(self) -> list[bool]:
+        """Per completion token, whether the model sampled it (lengths checked by
+        `check_lengths`)."""
+        return [True] * len(self.completion_tokens) if self.generated is None else self.generated
 
 
 class VersionSpan(msgspec.Struct, frozen=True, kw_only=True):

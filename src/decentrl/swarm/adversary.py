@@ -166,8 +166,7 @@ def submit_replays(node: SwarmNode, config: RunConfig, stop: threading.Event,
         prompt = render_prompt(task, problem, tokenizer)
         answer = tokenizer.encode(problem.answer, add_special_tokens=False)
         rollout = Rollout(prompt_tokens=prompt, completion_tokens=answer,
-                          behaviour_logprobs=[-0.1] * len(answer), finished=False,
-                          completion_text=problem.answer)
+                          behaviour_logprobs=[-0.1] * len(answer), finished=False)
         group = RolloutGroup(
             group_id=f"{task.name}/{index}", task=task.name, problem_index=index,
             stage_versions=[0] * config.num_stages,

@@ -62,13 +62,14 @@ class Ingestion:
             raise RejectedGroup(f"group {group.group_id} has {len(group.rollouts)} rollouts, "
                                 f"expected {rollout.group_size}")
         for r in group.rollouts:
-            if not 1 <= len(r.completion_tokens) <= rollout.max_new_tokens:
+            try:
+                r.check_lengths()
+            except ValueError as error:
+                raise RejectedGroup(f"group {group.group_id}: {error}") from None
+            if len(r.completion_tokens) > rollout.max_new_tokens:
                 raise RejectedGroup(f"group {group.group_id}: completion of "
                                     f"{len(r.completion_tokens)} tokens, limit "
                                     f"{rollout.max_new_tokens}")
-            if len(r.behaviour_logprobs) != len(r.completion_tokens):
-                raise RejectedGroup(f"group {group.group_id}: behaviour log-probs do not match "
-                                    "the completion length")
             if any(not (t == t and -1e4 <= t <= 0.0) for t in r.behaviour_logprobs):
                 raise RejectedGroup(f"group {group.group_id}: behaviour log-probs must be finite "
                                     "and <= 0")
@@ -159,7 +160,8 @@ class Ingestion:
             "groups": float(len(scored)),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": float(max(staleness)),
-            "completion_tokens_mean": sum(len(r.completion_tokens) for r in rollouts) / len(rollouts),
+            "completion_tokens_mean":
+                sum(len(r.completion_tokens) for r in rollouts) / len(rollouts),
             "finished_fraction": sum(r.finished for r in rollouts) / len(rollouts),
             "generated_tokens": float(sum(len(r.completion_tokens) for r in rollouts)),
             # JSON object keys are strings; the report's histogram reads them back as versions.

@@ -58,7 +58,6 @@ class RolloutWorker:
             rollouts = [
                 Rollout(prompt_tokens=prompt, completion_tokens=g.tokens,
                         behaviour_logprobs=g.logprobs, finished=g.finished,
-                        completion_text=self.tokenizer.decode(g.tokens, skip_special_tokens=True),
                         generated=None if all(g.generated) else g.generated)
                 for g in rows
             ]
