@@ -1,15 +1,43 @@
-"""Shared fixtures: tiny random models written once per test session (a few milliseconds each)."""
+"""Shared fixtures: tiny random models written once per test session (a few milliseconds each).
+Also hypothesis's profiles for the fuzz tests and the count of the examples they ran."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from fuzzing import FuzzTally, Outcomes
+from hypothesis import settings
 from safetensors.torch import load_file, save_file
 
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.tiny import make_tiny_model
+
+# ---- fuzzing ------------------------------------------------------------------------------------
+# `make test` runs each fuzz test of tests/test_fuzz.py on 150 examples (seconds in all).
+# `make fuzz` (DECENTRL_FUZZ=1, or pytest's `--hypothesis-profile fuzz`) runs FUZZ_EXAMPLES_PER_TEST
+# each: with the tests' ~30 message types and payloads, over 100,000 in all (minutes).
+REGULAR_EXAMPLES_PER_TEST = 150
+FUZZ_EXAMPLES_PER_TEST = 4_000
+settings.register_profile("decentrl", max_examples=REGULAR_EXAMPLES_PER_TEST)
+settings.register_profile("fuzz", max_examples=FUZZ_EXAMPLES_PER_TEST)
+settings.load_profile("fuzz" if os.environ.get("DECENTRL_FUZZ") == "1" else "decentrl")
+
+_FUZZ_TALLY = FuzzTally()
+
+
+@pytest.fixture
+def fuzz_outcomes(request: pytest.FixtureRequest) -> Outcomes:
+    """Counts of this fuzz test's accepted and refused examples (tests/fuzzing.py)."""
+    return _FUZZ_TALLY.start(request.node.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The number of fuzz examples the session ran: the figure `make fuzz` is run for."""
+    if _FUZZ_TALLY.tests:
+        terminalreporter.write_line(_FUZZ_TALLY.summary(settings.get_current_profile_name()))
 
 # The tiny models' matmuls are microseconds long: a second intra-op thread buys nothing, and on a
 # busy machine its spin-waits make a forward pass 100x slower (0.7 s instead of 4 ms).

@@ -1,18 +1,26 @@
 """Fuzzed decoding of everything a peer can send: random and mutated bytes, manifests, tensor
 parts and weight-update payloads. Whatever comes in, decoding returns a checked value or raises
-WireError with a message; never another exception, never a hang (every example has a deadline)."""
+WireError with a message; never another exception, never a hang (every example has a deadline).
+
+Each test counts its examples by outcome and asserts that some were accepted and some refused
+(tests/fuzzing.py), so the checks of both branches run. The number of examples comes from
+hypothesis's profile (tests/conftest.py): a few hundred per test in `make test`, thousands in
+`make fuzz`."""
 
 from __future__ import annotations
 
+import functools
 import inspect
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 import torch
+from fuzzing import Outcomes
 from google.protobuf.message import DecodeError
 from hivemind.proto import runtime_pb2
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from decentrl.net import protocol
@@ -42,7 +50,8 @@ from decentrl.sync.delta import (
     payload_bytes,
 )
 
-FUZZ = settings(max_examples=150, deadline=2000,
+# The number of examples is the profile's (tests/conftest.py).
+FUZZ = settings(deadline=2000,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # Small limits, so a forged size is refused by a check, not by running out of memory.
 LIMITS = TensorLimits(max_elements_per_tensor=2**16, max_total_bytes=2**20, max_tensors=16)
@@ -67,7 +76,92 @@ def mutate(data: bytes, edits: list[tuple[int, int, int]]) -> bytes:
 
 EDITS = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2**16), st.integers(0, 255)),
                  min_size=1, max_size=8)
+Edits = list[tuple[int, int, int]]
 
+
+def flip(position: int, value: int) -> Edits:
+    """One byte flipped: an edit that leaves what a byte-level decoder accepts when `position`
+    holds data (a string's letters, a tensor's values) rather than structure."""
+    return [(0, position, value)]
+
+
+# ---- any bytes as every message type ------------------------------------------------------------
+
+def wire_values(info: msgspec.inspect.Type) -> st.SearchStrategy[Any]:
+    """What msgpack carries for a message field's type: structs as maps of their fields (the
+    optional ones present or not), ints in [-2**63, 2**64). Values are drawn as a peer could send
+    them, so the receiver's validation (a struct's __post_init__) refuses some."""
+    match info:
+        case (msgspec.inspect.StructType(fields=fields)
+              | msgspec.inspect.DataclassType(fields=fields)):
+            return st.fixed_dictionaries(
+                {field.encode_name: wire_values(field.type) for field in fields if field.required},
+                optional={field.encode_name: wire_values(field.type)
+                          for field in fields if not field.required})
+        case msgspec.inspect.NamedTupleType(fields=fields):
+            return st.tuples(*(wire_values(field.type) for field in fields))
+        case msgspec.inspect.IntType():
+            return st.integers(-2**63, 2**64 - 1)
+        case msgspec.inspect.FloatType():
+            return st.floats()
+        case msgspec.inspect.StrType():
+            return st.text(max_size=20)
+        case msgspec.inspect.BytesType():
+            return st.binary(max_size=20)
+        case msgspec.inspect.BoolType():
+            return st.booleans()
+        case msgspec.inspect.NoneType():
+            return st.none()
+        case msgspec.inspect.LiteralType(values=values):
+            return st.sampled_from(values)
+        case msgspec.inspect.UnionType(types=types):
+            return st.one_of(*(wire_values(member) for member in types))
+        case msgspec.inspect.ListType(item_type=item) | msgspec.inspect.VarTupleType(
+                item_type=item):
+            return st.lists(wire_values(item), max_size=3)
+        case msgspec.inspect.TupleType(item_types=items):
+            return st.tuples(*(wire_values(item) for item in items))
+        case msgspec.inspect.DictType(key_type=key, value_type=value):
+            return st.dictionaries(wire_values(key), wire_values(value), max_size=3)
+    raise TypeError(f"no strategy for a message field of type {info}")
+
+
+@functools.cache  # built once per type, not once per example
+def message_bytes(message_type: type) -> st.SearchStrategy[bytes]:
+    """Random bytes (nearly always refused), a well-formed message of the type (accepted unless
+    its values are out of range, so the checks on a decoded message run for every type), or a
+    well-formed one mutated (either)."""
+    well_formed = wire_values(msgspec.inspect.type_info(message_type)).map(msgspec.msgpack.encode)
+    mutated = st.tuples(well_formed, EDITS).map(lambda pair: mutate(*pair))
+    return st.one_of(st.binary(max_size=256), well_formed, mutated)
+
+
+@FUZZ
+@given(data=st.data())
+def decode_any_bytes(message_type: type, outcomes: Outcomes, data: st.DataObject) -> None:
+    sent = data.draw(message_bytes(message_type), label="sent")
+    try:
+        value = decode_struct(sent, message_type)
+    except WireError as error:
+        assert str(error).startswith(f"bad {message_type.__name__} message")
+        outcomes.refuse()
+        return
+    assert isinstance(value, message_type)
+    # What was accepted is passed on as it is: re-encoded, it decodes to the same message
+    # (compared as bytes, as a NaN equals nothing).
+    encoded = encode_struct(value)
+    assert encode_struct(decode_struct(encoded, message_type)) == encoded
+    outcomes.accept()
+
+
+@pytest.mark.parametrize("message_type", MESSAGE_TYPES, ids=lambda t: t.__name__)
+def test_any_bytes_decode_to_a_struct_of_their_type_or_a_wire_error(
+        message_type: type, fuzz_outcomes: Outcomes) -> None:
+    decode_any_bytes(message_type, fuzz_outcomes)
+    fuzz_outcomes.assert_both_branches_ran()
+
+
+# ---- mutated rollout groups ----------------------------------------------------------------------
 
 def sample_group() -> bytes:
     rollout = Rollout(prompt_tokens=[1, 2, 3], completion_tokens=[4, 5],
@@ -78,28 +172,28 @@ def sample_group() -> bytes:
         rollouts=[rollout, rollout]))
 
 
-@pytest.mark.parametrize("message_type", MESSAGE_TYPES, ids=lambda t: t.__name__)
-@FUZZ
-@given(data=st.binary(max_size=256))
-def test_random_bytes_never_decode_to_anything_but_a_struct_or_a_wire_error(
-        message_type: type, data: bytes) -> None:
-    try:
-        value = decode_struct(data, message_type)
-    except WireError as error:
-        assert str(error).startswith(f"bad {message_type.__name__} message")
-        return
-    assert isinstance(value, message_type)
+SAMPLE_GROUP = sample_group()
 
 
 @FUZZ
 @given(edits=EDITS)
-def test_mutated_rollout_groups_decode_or_are_refused(edits: list[tuple[int, int, int]]) -> None:
+@example(edits=flip(SAMPLE_GROUP.index(b"sums/7") + 5, 0x01))  # group id "sums/6"
+def decode_mutated_group(outcomes: Outcomes, edits: Edits) -> None:
     try:
-        group = decode_struct(mutate(sample_group(), edits), RolloutGroup)
+        group = decode_struct(mutate(SAMPLE_GROUP, edits), RolloutGroup)
     except WireError:
+        outcomes.refuse()
         return
     assert isinstance(group, RolloutGroup) and all(isinstance(r, Rollout) for r in group.rollouts)
+    outcomes.accept()
 
+
+def test_mutated_rollout_groups_decode_or_are_refused(fuzz_outcomes: Outcomes) -> None:
+    decode_mutated_group(fuzz_outcomes)
+    fuzz_outcomes.assert_both_branches_ran()
+
+
+# ---- forged manifests and tensor parts -----------------------------------------------------------
 
 SPECS = st.builds(
     TensorSpec, name=st.sampled_from(["a", "b", "c"]),
@@ -112,16 +206,21 @@ PARTS = st.builds(
     size=st.lists(st.integers(0, 40), max_size=3),
     dtype=st.sampled_from([*DTYPES, "int16", "float16", "object", ""]),
     requires_grad=st.booleans(), compression=st.integers(0, 3), chunks=st.integers(0, 3))
+# What an honest sender sends: forged ones are refused unless they happen to be as consistent.
+HONEST_PARTS, HONEST_MANIFEST = encode_tensors(
+    {"a": torch.arange(6.0).reshape(2, 3), "b": torch.arange(4).reshape(4, 1)}, "int8")
 
 
 @FUZZ
 @given(specs=st.lists(SPECS, max_size=4), parts=st.lists(PARTS, max_size=5))
-def test_forged_manifests_and_parts_decode_as_announced_or_are_refused(
-        specs: list[TensorSpec], parts: list[runtime_pb2.Tensor]) -> None:
+@example(specs=list(HONEST_MANIFEST.tensors), parts=HONEST_PARTS)
+def decode_forged_tensors(outcomes: Outcomes, specs: list[TensorSpec],
+                          parts: list[runtime_pb2.Tensor]) -> None:
     manifest = TensorManifest(tuple(specs))
     try:
         tensors = decode_tensors(parts, manifest, LIMITS)
     except WireError:
+        outcomes.refuse()
         return
     for spec in specs:
         tensor = tensors[spec.name]
@@ -129,24 +228,41 @@ def test_forged_manifests_and_parts_decode_as_announced_or_are_refused(
         assert str(tensor.dtype).removeprefix("torch.") == spec.dtype
         if tensor.is_floating_point():
             assert bool(torch.isfinite(tensor).all())
+    outcomes.accept()
 
+
+def test_forged_manifests_and_parts_decode_as_announced_or_are_refused(
+        fuzz_outcomes: Outcomes) -> None:
+    decode_forged_tensors(fuzz_outcomes)
+    fuzz_outcomes.assert_both_branches_ran()
+
+
+# ---- mutated signed requests ---------------------------------------------------------------------
 
 SENDER = Identity.generate()
+_generator = torch.Generator().manual_seed(0)
+SENT = {"hidden": torch.randn(2, 3, 4, generator=_generator),
+        "ids": torch.arange(6).reshape(2, 3)}
+SENT_PARTS, SENT_MANIFEST = encode_tensors(SENT, "int8")
+SIGNED_REQUEST = b"".join(message.SerializeToString() for message in to_messages(
+    runtime_pb2.ExpertRequest,
+    signed_envelope(SENDER, "request", "step", "abc", b"body", SENT_MANIFEST, SENT_PARTS),
+    SENT_PARTS, uid="abc"))
+# Field 127 (unknown to ExpertRequest) as a varint 0, appended: a change to the bytes that leaves
+# everything signed as it was. Protobuf skips unknown fields, so the request must be accepted.
+UNKNOWN_FIELD = bytes([0xF8, 0x07, 0x00])
+APPEND_UNKNOWN_FIELD = [(1, len(SIGNED_REQUEST) + i, byte) for i, byte in enumerate(UNKNOWN_FIELD)]
 
 
 @FUZZ
 @given(edits=EDITS)
-def test_mutated_tensor_messages_decode_or_are_refused(edits: list[tuple[int, int, int]]) -> None:
-    """What a node does with a request: anything it accepts (the signature holds) decodes to
-    exactly what the sender signed."""
-    sent = {"hidden": torch.randn(2, 3, 4), "ids": torch.arange(6).reshape(2, 3)}
-    parts, manifest = encode_tensors(sent, "int8")
-    metadata = signed_envelope(SENDER, "request", "step", "abc", b"body", manifest, parts)
-    messages = to_messages(runtime_pb2.ExpertRequest, metadata, parts, uid="abc")
-    raw = mutate(b"".join(m.SerializeToString() for m in messages), edits)
+@example(edits=APPEND_UNKNOWN_FIELD)
+def decode_mutated_request(outcomes: Outcomes, edits: Edits) -> None:
+    raw = mutate(SIGNED_REQUEST, edits)
     try:
         message = runtime_pb2.ExpertRequest.FromString(raw)
     except DecodeError:  # protobuf refusing garbage is the node's first check
+        outcomes.refuse()
         return
     try:
         uid, metadata, got = from_messages([message])
@@ -154,13 +270,25 @@ def test_mutated_tensor_messages_decode_or_are_refused(edits: list[tuple[int, in
         verify_envelope(SENDER.peer_id, "request", "step", uid, envelope, got)
         tensors = decode_tensors(got, envelope.manifest, LIMITS)
     except WireError:  # SignatureError included
+        outcomes.refuse()
         return
     assert uid == "abc" and envelope.body == b"body"
-    assert tensors.keys() == sent.keys()
-    assert torch.equal(tensors["ids"], sent["ids"])
-    expected = decode_tensors(parts, manifest)["hidden"]
+    assert tensors.keys() == SENT.keys()
+    assert torch.equal(tensors["ids"], SENT["ids"])
+    expected = decode_tensors(SENT_PARTS, SENT_MANIFEST)["hidden"]
     assert torch.equal(tensors["hidden"], expected)
+    outcomes.accept()
 
+
+def test_mutated_tensor_messages_decode_or_are_refused(fuzz_outcomes: Outcomes) -> None:
+    """What a node does with a request: anything it accepts (the signature holds) decodes to
+    exactly what the sender signed."""
+    assert mutate(SIGNED_REQUEST, APPEND_UNKNOWN_FIELD) == SIGNED_REQUEST + UNKNOWN_FIELD
+    decode_mutated_request(fuzz_outcomes)
+    fuzz_outcomes.assert_both_branches_ran()
+
+
+# ---- mutated weight-update payloads --------------------------------------------------------------
 
 def published() -> PublishedState:
     g = torch.Generator().manual_seed(0)
@@ -170,32 +298,55 @@ def published() -> PublishedState:
 
 def delta_payload() -> bytes:
     state = published()
-    moved = {n: t + 0.01 * torch.randn(t.shape) for n, t in state.tensors.items()}
+    g = torch.Generator().manual_seed(1)
+    moved = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in state.tensors.items()}
     return payload_bytes(encode_delta(state, moved, 0.2))
+
+
+# Encoded once: every example mutates a copy.
+PAYLOADS = {False: delta_payload(), True: payload_bytes(encode_keyframe(published()))}
+PUBLISHED = published()
+SHAPES = {n: t.shape for n, t in PUBLISHED.tensors.items()}
 
 
 @FUZZ
 @given(edits=EDITS, keyframe=st.booleans())
-def test_mutated_update_payloads_apply_cleanly_or_are_refused(
-        edits: list[tuple[int, int, int]], keyframe: bool) -> None:
-    data = payload_bytes(encode_keyframe(published())) if keyframe else delta_payload()
+# The last byte is one of the last block's int8 values: any value is a valid delta.
+@example(edits=flip(len(PAYLOADS[False]) - 1, 0x01), keyframe=False)
+def apply_mutated_payload(outcomes: Outcomes, edits: Edits, keyframe: bool) -> None:
     state = published()
-    shapes = {n: t.shape for n, t in state.tensors.items()}
     try:
-        apply_payload(state, decode_payload(mutate(data, edits), shapes), 1)
+        apply_payload(state, decode_payload(mutate(PAYLOADS[keyframe], edits), SHAPES), 1)
     except WireError:
         assert state.version == 0  # refused before anything changed
-        assert all(torch.equal(t, published().tensors[n]) for n, t in state.tensors.items())
+        assert all(torch.equal(t, PUBLISHED.tensors[n]) for n, t in state.tensors.items())
+        outcomes.refuse()
         return
     assert all(bool(torch.isfinite(t).all()) for t in state.tensors.values())
-    assert {n: t.shape for n, t in state.tensors.items()} == shapes
+    assert {n: t.shape for n, t in state.tensors.items()} == SHAPES
+    outcomes.accept()
 
+
+def test_mutated_update_payloads_apply_cleanly_or_are_refused(fuzz_outcomes: Outcomes) -> None:
+    apply_mutated_payload(fuzz_outcomes)
+    fuzz_outcomes.assert_both_branches_ran()
+
+
+# ---- random varints ------------------------------------------------------------------------------
 
 @FUZZ
 @given(data=st.binary(max_size=64), count=st.integers(0, 20))
-def test_random_varints_decode_or_are_refused(data: bytes, count: int) -> None:
+@example(data=bytes([0x96, 0x01, 0x05]), count=2)  # 150 and 5
+def decode_random_varints(outcomes: Outcomes, data: bytes, count: int) -> None:
     try:
         values = decode_varints(data, count)
     except WireError:
+        outcomes.refuse()
         return
     assert len(values) == count and values.dtype == np.uint64
+    outcomes.accept()
+
+
+def test_random_varints_decode_or_are_refused(fuzz_outcomes: Outcomes) -> None:
+    decode_random_varints(fuzz_outcomes)
+    fuzz_outcomes.assert_both_branches_ran()
