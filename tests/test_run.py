@@ -120,35 +120,35 @@ def test_coordinator_rejects_unscheduled_replayed_and_malformed_groups(
     assert run.ingestion.stats.rejected == 3
 
 
-def test_coordinator_rewards_the_completion_tokens_not_the_claimed_text(
+def test_coordinator_rewards_what_the_completion_tokens_say(
         tiny_model_dir: Path, tmp_path: Path) -> None:
-    """A peer edits a completion's tokens to another answer and claims the original one in the
-    text it sends along: the reward is what the tokens earn, never what the text claims."""
+    """A rollout carries tokens and no reward: the coordinator decodes and scores them itself, so
+    a peer that edits a completion to the right answer earns the right answer's reward, and one
+    edited to a wrong answer the wrong answer's, whatever the peer sampled."""
     run = local_run(tiny_config(tiny_model_dir, tmp_path, mode="sync"))
     tokenizer = run.backend.tokenizer
 
-    def edited(group: RolloutGroup, tokens_say: str, text_claims: str) -> RolloutGroup:
-        tokens = tokenizer.encode(tokens_say, add_special_tokens=False)
+    def edited(group: RolloutGroup, answer: str) -> RolloutGroup:
+        """`group` with its first completion replaced by the tokens of `answer`."""
+        tokens = tokenizer.encode(answer, add_special_tokens=False)
         first = msgspec.structs.replace(group.rollouts[0], completion_tokens=tokens,
-                                        behaviour_logprobs=[-1.0] * len(tokens),
-                                        completion_text=text_claims)
+                                        behaviour_logprobs=[-1.0] * len(tokens))
         return msgspec.structs.replace(group, rollouts=[first, *group.rollouts[1:]])
 
     for group in run.worker.generate_groups(run.scheduler.next(2)):
         problem = run.task.problem("train", group.problem_index)
         right, wrong = problem.answer, str(int(problem.answer) + 1)
-        genuine = run.ingestion.score(group).rewards
-        for tokens_say, text_claims in [(right, wrong), (wrong, right)]:
-            tampered = edited(group, tokens_say, text_claims)
-            earned = run.task.reward(problem, tokens_say).total
-            claimed = run.task.reward(problem, text_claims).total
-            assert earned != claimed
-            assert run.ingestion.score(tampered).rewards == [earned, *genuine[1:]]
-        # Through the coordinator's gate too: accepted, and scored from its tokens.
-        accepted = run.ingestion.ingest(edited(group, right, wrong), 0)
+        earned = {answer: run.task.reward(problem, answer).total for answer in (right, wrong)}
+        assert earned[right] != earned[wrong]
+        sampled = run.ingestion.score(group).rewards
+        for answer in (right, wrong):
+            # The edited row earns what its tokens say; the other rows keep their rewards.
+            assert run.ingestion.score(edited(group, answer)).rewards == [earned[answer],
+                                                                         *sampled[1:]]
+        # Through the coordinator's gate too: accepted, and scored from the edited tokens.
+        accepted = run.ingestion.ingest(edited(group, right), 0)
         assert accepted is not None
-        assert accepted[0].rewards[0] == run.task.reward(problem, right).total
-        assert accepted[0].correct[0] == 1.0
+        assert (accepted[0].rewards[0], accepted[0].correct[0]) == (earned[right], 1.0)
 
 
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
