@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The dashboard's test renders its page in Debian's headless Chromium.
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test test-slow bench-trl clean
+.PHONY: demo test test-unit test-slow fuzz bench-trl clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,17 @@ demo: $(STAMP)
 test: $(STAMP) | $(CHROMIUM)
 	$(BIN)/python -m pytest -q
 
+# The fast tests that start no peer-to-peer daemon (those are marked network).
+test-unit: $(STAMP) | $(CHROMIUM)
+	$(BIN)/python -m pytest -q -m 'not slow and not network'
+
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# The fuzz tests under hypothesis's "fuzz" profile (tests/conftest.py): over 100,000 examples in
+# all, minutes rather than seconds. The last lines say how many ran.
+fuzz: $(STAMP)
+	DECENTRL_FUZZ=1 $(BIN)/python -m pytest -q tests/test_fuzz.py
 
 bench-trl: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'

@@ -36,6 +36,9 @@ from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
 from decentrl.trust.verify import Verifier
 
+# Every test here starts a swarm of peers, each with its own p2p daemon.
+pytestmark = pytest.mark.network
+
 LAYOUT = [(0, "training"), (1, "training"), (0, "inference"), (1, "inference")]
 
 

@@ -213,6 +213,7 @@ def test_the_group_exercises_turns_replies_early_ends_and_the_budget(
             rollout.prompt + rollout.generation.tokens + newline
 
 
+@pytest.mark.network
 def test_three_stage_swarm_plays_the_episode_group_as_in_process(
         chain3: Swarm, ending: LoadedModel, expected: list[EpisodeRollout]) -> None:
     chain = chain3.chain(ending.spec)
@@ -224,6 +225,7 @@ def test_three_stage_swarm_plays_the_episode_group_as_in_process(
     assert all(not p.sessions for p in chain3.peers)  # the session was closed on every peer
 
 
+@pytest.mark.network
 def test_episode_group_survives_a_replica_dying_after_a_reply_was_forced_in(
         ending_dir: Path, ending: LoadedModel, expected: list[EpisodeRollout],
         fast_backoff: None) -> None:

@@ -89,6 +89,7 @@ def test_join_refuses_a_bad_address_before_the_daemon_starts(address: str, fragm
                    "use the address the peer printed")
 
 
+@pytest.mark.network
 def test_join_says_when_no_initial_peer_answers() -> None:
     with socket.socket() as probe:  # a loopback port that nothing listens on
         probe.bind(("127.0.0.1", 0))
@@ -98,6 +99,7 @@ def test_join_says_when_no_initial_peer_answers() -> None:
                        "check that the peer is running")
 
 
+@pytest.mark.network
 def test_join_with_a_mistyped_run_waits_as_told_then_says_what_to_check(
         bootstrap: SwarmNode) -> None:
     done = run_cli("join", "--initial-peers", bootstrap.addresses()[0], "--run", "typo",
@@ -108,6 +110,7 @@ def test_join_with_a_mistyped_run_waits_as_told_then_says_what_to_check(
                             "check the run name")
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_the_wait_for_a_config_stops_on_ctrl_c_and_sigterm(bootstrap: SwarmNode,
                                                            signum: int) -> None:
@@ -146,6 +149,7 @@ def test_a_joined_peer_says_in_words_what_it_serves(capsys: pytest.CaptureFixtur
 
 # ---- coordinate -----------------------------------------------------------------------------
 
+@pytest.mark.network
 def test_coordinate_checks_the_config_against_the_model_before_it_announces(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_run_config(tiny_model_dir, 5, run_dir=str(tmp_path / "runs"), threads=1)
@@ -157,6 +161,7 @@ def test_coordinate_checks_the_config_against_the_model_before_it_announces(
     assert not (config.path / "join.txt").exists()
 
 
+@pytest.mark.network
 def test_coordinate_prints_the_join_command_on_one_line_and_says_what_it_waited_for(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_run_config(tiny_model_dir, 2, run_dir=str(tmp_path / "runs"), threads=1)

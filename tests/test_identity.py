@@ -117,6 +117,7 @@ def echo(node: SwarmNode, peer: str, text: str) -> str:
     return decode_struct(raw, Echo).text
 
 
+@pytest.mark.network
 def test_a_node_runs_as_its_identity() -> None:
     identity = Identity.generate()
     with nodes(2, identity=identity) as (server, other):
@@ -124,6 +125,7 @@ def test_a_node_runs_as_its_identity() -> None:
         assert other.peer_id == other.identity.peer_id and other.peer_id != server.peer_id
 
 
+@pytest.mark.network
 def test_the_key_file_is_private_and_gone_once_the_daemon_runs(
         monkeypatch: pytest.MonkeyPatch) -> None:
     written: list[tuple[Path, int, int]] = []
@@ -142,6 +144,7 @@ def test_the_key_file_is_private_and_gone_once_the_daemon_runs(
         assert server.peer_id == server.identity.peer_id
 
 
+@pytest.mark.network
 def test_signed_requests_and_replies_go_through_and_forged_ones_are_refused(
         monkeypatch: pytest.MonkeyPatch) -> None:
     with nodes(2) as (server, client):
@@ -184,6 +187,7 @@ def send_metadata(node: SwarmNode, peer: str, method: str, metadata: bytes) -> N
     node.run(send(), timeout=20)
 
 
+@pytest.mark.network
 def test_unsigned_metadata_is_refused_before_the_handler() -> None:
     with nodes(2) as (server, client):
         seen = serve_echo(server)
@@ -204,6 +208,7 @@ class StoppedClock:
         return self.now
 
 
+@pytest.mark.network
 def test_a_sender_of_malformed_requests_is_blocked_for_a_while() -> None:
     clock = StoppedClock()
     with nodes(3, strikes_to_block=3, block_s=3.0) as (server, attacker, honest):
@@ -237,6 +242,7 @@ def test_a_sender_of_malformed_requests_is_blocked_for_a_while() -> None:
         assert seen == ["bad"] * 3 + ["fine", "back"]
 
 
+@pytest.mark.network
 def test_a_failing_strike_listener_does_not_break_serving() -> None:
     with nodes(2) as (server, client):
         serve_echo(server)

@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from browser import chromium, read_page
 from helpers import chat_prompts
@@ -27,6 +28,9 @@ from decentrl.rollout.sampling import SamplingConfig
 from decentrl.swarm.coordinate import swarm_run
 from decentrl.swarm.loop import TrainingLoop
 from decentrl.tasks import Problem, Reward, SumsTask
+
+# The test runs a swarm of peer processes, each with its own p2p daemon.
+pytestmark = pytest.mark.network
 
 STEPS = 4
 QUESTIONS = ["What is 12 + 30?", "Name a colour.", "Say hello.", "Count to three."]

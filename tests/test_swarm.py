@@ -60,6 +60,9 @@ from decentrl.rollout.types import Rollout
 from decentrl.swarm import client as swarm_client
 from decentrl.swarm.peer import BATCH_FIELDS, StagePeer
 
+# Every test here starts stage peers, each with its own p2p daemon.
+pytestmark = pytest.mark.network
+
 PROMPTS = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11]]
 GREEDY = SamplingConfig(temperature=0.0)
 SAMPLED = SamplingConfig(temperature=0.8, top_p=0.95, top_k=40)

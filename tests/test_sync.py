@@ -189,6 +189,7 @@ def sync_config(model_dir: Path, **sync: object) -> object:
     return tiny_run_config(model_dir, 1, sync={"density": 0.5, "chunk_wait_s": 1.0, **sync})
 
 
+@pytest.mark.network
 def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
     config = sync_config(tiny_sharp_dir)
     layout = [(0, "training"), (0, "inference"), (0, "inference"), (0, "inference")]
@@ -227,6 +228,7 @@ def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
                 trainer_peer.publisher.updates[("delta", v)].manifest.size for v in (1, 2, 3))
 
 
+@pytest.mark.network
 def test_late_joiner_catches_up_from_keyframe_and_deltas(tiny_sharp_dir: Path) -> None:
     config = sync_config(tiny_sharp_dir, keyframe_every=3)
     with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
@@ -245,6 +247,7 @@ def test_late_joiner_catches_up_from_keyframe_and_deltas(tiny_sharp_dir: Path) -
         assert_serves_published(first, trainer_peer)
 
 
+@pytest.mark.network
 def test_corrupt_chunk_is_refetched_and_its_server_banned(tiny_sharp_dir: Path) -> None:
     config = sync_config(tiny_sharp_dir, chunk_wait_s=0.0)
     with start_swarm(config, [(0, "training"), (0, "inference"), (0, "inference")]) as swarm:
@@ -261,6 +264,7 @@ def test_corrupt_chunk_is_refetched_and_its_server_banned(tiny_sharp_dir: Path) 
         assert honest.node.peer_id in victim.follower.banned
 
 
+@pytest.mark.network
 def test_wrong_state_hash_is_undone_and_resynced_from_a_keyframe(tiny_sharp_dir: Path) -> None:
     config = sync_config(tiny_sharp_dir, keyframe_every=1)
     with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
@@ -287,6 +291,7 @@ def test_wrong_state_hash_is_undone_and_resynced_from_a_keyframe(tiny_sharp_dir:
             {("keyframe", 1)}
 
 
+@pytest.mark.network
 def test_lora_mode_publishes_only_the_adapters(tiny_sharp_dir: Path) -> None:
     config = tiny_run_config(tiny_sharp_dir, 1, train={"lora_rank": 2},
                              sync={"density": 0.5})
