@@ -165,7 +165,7 @@ def test_any_bytes_decode_to_a_struct_of_their_type_or_a_wire_error(
 
 def sample_group() -> bytes:
     rollout = Rollout(prompt_tokens=[1, 2, 3], completion_tokens=[4, 5],
-                      behaviour_logprobs=[-0.5, -1.0], finished=True, completion_text="45")
+                      behaviour_logprobs=[-0.5, -1.0], finished=True)
     return encode_struct(RolloutGroup(
         group_id="sums/7", task="sums", problem_index=7, stage_versions=[3, 2],
         version_spans=[VersionSpan(start=0, versions=[3, 2])], sampling_seed=11,
