@@ -19,10 +19,10 @@ from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.stages import StageModule
 from decentrl.rollout.chain import LocalChain
-from decentrl.rollout.sampling import sampling_logprobs
+from decentrl.rollout.sampling import sampling_config, sampling_logprobs
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
 from decentrl.swarm.scheduler import PromptScheduler
-from decentrl.swarm.worker import RolloutWorker, sampling_config
+from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
 from decentrl.trust.reputation import Reputation
 from decentrl.trust.verify import segments, session_layout
@@ -92,9 +92,9 @@ def test_teacher_forced_layout_reproduces_the_behaviour_logprobs(
 
 def test_segments_follow_the_version_spans() -> None:
     rollout = Rollout(prompt_tokens=[5, 6, 7], completion_tokens=[1, 2, 3, 4, 5],
-                      behaviour_logprobs=[-1.0] * 5, finished=False, completion_text="")
+                      behaviour_logprobs=[-1.0] * 5, finished=False)
     short = Rollout(prompt_tokens=[5], completion_tokens=[1, 2], behaviour_logprobs=[-1.0] * 2,
-                    finished=True, completion_text="")
+                    finished=True)
     group = RolloutGroup(group_id="g", task="sums", problem_index=0, stage_versions=[3, 7],
                          version_spans=[VersionSpan(start=0, versions=[3, 7]),
                                         VersionSpan(start=2, versions=[4, 7])],
@@ -153,11 +153,11 @@ def test_trainer_flags_poisoned_rows_and_leaves_them_out_of_the_loss(
     forged = 2
     honest = trainer._chain_logprobs(stages, build_batch(
         [Rollout(prompt_tokens=prompt, completion_tokens=tokens, behaviour_logprobs=[0.0] * 4,
-                 finished=False, completion_text="") for tokens in completions],
+                 finished=False) for tokens in completions],
         [0.0] * 4, [0] * 4, 0)).tolist()
     rows = [Rollout(prompt_tokens=prompt, completion_tokens=tokens,
                     behaviour_logprobs=[v - 3.0 for v in logprobs] if i == forged else logprobs,
-                    finished=False, completion_text="")
+                    finished=False)
             for i, (tokens, logprobs) in enumerate(zip(completions, honest))]
     advantages = [1.0, -1.0, 1.0, -0.5]
     batch = build_batch(rows, advantages, [0] * 4, 0)
