@@ -21,16 +21,15 @@ from decentrl.learn.batch import build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.stages import StageModule
-from decentrl.net.protocol import InferenceReply, Role
-from decentrl.net.wire import decode_struct
+from decentrl.net.protocol import INFERENCE_STEP, Role, Rpc
 from decentrl.rollout.chain import LocalChain, StepResult
 from decentrl.rollout.generate import generate, version_spans
-from decentrl.rollout.sampling import SamplingConfig
+from decentrl.rollout.sampling import SamplingConfig, sampling_config
 from decentrl.rollout.types import RolloutGroup, VersionSpan, check_version_spans
 from decentrl.swarm.ingest import Ingestion, RejectedGroup
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.scheduler import PromptScheduler
-from decentrl.swarm.worker import RolloutWorker, sampling_config
+from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
 
 CPU = torch.device("cpu")
@@ -213,17 +212,17 @@ def test_ingestion_refuses_bad_version_spans(
 
 # ---- a swarm replica takes an update from its training peer while a session runs through it --
 
-def publish_and_follow(publisher_peer: StagePeer, replica: StagePeer, version: int,
+def publish_and_follow(training_peer: StagePeer, replica_peer: StagePeer, version: int,
                        tensors: dict[str, torch.Tensor], timeout_s: float) -> None:
     """`version` of a stage's weights from its training peer to a replica, the way an optimizer
     step's update travels: the publisher encodes a delta against what it published before and
     announces it; the replica fetches the plan and the chunks, checks the state hash and commits
     the changed entries on its compute thread, between two requests it serves."""
-    assert publisher_peer.publisher is not None and replica.follower is not None
-    publisher_peer.publisher.publish(version, tensors).result(timeout_s)
+    assert training_peer.training is not None and replica_peer.replica is not None
+    training_peer.training.publisher.publish(version, tensors).result(timeout_s)
     # The follow loop may have caught the announcement first; either way, once this returns
     # the replica holds the update (one sync at a time).
-    replica.node.run(replica.follow_weights(), timeout=timeout_s)
+    replica_peer.node.run(replica_peer.replica.follow(), timeout=timeout_s)
 
 
 def test_swarm_replica_update_mid_generation_is_recorded(
@@ -232,19 +231,19 @@ def test_swarm_replica_update_mid_generation_is_recorded(
     layout: list[tuple[int, Role]] = [(0, "inference"), (1, "training"), (1, "inference"),
                                       (2, "inference")]
     with start_swarm(config, layout) as swarm:
-        publisher_peer, replica = swarm.peer(1, "training"), swarm.peer(1, "inference")
-        assert publisher_peer.trainer is not None and replica.follower is not None
+        training_peer, replica_peer = swarm.peer(1, "training"), swarm.peer(1, "inference")
+        assert training_peer.training is not None and replica_peer.replica is not None
         # Stands in for the weights an optimizer step leaves on the training peer.
-        new = fresh_weights(publisher_peer.trainer.stage, seed=1)
+        new = fresh_weights(training_peer.training.model, seed=1)
         stage_of = {peer.node.peer_id: peer.index for peer in swarm.peers}
         replies: list[tuple[int, int]] = []  # (stage, version) of every inference reply
         call_sync = swarm.client.call_sync
 
-        def recording_call(peer: str, method: str, *args: Any, **kwargs: Any) -> Any:
-            raw, out = call_sync(peer, method, *args, **kwargs)
-            if method == "inference_step":
-                replies.append((stage_of[peer], decode_struct(raw, InferenceReply).version))
-            return raw, out
+        def recording_call(peer: str, rpc: Rpc[Any, Any], *args: Any, **kwargs: Any) -> Any:
+            reply, out = call_sync(peer, rpc, *args, **kwargs)
+            if rpc is INFERENCE_STEP:
+                replies.append((stage_of[peer], reply.version))
+            return reply, out
         monkeypatch.setattr(swarm.client, "call_sync", recording_call)
 
         # Another thread publishes v1 of stage 1 once the prefill is done and has the replica
@@ -256,7 +255,7 @@ def test_swarm_replica_update_mid_generation_is_recorded(
         def update() -> None:
             try:
                 assert prefilled.wait(UPDATE_WAIT_S)
-                publish_and_follow(publisher_peer, replica, 1, new, UPDATE_WAIT_S)
+                publish_and_follow(training_peer, replica_peer, 1, new, UPDATE_WAIT_S)
             except BaseException as error:  # noqa: BLE001 - reported by the session's wait
                 update_errors.append(error)
             finally:
@@ -277,11 +276,10 @@ def test_swarm_replica_update_mid_generation_is_recorded(
             scheduler.next(1))
         updater.join(UPDATE_WAIT_S)
         # The replica serves exactly what the publisher published, and it came as a delta.
-        publisher = publisher_peer.publisher
-        assert publisher is not None and replica.model is not None
-        assert (replica.version, replica.follower.state.hash) == (1, publisher.state.hash)
-        assert ("delta", 1) in replica.follower.updates
-        served = replica.model.state_dict()
+        publisher, follower = training_peer.training.publisher, replica_peer.replica.follower
+        assert (replica_peer.version, follower.state.hash) == (1, publisher.state.hash)
+        assert ("delta", 1) in follower.updates
+        served = replica_peer.replica.model.state_dict()
         for name, value in publisher.state.tensors.items():
             assert torch.equal(served[name].float(), value), name
 
