@@ -21,7 +21,8 @@ from hivemind.proto import crypto_pb2, runtime_pb2
 from decentrl.net.identity import Identity, SignatureError, public_key_of, verify
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import PeerRefused, Reply, Request, SwarmNode
-from decentrl.net.wire import TensorLimits, decode_struct, to_messages
+from decentrl.net.protocol import Rpc
+from decentrl.net.wire import TensorLimits, to_messages
 
 # An RSA peer id ("Qm..."): a sha2-256 multihash of its key, so the key is not in the id.
 RSA_PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -29,6 +30,9 @@ RSA_PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 
 class Echo(msgspec.Struct, frozen=True):
     text: str
+
+
+ECHO = Rpc("echo", Echo, Echo, "any peer")
 
 
 # ---- keys and signatures -----------------------------------------------------------------------
@@ -102,19 +106,18 @@ def serve_echo(node: SwarmNode) -> list[str]:
     texts the handler saw."""
     seen: list[str] = []
 
-    async def echo(request: Request) -> Reply:
-        body = decode_struct(request.body, Echo)
-        seen.append(body.text)
-        if body.text == "bad":
+    async def echo(request: Request[Echo]) -> Reply:
+        seen.append(request.body.text)
+        if request.body.text == "bad":
             raise ValueError("bad text")
-        return Reply(Echo(body.text.upper()))
-    node.serve("echo", echo)
+        return Reply(Echo(request.body.text.upper()))
+    node.serve(ECHO, echo)
     return seen
 
 
 def echo(node: SwarmNode, peer: str, text: str) -> str:
-    raw, _ = node.call_sync(peer, "echo", Echo(text), timeout=10)
-    return decode_struct(raw, Echo).text
+    reply, _ = node.call_sync(peer, ECHO, Echo(text), timeout=10)
+    return reply.text
 
 
 @pytest.mark.network
