@@ -32,10 +32,11 @@ from decentrl.net.node import TRUNCATED_REPLY_RETRIES, RemoteError, SwarmNode, s
 from decentrl.net.protocol import Role
 from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, encode_struct, to_messages
 from decentrl.rollout.chain import LocalChain
-from decentrl.swarm.client import RemoteChain, RemoteStageWorker
+from decentrl.rollout.sampling import sampling_config
 from decentrl.swarm.launch import LocalSwarm
 from decentrl.swarm.peer import StagePeer
-from decentrl.swarm.worker import sampling_config
+from decentrl.swarm.sessions import RemoteChain
+from decentrl.swarm.training_client import RemoteStageWorker
 
 CPU = torch.device("cpu")
 
