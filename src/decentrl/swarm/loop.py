@@ -256,6 +256,14 @@ class TrainingLoop(Generic[AnyBackend]):
                                       "run has no checkpoint to bring them to; start them fresh")
         self.backend.load_checkpoint(version)
         returned = self.store.return_to_pending(after_step=step)
+        # Groups sampled by weights newer than the checkpoint came from the branch the rollback
+        # discarded: the version numbers they carry will name other weights from now on.
+        discarded = [g.scored.group.group_id for g in self.store.pending_groups()
+                     if max(v for span in g.scored.group.version_spans for v in span.versions)
+                     > version]
+        if discarded:
+            self.store.mark_dropped(discarded, f"sampled by weights newer than v{version}, "
+                                               "which a rollback discarded")
         self.pending = [(g.scored, g.staleness) for g in self.store.pending_groups()]
         self.step = step
         self.recoveries += 1
@@ -364,6 +372,9 @@ class TrainingLoop(Generic[AnyBackend]):
         except StaleRolloutError as error:
             self.store.mark_dropped([group_id], str(error))
             self.ingestion.stats.stale += 1
+            return None
+        except ValueError as error:  # versions the learner never had (a rollback's leftovers)
+            self.store.mark_dropped([group_id], str(error))
             return None
 
     def _collect(self, needed: int) -> list[tuple[ScoredGroup, int]]:
