@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
+import msgspec
 import pytest
 import torch
 from helpers import build
@@ -30,10 +31,11 @@ from decentrl.net.directory import Directory, PeerState
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import PeerRecord
 from decentrl.rollout.chain import LocalChain
+from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, VersionSpan
 from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.scheduler import PromptScheduler
-from decentrl.swarm.worker import RolloutWorker, sampling_config
+from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
 from decentrl.trust.gate import Trust
 from decentrl.trust.provenance import Provenance
@@ -120,7 +122,7 @@ def served_by(*peers: str) -> Provenance:
 def made_up_group(group_id: str) -> RolloutGroup:
     """A group for the gate's bookkeeping, which never reads its tokens."""
     rollout = Rollout(prompt_tokens=[5, 6], completion_tokens=[7], behaviour_logprobs=[-1.0],
-                      finished=True, completion_text="")
+                      finished=True)
     return RolloutGroup(group_id=group_id, task="sums", problem_index=0,
                         stage_versions=[0] * NUM_STAGES,
                         version_spans=[VersionSpan(start=0, versions=[0] * NUM_STAGES)],
@@ -240,14 +242,9 @@ def test_the_groups_of_rows_the_trainer_flags_are_re_executed(
     honest, forged = worker.generate_groups([0]) + worker.generate_groups([1])
     # One row of the second group claims behaviour log-probs 3 nats below what sampled it.
     rows = list(forged.rollouts)
-    rows[1] = Rollout(prompt_tokens=rows[1].prompt_tokens,
-                      completion_tokens=rows[1].completion_tokens,
-                      behaviour_logprobs=[p - 3.0 for p in rows[1].behaviour_logprobs],
-                      finished=rows[1].finished, completion_text=rows[1].completion_text)
-    forged = RolloutGroup(group_id=forged.group_id, task=forged.task,
-                          problem_index=forged.problem_index, stage_versions=forged.stage_versions,
-                          version_spans=forged.version_spans, sampling_seed=forged.sampling_seed,
-                          rollouts=rows)
+    rows[1] = msgspec.structs.replace(
+        rows[1], behaviour_logprobs=[p - 3.0 for p in rows[1].behaviour_logprobs])
+    forged = msgspec.structs.replace(forged, rollouts=rows)
 
     trust, verifier = scripted_gate(config)
     for group in (honest, forged):
