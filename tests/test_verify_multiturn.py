@@ -176,6 +176,7 @@ def checked(sharp: LoadedModel, tiny_sharp_dir: Path
         yield swarm, verifier, group, sessions[0].provenance
 
 
+@pytest.mark.network
 def test_an_honest_multi_turn_group_passes(checked: Any) -> None:
     _, verifier, group, provenance = checked
     assert any(r.generated is not None for r in group.rollouts)
@@ -187,6 +188,7 @@ def test_an_honest_multi_turn_group_passes(checked: Any) -> None:
     assert verdict.token_gaps.numel() == sum(sum(r.generated_mask()) for r in group.rollouts)
 
 
+@pytest.mark.network
 def test_a_tampered_sample_after_the_environment_is_caught(checked: Any,
                                                            sharp: LoadedModel) -> None:
     _, verifier, group, provenance = checked
@@ -208,6 +210,7 @@ def test_a_tampered_sample_after_the_environment_is_caught(checked: Any,
     assert verdict.peer in provenance.stage_peers(1)
 
 
+@pytest.mark.network
 def test_demanding_samples_at_forced_tokens_would_fail_the_honest_group(checked: Any) -> None:
     """The same group claimed as all sampled (the single-turn layout: every completion token a
     target) fails: the check must know which tokens the environment gave."""
