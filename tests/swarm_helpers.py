@@ -33,10 +33,13 @@ from decentrl.net.protocol import Role
 from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, encode_struct, to_messages
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.sampling import sampling_config
+from decentrl.swarm.inference import InferenceService
 from decentrl.swarm.launch import LocalSwarm
 from decentrl.swarm.peer import StagePeer
+from decentrl.swarm.replica import ReplicaWeights
 from decentrl.swarm.sessions import RemoteChain
 from decentrl.swarm.training_client import RemoteStageWorker
+from decentrl.sync.distribute import WeightPublisher
 
 CPU = torch.device("cpu")
 
@@ -323,3 +326,19 @@ def launched_swarm(config: RunConfig, replicas: int) -> Iterator[LocalSwarm]:
     finally:
         local.shutdown()
     assert not local.sockets, f"leftover p2pd sockets: {local.sockets}"
+
+
+def weights_of(peer: StagePeer) -> ReplicaWeights:
+    """An inference replica's weights (follower, history)."""
+    assert peer.replica is not None, f"{peer.name} follows no training peer"
+    return peer.replica
+
+
+def publisher_of(peer: StagePeer) -> WeightPublisher:
+    assert peer.training is not None, f"{peer.name} does not train"
+    return peer.training.publisher
+
+
+def serving(peer: StagePeer) -> InferenceService:
+    assert peer.inference is not None, f"{peer.name} serves no inference"
+    return peer.inference

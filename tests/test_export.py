@@ -69,7 +69,7 @@ def trained(sharp: LoadedModel) -> list[StageModule]:
     generations = generate(LocalChain(stages), prompts, 8, sampling, {tokenizer.eos_token_id},
                            tokenizer.pad_token_id, 0)
     rollouts = [Rollout(prompt_tokens=p, completion_tokens=g.tokens, behaviour_logprobs=g.logprobs,
-                        finished=g.finished, completion_text="")
+                        finished=g.finished)
                 for p, g in zip(prompts, generations)]
     batch = build_batch(rollouts, [1.0, -1.0, 0.5], [0, 0, 0], tokenizer.pad_token_id)
     train = TrainConfig(lr=1e-3)

@@ -86,7 +86,7 @@ def batch(tiny_model: LoadedModel) -> TrainBatch:
     generations = generate(LocalChain(build(tiny_model, 2)), prompts, MAX_NEW, SAMPLING,
                            {tokenizer.eos_token_id}, tokenizer.pad_token_id, 0)
     rollouts = [Rollout(prompt_tokens=p, completion_tokens=g.tokens, behaviour_logprobs=g.logprobs,
-                        finished=g.finished, completion_text="")
+                        finished=g.finished)
                 for p, g in zip(prompts, generations)]
     return build_batch(rollouts, [1.0, -1.0], [0, 0], tokenizer.pad_token_id)
 

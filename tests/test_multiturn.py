@@ -109,7 +109,7 @@ def test_without_on_stop_every_token_is_generated(sharp: LoadedModel) -> None:
 def episode_rollout(prompt: list[int], tokens: list[int], generated: list[bool]) -> Rollout:
     return Rollout(prompt_tokens=prompt, completion_tokens=tokens,
                    behaviour_logprobs=[-1.0 if g else 0.0 for g in generated], finished=True,
-                   completion_text="", generated=generated)
+                   generated=generated)
 
 
 def test_environment_tokens_are_context_but_carry_no_loss(sharp: LoadedModel) -> None:

@@ -221,7 +221,7 @@ def test_learner_recomputes_behaviour_logprobs(request: pytest.FixtureRequest,
     generations = generate(LocalChain(build(model, 2)), prompts, 16, NUCLEUS,
                            {tokenizer.eos_token_id}, tokenizer.pad_token_id, 0)
     rollouts = [Rollout(prompt_tokens=p, completion_tokens=g.tokens,
-                        behaviour_logprobs=g.logprobs, finished=g.finished, completion_text="")
+                        behaviour_logprobs=g.logprobs, finished=g.finished)
                 for p, g in zip(prompts, generations)]
     batch = build_batch(rollouts, [1.0, -1.0] * 4, [0] * 8, tokenizer.pad_token_id)
     train = TrainConfig(micro_batch_size=3)  # micro-batches that do not divide the batch

@@ -20,8 +20,8 @@ from decentrl.swarm.store import SCHEMA_VERSION, DuplicateGroup, RunStore, Store
 
 def scored(group_id: str, problem_index: int = 0) -> ScoredGroup:
     rollouts = [Rollout(prompt_tokens=[1, 2, 3], completion_tokens=[4, 5 + i],
-                        behaviour_logprobs=[-0.5, -1.25 - i], finished=i % 2 == 0,
-                        completion_text=f"answer {i}") for i in range(2)]
+                        behaviour_logprobs=[-0.5, -1.25 - i], finished=i % 2 == 0)
+                for i in range(2)]
     # Stage 0 moved from version 3 to 4 after the first token.
     spans = [VersionSpan(start=0, versions=[3, 2]), VersionSpan(start=1, versions=[4, 2])]
     group = RolloutGroup(group_id=group_id, task="arith", problem_index=problem_index,

@@ -13,6 +13,7 @@ import torch
 
 from decentrl.net.wire import WireError, encode_struct
 from decentrl.swarm.peer import StagePeer
+from decentrl.swarm.replica import published_tensors
 from decentrl.sync.delta import (
     PublishedState,
     SparseTensor,
@@ -27,7 +28,7 @@ from decentrl.sync.delta import (
     state_hash,
 )
 from decentrl.sync.distribute import SyncError
-from swarm_helpers import start_swarm, tiny_run_config
+from swarm_helpers import publisher_of, serving, start_swarm, tiny_run_config, weights_of
 
 # ---- the codec --------------------------------------------------------------------------------
 
@@ -154,8 +155,8 @@ def test_bad_payloads_are_refused_and_change_nothing(data: bytes, error: str) ->
 
 def fake_step(trainer_peer: StagePeer, seed: int) -> None:
     """Stand-in for an optimizer step on a training peer: move its weights, publish the version."""
-    assert trainer_peer.trainer is not None and trainer_peer.publisher is not None
-    stage = trainer_peer.trainer.stage
+    assert trainer_peer.training is not None
+    stage = trainer_peer.training.trainer.stage
     g = torch.Generator().manual_seed(seed)
 
     def step() -> None:
@@ -164,23 +165,22 @@ def fake_step(trainer_peer: StagePeer, seed: int) -> None:
                 if param.requires_grad:
                     param.add_(0.01 * torch.randn(param.shape, generator=g))
         stage.version += 1
-        trainer_peer._publish()
+        publisher_of(trainer_peer).publish(stage.version, published_tensors(stage))
     trainer_peer.node.run(trainer_peer.node.compute(step), timeout=30)
-    trainer_peer.publisher.wait(timeout=30)
+    publisher_of(trainer_peer).wait(timeout=30)
 
 
 def follow_all(replicas: list[StagePeer]) -> list[bool]:
     """Every replica syncs at the same time, as their follow loops would."""
     with ThreadPoolExecutor(len(replicas)) as pool:
-        return list(pool.map(lambda r: r.node.run(r.follow_weights(), timeout=60), replicas))
+        return list(pool.map(lambda r: r.node.run(weights_of(r).follow(), timeout=60), replicas))
 
 
 def assert_serves_published(replica: StagePeer, trainer_peer: StagePeer) -> None:
-    assert replica.follower is not None and trainer_peer.publisher is not None
-    published = trainer_peer.publisher.state
-    assert replica.follower.state.hash == published.hash
+    published = publisher_of(trainer_peer).state
+    assert weights_of(replica).follower.state.hash == published.hash
     assert replica.version == published.version
-    model = replica.model.state_dict() if replica.model is not None else {}
+    model = serving(replica).model.state_dict()
     for name, value in published.tensors.items():
         assert torch.equal(model[name].float(), value), name
 
@@ -203,29 +203,26 @@ def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
             follow_all(replicas)
             for replica in replicas:
                 assert_serves_published(replica, trainer_peer)
-            assert trainer_peer.publisher is not None
-            rows = [r for r in trainer_peer.publisher.traffic() if r.version == step
+            rows = [r for r in publisher_of(trainer_peer).traffic() if r.version == step
                     and r.kind == "delta"]
-            size = trainer_peer.publisher.updates[("delta", step)].manifest.size
-            chunks = len(trainer_peer.publisher.updates[("delta", step)].manifest.chunk_hashes)
+            size = publisher_of(trainer_peer).updates[("delta", step)].manifest.size
+            manifest = publisher_of(trainer_peer).updates[("delta", step)].manifest
+            chunks = len(manifest.chunk_hashes)
             assert chunks >= 6
             # The publisher's uplink carried the update about once, not once per replica...
             assert sum(r.sent for r in rows) < 1.5 * size
             # ...and every replica received all of it, most from the other replicas.
             for replica in replicas:
-                assert replica.follower is not None
-                got = [r for r in replica.follower.traffic() if r.version == step]
+                got = [r for r in weights_of(replica).follower.traffic() if r.version == step]
                 assert sum(r.received for r in got) == size
-            from_replicas = sum(r.received for replica in replicas if replica.follower
-                                for r in replica.follower.traffic()
+            from_replicas = sum(r.received for replica in replicas
+                                for r in weights_of(replica).follower.traffic()
                                 if r.version == step and r.peer != trainer_peer.node.peer_id)
             assert from_replicas > size
         # The running totals keep what every update cost, per peer.
-        assert trainer_peer.publisher is not None
         for replica in replicas:
-            assert replica.follower is not None
-            assert sum(replica.follower.received_total.values()) == sum(
-                trainer_peer.publisher.updates[("delta", v)].manifest.size for v in (1, 2, 3))
+            assert sum(weights_of(replica).follower.received_total.values()) == sum(
+                publisher_of(trainer_peer).updates[("delta", v)].manifest.size for v in (1, 2, 3))
 
 
 @pytest.mark.network
@@ -237,13 +234,13 @@ def test_late_joiner_catches_up_from_keyframe_and_deltas(tiny_sharp_dir: Path) -
             fake_step(trainer_peer, step)
         late = swarm.add(0, "inference")  # joins at v5: keyframe v3, then deltas v4 and v5
         assert_serves_published(late, trainer_peer)
-        assert late.follower is not None
-        fetched = {(r.kind, r.version) for r in late.follower.traffic() if r.received}
+        traffic = weights_of(late).follower.traffic()
+        fetched = {(r.kind, r.version) for r in traffic if r.received}
         assert fetched == {("keyframe", 3), ("delta", 4), ("delta", 5)}
         # The first replica, five deltas behind, woke up when the late one asked it for chunks
         # of a version it did not have yet, and caught up as well.
         first = swarm.peer(0, "inference")
-        first.node.run(first.follow_weights(), timeout=60)
+        first.node.run(weights_of(first).follow(), timeout=60)
         assert_serves_published(first, trainer_peer)
 
 
@@ -254,14 +251,13 @@ def test_corrupt_chunk_is_refetched_and_its_server_banned(tiny_sharp_dir: Path) 
         trainer_peer = swarm.peer(0, "training")
         honest, victim = swarm.peer(0, "inference", 0), swarm.peer(0, "inference", 1)
         fake_step(trainer_peer, 1)
-        assert honest.node.run(honest.follow_weights(), timeout=60)
-        assert honest.follower is not None and victim.follower is not None
-        stored = honest.follower.updates[("delta", 1)]
+        assert honest.node.run(weights_of(honest).follow(), timeout=60)
+        stored = weights_of(honest).follower.updates[("delta", 1)]
         stored.data[:] = bytes(len(stored.data))  # every chunk it serves is now wrong
-        assert victim.node.run(victim.follow_weights(), timeout=60)
+        assert victim.node.run(weights_of(victim).follow(), timeout=60)
         assert_serves_published(victim, trainer_peer)
-        assert victim.follower.bad_chunks >= 1
-        assert honest.node.peer_id in victim.follower.banned
+        assert weights_of(victim).follower.bad_chunks >= 1
+        assert honest.node.peer_id in weights_of(victim).follower.banned
 
 
 @pytest.mark.network
@@ -269,25 +265,26 @@ def test_wrong_state_hash_is_undone_and_resynced_from_a_keyframe(tiny_sharp_dir:
     config = sync_config(tiny_sharp_dir, keyframe_every=1)
     with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
         trainer_peer, replica = swarm.peer(0, "training"), swarm.peer(0, "inference")
-        assert trainer_peer.publisher is not None and replica.follower is not None
-        before = {n: t.clone() for n, t in replica.model.state_dict().items()}
+        before = {n: t.clone() for n, t in serving(replica).model.state_dict().items()}
         fake_step(trainer_peer, 1)
-        update = trainer_peer.publisher.updates[("delta", 1)]
+        update = publisher_of(trainer_peer).updates[("delta", 1)]
         honest_manifest = update.manifest
         # A publisher that promises the wrong state after its delta.
         update.manifest = type(honest_manifest)(**{
             **{f: getattr(honest_manifest, f) for f in honest_manifest.__struct_fields__},
             "state_hash": "0" * 64})
         with pytest.raises(SyncError, match="undone, resynchronizing from a keyframe"):
-            replica.node.run(replica.follow_weights(), timeout=60)
+            replica.node.run(weights_of(replica).follow(), timeout=60)
         # Never served: the model and the published state are what they were.
-        assert replica.version == 0 and replica.follower.state.version == 0
-        assert all(torch.equal(before[n], t) for n, t in replica.model.state_dict().items())
-        assert replica.follower.hash_mismatches == 1
+        assert replica.version == 0 and weights_of(replica).follower.state.version == 0
+        served = serving(replica).model.state_dict()
+        assert all(torch.equal(before[n], t) for n, t in served.items())
+        assert weights_of(replica).follower.hash_mismatches == 1
         update.manifest = honest_manifest
-        assert replica.node.run(replica.follow_weights(), timeout=60) is True
+        assert replica.node.run(weights_of(replica).follow(), timeout=60) is True
         assert_serves_published(replica, trainer_peer)
-        assert {(r.kind, r.version) for r in replica.follower.traffic() if r.received} >= \
+        follower = weights_of(replica).follower
+        assert {(r.kind, r.version) for r in follower.traffic() if r.received} >= \
             {("keyframe", 1)}
 
 
@@ -297,14 +294,15 @@ def test_lora_mode_publishes_only_the_adapters(tiny_sharp_dir: Path) -> None:
                              sync={"density": 0.5})
     with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
         trainer_peer, replica = swarm.peer(0, "training"), swarm.peer(0, "inference")
-        assert trainer_peer.publisher is not None and trainer_peer.trainer is not None
-        names = set(trainer_peer.publisher.state.tensors)
+        names = set(publisher_of(trainer_peer).state.tensors)
         assert names and all("lora" in name for name in names)
-        full = sum(p.numel() for p in trainer_peer.trainer.stage.parameters())
-        assert trainer_peer.publisher.state.numel() < full / 3
-        base = {n: t.clone() for n, t in replica.model.state_dict().items() if n not in names}
+        assert trainer_peer.training is not None
+        full = sum(p.numel() for p in trainer_peer.training.model.parameters())
+        assert publisher_of(trainer_peer).state.numel() < full / 3
+        base = {n: t.clone() for n, t in serving(replica).model.state_dict().items()
+                if n not in names}
         fake_step(trainer_peer, 1)
-        assert replica.node.run(replica.follow_weights(), timeout=60) is True
+        assert replica.node.run(weights_of(replica).follow(), timeout=60) is True
         assert_serves_published(replica, trainer_peer)
-        assert all(torch.equal(base[n], replica.model.state_dict()[n]) for n in base)
+        assert all(torch.equal(base[n], serving(replica).model.state_dict()[n]) for n in base)
 

@@ -57,7 +57,7 @@ def rollouts(tiny_model: LoadedModel) -> list[Rollout]:
     generations = generate(LocalChain(build(tiny_model, 2)), prompts, MAX_NEW, SAMPLING,
                            {tokenizer.eos_token_id}, tokenizer.pad_token_id, 0)
     return [Rollout(prompt_tokens=p, completion_tokens=g.tokens, behaviour_logprobs=g.logprobs,
-                    finished=g.finished, completion_text="") for p, g in zip(prompts, generations)]
+                    finished=g.finished) for p, g in zip(prompts, generations)]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def batch(rollouts: list[Rollout], tiny_model: LoadedModel) -> TrainBatch:
 
 def rollout(prompt: list[int], completion: list[int], logprobs: list[float]) -> Rollout:
     return Rollout(prompt_tokens=prompt, completion_tokens=completion,
-                   behaviour_logprobs=logprobs, finished=True, completion_text="")
+                   behaviour_logprobs=logprobs, finished=True)
 
 
 def test_batch_layout_by_hand() -> None:
