@@ -49,7 +49,7 @@ WRITTEN_FILES = ("model.safetensors", "config.json", "generation_config.json")
 CHECKSUMS = "SHA256SUMS"
 Weights = Literal["served", "learner"]
 WEIGHTS: tuple[str, ...] = get_args(Weights)
-# A run folder holds its config and at least one of these (swarm/run.py, swarm/coordinate.py).
+# A run folder holds its config and at least one of these (swarm/loop.py).
 SHOWN_NAMES = 3  # entries a refusal names before "..."
 
 
