@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from rich.console import Console
-from swarm_helpers import Swarm, start_swarm, tiny_run_config
+from swarm_helpers import Swarm, serving, start_swarm, tiny_run_config
 from test_swarm import make_batch
 
 from decentrl.config import RunConfig
@@ -26,11 +26,11 @@ from decentrl.model.loading import LoadedModel, load_model
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.wire import TensorLimits
-from decentrl.swarm.adversary import HostilePeer, flood, submit_replays
-from decentrl.swarm.client import RemoteChain
+from decentrl.swarm.adversary import flood, hostile_peer, submit_replays
 from decentrl.swarm.coordinate import swarm_run
 from decentrl.swarm.loop import TrainingLoop
 from decentrl.swarm.peer import StagePeer
+from decentrl.swarm.sessions import RemoteChain
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
@@ -62,8 +62,7 @@ def add_replica(swarm: Swarm, config: RunConfig, stage: int, name: str,
     node = SwarmNode.start(name, swarm.client.addresses(), LinkProfile(), TensorLimits())
     try:
         peer = StagePeer(config, stage, "inference", node, name=name) if adversary is None \
-            else HostilePeer(config, stage, "inference", node, name=name, adversary=adversary,
-                             collusion_dir=collusion)
+            else hostile_peer(config, stage, node, name, adversary, collusion)
         peer.start()
     except BaseException:
         node.shutdown()
@@ -254,8 +253,8 @@ def test_a_check_rewinds_the_verifier_to_the_recorded_version(
             while replica.version != 1 and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert replica.version == 1
-        served = {p.node.peer_id: {k: v.clone() for k, v in p.model.state_dict().items()}
-                  for p in replicas}
+        served = {p.node.peer_id: {k: v.clone() for k, v in
+                                   serving(p).model.state_dict().items()} for p in replicas}
         chain.directory.refresh()
         verifier = Verifier(swarm.client, chain.directory, config, model.spec.hidden_size,
                             model.tokenizer.pad_token_id)
@@ -266,5 +265,5 @@ def test_a_check_rewinds_the_verifier_to_the_recorded_version(
             assert verdict.outcome == "skipped" and "version" in verdict.detail, verdict
         for replica in replicas:
             assert replica.version == 1
-            for name, tensor in replica.model.state_dict().items():
+            for name, tensor in serving(replica).model.state_dict().items():
                 assert torch.equal(tensor, served[replica.node.peer_id][name]), name

@@ -22,7 +22,14 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from swarm_helpers import ObservedChain, Swarm, local_chain, start_swarm, tiny_run_config
+from swarm_helpers import (
+    ObservedChain,
+    Swarm,
+    local_chain,
+    serving,
+    start_swarm,
+    tiny_run_config,
+)
 
 from decentrl.envs.base import EnvStep, Message, StopReason
 from decentrl.model.loading import LoadedModel, load_model
@@ -31,7 +38,7 @@ from decentrl.rollout.episodes import EpisodeRollout, generate_episodes, replay_
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import Rollout
-from decentrl.swarm import client as swarm_client
+from decentrl.swarm import sessions
 from decentrl.tasks import Problem, Reward
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -130,7 +137,7 @@ def chain3(ending_dir: Path) -> Iterator[Swarm]:
 @pytest.fixture
 def fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     """Retries 10 ms apart instead of 0.2 s, 0.4 s, ... (as in test_swarm.py)."""
-    monkeypatch.setattr(swarm_client, "backoff", lambda attempt: 0.01)
+    monkeypatch.setattr(sessions, "backoff", lambda attempt: 0.01)
 
 
 def forced_runs(generated: list[bool]) -> list[tuple[int, int]]:
@@ -202,7 +209,7 @@ def test_the_group_exercises_turns_replies_early_ends_and_the_budget(
         played = replay_episode(AnyTurnCallsEpisode(*spec), tokenizer, Rollout(
             prompt_tokens=rollout.prompt, completion_tokens=generation.tokens,
             behaviour_logprobs=generation.logprobs, finished=generation.finished,
-            completion_text="", generated=generation.generated))
+            generated=generation.generated))
         assert played.episode.turns == rollout.episode.turns
         assert played.episode.reward == rollout.reward
     # A finished episode's conversation renders to exactly its prompt and completion.
@@ -222,7 +229,7 @@ def test_three_stage_swarm_plays_the_episode_group_as_in_process(
     assert any(not s for r in got for s in r.generation.generated)
     assert all(r.generation.versions == (0, 0, 0) for r in got)
     assert chain.failovers == 0
-    assert all(not p.sessions for p in chain3.peers)  # the session was closed on every peer
+    assert all(not serving(p).sessions for p in chain3.peers)  # the session was closed on every peer
 
 
 @pytest.mark.network
@@ -251,4 +258,4 @@ def test_episode_group_survives_a_replica_dying_after_a_reply_was_forced_in(
         step = killed[0][1]
         assert any(not s for r in got for s in r.generation.generated[step + 1:])
         assert_same_episodes(got, expected)
-        assert not swarm.by_id(session.peers[1]).sessions
+        assert not serving(swarm.by_id(session.peers[1])).sessions

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -120,17 +119,16 @@ def test_the_wait_for_a_config_stops_on_ctrl_c_and_sigterm(bootstrap: SwarmNode,
         stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert process.stderr is not None
+        # The handlers are installed before this line is printed: the signal lands in the wait.
         assert "waiting for the coordinator" in process.stderr.readline()
-        time.sleep(1.0)  # inside the wait, past the first lookup
-        sent = time.monotonic()
         process.send_signal(signum)
+        # A process that ignored the signal would wait out its 300 s and time out here.
         stdout, stderr = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     assert process.returncode == 0, stderr
-    assert time.monotonic() - sent < 15  # not the 300 s of the wait
     assert "stopped before the coordinator's config arrived" in stderr
     assert "Traceback" not in stderr + stdout and "Task exception" not in stderr
 

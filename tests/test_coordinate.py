@@ -125,6 +125,7 @@ class CrashWhileAccepting:
                             f"{self.step + 1} accepted")
 
 
+@pytest.mark.network
 def test_coordinator_restart_resumes_from_sqlite(
         swarm, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     config, local = swarm
@@ -194,6 +195,7 @@ class KillTrainingPeerAfterStep(RunHooks):
                                            read_store(self.database))
 
 
+@pytest.mark.network
 def test_training_peer_death_rolls_back_to_checkpoint(swarm) -> None:  # type: ignore[no-untyped-def]
     config, local = swarm
     database = config.path / "run.sqlite"

@@ -22,7 +22,7 @@ from decentrl.rollout.chain import InferenceChain, LocalChain
 from decentrl.rollout.generate import OnStop, generate
 from decentrl.rollout.sampling import sampling_logprobs
 from decentrl.rollout.types import Rollout, RolloutGroup, oldest_versions
-from decentrl.swarm.worker import sampling_config
+from decentrl.rollout.sampling import sampling_config
 from decentrl.trust.provenance import Provenance
 from decentrl.trust.verify import Verifier, session_layout
 
@@ -67,7 +67,6 @@ def episode_group(chain: InferenceChain, model: LoadedModel, config: RunConfig,
                     on_stop=replies_once(reply))
     rollouts = [Rollout(prompt_tokens=prompt, completion_tokens=g.tokens,
                         behaviour_logprobs=g.logprobs, finished=g.finished,
-                        completion_text=model.tokenizer.decode(g.tokens),
                         generated=None if all(g.generated) else g.generated)
                 for g in rows]
     spans = max(rows, key=lambda g: len(g.tokens)).spans
@@ -153,9 +152,10 @@ def test_single_turn_layout_is_unchanged(sharp: LoadedModel, tiny_sharp_dir: Pat
             assert layout.targets[row, start:end].tolist() == rollout.completion_tokens
             assert layout.claimed[row, start:end].tolist() == pytest.approx(
                 rollout.behaviour_logprobs)
+    # A mask that does not cover the completion never reaches a layout: ingestion refuses it.
     broken = msgspec.structs.replace(group.rollouts[0], generated=[True])
-    with pytest.raises(ValueError, match="generated mask"):
-        session_layout(msgspec.structs.replace(group, rollouts=[broken]), 0)
+    with pytest.raises(ValueError, match="the generated mask has 1 entries for"):
+        broken.check_lengths()
 
 
 # ---- the whole check, on other replicas of an in-process swarm --------------------------------

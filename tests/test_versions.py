@@ -225,6 +225,7 @@ def publish_and_follow(training_peer: StagePeer, replica_peer: StagePeer, versio
     replica_peer.node.run(replica_peer.replica.follow(), timeout=timeout_s)
 
 
+@pytest.mark.network
 def test_swarm_replica_update_mid_generation_is_recorded(
         sharp: LoadedModel, tiny_sharp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = run_config(tiny_sharp_dir, 3, group_size=3, max_new_tokens=10)
