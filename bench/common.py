@@ -208,7 +208,8 @@ def run_variants(script: Path, argv: list[str] | None, args: Any,
 
 
 def profile(fn, device: torch.device, label: str, rows: int = 25) -> None:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":

@@ -28,9 +28,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
 import common  # noqa: E402
+import torch  # noqa: E402
 
 VARIANTS = ("decentrl", "hf")
 MODES = ("sample", "greedy")

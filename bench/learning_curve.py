@@ -22,31 +22,24 @@ from typing import Any
 from common import print_table, save_figure
 
 from decentrl.evaluate.stats import Accuracy
+from decentrl.observe.metrics import EvalRecord, StepRecord, read_metrics
 
 PLOT_NAME = "learning_curve.png"
 
 
-def read_metrics(run: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(eval events, step events) of a run folder, in file order."""
+def run_records(run: Path) -> tuple[list[EvalRecord], list[StepRecord]]:
+    """(evaluations, steps) of a run folder, in file order."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"{path} does not exist: pass --run with a run folder, "
                          "or --train to run the demo first")
-    evals, steps = [], []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise SystemExit(f"{path}:{number} is not JSON: {error}") from None
-        if record.get("event") == "eval":
-            evals.append(record)
-        elif record.get("event") == "step":
-            steps.append(record)
-    if not evals and not steps:
+    try:
+        records = read_metrics(path)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    if not records.evals and not records.steps:
         raise SystemExit(f"{path} has no eval or step events")
-    return evals, steps
+    return records.evals, records.steps
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -54,29 +47,27 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
 
 
-def eval_rows(evals: list[dict[str, Any]]) -> list[list[Any]]:
+def eval_rows(evals: list[EvalRecord]) -> list[list[Any]]:
     rows = []
     for record in evals:
-        pass1 = Accuracy(record["pass1"], record["pass1_low"], record["pass1_high"],
-                         record.get("problems", 0))
-        rows.append([record.get("label", ""), record["step"], f"{record['elapsed_s']:.0f}",
-                     pass1.as_percent()])
+        pass1 = Accuracy(record.pass1, record.pass1_low, record.pass1_high, record.problems)
+        rows.append([record.label, record.step, f"{record.elapsed_s:.0f}", pass1.as_percent()])
     return rows
 
 
-def step_rows(steps: list[dict[str, Any]], every: int) -> list[list[Any]]:
+def step_rows(steps: list[StepRecord], every: int) -> list[list[Any]]:
     """One row per `every` steps: the steps it covers, the time at its end, mean reward and
     training accuracy (sampled at the rollout temperature) over them."""
     rows = []
     for start in range(0, len(steps), every):
         chunk = steps[start:start + every]
-        rows.append([f"{chunk[0]['step']}-{chunk[-1]['step']}", f"{chunk[-1]['elapsed_s']:.0f}",
-                     f"{statistics.fmean(s['reward'] for s in chunk):.3f}",
-                     f"{statistics.fmean(s['accuracy'] for s in chunk):.3f}"])
+        rows.append([f"{chunk[0].step}-{chunk[-1].step}", f"{chunk[-1].elapsed_s:.0f}",
+                     f"{statistics.fmean(s.reward for s in chunk):.3f}",
+                     f"{statistics.fmean(s.accuracy for s in chunk):.3f}"])
     return rows
 
 
-def plot(evals: list[dict[str, Any]], steps: list[dict[str, Any]], window: int, title: str,
+def plot(evals: list[EvalRecord], steps: list[StepRecord], window: int, title: str,
          path: Path) -> None:
     import matplotlib
 
@@ -85,16 +76,16 @@ def plot(evals: list[dict[str, Any]], steps: list[dict[str, Any]], window: int, 
 
     figure, axes = plt.subplots(figsize=(8, 5))
     if steps:
-        axes.plot([s["elapsed_s"] for s in steps],
-                  moving_average([s["accuracy"] for s in steps], window), color="tab:orange",
+        axes.plot([s.elapsed_s for s in steps],
+                  moving_average([s.accuracy for s in steps], window), color="tab:orange",
                   label=f"training accuracy (sampled, moving average of {window} steps)")
     if evals:
-        means = [e["pass1"] for e in evals]
-        axes.errorbar([e["elapsed_s"] for e in evals], means,
-                      yerr=[[m - e["pass1_low"] for m, e in zip(means, evals)],
-                            [e["pass1_high"] - m for m, e in zip(means, evals)]],
+        means = [e.pass1 for e in evals]
+        axes.errorbar([e.elapsed_s for e in evals], means,
+                      yerr=[[m - e.pass1_low for m, e in zip(means, evals)],
+                            [e.pass1_high - m for m, e in zip(means, evals)]],
                       fmt="o-", capsize=4, color="tab:blue",
-                      label=f"held-out pass@1 ({evals[0].get('task', 'eval')}, greedy, 95% CI)")
+                      label=f"held-out pass@1 ({evals[0].task or 'eval'}, greedy, 95% CI)")
     axes.set_xlabel("wall-clock seconds")
     axes.set_ylabel("accuracy")
     axes.set_ylim(0, 1)
@@ -106,8 +97,8 @@ def plot(evals: list[dict[str, Any]], steps: list[dict[str, Any]], window: int, 
 
 def train(run: Path, budget: float, eval_every: int) -> None:
     """The demo run (its config, a fresh folder) with an evaluation every `eval_every` steps."""
-    from decentrl.demo import DEMO_CONFIG
     from decentrl.config import parse_config
+    from decentrl.demo import DEMO_CONFIG
     from decentrl.swarm.local import local_run
 
     data = json.loads(json.dumps(DEMO_CONFIG))
@@ -137,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--every, --window and --eval-every must be >= 1")
     if args.train:
         train(args.run, args.budget, args.eval_every)
-    evals, steps = read_metrics(args.run)
+    evals, steps = run_records(args.run)
     if evals:
         print_table(f"{args.run}: held-out pass@1 (greedy, 95% CI)",
                     ["eval", "step", "elapsed s", "pass@1"], eval_rows(evals))

@@ -117,9 +117,10 @@ def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
     from decentrl.model.loading import load_model
     from decentrl.net.directory import Directory
     from decentrl.rollout.generate import generate
+    from decentrl.rollout.sampling import sampling_config
     from decentrl.rollout.types import Rollout
-    from decentrl.swarm.client import RemoteChain, RemoteStageWorker
-    from decentrl.swarm.worker import sampling_config
+    from decentrl.swarm.sessions import RemoteChain
+    from decentrl.swarm.training_client import RemoteStageWorker
     from decentrl.tasks import make_task, problems, render_prompt
 
     common.quiet_transformers()
@@ -166,8 +167,8 @@ def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
                                sampling_config(config.rollout), set(), tokenizer.pad_token_id,
                                args.seed * 1_000_003 + index)
                 rollouts += [Rollout(prompt_tokens=prompt, completion_tokens=g.tokens,
-                                     behaviour_logprobs=g.logprobs, finished=g.finished,
-                                     completion_text="") for g in out]
+                                     behaviour_logprobs=g.logprobs, finished=g.finished)
+                             for g in out]
             generation_s = time.perf_counter() - started
             rollout = delta(link_bytes(client), before)
             rollout_links = per_peer(client, stage_of)

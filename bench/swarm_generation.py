@@ -181,7 +181,7 @@ def run_local(args: argparse.Namespace, loaded: Any, device: torch.device,
 
 def run_swarm(args: argparse.Namespace, loaded: Any, folder: Path) -> dict[str, Any]:
     from decentrl.net.directory import Directory
-    from decentrl.swarm.client import RemoteChain
+    from decentrl.swarm.sessions import RemoteChain
 
     torch.set_num_threads(1)  # the client only relays; the peers compute
     config = parse_config({

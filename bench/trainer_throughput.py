@@ -35,9 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
 import common  # noqa: E402
+import torch  # noqa: E402
 
 VARIANTS = ("decentrl", "plain", "plain-head", "plain-untied")
 DEFAULT_VARIANTS = "decentrl,plain,plain-head"
@@ -77,7 +76,7 @@ def make_batch(loaded: Any, batch: int, completion_length: int, group_size: int,
     completions = torch.randint(0, loaded.spec.vocab_size, (batch, completion_length),
                                 generator=generator).tolist()
     rollouts = [Rollout(prompt_tokens=prompts[row // group_size], completion_tokens=c,
-                        behaviour_logprobs=[0.0] * len(c), finished=False, completion_text="")
+                        behaviour_logprobs=[0.0] * len(c), finished=False)
                 for row, c in enumerate(completions)]
     advantages = torch.randn(batch, generator=generator).tolist()
     return build_batch(rollouts, advantages, [0] * batch, loaded.tokenizer.pad_token_id)

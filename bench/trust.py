@@ -50,11 +50,12 @@ from decentrl.net.link import LinkProfile  # noqa: E402
 from decentrl.net.node import SwarmNode  # noqa: E402
 from decentrl.net.wire import TensorLimits  # noqa: E402
 from decentrl.rollout.types import RolloutGroup  # noqa: E402
-from decentrl.swarm.adversary import HostilePeer, adversary_stages  # noqa: E402
-from decentrl.swarm.client import RemoteChain  # noqa: E402
+from decentrl.swarm.adversary import adversary_stages, hostile_peer  # noqa: E402
 from decentrl.swarm.peer import StagePeer  # noqa: E402
+from decentrl.swarm.sessions import RemoteChain  # noqa: E402
 from decentrl.swarm.scheduler import PromptScheduler  # noqa: E402
-from decentrl.swarm.worker import RolloutWorker, sampling_config  # noqa: E402
+from decentrl.rollout.sampling import sampling_config
+from decentrl.swarm.worker import RolloutWorker  # noqa: E402
 from decentrl.tasks import make_task  # noqa: E402
 from decentrl.trust.verify import Verifier  # noqa: E402
 
@@ -80,8 +81,7 @@ def start(peers: list[StagePeer], nodes: list[SwarmNode], addresses: list[str], 
     if adversary is None:
         peer = StagePeer(config, stage, "inference", node, name=name)
     else:
-        peer = HostilePeer(config, stage, "inference", node, name=name, adversary=adversary,
-                           collusion_dir=collusion)
+        peer = hostile_peer(config, stage, node, name, adversary, collusion)
     peer.start()
     peers.append(peer)
     return peer

@@ -35,14 +35,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-import common  # noqa: E402
-from decentrl.demo import DEMO_CONFIG  # noqa: E402
 from decentrl.config import parse_config  # noqa: E402
-from decentrl.swarm.peer import published_tensors  # noqa: E402
+from decentrl.demo import DEMO_CONFIG  # noqa: E402
 from decentrl.swarm.local import copy_weights, local_run  # noqa: E402
+from decentrl.swarm.replica import published_tensors  # noqa: E402
 from decentrl.sync.delta import (  # noqa: E402
     PublishedState,
     apply_payload,

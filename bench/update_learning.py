@@ -31,13 +31,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-import common  # noqa: E402
-from decentrl.demo import DEMO_CONFIG  # noqa: E402
 from decentrl.config import RunConfig, parse_config  # noqa: E402
+from decentrl.demo import DEMO_CONFIG  # noqa: E402
 from decentrl.evaluate.stats import difference_interval  # noqa: E402
+from decentrl.observe.metrics import read_metrics  # noqa: E402
 
 VARIANTS = ("sparse", "dense")
 
@@ -79,11 +80,10 @@ def run_variant(variant: str, args: Any) -> dict[str, Any]:
                 coordinator.close()
             swarm.shutdown()
         assert summary.before is not None
-        steps = [json.loads(line) for line in (config.path / "metrics.jsonl").read_text()
-                 .splitlines() if line.strip()]
+        steps = read_metrics(config.path / "metrics.jsonl").steps
         return {"variant": variant, "steps": summary.steps, "wall_s": summary.wall_s,
                 "before": summary.before.to_json(), "after": summary.after.to_json(),
-                "accuracy": [s["accuracy"] for s in steps if s.get("event") == "step"],
+                "accuracy": [s.accuracy for s in steps],
                 "run": str(config.path), "machine": common.machine(torch.device("cpu"))}
 
 

@@ -36,7 +36,8 @@ def test_learning_curve_prints_tables_and_writes_plot(tmp_path: Path,
     records = [eval_event("before", 0, 5.0, 0.30)]
     for step in range(1, 21):
         records.append({"event": "step", "elapsed_s": 5.0 + 2 * step, "step": step,
-                        "reward": 0.1 + step / 40, "accuracy": step / 40})
+                        "version": step, "reward": 0.1 + step / 40, "accuracy": step / 40,
+                        "staleness_mean": 1.0})
     records.append(eval_event("after", 20, 60.0, 0.55))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
