@@ -62,17 +62,20 @@ from decentrl.demo import DEMO_CONFIG  # noqa: E402
 from decentrl.evaluate.runner import EvalResult  # noqa: E402
 from decentrl.observe.metrics import read_metrics  # noqa: E402
 from decentrl.swarm.coordinate import swarm_run  # noqa: E402
-from decentrl.swarm.loop import POLL_S, RunHooks, StopTraining, TrainingLoop  # noqa: E402
+from decentrl.swarm.loop import POLL_S, StopTraining, TrainingLoop  # noqa: E402
 
 VARIANTS = ("async", "sync")
 TARGET_SPEEDUP = 1.5
 
 
-class BenchHooks(RunHooks):
+class BenchHooks(common.GenerationHeldDuringEvaluation):
     """The bench's clock (training seconds, evaluations excluded) and stopping rule (target
-    reached or budget spent) on the coordinator's loop, which runs asynchronously as it does."""
+    reached or budget spent) on the coordinator's loop, which runs asynchronously as it does.
+    No new group starts while an evaluation runs (both variants), so the async variant does not
+    get generation done off the clock."""
 
     def __init__(self, target: float, budget_s: float) -> None:
+        super().__init__()
         self.target, self.budget_s = target, budget_s
         self.clock_start: float | None = None
         self.paused_s = 0.0
@@ -81,10 +84,6 @@ class BenchHooks(RunHooks):
         self.reached_s: float | None = None
         self.frozen_s: float | None = None  # the clock's final reading, once training ends
         self.outcome = "steps"
-        # No new group starts while an evaluation runs (both variants), so the async variant does
-        # not get generation done off the clock.
-        self.generation_open = threading.Event()
-        self.generation_open.set()
 
     def clock(self) -> float:
         if self.frozen_s is not None:
@@ -93,20 +92,14 @@ class BenchHooks(RunHooks):
             return 0.0
         return time.time() - self.clock_start - self.paused_s
 
-    def before_generation(self, loop: TrainingLoop, stop: threading.Event) -> bool:
-        while not self.generation_open.wait(POLL_S):
-            if stop.is_set():
-                return False
-        return True
-
     def before_evaluation(self, loop: TrainingLoop, label: str) -> None:
         if label == "after" and self.frozen_s is None:  # the last step: training is over
             self.frozen_s = self.clock()
-        self.generation_open.clear()
+        super().before_evaluation(loop, label)
         self.evaluation_started = time.time()
 
     def after_evaluation(self, loop: TrainingLoop, label: str, result: EvalResult) -> None:
-        self.generation_open.set()
+        super().after_evaluation(loop, label, result)
         if self.clock_start is None:  # the evaluation before training: the clock starts now
             self.clock_start = time.time()
         else:

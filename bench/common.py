@@ -14,12 +14,16 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from decentrl.evaluate.runner import EvalResult
+from decentrl.swarm.loop import POLL_S, RunHooks, TrainingLoop
 
 RESULT_PREFIX = "BENCH_RESULT "
 
@@ -289,3 +293,25 @@ def save_figure(figure: Any, path: Path) -> None:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     print(f"plot: {path}")
+
+
+class GenerationHeldDuringEvaluation(RunHooks):
+    """Training-loop hooks (swarm/loop.py) that hold new generation while an evaluation runs, so
+    that a variant gets no generation done off its clock (a group already in flight finishes).
+    Subclasses that override the evaluation hooks call these too."""
+
+    def __init__(self) -> None:
+        self.generation_open = threading.Event()
+        self.generation_open.set()
+
+    def before_generation(self, loop: TrainingLoop, stop: threading.Event) -> bool:
+        while not self.generation_open.wait(POLL_S):
+            if stop.is_set():
+                return False
+        return True
+
+    def before_evaluation(self, loop: TrainingLoop, label: str) -> None:
+        self.generation_open.clear()
+
+    def after_evaluation(self, loop: TrainingLoop, label: str, result: EvalResult) -> None:
+        self.generation_open.set()

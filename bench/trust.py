@@ -17,9 +17,9 @@ scored by the trainer's poison flags (the base model is the policy: versions do 
 Figures per scenario: groups the culprit touched, spot-check detection (failed, blamed on the
 culprit at its stage), trainer-flag detection (a row of the group flagged), wrongful blame (a
 failed check blaming an honest peer, over all groups), and cost: re-execution wall time over
-compute: the peers' time re-executing (`verify_busy_s`) over their time serving generation
-(`busy_s`), when every group is checked; at `trust.verify_fraction` f the spot-checks cost f x
-that ratio of generation compute (target < 10%).
+compute: the peers' time re-executing (`InferenceService.verify_busy_s`) over their time
+serving generation (`busy_s`), when every group is checked; at `trust.verify_fraction` f the
+spot-checks cost f x that ratio of generation compute (target < 10%).
 
 Run: decentrl bench trust [--model smollm2-135m-instruct|tiny] [--groups 8] [--json PATH]
      [--scenarios honest,random-tokens,...]
@@ -161,8 +161,9 @@ def run_scenario(scenario: str, config: RunConfig, groups: int, local_stages: li
                 flagged += 1
             print(f"  {scenario} group {index}: {'culprit' if involved else 'honest'}, "
                   f"{verdict.outcome} {verdict.detail[:100]}", flush=True)
-        serving = sum(peer.busy_s for peer in peers)
-        checking = sum(peer.verify_busy_s for peer in peers)
+        services = [peer.inference for peer in peers if peer.inference is not None]
+        serving = sum(service.busy_s for service in services)
+        checking = sum(service.verify_busy_s for service in services)
         nothing = [torch.full((1,), float("nan"))]  # every group went through the culprit
         gaps, margins = torch.cat(honest_gaps or nothing), torch.cat(honest_margins or nothing)
         return {"scenario": scenario, "groups": groups, "touched": touched, "caught": caught,

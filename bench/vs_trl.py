@@ -36,7 +36,6 @@ import contextlib
 import gc
 import json
 import shutil
-import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -44,7 +43,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from common import machine, print_table, quiet_transformers, save_figure
+from common import (
+    GenerationHeldDuringEvaluation,
+    machine,
+    print_table,
+    quiet_transformers,
+    save_figure,
+)
 
 from decentrl.config import RunConfig, parse_config
 from decentrl.demo import DEMO_CONFIG
@@ -56,7 +61,7 @@ from decentrl.model.stages import StagePlan, build_stages
 from decentrl.observe.metrics import StepRecord, read_metrics
 from decentrl.rollout.chain import LocalChain
 from decentrl.swarm.local import local_run
-from decentrl.swarm.loop import POLL_S, RunHooks, StopTraining, TrainingLoop
+from decentrl.swarm.loop import StopTraining, TrainingLoop
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.tasks import make_task
 
@@ -163,34 +168,27 @@ def bench_config(model: str, eval_every: int, eval_problems: int, out: Path,
 # ---- decentrl ------------------------------------------------------------------------------
 
 
-class BudgetHooks(RunHooks):
+class BudgetHooks(GenerationHeldDuringEvaluation):
     """The bench's clock and stopping rule on the training loop: an evaluation pauses the clock
     and holds new generation (the generation loop finishes the batch it is on and then waits, so
     an evaluation hides at most the rest of one batch); training stops when the budget leaves no
     room for another step, and the loop's final evaluation then measures the last weights."""
 
     def __init__(self, budget_s: float) -> None:
+        super().__init__()
         self.budget = StepBudget(budget_s)
         self.points: list[EvalPoint] = []
-        self.generation_open = threading.Event()
-        self.generation_open.set()
         self.pause: contextlib.ExitStack | None = None
 
-    def before_generation(self, loop: TrainingLoop, stop: threading.Event) -> bool:
-        while not self.generation_open.wait(POLL_S):
-            if stop.is_set():
-                return False
-        return True
-
     def before_evaluation(self, loop: TrainingLoop, label: str) -> None:
-        self.generation_open.clear()
+        super().before_evaluation(loop, label)
         self.pause = contextlib.ExitStack()
         self.pause.enter_context(self.budget.clock.paused())
 
     def after_evaluation(self, loop: TrainingLoop, label: str, result: EvalResult) -> None:
         if self.pause is not None:
             self.pause.close()
-        self.generation_open.set()
+        super().after_evaluation(loop, label, result)
         self.points.append(point(result, self.budget.clock.seconds(), loop.step, label))
 
     def training_started(self, loop: TrainingLoop) -> None:
