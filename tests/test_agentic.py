@@ -133,17 +133,17 @@ def test_a_single_turn_group_may_not_carry_environment_tokens(plain: LoadedModel
     assert ingestion.ingest(group, learner_version=0) is not None
 
 
-def test_replay_refuses_a_mask_of_the_wrong_length(plain: LoadedModel,
-                                                   tiny_model_dir: Path) -> None:
+def test_ingestion_refuses_a_mask_of_the_wrong_length(plain: LoadedModel,
+                                                      tiny_model_dir: Path) -> None:
+    """The mask is checked once, where a peer's rollout comes in; replay and batching rely on it."""
     config = agentic_config(tiny_model_dir)
-    worker, _, scheduler = worker_and_ingestion(config, plain)
+    worker, ingestion, scheduler = worker_and_ingestion(config, plain)
     [group] = worker.generate_groups(scheduler.next(1))
-    rollout = group.rollouts[0]
-    environment = worker.task
-    assert isinstance(environment, Environment)
-    with pytest.raises(ValueError, match="generated mask has"):
-        replay_episode(environment.episode("train", group.problem_index), plain.tokenizer,
-                       msgspec.structs.replace(rollout, generated=rollout.generated_mask()[:-1]))
+    mask = group.rollouts[0].generated_mask()
+    short = with_rollout(group, 0, generated=mask[:-1])
+    with pytest.raises(RejectedGroup, match=f"the generated mask has {len(mask) - 1} entries "
+                                            f"for {len(mask)} completion tokens"):
+        ingestion.check(short, 0)
 
 
 def test_the_local_loop_trains_on_episodes(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -145,8 +145,9 @@ def test_environment_tokens_are_context_but_carry_no_loss(sharp: LoadedModel) ->
     again, _, _ = micro_batch_loss(logits.detach(), poisoned, inputs, loss, SamplingConfig())
     assert float(again) == pytest.approx(float(value.detach()))
 
-    with pytest.raises(ValueError, match="needs at least one generated"):
-        build_batch([episode_rollout(prompt, reply, [False] * len(reply))], [1.0], [0], 0)
+    # A rollout of environment tokens only has nothing to learn from: ingestion refuses it.
+    with pytest.raises(ValueError, match="must mark at least one sampled"):
+        episode_rollout(prompt, reply, [False] * len(reply)).check_lengths()
 
 
 def test_a_turn_ending_on_the_last_token_of_the_budget_is_not_finished(sharp: LoadedModel

@@ -127,13 +127,29 @@ def test_shared_prompt_forward_equals_the_flat_forward(tiny_model: LoadedModel,
     ([], [], [], "no rollouts"),
     ([rollout([1], [2], [-0.1])], [1.0, 2.0], [0], "1 rollouts but 2 advantages"),
     ([rollout([1], [2], [-0.1])], [1.0], [], "0 staleness"),
-    ([rollout([1], [2, 3], [-0.1])], [1.0], [0], "2 completion tokens but 1 behaviour"),
-    ([rollout([1], [2], [-0.1]), rollout([], [2], [-0.1])], [1.0, 1.0], [0, 0], "empty prompt"),
 ])
 def test_batch_errors(rollouts_: list[Rollout], advantages: list[float], staleness: list[int],
                       message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_batch(rollouts_, advantages, staleness, 0)
+
+
+@pytest.mark.parametrize(("prompt", "completion", "logprobs", "generated", "message"), [
+    ([1], [2, 3], [-0.1], None, "2 completion tokens but 1 behaviour log-probs"),
+    ([], [2], [-0.1], None, "needs a prompt and a completion"),
+    ([1], [], [], None, "needs a prompt and a completion"),
+    ([1], [2, 3], [-0.1, 0.0], [True], "the generated mask has 1 entries for 2"),
+    ([1], [2], [-0.1], [False], "must mark at least one sampled"),
+])
+def test_a_rollouts_lists_must_agree(prompt: list[int], completion: list[int],
+                                     logprobs: list[float], generated: list[bool] | None,
+                                     message: str) -> None:
+    # Ingestion runs this check on every rollout a peer sends; batching relies on it.
+    broken = Rollout(prompt_tokens=prompt, completion_tokens=completion,
+                     behaviour_logprobs=logprobs, finished=True, generated=generated)
+    with pytest.raises(ValueError, match=message):
+        broken.check_lengths()
+    rollout([1], [2, 3], [-0.1, -0.2]).check_lengths()  # a consistent one passes
 
 
 # -------------------------------------------------------- the same update however the work is cut
