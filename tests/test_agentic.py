@@ -16,7 +16,7 @@ from decentrl.config import RunConfig, parse_config
 from decentrl.demo import demo_config
 from decentrl.envs import Environment, make_task_or_environment
 from decentrl.model.loading import LoadedModel, load_model
-from decentrl.rollout.episodes import generate_episodes, replay_episode
+from decentrl.rollout.episodes import generate_episodes
 from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.ingest import Ingestion, RejectedGroup
 from decentrl.swarm.local import local_run
