@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -246,7 +245,6 @@ def make_config(args: argparse.Namespace, variant: str, model: str) -> RunConfig
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    from decentrl.model.loading import resolve_model
     from decentrl.net.node import SwarmNode
     from decentrl.net.wire import TensorLimits
     from decentrl.swarm.launch import LocalSwarm, link_profile
@@ -254,40 +252,37 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     common.quiet_transformers()
     torch.set_num_threads(1)  # the coordinator relays and scores; the peers compute
     console = Console(stderr=True)  # live progress (a worker's stdout is read at its end)
-    with tempfile.TemporaryDirectory(prefix="decentrl-bench-") as folder:
-        model = common.bench_model(args.model, Path(folder))
-        resolve_model(model)  # convert the default model once, before the peers race to
-        config = make_config(args, variant, model)
-        config_path = common.fresh_swarm_folder(config)
-        swarm = LocalSwarm(config, config_path, args.replicas)
-        node = coordinator = None
-        try:
-            addresses = swarm.start()
-            # The coordinator's own node carries the emulated link (LocalSwarm's bootstrap node
-            # has a perfect one): it is the caller of every inference and training hop.
-            node = SwarmNode.start("coordinator", addresses, link_profile(config), TensorLimits())
-            kind = SyncHooks if variant == "sync" else BenchHooks
-            hooks = kind(args.target, args.budget)
-            coordinator = swarm_run(config, node, console, hooks=[hooks])
-            coordinator.run(wait_s=300)
-            steps = read_metrics(config.path / "metrics.jsonl").steps
-            return {
-                "variant": variant, "outcome": hooks.outcome, "reached_s": hooks.reached_s,
-                "clock_s": hooks.clock(), "steps": coordinator.step,
-                "curve": hooks.curve, "generation_errors": coordinator.generation_errors,
-                "failovers": coordinator.backend.chain.failovers, "run": str(config.path),
-                "staleness_mean": mean([r.staleness_mean for r in steps]),
-                "wait_s_mean": mean([r.wait_s for r in steps]),
-                "train_s_mean": mean([r.train_s for r in steps]),
-                "reward_mean": mean([r.reward for r in steps]),
-                "machine": common.machine(torch.device("cpu")),
-            }
-        finally:
-            if coordinator is not None:
-                coordinator.close()
-            if node is not None:
-                node.shutdown()
-            swarm.shutdown()
+    config = make_config(args, variant, common.bench_model(args.model))
+    config_path = common.fresh_swarm_folder(config)
+    swarm = LocalSwarm(config, config_path, args.replicas)
+    node = coordinator = None
+    try:
+        addresses = swarm.start()
+        # The coordinator's own node carries the emulated link (LocalSwarm's bootstrap node
+        # has a perfect one): it is the caller of every inference and training hop.
+        node = SwarmNode.start("coordinator", addresses, link_profile(config), TensorLimits())
+        kind = SyncHooks if variant == "sync" else BenchHooks
+        hooks = kind(args.target, args.budget)
+        coordinator = swarm_run(config, node, console, hooks=[hooks])
+        coordinator.run(wait_s=300)
+        steps = read_metrics(config.path / "metrics.jsonl").steps
+        return {
+            "variant": variant, "outcome": hooks.outcome, "reached_s": hooks.reached_s,
+            "clock_s": hooks.clock(), "steps": coordinator.step,
+            "curve": hooks.curve, "generation_errors": coordinator.generation_errors,
+            "failovers": coordinator.backend.chain.failovers, "run": str(config.path),
+            "staleness_mean": mean([r.staleness_mean for r in steps]),
+            "wait_s_mean": mean([r.wait_s for r in steps]),
+            "train_s_mean": mean([r.train_s for r in steps]),
+            "reward_mean": mean([r.reward for r in steps]),
+            "machine": common.machine(torch.device("cpu")),
+        }
+    finally:
+        if coordinator is not None:
+            coordinator.close()
+        if node is not None:
+            node.shutdown()
+        swarm.shutdown()
 
 
 def mean(values: list[float | None]) -> float:

@@ -7,13 +7,17 @@ file by path and calls `main(argv)`); they put this folder on sys.path to import
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
 import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -96,8 +100,8 @@ def machine(device: torch.device) -> str:
                 break
     except OSError:
         pass
-    parts = [f"{cpu} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
-             f"cpu capability {torch.backends.cpu.get_cpu_capability()})"]
+    parts = [(f"{cpu} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
+              f"cpu capability {torch.backends.cpu.get_cpu_capability()})")]
     if device.type == "cuda":
         parts.append(torch.cuda.get_device_name(device))
     elif device.type == "mps":
@@ -143,7 +147,7 @@ def run_worker(script: Path, argv: list[str]) -> dict[str, Any]:
 
 def variant_setup(args: Any) -> tuple[Any, torch.device, torch.dtype]:
     """What a variant worker starts with, from the shared options: quiet transformers, `--threads`,
-    the device and dtype, and the loaded model."""
+    the device and dtype, and the loaded `--model` (`bench_model`: `tiny` works too)."""
     from decentrl.device import compute_dtype, pick_device
     from decentrl.model.loading import load_model
 
@@ -151,7 +155,7 @@ def variant_setup(args: Any) -> tuple[Any, torch.device, torch.dtype]:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    return load_model(args.model), device, compute_dtype(device, args.dtype)
+    return load_model(bench_model(args.model)), device, compute_dtype(device, args.dtype)
 
 
 def emit_result(result: dict[str, Any]) -> None:
@@ -167,7 +171,8 @@ def bench_parser(prog: str, doc: str | None, unit: str,
 
     description = " ".join((doc or "").split("\n\n")[0].split())
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or HF folder")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="model name, HF folder, or tiny (a tiny random model, for smoke runs)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
     parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16"),
                         help="compute dtype (auto: decentrl.device.compute_dtype)")
@@ -258,25 +263,34 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def bench_model(name: str, folder: Path) -> str:
-    """The model a swarm bench runs: `name` itself (a model name or Hugging Face folder), or for
-    `tiny` a tiny random model (decentrl.model.tiny, fixed seed, so every process that builds it
-    gets the same weights) written into `folder`, for quick smoke runs."""
-    if name != "tiny":
-        return name
+def bench_model(name: str) -> str:
+    """The model a bench runs, as a config names it: for `tiny`, the folder of a tiny random
+    model (quick smoke runs); any other name (a model name or Hugging Face folder) as it is,
+    resolved here first, so that a wrong one fails before anything starts and the default model
+    is converted from its GGUF once, before the peers a bench starts race to convert it."""
+    from decentrl.model.loading import resolve_model
+
+    if name == "tiny":
+        return str(tiny_model_folder())
+    resolve_model(name)
+    return name
+
+
+@functools.cache
+def tiny_model_folder() -> Path:
+    """A tiny random model (decentrl.model.tiny) written once per process into a folder removed
+    when the process exits. Its seed is fixed, so every process that writes one (each variant
+    worker) gets the same weights."""
     from decentrl.model.tiny import make_tiny_model
 
-    path = folder / "tiny-model"
-    if not (path / "config.json").is_file():
-        make_tiny_model(path, seed=0)
-    return str(path)
+    folder = Path(tempfile.mkdtemp(prefix="decentrl-bench-tiny-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return make_tiny_model(folder / "model", seed=0)
 
 
 def fresh_swarm_folder(config: Any) -> Path:
     """Empty the run folder of `config` (a RunConfig) and write the config peers join with into
     it; returns that file's path."""
-    import shutil
-
     shutil.rmtree(config.path, ignore_errors=True)
     config.path.mkdir(parents=True)
     path = config.path / "swarm-config.json"

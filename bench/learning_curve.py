@@ -13,7 +13,6 @@ demo with an evaluation every `--eval-every` steps, so the curve has points in b
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 from pathlib import Path
@@ -98,10 +97,10 @@ def plot(evals: list[EvalRecord], steps: list[StepRecord], window: int, title: s
 def train(run: Path, budget: float, eval_every: int) -> None:
     """The demo run (its config, a fresh folder) with an evaluation every `eval_every` steps."""
     from decentrl.config import parse_config
-    from decentrl.demo import DEMO_CONFIG
+    from decentrl.demo import demo_config
     from decentrl.swarm.local import local_run
 
-    data = json.loads(json.dumps(DEMO_CONFIG))
+    data = demo_config("sums")
     data["name"], data["run_dir"] = run.name, str(run.parent)
     data["train"]["time_budget_s"] = budget
     data["eval"]["every"] = eval_every

@@ -114,7 +114,6 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
     from decentrl.learn.batch import build_batch
     from decentrl.learn.trainer import PipelineTrainer, loss_config_from
-    from decentrl.model.loading import load_model
     from decentrl.net.directory import Directory
     from decentrl.rollout.generate import generate
     from decentrl.rollout.sampling import sampling_config
@@ -123,10 +122,8 @@ def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
     from decentrl.swarm.training_client import RemoteStageWorker
     from decentrl.tasks import make_task, problems, render_prompt
 
-    common.quiet_transformers()
-    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="decentrl-bench-") as folder:
-        loaded = load_model(common.bench_model(args.model, Path(folder)))
+        loaded, _, _ = common.variant_setup(args)  # the peers pick their own device and dtype
         loaded.tensors.clear()  # the peers read their own stages
         tokenizer = loaded.tokenizer
         config = parse_config({

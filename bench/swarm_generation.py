@@ -194,9 +194,7 @@ def run_swarm(args: argparse.Namespace, loaded: Any, folder: Path) -> dict[str, 
                   "request_timeout_s": 120.0, "inference_replicas": args.replicas,
                   "max_sessions_per_peer": max(32, 2 * max(args.concurrency))},
     })
-    config.path.mkdir(parents=True, exist_ok=True)
-    config_path = config.path / "swarm-config.json"
-    config_path.write_text(config.model_dump_json())
+    config_path = common.fresh_swarm_folder(config)
     # Inference replicas only; the bootstrap node is the client and carries the emulated link.
     swarm = LocalSwarm(config, config_path, args.replicas, training=False)
     try:
@@ -230,14 +228,8 @@ def wait_for_peers(directory: Any, replicas: int, timeout_s: float = 60.0) -> No
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    from decentrl.device import compute_dtype, pick_device
-    from decentrl.model.loading import load_model
-
-    common.quiet_transformers()
-    device = pick_device(args.device)
-    dtype = compute_dtype(device, args.dtype)
+    loaded, device, dtype = common.variant_setup(args)
     with tempfile.TemporaryDirectory(prefix="decentrl-bench-") as folder:
-        loaded = load_model(common.bench_model(args.model, Path(folder)))
         if variant == "local":
             result = run_local(args, loaded, device, dtype)
         else:

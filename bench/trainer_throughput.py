@@ -188,16 +188,8 @@ def plain_variant(loaded, batch, args, device, dtype, variant):
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    from decentrl.device import compute_dtype, pick_device
-    from decentrl.model.loading import load_model
-
-    common.quiet_transformers()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    loaded, device, dtype = common.variant_setup(args)
     torch.manual_seed(args.seed)
-    device = pick_device(args.device)
-    dtype = compute_dtype(device, args.dtype)
-    loaded = load_model(args.model)
     batch = make_batch(loaded, args.batch, args.completion_length, args.group_size, args.seed)
     if variant == "decentrl":
         step, behaviour, params = decentrl_variant(loaded, batch, args, device, dtype)

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="decentrl-trust-") as tmp:
         folder = Path(tmp)
-        config = bench_config(common.bench_model(args.model, folder), folder / "runs")
+        config = bench_config(common.bench_model(args.model), folder / "runs")
         loaded = load_model(config.model)
         plan = StagePlan.even(loaded.spec.num_layers, config.num_stages)
         local = build_stages(loaded.spec, plan, loaded.tensors, torch.device("cpu"),

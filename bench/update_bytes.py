@@ -25,7 +25,6 @@ Run: decentrl bench update-bytes [--model smollm2-135m-instruct|tiny] [--steps 6
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from decentrl.config import parse_config  # noqa: E402
-from decentrl.demo import DEMO_CONFIG  # noqa: E402
+from decentrl.demo import demo_config  # noqa: E402
 from decentrl.swarm.local import copy_weights, local_run  # noqa: E402
 from decentrl.swarm.replica import published_tensors  # noqa: E402
 from decentrl.sync.delta import (  # noqa: E402
@@ -69,11 +68,11 @@ def run_variant(variant: str, args: Any) -> dict[str, Any]:
     common.quiet_transformers()
     if args.threads:
         torch.set_num_threads(args.threads)
-    data = json.loads(json.dumps(DEMO_CONFIG))
+    data = demo_config("sums")
     prompts = max(1, args.batch // 4)
     with tempfile.TemporaryDirectory(prefix="update-bytes-") as folder:
         data.update(name=f"update-bytes-{variant}", run_dir=folder, seed=args.seed,
-                    model=common.bench_model(args.model, Path(folder)), num_stages=args.stages,
+                    model=common.bench_model(args.model), num_stages=args.stages,
                     device=args.device, dtype=args.dtype, threads=args.threads)
         data["rollout"].update(group_size=4, prompts_per_step=prompts)
         data["train"].update(mode="sync", steps=args.steps, zero_variance_groups="keep")

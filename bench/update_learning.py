@@ -23,9 +23,7 @@ Each variant runs in its own process; run folders under --out, the plot
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +34,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from decentrl.config import RunConfig, parse_config  # noqa: E402
-from decentrl.demo import DEMO_CONFIG  # noqa: E402
+from decentrl.demo import demo_config  # noqa: E402
 from decentrl.evaluate.stats import difference_interval  # noqa: E402
 from decentrl.observe.metrics import read_metrics  # noqa: E402
 
@@ -44,7 +42,7 @@ VARIANTS = ("sparse", "dense")
 
 
 def make_config(args: Any, variant: str, model: str) -> RunConfig:
-    data = json.loads(json.dumps(DEMO_CONFIG))
+    data = demo_config("sums")
     data.update(name=variant, run_dir=args.out, seed=args.seed, model=model, device=args.device,
                 dtype=args.dtype)
     data["train"].update(steps=args.steps, time_budget_s=None, checkpoint_every=1_000_000,
@@ -56,35 +54,31 @@ def make_config(args: Any, variant: str, model: str) -> RunConfig:
 
 
 def run_variant(variant: str, args: Any) -> dict[str, Any]:
-    from decentrl.model.loading import resolve_model
     from decentrl.swarm.coordinate import swarm_run
     from decentrl.swarm.launch import LocalSwarm
 
     common.quiet_transformers()
     torch.set_num_threads(1)  # the coordinator relays and scores; the peers compute
     console = Console(stderr=True)  # live progress (a worker's stdout is read at its end)
-    with tempfile.TemporaryDirectory(prefix="decentrl-bench-") as folder:
-        model = common.bench_model(args.model, Path(folder))
-        resolve_model(model)
-        config = make_config(args, variant, model)
-        config_path = common.fresh_swarm_folder(config)
-        swarm = LocalSwarm(config, config_path, args.replicas)
-        coordinator = None
-        try:
-            swarm.start()
-            assert swarm.bootstrap is not None
-            coordinator = swarm_run(config, swarm.bootstrap, console)
-            summary = coordinator.run(wait_s=300)
-        finally:
-            if coordinator is not None:
-                coordinator.close()
-            swarm.shutdown()
-        assert summary.before is not None
-        steps = read_metrics(config.path / "metrics.jsonl").steps
-        return {"variant": variant, "steps": summary.steps, "wall_s": summary.wall_s,
-                "before": summary.before.to_json(), "after": summary.after.to_json(),
-                "accuracy": [s.accuracy for s in steps],
-                "run": str(config.path), "machine": common.machine(torch.device("cpu"))}
+    config = make_config(args, variant, common.bench_model(args.model))
+    config_path = common.fresh_swarm_folder(config)
+    swarm = LocalSwarm(config, config_path, args.replicas)
+    coordinator = None
+    try:
+        swarm.start()
+        assert swarm.bootstrap is not None
+        coordinator = swarm_run(config, swarm.bootstrap, console)
+        summary = coordinator.run(wait_s=300)
+    finally:
+        if coordinator is not None:
+            coordinator.close()
+        swarm.shutdown()
+    assert summary.before is not None
+    steps = read_metrics(config.path / "metrics.jsonl").steps
+    return {"variant": variant, "steps": summary.steps, "wall_s": summary.wall_s,
+            "before": summary.before.to_json(), "after": summary.after.to_json(),
+            "accuracy": [s.accuracy for s in steps],
+            "run": str(config.path), "machine": common.machine(torch.device("cpu"))}
 
 
 def pass1(result: dict[str, Any]) -> tuple[float, float, float, int]:

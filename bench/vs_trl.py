@@ -52,7 +52,7 @@ from common import (
 )
 
 from decentrl.config import RunConfig, parse_config
-from decentrl.demo import DEMO_CONFIG
+from decentrl.demo import demo_config
 from decentrl.device import compute_dtype, pick_device
 from decentrl.evaluate.runner import EvalResult, evaluate
 from decentrl.evaluate.stats import Accuracy
@@ -158,7 +158,7 @@ def point(result: EvalResult, seconds: float, step: int, label: str) -> EvalPoin
 def bench_config(model: str, eval_every: int, eval_problems: int, out: Path,
                  threads: int | None = None) -> RunConfig:
     """The demo's config, evaluated with greedy pass@1 only; the budget is enforced here."""
-    data = json.loads(json.dumps(DEMO_CONFIG))
+    data = demo_config("sums")
     data.update(name="decentrl", run_dir=str(out), model=model, threads=threads)
     data["train"].update(time_budget_s=None, checkpoint_every=data["train"]["steps"])
     data["eval"].update(problems=eval_problems, pass_k=1, every=eval_every)
