@@ -1,7 +1,8 @@
 """The README's trust claims that no other test pins down, each against the code that makes it
 true, with no network: the coordinator's trust gate (trust/gate.py) on a node that is never
-started, spot-checks answered by a scripted verifier instead of re-execution on replicas, and the
-directory (net/directory.py) filled with announcements by hand.
+started, spot-checks answered by a scripted verifier instead of re-execution on replicas, the
+directory (net/directory.py) filled with announcements by hand, and the training loop
+(swarm/loop.py) of a local run whose gate distrusts every second group.
 
 - Spot-checks: a random `trust.verify_fraction` of accepted groups is re-executed.
 - Reputation: a banned peer's unverified groups are dropped, and it is never chosen again.
@@ -34,6 +35,8 @@ from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, VersionSpan
 from decentrl.swarm.ingest import Ingestion
+from decentrl.swarm.local import local_run
+from decentrl.swarm.loop import TrustEveryone
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
@@ -271,6 +274,67 @@ def test_the_groups_of_rows_the_trainer_flags_are_re_executed(
 
     assert run_queued_checks(trust, verifier) == [forged.group_id]
     assert trust.count["flagged"] == 1 and trust.count["verified"] == 1
+
+
+class DistrustingGate(TrustEveryone):
+    """The training loop's trust gate after a ban: every second group it is asked about was
+    produced with the banned peer and is unverified (trust/gate.py `Trust` says why such a group
+    is dropped; here, what the loop does with that answer). Records what the loop tells it."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.refused: list[str] = []
+        self.trained_ids: list[str] = []
+        self.flagged_ids: list[str] = []
+
+    def distrusted_producer(self, group_id: str) -> str | None:
+        self.asked += 1
+        if self.asked % 2:
+            return None
+        self.refused.append(group_id)
+        return "produced with banned peers ['liar']"
+
+    def trained(self, group_id: str) -> None:
+        self.trained_ids.append(group_id)
+
+    def flagged(self, groups: list[RolloutGroup]) -> None:
+        self.flagged_ids += [g.group_id for g in groups]
+
+
+LOOP_GROUP_SIZE = 2
+
+
+def test_the_training_loop_trains_no_distrusted_group_and_hands_the_gate_flagged_rows_groups(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    # A surprise bound this tight flags about half of the nearly uniform tiny model's rows.
+    config = tiny_run_config(
+        tiny_model_dir, NUM_STAGES, run_dir=str(tmp_path), threads=1,
+        rollout={"group_size": LOOP_GROUP_SIZE, "prompts_per_step": 4, "max_new_tokens": 4},
+        train={"mode": "sync", "steps": 3, "micro_batch_size": 8, "zero_variance_groups": "keep"},
+        trust={"flag_surprise": 1e-6})
+    loop = local_run(config, Console(quiet=True))
+    gate = DistrustingGate()
+    loop.backend.gate = gate
+    flagged_rows = 0
+    try:
+        for _ in range(config.train.steps):
+            trained_before, flagged_before = len(gate.trained_ids), len(gate.flagged_ids)
+            assert loop.train_one_step() is not None
+            step_groups = gate.trained_ids[trained_before:]
+            assert loop.trainer.flagged is not None
+            rows = loop.trainer.flagged.nonzero()[:, 0].tolist()
+            # Every row of every group is in the batch (zero-variance groups are kept), in order.
+            assert gate.flagged_ids[flagged_before:] == [step_groups[row // LOOP_GROUP_SIZE]
+                                                         for row in rows]
+            flagged_rows += len(rows)
+        counts = loop.store.counts()
+    finally:
+        loop.close()
+    assert flagged_rows > 0
+    assert len(gate.refused) == len(gate.trained_ids) == 6
+    assert not set(gate.refused) & set(gate.trained_ids)
+    assert loop.ingestion.stats.reasons == {"distrusted": len(gate.refused)}
+    assert counts["trained"] == len(gate.trained_ids) and counts["pending"] == 0
 
 
 def test_a_flagged_group_that_fails_its_check_is_dropped_and_its_liar_blamed(
