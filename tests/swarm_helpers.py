@@ -9,7 +9,7 @@ import asyncio
 import os
 import secrets
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,12 +20,12 @@ from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
+from helpers import build
 
 from decentrl.config import RunConfig, parse_config
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import LoadedModel
-from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.net.directory import Directory
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import TRUNCATED_REPLY_RETRIES, RemoteError, SwarmNode, signed_envelope
@@ -35,7 +35,7 @@ from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.sampling import sampling_config
 from decentrl.swarm.inference import InferenceService
 from decentrl.swarm.launch import LocalSwarm
-from decentrl.swarm.peer import StagePeer
+from decentrl.swarm.peer import Service, StagePeer
 from decentrl.swarm.replica import ReplicaWeights
 from decentrl.swarm.sessions import RemoteChain
 from decentrl.swarm.training_client import RemoteStageWorker
@@ -73,18 +73,13 @@ def tiny_run_config(model_dir: Path, num_stages: int, codec: str = "fp32",
     return parse_config(deep_merge(data, overrides))
 
 
-def local_stages(model: LoadedModel, num_stages: int) -> list[StageModule]:
-    plan = StagePlan.even(model.spec.num_layers, num_stages)
-    return build_stages(model.spec, plan, model.tensors, CPU, torch.float32)
-
-
 def local_chain(model: LoadedModel, num_stages: int) -> LocalChain:
-    return LocalChain(local_stages(model, num_stages))
+    return LocalChain(build(model, num_stages))
 
 
 def local_trainer(model: LoadedModel, config: RunConfig) -> PipelineTrainer:
     loss = loss_config_from(config.train, config.rollout.max_new_tokens)
-    return PipelineTrainer.local(local_stages(model, config.num_stages), config.train, loss,
+    return PipelineTrainer.local(build(model, config.num_stages), config.train, loss,
                                  sampling_config(config.rollout), torch.float32)
 
 
@@ -153,11 +148,14 @@ def start_node(config: RunConfig, name: str, initial_peers: Sequence[str],
 
 def start_peer(config: RunConfig, stage: int, role: Role, initial_peers: Sequence[str],
                limits: TensorLimits = TensorLimits(), checkpoint_dir: Path | None = None,
-               name: str = "peer", link: LinkProfile = LinkProfile()) -> StagePeer:
-    """A SwarmNode and a started StagePeer on it; the node is shut down if the peer fails."""
+               name: str = "peer", link: LinkProfile = LinkProfile(),
+               wrap_inference: Callable[[InferenceService], Service] | None = None) -> StagePeer:
+    """A SwarmNode and a started StagePeer on it (its inference wrapped by `wrap_inference`, a
+    hostile peer's); the node is shut down if the peer fails."""
     node = start_node(config, name, initial_peers, limits, link)
     try:
-        peer = StagePeer(config, stage, role, node, checkpoint_dir=checkpoint_dir, name=name)
+        peer = StagePeer(config, stage, role, node, checkpoint_dir=checkpoint_dir, name=name,
+                         wrap_inference=wrap_inference)
         peer.start()
     except BaseException:
         node.shutdown()

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from rich.console import Console
-from swarm_helpers import Swarm, serving, start_swarm, tiny_run_config
+from swarm_helpers import Swarm, serving, start_peer, start_swarm, tiny_run_config
 from test_swarm import make_batch
 
 from decentrl.config import RunConfig
@@ -26,7 +26,7 @@ from decentrl.model.loading import LoadedModel, load_model
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.wire import TensorLimits
-from decentrl.swarm.adversary import flood, hostile_peer, submit_replays
+from decentrl.swarm.adversary import HostileInference, flood, submit_replays
 from decentrl.swarm.coordinate import swarm_run
 from decentrl.swarm.loop import TrainingLoop
 from decentrl.swarm.peer import StagePeer
@@ -59,16 +59,11 @@ def add_replica(swarm: Swarm, config: RunConfig, stage: int, name: str,
                 adversary: str | None = None, collusion: Path | None = None) -> StagePeer:
     """An inference replica (hostile with `adversary`) joining `swarm` with its own `config`;
     shut down with the swarm."""
-    node = SwarmNode.start(name, swarm.client.addresses(), LinkProfile(), TensorLimits())
-    try:
-        peer = StagePeer(config, stage, "inference", node, name=name) if adversary is None \
-            else hostile_peer(config, stage, node, name, adversary, collusion)
-        peer.start()
-    except BaseException:
-        node.shutdown()
-        raise
+    peer = start_peer(config, stage, "inference", swarm.client.addresses(), name=name,
+                      wrap_inference=None if adversary is None else
+                      lambda service: HostileInference(service, adversary, collusion))
     swarm.peers.append(peer)
-    swarm.sockets.extend(node.socket_paths())
+    swarm.sockets.extend(peer.node.socket_paths())
     return peer
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from swarm_helpers import launched_swarm
+from swarm_helpers import launched_swarm, tiny_run_config
 
 from decentrl.config import ConfigError, RunConfig, parse_config
 from decentrl.model.blocks import ModelSpec
@@ -25,16 +25,16 @@ from decentrl.swarm.loop import RunHooks, TrainingLoop
 
 
 def swarm_config(model_dir: Path, run_dir: Path, steps: int) -> RunConfig:
-    return parse_config({
-        "name": "swarm", "run_dir": str(run_dir), "model": str(model_dir), "num_stages": 2,
-        "device": "cpu", "dtype": "fp32", "threads": 1,
-        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 6},
-        "train": {"steps": steps, "micro_batch_size": 8, "checkpoint_every": 2,
-                  "zero_variance_groups": "keep", "max_staleness": 4},
-        "eval": {"problems": 8, "pass_k": 1, "max_new_tokens": 6, "batch_size": 8},
-        "swarm": {"link": {"rtt_ms": [10, 20], "jitter_ms": 2}, "announce_every_s": 0.5,
-                  "sessions_in_flight": 2, "request_timeout_s": 20, "ban_s": 5},
-    })
+    """Peers as processes over lightly emulated links, announcing often (a restarted peer must
+    be found fast), checkpointing every second step."""
+    return tiny_run_config(
+        model_dir, 2, codec="bf16", name="swarm", run_dir=str(run_dir), threads=1,
+        rollout={"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 6},
+        train={"steps": steps, "micro_batch_size": 8, "checkpoint_every": 2,
+               "zero_variance_groups": "keep", "max_staleness": 4, "lr": 1e-5},
+        eval={"problems": 8, "pass_k": 1, "max_new_tokens": 6, "batch_size": 8},
+        swarm={"link": {"rtt_ms": [10, 20], "jitter_ms": 2}, "announce_every_s": 0.5,
+               "sessions_in_flight": 2, "request_timeout_s": 20, "ban_s": 5})
 
 
 class Crash(RuntimeError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -14,15 +14,14 @@ from typing import Any
 import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hivemind.p2p import PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
-from hivemind.proto import crypto_pb2, runtime_pb2
+from hivemind.proto import crypto_pb2
 
 from decentrl.net.identity import Identity, SignatureError, public_key_of, verify
 from decentrl.net.link import LinkProfile
-from decentrl.net.node import PeerRefused, Reply, Request, SwarmNode
+from decentrl.net.node import PeerRefused, RemoteError, Reply, Request, SwarmNode
 from decentrl.net.protocol import Rpc
-from decentrl.net.wire import TensorLimits, to_messages
+from decentrl.net.wire import TensorLimits
+from swarm_helpers import call_raw
 
 # An RSA peer id ("Qm..."): a sha2-256 multihash of its key, so the key is not in the id.
 RSA_PEER_ID = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -175,29 +174,14 @@ def test_signed_requests_and_replies_go_through_and_forged_ones_are_refused(
         assert echo(client, server.peer_id, "again") == "AGAIN"
 
 
-def send_metadata(node: SwarmNode, peer: str, method: str, metadata: bytes) -> None:
-    """One request of hand-made metadata, past SwarmNode.call's signing (tests/swarm_helpers.py
-    has the full version, `call_raw`)."""
-    async def send() -> None:
-        async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            for message in to_messages(runtime_pb2.ExpertRequest, metadata, [], uid="raw"):
-                yield message
-        assert node.p2p is not None
-        stream = await node.p2p.iterate_protobuf_handler(
-            PeerID.from_base58(peer), f"decentrl.{method}", requests(), runtime_pb2.ExpertResponse)
-        async for _ in stream:
-            pass
-    node.run(send(), timeout=20)
-
-
 @pytest.mark.network
 def test_unsigned_metadata_is_refused_before_the_handler() -> None:
     with nodes(2) as (server, client):
         seen = serve_echo(server)
         unsigned = msgspec.msgpack.encode({"body": msgspec.msgpack.encode(Echo("x")),
                                            "manifest": {}})
-        with pytest.raises(P2PHandlerError, match="bad Envelope message.*`signature`"):
-            send_metadata(client, server.peer_id, "echo", unsigned)
+        with pytest.raises(RemoteError, match="bad Envelope message.*`signature`"):
+            call_raw(client, server.peer_id, "echo", unsigned)
         assert seen == [] and server.strikes(client.peer_id) == 1
 
 

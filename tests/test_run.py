@@ -17,18 +17,18 @@ from decentrl.config import ConfigError, RunConfig, load_config, parse_config
 from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.local import local_run
+from swarm_helpers import tiny_run_config
 
 
 def tiny_config(model_dir: Path, run_dir: Path, **train: object) -> RunConfig:
-    return parse_config({
-        "name": "tiny", "run_dir": str(run_dir), "model": str(model_dir), "num_stages": 2,
-        "dtype": "fp32", "threads": 1,
-        "task": {"name": "sums", "options": {"max_digits": 1}},
-        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6},
-        "train": {"steps": 3, "micro_batch_size": 4, "checkpoint_every": 2,
-                  "zero_variance_groups": "keep", **train},
-        "eval": {"problems": 4, "pass_k": 2, "max_new_tokens": 6},
-    })
+    """A two-stage local run of three steps; a fixed name, so that a second call resumes it."""
+    return tiny_run_config(
+        model_dir, 2, name="tiny", run_dir=str(run_dir), threads=1,
+        task={"name": "sums", "options": {"max_digits": 1}},
+        rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6},
+        train={"steps": 3, "micro_batch_size": 4, "checkpoint_every": 2,
+               "zero_variance_groups": "keep", **train},
+        eval={"problems": 4, "pass_k": 2, "max_new_tokens": 6})
 
 
 def read_metrics(path: Path) -> list[dict]:

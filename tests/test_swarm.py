@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import build
 from swarm_helpers import (
     ObservedChain,
     Swarm,
     call_raw,
     envelope,
     local_chain,
-    local_stages,
     local_trainer,
     publisher_of,
     serving,
@@ -173,7 +173,7 @@ def test_bf16_activations_keep_greedy_tokens_and_fp32_logprobs(tiny_sharp_dir: P
             torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(l.logprobs),
                                        atol=0.02, rtol=0)
         # The last stage alone, fed exact hidden states: its log-probs are exact and fp32.
-        stages = local_stages(sharp, 3)
+        stages = build(sharp, 3)
         ids, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
         valid = torch.ones(1, 3, dtype=torch.bool)
         with torch.inference_mode():
@@ -602,7 +602,7 @@ def test_peer_refuses_bad_request_and_keeps_serving(case: str, guarded: Swarm,
     send, message = BAD_REQUESTS[case]
     with pytest.raises(RemoteError, match=message):
         send(Ctx(guarded))
-    assert_serves(guarded, local_stages(sharp, 2))
+    assert_serves(guarded, build(sharp, 2))
 
 
 # ---- 6. lost messages ----------------------------------------------------------------------
