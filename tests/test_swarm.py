@@ -508,6 +508,14 @@ BAD_REQUESTS: dict[str, tuple[Any, str]] = {
     "tensor over the element limit": (lambda c: c.step1(inputs=torch.randn(1, 200, 32)),
                                       r"6400 elements .* over the limit of 4096"),
     "message over the byte limit": (oversized_message, r"over (the limit of )?1048576"),
+    # the RPC's own declaration (net/protocol.py)
+    "small request over its RPC's limit": (
+        lambda c: c.call(c.p0, "close_session", CloseSession(session="x" * 70_000)),
+        "close_session request over 65536 bytes"),
+    "a tensor the RPC does not take": (
+        lambda c: c.call(c.p0, "close_session", CloseSession(session="x"),
+                         {"inputs": torch.zeros(1)}),
+        r"close_session takes no tensors \['inputs'\]"),
     "manifest unlike the parts": (lying_manifest, r"shape expected \[1, 4\], got \[1, 3\]"),
     # training
     "train_forward at another version": (lambda c: c.forward(0, version=3),

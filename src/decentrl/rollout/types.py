@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import msgspec
 
 
-class Rollout(msgspec.Struct, frozen=True, kw_only=True):
+class Rollout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One sampled completion of one prompt."""
 
     prompt_tokens: list[int]
@@ -41,7 +41,7 @@ class Rollout(msgspec.Struct, frozen=True, kw_only=True):
         return [True] * len(self.completion_tokens) if self.generated is None else self.generated
 
 
-class VersionSpan(msgspec.Struct, frozen=True, kw_only=True):
+class VersionSpan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The weights that sampled a run of completion tokens: every token from index `start` up to
     the next span's start (or the end) was sampled by a forward step in which stage i ran weight
     version `versions[i]`. The prefill step samples completion token 0."""
@@ -50,7 +50,7 @@ class VersionSpan(msgspec.Struct, frozen=True, kw_only=True):
     versions: list[int]  # one per stage, in stage order
 
 
-class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
+class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """G samples of the same prompt: the unit of group-relative advantages. Its rows were
     generated together, one forward step per token index, so `version_spans` covers the same
     token indices of every rollout."""
@@ -68,7 +68,7 @@ class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True):
         return min(self.stage_versions)
 
 
-class ScoredGroup(msgspec.Struct, frozen=True, kw_only=True):
+class ScoredGroup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A group after the coordinator recomputed every reward itself (a peer's claim never counts)."""
 
     group: RolloutGroup

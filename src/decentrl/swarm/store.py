@@ -21,7 +21,8 @@ import msgspec
 from decentrl.rollout.types import ScoredGroup
 
 # 2: accepted groups carry the version spans of their tokens (rollout/types.py).
-SCHEMA_VERSION = 2
+# 3: rollouts carry no decoded text, and every rollout struct refuses unknown fields.
+SCHEMA_VERSION = 3
 STATES = ("pending", "trained", "dropped")
 
 # Separate statements: executescript would commit the transaction that creates them.
@@ -132,7 +133,7 @@ class RunStore:
                                  f"decentrl reads up to {SCHEMA_VERSION}; upgrade decentrl")
             if 0 < version < SCHEMA_VERSION:
                 raise StoreError(f"run store {self.path} has schema version {version}, from an "
-                                 f"older decentrl (its groups lack version spans); this one "
+                                 f"older decentrl (its groups are encoded otherwise); this one "
                                  f"reads version {SCHEMA_VERSION}: start a new run")
             if version == 0:
                 tables = db.execute("SELECT name FROM sqlite_master WHERE type = 'table'"
