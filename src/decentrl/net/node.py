@@ -363,7 +363,8 @@ class SwarmNode:
         handler run."""
         assert self.p2p is not None
         method = rpc.method
-        limit = min(rpc.max_bytes, self.limits.max_total_bytes)
+        limit = self.limits.max_total_bytes if rpc.max_bytes is None \
+            else min(rpc.max_bytes, self.limits.max_total_bytes)
 
         async def stream_handler(requests: Any, context: P2PContext) -> Any:
             sender = str(context.remote_id)

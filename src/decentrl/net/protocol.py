@@ -277,7 +277,8 @@ class Rpc(Generic[Req, Rep]):
     callers: Callers
     tensors: Mapping[str, TensorRule] = field(default_factory=dict)  # a request's
     reply_tensors: tuple[str, ...] = ()  # the names a reply may carry
-    max_bytes: int = SMALL_REQUEST_BYTES  # a request's size limit (the node's own may be lower)
+    # A request's size limit; None: the node's own (TensorLimits), for activations and batches.
+    max_bytes: int | None = SMALL_REQUEST_BYTES
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Raise WireError unless a request's tensors are the ones this RPC takes."""
@@ -300,31 +301,29 @@ class Rpc(Generic[Req, Rep]):
             raise WireError(f"a {self.method} reply carries no tensors {unknown}")
 
 
-# Activations and batches are as large as the node's tensor limit allows (TensorLimits).
-LARGE = 2**62
 STEP_TENSORS = {"inputs": TensorRule("ids or float"), "positions": TensorRule("int64"),
                 "key_valid": TensorRule("bool")}
 
 INFERENCE_STEP = Rpc(
     "inference_step", InferenceStep, InferenceReply, "any peer", STEP_TENSORS,
-    ("hidden", *COMMITMENT_TENSORS, "tokens", "logprobs"), LARGE)
+    ("hidden", *COMMITMENT_TENSORS, "tokens", "logprobs"), None)
 CLOSE_SESSION = Rpc("close_session", CloseSession, Empty, "any peer")
 VERIFY_STEP = Rpc(
     "verify_step", VerifyStep, VerifyReply, "coordinator",
     {**STEP_TENSORS, "targets": TensorRule("int64", required=False)},
-    ("hidden", "logprobs", "margins"), LARGE)
+    ("hidden", "logprobs", "margins"), None)
 TRAIN_FORWARD = Rpc(
     "train_forward", TrainForward, TrainForwardReply, "coordinator",
     {**{name: TensorRule(kind) for name, kind in BATCH_TENSORS.items()},
      "prompt_in": TensorRule("ids or float"), "completion_in": TensorRule("ids or float"),
      "proximal": TensorRule("float32", required=False),
      "reference": TensorRule("float32", required=False)},
-    ("prompt_out", "completion_out", "row_surprise", "row_log_ratio"), LARGE)
+    ("prompt_out", "completion_out", "row_surprise", "row_log_ratio"), None)
 TRAIN_BACKWARD = Rpc(
     "train_backward", TrainBackward, Empty, "coordinator",
     {"prompt_grad": TensorRule("float", required=False),
      "completion_grad": TensorRule("float", required=False)},
-    ("prompt_grad", "completion_grad"), LARGE)
+    ("prompt_grad", "completion_grad"), None)
 TRAIN_GRAD_NORM = Rpc("train_grad_norm", Empty, GradNorm, "coordinator")
 TRAIN_STEP = Rpc("train_step", TrainStep, VersionReply, "coordinator")
 TRAIN_DISCARD = Rpc("train_discard", Empty, VersionReply, "coordinator")

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
@@ -67,7 +68,7 @@ class StopTraining(Exception):
 
 @dataclass
 class RunSummary:
-    path: Any  # the run folder (a Path)
+    path: Path  # the run folder
     steps: int
     wall_s: float
     before: EvalResult | None  # None for a resumed run: its first evaluation was before
@@ -369,12 +370,10 @@ class TrainingLoop(Generic[AnyBackend]):
         try:
             return check_staleness(self.trainer.version, scored.group.stage_versions,
                                    self.config.train.max_staleness)
-        except StaleRolloutError as error:
+        # ValueError: versions the learner never had (a rollback's leftovers).
+        except (StaleRolloutError, ValueError) as error:
             self.store.mark_dropped([group_id], str(error))
-            self.ingestion.stats.stale += 1
-            return None
-        except ValueError as error:  # versions the learner never had (a rollback's leftovers)
-            self.store.mark_dropped([group_id], str(error))
+            self.ingestion.stats.stale += isinstance(error, StaleRolloutError)
             return None
 
     def _collect(self, needed: int) -> list[tuple[ScoredGroup, int]]:
