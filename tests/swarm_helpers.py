@@ -1,5 +1,7 @@
 """In-process swarms for the swarm tests: every peer is its own SwarmNode (its own p2p daemon) and
-StagePeer in this process, all bootstrapped from one client node that also plays the coordinator.
+StagePeer in this process, all bootstrapped from one client node that also plays the coordinator:
+it is the run's owner, so the peers obey it, and the training peers started with the swarm are
+the admitted ones. Its `workers()` sign each stage's weight lineage as the coordinator does.
 `start_swarm` shuts every node down on the way out and checks that none left a unix socket.
 `launched_swarm` is the other kind: every peer a separate `decentrl join` process."""
 
@@ -35,6 +37,7 @@ from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.sampling import sampling_config
 from decentrl.swarm.inference import InferenceService
 from decentrl.swarm.launch import LocalSwarm
+from decentrl.swarm.lineage import LineageSigner
 from decentrl.swarm.peer import Service, StagePeer
 from decentrl.swarm.replica import ReplicaWeights
 from decentrl.swarm.sessions import RemoteChain
@@ -86,11 +89,16 @@ def local_trainer(model: LoadedModel, config: RunConfig) -> PipelineTrainer:
 @dataclass
 class Swarm:
     config: RunConfig
-    client: SwarmNode  # the bootstrap node; tests call peers from it
+    client: SwarmNode  # the bootstrap node and the run's owner; tests call peers from it
     peers: list[StagePeer]
     checkpoint_dir: Path
     sockets: list[str] = field(default_factory=list)
     killed: list[StagePeer] = field(default_factory=list)
+    lineage: LineageSigner | None = None  # made by the first workers()
+
+    def admitted(self, peer_id: str) -> bool:
+        """The swarm's own training peers (those started with it or added later)."""
+        return any(p.node.peer_id == peer_id and p.training is not None for p in self.peers)
 
     def directory(self) -> Directory:
         directory = Directory(self.client, self.config.name, self.config.num_stages,
@@ -104,8 +112,11 @@ class Swarm:
 
     def workers(self) -> list[RemoteStageWorker]:
         directory = self.directory()
+        if self.lineage is None:
+            self.lineage = LineageSigner(self.client, self.config)
         workers = [RemoteStageWorker(self.client, directory, stage, self.config.num_stages,
-                                     self.config.swarm) for stage in range(self.config.num_stages)]
+                                     self.config.swarm, self.admitted, self.lineage)
+                   for stage in range(self.config.num_stages)]
         for worker in workers:
             worker.connect()
         return workers
@@ -125,7 +136,7 @@ class Swarm:
 
     def add(self, stage: int, role: Role) -> StagePeer:
         """A peer that joins the running swarm (shut down with the others)."""
-        peer = start_peer(self.config, stage, role, self.client.addresses(),
+        peer = start_peer(self.config, stage, role, self.client.addresses(), self.client.peer_id,
                           checkpoint_dir=self.checkpoint_dir, name=f"s{stage}{role[0]}late")
         self.peers.append(peer)
         self.sockets.extend(peer.node.socket_paths())
@@ -147,15 +158,17 @@ def start_node(config: RunConfig, name: str, initial_peers: Sequence[str],
 
 
 def start_peer(config: RunConfig, stage: int, role: Role, initial_peers: Sequence[str],
-               limits: TensorLimits = TensorLimits(), checkpoint_dir: Path | None = None,
-               name: str = "peer", link: LinkProfile = LinkProfile(),
+               owner: str, limits: TensorLimits = TensorLimits(),
+               checkpoint_dir: Path | None = None, name: str = "peer",
+               link: LinkProfile = LinkProfile(),
                wrap_inference: Callable[[InferenceService], Service] | None = None) -> StagePeer:
-    """A SwarmNode and a started StagePeer on it (its inference wrapped by `wrap_inference`, a
-    hostile peer's); the node is shut down if the peer fails."""
+    """A SwarmNode and a started StagePeer on it, of the run the peer id `owner` owns (its
+    inference wrapped by `wrap_inference`, a hostile peer's); the node is shut down if the peer
+    fails."""
     node = start_node(config, name, initial_peers, limits, link)
     try:
-        peer = StagePeer(config, stage, role, node, checkpoint_dir=checkpoint_dir, name=name,
-                         wrap_inference=wrap_inference)
+        peer = StagePeer(config, stage, role, node, owner, checkpoint_dir=checkpoint_dir,
+                         name=name, wrap_inference=wrap_inference)
         peer.start()
     except BaseException:
         node.shutdown()
@@ -174,19 +187,22 @@ def start_swarm(config: RunConfig, layout: Sequence[tuple[int, Role]],
     peers: list[StagePeer] = []
     failed = True
     errors: list[Exception] = []
+    swarm: Swarm | None = None
     with tempfile.TemporaryDirectory(prefix="decentrl-swarm-") as folder:
         try:
             sockets += client.socket_paths()
             addresses = client.addresses()
             for number, (stage, role) in enumerate(layout):
-                peer = start_peer(config, stage, role, addresses, limits, Path(folder),
-                                  name=f"s{stage}{role[0]}{number}")
+                peer = start_peer(config, stage, role, addresses, client.peer_id, limits,
+                                  Path(folder), name=f"s{stage}{role[0]}{number}")
                 peers.append(peer)
                 sockets += peer.node.socket_paths()
             swarm = Swarm(config, client, peers, Path(folder), sockets)
             yield swarm
             failed = False
         finally:
+            if swarm is not None and swarm.lineage is not None:
+                swarm.lineage.close()
             for peer in peers:
                 for close in (peer.stop, peer.node.shutdown):
                     try:

@@ -1,8 +1,8 @@
 """One stage peer in its own process, for the multi-process swarm test.
 
-    python swarm_peer_process.py CONFIG_JSON STAGE ROLE [INITIAL_PEER ...]
+    python swarm_peer_process.py CONFIG_JSON STAGE ROLE OWNER [INITIAL_PEER ...]
 
-Starts a SwarmNode and a StagePeer, prints one line `READY {"peer_id", "sockets", "daemon_pid"}`
+Starts a SwarmNode and a StagePeer of the run OWNER (a peer id) owns, prints one line `READY {"peer_id", "sockets", "daemon_pid"}`
 (the test removes the sockets itself if it kills this process), then serves until SIGTERM or
 SIGINT, on which it shuts down cleanly (removing its sockets) and exits 0."""
 
@@ -28,7 +28,7 @@ from decentrl.swarm.peer import StagePeer
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
-    config_path, stage, role, *initial_peers = argv
+    config_path, stage, role, owner, *initial_peers = argv
     config = parse_config(json.loads(Path(config_path).read_text()))
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     node = SwarmNode.start(f"proc-s{stage}", initial_peers, LinkProfile(), TensorLimits())
     try:
         with tempfile.TemporaryDirectory(prefix="decentrl-peer-") as checkpoints:
-            peer = StagePeer(config, int(stage), role, node,  # type: ignore[arg-type]
+            peer = StagePeer(config, int(stage), role, node, owner,  # type: ignore[arg-type]
                              checkpoint_dir=Path(checkpoints), name=f"proc-s{stage}")
             peer.start()
             assert node.p2p is not None and node.p2p._child is not None

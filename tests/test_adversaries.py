@@ -29,6 +29,7 @@ from decentrl.net.wire import TensorLimits
 from decentrl.swarm.adversary import HostileInference, flood, submit_replays
 from decentrl.swarm.coordinate import swarm_run
 from decentrl.swarm.loop import TrainingLoop
+from decentrl.swarm.manifest import admit
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.sessions import RemoteChain
 from decentrl.swarm.scheduler import PromptScheduler
@@ -59,7 +60,8 @@ def add_replica(swarm: Swarm, config: RunConfig, stage: int, name: str,
                 adversary: str | None = None, collusion: Path | None = None) -> StagePeer:
     """An inference replica (hostile with `adversary`) joining `swarm` with its own `config`;
     shut down with the swarm."""
-    peer = start_peer(config, stage, "inference", swarm.client.addresses(), name=name,
+    peer = start_peer(config, stage, "inference", swarm.client.addresses(),
+                      swarm.client.peer_id, name=name,
                       wrap_inference=None if adversary is None else
                       lambda service: HostileInference(service, adversary, collusion))
     swarm.peers.append(peer)
@@ -84,6 +86,7 @@ def coordinated(config: RunConfig, swarm: Swarm) -> Iterator[TrainingLoop]:
     # The training peers keep their checkpoints in the swarm's folder; the coordinator moves
     # its `latest` pointer in the run folder.
     (config.path / "checkpoints").mkdir(parents=True, exist_ok=True)
+    admit(config.path, [p.node.peer_id for p in swarm.peers if p.training is not None])
     coordinator = swarm_run(config, swarm.client, Console(quiet=True))
     try:
         yield coordinator

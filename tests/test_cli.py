@@ -84,8 +84,25 @@ def test_join_refuses_a_bad_address_before_the_daemon_starts(address: str, fragm
         raise AssertionError("the daemon started")
 
     monkeypatch.setattr(SwarmNode, "start", no_daemon)
-    assert_refused(invoke("join", "--initial-peers", address, "--run", "demo"), fragment,
-                   "use the address the peer printed")
+    assert_refused(invoke("join", "--initial-peers", address, "--run", "demo", "--owner",
+                          UNUSED_PEER_ID), fragment, "use the address the peer printed")
+
+
+def test_join_refuses_an_owner_that_is_not_a_peer_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_daemon(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the daemon started")
+
+    monkeypatch.setattr(SwarmNode, "start", no_daemon)
+    assert_refused(invoke("join", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{UNUSED_PEER_ID}",
+                          "--run", "demo", "--owner", "0"), "--owner: '0' is not a peer id")
+
+
+def test_a_training_peer_needs_a_key_file_to_be_admitted(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.setattr(SwarmNode, "start", lambda *args, **kwargs: None)
+    assert_refused(invoke("join", "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{UNUSED_PEER_ID}",
+                          "--run", "demo", "--owner", UNUSED_PEER_ID, "--role", "training"),
+                   "a training peer needs --identity FILE")
 
 
 @pytest.mark.network
@@ -93,7 +110,8 @@ def test_join_says_when_no_initial_peer_answers() -> None:
     with socket.socket() as probe:  # a loopback port that nothing listens on
         probe.bind(("127.0.0.1", 0))
         address = f"/ip4/127.0.0.1/tcp/{probe.getsockname()[1]}/p2p/{UNUSED_PEER_ID}"
-        assert_refused(invoke("join", "--initial-peers", address, "--run", "demo"),
+        assert_refused(invoke("join", "--initial-peers", address, "--run", "demo", "--owner",
+                              UNUSED_PEER_ID),
                        f"none of the initial peers answered ({address})",
                        "check that the peer is running")
 
@@ -102,10 +120,10 @@ def test_join_says_when_no_initial_peer_answers() -> None:
 def test_join_with_a_mistyped_run_waits_as_told_then_says_what_to_check(
         bootstrap: SwarmNode) -> None:
     done = run_cli("join", "--initial-peers", bootstrap.addresses()[0], "--run", "typo",
-                   "--wait", "3")
-    assert "waiting for the coordinator of run 'typo' to announce its config (up to 3s)" \
-        in done.stderr
-    assert_one_line_failure(done, "no coordinator of run 'typo' announced a config within 3s",
+                   "--owner", bootstrap.peer_id, "--wait", "3")
+    owner = bootstrap.peer_id[-8:]
+    assert f"waiting for the owner {owner} of run 'typo' to announce it (up to 3s)" in done.stderr
+    assert_one_line_failure(done, f"the owner {owner} of run 'typo' announced nothing within 3s",
                             "check the run name")
 
 
@@ -115,12 +133,13 @@ def test_the_wait_for_a_config_stops_on_ctrl_c_and_sigterm(bootstrap: SwarmNode,
                                                            signum: int) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "decentrl.cli", "join", "--initial-peers",
-         bootstrap.addresses()[0], "--run", "typo"], stdout=subprocess.PIPE,
+         bootstrap.addresses()[0], "--run", "typo", "--owner", bootstrap.peer_id],
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert process.stderr is not None
         # The handlers are installed before this line is printed: the signal lands in the wait.
-        assert "waiting for the coordinator" in process.stderr.readline()
+        assert "waiting for the owner" in process.stderr.readline()
         process.send_signal(signum)
         # A process that ignored the signal would wait out its 300 s and time out here.
         stdout, stderr = process.communicate(timeout=30)
@@ -129,7 +148,7 @@ def test_the_wait_for_a_config_stops_on_ctrl_c_and_sigterm(bootstrap: SwarmNode,
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     assert process.returncode == 0, stderr
-    assert "stopped before the coordinator's config arrived" in stderr
+    assert "stopped before the run's owner announced it" in stderr
     assert "Traceback" not in stderr + stdout and "Task exception" not in stderr
 
 
@@ -167,11 +186,12 @@ def test_coordinate_prints_the_join_command_on_one_line_and_says_what_it_waited_
     path.write_text(config.model_dump_json())
     done = run_cli("coordinate", "--config", str(path), "--wait", "2")
     saved = (config.path / "join.txt").read_text().strip()
-    assert saved.startswith(f"decentrl join --run {config.name} --stage auto --initial-peers "
-                            "/ip4/127.0.0.1/tcp/") and "/p2p/12D3KooW" in saved
+    assert saved.startswith(f"decentrl join --run {config.name} --owner 12D3KooW") \
+        and " --stage auto --initial-peers /ip4/127.0.0.1/tcp/" in saved \
+        and "/p2p/12D3KooW" in saved
     assert saved in done.stdout.splitlines()  # one line, however narrow the terminal
     assert_one_line_failure(done, "after 2s of waiting, stage 0 has no inference replica and no "
-                                  "training peer ready; stage 1 has")
+                                  "admitted training peer ready; stage 1 has")
 
 
 def test_the_coordinator_says_what_each_stage_lacks() -> None:
@@ -179,11 +199,16 @@ def test_the_coordinator_says_what_each_stage_lacks() -> None:
         return PeerRecord(name="p", stage=stage, layers=(0, 2), role=role, version=0,
                           tokens_per_s=0.0, free_sessions=4, training_ready=ready)
 
-    assert stages_lacking([[record(0, "inference"), record(0, "training", ready=True)],
-                           [record(1, "both", ready=True)]]) == []
-    assert stages_lacking([[record(0, "training")], []]) == [
-        "stage 0 has no inference replica and no training peer ready (1 loading)",
-        "stage 1 has no inference replica and no training peer ready"]
+    admitted = {"trainer0", "trainer1", "loading"}.__contains__
+    assert stages_lacking([[("i", record(0, "inference")),
+                            ("trainer0", record(0, "training", ready=True))],
+                           [("trainer1", record(1, "both", ready=True))]], admitted) == []
+    assert stages_lacking([[("loading", record(0, "training")),
+                            ("12D3KooWstranger", record(0, "training", ready=True))], []],
+                          admitted) == [
+        "stage 0 has no inference replica and no admitted training peer ready (1 loading; not "
+        "admitted: stranger)",
+        "stage 1 has no inference replica and no admitted training peer ready"]
 
 
 class DictNode:

@@ -681,10 +681,11 @@ def test_replica_follows_training_peer_weights(tiny_sharp_dir: Path, sharp: Load
 
 # ---- 8. peers as separate processes ----------------------------------------------------------
 
-def start_process(config_path: Path, stage: int, addresses: list[str]) -> subprocess.Popen[str]:
+def start_process(config_path: Path, stage: int, owner: str, addresses: list[str]
+                  ) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(HERE / "swarm_peer_process.py"), str(config_path), str(stage),
-         "inference", *addresses],
+         "inference", owner, *addresses],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -721,7 +722,8 @@ def test_peers_in_separate_processes(tiny_sharp_dir: Path, sharp: LoadedModel,
     with start_swarm(config, []) as swarm:
         try:
             addresses = swarm.client.addresses()
-            processes = [start_process(config_path, stage, addresses) for stage in (0, 1, 1)]
+            processes = [start_process(config_path, stage, swarm.client.peer_id, addresses)
+                         for stage in (0, 1, 1)]
             deadline = time.monotonic() + 90
             infos = [read_ready(p, deadline) for p in processes]
             ids = [info["peer_id"] for info in infos]

@@ -155,9 +155,9 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, terminate)
 
 
-def join_command(run: str, addresses: Sequence[str]) -> str:
-    """The command a volunteer types to join `run`."""
-    return " ".join(["decentrl join", f"--run {run}", "--stage auto",
+def join_command(run: str, owner: str, addresses: Sequence[str]) -> str:
+    """The command a volunteer types to join `run`, owned by the peer id `owner`."""
+    return " ".join(["decentrl join", f"--run {run}", f"--owner {owner}", "--stage auto",
                      *(f"--initial-peers {address}" for address in addresses)])
 
 
@@ -170,26 +170,38 @@ def coordinate(
     wait: Annotated[float, typer.Option(
         help="Seconds to wait for every stage to have an inference replica and a training "
              "peer.")] = 600,
+    admit: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
+        help="The peer id of a training peer to admit, repeatable (it prints its id when it "
+             "starts). Admitted ids are kept in RUN/admitted.txt; edit it to admit more while "
+             "the run goes on.")] = None,
 ) -> None:
     """Coordinate a swarm run.
 
     The coordinator schedules prompts, routes generation through inference peers, checks and
     stores the rollouts, trains the pipeline of training peers, evaluates and checkpoints. It
-    prints the command that volunteers run to join."""
+    runs under the run's key (RUN/keys/owner.key, made on the first start): peers obey it alone.
+    It prints the command that volunteers run to join."""
     from decentrl.net.node import SwarmNode
     from decentrl.net.wire import TensorLimits
     from decentrl.swarm.coordinate import swarm_run
     from decentrl.swarm.launch import link_profile
+    from decentrl.swarm.manifest import admit as admit_peers
+    from decentrl.swarm.manifest import admitted_peers, owner_identity
 
     exit_on_sigterm()
     run_config = load_config(config)
+    admit_peers(run_config.path, admit or [])
+    if not admitted_peers(run_config.path):
+        console.print("no training peer is admitted yet: start each with decentrl join --role "
+                      "training --identity FILE, then admit the peer id it prints (--admit ID, "
+                      f"or a line in {run_config.path / 'admitted.txt'})", highlight=False)
     configure_logging("coordinator", json_file=run_config.path / "logs" / "coordinator.jsonl")
     node = SwarmNode.start("coordinator", initial_peers or [], link_profile(run_config),
-                           TensorLimits())
+                           TensorLimits(), identity=owner_identity(run_config.path))
     coordinator = None
     try:
         coordinator = swarm_run(run_config, node, console)  # checks the whole config
-        joining = join_command(run_config.name, node.addresses())
+        joining = join_command(run_config.name, node.peer_id, node.addresses())
         (run_config.path / "join.txt").write_text(joining + "\n")
         console.print("peers join with this command (a training peer adds --role training "
                       f"--checkpoint-dir DIR; it is also in {run_config.path / 'join.txt'}):",
@@ -241,6 +253,9 @@ def print_join_event(event: dict[str, Any]) -> None:
 def join(
     initial_peers: Annotated[list[str], typer.Option(
         help="The multiaddr of a peer in the swarm (the coordinator prints it), repeatable.")],
+    owner: Annotated[str, typer.Option(
+        help="The peer id of the run's owner (its coordinator, in the join command it "
+             "prints): the peer takes the run's config from it and obeys it alone.")],
     stage: Annotated[str, typer.Option(
         help="The stage to serve: its index, or auto for the stage that needs a peer most.")]
     = "auto",
@@ -248,12 +263,15 @@ def join(
         help="inference (generate rollouts), training (train the stage) or both.")]
     = "inference",
     config: Annotated[Optional[Path], typer.Option(  # noqa: UP007
-        "--config", help="The run's config file. Without it, the peer fetches the "
-                         "coordinator's through the swarm.")] = None,
+        "--config", help="The run's config file. Without it, the peer takes the owner's "
+                         "through the swarm; with it, the owner's must be the same.")] = None,
     run: Annotated[Optional[str], typer.Option(  # noqa: UP007
         help="The run's name, when --config is not given.")] = None,
     wait: Annotated[float, typer.Option(
-        help="Seconds to wait for the coordinator's config.")] = 300,
+        help="Seconds to wait for the run owner's manifest.")] = 300,
+    identity: Annotated[Optional[Path], typer.Option(  # noqa: UP007
+        help="A key file that keeps this peer's id across restarts (made if missing, mode "
+             "600). A training peer needs one: the run's operator admits its peer id.")] = None,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(  # noqa: UP007
         help="Where a training peer saves its checkpoints and resumes from them.")] = None,
     name: Annotated[str, typer.Option(help="A name for logs and the peer table.")] = "peer",
@@ -277,11 +295,13 @@ def join(
 
     import torch
 
+    from decentrl.net.identity import Identity
     from decentrl.net.node import check_peer_addresses
     from decentrl.net.protocol import Role
     from decentrl.swarm.adversary import ADVERSARIES
     from decentrl.swarm.launch import join as join_swarm
     from decentrl.swarm.launch import print_json_line
+    from decentrl.swarm.manifest import check_peer_id
 
     configure_logging(name, json_stderr=log_json)
     if role not in ("inference", "training", "both"):
@@ -294,6 +314,14 @@ def join(
         fail("join needs --run (the run's name, from the coordinator's join command) or "
              "--config")
     check_peer_addresses(initial_peers)
+    try:
+        check_peer_id(owner, "--owner")
+        key = Identity.from_file(identity) if identity is not None else None
+    except (ValueError, PermissionError) as error:
+        fail(str(error))
+    if role != "inference" and key is None:
+        fail("a training peer needs --identity FILE: the run's operator admits its peer id, "
+             "which must stay the same when it restarts")
     run_config = load_config(config) if config is not None else None
     if run_config is not None and stage != "auto" and int(stage) >= run_config.num_stages:
         fail(f"--stage {stage}: run {run_config.name!r} has stages 0 to "
@@ -303,10 +331,11 @@ def join(
     previous = {signum: signal.signal(signum, lambda *_: stop.set())
                 for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
-        join_swarm(run_config, run, None if stage == "auto" else int(stage), cast(Role, role),
-                   initial_peers, checkpoint_dir, name, stop, exit_with_parent, adversary,
-                   collusion_dir, report=print_json_line if log_json else print_join_event,
-                   console=Console(stderr=True), config_wait_s=wait)
+        join_swarm(run_config, run, owner, None if stage == "auto" else int(stage),
+                   cast(Role, role), initial_peers, checkpoint_dir, name, stop, exit_with_parent,
+                   adversary, collusion_dir,
+                   report=print_json_line if log_json else print_join_event,
+                   console=Console(stderr=True), config_wait_s=wait, identity=key)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -4,6 +4,7 @@ Nothing here reaches a hub."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -85,6 +86,27 @@ def gguf_path() -> Path:
 def file_sha256(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def model_spec(folder: Path) -> ModelSpec:
+    """The sizes of the model in a Hugging Face folder, from its config.json."""
+    return ModelSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
+
+
+@functools.lru_cache(maxsize=8)
+def _fingerprint(folder: Path, stamps: tuple[tuple[str, int, int], ...]) -> str:
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for path in _safetensors_files(folder):
+        digest.update(f"{path.name}:{file_sha256(path)}".encode())
+    return digest.hexdigest()
+
+
+def model_fingerprint(folder: Path) -> str:
+    """A hash of a model folder's config and weights: the peers of a run must hold the model its
+    owner declared (remembered per process while the files are unchanged)."""
+    files = [folder / "config.json", *_safetensors_files(folder)]
+    stamps = tuple((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in files)
+    return _fingerprint(folder.resolve(), stamps)
 
 
 def gguf_source(path: Path) -> GgufSource:

@@ -4,13 +4,11 @@ this way, and so does the export of a run's checkpoint."""
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from decentrl.config import RunConfig
 from decentrl.model.blocks import ModelSpec
-from decentrl.model.loading import read_tensors, resolve_model
+from decentrl.model.loading import model_spec, read_tensors, resolve_model
 from decentrl.model.lora import add_lora
 from decentrl.model.stages import StageModule, StagePlan, build_stage
 
@@ -28,8 +26,7 @@ def load_stage(config: RunConfig, index: int, device: torch.device, dtype: torch
     """Stage `index` of the run's even plan at version 0. LoRA adapters are seeded by the run's
     seed: every peer of a stage builds the same ones."""
     folder = resolve_model(config.model)
-    hf_config = json.loads((folder / "config.json").read_text())
-    spec = ModelSpec.from_hf_config(hf_config)
+    spec = model_spec(folder)
     plan = StagePlan.even(spec.num_layers, config.num_stages)
     names = stage_tensor_names(spec, plan, index)
     stage = build_stage(spec, plan, index, read_tensors(folder, names.__contains__), device,

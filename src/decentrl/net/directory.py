@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from decentrl.config import SwarmConfig
 from decentrl.net.node import SwarmNode
-from decentrl.net.protocol import CoordinatorRecord, PeerRecord, coordinator_key, stage_key
-from decentrl.net.wire import WireError, decode_struct, encode_struct
+from decentrl.net.protocol import PeerRecord, stage_key
+from decentrl.net.wire import WireError, decode_struct
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,6 @@ class Directory:
         for peer, record in left:
             self.on_change(peer, record, False)
 
-    def publish_config(self, config_json: str) -> None:
-        self.node.run(self.node.announce(coordinator_key(self.run), "config",
-                                         encode_struct(CoordinatorRecord(config_json=config_json)),
-                                         5 * self.swarm.announce_every_s), timeout=60)
-
     def _live(self, stage: int) -> list[tuple[str, PeerState]]:
         now = time.monotonic()
         return [(peer, s) for peer, s in self.peers.items()
@@ -129,10 +124,14 @@ class Directory:
             if peer in self.peers:
                 self.peers[peer].sessions = max(0, self.peers[peer].sessions - 1)
 
-    def training_peer(self, stage: int) -> tuple[str, PeerRecord] | None:
+    def training_peer(self, stage: int, admitted: Callable[[str], bool]
+                      ) -> tuple[str, PeerRecord] | None:
+        """The stage's training peer: an `admitted` one that says it is ready (the newest
+        version first). Anyone can announce itself as a training peer; only the run's owner
+        admits one."""
         with self.lock:
             ready = [(p, s.record) for p, s in self._live(stage)
-                     if s.record.training_ready]
+                     if s.record.training_ready and admitted(p)]
         return max(ready, key=lambda item: item[1].version) if ready else None
 
     def observe(self, peer: str, seconds: float) -> None:
@@ -155,6 +154,12 @@ class Directory:
         """Every live announcement, by peer id."""
         with self.lock:
             return {peer: s.record for peer, s in self.peers.items()}
+
+    def stage_peers(self) -> list[list[tuple[str, PeerRecord]]]:
+        """Each stage's (peer id, announcement)."""
+        with self.lock:
+            return [[(p, s.record) for p, s in self.peers.items() if s.record.stage == stage]
+                    for stage in range(self.num_stages)]
 
     def stage_summary(self) -> list[list[PeerRecord]]:
         with self.lock:

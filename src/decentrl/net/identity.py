@@ -53,6 +53,30 @@ class Identity:
     def generate(cls) -> Identity:
         return cls(Ed25519PrivateKey.generate())
 
+    @classmethod
+    def from_file(cls, path: str | Path) -> Identity:
+        """The identity whose key `path` holds (p2pd's `-id` format); created there, readable by
+        its owner only, when the file does not exist yet. A run's owner and its training peers
+        keep their peer ids across restarts this way: the swarm admits peer ids."""
+        path = Path(path)
+        if not path.exists():
+            identity = cls.generate()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            identity.write_libp2p_key(path)
+            return identity
+        if path.stat().st_mode & 0o077:
+            raise PermissionError(f"key file {path} is readable by others (mode "
+                                  f"{path.stat().st_mode & 0o777:o}); chmod 600 it")
+        key = crypto_pb2.PrivateKey()
+        try:
+            key.ParseFromString(path.read_bytes())
+        except Exception as error:  # noqa: BLE001 - protobuf's DecodeError and friends
+            raise ValueError(f"key file {path} is not a libp2p private key: {error}") from None
+        if key.key_type != crypto_pb2.KeyType.Ed25519 or len(key.data) != 2 * KEY_BYTES:
+            raise ValueError(f"key file {path} does not hold an Ed25519 key (type "
+                             f"{key.key_type}, {len(key.data)} bytes)")
+        return cls(Ed25519PrivateKey.from_private_bytes(key.data[:KEY_BYTES]))
+
     def sign(self, data: bytes) -> bytes:
         """A 64-byte Ed25519 signature of `data`."""
         return self._key.sign(data)

@@ -114,6 +114,22 @@ class PeerRefused(RemoteError):
     """The peer is alive and answered, with an error: it refused this request."""
 
 
+class CallerRefused(ValueError):
+    """A request its sender may not make (the RPC's callers rule, net/authority.py): refused
+    before it is read, and a strike."""
+
+
+class CallerUnknown(RuntimeError):
+    """A request from a sender the callers rule does not know yet (a peer that just joined its
+    stage): refused before it is read, not a strike."""
+
+
+async def only_any_peer(sender: str, rpc: Rpc[Any, Any]) -> None:
+    """A node's callers policy until it serves a run: RPCs for "any peer" only."""
+    if rpc.callers != "any peer":
+        raise CallerRefused(f"{rpc.method} is refused: this node serves no run")
+
+
 class SenderBlocked(RuntimeError):
     """A request refused unread: its sender sent too many malformed ones lately. Not a strike."""
 
@@ -205,6 +221,9 @@ class SwarmNode:
         self.strikes_to_block = strikes_to_block
         self.strike_window_s = strike_window_s
         self.block_s = block_s
+        # Raises CallerRefused / CallerUnknown unless (sender, rpc) may be served; called on the
+        # loop before a request's handler runs (net/authority.py RunAuthority.check).
+        self.authorize: Callable[[str, Rpc[Any, Any]], Awaitable[None]] = only_any_peer
         # Called with (peer id, reason) on each strike, from the loop thread.
         self.on_strike: Callable[[str, str], None] | None = None
         # Where strike and block times are read, in monotonic seconds. An attribute, so a test can
@@ -371,6 +390,7 @@ class SwarmNode:
             try:
                 messages = await self._receive(method, requests, limit)
                 self._refuse_if_blocked(sender)
+                await self.authorize(sender, rpc)
                 request_id, envelope, parts = self._open_request(method, messages, sender)
             except ValueError as error:  # WireError and SignatureError included
                 self._strike(sender, method, error)

@@ -53,27 +53,48 @@ def layer_span(layers: tuple[int, int]) -> str:
     return f"{start}-{stop - 1}"
 
 
-def weights_key(run: str, stage: int) -> str:
-    return f"decentrl/{run}/weights{stage}"
+def lineage_key(run: str, stage: int) -> str:
+    return f"decentrl/{run}/lineage{stage}"
 
 
-class CoordinatorRecord(Body):
+class RosterEntry(Body):
+    """A training peer the run's owner admitted: it trains `stage` and publishes its weights,
+    since the learner version `since`."""
+
+    stage: int
+    peer_id: str
+    since: int
+
+
+class RunManifest(Body):
+    """The run as its owner (the coordinator, whose key is the run's identity) declares it,
+    under `coordinator_key(run)` with the owner's peer id as subkey: the DHT record's signature
+    is the owner's, so a peer that knows the owner's id knows the manifest is genuine. A peer
+    joins only a run whose manifest names its config (by hash) and its model (by hash)."""
+
+    run: str
     config_json: str  # the run config every peer builds its stage from
+    config_hash: str  # sha256 of config_json
+    model_hash: str  # model/loading.py model_fingerprint of the base model
+    stages: list[tuple[int, int]]  # each stage's layers [start, stop)
+    roster: list[RosterEntry]  # the admitted training peers, one per stage once connected
+
+
+class LineageRecord(Body):
+    """The owner's signed record of one stage's weights (under `lineage_key`): who publishes them
+    (an admitted training peer) and the hash of the state replicas must hold at each recent
+    version. A replica applies an update only from `publisher` and only when the state it makes
+    hashes to what this record says for that version."""
+
+    stage: int
+    publisher: str
+    hashes: dict[int, str]  # version -> state hash, the newest versions only
 
 
 class InboxRecord(Body):
     """Where rollout groups go: the coordinator's peer id."""
 
     peer_id: str
-
-
-class WeightsRecord(Body):
-    """A publisher of a stage's weights (subkey: its peer id): its newest version and the hash of
-    the state replicas hold at that version."""
-
-    stage: int
-    version: int
-    state_hash: str
 
 
 class RolloutsQueued(Body):
@@ -176,6 +197,17 @@ class VersionReply(Body):
     version: int
 
 
+class PublishedRequest(Body):
+    version: int
+
+
+class PublishedHash(Body):
+    """What a training peer's replicas are brought to at `version`: the hash of that state."""
+
+    version: int
+    state_hash: str
+
+
 class CheckpointRequest(Body):
     action: Literal["save", "load"]
     version: int
@@ -231,8 +263,8 @@ class ChunkRequest(Body):
 # SwarmNode.serve and SwarmNode.call take these declarations, not method names, so a handler
 # cannot skip the checks and a caller cannot send another body.
 
-# Who may call: any peer; the run's coordinator only; peers that serve the same stage. The node
-# checks identities, not yet these roles; each RPC states its callers for that check.
+# Who may call (net/authority.py enforces it before a request is read): any peer; the run's
+# coordinator (its owner) only; the coordinator and the peers announced in the served stage.
 Callers = Literal["any peer", "coordinator", "same stage"]
 # A tensor's dtype: "float" is any floating dtype (activations travel compressed); "ids or float"
 # is stage 0's token ids or a later stage's hidden states (the handler knows which it serves).
@@ -305,9 +337,9 @@ STEP_TENSORS = {"inputs": TensorRule("ids or float"), "positions": TensorRule("i
                 "key_valid": TensorRule("bool")}
 
 INFERENCE_STEP = Rpc(
-    "inference_step", InferenceStep, InferenceReply, "any peer", STEP_TENSORS,
+    "inference_step", InferenceStep, InferenceReply, "coordinator", STEP_TENSORS,
     ("hidden", *COMMITMENT_TENSORS, "tokens", "logprobs"), None)
-CLOSE_SESSION = Rpc("close_session", CloseSession, Empty, "any peer")
+CLOSE_SESSION = Rpc("close_session", CloseSession, Empty, "coordinator")
 VERIFY_STEP = Rpc(
     "verify_step", VerifyStep, VerifyReply, "coordinator",
     {**STEP_TENSORS, "targets": TensorRule("int64", required=False)},
@@ -328,6 +360,7 @@ TRAIN_GRAD_NORM = Rpc("train_grad_norm", Empty, GradNorm, "coordinator")
 TRAIN_STEP = Rpc("train_step", TrainStep, VersionReply, "coordinator")
 TRAIN_DISCARD = Rpc("train_discard", Empty, VersionReply, "coordinator")
 CHECKPOINT = Rpc("checkpoint", CheckpointRequest, VersionReply, "coordinator")
+TRAIN_PUBLISHED = Rpc("train_published", PublishedRequest, PublishedHash, "coordinator")
 SYNC_PLAN = Rpc("sync_plan", SyncPlanRequest, SyncPlan, "same stage")
 SYNC_CHUNK = Rpc("sync_chunk", ChunkRequest, Empty, "same stage", reply_tensors=("data",))
 SUBMIT_ROLLOUTS = Rpc("submit_rollouts", RolloutGroup, RolloutsQueued, "any peer",
@@ -335,4 +368,4 @@ SUBMIT_ROLLOUTS = Rpc("submit_rollouts", RolloutGroup, RolloutsQueued, "any peer
 
 RPCS: dict[str, Rpc[Any, Any]] = {rpc.method: rpc for rpc in (
     INFERENCE_STEP, CLOSE_SESSION, VERIFY_STEP, TRAIN_FORWARD, TRAIN_BACKWARD, TRAIN_GRAD_NORM,
-    TRAIN_STEP, TRAIN_DISCARD, CHECKPOINT, SYNC_PLAN, SYNC_CHUNK, SUBMIT_ROLLOUTS)}
+    TRAIN_STEP, TRAIN_DISCARD, CHECKPOINT, TRAIN_PUBLISHED, SYNC_PLAN, SYNC_CHUNK, SUBMIT_ROLLOUTS)}

@@ -230,10 +230,11 @@ def flood(node: SwarmNode, config: RunConfig, stop: threading.Event, every_s: fl
     return sent
 
 
-def hostile_peer(config: RunConfig, stage: int, node: SwarmNode, name: str, adversary: str,
-                 collusion_dir: Path | None = None, role: Role = "inference",
+def hostile_peer(config: RunConfig, stage: int, node: SwarmNode, owner: str, name: str,
+                 adversary: str, collusion_dir: Path | None = None, role: Role = "inference",
                  checkpoint_dir: Path | None = None) -> StagePeer:
-    """A peer of `stage` whose inference lies the way `adversary` does."""
-    return StagePeer(config, stage, role, node, checkpoint_dir, name,
+    """A peer of `stage` of the run `owner` owns, whose inference lies the way `adversary`
+    does."""
+    return StagePeer(config, stage, role, node, owner, checkpoint_dir, name,
                      wrap_inference=lambda service: HostileInference(service, adversary,
                                                                      collusion_dir))

@@ -8,16 +8,20 @@ pointer). The coordinator holds no weights. Beside the loop it keeps the run's c
 announced, the directory of peers current, spot-checks rollouts (trust/gate.py) and serves the
 dashboard.
 
+The coordinator's node runs under the run owner's key (swarm/manifest.py): it announces the
+signed run manifest (config, model, stages, the roster of admitted training peers), drives only
+training peers the operator admitted, and signs each stage's weight lineage (swarm/lineage.py).
+
 Faults: a generation that loses a peer moves to another replica (swarm/sessions.py); a training peer
 that dies ends the step, and the loop waits for a replacement (it loads the last checkpoint) and
 rolls every stage back to that checkpoint."""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,11 +33,11 @@ from decentrl.evaluate.runner import EvalResult
 from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.blocks import ModelSpec
-from decentrl.model.loading import load_tokenizer, resolve_model
+from decentrl.model.loading import load_tokenizer, model_spec, resolve_model
 from decentrl.model.stages import StagePlan
 from decentrl.net.directory import Directory, SwarmUnavailable
 from decentrl.net.node import SwarmNode
-from decentrl.net.protocol import PeerRecord, layer_span
+from decentrl.net.protocol import PeerRecord, RosterEntry, layer_span
 from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.observe.dashboard import DashboardServer
 from decentrl.observe.live import SwarmObserver
@@ -42,7 +46,9 @@ from decentrl.progress import progress_bar
 from decentrl.rollout.chain import InferenceChain, InferenceSession
 from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup
+from decentrl.swarm.lineage import LineageSigner
 from decentrl.swarm.loop import RunHooks, RunSummary, TrainingLoop, TrainingUnavailable
+from decentrl.swarm.manifest import admitted_peers, publish_manifest, run_manifest
 from decentrl.swarm.sessions import RemoteChain, RemoteSession
 from decentrl.swarm.training_client import RemoteStageWorker
 from decentrl.trust.gate import Trust
@@ -66,18 +72,24 @@ def check_swarm_config(config: RunConfig, spec: ModelSpec) -> None:
         raise ConfigError("the swarm coordinator runs train.mode = 'async' only")
 
 
-def stages_lacking(stages: list[list[PeerRecord]]) -> list[str]:
+def stages_lacking(stages: list[list[tuple[str, PeerRecord]]],
+                   admitted: Callable[[str], bool]) -> list[str]:
     """What each stage still needs before a run can start, in words ("stage 1 has no training
-    peer (1 is loading its weights)"); empty when every stage has what it needs."""
+    peer ready (1 loading)"); empty when every stage has what it needs. `stages`: each stage's
+    (peer id, announcement)."""
     lacking = []
-    for index, records in enumerate(stages):
+    for index, peers in enumerate(stages):
         needs = []
-        if not any(r.role in ("inference", "both") for r in records):
+        if not any(r.role in ("inference", "both") for _, r in peers):
             needs.append("no inference replica")
-        trainers = [r for r in records if r.role in ("training", "both")]
-        if not any(r.training_ready for r in trainers):
-            loading = f" ({len(trainers)} loading)" if trainers else ""
-            needs.append(f"no training peer ready{loading}")
+        trainers = [(p, r) for p, r in peers if r.role in ("training", "both")]
+        if not any(r.training_ready and admitted(p) for p, r in trainers):
+            strangers = [p[-8:] for p, _ in trainers if not admitted(p)]
+            loading = sum(admitted(p) and not r.training_ready for p, r in trainers)
+            notes = ([f"{loading} loading"] if loading else []) + (
+                [f"not admitted: {', '.join(strangers)}"] if strangers else [])
+            needs.append("no admitted training peer ready"
+                         + (f" ({'; '.join(notes)})" if notes else ""))
         if needs:
             lacking.append(f"stage {index} has {' and '.join(needs)}")
     return lacking
@@ -94,11 +106,12 @@ class SwarmBackend:
         """Checks everything about `config` that can be checked here (the model, the stages)
         before anything is announced."""
         folder = resolve_model(config.model)
-        self.spec = ModelSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
+        self.spec = model_spec(folder)
         check_swarm_config(config, self.spec)
         if config.threads is not None:
             torch.set_num_threads(config.threads)  # the coordinator relays; the peers compute
         self.config, self.node, self.console = config, node, console
+        self.manifest_ttl_s = 5 * config.swarm.announce_every_s
         self.checkpoints = CheckpointLayout(config.path / "checkpoints")
         self.tokenizer = load_tokenizer(folder)
         self.directory = Directory(node, config.name, config.num_stages, config.swarm,
@@ -108,8 +121,10 @@ class SwarmBackend:
         self.gate = self.trust
         self.chain = RemoteChain(node, self.directory, config.swarm, config.trust, self.spec,
                                  self.trust.reputation)
+        self.lineage = LineageSigner(node, config)
         self.workers = [RemoteStageWorker(node, self.directory, stage, config.num_stages,
-                                          config.swarm) for stage in range(config.num_stages)]
+                                          config.swarm, self.admitted, self.lineage)
+                        for stage in range(config.num_stages)]
         loss = loss_config_from(config.train, config.rollout.max_new_tokens, config.trust)
         self.trainer = PipelineTrainer(self.workers, config.train, loss,
                                        sampling_config(config.rollout), torch.device("cpu"))
@@ -126,6 +141,17 @@ class SwarmBackend:
         self.dashboard: DashboardServer | None = None
 
     # ---- the swarm ------------------------------------------------------------------------
+
+    def admitted(self, peer: str) -> bool:
+        """Whether the operator admitted `peer` as a training peer (RUN/admitted.txt, read
+        afresh: an operator admits a replacement without restarting the run)."""
+        return peer in admitted_peers(self.config.path)
+
+    def announce_run(self) -> None:
+        """The signed run manifest, with the training peers driven now as its roster."""
+        roster = [RosterEntry(stage=worker.stage, peer_id=worker.peer, since=worker.since)
+                  for worker in self.workers if worker.peer is not None]
+        publish_manifest(self.node, run_manifest(self.config, roster), self.manifest_ttl_s)
 
     def describe(self) -> str:
         return (f"[bold]{self.config.name}[/]: coordinator {self.node.peer_id[-8:]} waiting for "
@@ -154,9 +180,9 @@ class SwarmBackend:
         started = time.monotonic()
         with progress_bar(self.console, "waiting for peers", timeout_s, counted=False) as update:
             while True:
-                self.directory.publish_config(self.config.model_dump_json())
+                self.announce_run()
                 self.directory.refresh()
-                lacking = stages_lacking(self.directory.stage_summary())
+                lacking = stages_lacking(self.directory.stage_peers(), self.admitted)
                 if not lacking:
                     return
                 waited = time.monotonic() - started
@@ -192,7 +218,8 @@ class SwarmBackend:
         last_snapshot = 0.0
         while not stop.wait(self.config.swarm.announce_every_s):
             try:
-                self.directory.publish_config(self.config.model_dump_json())
+                self.announce_run()
+                self.lineage.renew()
                 self.transport.announce_inbox()
                 self.directory.refresh()
                 if self.observer is not None and \
@@ -270,6 +297,7 @@ class SwarmBackend:
     def close(self) -> None:
         if self.dashboard is not None:
             self.dashboard.close()
+        self.lineage.close()
         self.transport.close()
 
 

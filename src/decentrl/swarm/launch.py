@@ -20,27 +20,28 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 
-from decentrl.config import RunConfig, parse_config
+from decentrl.config import RunConfig
+from decentrl.net.identity import Identity
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
-from decentrl.net.protocol import (
-    CoordinatorRecord,
-    PeerRecord,
-    Role,
-    coordinator_key,
-    layer_span,
-    stage_key,
-)
+from decentrl.net.protocol import PeerRecord, Role, layer_span, stage_key
 from decentrl.net.wire import TensorLimits, decode_struct
-from decentrl.progress import progress_bar
 from decentrl.swarm.adversary import (
     ADVERSARIES,
     adversary_stages,
     flood,
     hostile_peer,
     submit_replays,
+)
+from decentrl.swarm.manifest import (
+    accept_manifest,
+    admit,
+    check_peer_id,
+    owner_identity,
+    publish_manifest,
+    run_manifest,
+    wait_for_manifest,
 )
 from decentrl.swarm.peer import StagePeer
 
@@ -69,30 +70,6 @@ def link_profile(config: RunConfig) -> LinkProfile:
                        loss=link.loss, seed=config.seed)
 
 
-def fetch_config(node: SwarmNode, run: str, timeout_s: float, stop: threading.Event,
-                 console: Console) -> RunConfig | None:
-    """The run config the coordinator announces (a peer started without --config), waited for
-    at most `timeout_s`; None once `stop` is set."""
-    waiting = f"waiting for the coordinator of run {run!r} to announce its config"
-    console.print(f"{waiting} (up to {timeout_s:.0f}s)", markup=False, highlight=False)
-    with progress_bar(console, escape(waiting), timeout_s, counted=False) as update:
-        started = time.monotonic()
-        while not stop.is_set() and (waited := time.monotonic() - started) < timeout_s:
-            update(waited)
-            entries = node.run(node.lookup(coordinator_key(run)), timeout=LOOKUP_TIMEOUT_S)
-            if "config" in entries:
-                record = decode_struct(entries["config"], CoordinatorRecord)
-                return parse_config(json.loads(record.config_json))
-            stop.wait(1.0)
-    if stop.is_set():
-        console.print("stopped before the coordinator's config arrived")
-        return None
-    raise TimeoutError(f"no coordinator of run {run!r} announced a config within "
-                       f"{timeout_s:.0f}s: check the run name in the join command the coordinator "
-                       "printed (it is also in the run folder's join.txt), and that the "
-                       "coordinator is running")
-
-
 def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
     """`--stage auto`: a training peer takes the first stage without one; an inference peer takes
     the stage with the least free capacity (fewest free sessions, then fewest replicas)."""
@@ -113,31 +90,36 @@ def print_json_line(event: dict[str, Any]) -> None:
     print(json.dumps(event), flush=True)
 
 
-def join(config: RunConfig | None, run: str | None, stage: int | None, role: Role,
+def join(config: RunConfig | None, run: str | None, owner: str, stage: int | None, role: Role,
          initial_peers: list[str], checkpoint_dir: Path | None, name: str,
          stop: threading.Event, exit_with_parent: bool = False, adversary: str | None = None,
          collusion_dir: Path | None = None, report: Callable[[dict[str, Any]], None] =
-         print_json_line, console: Console | None = None, config_wait_s: float = 300) -> None:
-    """Run one stage peer until `stop` is set (or, with `exit_with_parent`, until the process
-    that started it is gone: a launcher that dies must not leave peers behind). `report` gets
-    its sockets first (whoever started it must be able to remove them if it dies), then, once
-    it serves, a READY event: peer id, run, stage, layers ("0-14"), role, addresses.
-    `adversary` makes it a hostile peer (swarm/adversary.py): a stage peer that lies, or a client
-    that attacks. `console` shows the wait for the coordinator's config."""
+         print_json_line, console: Console | None = None, config_wait_s: float = 300,
+         identity: Identity | None = None) -> None:
+    """Run one stage peer of the run that `owner` (a peer id) owns until `stop` is set (or, with
+    `exit_with_parent`, until the process that started it is gone: a launcher that dies must not
+    leave peers behind). The peer waits for the owner's signed run manifest and serves with its
+    config, or with `config` if that is the same (swarm/manifest.py). `report` gets its sockets
+    first (whoever started it must be able to remove them if it dies), then, once it serves, a
+    READY event: peer id, run, stage, layers ("0-14"), role, addresses. `adversary` makes it a
+    hostile peer (swarm/adversary.py): a stage peer that lies, or a client that attacks.
+    `console` shows the wait for the manifest. `identity`: the peer's key (a training peer keeps
+    its admitted peer id across restarts); a fresh one by default."""
     if config is None and run is None:
-        raise ValueError("join needs --config or --run (to fetch the coordinator's config)")
+        raise ValueError("join needs --config or --run (to take the run owner's config)")
+    check_peer_id(owner, "--owner")
     parent = os.getppid()
     profile = link_profile(config) if config is not None else LinkProfile()
     threads = config.threads if config is not None and config.threads else None
-    node = SwarmNode.start(name, initial_peers, profile, TensorLimits(), compute_threads=threads)
+    node = SwarmNode.start(name, initial_peers, profile, TensorLimits(), compute_threads=threads,
+                           identity=identity)
     report({"sockets": node.socket_paths()})
     try:
-        if config is None:
-            assert run is not None
-            config = fetch_config(node, run, config_wait_s, stop,
-                                  console or Console(stderr=True))
-            if config is None:
-                return
+        manifest = wait_for_manifest(node, config.name if config is not None else str(run),
+                                     owner, config_wait_s, stop, console or Console(stderr=True))
+        if manifest is None:
+            return
+        config = accept_manifest(manifest, config)
 
         def until_stopped() -> None:
             while not stop.wait(1.0):
@@ -157,10 +139,10 @@ def join(config: RunConfig | None, run: str | None, stage: int | None, role: Rol
             return
         chosen = stage if stage is not None else choose_stage(node, config, role)
         if adversary is not None:
-            peer = hostile_peer(config, chosen, node, name, adversary, collusion_dir, role,
+            peer = hostile_peer(config, chosen, node, owner, name, adversary, collusion_dir, role,
                                 checkpoint_dir)
         else:
-            peer = StagePeer(config, chosen, role, node, checkpoint_dir, name)
+            peer = StagePeer(config, chosen, role, node, owner, checkpoint_dir, name)
         peer.start()
         report({**ready, "stage": chosen, "num_stages": config.num_stages,
                 "layers": layer_span(peer.layers), "role": role})
@@ -184,7 +166,8 @@ class Child:
 
 class LocalSwarm:
     """The coordinator plus, per stage, `replicas` inference peers and one training peer, each a
-    separate `decentrl` process on loopback, logging into `<run>/logs/`."""
+    separate `decentrl` process on loopback, logging into `<run>/logs/`. Its bootstrap node is
+    the run's owner: the coordinator runs on it."""
 
     def __init__(self, config: RunConfig, config_path: Path, replicas: int,
                  training: bool = True, adversaries: Sequence[str] = ()) -> None:
@@ -200,17 +183,24 @@ class LocalSwarm:
         self.sockets: set[str] = set()
 
     def start(self, on_ready: Callable[[Child], None] = lambda child: None) -> list[str]:
-        """A bootstrap DHT node in this process (it routes nothing else), then every peer;
-        `on_ready` hears of each peer as it becomes ready (loading a stage takes a while)."""
-        # The coordinator runs on this node: its calls are the hops, so they cross emulated links.
+        """A bootstrap DHT node in this process, under the run owner's key (the coordinator runs
+        on it), then every peer; `on_ready` hears of each peer as it becomes ready (loading a
+        stage takes a while). The owner's manifest is announced first: each peer waits for it,
+        and the training peers, whose keys are made here, are admitted."""
         self.bootstrap = SwarmNode.start("bootstrap", [], link_profile(self.config),
-                                         TensorLimits())
+                                         TensorLimits(), identity=owner_identity(self.config.path))
         addresses = self.bootstrap.addresses()
+        publish_manifest(self.bootstrap, run_manifest(self.config, roster=[]),
+                         5 * self.config.swarm.announce_every_s)
         checkpoints = self.config.path / "checkpoints"
+        keys = self.config.path / "keys"
         for stage in range(self.config.num_stages):
             if self.training:
+                key = keys / f"train{stage}.key"
+                admit(self.config.path, [Identity.from_file(key).peer_id])
                 self._add(f"train{stage}", ["join", "--stage", str(stage), "--role", "training",
-                                            "--checkpoint-dir", str(checkpoints)], addresses)
+                                            "--checkpoint-dir", str(checkpoints), "--identity",
+                                            str(key)], addresses)
             for replica in range(self.replicas):
                 self._add(f"infer{stage}.{replica}", ["join", "--stage", str(stage), "--role",
                                                       "inference"], addresses)
@@ -232,8 +222,9 @@ class LocalSwarm:
         return addresses
 
     def _add(self, name: str, args: list[str], addresses: list[str]) -> None:
-        full = [*args, "--config", str(self.config_path), "--name", name, "--exit-with-parent",
-                "--log-json"]
+        assert self.bootstrap is not None
+        full = [*args, "--config", str(self.config_path), "--owner", self.bootstrap.peer_id,
+                "--name", name, "--exit-with-parent", "--log-json"]
         for address in addresses:
             full += ["--initial-peers", address]
         self.children[name] = Child(name, full, self.logs / f"{name}.log")

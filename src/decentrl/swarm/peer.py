@@ -8,8 +8,10 @@ services its role needs (Petals' server and its backends, in our shape):
   checkpoints, and the publishing of every new version to the replicas;
 - both: a training peer that also serves its current weights.
 
-Every request is checked first against its RPC's declaration (net/protocol.py, by the node),
-then against the stage (swarm/inbound.py). The peer announces itself in the DHT (stage, role,
+Every request is checked first against its RPC's callers rule (net/authority.py: training and
+inference only from the run's owner, weight sync only from the owner and the stage's peers),
+then against its declaration (net/protocol.py, by the node), then against the stage
+(swarm/inbound.py). The peer announces itself in the DHT (stage, role,
 version, throughput, free sessions) with an expiry and renews the announcement, so the directory
 forgets a dead peer by itself."""
 
@@ -28,6 +30,7 @@ from decentrl.device import compute_dtype, pick_device
 from decentrl.learn.trainer import StageTrainer, loss_config_from
 from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule
+from decentrl.net.authority import RunAuthority
 from decentrl.net.node import Handler, SwarmNode
 from decentrl.net.protocol import PeerRecord, Role, Rpc, stage_key
 from decentrl.net.wire import encode_struct
@@ -57,16 +60,19 @@ def serve_learner_weights(served: StageModule, learner: StageModule, version: in
 
 
 class StagePeer:
-    def __init__(self, config: RunConfig, stage: int, role: Role, node: SwarmNode,
+    def __init__(self, config: RunConfig, stage: int, role: Role, node: SwarmNode, owner: str,
                  checkpoint_dir: Path | None = None, name: str = "peer",
                  wrap_inference: Callable[[InferenceService], Service] | None = None) -> None:
-        """`wrap_inference` puts the inference service behind a wrapper (a hostile peer's)."""
+        """`owner`: the peer id of the run's owner (its coordinator), the only peer that may
+        drive this one. `wrap_inference` puts the inference service behind a wrapper (a hostile
+        peer's)."""
         if not 0 <= stage < config.num_stages:
             raise ValueError(f"stage {stage} does not exist in a {config.num_stages}-stage run")
         trains = role in ("training", "both")
         if trains and checkpoint_dir is None:
             raise ValueError("a training peer needs a checkpoint folder")
         self.config, self.index, self.role, self.node, self.name = config, stage, role, node, name
+        self.authority = RunAuthority(node, config.name, owner, stage)
         node.strikes_to_block, node.block_s = config.trust.strikes_to_block, config.trust.block_s
         device = pick_device(config.device)
         dtype = compute_dtype(device, config.dtype)
@@ -98,7 +104,7 @@ class StagePeer:
                     model, trainer.stage, trainer.version)
             else:
                 self.replica = ReplicaWeights(config, stage, node, model, published,
-                                              self.announce, name)
+                                              self.announce, name, owner)
             self.inference = InferenceService(
                 config, model, node, checks,
                 self.replica.history if self.replica is not None else None)
@@ -138,12 +144,16 @@ class StagePeer:
     # ---- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
+        self.node.run(self.authority.refresh(), timeout=self.config.swarm.request_timeout_s)
+        self.node.authorize = self.authority.check
         for service in self.services:
             for rpc, handler in service.handlers():
                 self.node.serve(rpc, handler)
-        if self.training is not None:
-            self.training.publisher.announce()
-        elif self.replica is not None:
+        # Announced first: the stage's peers serve weight updates only to peers announced there.
+        # The announcement says which version this peer serves, so until it has caught up the
+        # directory prefers others.
+        self.node.run(self.announce(), timeout=60)
+        if self.replica is not None:
             # A replica that joins mid-run takes its stage's current weights before it serves.
             try:
                 self.node.run(self.replica.follow(), timeout=self.config.swarm.request_timeout_s)
@@ -155,7 +165,6 @@ class StagePeer:
             if self.replica is not None:
                 self._tasks.append(asyncio.create_task(self.replica.follow_forever()))
         self.node.run(start_tasks(), timeout=30)
-        self.node.run(self.announce(), timeout=60)
 
     def stop(self) -> None:
         async def cancel() -> None:
@@ -191,8 +200,6 @@ class StagePeer:
                 if self.inference is not None:
                     self.inference.drop_idle_sessions()
                 await self.announce()
-                if self.training is not None:
-                    await asyncio.get_running_loop().run_in_executor(
-                        None, self.training.publisher.announce)
+                await self.authority.refresh()
             except Exception as error:  # noqa: BLE001 - the next round retries
                 log.warning("%s: announce failed: %s", self.name, error)

@@ -1,5 +1,5 @@
-"""An inference replica's weights: it follows its stage's training peer (`WeightFollower`,
-sync/distribute.py), fetching each update from the other replicas as much as from the publisher,
+"""An inference replica's weights: it follows its stage's training peer, the publisher the run
+owner's signed lineage names (`WeightFollower`, sync/distribute.py), fetching each update from the other replicas as much as from the publisher,
 checking it, and writing it into the served model between two inference requests (the compute
 thread runs one at a time), so generations in flight go on. It keeps the undo information of its
 last updates, so it can rewind to a version a rollout recorded (spot-checks). A replica that
@@ -34,16 +34,17 @@ def published_tensors(stage: StageModule) -> dict[str, torch.Tensor]:
 class ReplicaWeights:
     def __init__(self, config: RunConfig, stage: int, node: SwarmNode, model: StageModule,
                  published: PublishedState, announce: Callable[[], Awaitable[None]],
-                 name: str) -> None:
+                 name: str, owner: str) -> None:
         """`published`: the exact float32 version-0 state every peer of the stage builds from
         the same file; `model` serves a copy of it in the compute dtype. `announce` tells the
-        directory the new version at once."""
+        directory the new version at once. `owner`: the run owner's peer id, whose signed
+        lineage says which updates to take."""
         self.config, self.stage, self.model, self.name = config, stage, model, name
         self.announce = announce
         self.history = UpdateHistory(config.trust.history_versions)
         self.follower = WeightFollower(node, config.name, stage, config.sync, published,
                                        self._commit_update, config.swarm.request_timeout_s,
-                                       config.swarm.ban_s)
+                                       config.swarm.ban_s, owner)
         self.error: str | None = None  # the last failed round's, until one succeeds
 
     async def follow(self) -> bool:

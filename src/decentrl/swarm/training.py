@@ -9,6 +9,7 @@ that died takes over at the run's last complete checkpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -28,10 +29,13 @@ from decentrl.net.protocol import (
     TRAIN_DISCARD,
     TRAIN_FORWARD,
     TRAIN_GRAD_NORM,
+    TRAIN_PUBLISHED,
     TRAIN_STEP,
     CheckpointRequest,
     Empty,
     GradNorm,
+    PublishedHash,
+    PublishedRequest,
     Rpc,
     TrainBackward,
     TrainForward,
@@ -63,8 +67,7 @@ class TrainingService:
         self._resume_from_checkpoint()
         self.publisher = WeightPublisher(
             node, config.name, self.stage, config.sync, trainer.version,
-            published_tensors(trainer.stage), 5 * config.swarm.announce_every_s,
-            config.swarm.request_timeout_s)
+            published_tensors(trainer.stage), config.swarm.request_timeout_s)
 
     @property
     def version(self) -> int:
@@ -77,7 +80,8 @@ class TrainingService:
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
         return [(TRAIN_FORWARD, self._train_forward), (TRAIN_BACKWARD, self._train_backward),
                 (TRAIN_GRAD_NORM, self._train_grad_norm), (TRAIN_STEP, self._train_step),
-                (TRAIN_DISCARD, self._train_discard), (CHECKPOINT, self._checkpoint)]
+                (TRAIN_DISCARD, self._train_discard), (CHECKPOINT, self._checkpoint),
+                (TRAIN_PUBLISHED, self._train_published)]
 
     def _at_version(self, version: int) -> None:
         if version != self.trainer.version:
@@ -147,6 +151,16 @@ class TrainingService:
     async def _train_discard(self, request: Request[Empty]) -> Reply:
         await self.node.compute(self.trainer.discard)
         return Reply(VersionReply(version=self.trainer.version))
+
+    async def _train_published(self, request: Request[PublishedRequest]) -> Reply:
+        """The hash of what the replicas are brought to at a version, once it is encoded: the
+        coordinator signs it into the stage's lineage (swarm/lineage.py)."""
+        version = request.body.version
+        state_hash = await asyncio.wrap_future(self.publisher.published(version))
+        if state_hash is None:
+            raise PeerBusy(f"stage {self.stage} publishes version {self.trainer.version}, not "
+                           f"{version}")
+        return Reply(PublishedHash(version=version, state_hash=state_hash))
 
     # ---- checkpoints ---------------------------------------------------------------------
 

@@ -1,12 +1,17 @@
 """The training client: a training peer of one stage, driven over RPC as the pipeline trainer's
 `StageWorker` (learn/trainer.py), so the same trainer runs a pipeline of local stages or of peers.
 A training step cannot move to another peer halfway: a peer that fails raises SwarmUnavailable,
-and the training loop recovers (swarm/loop.py)."""
+and the training loop recovers (swarm/loop.py).
+
+Only a training peer the run's owner admitted is driven (`admitted`), and every version it makes
+(a step, a rollback, the version it connects at) goes to the lineage signer, which signs the hash
+of the state its replicas are to hold (swarm/lineage.py)."""
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from typing import Literal, TypeVar
 
 import torch
@@ -33,6 +38,7 @@ from decentrl.net.protocol import (
     TrainStep,
 )
 from decentrl.net.wire import ActivationCodec, WireError
+from decentrl.swarm.lineage import LineageSigner
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -42,22 +48,25 @@ class RemoteStageWorker:
     """A training peer of one stage, as the pipeline trainer's StageWorker."""
 
     def __init__(self, node: SwarmNode, directory: Directory, stage: int, num_stages: int,
-                 swarm: SwarmConfig) -> None:
+                 swarm: SwarmConfig, admitted: Callable[[str], bool],
+                 lineage: LineageSigner) -> None:
         self.node, self.directory, self.stage = node, directory, stage
         self.last = stage == num_stages - 1
-        self.swarm = swarm
+        self.swarm, self.admitted, self.lineage = swarm, admitted, lineage
         self.peer: str | None = None
+        self.since = 0  # the version the peer was connected at (the manifest's roster says it)
         self._version = 0
 
     def connect(self) -> int:
-        """Find this stage's training peer (from a fresh look at the DHT: after a failure, the
-        cached one may be a dead process); returns its version."""
+        """Find this stage's admitted training peer (from a fresh look at the DHT: after a
+        failure, the cached one may be a dead process); returns its version."""
         self.directory.refresh()
-        found = self.directory.training_peer(self.stage)
+        found = self.directory.training_peer(self.stage, self.admitted)
         if found is None:
-            raise SwarmUnavailable(f"no training peer for stage {self.stage}")
+            raise SwarmUnavailable(f"no admitted training peer for stage {self.stage}")
         self.peer, record = found
-        self._version = record.version
+        self._version = self.since = record.version
+        self.lineage.published(self.stage, self.peer, record.version, restart=True)
         return record.version
 
     @property
@@ -134,6 +143,8 @@ class RemoteStageWorker:
         reply, _ = self._call(TRAIN_STEP, TrainStep(grad_scale=grad_scale,
                                                     version=self._version + 1))
         self._version = reply.version
+        assert self.peer is not None  # it just answered
+        self.lineage.published(self.stage, self.peer, reply.version)
 
     def discard(self) -> None:
         reply, _ = self._call(TRAIN_DISCARD, Empty())
@@ -142,4 +153,7 @@ class RemoteStageWorker:
     def checkpoint(self, action: Literal["save", "load"], version: int) -> int:
         reply, _ = self._call(CHECKPOINT, CheckpointRequest(action=action, version=version))
         self._version = reply.version
+        if action == "load":  # the publisher starts over from a keyframe of the checkpoint
+            assert self.peer is not None  # it just answered
+            self.lineage.published(self.stage, self.peer, reply.version, restart=True)
         return self._version

@@ -1,11 +1,15 @@
 """Getting a stage's new weights to every inference replica of that stage, over consumer uplinks.
 
 The stage's training peer runs a `WeightPublisher`: after every optimizer step it encodes an
-update against the state it has published (sync/delta.py), cuts the payload into chunks, hashes
-each, and announces (stage, version, state hash) in the DHT. Every `keyframe_every` versions, and
-after a rollback, it also keeps a keyframe (the dense published state).
+update against the state it has published (sync/delta.py), cuts the payload into chunks and
+hashes each. Every `keyframe_every` versions, and after a rollback, it also keeps a keyframe (the
+dense published state). The run's coordinator asks it for the hash of each new published state
+and signs it into the stage's lineage (protocol.py `LineageRecord`, in the DHT): the lineage
+names the stage's admitted publisher and the state hash of each recent version.
 
-Each replica runs a `WeightFollower`. It asks the publisher for a plan from the state it holds:
+Each replica runs a `WeightFollower`. It follows the publisher the coordinator's lineage names,
+and only to states the lineage vouches for. It asks the publisher for a plan from the state it
+holds:
 the chain of deltas after its (version, hash), or, when it is not on that chain (a late joiner,
 a rollback, a corrupt state), the latest keyframe and the deltas after it. Chunks spread like a
 swarm: the replicas of the stage, sorted by peer id, each own every n-th chunk, which they take
@@ -15,8 +19,10 @@ once, each replica's about once, and the time to reach every replica stays nearl
 replicas are added. A chunk whose owner fails or serves bad bytes comes from the publisher
 instead; a peer whose chunk does not match its hash is banned for `ban_s`.
 
-A replica applies an update to its own float32 copy of the published state, checks the state hash
-the manifest promised, and only then writes the changed entries into the model it serves, on its
+A replica applies an update only if the state hash its manifest promises is the one the
+coordinator signed for that version (an update the coordinator has not signed yet waits for the
+next round), applies it to its own float32 copy of the published state, checks the hash, and only
+then writes the changed entries into the model it serves, on its
 compute thread between two inference requests: generations in flight go on, and every reply says
 which version produced it. A hash mismatch puts the old values back and asks for a keyframe.
 
@@ -34,7 +40,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
@@ -46,15 +51,15 @@ from decentrl.net.protocol import (
     SYNC_PLAN,
     ChunkRequest,
     Empty,
+    LineageRecord,
     PeerRecord,
     SyncPlan,
     SyncPlanRequest,
     UpdateManifest,
-    WeightsRecord,
+    lineage_key,
     stage_key,
-    weights_key,
 )
-from decentrl.net.wire import WireError, decode_struct, encode_struct
+from decentrl.net.wire import WireError, decode_struct
 from decentrl.sync.delta import (
     PublishedState,
     TensorChange,
@@ -70,7 +75,6 @@ from decentrl.sync.delta import (
 )
 
 log = logging.getLogger(__name__)
-Record = TypeVar("Record", WeightsRecord, PeerRecord)
 
 MIN_CHUNK_BYTES = 2**10
 MAX_CHUNK_BYTES = 2 * 2**20
@@ -218,10 +222,9 @@ class WeightPublisher(UpdateServer):
     """A training peer's side: one stage's published state, its deltas and latest keyframe."""
 
     def __init__(self, node: SwarmNode, run: str, stage: int, sync: SyncConfig, version: int,
-                 tensors: Mapping[str, torch.Tensor], announce_ttl_s: float,
-                 timeout_s: float = 60.0) -> None:
+                 tensors: Mapping[str, torch.Tensor], timeout_s: float = 60.0) -> None:
         super().__init__(node, run, stage, sync)
-        self.ttl_s, self.timeout_s = announce_ttl_s, timeout_s
+        self.timeout_s = timeout_s
         self.state = PublishedState.of(version, tensors)
         self.keyframe: StoredUpdate | None = None
         # Encoding runs on its own thread, one update after another (each builds on the last),
@@ -245,6 +248,14 @@ class WeightPublisher(UpdateServer):
             self.state.version, {k: v.clone() for k, v in self.state.tensors.items()},
             self.state.hash))
 
+    def published(self, version: int) -> Future[str | None]:
+        """The hash of the published state once every update submitted before this call is
+        encoded, if it is then at `version` (None if it is at another)."""
+        def hash_at() -> str | None:
+            with self._lock:
+                return self.state.hash if self.state.version == version else None
+        return self._encoder.submit(hash_at)
+
     def reset(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
         """Start over from these weights (a rollback to a checkpoint): a new keyframe, no deltas."""
         return self._encoder.submit(self._restart, version, cpu_float32_copy(tensors))
@@ -254,7 +265,6 @@ class WeightPublisher(UpdateServer):
             self.state = PublishedState.owning(version, snapshot)
         self.node.run(self._drop_all(), timeout=self.timeout_s)
         self._store_keyframe()
-        self.announce()
 
     async def _drop_all(self) -> None:
         self.updates.clear()
@@ -275,7 +285,6 @@ class WeightPublisher(UpdateServer):
         self.node.run(self._add_delta(update), timeout=self.timeout_s)
         if version % self.sync.keyframe_every == 0:
             self._store_keyframe()
-        self.announce()
         log.info("stage %d v%d: delta of %d bytes in %.2fs", self.stage, version,
                  update.manifest.size, time.perf_counter() - started)
 
@@ -304,15 +313,7 @@ class WeightPublisher(UpdateServer):
         """Until every update submitted so far is published."""
         self._encoder.submit(lambda: None).result(timeout)
 
-    # ---- announcing and planning ----------------------------------------------------------
-
-    def announce(self) -> None:
-        with self._lock:
-            record = WeightsRecord(stage=self.stage, version=self.state.version,
-                                   state_hash=self.state.hash)
-        self.node.run(self.node.announce(weights_key(self.run, self.stage), self.node.peer_id,
-                                         encode_struct(record), self.ttl_s),
-                      timeout=self.timeout_s)
+    # ---- planning ------------------------------------------------------------------------
 
     async def _serve_plan(self, request: Request[SyncPlanRequest]) -> Reply:
         body = request.body
@@ -348,13 +349,16 @@ Commit = Callable[[int, dict[str, TensorChange]], None]
 
 class WeightFollower(UpdateServer):
     """An inference replica's side: it holds the stage's published state (float32, CPU) and
-    follows the publisher, committing each checked update into the served model via `commit`
-    (run on the compute thread)."""
+    follows the publisher that the run owner's lineage names, committing each checked update into
+    the served model via `commit` (run on the compute thread)."""
 
     def __init__(self, node: SwarmNode, run: str, stage: int, sync: SyncConfig,
-                 state: PublishedState, commit: Commit, timeout_s: float, ban_s: float) -> None:
+                 state: PublishedState, commit: Commit, timeout_s: float, ban_s: float,
+                 owner: str) -> None:
+        """`owner`: the peer id of the run's owner, whose signed lineage says which updates to
+        take."""
         super().__init__(node, run, stage, sync)
-        self.state, self.commit = state, commit
+        self.state, self.commit, self.owner = state, commit, owner
         self.timeout_s, self.ban_s = timeout_s, ban_s
         self.banned: dict[str, float] = {}
         self.bad_chunks = 0
@@ -378,48 +382,63 @@ class WeightFollower(UpdateServer):
             return await self._sync()
 
     async def _sync(self) -> bool:
-        publishers = await self._publishers()
-        if not publishers or (publishers[0][1].version, publishers[0][1].state_hash) == \
-                (self.state.version, self.state.hash):
+        lineage = await self.lineage()
+        if lineage is None:
             return False
-        errors = []
-        for peer, _ in publishers:
-            try:
-                plan, _ = await self.node.call(
-                    peer, SYNC_PLAN, SyncPlanRequest(
-                        stage=self.stage, version=self.state.version,
-                        state_hash="" if self._want_keyframe else self.state.hash),
-                    timeout=self.timeout_s)
-            except (RemoteError, MessageLost, WireError) as error:
-                errors.append(f"{peer[-8:]}: {error}")
-                continue
-            for manifest in plan.manifests:
-                await self._fetch_and_apply(manifest, peer)
-            return bool(plan.manifests)
-        raise SyncError(f"no publisher of stage {self.stage} answered: {'; '.join(errors)}")
+        newest = max(lineage.hashes)
+        if (self.state.version, self.state.hash) == (newest, lineage.hashes[newest]):
+            return False
+        publisher = lineage.publisher
+        try:
+            plan, _ = await self.node.call(
+                publisher, SYNC_PLAN, SyncPlanRequest(
+                    stage=self.stage, version=self.state.version,
+                    state_hash="" if self._want_keyframe else self.state.hash),
+                timeout=self.timeout_s)
+        except (RemoteError, MessageLost, WireError) as error:
+            raise SyncError(f"the publisher of stage {self.stage} ({publisher[-8:]}) did not "
+                            f"answer: {error}") from error
+        applied = False
+        for manifest in plan.manifests:
+            signed = lineage.hashes.get(manifest.version)
+            if signed is None and manifest.version > newest:
+                break  # published, not yet signed by the owner: the next round takes it
+            if signed != manifest.state_hash:
+                raise SyncError(
+                    f"stage {self.stage} v{manifest.version}: the publisher {publisher[-8:]} "
+                    f"offers state {manifest.state_hash[:12]}, the run owner signed "
+                    f"{signed[:12] if signed else 'no state'} for that version; not applied")
+            await self._fetch_and_apply(manifest, publisher)
+            applied = True
+        return applied
 
-    async def _records(self, key: str, record_type: type[Record]) -> dict[str, Record]:
-        """The well-formed records of this stage under a DHT key, by peer (malformed ones are
-        skipped: anyone can write there)."""
-        found = {}
-        for peer, raw in (await self.node.lookup(key)).items():
-            try:
-                record = decode_struct(raw, record_type)
-            except WireError:
-                continue
-            if record.stage == self.stage:
-                found[peer] = record
-        return found
-
-    async def _publishers(self) -> list[tuple[str, WeightsRecord]]:
-        found = await self._records(weights_key(self.run, self.stage), WeightsRecord)
-        return sorted(found.items(), key=lambda item: item[1].version, reverse=True)
+    async def lineage(self) -> LineageRecord | None:
+        """The run owner's signed lineage of this stage, or None while there is none (or it is
+        malformed: only the owner can write it, and a reader never fails on a record)."""
+        raw = (await self.node.lookup(lineage_key(self.run, self.stage))).get(self.owner)
+        if raw is None:
+            return None
+        try:
+            lineage = decode_struct(raw, LineageRecord)
+        except WireError as error:
+            log.warning("stage %d: the owner's lineage record is malformed: %s", self.stage, error)
+            return None
+        if lineage.stage != self.stage or not lineage.hashes:
+            return None
+        return lineage
 
     async def _replicas(self) -> list[str]:
-        """The inference replicas of this stage (this one included), sorted by peer id."""
-        found = await self._records(stage_key(self.run, self.stage), PeerRecord)
-        return sorted({self.node.peer_id} | {peer for peer, record in found.items()
-                                             if record.role == "inference"})
+        """The inference replicas of this stage (this one included), sorted by peer id. Malformed
+        announcements are skipped: anyone can write there."""
+        replicas = {self.node.peer_id}
+        for peer, raw in (await self.node.lookup(stage_key(self.run, self.stage))).items():
+            try:
+                record = decode_struct(raw, PeerRecord)
+            except WireError:
+                continue
+            if record.stage == self.stage and record.role == "inference":
+                replicas.add(peer)
+        return sorted(replicas)
 
     def _is_banned(self, peer: str) -> bool:
         return self.banned.get(peer, 0.0) > time.monotonic()

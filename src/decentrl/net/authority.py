@@ -1,0 +1,84 @@
+"""Who may call what on a peer: the `callers` column of the RPC table (net/protocol.py), enforced
+by the node (`SwarmNode.authorize`) before a request's body is read or its handler runs.
+
+- "any peer": everyone (the rollout inbox; what it admits is the trust gate's business).
+- "coordinator": the run's owner only, the peer whose key is the run's identity: training,
+  checkpoints, the published-state query, inference sessions and spot-checks. A stranger that
+  sends one gets a strike.
+- "same stage": the owner and the peers announced in the stage this peer serves (their DHT
+  announcements are signed by themselves, net/records.py): a stage's replicas fetch weight
+  updates from each other and from the stage's publisher. Anyone may announce itself as an
+  inference replica, so this rule keeps strangers off a stage's bandwidth, not out of the swarm.
+  A caller the peer does not know yet makes it look its stage up again (at most once a second,
+  so a stranger calling in a loop cannot turn every request into a DHT search): a replica that
+  just joined gets through; a stranger is refused, without a strike (it may be a replica whose
+  announcement has not spread yet).
+
+A node with no authority set serves "any peer" RPCs only (net/node.py `only_any_peer`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from decentrl.net.identity import public_key_of
+from decentrl.net.node import CallerRefused, CallerUnknown, SwarmNode
+from decentrl.net.protocol import PeerRecord, Rpc, stage_key
+from decentrl.net.wire import WireError, decode_struct
+
+log = logging.getLogger(__name__)
+
+# The quickest a peer looks its stage up again after an unknown caller: a stranger that calls in
+# a loop must not turn every request into a DHT search.
+MEMBER_REFRESH_S = 1.0
+
+
+class RunAuthority:
+    """The callers rule of every RPC on a peer of run `run` serving `stage` (None: a peer of no
+    stage, e.g. the coordinator), whose owner is the peer id `owner`."""
+
+    def __init__(self, node: SwarmNode, run: str, owner: str, stage: int | None) -> None:
+        public_key_of(owner)  # a SignatureError (ValueError) names a malformed owner id
+        self.node, self.run, self.owner, self.stage = node, run, owner, stage
+        self.members: frozenset[str] = frozenset()
+        self._looked_up = float("-inf")
+        self._lookup_lock = asyncio.Lock()
+
+    async def check(self, sender: str, rpc: Rpc[Any, Any]) -> None:
+        """Raise CallerRefused (a strike) or CallerUnknown (none) unless `sender` may call `rpc`
+        here. Runs on the node's loop."""
+        rule = rpc.callers
+        if rule == "any peer" or sender == self.owner:
+            return
+        if rule == "coordinator":
+            raise CallerRefused(f"{rpc.method} is for the run's coordinator "
+                                f"({self.owner[-8:]}) only, not for {sender[-8:]}")
+        if self.stage is None:
+            raise CallerRefused(f"{rpc.method} is for peers of this peer's stage, and this peer "
+                                f"serves none")
+        if sender not in self.members and \
+                time.monotonic() - self._looked_up >= MEMBER_REFRESH_S:
+            async with self._lookup_lock:  # concurrent unknown callers share one lookup
+                if sender not in self.members and \
+                        time.monotonic() - self._looked_up >= MEMBER_REFRESH_S:
+                    await self.refresh()
+        if sender not in self.members:
+            raise CallerUnknown(f"{rpc.method} is for the coordinator and the peers announced "
+                                f"in stage {self.stage}; {sender[-8:]} is not announced there")
+
+    async def refresh(self) -> None:
+        """Look the stage's announced peers up again (from the node's loop)."""
+        if self.stage is None:
+            return
+        self._looked_up = time.monotonic()
+        members = set()
+        for peer, raw in (await self.node.lookup(stage_key(self.run, self.stage))).items():
+            try:
+                record = decode_struct(raw, PeerRecord)
+            except WireError:
+                continue
+            if record.stage == self.stage:
+                members.add(peer)
+        self.members = frozenset(members)

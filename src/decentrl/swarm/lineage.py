@@ -1,0 +1,101 @@
+"""The coordinator's half of weight lineage: after each step of a stage (and when a training peer
+connects, or rolls back to a checkpoint), it asks the stage's training peer for the hash of the
+state its replicas are brought to at the new version (`train_published`) and signs it into the
+stage's `LineageRecord` in the DHT, with the publisher's peer id. Replicas follow that publisher
+only, and only to states whose hash the record gives (sync/distribute.py WeightFollower): a
+stranger announcing a newer version, or a publisher offering anything the coordinator did not
+see it make, moves no replica.
+
+The queries run on one background thread, in order: the training loop does not wait for the
+publisher's encoding, and a version is signed only after every earlier event of its stage."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from decentrl.config import RunConfig
+from decentrl.net.link import MessageLost
+from decentrl.net.node import RemoteError, SwarmNode
+from decentrl.net.protocol import TRAIN_PUBLISHED, LineageRecord, PublishedRequest, lineage_key
+from decentrl.net.wire import WireError, encode_struct
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Published:
+    """`peer` published `version` of `stage`; `restart`: its chain starts there (a training peer
+    that connected or rolled back), so the versions signed before are void."""
+
+    stage: int
+    peer: str
+    version: int
+    restart: bool
+
+
+class LineageSigner:
+    def __init__(self, node: SwarmNode, config: RunConfig) -> None:
+        self.node, self.run = node, config.name
+        # A replica more than this many versions behind is planned from a keyframe, and
+        # keyframes are at most keyframe_every versions apart: every manifest of its plan is here.
+        self.keep = 2 * config.sync.keyframe_every + 8
+        self.ttl_s = 5 * config.swarm.announce_every_s
+        self.timeout_s = config.swarm.request_timeout_s
+        self.records: dict[int, LineageRecord] = {}
+        self._lock = threading.Lock()
+        self._events: queue.Queue[Published | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="lineage", daemon=True)
+        self._thread.start()
+
+    def published(self, stage: int, peer: str, version: int, restart: bool = False) -> None:
+        self._events.put(Published(stage, peer, version, restart))
+
+    def wait(self) -> None:
+        """Until every event so far is signed (or failed)."""
+        self._events.join()
+
+    def renew(self) -> None:
+        """Announce every stage's record again (DHT entries expire unless renewed)."""
+        with self._lock:
+            records = list(self.records.values())
+        for record in records:
+            self._announce(record)
+
+    def close(self) -> None:
+        self._events.put(None)
+        self._thread.join(timeout=self.timeout_s + 5)
+
+    def _work(self) -> None:
+        while (event := self._events.get()) is not None:
+            try:
+                self._sign(event)
+            except (RemoteError, MessageLost, WireError, TimeoutError) as error:
+                # The replicas keep the version they have until a later one is signed.
+                log.warning("lineage of stage %d v%d not signed: %s", event.stage,
+                            event.version, error)
+            finally:
+                self._events.task_done()
+        self._events.task_done()
+
+    def _sign(self, event: Published) -> None:
+        reply, _ = self.node.call_sync(event.peer, TRAIN_PUBLISHED,
+                                       PublishedRequest(version=event.version),
+                                       timeout=self.timeout_s)
+        with self._lock:
+            old = self.records.get(event.stage)
+            hashes = {} if event.restart or old is None or old.publisher != event.peer \
+                else dict(old.hashes)
+            hashes[event.version] = reply.state_hash
+            kept = sorted(hashes)[-self.keep:]
+            record = LineageRecord(stage=event.stage, publisher=event.peer,
+                                   hashes={version: hashes[version] for version in kept})
+            self.records[event.stage] = record
+        self._announce(record)
+
+    def _announce(self, record: LineageRecord) -> None:
+        self.node.run(self.node.announce(lineage_key(self.run, record.stage), self.node.peer_id,
+                                         encode_struct(record), self.ttl_s),
+                      timeout=self.timeout_s)
