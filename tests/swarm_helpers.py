@@ -100,6 +100,16 @@ class Swarm:
         """The swarm's own training peers (those started with it or added later)."""
         return any(p.node.peer_id == peer_id and p.training is not None for p in self.peers)
 
+    def sign(self, trainer: StagePeer, version: int | None = None) -> None:
+        """What the coordinator does after a step: sign `trainer`'s published `version` (by
+        default its learner's) into its stage's lineage, so that the replicas take it; returns
+        once it is announced."""
+        if self.lineage is None:
+            self.lineage = LineageSigner(self.client, self.config)
+        self.lineage.published(trainer.index, trainer.node.peer_id,
+                               trainer.version if version is None else version)
+        self.lineage.wait()
+
     def directory(self) -> Directory:
         directory = Directory(self.client, self.config.name, self.config.num_stages,
                               self.config.swarm)

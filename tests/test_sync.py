@@ -7,6 +7,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -27,8 +28,15 @@ from decentrl.sync.delta import (
     payload_bytes,
     state_hash,
 )
-from decentrl.sync.distribute import SyncError
-from swarm_helpers import publisher_of, serving, start_swarm, tiny_run_config, weights_of
+from decentrl.sync.distribute import SyncError, make_update
+from swarm_helpers import (
+    Swarm,
+    publisher_of,
+    serving,
+    start_swarm,
+    tiny_run_config,
+    weights_of,
+)
 
 # ---- the codec --------------------------------------------------------------------------------
 
@@ -153,8 +161,9 @@ def test_bad_payloads_are_refused_and_change_nothing(data: bytes, error: str) ->
 
 # ---- over the swarm ---------------------------------------------------------------------------
 
-def fake_step(trainer_peer: StagePeer, seed: int) -> None:
-    """Stand-in for an optimizer step on a training peer: move its weights, publish the version."""
+def fake_step(swarm: Swarm, trainer_peer: StagePeer, seed: int) -> None:
+    """Stand-in for an optimizer step on a training peer: move its weights, publish the version,
+    and sign it into the stage's lineage as the coordinator would."""
     assert trainer_peer.training is not None
     stage = trainer_peer.training.trainer.stage
     g = torch.Generator().manual_seed(seed)
@@ -168,6 +177,7 @@ def fake_step(trainer_peer: StagePeer, seed: int) -> None:
         publisher_of(trainer_peer).publish(stage.version, published_tensors(stage))
     trainer_peer.node.run(trainer_peer.node.compute(step), timeout=30)
     publisher_of(trainer_peer).wait(timeout=30)
+    swarm.sign(trainer_peer)
 
 
 def follow_all(replicas: list[StagePeer]) -> list[bool]:
@@ -197,7 +207,7 @@ def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
         trainer_peer, replicas = swarm.peer(0, "training"), swarm.peers[1:]
         assert follow_all(replicas) == [False] * 3  # everyone starts from the same file
         for step in range(1, 4):
-            fake_step(trainer_peer, step)
+            fake_step(swarm, trainer_peer, step)
             # (A replica asked for a chunk of a version it lacks wakes up and syncs on its own, so
             # which of these calls did the work varies.)
             follow_all(replicas)
@@ -231,7 +241,7 @@ def test_late_joiner_catches_up_from_keyframe_and_deltas(tiny_sharp_dir: Path) -
     with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
         trainer_peer = swarm.peer(0, "training")
         for step in range(1, 6):
-            fake_step(trainer_peer, step)
+            fake_step(swarm, trainer_peer, step)
         late = swarm.add(0, "inference")  # joins at v5: keyframe v3, then deltas v4 and v5
         assert_serves_published(late, trainer_peer)
         traffic = weights_of(late).follower.traffic()
@@ -250,7 +260,7 @@ def test_corrupt_chunk_is_refetched_and_its_server_banned(tiny_sharp_dir: Path) 
     with start_swarm(config, [(0, "training"), (0, "inference"), (0, "inference")]) as swarm:
         trainer_peer = swarm.peer(0, "training")
         honest, victim = swarm.peer(0, "inference", 0), swarm.peer(0, "inference", 1)
-        fake_step(trainer_peer, 1)
+        fake_step(swarm, trainer_peer, 1)
         assert honest.node.run(weights_of(honest).follow(), timeout=60)
         stored = weights_of(honest).follower.updates[("delta", 1)]
         stored.data[:] = bytes(len(stored.data))  # every chunk it serves is now wrong
@@ -266,13 +276,22 @@ def test_wrong_state_hash_is_undone_and_resynced_from_a_keyframe(tiny_sharp_dir:
     with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
         trainer_peer, replica = swarm.peer(0, "training"), swarm.peer(0, "inference")
         before = {n: t.clone() for n, t in serving(replica).model.state_dict().items()}
-        fake_step(trainer_peer, 1)
-        update = publisher_of(trainer_peer).updates[("delta", 1)]
-        honest_manifest = update.manifest
-        # A publisher that promises the wrong state after its delta.
-        update.manifest = type(honest_manifest)(**{
-            **{f: getattr(honest_manifest, f) for f in honest_manifest.__struct_fields__},
-            "state_hash": "0" * 64})
+        fake_step(swarm, trainer_peer, 1)
+        honest = publisher_of(trainer_peer).updates[("delta", 1)]
+        # A publisher whose payload does not make the state it (and the owner) promised: its
+        # chunks match their own hashes, so only the state hash after applying tells.
+        payload = msgspec.msgpack.decode(bytes(honest.data), type=UpdatePayload)
+        first = payload.sparse[0]
+        values = bytearray(first.values)
+        values[0] = (values[0] + 1) % 128
+        payload = msgspec.structs.replace(
+            payload, sparse=[msgspec.structs.replace(first, values=bytes(values)),
+                             *payload.sparse[1:]])
+        liar = make_update(0, 1, "delta", (honest.manifest.base_version,
+                                           honest.manifest.base_hash),
+                           honest.manifest.state_hash, msgspec.msgpack.encode(payload),
+                           config.sync.chunks_per_update)
+        publisher_of(trainer_peer).updates[("delta", 1)] = liar
         with pytest.raises(SyncError, match="undone, resynchronizing from a keyframe"):
             replica.node.run(weights_of(replica).follow(), timeout=60)
         # Never served: the model and the published state are what they were.
@@ -280,12 +299,45 @@ def test_wrong_state_hash_is_undone_and_resynced_from_a_keyframe(tiny_sharp_dir:
         served = serving(replica).model.state_dict()
         assert all(torch.equal(before[n], t) for n, t in served.items())
         assert weights_of(replica).follower.hash_mismatches == 1
-        update.manifest = honest_manifest
+        publisher_of(trainer_peer).updates[("delta", 1)] = honest
         assert replica.node.run(weights_of(replica).follow(), timeout=60) is True
         assert_serves_published(replica, trainer_peer)
         follower = weights_of(replica).follower
         assert {(r.kind, r.version) for r in follower.traffic() if r.received} >= \
             {("keyframe", 1)}
+
+
+@pytest.mark.network
+def test_an_update_the_owner_did_not_sign_is_refused_before_it_is_fetched(
+        tiny_sharp_dir: Path) -> None:
+    config = sync_config(tiny_sharp_dir)
+    with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
+        trainer_peer, replica = swarm.peer(0, "training"), swarm.peer(0, "inference")
+        fake_step(swarm, trainer_peer, 1)
+        update = publisher_of(trainer_peer).updates[("delta", 1)]
+        honest_manifest = update.manifest
+        # The publisher offers a state the coordinator never saw it make.
+        update.manifest = type(honest_manifest)(**{
+            **{f: getattr(honest_manifest, f) for f in honest_manifest.__struct_fields__},
+            "state_hash": "0" * 64})
+        with pytest.raises(SyncError, match="the run owner signed .* for that version; not "
+                                            "applied"):
+            replica.node.run(weights_of(replica).follow(), timeout=60)
+        assert replica.version == 0 and not weights_of(replica).follower.traffic()
+        # A version the publisher made but the owner has not signed yet waits.
+        update.manifest = honest_manifest
+        publisher = publisher_of(trainer_peer)
+        assert trainer_peer.training is not None
+        stage = trainer_peer.training.trainer.stage
+        trainer_peer.node.run(trainer_peer.node.compute(
+            lambda: setattr(stage, "version", 2)), timeout=30)
+        publisher.publish(2, published_tensors(stage))
+        publisher.wait(timeout=30)
+        assert replica.node.run(weights_of(replica).follow(), timeout=60) is True
+        assert replica.version == 1  # v1 was signed, v2 not yet
+        swarm.sign(trainer_peer)
+        assert replica.node.run(weights_of(replica).follow(), timeout=60) is True
+        assert_serves_published(replica, trainer_peer)
 
 
 @pytest.mark.network
@@ -301,7 +353,7 @@ def test_lora_mode_publishes_only_the_adapters(tiny_sharp_dir: Path) -> None:
         assert publisher_of(trainer_peer).state.numel() < full / 3
         base = {n: t.clone() for n, t in serving(replica).model.state_dict().items()
                 if n not in names}
-        fake_step(trainer_peer, 1)
+        fake_step(swarm, trainer_peer, 1)
         assert replica.node.run(weights_of(replica).follow(), timeout=60) is True
         assert_serves_published(replica, trainer_peer)
         assert all(torch.equal(base[n], serving(replica).model.state_dict()[n]) for n in base)

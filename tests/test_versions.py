@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 from helpers import build
-from swarm_helpers import ObservedChain, start_swarm, tiny_run_config
+from swarm_helpers import ObservedChain, Swarm, start_swarm, tiny_run_config
 
 from decentrl.config import RunConfig
 from decentrl.learn.batch import build_batch
@@ -212,14 +212,15 @@ def test_ingestion_refuses_bad_version_spans(
 
 # ---- a swarm replica takes an update from its training peer while a session runs through it --
 
-def publish_and_follow(training_peer: StagePeer, replica_peer: StagePeer, version: int,
-                       tensors: dict[str, torch.Tensor], timeout_s: float) -> None:
+def publish_and_follow(swarm: Swarm, training_peer: StagePeer, replica_peer: StagePeer,
+                       version: int, tensors: dict[str, torch.Tensor], timeout_s: float) -> None:
     """`version` of a stage's weights from its training peer to a replica, the way an optimizer
-    step's update travels: the publisher encodes a delta against what it published before and
-    announces it; the replica fetches the plan and the chunks, checks the state hash and commits
+    step's update travels: the publisher encodes a delta against what it published before, the
+    coordinator signs its hash into the stage's lineage; the replica fetches the plan and the chunks, checks the state hash and commits
     the changed entries on its compute thread, between two requests it serves."""
     assert training_peer.training is not None and replica_peer.replica is not None
     training_peer.training.publisher.publish(version, tensors).result(timeout_s)
+    swarm.sign(training_peer, version)
     # The follow loop may have caught the announcement first; either way, once this returns
     # the replica holds the update (one sync at a time).
     replica_peer.node.run(replica_peer.replica.follow(), timeout=timeout_s)
@@ -256,7 +257,7 @@ def test_swarm_replica_update_mid_generation_is_recorded(
         def update() -> None:
             try:
                 assert prefilled.wait(UPDATE_WAIT_S)
-                publish_and_follow(training_peer, replica_peer, 1, new, UPDATE_WAIT_S)
+                publish_and_follow(swarm, training_peer, replica_peer, 1, new, UPDATE_WAIT_S)
             except BaseException as error:  # noqa: BLE001 - reported by the session's wait
                 update_errors.append(error)
             finally:

@@ -9,9 +9,10 @@ by the node (`SwarmNode.authorize`) before a request's body is read or its handl
   announcements are signed by themselves, net/records.py): a stage's replicas fetch weight
   updates from each other and from the stage's publisher. Anyone may announce itself as an
   inference replica, so this rule keeps strangers off a stage's bandwidth, not out of the swarm.
-  A caller the peer does not know yet makes it look its stage up again (at most once a second,
-  so a stranger calling in a loop cannot turn every request into a DHT search): a replica that
-  just joined gets through; a stranger is refused, without a strike (it may be a replica whose
+  A caller the peer does not know yet waits for the peer to look its stage up again (one lookup
+  at a time, at most one a second, shared by every caller that arrived before it started, so
+  strangers calling in a loop cannot turn every request into a DHT search): a replica that just
+  joined gets through; a stranger is refused, without a strike (it may be a replica whose
   announcement has not spread yet).
 
 A node with no authority set serves "any peer" RPCs only (net/node.py `only_any_peer`)."""
@@ -36,10 +37,10 @@ MEMBER_REFRESH_S = 1.0
 
 
 class RunAuthority:
-    """The callers rule of every RPC on a peer of run `run` serving `stage` (None: a peer of no
-    stage, e.g. the coordinator), whose owner is the peer id `owner`."""
+    """The callers rule of every RPC on a peer of run `run` serving `stage`, whose owner is the
+    peer id `owner`."""
 
-    def __init__(self, node: SwarmNode, run: str, owner: str, stage: int | None) -> None:
+    def __init__(self, node: SwarmNode, run: str, owner: str, stage: int) -> None:
         public_key_of(owner)  # a SignatureError (ValueError) names a malformed owner id
         self.node, self.run, self.owner, self.stage = node, run, owner, stage
         self.members: frozenset[str] = frozenset()
@@ -55,14 +56,11 @@ class RunAuthority:
         if rule == "coordinator":
             raise CallerRefused(f"{rpc.method} is for the run's coordinator "
                                 f"({self.owner[-8:]}) only, not for {sender[-8:]}")
-        if self.stage is None:
-            raise CallerRefused(f"{rpc.method} is for peers of this peer's stage, and this peer "
-                                f"serves none")
-        if sender not in self.members and \
-                time.monotonic() - self._looked_up >= MEMBER_REFRESH_S:
-            async with self._lookup_lock:  # concurrent unknown callers share one lookup
-                if sender not in self.members and \
-                        time.monotonic() - self._looked_up >= MEMBER_REFRESH_S:
+        if sender not in self.members:
+            arrived = time.monotonic()
+            async with self._lookup_lock:  # unknown callers wait for one lookup together
+                if sender not in self.members and self._looked_up < arrived:
+                    await asyncio.sleep(self._looked_up + MEMBER_REFRESH_S - time.monotonic())
                     await self.refresh()
         if sender not in self.members:
             raise CallerUnknown(f"{rpc.method} is for the coordinator and the peers announced "
@@ -70,8 +68,6 @@ class RunAuthority:
 
     async def refresh(self) -> None:
         """Look the stage's announced peers up again (from the node's loop)."""
-        if self.stage is None:
-            return
         self._looked_up = time.monotonic()
         members = set()
         for peer, raw in (await self.node.lookup(stage_key(self.run, self.stage))).items():
