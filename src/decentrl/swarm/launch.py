@@ -190,8 +190,12 @@ class LocalSwarm:
         self.bootstrap = SwarmNode.start("bootstrap", [], link_profile(self.config),
                                          TensorLimits(), identity=owner_identity(self.config.path))
         addresses = self.bootstrap.addresses()
-        publish_manifest(self.bootstrap, run_manifest(self.config, roster=[]),
-                         5 * self.config.swarm.announce_every_s)
+        # Until the coordinator announces it with its roster, this does (it expires unless
+        # renewed, and loading the peers may take minutes).
+        announced = threading.Event()
+        renewer = threading.Thread(target=self._announce_run, args=(announced,),
+                                   name="announce-run", daemon=True)
+        renewer.start()
         checkpoints = self.config.path / "checkpoints"
         keys = self.config.path / "keys"
         for stage in range(self.config.num_stages):
@@ -214,12 +218,28 @@ class LocalSwarm:
                 self._add(f"adv-{kind}" + (f".{stage}" if stages else ""),
                           ["join", "--stage", str(stage), "--role", "inference", "--adversary",
                            kind, "--collusion-dir", str(collusion)], addresses)
-        for child in self.children.values():
-            self._spawn(child)
-        for child in self.children.values():
-            self._wait_ready(child, timeout_s=300)
-            on_ready(child)
+        try:
+            for child in self.children.values():
+                self._spawn(child)
+            for child in self.children.values():
+                self._wait_ready(child, timeout_s=300)
+                on_ready(child)
+        finally:
+            announced.set()
+            renewer.join()
         return addresses
+
+    def _announce_run(self, stop: threading.Event) -> None:
+        assert self.bootstrap is not None
+        manifest = run_manifest(self.config, roster=[])
+        every_s = self.config.swarm.announce_every_s
+        while True:
+            try:
+                publish_manifest(self.bootstrap, manifest, 5 * every_s)
+            except Exception as error:  # noqa: BLE001 - the next round retries
+                log.warning("announcing the run failed: %s", error)
+            if stop.wait(every_s):
+                return
 
     def _add(self, name: str, args: list[str], addresses: list[str]) -> None:
         assert self.bootstrap is not None
