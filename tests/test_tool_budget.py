@@ -159,8 +159,8 @@ def test_the_budget_option_is_checked(value: object) -> None:
         with pytest.raises(ValueError, match=r"^tool_budget_s must be a number of CPU seconds "
                                              r"in \(0, 3600\], got "):
             make_environment(name, tool_budget_s=value)
-    budget = make_environment("agentic-countdown", tool_budget_s=0.5).episode("train", 0)
-    assert budget.tool_budget.seconds == 0.5  # type: ignore[attr-defined]
+    episode = make_environment("agentic-countdown", tool_budget_s=0.5).episode("train", 0)
+    assert episode.tool_budget.seconds == 0.5  # type: ignore[attr-defined]
 
 
 # --- episodes, generated and replayed -------------------------------------------------------------

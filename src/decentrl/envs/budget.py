@@ -34,7 +34,7 @@ from decentrl.envs.sandbox import ToolResult
 from decentrl.tasks.base import is_real
 
 CALL_TIMEOUT_S = 1.0  # one call's limit while the budget has at least this much left
-DEFAULT_TOOL_BUDGET_S = 2.0  # an honest call costs about 0.05 s, most of it starting the sandbox
+DEFAULT_TOOL_BUDGET_S = 1.0  # an honest call costs about 0.05 s, most of it starting the sandbox
 MAX_TOOL_BUDGET_S = 3600.0
 # The replay's limit, in budgets: how many times slower than the generating machine the
 # coordinator may be and still replay every honest rollout.
