@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import math
 import string
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from decentrl.config import RunConfig
-from decentrl.envs import make_environment
+from decentrl.envs import make_environment, sandbox
 from decentrl.envs.budget import REPLAY_ALLOWANCE, ToolBudget
 from decentrl.envs.calculator import PYTHON_TOOL, CalculatorEnvironment
 from decentrl.envs.sandbox import CPU_TIMER_MARGIN_S, ToolResult
@@ -41,6 +42,15 @@ OVERSHOOT_S = 0.3
 BURNING_TURNS = 5
 REFUSAL = f"error: tool budget of {BUDGET_S:g} s for this episode is spent"
 TIMEOUT = f"error: timeout: took longer than {CALL_TIMEOUT_S} s"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_timer_first() -> Iterator[None]:
+    """A watchdog that waits long enough for the child's CPU timer to stop a burning call even on
+    a busy machine, so that every such call costs at least MIN_BURN_CPU_S."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sandbox, "STARTUP_ALLOWANCE_S", 30.0)
+        yield
 
 
 def python_call(expression: str) -> str:

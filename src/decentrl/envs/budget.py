@@ -5,17 +5,19 @@ sandbox child actually used (`ToolResult.cpu_s`, from the child's resource usage
 its interpreter's startup included). Once the charges reach the budget, no further call of the
 episode runs: each answers the error `refusal` ("tool budget of X s for this episode is spent"),
 which the environment treats like any failed call. A call stopped at a limit the budget lowered
-answers that error as well, not a timeout that would name the lowered limit. Without a budget a
-last-stage peer, which samples the tokens, could make every turn a call that burns the per-call
-limit, at generation and again at the coordinator's replay.
+answers that error as well, not a timeout that would name the lowered limit. The sandbox's CPU
+timer stops a call within CPU_TIMER_MARGIN_S of its limit even inside one C operation, so an
+episode's calls use at most the budget plus the last call's margin and interpreter startup.
+Without a budget a last-stage peer, which samples the tokens, could make every turn a call that
+burns the per-call limit, at generation and again at the coordinator's replay.
 
 Why the replay still matches the rollout, although CPU time differs between machines and between
 two runs on one machine. The replay cannot recompute the generator's verdicts from its own
 measurements, so it takes them from the record, in the one direction that is always safe:
 - a call the rollout answered with the budget error is not run at replay either, once the
   episode checks that this answer is exactly what the rollout recorded (`adopt_exhaustion`).
-  Running fewer calls never costs the coordinator anything, and a refused call never raises a
-  reward, so a peer that claims a refusal it did not have only loses;
+  Running fewer calls never costs the coordinator anything, and a refused call is a failed call,
+  which earns no environment here more, so a peer that claims a refusal it did not have loses;
 - a call the rollout ran is run at replay, whose own limit is REPLAY_ALLOWANCE times the budget:
   an honest rollout spent at most the budget on its machine, so a coordinator up to that many
   times slower replays every call the rollout ran. A rollout that claims more runs than that
