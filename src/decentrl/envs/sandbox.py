@@ -33,10 +33,10 @@ meant to hold if the one before it has a hole:
    address space: a MemoryError is reported as "memory limit exceeded"), an ITIMER_PROF timer at
    timeout_s + CPU_TIMER_MARGIN_S of CPU time whose SIGPROF, left to its default action, ends the
    child even inside one long C operation (RLIMIT_CPU counts whole seconds only: it stays, at
-   ceil(timeout_s) seconds, as the backstop), RLIMIT_NOFILE 0 (no new file descriptors: no file can be opened, no
-   socket created), RLIMIT_FSIZE 0 (no file can be written), RLIMIT_NPROC 0 (no fork; the kernel
-   does not apply it to root) and RLIMIT_CORE 0. A SIGALRM timer at timeout_s stops pure-Python
-   work with a clean "timeout" error.
+   ceil(timeout_s) seconds, as the backstop), RLIMIT_NOFILE 0 (no new file descriptors: no file
+   can be opened, no socket created), RLIMIT_FSIZE 0 (no file can be written), RLIMIT_NPROC 0 (no
+   fork; the kernel does not apply it to root) and RLIMIT_CORE 0. A SIGALRM timer at timeout_s
+   stops pure-Python work with a clean "timeout" error.
 6. A watchdog in the caller: past timeout_s plus a startup allowance it kills the child's whole
    process group, and it kills the group before reaping the child on every path. It reads at most
    a bounded number of bytes of reply, checks its shape, truncates and re-encodes it. Reaping
@@ -153,7 +153,8 @@ def run_expression(
         result = _failure(_timeout_error(timeout_s))
     else:
         parsed = _parse_reply(reply, max_output_chars)
-        result = parsed or _failure(_crash_error(child.returncode, timeout_s))
+        result = parsed if parsed is not None else _failure(
+            _crash_error(child.returncode, timeout_s))
     return replace(result, cpu_s=cpu_s, timed_out=result.error == _timeout_error(timeout_s))
 
 
