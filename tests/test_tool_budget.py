@@ -25,7 +25,7 @@ from decentrl.rollout.episodes import EpisodeTokens, replay_episode
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
 from decentrl.swarm.ingest import Ingestion, RejectedGroup
 from decentrl.swarm.scheduler import PromptScheduler
-from decentrl.tasks import Problem
+from decentrl.tasks.base import Problem, Split
 
 # A tool call's JSON needs punctuation the default tiny vocabulary lacks.
 TOKENIZER = tiny_tokenizer(string.digits + string.ascii_letters + string.punctuation + " \n")
@@ -68,11 +68,11 @@ class CalculatorWithShortCalls:
         self.name = self.inner.name
         self.episodes: list[ToolEpisode] = []
 
-    def problem(self, split: str, index: int) -> Problem:
-        return self.inner.problem(split, index)  # type: ignore[arg-type]
+    def problem(self, split: Split, index: int) -> Problem:
+        return self.inner.problem(split, index)
 
-    def episode(self, split: str, index: int) -> ToolEpisode:
-        episode = self.inner.episode(split, index)  # type: ignore[arg-type]
+    def episode(self, split: Split, index: int) -> ToolEpisode:
+        episode = self.inner.episode(split, index)
         episode.tool_budget.call_timeout_s = CALL_TIMEOUT_S
         self.episodes.append(episode)
         return episode
@@ -104,12 +104,12 @@ def generate(episode: ToolEpisode, turns: list[str]) -> Rollout:
 
 def group_of(rollouts: list[Rollout]) -> RolloutGroup:
     return RolloutGroup(group_id="g", task="agentic-calculator", problem_index=0,
-                        stage_versions=[0, 0], version_spans=[VersionSpan(start=0, versions=[0, 0])],
-                        sampling_seed=0, rollouts=rollouts)
+                        stage_versions=[0, 0], sampling_seed=0, rollouts=rollouts,
+                        version_spans=[VersionSpan(start=0, versions=[0, 0])])
 
 
 def ingestion_of(environment: CalculatorWithShortCalls) -> Ingestion:
-    return Ingestion(RunConfig(), environment, TOKENIZER, PromptScheduler(0))  # type: ignore[arg-type]
+    return Ingestion(RunConfig(), environment, TOKENIZER, PromptScheduler(0))
 
 
 def tool_messages(episode: ToolEpisode) -> list[str]:
