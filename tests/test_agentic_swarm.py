@@ -31,7 +31,7 @@ from swarm_helpers import (
     tiny_run_config,
 )
 
-from decentrl.envs.base import EnvStep, Message, StopReason
+from decentrl.envs.base import EnvStep, Message, RecordedAnswer, StopReason
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.tiny import tiny_tokenizer
 from decentrl.rollout.episodes import EpisodeRollout, generate_episodes, replay_episode
@@ -78,7 +78,7 @@ class AnyTurnCallsEpisode:
     def turn_prefix(self) -> str:
         return self.prefix
 
-    def respond(self, assistant_text: str) -> EnvStep:
+    def respond(self, assistant_text: str, recorded: RecordedAnswer | None = None) -> EnvStep:
         if self.stop_reason is not None:
             raise RuntimeError("the episode is over")
         self.turns += 1

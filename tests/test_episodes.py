@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from decentrl.envs.base import EnvStep, Message
+from decentrl.envs.base import EnvStep, Message, RecordedAnswer
 from decentrl.evaluate.runner import evaluate
 from decentrl.model.tiny import tiny_tokenizer
 from decentrl.rollout.chain import StepResult
@@ -34,7 +34,7 @@ class LookupEpisode:
     def turn_prefix(self) -> str:
         return ""
 
-    def respond(self, assistant_text: str) -> EnvStep:
+    def respond(self, assistant_text: str, recorded: RecordedAnswer | None = None) -> EnvStep:
         self.turns += 1
         self.conversation.append({"role": "assistant", "content": assistant_text})
         if self.turns == 1:

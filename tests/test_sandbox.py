@@ -206,12 +206,22 @@ def test_the_childs_timer_stops_work_past_the_timeout(
     assert [child.returncode for child in children] == [0]
 
 
-def test_the_cpu_limit_kills_a_child_stuck_in_one_operation(
+def test_the_cpu_timer_kills_a_child_stuck_in_one_operation(
         children: list[subprocess.Popen[bytes]]) -> None:
-    # The watchdog never fires here: the kernel stopped the child at ceil(timeout_s) CPU seconds.
-    result = run_expression(ONE_ENDLESS_STEP, timeout_s=0.5, clock=ScriptedClock(0.0))
-    assert result == ToolResult(ok=False, output="", error="timeout: took longer than 0.5 s")
-    assert [child.returncode for child in children] == [-signal.SIGXCPU]
+    # The watchdog never fires here: the kernel stopped the child by SIGPROF once it had used
+    # timeout_s (plus a margin) of CPU time, before RLIMIT_CPU's whole second.
+    result = run_expression(ONE_ENDLESS_STEP, timeout_s=0.2, clock=ScriptedClock(0.0))
+    assert result == ToolResult(ok=False, output="", error="timeout: took longer than 0.2 s")
+    assert [child.returncode for child in children] == [-signal.SIGPROF]
+    assert result.cpu_s < 1.0
+
+
+def test_a_call_reports_the_cpu_time_its_child_used() -> None:
+    quick = run_expression("1 + 1")
+    # Starting the interpreter alone costs some; the call stopped at its limit used at least that.
+    assert quick.ok and not quick.timed_out and quick.cpu_s > 0.0
+    stuck = run_expression(ONE_ENDLESS_STEP, timeout_s=0.2, clock=ScriptedClock(0.0))
+    assert stuck.timed_out and stuck.cpu_s >= 0.2
 
 
 def test_the_watchdog_kills_the_child_at_its_deadline_and_not_before(

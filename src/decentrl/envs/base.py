@@ -9,6 +9,11 @@ the environment appends (tool results or error observations), whether the episod
 final reward once it is, and an optional per-turn signal.
 
 Every episode ends within `max_turns` assistant turns, so `run_episode` always terminates.
+
+The coordinator scores an episode by replaying it: a fresh episode hears the rollout's assistant
+turns and must answer exactly what the rollout recorded. An answer that depends on the machine (a
+tool call's CPU budget, envs/budget.py) is resolved at replay with `RecordedAnswer`: the episode
+may ask whether an answer it could equally give is the recorded one, and give that one.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from decentrl.tasks.base import Problem, Reward, Split
 Message = dict[str, str]  # {"role": ..., "content": ...}, as chat templates take them
 # Why an episode ended: a reply without a tool call (the final answer), or a limit.
 StopReason = Literal["answer", "turn_limit", "tool_call_limit"]
+# At replay: whether these messages, appended after the current turn, are what the rollout
+# recorded. Asked during `respond`, once the turn is counted.
+RecordedAnswer = Callable[[list[Message]], bool]
 
 
 @dataclass(frozen=True)
@@ -52,9 +60,10 @@ class Episode(Protocol):
         prefill; "" for none). The model writes the rest of the turn after it."""
         ...
 
-    def respond(self, assistant_text: str) -> EnvStep:
+    def respond(self, assistant_text: str, recorded: RecordedAnswer | None = None) -> EnvStep:
         """Record one assistant turn (its prefix included). Never raises on any text; raises
-        once the episode is over."""
+        once the episode is over. `recorded` is given at the coordinator's replay only (see the
+        module docstring); an episode whose answers never depend on the machine ignores it."""
         ...
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from reasoning_gym.utils import extract_answer as extract_tagged_answer
 
+from decentrl.envs.budget import DEFAULT_TOOL_BUDGET_S
 from decentrl.envs.sandbox import ToolResult, run_expression
 from decentrl.envs.tool_calls import (
     Tool,
@@ -42,8 +43,8 @@ INSTRUCTIONS = (
 )
 
 
-def python_tool_run(arguments: dict[str, Any]) -> ToolResult:
-    return run_expression(arguments["expression"])
+def python_tool_run(arguments: dict[str, Any], timeout_s: float) -> ToolResult:
+    return run_expression(arguments["expression"], timeout_s=timeout_s)
 
 
 PYTHON_TOOL = Tool(
@@ -177,9 +178,10 @@ class CalculatorEnvironment(SplitDrawn):
         stories: list[str] | tuple[str, ...] = MULTI_STEP_STORIES,
         prefill_first_call: bool = False,
         worked_example: bool = False,
+        tool_budget_s: float = DEFAULT_TOOL_BUDGET_S,
     ) -> None:
         check_heldout_fraction(heldout_fraction)
-        check_tool_limits(max_turns, max_tool_calls, invalid_call_penalty)
+        check_tool_limits(max_turns, max_tool_calls, invalid_call_penalty, tool_budget_s)
         if not isinstance(stories, (list, tuple)) or not stories or any(
                 story not in STORIES for story in stories):
             raise ValueError(f"stories must be a non-empty list of {', '.join(STORIES)}; "
@@ -195,6 +197,7 @@ class CalculatorEnvironment(SplitDrawn):
         self.max_turns = max_turns
         self.max_tool_calls = max_tool_calls
         self.invalid_call_penalty = invalid_call_penalty
+        self.tool_budget_s = tool_budget_s
 
     def _candidate(self, index: int, seed: int) -> Problem:
         rng = random.Random(seed)
@@ -219,4 +222,5 @@ class CalculatorEnvironment(SplitDrawn):
             invalid_call_penalty=self.invalid_call_penalty,
             prefill_first_call=self.prefill_first_call,
             example=WORKED_EXAMPLE if self.worked_example else (),
+            tool_budget_s=self.tool_budget_s,
         )

@@ -26,6 +26,7 @@ from typing import Any
 
 from reasoning_gym.utils import extract_answer as extract_tagged_answer
 
+from decentrl.envs.budget import CALL_TIMEOUT_S, DEFAULT_TOOL_BUDGET_S
 from decentrl.envs.sandbox import ToolResult, run_expression
 from decentrl.envs.tool_calls import Tool, ToolEpisode, check_tool_limits, tools_system_prompt
 from decentrl.tasks.base import Problem, Reward, Split, check_heldout_fraction
@@ -76,7 +77,8 @@ def overused_numbers(used: list[int], numbers: list[int]) -> str | None:
     return None
 
 
-def check_expression(expression: str, numbers: list[int], target: int) -> Check:
+def check_expression(expression: str, numbers: list[int], target: int,
+                     timeout_s: float = CALL_TIMEOUT_S) -> Check:
     if not EXPRESSION_RE.fullmatch(expression) or any(
         operator in expression for operator in FORBIDDEN_OPERATORS
     ):
@@ -85,7 +87,7 @@ def check_expression(expression: str, numbers: list[int], target: int) -> Check:
                        "+ - * /, parentheses and spaces"),
             solves=False,
         )
-    evaluated = run_expression(expression)
+    evaluated = run_expression(expression, timeout_s=timeout_s)
     if not evaluated.ok:
         return Check(evaluated, solves=False)
     try:
@@ -100,7 +102,8 @@ def check_expression(expression: str, numbers: list[int], target: int) -> Check:
         f"uses only the given numbers, each at most once: {numbers_verdict}\n"
         f"reaches the target {target}: {'yes' if reaches else 'no'}"
     )
-    return Check(ToolResult(ok=True, output=report, error=None), solves=reaches and overuse is None)
+    return Check(ToolResult(ok=True, output=report, error=None, cpu_s=evaluated.cpu_s),
+                 solves=reaches and overuse is None)
 
 
 class CountdownEpisode(ToolEpisode):
@@ -112,6 +115,7 @@ class CountdownEpisode(ToolEpisode):
         max_tool_calls: int,
         invalid_call_penalty: float,
         prefill_first_call: bool = False,
+        tool_budget_s: float = DEFAULT_TOOL_BUDGET_S,
     ) -> None:
         self.numbers: list[int] = problem.metadata["numbers"]
         self.target: int = problem.metadata["target"]
@@ -133,10 +137,11 @@ class CountdownEpisode(ToolEpisode):
             max_tool_calls=max_tool_calls,
             invalid_call_penalty=invalid_call_penalty,
             prefill_first_call=prefill_first_call,
+            tool_budget_s=tool_budget_s,
         )
 
-    def run_check(self, arguments: dict[str, Any]) -> ToolResult:
-        check = check_expression(arguments["expression"], self.numbers, self.target)
+    def run_check(self, arguments: dict[str, Any], timeout_s: float) -> ToolResult:
+        check = check_expression(arguments["expression"], self.numbers, self.target, timeout_s)
         if check.solves:
             self.confirmed.add(normalized(arguments["expression"]))
         return check.result
@@ -148,6 +153,8 @@ class CountdownEpisode(ToolEpisode):
         elif self.require_check:
             solved = normalized(answer) in self.confirmed
         else:
+            # Outside the tool budget: one check per episode, of integers and + - * / only,
+            # which the sandbox evaluates in microseconds after its startup.
             solved = check_expression(answer, self.numbers, self.target).solves
         return Reward(correct=1.0 if solved else 0.0, format=0.0)
 
@@ -164,9 +171,10 @@ class CountdownEnvironment:
         max_tool_calls: int = 8,
         invalid_call_penalty: float = 0.1,
         prefill_first_call: bool = False,
+        tool_budget_s: float = DEFAULT_TOOL_BUDGET_S,
     ) -> None:
         check_heldout_fraction(heldout_fraction)
-        check_tool_limits(max_turns, max_tool_calls, invalid_call_penalty)
+        check_tool_limits(max_turns, max_tool_calls, invalid_call_penalty, tool_budget_s)
         for option, value in (("require_check", require_check),
                               ("prefill_first_call", prefill_first_call)):
             if not isinstance(value, bool):
@@ -182,6 +190,7 @@ class CountdownEnvironment:
         self.max_turns = max_turns
         self.max_tool_calls = max_tool_calls
         self.invalid_call_penalty = invalid_call_penalty
+        self.tool_budget_s = tool_budget_s
 
     def problem(self, split: Split, index: int) -> Problem:
         puzzle = self.puzzles.problem(split, index)
@@ -204,4 +213,5 @@ class CountdownEnvironment:
             max_tool_calls=self.max_tool_calls,
             invalid_call_penalty=self.invalid_call_penalty,
             prefill_first_call=self.prefill_first_call,
+            tool_budget_s=self.tool_budget_s,
         )

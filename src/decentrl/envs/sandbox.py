@@ -30,14 +30,18 @@ meant to hold if the one before it has a hole:
    empty environment, `/` as working directory, its own session and process group, and only three
    file descriptors: the expression on stdin, the reply on stdout, /dev/null as stderr.
 5. Resource limits, set in the child before it reads the expression: RLIMIT_AS (memory_mb of
-   address space: a MemoryError is reported as "memory limit exceeded"), RLIMIT_CPU
-   (ceil(timeout_s) seconds, then SIGXCPU, SIGKILL a second later), RLIMIT_NOFILE 0 (no new file
-   descriptors: no file can be opened, no socket created), RLIMIT_FSIZE 0 (no file can be
-   written), RLIMIT_NPROC 0 (no fork; the kernel does not apply it to root) and RLIMIT_CORE 0. A
-   SIGALRM timer at timeout_s stops pure-Python work with a clean "timeout" error.
+   address space: a MemoryError is reported as "memory limit exceeded"), an ITIMER_PROF timer at
+   timeout_s + CPU_TIMER_MARGIN_S of CPU time whose SIGPROF, left to its default action, ends the
+   child even inside one long C operation (RLIMIT_CPU counts whole seconds only: it stays, at
+   ceil(timeout_s) seconds, as the backstop), RLIMIT_NOFILE 0 (no new file descriptors: no file
+   can be opened, no socket created), RLIMIT_FSIZE 0 (no file can be written), RLIMIT_NPROC 0 (no
+   fork; the kernel does not apply it to root) and RLIMIT_CORE 0. A SIGALRM timer at timeout_s
+   stops pure-Python work with a clean "timeout" error.
 6. A watchdog in the caller: past timeout_s plus a startup allowance it kills the child's whole
    process group, and it kills the group before reaping the child on every path. It reads at most
-   a bounded number of bytes of reply, checks its shape, truncates and re-encodes it.
+   a bounded number of bytes of reply, checks its shape, truncates and re-encodes it. Reaping
+   reads the child's resource usage: `ToolResult.cpu_s` is the CPU time it used (user + system,
+   startup included), which is what an episode's tool budget (envs/budget.py) counts.
 
 What this does not defend against: there is no seccomp filter, no namespace (network, mount, pid,
 user) and no cgroup. Code that escaped the interpreter (a memory-corruption bug in CPython reachable
@@ -62,7 +66,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 MAX_EXPRESSION_CHARS = 500
@@ -77,6 +81,9 @@ MIN_OUTPUT_CHARS = 10
 # Time the child may take to start before its timeout_s of evaluation begins (a busy machine is
 # slow to start a process).
 STARTUP_ALLOWANCE_S = 1.0
+# The child's CPU timer fires this long after timeout_s: pure-Python work, which the SIGALRM timer
+# at timeout_s of wall time (never less than the CPU time) stops with a clean error, ends that way.
+CPU_TIMER_MARGIN_S = 0.05
 MEMORY_LIMIT_ERROR = "memory limit exceeded"
 TRUNCATION_MARKER = "..."
 
@@ -85,11 +92,16 @@ _THIS_FILE = os.path.abspath(__file__)
 
 @dataclass(frozen=True)
 class ToolResult:
-    """What the tool answers: `output` (the value's repr, truncated) when `ok`, else `error`."""
+    """What the tool answers: `output` (the value's repr, truncated) when `ok`, else `error`.
+
+    `cpu_s` and `timed_out` say what the answer cost, not what it is: two results compare equal
+    without them."""
 
     ok: bool
     output: str
     error: str | None
+    cpu_s: float = field(default=0.0, compare=False)  # CPU seconds of the child; 0.0: none ran
+    timed_out: bool = field(default=False, compare=False)  # stopped at its time limit
 
 
 def run_expression(
@@ -130,18 +142,20 @@ def run_expression(
         )
     except OSError as error:
         return _failure(f"sandbox failed to start: {error}")
-    with child:  # closes the pipes and reaps the child
+    with child:  # closes the pipes
         try:
             reply = _exchange(child, expression.encode("utf-8", "surrogatepass"), deadline, clock)
         finally:
             # Before reaping: until then the child's pid, which is its group's id, stays ours.
             _kill_process_group(child.pid)
+            cpu_s = _reap(child)
     if reply is None:
-        return _failure(_timeout_error(timeout_s))
-    result = _parse_reply(reply, max_output_chars)
-    if result is not None:
-        return result
-    return _failure(_crash_error(child.returncode, timeout_s))
+        result = _failure(_timeout_error(timeout_s))
+    else:
+        parsed = _parse_reply(reply, max_output_chars)
+        result = parsed if parsed is not None else _failure(
+            _crash_error(child.returncode, timeout_s))
+    return replace(result, cpu_s=cpu_s, timed_out=result.error == _timeout_error(timeout_s))
 
 
 def _check_limits(timeout_s: float, memory_mb: int, max_output_chars: int) -> None:
@@ -199,6 +213,15 @@ def _kill_process_group(group_id: int) -> None:
         pass
 
 
+def _reap(child: subprocess.Popen[bytes]) -> float:
+    """Reap the child and return the CPU seconds it used. os.wait4 rather than Popen.wait, which
+    drops the resource usage; getrusage(RUSAGE_CHILDREN) would mix in the children that other
+    threads reap meanwhile."""
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)  # Popen then knows it is reaped
+    return usage.ru_utime + usage.ru_stime
+
+
 def _parse_reply(reply: bytes, max_output_chars: int) -> ToolResult | None:
     """The ToolResult in a reply of the child, or None when the reply is not a well-formed one."""
     if len(reply) > _MAX_REPLY_BYTES:
@@ -230,7 +253,7 @@ def _truncate(text: str, max_chars: int) -> str:
 def _crash_error(returncode: int | None, timeout_s: float) -> str:
     """The error for a child that gave no usable reply, from its exit status."""
     if returncode is not None and returncode < 0:
-        if -returncode == signal.SIGXCPU:
+        if -returncode in (signal.SIGPROF, signal.SIGXCPU):
             return _timeout_error(timeout_s)
         try:
             signal_name = signal.Signals(-returncode).name
@@ -280,6 +303,9 @@ def _limit_resources(timeout_s: float, memory_mb: int) -> None:
     memory_bytes = memory_mb * 1024 * 1024
     cpu_s = math.ceil(timeout_s)
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    # SIGPROF keeps its default action (end the process): no Python handler, which would only run
+    # between two bytecodes, stands between the timer and the kernel.
+    signal.setitimer(signal.ITIMER_PROF, timeout_s + CPU_TIMER_MARGIN_S)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
     resource.setrlimit(resource.RLIMIT_NOFILE, (0, 0))
     resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))

@@ -6,7 +6,7 @@ single-turn task evaluated through the environment layer scores as it does on it
 
 from __future__ import annotations
 
-from decentrl.envs.base import EnvStep, Message, StopReason
+from decentrl.envs.base import EnvStep, Message, RecordedAnswer, StopReason
 from decentrl.tasks.base import Problem, Reward, Split, Task
 
 TASK_ENVIRONMENT_PREFIX = "task:"
@@ -32,7 +32,7 @@ class TaskEpisode:
     def turn_prefix(self) -> str:
         return ""
 
-    def respond(self, assistant_text: str) -> EnvStep:
+    def respond(self, assistant_text: str, recorded: RecordedAnswer | None = None) -> EnvStep:
         if self.stop_reason is not None:
             raise RuntimeError(f"episode of problem {self.problem.index} is over; it has one turn")
         self.turns = 1

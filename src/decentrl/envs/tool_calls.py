@@ -9,7 +9,8 @@ run and counts as invalid; a well-formed call whose tool fails (a division by ze
 call with an error result.
 
 A reply without any tool call is the final answer and ends the episode. Parsing reads any text,
-however hostile, without raising.
+however hostile, without raising. The calls of an episode share a CPU budget (envs/budget.py): once
+it is spent, a call answers "error: tool budget of X s for this episode is spent" without running.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from decentrl.envs.base import EnvStep, Message, StopReason
+from decentrl.envs.base import EnvStep, Message, RecordedAnswer, StopReason
+from decentrl.envs.budget import DEFAULT_TOOL_BUDGET_S, ToolBudget, check_tool_budget
 from decentrl.envs.sandbox import ToolResult
 from decentrl.tasks.arithmetic import check_int_option
 from decentrl.tasks.base import Problem, Reward, is_real
@@ -51,7 +54,8 @@ class Tool:
     description: str
     # Argument name -> JSON schema ({"type": "string", "description": ...}); all are required.
     arguments: dict[str, dict[str, str]]
-    run: Callable[[dict[str, Any]], ToolResult]  # takes arguments already checked against it
+    # Takes arguments already checked against it and the call's time limit in seconds.
+    run: Callable[[dict[str, Any], float], ToolResult]
 
     def schema(self) -> dict[str, Any]:
         return {
@@ -80,6 +84,12 @@ class ParsedCall:
 
     call: ToolCall | None
     error: str | None
+
+
+def rejection(attempt: ParsedCall) -> str:
+    """The error observation of a malformed call."""
+    assert attempt.error is not None  # a ParsedCall holds a call or an error
+    return attempt.error
 
 
 def tools_system_prompt(instructions: str, tools: Sequence[Tool]) -> str:
@@ -214,11 +224,13 @@ def call_opening(tool: Tool) -> str:
     return f"{OPEN_TAG}\n{call[:-3]}"
 
 
-def check_tool_limits(max_turns: int, max_tool_calls: int, invalid_call_penalty: float) -> None:
+def check_tool_limits(max_turns: int, max_tool_calls: int, invalid_call_penalty: float,
+                      tool_budget_s: float) -> None:
     check_int_option("max_turns", max_turns, 1, 1000)
     check_int_option("max_tool_calls", max_tool_calls, 0, 1000)
     if not (is_real(invalid_call_penalty) and 0.0 <= invalid_call_penalty <= 1.0):
         raise ValueError(f"invalid_call_penalty must be in [0, 1], got {invalid_call_penalty!r}")
+    check_tool_budget(tool_budget_s)
 
 
 class ToolEpisode(ABC):
@@ -227,7 +239,9 @@ class ToolEpisode(ABC):
     The reply without a call is the final answer, which `score` turns into the reward. When the
     episode hits a limit instead (`max_turns` replies, or more than `max_tool_calls` calls), the
     calls of the last reply are not run and the reward scores that reply's prose, if any. Each
-    turn's signal is -invalid_call_penalty per malformed call (0.0 for a clean turn).
+    turn's signal is -invalid_call_penalty per malformed call (0.0 for a clean turn). The calls
+    share `tool_budget` (`tool_budget_s` CPU seconds, envs/budget.py); a call it refuses is a
+    valid call whose tool failed.
 
     With `prefill_first_call` the first assistant turn starts with the opening of a call to the
     first tool, up to the value of its first argument (`call_opening`): a small model that never
@@ -247,9 +261,11 @@ class ToolEpisode(ABC):
         invalid_call_penalty: float,
         prefill_first_call: bool = False,
         example: Sequence[Message] = (),
+        tool_budget_s: float = DEFAULT_TOOL_BUDGET_S,
     ) -> None:
         self.problem = problem
         self.tools = {tool.name: tool for tool in tools}
+        self.tool_budget = ToolBudget(tool_budget_s)
         self.max_turns = max_turns
         self.max_tool_calls = max_tool_calls
         self.invalid_call_penalty = invalid_call_penalty
@@ -275,7 +291,7 @@ class ToolEpisode(ABC):
     def turn_prefix(self) -> str:
         return self.first_turn_prefix if self.turns == 0 else ""
 
-    def respond(self, assistant_text: str) -> EnvStep:
+    def respond(self, assistant_text: str, recorded: RecordedAnswer | None = None) -> EnvStep:
         if self.stop_reason is not None:
             raise RuntimeError(f"episode of problem {self.problem.index} is over "
                                f"({self.stop_reason}); start a new one")
@@ -292,22 +308,44 @@ class ToolEpisode(ABC):
             return self._finish("tool_call_limit", strip_tool_calls(assistant_text), turn_signal)
         if self.turns >= self.max_turns:
             return self._finish("turn_limit", strip_tool_calls(assistant_text), turn_signal)
-        observations = [self._observe(attempt) for attempt in parsed]
-        # The model cannot count its budget; telling it keeps its last turn from being wasted on
-        # a call that would not run.
-        if self.turns == self.max_turns - 1 or self.tool_calls == self.max_tool_calls:
-            observations[-1] = f"{observations[-1]}\n{LAST_TURN_NOTE}"
-        appended = [{"role": "tool", "content": defanged(text)} for text in observations]
+        appended = self._answer(self._observe(parsed, recorded))
         self._messages.extend(appended)
         return EnvStep(messages=[dict(m) for m in appended], done=False, reward=None,
                        turn_signal=turn_signal)
 
-    def _observe(self, attempt: ParsedCall) -> str:
-        if attempt.call is None:
-            assert attempt.error is not None  # a ParsedCall holds one or the other
-            return attempt.error
-        result = self.tools[attempt.call.name].run(attempt.call.arguments)
-        return result.output if result.ok else f"{ERROR_PREFIX}{result.error}"
+    def _answer(self, observations: list[str]) -> list[Message]:
+        """The tool messages that answer a turn's calls, one per observation."""
+        texts = list(observations)
+        # The model cannot count its budget; telling it keeps its last turn from being wasted on
+        # a call that would not run.
+        if self.turns == self.max_turns - 1 or self.tool_calls == self.max_tool_calls:
+            texts[-1] = f"{texts[-1]}\n{LAST_TURN_NOTE}"
+        return [{"role": "tool", "content": defanged(text)} for text in texts]
+
+    def _observe(self, parsed: list[ParsedCall], recorded: RecordedAnswer | None) -> list[str]:
+        """What each attempted call answers, running the well-formed ones within the budget. At
+        replay (`recorded`), before each call while the budget lasts: if the rollout recorded
+        this call and the rest as refused by the budget, the replay refuses them too
+        (envs/budget.py says why that keeps the replay identical and cheap)."""
+        observations: list[str] = []
+        for position, attempt in enumerate(parsed):
+            if attempt.call is None:
+                observations.append(rejection(attempt))
+                continue
+            if recorded is not None and not self.tool_budget.exhausted and recorded(
+                    self._answer(observations + self._refused(parsed[position:]))):
+                self.tool_budget.adopt_exhaustion()
+            result = self.tool_budget.run(
+                partial(self.tools[attempt.call.name].run, attempt.call.arguments),
+                replaying=recorded is not None)
+            observations.append(result.output if result.ok else f"{ERROR_PREFIX}{result.error}")
+        return observations
+
+    def _refused(self, attempts: list[ParsedCall]) -> list[str]:
+        """The observations of `attempts` once the budget is spent."""
+        refusal = ERROR_PREFIX + self.tool_budget.refusal
+        return [refusal if attempt.call is not None else rejection(attempt)
+                for attempt in attempts]
 
     def _finish(self, stop_reason: StopReason, final_answer: str, turn_signal: float) -> EnvStep:
         self.stop_reason = stop_reason

@@ -18,12 +18,13 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARACTERS = string.digits + string.ascii_letters + " \n+-*/=?.,:<>()'"
 
 
-def tiny_tokenizer():
-    """A character-level fast tokenizer: every character is one token."""
+def tiny_tokenizer(characters: str = CHARACTERS):
+    """A character-level fast tokenizer: every character is one token. `characters` are the
+    tokens besides the special ones (a tool call's JSON needs more than the default's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(CHARACTERS))}
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(characters))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     backend.decoder = decoders.Fuse()

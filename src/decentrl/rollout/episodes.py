@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from decentrl.envs.base import Episode, Message
@@ -79,23 +80,32 @@ class EpisodeTokens:
         return list(rendered["input_ids"]) + self.tokenizer.encode(self.prefix,
                                                                    add_special_tokens=False)
 
-    def turn_ended(self, completion: list[int]) -> list[int] | None:
+    def turn_ended(self, completion: list[int],
+                   recorded: Callable[[list[int]], bool] | None = None) -> list[int] | None:
         """`completion` ends a turn: the environment's answer as tokens to force, or None when
-        the episode is over."""
+        the episode is over. At replay, `recorded` says whether tokens are those the rollout
+        forced after this turn; the episode may ask it about an answer it could equally give
+        (a tool budget's refusal, envs/budget.py)."""
         tokenizer = self.tokenizer
         text = self.prefix + tokenizer.decode(completion[self.turn_start:],
                                               skip_special_tokens=True)
-        before = self.episode.messages()
-        step = self.episode.respond(text)
+        turn_end = [*self.episode.messages(), {"role": "assistant", "content": text}]
+        closed_by_model = completion[-1] == tokenizer.eos_token_id
+
+        def forced_tokens(messages: list[Message]) -> list[int]:
+            # The next turn's prefix is read once the turn is counted, which it is by the time
+            # the episode asks `recorded` as well.
+            return tokenizer.encode(continuation_text(tokenizer, turn_end, [*turn_end, *messages],
+                                                      closed_by_model)
+                                    + self.episode.turn_prefix(), add_special_tokens=False)
+
+        step = self.episode.respond(text, None if recorded is None else
+                                    lambda messages: recorded(forced_tokens(messages)))
         self.turn_signals.append(step.turn_signal)
         if step.done:
             return None
-        turn_end = [*before, {"role": "assistant", "content": text}]
         self.prefix = self.episode.turn_prefix()
-        closed_by_model = completion[-1] == tokenizer.eos_token_id
-        forced = tokenizer.encode(continuation_text(tokenizer, turn_end,
-                                                    [*turn_end, *step.messages], closed_by_model)
-                                  + self.prefix, add_special_tokens=False)
+        forced = forced_tokens(step.messages)
         self.turn_start = len(completion) + len(forced)
         return forced
 
@@ -116,12 +126,24 @@ def generate_episodes(chain: InferenceChain, episodes: list[Episode], tokenizer:
     return [EpisodeRollout(g, e, p) for g, e, p in zip(generations, episodes, prompts)]
 
 
+def forced_at(completion: list[int], generated: list[bool], position: int,
+              forced: list[int]) -> bool:
+    """Whether the completion holds `forced` at `position` as the environment's tokens: all of
+    them followed by a generated token, or as many as the completion has room for."""
+    end = position + len(forced)
+    given = completion[position:end]
+    return (given == forced[:len(given)] and not any(generated[position:end])
+            and (end >= len(completion) or generated[end]))
+
+
 def replay_episode(episode: Episode, tokenizer: Any, rollout: Rollout) -> EpisodeTokens:
     """Play a fresh `episode` through a rollout's tokens, as generation did: every assistant
     turn (the generated tokens) goes to the environment, whose answers must be exactly the
-    rollout's forced tokens. Returns the played episode (finished, or cut by the budget) with its
-    turn signals; raises ValueError where the rollout's prompt or environment tokens are not what
-    the environment gives (a peer's transcript is never trusted)."""
+    rollout's forced tokens. Returns the played episode (finished, or cut by the token budget)
+    with its turn signals; raises ValueError where the rollout's prompt or environment tokens are
+    not what the environment gives (a peer's transcript is never trusted). The episode's tool
+    calls run within the replay's CPU limit, and a call the rollout recorded as refused by its
+    tool budget is refused here without running (envs/budget.py)."""
     completion, generated = rollout.completion_tokens, rollout.generated_mask()
     driver = EpisodeTokens(episode, tokenizer)
     if driver.prompt() != list(rollout.prompt_tokens):
@@ -138,13 +160,13 @@ def replay_episode(episode: Episode, tokenizer: Any, rollout: Rollout) -> Episod
         if not ends_turn(completion[start:position], generated[start:position],
                          {tokenizer.eos_token_id}, stops):
             continue
-        forced = driver.turn_ended(completion[:position])
+        recorded = partial(forced_at, completion, generated, position)
+        forced = driver.turn_ended(completion[:position], recorded)
         if forced is None:
             if position != len(completion):
                 raise ValueError(f"{len(completion) - position} tokens follow the episode's end")
             break
-        given = completion[position:position + len(forced)]
-        if given != forced[:len(given)] or any(generated[position:position + len(given)]):
+        if not recorded(forced):
             raise ValueError(f"the environment's tokens after turn {episode.turns} are not what "
                              "the environment answers")
         position += len(forced)

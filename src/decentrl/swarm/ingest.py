@@ -5,7 +5,13 @@ training batches with group-relative advantages.
 An episode's reward comes from replaying it: a fresh episode of the same problem is played
 through the rollout's assistant turns, and the environment's replies must be exactly the tokens
 the rollout says the environment gave (rollout/episodes.py, `replay_episode`). The episode's
-return is its final reward (0 when the token budget cut it short) plus its per-turn signals."""
+return is its final reward (0 when the token budget cut it short) plus its per-turn signals.
+
+Replaying runs the episode's tool calls again, within REPLAY_ALLOWANCE times its CPU budget
+(envs/budget.py), and refuses without running a call the rollout recorded as refused by the
+budget. A group has group_size episodes (checked first), so its replay costs at most group_size x
+REPLAY_ALLOWANCE x tool_budget_s CPU seconds of tools, however its peer wrote the transcripts
+(plus, per episode, what its last call's sandbox overruns: its CPU timer's margin and startup)."""
 
 from __future__ import annotations
 
