@@ -32,6 +32,10 @@ def coordinator_key(run: str) -> str:
     return f"decentrl/{run}/coordinator"
 
 
+def inbox_key(run: str) -> str:
+    return f"decentrl/{run}/inbox"
+
+
 class PeerRecord(Body):
     """A peer's announcement under its stage's key (subkey: its peer id); it expires unless
     renewed, so a dead peer drops out of the directory by itself."""
@@ -62,7 +66,8 @@ class CoordinatorRecord(Body):
 
 
 class InboxRecord(Body):
-    """Where rollout groups go: the coordinator's peer id."""
+    """Where rollout groups go: the coordinator's peer id (the record's writer, under
+    `inbox_key`)."""
 
     peer_id: str
 

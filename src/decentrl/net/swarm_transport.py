@@ -4,9 +4,9 @@ travel by RPC to the coordinator's inbox. Same methods and semantics as the in-p
 as compressed updates that replicas spread among themselves (sync/distribute.py).
 
 Rollouts: the coordinator's transport owns a bounded inbox and serves `submit_rollouts`; any other
-process's `put_rollouts` finds the coordinator in the DHT and submits there (a group is decoded
-strictly, then queued; a full inbox answers "not queued" so the sender can retry later). In the
-coordinator's own process `put_rollouts` queues directly."""
+process's `put_rollouts` finds the coordinator's inbox record in the DHT and submits there (a
+group is decoded strictly, then queued; a full inbox answers "not queued" so the sender can retry
+later). In the coordinator's own process `put_rollouts` queues directly."""
 
 from __future__ import annotations
 
@@ -15,12 +15,25 @@ import threading
 from collections.abc import Callable
 
 from decentrl.net.node import Reply, Request, SwarmNode
-from decentrl.net.protocol import SUBMIT_ROLLOUTS, InboxRecord, RolloutsQueued, coordinator_key
+from decentrl.net.protocol import SUBMIT_ROLLOUTS, InboxRecord, RolloutsQueued, inbox_key
+from decentrl.net.records import decode_records
 from decentrl.net.transport import TransportClosed
-from decentrl.net.wire import decode_struct, encode_struct
+from decentrl.net.wire import encode_struct
 from decentrl.rollout.types import RolloutGroup
 
-COORDINATOR_SUBKEY = "inbox"
+
+def find_inbox(node: SwarmNode, run: str, timeout: float) -> str | None:
+    """The peer id of `run`'s inbox, or None while none is announced. The inbox is the writer
+    of an inbox record that names itself (a record naming another peer is not its writer's to
+    make). Raises RuntimeError if several peers announce one: anyone can sign an inbox record
+    of their own, and until the run's owner is known none of them can be chosen."""
+    entries = node.run(node.lookup(inbox_key(run)), timeout=timeout)
+    records, _ = decode_records(entries, InboxRecord)
+    inboxes = [writer for writer, record in records.items() if record.peer_id == writer]
+    if len(inboxes) > 1:
+        raise RuntimeError(f"{len(inboxes)} peers announce an inbox for run {run!r}: cannot "
+                           "tell which is the coordinator's")
+    return inboxes[0] if inboxes else None
 
 
 class HivemindTransport:
@@ -48,7 +61,7 @@ class HivemindTransport:
 
     def announce_inbox(self) -> None:
         """(Re-)announce where rollouts go; the coordinator calls this periodically."""
-        self.node.run(self.node.announce(coordinator_key(self.run), COORDINATOR_SUBKEY,
+        self.node.run(self.node.announce(inbox_key(self.run),
                                          encode_struct(InboxRecord(peer_id=self.node.peer_id)),
                                          self.ttl_s), timeout=self.timeout_s)
 
@@ -71,10 +84,9 @@ class HivemindTransport:
                 return True
             except queue.Full:
                 return False
-        entries = self.node.run(self.node.lookup(coordinator_key(self.run)), timeout=timeout)
-        if COORDINATOR_SUBKEY not in entries:
+        coordinator = find_inbox(self.node, self.run, timeout)
+        if coordinator is None:
             return False
-        coordinator = decode_struct(entries[COORDINATOR_SUBKEY], InboxRecord).peer_id
         reply, _ = self.node.call_sync(coordinator, SUBMIT_ROLLOUTS, group, timeout=timeout)
         return reply.queued
 

@@ -37,15 +37,15 @@ from decentrl.net.protocol import (
     MAX_SUBMISSION_BYTES,
     SUBMIT_ROLLOUTS,
     Empty,
-    InboxRecord,
     InferenceStep,
     PeerRecord,
     Role,
     Rpc,
-    coordinator_key,
     stage_key,
 )
-from decentrl.net.wire import WireError, decode_struct
+from decentrl.net.records import decode_records
+from decentrl.net.swarm_transport import find_inbox
+from decentrl.net.wire import WireError
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
 from decentrl.swarm.inference import InferenceService
 from decentrl.swarm.peer import StagePeer
@@ -173,10 +173,9 @@ def submit_replays(node: SwarmNode, config: RunConfig, stop: threading.Event,
             version_spans=[VersionSpan(start=0, versions=[0] * config.num_stages)],
             sampling_seed=0, rollouts=[rollout] * config.rollout.group_size)
         try:
-            entries = node.run(node.lookup(coordinator_key(config.name)), timeout=10)
-            if "inbox" not in entries:
+            inbox = find_inbox(node, config.name, timeout=10)
+            if inbox is None:
                 continue
-            inbox = decode_struct(entries["inbox"], InboxRecord).peer_id
             node.call_sync(inbox, SUBMIT_ROLLOUTS, group, timeout=10)
         except (RemoteError, WireError, MessageLost, TimeoutError) as error:
             refused += 1
@@ -187,9 +186,10 @@ def submit_replays(node: SwarmNode, config: RunConfig, stop: threading.Event,
 def _trained(node: SwarmNode, config: RunConfig) -> bool:
     """Whether a stage peer announces a version past 0 (rollouts were accepted and trained)."""
     for stage in range(config.num_stages):
-        for raw in node.run(node.lookup(stage_key(config.name, stage)), timeout=10).values():
-            if decode_struct(raw, PeerRecord).version > 0:
-                return True
+        records, _ = decode_records(node.run(node.lookup(stage_key(config.name, stage)),
+                                             timeout=10), PeerRecord, stage)
+        if any(record.version > 0 for record in records.values()):
+            return True
     return False
 
 
@@ -204,9 +204,7 @@ def flood(node: SwarmNode, config: RunConfig, stop: threading.Event, every_s: fl
     rng = random.Random()
     while not stop.wait(every_s):
         if sent % 20 == 0:  # refresh who is out there now and then
-            entries = node.run(node.lookup(coordinator_key(config.name)), timeout=10)
-            inbox = decode_struct(entries["inbox"], InboxRecord).peer_id \
-                if "inbox" in entries else None
+            inbox = find_inbox(node, config.name, timeout=10)
             targets = [inbox] if inbox else []
             for stage in range(config.num_stages):
                 targets += node.run(node.lookup(stage_key(config.name, stage)), timeout=10)

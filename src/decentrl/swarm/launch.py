@@ -33,7 +33,8 @@ from decentrl.net.protocol import (
     layer_span,
     stage_key,
 )
-from decentrl.net.wire import TensorLimits, decode_struct
+from decentrl.net.records import decode_records
+from decentrl.net.wire import TensorLimits
 from decentrl.progress import progress_bar
 from decentrl.swarm.adversary import (
     ADVERSARIES,
@@ -80,8 +81,14 @@ def fetch_config(node: SwarmNode, run: str, timeout_s: float, stop: threading.Ev
         while not stop.is_set() and (waited := time.monotonic() - started) < timeout_s:
             update(waited)
             entries = node.run(node.lookup(coordinator_key(run)), timeout=LOOKUP_TIMEOUT_S)
-            if "config" in entries:
-                record = decode_struct(entries["config"], CoordinatorRecord)
+            records, _ = decode_records(entries, CoordinatorRecord)
+            if len(records) > 1:
+                # Anyone can sign a config record of their own under the run's key; until the
+                # run's owner is known, a peer cannot tell which is the coordinator's.
+                raise RuntimeError(f"{len(records)} peers announce a config for run {run!r}: "
+                                   "cannot tell which is the coordinator's; join with --config")
+            if records:
+                record = next(iter(records.values()))
                 return parse_config(json.loads(record.config_json))
             stop.wait(1.0)
     if stop.is_set():
@@ -98,9 +105,11 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
     the stage with the least free capacity (fewest free sessions, then fewest replicas)."""
     capacity = []
     for stage in range(config.num_stages):
-        records = [decode_struct(raw, PeerRecord)
-                   for raw in node.run(node.lookup(stage_key(config.name, stage)),
-                                       timeout=LOOKUP_TIMEOUT_S).values()]
+        found, skipped = decode_records(node.run(node.lookup(stage_key(config.name, stage)),
+                                                 timeout=LOOKUP_TIMEOUT_S), PeerRecord, stage)
+        if skipped:
+            log.warning("stage %d: skipped %d malformed announcements", stage, skipped)
+        records = list(found.values())
         if role == "training":
             capacity.append((sum(r.training_ready for r in records), stage))
         else:

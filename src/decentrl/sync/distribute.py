@@ -54,7 +54,8 @@ from decentrl.net.protocol import (
     stage_key,
     weights_key,
 )
-from decentrl.net.wire import WireError, decode_struct, encode_struct
+from decentrl.net.records import decode_records
+from decentrl.net.wire import WireError, encode_struct
 from decentrl.sync.delta import (
     PublishedState,
     TensorChange,
@@ -310,7 +311,7 @@ class WeightPublisher(UpdateServer):
         with self._lock:
             record = WeightsRecord(stage=self.stage, version=self.state.version,
                                    state_hash=self.state.hash)
-        self.node.run(self.node.announce(weights_key(self.run, self.stage), self.node.peer_id,
+        self.node.run(self.node.announce(weights_key(self.run, self.stage),
                                          encode_struct(record), self.ttl_s),
                       timeout=self.timeout_s)
 
@@ -359,6 +360,7 @@ class WeightFollower(UpdateServer):
         self.banned: dict[str, float] = {}
         self.bad_chunks = 0
         self.hash_mismatches = 0
+        self.skipped_records = 0  # malformed records met so far, once per lookup that met each
         self._want_keyframe = False
         self._sync_lock: asyncio.Lock | None = None
         self.wake = asyncio.Event()
@@ -400,15 +402,9 @@ class WeightFollower(UpdateServer):
 
     async def _records(self, key: str, record_type: type[Record]) -> dict[str, Record]:
         """The well-formed records of this stage under a DHT key, by peer (malformed ones are
-        skipped: anyone can write there)."""
-        found = {}
-        for peer, raw in (await self.node.lookup(key)).items():
-            try:
-                record = decode_struct(raw, record_type)
-            except WireError:
-                continue
-            if record.stage == self.stage:
-                found[peer] = record
+        skipped and counted: anyone can write there)."""
+        found, skipped = decode_records(await self.node.lookup(key), record_type, self.stage)
+        self.skipped_records += skipped
         return found
 
     async def _publishers(self) -> list[tuple[str, WeightsRecord]]:
