@@ -226,7 +226,7 @@ class SwarmNode:
             initargs=(compute_threads,) if compute_threads else ())
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
-        self.records = SignedRecordValidator(self.identity)
+        self.record_validator = SignedRecordValidator(self.identity)
         self.links: LinkEmulator | None = None
         # By (sender, request id): a request id is the caller's choice, so another peer that
         # learnt it must not get the caller's reply.
@@ -290,7 +290,7 @@ class SwarmNode:
                                f"verify")
         self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial_peers or None,
                                         ensure_bootstrap_success=bool(initial_peers),
-                                        record_validator=self.records)
+                                        record_validator=self.record_validator)
         self.links = LinkEmulator(local=str(self.p2p.peer_id), profile=self.link_profile)
 
     @property
@@ -644,7 +644,7 @@ class SwarmNode:
     @property
     def refused_records(self) -> dict[str, int]:
         """DHT records this node refused (asked to store them, or found them), by reason."""
-        return self.records.refused
+        return self.record_validator.refused
 
 
 async def _aiter(items: list[T]) -> Any:
