@@ -221,7 +221,7 @@ def announce_replicas(replicas: list[SwarmNode], layers: int) -> None:
     for i, node in enumerate(replicas):
         record = PeerRecord(name=f"replica{i}", stage=0, layers=(0, layers), role="inference",
                             version=0, tokens_per_s=0.0, free_sessions=1, training_ready=False)
-        stored = node.run(node.announce(stage_key(RUN, 0), node.peer_id, encode_struct(record),
+        stored = node.run(node.announce(stage_key(RUN, 0), encode_struct(record),
                                         ANNOUNCE_TTL_S), timeout=30)
         if not stored:
             raise RuntimeError(f"replica{i} could not announce itself")

@@ -149,7 +149,8 @@ def test_replayed_submissions_are_refused_and_their_sender_banned(
         stop, accepted = threading.Event(), threading.Event()
         refused: list[int] = []
         thread = threading.Thread(target=lambda: refused.append(
-            submit_replays(attacker, config, stop, every_s=0.3, start=accepted)), daemon=True)
+            submit_replays(attacker, config, swarm.client.peer_id, stop, every_s=0.3,
+                           start=accepted)), daemon=True)
         try:
             with coordinated(config, swarm) as coordinator:
                 thread.start()

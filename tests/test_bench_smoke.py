@@ -123,3 +123,11 @@ def test_update_spread_prints_figures(capsys: pytest.CaptureFixture[str]) -> Non
     # The swarm's publisher sends each chunk once in all; the star's once per replica.
     assert values["swarm_n2_publisher_ratio"] == pytest.approx(1.0, abs=0.1)
     assert values["star_n2_publisher_ratio"] == pytest.approx(2.0, abs=0.1)
+
+
+def test_record_signing_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("record_signing")
+    bench.main(["--records", "20", "--repeats", "1"])
+    values = figures(capsys.readouterr().out, "record-signing")
+    assert_positive(values, [f"{body}_{cost}" for body in ("announcement", "limit")
+                             for cost in ("sign_us", "validate_us", "total_us")])

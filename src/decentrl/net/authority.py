@@ -27,7 +27,7 @@ from typing import Any
 from decentrl.net.identity import public_key_of
 from decentrl.net.node import CallerRefused, CallerUnknown, SwarmNode
 from decentrl.net.protocol import PeerRecord, Rpc, stage_key
-from decentrl.net.wire import WireError, decode_struct
+from decentrl.net.records import decode_records
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +69,6 @@ class RunAuthority:
     async def refresh(self) -> None:
         """Look the stage's announced peers up again (from the node's loop)."""
         self._looked_up = time.monotonic()
-        members = set()
-        for peer, raw in (await self.node.lookup(stage_key(self.run, self.stage))).items():
-            try:
-                record = decode_struct(raw, PeerRecord)
-            except WireError:
-                continue
-            if record.stage == self.stage:
-                members.add(peer)
-        self.members = frozenset(members)
+        found, _ = decode_records(await self.node.lookup(stage_key(self.run, self.stage)),
+                                  PeerRecord, self.stage)
+        self.members = frozenset(found)

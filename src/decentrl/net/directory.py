@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from decentrl.config import SwarmConfig
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import PeerRecord, stage_key
-from decentrl.net.wire import WireError, decode_struct
+from decentrl.net.records import decode_records
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +49,21 @@ class Directory:
     # Called with (peer id, its record, True) for each peer that appeared and (.., False) for
     # each whose announcement expired, after a refresh, outside the lock.
     on_change: Callable[[str, PeerRecord, bool], None] = lambda peer, record, joined: None
+    # Validly signed announcements whose body was malformed (or of another stage), once per
+    # refresh that met each: anyone may write under a stage's key.
+    skipped_records: int = 0
 
     def refresh(self) -> None:
         found: dict[str, PeerRecord] = {}
+        skipped = 0
         for stage in range(self.num_stages):
             entries = self.node.run(self.node.lookup(stage_key(self.run, stage)),
                                     timeout=self.swarm.request_timeout_s)
-            for peer, raw in entries.items():
-                try:
-                    record = decode_struct(raw, PeerRecord)
-                except WireError as error:
-                    log.warning("ignoring a bad announcement from %s: %s", peer[-8:], error)
-                    continue
-                if record.stage == stage:
-                    found[peer] = record
+            records, skipped_here = decode_records(entries, PeerRecord, stage)
+            found.update(records)
+            skipped += skipped_here
         with self.lock:
+            self.skipped_records += skipped
             joined = [(peer, record) for peer, record in found.items() if peer not in self.peers]
             left = [(peer, self.peers.pop(peer).record) for peer in set(self.peers) - set(found)]
             for peer, record in found.items():

@@ -48,6 +48,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from decentrl.net.identity import Identity, verify
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
 from decentrl.net.protocol import Rpc
+from decentrl.net.records import MAX_RECORD_BYTES, SignedRecordValidator
 from decentrl.net.wire import (
     ActivationCodec,
     TensorLimits,
@@ -244,6 +245,7 @@ class SwarmNode:
             initargs=(compute_threads,) if compute_threads else ())
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
+        self.record_validator = SignedRecordValidator(self.identity)
         self.links: LinkEmulator | None = None
         # By (sender, request id): a request id is the caller's choice, so another peer that
         # learnt it must not get the caller's reply.
@@ -306,7 +308,8 @@ class SwarmNode:
                                f"its identity {self.identity.peer_id}; its signatures would not "
                                f"verify")
         self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial_peers or None,
-                                        ensure_bootstrap_success=bool(initial_peers))
+                                        ensure_bootstrap_success=bool(initial_peers),
+                                        record_validator=self.record_validator)
         self.links = LinkEmulator(local=str(self.p2p.peer_id), profile=self.link_profile)
 
     @property
@@ -636,19 +639,32 @@ class SwarmNode:
 
     # ---- DHT -----------------------------------------------------------------------------
 
-    async def announce(self, key: str, subkey: str, value: bytes, ttl_s: float) -> bool:
+    async def announce(self, key: str, value: bytes, ttl_s: float) -> bool:
+        """Store `value` under `key` as this node's record (its subkey is this node's peer id,
+        the only one its validator signs), replacing its earlier one; live for `ttl_s`."""
         assert self.dht is not None
-        return await self.dht.store(key, value, get_dht_time() + ttl_s, subkey=subkey)
+        if len(value) > MAX_RECORD_BYTES:
+            raise ValueError(f"{self.name}: a record of {len(value)} bytes under {key!r} is over "
+                             f"the DHT's limit of {MAX_RECORD_BYTES}")
+        return await self.dht.store(key, value, get_dht_time() + ttl_s, subkey=self.peer_id)
 
     async def lookup(self, key: str) -> dict[str, bytes]:
-        """Every live subkey -> value under `key` (expired entries are gone)."""
+        """Every live record under `key`: {writer's peer id: value}. Each was validated (signed
+        by the writer its subkey names, within the size limit) by this node's validator, when
+        it was stored here or when another node returned it."""
         assert self.dht is not None
         found = await self.dht.get(key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return {}
         now = get_dht_time()
-        return {str(sub): entry.value for sub, entry in found.value.items()
-                if entry.expiration_time > now and isinstance(entry.value, bytes)}
+        return {writer: entry.value for writer, entry in found.value.items()
+                if entry.expiration_time > now and isinstance(writer, str)
+                and isinstance(entry.value, bytes)}
+
+    @property
+    def refused_records(self) -> dict[str, int]:
+        """DHT records this node refused (asked to store them, or found them), by reason."""
+        return self.record_validator.refused
 
 
 async def _aiter(items: list[T]) -> Any:

@@ -32,6 +32,7 @@ def coordinator_key(run: str) -> str:
     return f"decentrl/{run}/coordinator"
 
 
+
 class PeerRecord(Body):
     """A peer's announcement under its stage's key (subkey: its peer id); it expires unless
     renewed, so a dead peer drops out of the directory by itself."""
@@ -89,12 +90,6 @@ class LineageRecord(Body):
     stage: int
     publisher: str
     hashes: dict[int, str]  # version -> state hash, the newest versions only
-
-
-class InboxRecord(Body):
-    """Where rollout groups go: the coordinator's peer id."""
-
-    peer_id: str
 
 
 class RolloutsQueued(Body):

@@ -4,7 +4,7 @@ travel by RPC to the coordinator's inbox. Same methods and semantics as the in-p
 as compressed updates that replicas spread among themselves (sync/distribute.py).
 
 Rollouts: the coordinator's transport owns a bounded inbox and serves `submit_rollouts`; any other
-process's `put_rollouts` finds the coordinator in the DHT and submits there (a group is decoded
+process's `put_rollouts` submits to the run's owner, which is the coordinator (a group is decoded
 strictly, then queued; a full inbox answers "not queued" so the sender can retry later). In the
 coordinator's own process `put_rollouts` queues directly."""
 
@@ -15,42 +15,33 @@ import threading
 from collections.abc import Callable
 
 from decentrl.net.node import Reply, Request, SwarmNode
-from decentrl.net.protocol import SUBMIT_ROLLOUTS, InboxRecord, RolloutsQueued, coordinator_key
+from decentrl.net.protocol import SUBMIT_ROLLOUTS, RolloutsQueued
 from decentrl.net.transport import TransportClosed
-from decentrl.net.wire import decode_struct, encode_struct
 from decentrl.rollout.types import RolloutGroup
-
-COORDINATOR_SUBKEY = "inbox"
 
 
 class HivemindTransport:
-    def __init__(self, node: SwarmNode, run: str, *, inbox_size: int = 0,
-                 timeout_s: float = 60.0, announce_ttl_s: float = 10.0,
+    def __init__(self, node: SwarmNode, owner: str, *, inbox_size: int = 0,
+                 timeout_s: float = 60.0,
                  admit: Callable[[RolloutGroup, str], None] | None = None) -> None:
-        """`inbox_size` > 0 makes this the coordinator's transport (it receives rollouts).
+        """`owner`: the peer id of the run's owner, whose inbox takes the rollouts.
+        `inbox_size` > 0 makes this the coordinator's transport (it receives rollouts).
         `admit(group, sender)` decides whether another peer's submission may enter; it raises
         a ValueError naming the reason if not (None: everything well formed enters)."""
-        self.node, self.run = node, run
+        self.node, self.owner = node, owner
         self.admit = admit
-        self.timeout_s, self.ttl_s = timeout_s, announce_ttl_s
+        self.timeout_s = timeout_s
         self._inbox: queue.Queue[RolloutGroup] | None = (
             queue.Queue(maxsize=inbox_size) if inbox_size > 0 else None)
         self._closed = threading.Event()
         if self._inbox is not None:
             node.serve(SUBMIT_ROLLOUTS, self._serve_rollouts)
-            self.announce_inbox()
 
     def _check_open(self) -> None:
         if self._closed.is_set():
             raise TransportClosed("transport is closed")
 
     # ---- rollouts -------------------------------------------------------------------------
-
-    def announce_inbox(self) -> None:
-        """(Re-)announce where rollouts go; the coordinator calls this periodically."""
-        self.node.run(self.node.announce(coordinator_key(self.run), COORDINATOR_SUBKEY,
-                                         encode_struct(InboxRecord(peer_id=self.node.peer_id)),
-                                         self.ttl_s), timeout=self.timeout_s)
 
     async def _serve_rollouts(self, request: Request[RolloutGroup]) -> Reply:
         assert self._inbox is not None
@@ -71,11 +62,7 @@ class HivemindTransport:
                 return True
             except queue.Full:
                 return False
-        entries = self.node.run(self.node.lookup(coordinator_key(self.run)), timeout=timeout)
-        if COORDINATOR_SUBKEY not in entries:
-            return False
-        coordinator = decode_struct(entries[COORDINATOR_SUBKEY], InboxRecord).peer_id
-        reply, _ = self.node.call_sync(coordinator, SUBMIT_ROLLOUTS, group, timeout=timeout)
+        reply, _ = self.node.call_sync(self.owner, SUBMIT_ROLLOUTS, group, timeout=timeout)
         return reply.queued
 
     def get_rollouts(self, timeout: float) -> RolloutGroup | None:

@@ -37,15 +37,14 @@ from decentrl.net.protocol import (
     MAX_SUBMISSION_BYTES,
     SUBMIT_ROLLOUTS,
     Empty,
-    InboxRecord,
     InferenceStep,
     PeerRecord,
     Role,
     Rpc,
-    coordinator_key,
     stage_key,
 )
-from decentrl.net.wire import WireError, decode_struct
+from decentrl.net.records import decode_records
+from decentrl.net.wire import WireError
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
 from decentrl.swarm.inference import InferenceService
 from decentrl.swarm.peer import StagePeer
@@ -147,7 +146,7 @@ class HostileInference:
         result["tokens"][0::2] = token
 
 
-def submit_replays(node: SwarmNode, config: RunConfig, stop: threading.Event,
+def submit_replays(node: SwarmNode, config: RunConfig, owner: str, stop: threading.Event,
                    every_s: float = 1.0, start: threading.Event | None = None) -> int:
     """The replay adversary: once the run has accepted rollouts (`start` is set; by default,
     once a stage peer announces version 1 or later), submit groups of the problems the
@@ -173,11 +172,7 @@ def submit_replays(node: SwarmNode, config: RunConfig, stop: threading.Event,
             version_spans=[VersionSpan(start=0, versions=[0] * config.num_stages)],
             sampling_seed=0, rollouts=[rollout] * config.rollout.group_size)
         try:
-            entries = node.run(node.lookup(coordinator_key(config.name)), timeout=10)
-            if "inbox" not in entries:
-                continue
-            inbox = decode_struct(entries["inbox"], InboxRecord).peer_id
-            node.call_sync(inbox, SUBMIT_ROLLOUTS, group, timeout=10)
+            node.call_sync(owner, SUBMIT_ROLLOUTS, group, timeout=10)
         except (RemoteError, WireError, MessageLost, TimeoutError) as error:
             refused += 1
             log.info("replay refused: %s", error)
@@ -187,27 +182,25 @@ def submit_replays(node: SwarmNode, config: RunConfig, stop: threading.Event,
 def _trained(node: SwarmNode, config: RunConfig) -> bool:
     """Whether a stage peer announces a version past 0 (rollouts were accepted and trained)."""
     for stage in range(config.num_stages):
-        for raw in node.run(node.lookup(stage_key(config.name, stage)), timeout=10).values():
-            if decode_struct(raw, PeerRecord).version > 0:
-                return True
+        records, _ = decode_records(node.run(node.lookup(stage_key(config.name, stage)),
+                                             timeout=10), PeerRecord, stage)
+        if any(record.version > 0 for record in records.values()):
+            return True
     return False
 
 
-def flood(node: SwarmNode, config: RunConfig, stop: threading.Event, every_s: float = 0.2,
-          oversized_bytes: int = MAX_SUBMISSION_BYTES + 2**20) -> int:
+def flood(node: SwarmNode, config: RunConfig, owner: str, stop: threading.Event,
+          every_s: float = 0.2, oversized_bytes: int = MAX_SUBMISSION_BYTES + 2**20) -> int:
     """The flood adversary: malformed requests (a body of the wrong type, tensors of the wrong
-    shape) to the coordinator and every stage peer, and oversized submissions to the
-    coordinator's inbox, until `stop`; returns how many were sent."""
+    shape) to the coordinator (the run's owner, `owner`) and every stage peer, and oversized
+    submissions to the coordinator's inbox, until `stop`; returns how many were sent."""
     sent = 0
-    inbox: str | None = None
+    inbox = owner  # the coordinator
     targets: list[str] = []
     rng = random.Random()
     while not stop.wait(every_s):
         if sent % 20 == 0:  # refresh who is out there now and then
-            entries = node.run(node.lookup(coordinator_key(config.name)), timeout=10)
-            inbox = decode_struct(entries["inbox"], InboxRecord).peer_id \
-                if "inbox" in entries else None
-            targets = [inbox] if inbox else []
+            targets = [inbox]
             for stage in range(config.num_stages):
                 targets += node.run(node.lookup(stage_key(config.name, stage)), timeout=10)
         if not targets:

@@ -131,10 +131,9 @@ class SwarmBackend:
         # Rollouts arrive through the transport, from this process's generation loops or from
         # any peer that submits them. The inbox holds one batch: more would wait there until the
         # staleness bound drops it.
-        self.transport = HivemindTransport(node, config.name,
+        self.transport = HivemindTransport(node, node.peer_id,
                                            inbox_size=config.rollout.prompts_per_step,
                                            timeout_s=config.swarm.request_timeout_s,
-                                           announce_ttl_s=5 * config.swarm.announce_every_s,
                                            admit=self.trust.admit_submission)
         self.generation_threads = config.swarm.sessions_in_flight
         self.observer: SwarmObserver | None = None  # set by swarm_run, once the loop exists
@@ -220,7 +219,6 @@ class SwarmBackend:
             try:
                 self.announce_run()
                 self.lineage.renew()
-                self.transport.announce_inbox()
                 self.directory.refresh()
                 if self.observer is not None and \
                         time.monotonic() - last_snapshot >= self.config.swarm.snapshot_every_s:

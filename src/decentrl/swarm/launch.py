@@ -26,7 +26,8 @@ from decentrl.net.identity import Identity
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import PeerRecord, Role, layer_span, stage_key
-from decentrl.net.wire import TensorLimits, decode_struct
+from decentrl.net.records import decode_records
+from decentrl.net.wire import TensorLimits
 from decentrl.swarm.adversary import (
     ADVERSARIES,
     adversary_stages,
@@ -75,9 +76,11 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
     the stage with the least free capacity (fewest free sessions, then fewest replicas)."""
     capacity = []
     for stage in range(config.num_stages):
-        records = [decode_struct(raw, PeerRecord)
-                   for raw in node.run(node.lookup(stage_key(config.name, stage)),
-                                       timeout=LOOKUP_TIMEOUT_S).values()]
+        found, skipped = decode_records(node.run(node.lookup(stage_key(config.name, stage)),
+                                                 timeout=LOOKUP_TIMEOUT_S), PeerRecord, stage)
+        if skipped:
+            log.warning("stage %d: skipped %d malformed announcements", stage, skipped)
+        records = list(found.values())
         if role == "training":
             capacity.append((sum(r.training_ready for r in records), stage))
         else:
@@ -135,7 +138,7 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
             watcher = threading.Thread(target=until_stopped, daemon=True)
             watcher.start()
             attack = submit_replays if adversary == "replay" else flood
-            attack(node, config, stop)
+            attack(node, config, owner, stop)
             return
         chosen = stage if stage is not None else choose_stage(node, config, role)
         if adversary is not None:

@@ -96,6 +96,6 @@ class LineageSigner:
         self._announce(record)
 
     def _announce(self, record: LineageRecord) -> None:
-        self.node.run(self.node.announce(lineage_key(self.run, record.stage), self.node.peer_id,
+        self.node.run(self.node.announce(lineage_key(self.run, record.stage),
                                          encode_struct(record), self.ttl_s),
                       timeout=self.timeout_s)

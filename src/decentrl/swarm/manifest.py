@@ -101,8 +101,8 @@ def run_manifest(config: RunConfig, roster: list[RosterEntry]) -> RunManifest:
 
 
 def publish_manifest(node: SwarmNode, manifest: RunManifest, ttl_s: float) -> None:
-    node.run(node.announce(coordinator_key(manifest.run), node.peer_id, encode_struct(manifest),
-                           ttl_s), timeout=LOOKUP_TIMEOUT_S)
+    node.run(node.announce(coordinator_key(manifest.run), encode_struct(manifest), ttl_s),
+             timeout=LOOKUP_TIMEOUT_S)
 
 
 def read_manifest(node: SwarmNode, run: str, owner: str) -> RunManifest | None:

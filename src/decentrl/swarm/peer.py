@@ -190,7 +190,7 @@ class StagePeer:
 
     async def announce(self) -> None:
         ttl = 5 * self.config.swarm.announce_every_s
-        await self.node.announce(stage_key(self.config.name, self.index), self.node.peer_id,
+        await self.node.announce(stage_key(self.config.name, self.index),
                                  encode_struct(self.record()), ttl)
 
     async def _announce_forever(self) -> None:

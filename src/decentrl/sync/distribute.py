@@ -59,7 +59,8 @@ from decentrl.net.protocol import (
     lineage_key,
     stage_key,
 )
-from decentrl.net.wire import WireError, decode_struct
+from decentrl.net.records import decode_records
+from decentrl.net.wire import WireError
 from decentrl.sync.delta import (
     PublishedState,
     TensorChange,
@@ -363,6 +364,7 @@ class WeightFollower(UpdateServer):
         self.banned: dict[str, float] = {}
         self.bad_chunks = 0
         self.hash_mismatches = 0
+        self.skipped_records = 0  # malformed records met so far, once per lookup that met each
         self._want_keyframe = False
         self._sync_lock: asyncio.Lock | None = None
         self.wake = asyncio.Event()
@@ -414,31 +416,22 @@ class WeightFollower(UpdateServer):
 
     async def lineage(self) -> LineageRecord | None:
         """The run owner's signed lineage of this stage, or None while there is none (or it is
-        malformed: only the owner can write it, and a reader never fails on a record)."""
-        raw = (await self.node.lookup(lineage_key(self.run, self.stage))).get(self.owner)
-        if raw is None:
-            return None
-        try:
-            lineage = decode_struct(raw, LineageRecord)
-        except WireError as error:
-            log.warning("stage %d: the owner's lineage record is malformed: %s", self.stage, error)
-            return None
-        if lineage.stage != self.stage or not lineage.hashes:
-            return None
-        return lineage
+        malformed, which is counted: a reader never fails on a record)."""
+        entries = await self.node.lookup(lineage_key(self.run, self.stage))
+        owned = {self.owner: entries[self.owner]} if self.owner in entries else {}
+        found, skipped = decode_records(owned, LineageRecord, self.stage)
+        self.skipped_records += skipped
+        lineage = found.get(self.owner)
+        return lineage if lineage is not None and lineage.hashes else None
 
     async def _replicas(self) -> list[str]:
         """The inference replicas of this stage (this one included), sorted by peer id. Malformed
-        announcements are skipped: anyone can write there."""
-        replicas = {self.node.peer_id}
-        for peer, raw in (await self.node.lookup(stage_key(self.run, self.stage))).items():
-            try:
-                record = decode_struct(raw, PeerRecord)
-            except WireError:
-                continue
-            if record.stage == self.stage and record.role == "inference":
-                replicas.add(peer)
-        return sorted(replicas)
+        announcements are skipped and counted: anyone can write there."""
+        found, skipped = decode_records(await self.node.lookup(stage_key(self.run, self.stage)),
+                                        PeerRecord, self.stage)
+        self.skipped_records += skipped
+        return sorted({self.node.peer_id} | {peer for peer, record in found.items()
+                                             if record.role == "inference"})
 
     def _is_banned(self, peer: str) -> bool:
         return self.banned.get(peer, 0.0) > time.monotonic()
