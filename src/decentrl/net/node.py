@@ -545,9 +545,9 @@ class SwarmNode:
         decoded as the RPC's reply, and its tensors. A reply that arrives incomplete is asked for
         again (same request id) a few times. Raises PeerRefused (the peer answered with an
         error), RemoteError (it timed out or could not be reached), MessageLost (the emulated
-        link dropped the request), or WireError (the reply was not signed by `peer`:
-        SignatureError; or it was malformed; ReplyContentError where `peer` signed it, or where
-        it carried tensors the RPC never replies with)."""
+        link dropped the request), or WireError (the reply was malformed, or not signed by
+        `peer`: SignatureError; a ReplyContentError where `peer` did sign it, so its content,
+        such as non-finite values or tensors the RPC never replies with, is its own doing)."""
         assert self.p2p is not None and self.links is not None
         if not isinstance(body, rpc.request):
             raise TypeError(f"{rpc.method} takes a {rpc.request.__name__} body, not "
