@@ -90,7 +90,7 @@ class StageCache:
             raise ValueError(f"a stage cache needs at least one layer, got {num_layers}")
         self.layers = [LayerCache(batch, spec.num_kv_heads, max_length, spec.head_dim, dtype, device)
                        for _ in range(num_layers)]
-        self.batch, self.max_length = batch, max_length
+        self.max_length = max_length
         self.length = 0
 
     @property

@@ -169,7 +169,7 @@ class RemoteSession:
         """The reply's (hidden states of the `new` positions,) of the `sent` it covers, or at
         the last stage (tokens, logprobs), checked whole (BadReply)."""
         if reply.length != start + sent:
-            raise BadReply(f"a session of {reply.length} positions after positions "
+            raise BadReply(f"a cache of {reply.length} positions after positions "
                            f"[{start}, {start + sent}) were fed")
         if last:
             return check_samples(out.get("tokens"), out.get("logprobs"), self.batch,
