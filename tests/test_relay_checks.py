@@ -93,13 +93,13 @@ def test_malformed_activations_are_refused_before_the_next_stage_and_blamed_on_t
         def wrap(kind: str) -> Callable[[InferenceService], HostileInference]:
             return lambda service: hostile.setdefault(
                 kind, HostileInference(service, "malformed-activations", malformation=kind))
+        hostile_ids: dict[str, str] = {}
         for kind in MALFORMATIONS:
             peer = start_peer(config, 0, "inference", swarm.client.addresses(),
                               name=f"hostile-{kind}", wrap_inference=wrap(kind))
-            swarm.peers.append(peer)
+            swarm.peers.append(peer)  # shut down with the swarm
             swarm.sockets.extend(peer.node.socket_paths())
-        hostile_ids = {kind: swarm.peers[-len(MALFORMATIONS) + i].node.peer_id
-                       for i, kind in enumerate(MALFORMATIONS)}
+            hostile_ids[kind] = peer.node.peer_id
         directory = swarm.directory()  # knows the hostile replicas only
         reputation = Reputation(config.trust.ban_score, config.trust.ban_s)
         directory.distrusted = reputation.banned
