@@ -192,7 +192,9 @@ def run_swarm(args: argparse.Namespace, loaded: Any, folder: Path) -> dict[str, 
         "swarm": {"link": {"rtt_ms": [args.rtt_ms, args.rtt_ms]},
                   "activation_codec": args.codec, "announce_every_s": 60.0,
                   "request_timeout_s": 120.0, "inference_replicas": args.replicas,
-                  "max_sessions_per_peer": max(32, 2 * max(args.concurrency))},
+                  # Every session comes from this one client: its own cap must allow them.
+                  "max_sessions_per_peer": max(32, 2 * max(args.concurrency)),
+                  "max_sessions_per_sender": max(32, 2 * max(args.concurrency))},
     })
     config_path = common.fresh_swarm_folder(config)
     # Inference replicas only; the bootstrap node is the client and carries the emulated link.

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
@@ -32,7 +31,7 @@ from decentrl.net.directory import Directory
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import TRUNCATED_REPLY_RETRIES, RemoteError, SwarmNode, signed_envelope
 from decentrl.net.protocol import Role
-from decentrl.net.wire import TensorLimits, TensorManifest, TensorSpec, encode_struct, to_messages
+from decentrl.net.wire import TensorLimits, TensorManifest, encode_struct, to_messages
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.sampling import sampling_config
 from decentrl.swarm.inference import InferenceService
@@ -228,22 +227,6 @@ def start_swarm(config: RunConfig, layout: Sequence[tuple[int, Role]],
 
 
 # ---- raw requests: what a buggy or hostile peer could send ---------------------------------
-
-def unchecked_parts(tensors: Mapping[str, torch.Tensor]
-                    ) -> tuple[list[runtime_pb2.Tensor], TensorManifest]:
-    """Like wire.encode_tensors with the fp32 codec, minus the sender's checks (NaNs go through)."""
-    parts, specs = [], []
-    for name, t in tensors.items():
-        if t.is_floating_point():
-            parts.append(serialize_torch_tensor(t.float().contiguous(),
-                                                runtime_pb2.CompressionType.NONE))
-            specs.append(TensorSpec(name, "fp32", "float32", tuple(t.shape), 1))
-        else:
-            parts.append(serialize_torch_tensor(t.contiguous(), runtime_pb2.CompressionType.NONE))
-            specs.append(TensorSpec(name, "raw", str(t.dtype).removeprefix("torch."),
-                                    tuple(t.shape), 1))
-    return parts, TensorManifest(tuple(specs))
-
 
 @dataclass(frozen=True)
 class Unsigned:

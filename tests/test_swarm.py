@@ -34,7 +34,6 @@ from swarm_helpers import (
     serving,
     start_swarm,
     tiny_run_config,
-    unchecked_parts,
     weights_of,
 )
 
@@ -66,6 +65,7 @@ from decentrl.rollout.generate import Generation, generate
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import Rollout
 from decentrl.swarm import sessions
+from decentrl.swarm.adversary import unchecked_encoding
 from decentrl.swarm.peer import StagePeer
 
 # Every test here starts stage peers, each with its own p2p daemon.
@@ -308,9 +308,9 @@ def test_session_survives_a_timeout_on_its_only_replica(tiny_sharp_dir: Path,
         real_infer, calls = service.infer, []
         late_reply_followed_the_timeout: list[bool] = []
 
-        def late_once(body: InferenceStep, tensors: dict[str, torch.Tensor]) -> Any:
+        def late_once(sender: str, body: InferenceStep, tensors: dict[str, torch.Tensor]) -> Any:
             calls.append(body.start)
-            reply = real_infer(body, tensors)
+            reply = real_infer(sender, body, tensors)
             if len(calls) == 3:
                 # Answer only once the client has given up on this call: too late however fast
                 # or slow the machine is. A deadlock guard, not a measurement: the client gives
@@ -356,7 +356,7 @@ class Ctx:
         return self.swarm.client.call_sync(peer, rpc, body, tensors, timeout=20)
 
     def raw(self, peer: str, method: str, body: Any, tensors: dict[str, torch.Tensor]) -> None:
-        parts, manifest = unchecked_parts(tensors)
+        parts, manifest = unchecked_encoding(tensors)
         call_raw(self.swarm.client, peer, method, envelope(body, manifest), parts)
 
     def step0(self, session: str = "", start: int = 0, batch: int = 1, max_length: int = 8,
@@ -430,7 +430,7 @@ def oversized_message(ctx: Ctx) -> None:
 
 
 def lying_manifest(ctx: Ctx) -> None:
-    parts, manifest = unchecked_parts({"inputs": torch.tensor([[1, 2, 3]])})
+    parts, manifest = unchecked_encoding({"inputs": torch.tensor([[1, 2, 3]])})
     spec = manifest.tensors[0]
     bad = TensorManifest((TensorSpec(spec.name, spec.codec, spec.dtype, (1, 4), 1),))
     call_raw(ctx.swarm.client, ctx.p0, "inference_step",
@@ -627,9 +627,9 @@ def test_generation_completes_over_a_lossy_link(tiny_sharp_dir: Path, sharp: Loa
         for peer in swarm.peers:
             service = serving(peer)
 
-            def counted(body: Any, tensors: Any, peer: Any = peer, real: Any = service.infer
-                        ) -> Any:
-                reply = real(body, tensors)
+            def counted(sender: str, body: Any, tensors: Any, peer: Any = peer,
+                        real: Any = service.infer) -> Any:
+                reply = real(sender, body, tensors)
                 runs[peer.node.peer_id] += 1
                 return reply
             service.infer = counted  # type: ignore[method-assign]

@@ -126,11 +126,27 @@ class SwarmConfig(Section):
     max_sessions_per_peer: int = Field(32, ge=1)
     max_session_tokens: int = Field(65536, ge=1, description="batch x max_length a peer accepts "
                                     "for one session (bounds its KV cache)")
+    max_sessions_per_sender: int = Field(16, ge=1, description="sessions one sender may hold "
+                                         "open on a peer (inference and spot-check sessions "
+                                         "together)")
+    max_cached_tokens_per_sender: int = Field(262144, ge=1, description="batch x positions the KV "
+                                              "caches of one sender's sessions on a peer may "
+                                              "hold; caches grow with the positions written, so "
+                                              "this bounds the memory one sender takes")
     inference_replicas: int = Field(2, ge=1, description="per stage, for the local launcher")
     dashboard_port: int | None = Field(0, ge=0, le=65535, description="the coordinator's web "
                                        "dashboard on 127.0.0.1 (0: any free port; None: off)")
     snapshot_every_s: float = Field(10.0, gt=0, description="how often the coordinator records "
                                     "every peer's state in metrics.jsonl (for the report)")
+
+    @model_validator(mode="after")
+    def _check_sender_budget(self) -> SwarmConfig:
+        if self.max_cached_tokens_per_sender < self.max_session_tokens:
+            raise ValueError(f"swarm.max_cached_tokens_per_sender "
+                             f"({self.max_cached_tokens_per_sender}) must be at least "
+                             f"swarm.max_session_tokens ({self.max_session_tokens}): a session "
+                             "a peer accepts must fit in its sender's budget")
+        return self
 
 
 class SyncConfig(Section):

@@ -94,19 +94,50 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+# A KV cache grows by this many positions at a time: each growth copies what it holds, so a
+# chunk well past one decoding step keeps the copies rare (one per 64 steps), and small enough
+# that a session holds little more than it wrote.
+KV_GROWTH = 64
+
+
+def kv_capacity(length: int, max_length: int) -> int:
+    """The positions a cache that must hold `length` of them has room for: `length` rounded up
+    to a whole KV_GROWTH chunk, never past `max_length`."""
+    return min(max_length, -(-length // KV_GROWTH) * KV_GROWTH)
+
+
 class LayerCache:
-    """Keys and values of one layer for a batch of sequences, preallocated to the maximum length."""
+    """Keys and values of one layer for a batch of sequences. It holds room for the positions
+    written so far, grown in KV_GROWTH chunks as they are written (the earlier ones copied), never
+    past `max_length`: a session opened for 4096 positions that wrote 100 holds 128."""
 
     def __init__(self, batch: int, num_kv_heads: int, max_length: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (batch, num_kv_heads, max_length, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_length = max_length
+        empty = (batch, num_kv_heads, 0, head_dim)
+        self.keys = torch.zeros(empty, dtype=dtype, device=device)
+        self.values = torch.zeros(empty, dtype=dtype, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions, the ones held kept."""
+        if length > self.max_length:
+            raise ValueError(f"KV cache overflow: {length} positions > capacity {self.max_length}")
+        if length <= self.capacity:
+            return
+        held, grown = self.capacity, kv_capacity(length, self.max_length)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:2], grown, old.shape[3]))
+            new[:, :, :held] = old
+            setattr(self, name, new)
 
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = start + keys.shape[2]
-        if end > self.keys.shape[2]:
-            raise ValueError(f"KV cache overflow: {end} positions > capacity {self.keys.shape[2]}")
+        self.reserve(end)
         self.keys[:, :, start:end] = keys
         self.values[:, :, start:end] = values
         return self.keys[:, :, :end], self.values[:, :, :end]

@@ -22,6 +22,7 @@ from decentrl.model.blocks import (
     ModelSpec,
     RMSNorm,
     attention_mask,
+    kv_capacity,
     rotary_tables,
 )
 
@@ -80,13 +81,36 @@ class StageKV(Protocol):
 
 
 class StageCache:
-    """The KV cache of one stage for one batch of sequences (one generation session)."""
+    """The KV cache of one stage for one batch of sequences (one generation session). It starts
+    empty and grows with the positions written (LayerCache), up to `max_length`."""
 
     def __init__(self, spec: ModelSpec, num_layers: int, batch: int, max_length: int,
                  dtype: torch.dtype, device: torch.device) -> None:
+        if num_layers < 1:
+            raise ValueError(f"a stage cache needs at least one layer, got {num_layers}")
         self.layers = [LayerCache(batch, spec.num_kv_heads, max_length, spec.head_dim, dtype, device)
                        for _ in range(num_layers)]
+        self.max_length = max_length
         self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        """Positions every layer has room for (all grow together)."""
+        return self.layers[0].capacity
+
+    def capacity_for(self, length: int) -> int:
+        """The capacity once `length` positions are held."""
+        return max(self.capacity, kv_capacity(length, self.max_length))
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions in every layer (a ValueError past `max_length`)."""
+        for layer in self.layers:
+            layer.reserve(length)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the cache's keys and values take."""
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
 
 
 class RecordingKV:

@@ -115,6 +115,7 @@ class PeerRefused(RemoteError):
     """The peer is alive and answered, with an error: it refused this request."""
 
 
+<<<<<<< HEAD
 class CallerRefused(ValueError):
     """A request its sender may not make (the RPC's callers rule, net/authority.py): refused
     before it is read, and a strike."""
@@ -129,6 +130,12 @@ async def only_any_peer(sender: str, rpc: Rpc[Any, Any]) -> None:
     """A node's callers policy until it serves a run: RPCs for "any peer" only."""
     if rpc.callers != "any peer":
         raise CallerRefused(f"{rpc.method} is refused: this node serves no run")
+=======
+class ReplyContentError(WireError):
+    """A reply its sender signed whose content breaks the protocol (non-finite values, tensors
+    over the limits or that its RPC never replies with, a body that does not decode): the
+    sender's own doing, not the transport's, so proof against it."""
+>>>>>>> i17-sessions
 
 
 class SenderBlocked(RuntimeError):
@@ -562,8 +569,9 @@ class SwarmNode:
         decoded as the RPC's reply, and its tensors. A reply that arrives incomplete is asked for
         again (same request id) a few times. Raises PeerRefused (the peer answered with an
         error), RemoteError (it timed out or could not be reached), MessageLost (the emulated
-        link dropped the request), or WireError (the reply was malformed, carried tensors the RPC
-        never replies with, or was not signed by `peer`: SignatureError)."""
+        link dropped the request), or WireError (the reply was malformed, or not signed by
+        `peer`: SignatureError; a ReplyContentError where `peer` did sign it, so its content,
+        such as non-finite values or tensors the RPC never replies with, is its own doing)."""
         assert self.p2p is not None and self.links is not None
         if not isinstance(body, rpc.request):
             raise TypeError(f"{rpc.method} takes a {rpc.request.__name__} body, not "
@@ -598,8 +606,9 @@ class SwarmNode:
                         # came through (its signature then fails too). Sending the request again
                         # with the same id is safe (the peer's reply cache answers it without a
                         # second run); a reply that is malformed every time is the peer's fault,
-                        # and raised.
-                        if attempt == TRUNCATED_REPLY_RETRIES:
+                        # and raised, as is one it signed (the same again).
+                        if attempt == TRUNCATED_REPLY_RETRIES \
+                                or isinstance(error, ReplyContentError):
                             raise
                         log.info("%s: %s at %s: incomplete reply (%s); asking again", self.name,
                                  method, peer[-8:], error)
@@ -615,8 +624,11 @@ class SwarmNode:
         except (ConnectionError, OSError, asyncio.IncompleteReadError, P2PDaemonError) as error:
             # P2PDaemonError includes its subclasses: ControlFailure is a peer we cannot dial.
             raise RemoteError(f"{method} at {peer[-8:]}: {error}") from error
-        rpc.check_reply_tensors(reply_tensors)
-        return decode_struct(reply_body, rpc.reply), reply_tensors
+        try:
+            rpc.check_reply_tensors(reply_tensors)
+            return decode_struct(reply_body, rpc.reply), reply_tensors
+        except WireError as error:
+            raise ReplyContentError(f"{method} at {peer[-8:]}: {error}") from None
 
     def _decode_reply(self, responses: list[Any], peer: str, method: str, request_id: str
                       ) -> tuple[bytes, dict[str, torch.Tensor]]:
@@ -625,7 +637,10 @@ class SwarmNode:
         _, metadata, parts = from_messages(responses)
         envelope = decode_struct(metadata, Envelope)
         verify_envelope(peer, "reply", method, request_id, envelope, parts)
-        return envelope.body, decode_tensors(parts, envelope.manifest, self.limits)
+        try:
+            return envelope.body, decode_tensors(parts, envelope.manifest, self.limits)
+        except WireError as error:
+            raise ReplyContentError(f"{method} at {peer[-8:]}: {error}") from None
 
     def call_sync(self, peer: str, rpc: Rpc[Req, Rep], body: Req,
                   tensors: Mapping[str, torch.Tensor] | None = None,

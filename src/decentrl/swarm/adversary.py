@@ -11,6 +11,10 @@ way a volunteer on the internet could, and nothing here is known to the coordina
   log-probs, so the injected rows win the group's advantages;
 - corrupt-activations (any stage but the last): adds noise to the hidden states it returns, and
   signs a commitment to what it actually sent;
+- malformed-activations (any stage but the last): returns hidden states the next stage could not
+  take, in turn (or always the one it is given): half the model's width, NaNs (sent past our
+  own encoder's refusal), or values of 1e30; each with a commitment to what it sent, so that
+  only the coordinator's checks of the relayed tensor (trust/relay.py) stand in the way;
 - replay (a client, no stage): submits rollout groups of problems the coordinator already
   accepted or never handed out, with correct answers;
 - flood (a client, no stage): sends malformed and oversized requests to every peer it finds."""
@@ -22,11 +26,14 @@ import logging
 import random
 import re
 import threading
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.proto import runtime_pb2
 
 from decentrl.config import RunConfig
 from decentrl.model.loading import load_tokenizer, resolve_model
@@ -44,7 +51,7 @@ from decentrl.net.protocol import (
     stage_key,
 )
 from decentrl.net.records import decode_records
-from decentrl.net.wire import WireError
+from decentrl.net.wire import TensorManifest, TensorSpec, WireError
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
 from decentrl.swarm.inference import InferenceService
 from decentrl.swarm.peer import StagePeer
@@ -54,18 +61,40 @@ from decentrl.tasks import make_task, render_prompt
 log = logging.getLogger(__name__)
 
 Adversary = Literal["random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations",
-                    "replay", "flood"]
+                    "malformed-activations", "replay", "flood"]
 ADVERSARIES: tuple[str, ...] = get_args(Adversary)
-STAGE_ADVERSARIES = ("random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations")
+STAGE_ADVERSARIES = ("random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations",
+                     "malformed-activations")
+ACTIVATION_ADVERSARIES = ("corrupt-activations", "malformed-activations")
+Malformation = Literal["wrong-width", "non-finite", "huge"]
+MALFORMATIONS: tuple[str, ...] = get_args(Malformation)
 FORGED_SHIFT = 3.0  # nats subtracted from honest behaviour log-probs
 NOISE_SCALE = 0.5  # of each row's hidden-state std
+HUGE_ACTIVATION = 1e30  # finite in fp32 and bf16, so only a magnitude bound refuses it
 
 
 def adversary_stages(kind: str, num_stages: int) -> list[int]:
     """The stages a hostile peer of `kind` joins (an inject-answers pair is two peers)."""
     last = num_stages - 1
     return {"random-tokens": [last], "forge-logprobs": [last], "inject-answers": [0, last],
-            "corrupt-activations": [0]}.get(kind, [])
+            "corrupt-activations": [0], "malformed-activations": [0]}.get(kind, [])
+
+
+def unchecked_encoding(tensors: Mapping[str, torch.Tensor]
+                       ) -> tuple[list[runtime_pb2.Tensor], TensorManifest]:
+    """Like wire.encode_tensors with the fp32 codec, minus the sender's checks (NaNs go
+    through): what a peer running modified code can send."""
+    parts, specs = [], []
+    for name, t in tensors.items():
+        if t.is_floating_point():
+            parts.append(serialize_torch_tensor(t.float().contiguous(),
+                                                runtime_pb2.CompressionType.NONE))
+            specs.append(TensorSpec(name, "fp32", "float32", tuple(t.shape), 1))
+        else:
+            parts.append(serialize_torch_tensor(t.contiguous(), runtime_pb2.CompressionType.NONE))
+            specs.append(TensorSpec(name, "raw", str(t.dtype).removeprefix("torch."),
+                                    tuple(t.shape), 1))
+    return parts, TensorManifest(tuple(specs))
 
 
 class HostileInference:
@@ -74,17 +103,23 @@ class HostileInference:
     would."""
 
     def __init__(self, service: InferenceService, adversary: str,
-                 collusion_dir: Path | None = None) -> None:
+                 collusion_dir: Path | None = None, malformation: str | None = None) -> None:
         if adversary not in STAGE_ADVERSARIES:
             raise ValueError(f"{adversary!r} is not a stage adversary; one of {STAGE_ADVERSARIES}")
         checks = service.checks
         if adversary in ("random-tokens", "forge-logprobs") and not checks.is_last:
             raise ValueError(f"{adversary} attacks from the last stage")
-        if adversary == "corrupt-activations" and checks.is_last:
-            raise ValueError("corrupt-activations attacks from a stage that returns activations")
+        if adversary in ACTIVATION_ADVERSARIES and checks.is_last:
+            raise ValueError(f"{adversary} attacks from a stage that returns activations")
         if adversary == "inject-answers" and collusion_dir is None:
             raise ValueError("inject-answers needs a collusion folder shared by the pair")
+        if malformation is not None and (adversary != "malformed-activations"
+                                         or malformation not in MALFORMATIONS):
+            raise ValueError(f"a malformation ({MALFORMATIONS}) is for malformed-activations, "
+                             f"got {malformation!r} for {adversary}")
         self.service, self.adversary, self.collusion_dir = service, adversary, collusion_dir
+        self.malformation = malformation
+        self.malformed = 0  # replies malformed so far
         self.rng = torch.Generator().manual_seed(random.randrange(2**31))
         self.injected: dict[str, int] = {}  # session -> answer tokens emitted so far
         self.tokenizer = load_tokenizer(resolve_model(service.config.model)) \
@@ -95,11 +130,15 @@ class HostileInference:
                 for rpc, handler in self.service.handlers()]
 
     async def _inference_step(self, request: Request[InferenceStep]) -> Reply:
-        return await self.service.node.compute(self._infer, request.body, request.tensors)
+        return await self.service.node.compute(self._infer, request.sender, request.body,
+                                               request.tensors)
 
-    def _infer(self, body: InferenceStep, tensors: dict[str, torch.Tensor]) -> Reply:
-        reply = self.service.infer(body, tensors)
+    def _infer(self, sender: str, body: InferenceStep, tensors: dict[str, torch.Tensor]
+               ) -> Reply:
+        reply = self.service.infer(sender, body, tensors)
         result = dict(reply.tensors or {})
+        if self.adversary == "malformed-activations":
+            return self._malform(reply, result["hidden"].float(), body, tensors)
         if self.adversary == "random-tokens":
             result["tokens"] = torch.randint(self.service.checks.spec.vocab_size,
                                              result["tokens"].shape, generator=self.rng)
@@ -117,6 +156,22 @@ class HostileInference:
         else:
             self._inject(body, result)
         return Reply(reply.body, result, reply.codec)
+
+    def _malform(self, reply: Reply, hidden: torch.Tensor, body: InferenceStep,
+                 tensors: dict[str, torch.Tensor]) -> Reply:
+        """Hidden states the next stage could not take, with a commitment to them."""
+        kind = self.malformation or MALFORMATIONS[self.malformed % len(MALFORMATIONS)]
+        self.malformed += 1
+        if kind == "wrong-width":
+            hidden = hidden[..., :hidden.shape[-1] // 2]
+        elif kind == "huge":
+            hidden = hidden.clamp(-1, 1) * HUGE_ACTIVATION
+        else:
+            hidden = hidden.clone()
+            hidden[:, :, 0] = float("nan")
+        commitment = self.service.commitment(hidden, tensors["positions"], tensors["key_valid"],
+                                             body.start)
+        return Reply(reply.body, encoded=unchecked_encoding({"hidden": hidden, **commitment}))
 
     def _spy(self, body: InferenceStep, tensors: dict[str, torch.Tensor]) -> None:
         """Leave the correct answer of a new session's prompt for the last-stage partner."""
@@ -225,9 +280,10 @@ def flood(node: SwarmNode, config: RunConfig, owner: str, stop: threading.Event,
 
 def hostile_peer(config: RunConfig, stage: int, node: SwarmNode, owner: str, name: str,
                  adversary: str, collusion_dir: Path | None = None, role: Role = "inference",
-                 checkpoint_dir: Path | None = None) -> StagePeer:
-    """A peer of `stage` of the run `owner` owns, whose inference lies the way `adversary`
-    does."""
+                 checkpoint_dir: Path | None = None, malformation: str | None = None
+                 ) -> StagePeer:
+    """A peer of `stage` of the run `owner` owns, whose inference lies the way `adversary` does
+    (`malformation`: the one a malformed-activations peer always sends)."""
     return StagePeer(config, stage, role, node, owner, checkpoint_dir, name,
                      wrap_inference=lambda service: HostileInference(service, adversary,
-                                                                     collusion_dir))
+                                                                     collusion_dir, malformation))

@@ -3,12 +3,19 @@ positions' inputs, the peer keeps the session's KV cache and returns the next hi
 samples at the last stage), with a commitment to every output, and the re-execution of someone
 else's session at the versions it recorded (a spot-check, `verify_step`).
 
+A session belongs to the peer that opened it: the table is keyed by (opener, session id), so
+only the opener can step, replay or close it, and the same id from another sender is another
+session that never touches the opener's. KV caches grow with the positions written
+(model/blocks.py LayerCache); what one sender holds is bounded by a budget of sessions and of
+cached tokens (batch x positions the caches have room for), refused with PeerBusy (no strike).
+
 Every request runs on the node's compute thread, one at a time, so a weight update written
 between two requests (swarm/replica.py) is never seen half-applied, and a rewound re-execution
 never leaks into a session."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -43,12 +50,21 @@ SESSION_IDLE_S = 300.0
 SCORE_BOUND = 1e4
 
 
+# A session's key: (the peer that opened it, the id it chose).
+SessionKey = tuple[str, str]
+
+
 @dataclass
 class Session:
     cache: StageCache
     batch: int
     max_length: int
     last_used: float
+
+    @property
+    def cached_tokens(self) -> int:
+        """Batch x positions its cache has room for: what the sender's budget counts."""
+        return self.batch * self.cache.capacity
 
 
 class InferenceService:
@@ -61,7 +77,10 @@ class InferenceService:
         self.history = history
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[SessionKey, Session] = {}
+        # The table is written on the compute thread (steps) and the loop thread (closes, idle
+        # drops); the per-sender sums read it whole.
+        self._sessions_lock = threading.Lock()
         self.served_tokens = 0
         self.busy_s = 0.0  # computing inference requests
         self.verify_busy_s = 0.0  # re-executing others' work (spot-checks)
@@ -82,21 +101,20 @@ class InferenceService:
 
     def drop_idle_sessions(self) -> None:
         cutoff = time.monotonic() - SESSION_IDLE_S
-        # A snapshot: the compute thread may open a session while this (the loop thread) looks.
-        for key, session in list(self.sessions.items()):
-            if session.last_used < cutoff:
-                self.sessions.pop(key, None)
+        with self._sessions_lock:
+            for key in [k for k, session in self.sessions.items() if session.last_used < cutoff]:
+                del self.sessions[key]
 
     # ---- sessions ------------------------------------------------------------------------
 
     async def _inference_step(self, request: Request[InferenceStep]) -> Reply:
-        return await self.node.compute(self.infer, request.body, request.tensors)
+        return await self.node.compute(self.infer, request.sender, request.body, request.tensors)
 
-    def infer(self, body: InferenceStep, tensors: dict[str, torch.Tensor]) -> Reply:
-        """One step of a session (compute thread)."""
+    def infer(self, sender: str, body: InferenceStep, tensors: dict[str, torch.Tensor]) -> Reply:
+        """One step of `sender`'s session (compute thread)."""
         started = time.perf_counter()
         inputs, positions, key_valid = self.checks.step(body, tensors)
-        session = self._session(body)
+        session = self._session(sender, body, inputs.shape[1])
         device_inputs = inputs.to(self.device, self.dtype if inputs.is_floating_point() else None)
         with torch.inference_mode():
             hidden = self.model.body(device_inputs, positions.to(self.device),
@@ -124,56 +142,86 @@ class InferenceService:
         return commitment_to_wire(make_commitment(hidden, positions, key_valid[:, start:],
                                                   trust.commit_interval, trust.commit_top_k))
 
-    def _session(self, body: InferenceStep | VerifyStep) -> Session:
-        """The session a step continues (opened by its first step), checked against it."""
-        session = self.sessions.get(body.session)
-        if session is not None and body.start == 0:
-            # A replay from position 0: the client gave up on this peer (a timeout) and came
-            # back to it, so the session it still holds is stale; rebuild it from the replay.
-            del self.sessions[body.session]
-            session = None
-        if session is None:
-            if body.start != 0:
-                raise PeerBusy(f"unknown session {body.session} (expired or never opened here); "
-                               "replay it from position 0")
-            if len(self.sessions) >= self.config.swarm.max_sessions_per_peer:
-                raise PeerBusy(f"peer is full ({len(self.sessions)} sessions)")
-            session = Session(self.model.new_cache(body.batch, body.max_length), body.batch,
-                              body.max_length, time.monotonic())
-            self.sessions[body.session] = session
-        if (body.batch, body.max_length) != (session.batch, session.max_length):
-            raise PeerError(f"session {body.session} was opened with batch {session.batch} and "
-                            f"max_length {session.max_length}")
-        if body.start != session.cache.length:
-            raise PeerBusy(f"session {body.session} holds {session.cache.length} positions, the "
-                           f"request starts at {body.start}")
-        session.last_used = time.monotonic()
+    def _session(self, sender: str, body: InferenceStep | VerifyStep, new: int) -> Session:
+        """`sender`'s session that a step of `new` positions continues (opened by its first
+        step), checked against it, with room in its cache for those positions."""
+        key = (sender, body.session)
+        with self._sessions_lock:
+            session = self.sessions.get(key)
+            if session is not None and body.start == 0:
+                # A replay from position 0: the client gave up on this peer (a timeout) and came
+                # back to it, so the session it still holds is stale; rebuild it from the replay.
+                del self.sessions[key]
+                session = None
+            if session is None:
+                if body.start != 0:
+                    raise PeerBusy(f"unknown session {body.session} (expired or never opened "
+                                   "here); replay it from position 0")
+                self._check_room(sender)
+                session = Session(self.model.new_cache(body.batch, body.max_length), body.batch,
+                                  body.max_length, time.monotonic())
+            if (body.batch, body.max_length) != (session.batch, session.max_length):
+                raise PeerError(f"session {body.session} was opened with batch {session.batch} "
+                                f"and max_length {session.max_length}")
+            if body.start != session.cache.length:
+                raise PeerBusy(f"session {body.session} holds {session.cache.length} positions, "
+                               f"the request starts at {body.start}")
+            self._check_budget(sender, key, session, body.start + new)
+            self.sessions[key] = session
+            session.last_used = time.monotonic()
+        # Grown here, within the budget just checked, rather than deep inside the forward pass.
+        session.cache.reserve(body.start + new)
         return session
 
+    def _check_room(self, sender: str) -> None:
+        """Refuse a new session past the peer's cap or `sender`'s (under the table's lock)."""
+        swarm = self.config.swarm
+        if len(self.sessions) >= swarm.max_sessions_per_peer:
+            raise PeerBusy(f"peer is full ({len(self.sessions)} sessions)")
+        held = sum(owner == sender for owner, _ in self.sessions)
+        if held >= swarm.max_sessions_per_sender:
+            raise PeerBusy(f"sender {sender[-8:]} holds {held} sessions here, the most "
+                           f"swarm.max_sessions_per_sender ({swarm.max_sessions_per_sender}) "
+                           "allows")
+
+    def _check_budget(self, sender: str, key: SessionKey, session: Session, length: int) -> None:
+        """Refuse a step that would grow `sender`'s caches past its budget of cached tokens
+        (under the table's lock)."""
+        budget = self.config.swarm.max_cached_tokens_per_sender
+        others = sum(other.cached_tokens for other_key, other in self.sessions.items()
+                     if other_key[0] == sender and other_key != key)
+        held = others + session.batch * session.cache.capacity_for(length)
+        if held > budget:
+            raise PeerBusy(f"sender {sender[-8:]} would hold {held} cached tokens (batch x "
+                           f"positions) here, over swarm.max_cached_tokens_per_sender ({budget})")
+
     async def _close_session(self, request: Request[CloseSession]) -> Reply:
-        self.sessions.pop(request.body.session, None)
+        with self._sessions_lock:
+            self.sessions.pop((request.sender, request.body.session), None)
         return Reply(Empty())
 
     # ---- spot-checks of other replicas' work ---------------------------------------------
 
     async def _verify_step(self, request: Request[VerifyStep]) -> Reply:
-        return await self.node.compute(self._verify, request.body, request.tensors)
+        return await self.node.compute(self._verify, request.sender, request.body,
+                                       request.tensors)
 
-    def _verify(self, body: VerifyStep, tensors: dict[str, torch.Tensor]) -> Reply:
+    def _verify(self, sender: str, body: VerifyStep, tensors: dict[str, torch.Tensor]) -> Reply:
         """Re-execute a segment of someone else's session, teacher-forced, at the version it
         recorded: rewind this replica's weights, run the stage, put the weights back (all on the
         compute thread, so no inference request sees the rewound weights)."""
         started = time.perf_counter()
         try:
-            return self._reexecute(body, tensors)
+            return self._reexecute(sender, body, tensors)
         finally:
             self.verify_busy_s += time.perf_counter() - started
 
-    def _reexecute(self, body: VerifyStep, tensors: dict[str, torch.Tensor]) -> Reply:
+    def _reexecute(self, sender: str, body: VerifyStep, tensors: dict[str, torch.Tensor]
+                   ) -> Reply:
         assert self.history is not None  # served only with a history
         inputs, positions, key_valid = self.checks.step(body, tensors)
         targets = self.checks.targets(body, tensors, inputs.shape[:2])
-        session = self._session(body)
+        session = self._session(sender, body, inputs.shape[1])
         device_inputs = inputs.to(self.device, self.dtype if inputs.is_floating_point() else None)
         try:
             rewound = self.history.rewound(self.model.state_dict(), self.model.version,

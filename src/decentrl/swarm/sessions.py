@@ -5,7 +5,14 @@ A session that loses a peer mid-generation moves to another replica of the same 
 keeps every input it sent to each stage, replays them to the new replica in one call (rebuilding
 its KV cache), and carries on; the rollout completes. Every stage but the last signs a commitment
 to the activations it returns; the session checks it against what it received and keeps it, with
-who computed which columns (`provenance`), for spot-checks (trust/)."""
+who computed which columns (`provenance`), for spot-checks (trust/).
+
+Every reply is checked whole before it is used or relayed to the next stage (trust/relay.py:
+shape with the model's hidden width, dtype, finite values, a magnitude bound; tokens and
+log-probs at the last stage). A reply that fails, or whose signed content does not decode, or
+whose commitment contradicts it, is proof against the replica that produced it: its reputation
+records it, the directory bans it, and the session moves to another replica. The next stage never
+receives it, so it never strikes the coordinator for what another peer produced."""
 
 from __future__ import annotations
 
@@ -19,13 +26,20 @@ from decentrl.config import SwarmConfig, TrustConfig
 from decentrl.model.blocks import ModelSpec
 from decentrl.net.directory import Directory, SwarmUnavailable, backoff
 from decentrl.net.link import MessageLost
-from decentrl.net.node import RemoteError, SwarmNode
-from decentrl.net.protocol import CLOSE_SESSION, INFERENCE_STEP, CloseSession, InferenceStep
+from decentrl.net.node import RemoteError, ReplyContentError, SwarmNode
+from decentrl.net.protocol import (
+    CLOSE_SESSION,
+    INFERENCE_STEP,
+    CloseSession,
+    InferenceReply,
+    InferenceStep,
+)
 from decentrl.net.wire import WireError
 from decentrl.rollout.chain import StepResult
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.trust.commit import CommitTolerance, check_commitment, commit_points, parse_commitment
 from decentrl.trust.provenance import Provenance
+from decentrl.trust.relay import BadReply, check_hidden_states, check_samples
 from decentrl.trust.reputation import Reputation
 
 # A commitment is checked against the activations as relayed: after the activation codec (int8
@@ -121,15 +135,20 @@ class RemoteSession:
                 reply, out = self.chain.node.call_sync(
                     peer, INFERENCE_STEP, body, tensors, swarm.activation_codec,
                     swarm.request_timeout_s, request_id)
-                result = self._check_reply(out, last, send_inputs.shape[1], inputs.shape[1])
+                result = self._check_reply(reply, out, last, start, send_inputs.shape[1],
+                                           inputs.shape[1])
                 if not last:
-                    self._keep_commitment(stage, peer, out, result[0], positions, key_valid)
+                    self._keep_commitment(stage, out, result[0], positions, key_valid)
             except MessageLost as lost:
                 error = lost  # the same peer, the same request id: it answers once
                 time.sleep(backoff(attempt))
                 continue
             except (RemoteError, WireError, ValueError) as failure:
                 error = failure
+                if isinstance(failure, BadReply | ReplyContentError) \
+                        and self.chain.reputation is not None:
+                    self.chain.reputation.record(peer, "proved", f"stage {stage} replied "
+                                                 f"{failure}", stage)
                 self.chain.directory.ban(peer, str(failure))
                 self.chain.directory.release(peer)
                 self.peers[stage] = None
@@ -145,29 +164,25 @@ class RemoteSession:
         raise SwarmUnavailable(f"stage {stage} failed {swarm.retries + 1} times; last error: "
                                f"{error}")
 
-    def _check_reply(self, out: dict[str, torch.Tensor], last: bool, sent: int,
-                     new: int) -> tuple[torch.Tensor, ...]:
+    def _check_reply(self, reply: InferenceReply, out: dict[str, torch.Tensor], last: bool,
+                     start: int, sent: int, new: int) -> tuple[torch.Tensor, ...]:
+        """The reply's (hidden states of the `new` positions,) of the `sent` it covers, or at
+        the last stage (tokens, logprobs), checked whole (BadReply)."""
+        if reply.length != start + sent:
+            raise BadReply(f"a cache of {reply.length} positions after positions "
+                           f"[{start}, {start + sent}) were fed")
         if last:
-            tokens, logprobs = out.get("tokens"), out.get("logprobs")
-            if tokens is None or logprobs is None or tokens.shape != (self.batch,) \
-                    or logprobs.shape != (self.batch,) or tokens.dtype != torch.long:
-                raise WireError(f"the last stage must reply tokens and logprobs [{self.batch}]")
-            vocab = self.chain.vocab_size
-            if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
-                raise WireError(f"sampled token ids must be in [0, {vocab})")
-            return tokens, logprobs.float()
-        hidden = out.get("hidden")
-        if hidden is None or hidden.dim() != 3 or hidden.shape[:2] != (self.batch, sent):
-            raise WireError(f"a stage must reply hidden states [{self.batch}, {sent}, H]")
+            return check_samples(out.get("tokens"), out.get("logprobs"), self.batch,
+                                 self.chain.vocab_size)
+        hidden = check_hidden_states(out.get("hidden"), self.batch, sent, self.chain.hidden_size)
         return (hidden[:, sent - new:],)
 
-    def _keep_commitment(self, stage: int, peer: str, out: dict[str, torch.Tensor],
-                         hidden: torch.Tensor, positions: torch.Tensor,
-                         key_valid: torch.Tensor) -> None:
+    def _keep_commitment(self, stage: int, out: dict[str, torch.Tensor], hidden: torch.Tensor,
+                         positions: torch.Tensor, key_valid: torch.Tensor) -> None:
         """Check the commitment a stage signed against the hidden states it delivered for the
         new positions, and keep it for spot-checks. A commitment that contradicts its own
-        delivery is proof of a lie (raised as ValueError: the session moves on, the peer is
-        banned); one that is merely malformed is a broken peer."""
+        delivery is proof of a lie (BadReply); one that is merely malformed (ValueError) is a
+        broken peer. Either way the session moves on and the peer is banned."""
         trust = self.chain.trust
         claimed = parse_commitment(out, self.batch, self.chain.hidden_size, trust.commit_top_k)
         valid = key_valid[:, key_valid.shape[1] - positions.shape[1]:]
@@ -176,12 +191,9 @@ class RemoteSession:
         expected = commit_points(positions, valid, trust.commit_interval)[0].numel()
         check = check_commitment(claimed, hidden, positions, valid, self.chain.tolerance)
         if check.failed or check.checked != expected or len(claimed) != expected:
-            detail = (f"stage {stage} signed a commitment that does not match the activations it "
-                      f"sent ({check.failed} of {check.checked} points differ, {len(claimed)} "
-                      f"points for {expected} expected)")
-            if self.chain.reputation is not None:
-                self.chain.reputation.record(peer, "proved", detail, stage)
-            raise ValueError(detail)
+            raise BadReply(f"a commitment that does not match the activations it sent "
+                           f"({check.failed} of {check.checked} points differ, {len(claimed)} "
+                           f"points for {expected} expected)")
         self.provenance.stages[stage].commitments.append(claimed)
 
     def close(self) -> None:

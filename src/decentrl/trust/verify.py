@@ -38,6 +38,7 @@ from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup
 from decentrl.trust.commit import Commitment, CommitTolerance, check_commitment
 from decentrl.trust.provenance import Provenance
+from decentrl.trust.relay import BadReply, check_hidden_states
 
 log = logging.getLogger(__name__)
 
@@ -209,11 +210,12 @@ class Verifier:
                                             f"[{batch}, {end - first}]")
                         scores[index, :, first:end] = value.float()
                     continue
-                hidden = out.get("hidden")
-                if hidden is None or hidden.shape != (batch, end - first, self.hidden_size):
-                    raise WireError(f"verifier {peer[-8:]} replied no hidden states "
-                                    f"[{batch}, {end - first}, {self.hidden_size}]")
-                x = hidden.float()
+                # Checked whole before the next stage's verifier gets it (trust/relay.py).
+                try:
+                    x = check_hidden_states(out.get("hidden"), batch, end - first,
+                                            self.hidden_size).float()
+                except BadReply as bad:
+                    raise BadReply(f"verifier {peer[-8:]}: {bad}") from None
                 hidden_states[stage, :, first:end] = x
         for stage in (s for s in checked if s < stages - 1):
             claimed = Commitment.concat(provenance.stages[stage].commitments, trust.commit_top_k)
