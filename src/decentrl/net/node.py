@@ -115,7 +115,6 @@ class PeerRefused(RemoteError):
     """The peer is alive and answered, with an error: it refused this request."""
 
 
-<<<<<<< HEAD
 class CallerRefused(ValueError):
     """A request its sender may not make (the RPC's callers rule, net/authority.py): refused
     before it is read, and a strike."""
@@ -130,12 +129,12 @@ async def only_any_peer(sender: str, rpc: Rpc[Any, Any]) -> None:
     """A node's callers policy until it serves a run: RPCs for "any peer" only."""
     if rpc.callers != "any peer":
         raise CallerRefused(f"{rpc.method} is refused: this node serves no run")
-=======
+
+
 class ReplyContentError(WireError):
     """A reply its sender signed whose content breaks the protocol (non-finite values, tensors
     over the limits or that its RPC never replies with, a body that does not decode): the
     sender's own doing, not the transport's, so proof against it."""
->>>>>>> i17-sessions
 
 
 class SenderBlocked(RuntimeError):
