@@ -76,7 +76,8 @@ def admit(run_path: Path, peer_ids: list[str]) -> None:
     """Add peer ids to the run's admitted training peers."""
     for peer_id in peer_ids:
         check_peer_id(peer_id, "--admit")
-    new = [peer for peer in peer_ids if peer not in admitted_peers(run_path)]
+    known = admitted_peers(run_path)
+    new = [peer for peer in dict.fromkeys(peer_ids) if peer not in known]
     if new:
         run_path.mkdir(parents=True, exist_ok=True)
         with (run_path / ADMITTED_FILE).open("a") as file:
