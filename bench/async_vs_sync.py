@@ -245,9 +245,7 @@ def make_config(args: argparse.Namespace, variant: str, model: str) -> RunConfig
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    from decentrl.net.node import SwarmNode
-    from decentrl.net.wire import TensorLimits
-    from decentrl.swarm.launch import LocalSwarm, link_profile
+    from decentrl.swarm.launch import LocalSwarm
 
     common.quiet_transformers()
     torch.set_num_threads(1)  # the coordinator relays and scores; the peers compute
@@ -255,15 +253,15 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     config = make_config(args, variant, common.bench_model(args.model))
     config_path = common.fresh_swarm_folder(config)
     swarm = LocalSwarm(config, config_path, args.replicas)
-    node = coordinator = None
+    coordinator = None
     try:
-        addresses = swarm.start()
-        # The coordinator's own node carries the emulated link (LocalSwarm's bootstrap node
-        # has a perfect one): it is the caller of every inference and training hop.
-        node = SwarmNode.start("coordinator", addresses, link_profile(config), TensorLimits())
+        swarm.start()
+        # The coordinator runs on the bootstrap node: it holds the run owner's key, and carries
+        # the emulated link of every inference and training hop.
+        assert swarm.bootstrap is not None
         kind = SyncHooks if variant == "sync" else BenchHooks
         hooks = kind(args.target, args.budget)
-        coordinator = swarm_run(config, node, console, hooks=[hooks])
+        coordinator = swarm_run(config, swarm.bootstrap, console, hooks=[hooks])
         coordinator.run(wait_s=300)
         steps = read_metrics(config.path / "metrics.jsonl").steps
         return {
@@ -280,8 +278,6 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if coordinator is not None:
             coordinator.close()
-        if node is not None:
-            node.shutdown()
         swarm.shutdown()
 
 

@@ -49,6 +49,7 @@ from decentrl.config import RunConfig, parse_config  # noqa: E402
 from decentrl.net.link import LinkProfile  # noqa: E402
 from decentrl.net.node import SwarmNode  # noqa: E402
 from decentrl.net.wire import TensorLimits  # noqa: E402
+from decentrl.swarm.lineage import LineageSigner  # noqa: E402
 from decentrl.swarm.peer import StagePeer  # noqa: E402
 
 CODECS = ("fp32", "bf16", "int8")
@@ -78,11 +79,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def start_peer(config: RunConfig, stage: int, role: str, addresses: list[str],
+def start_peer(config: RunConfig, stage: int, role: str, addresses: list[str], owner: str,
                checkpoint_dir: Path, name: str) -> StagePeer:
+    """A peer of the run `owner` (the client, playing the coordinator) owns."""
     node = SwarmNode.start(name, addresses, LinkProfile(), TensorLimits())
     try:
-        peer = StagePeer(config, stage, role, node, checkpoint_dir, name)  # type: ignore[arg-type]
+        peer = StagePeer(config, stage, role, node, owner,  # type: ignore[arg-type]
+                         checkpoint_dir, name)
         peer.start()
     except BaseException:
         node.shutdown()
@@ -141,11 +144,11 @@ def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
         try:
             addresses = client.addresses()
             for stage in range(args.stages):
-                peers.append(start_peer(config, stage, "training", addresses,
+                peers.append(start_peer(config, stage, "training", addresses, client.peer_id,
                                         Path(folder) / "checkpoints", f"train{stage}"))
                 for replica in range(args.replicas):
                     peers.append(start_peer(config, stage, "inference", addresses,
-                                            Path(folder) / "checkpoints",
+                                            client.peer_id, Path(folder) / "checkpoints",
                                             f"infer{stage}.{replica}"))
             stage_of = {p.node.peer_id: f"{p.name} (stage {p.index})" for p in peers}
             directory = Directory(client, config.name, config.num_stages, config.swarm)
@@ -175,8 +178,11 @@ def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
             advantages = [1.0 if i % 2 == 0 else -1.0 for i in range(len(rollouts))]
             batch = build_batch(rollouts, advantages, [0] * len(rollouts),
                                 tokenizer.pad_token_id)
+            trainers = {p.node.peer_id for p in peers if p.role == "training"}
+            lineage = LineageSigner(client, config)  # closed with the client's node
             workers = [RemoteStageWorker(client, directory, stage, config.num_stages,
-                                         config.swarm) for stage in range(config.num_stages)]
+                                         config.swarm, trainers.__contains__, lineage)
+                       for stage in range(config.num_stages)]
             for worker in workers:
                 worker.connect()
             trainer = PipelineTrainer(workers, config.train,

@@ -76,12 +76,14 @@ def bench_config(model: str, run_dir: Path) -> RunConfig:
 def start(peers: list[StagePeer], nodes: list[SwarmNode], addresses: list[str], config: RunConfig,
           stage: int, name: str, adversary: str | None = None,
           collusion: Path | None = None) -> StagePeer:
+    """A peer of the run the client (nodes[0], the coordinator) owns."""
     node = SwarmNode.start(name, addresses, LinkProfile(), TensorLimits())
     nodes.append(node)
+    owner = nodes[0].peer_id
     if adversary is None:
-        peer = StagePeer(config, stage, "inference", node, name=name)
+        peer = StagePeer(config, stage, "inference", node, owner, name=name)
     else:
-        peer = hostile_peer(config, stage, node, name, adversary, collusion)
+        peer = hostile_peer(config, stage, node, owner, name, adversary, collusion)
     peer.start()
     peers.append(peer)
     return peer

@@ -77,9 +77,16 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 from decentrl.config import SyncConfig  # noqa: E402
+from decentrl.net.authority import RunAuthority  # noqa: E402
 from decentrl.net.link import LinkProfile  # noqa: E402
 from decentrl.net.node import SwarmNode  # noqa: E402
-from decentrl.net.protocol import PeerRecord, UpdateManifest, stage_key  # noqa: E402
+from decentrl.net.protocol import (  # noqa: E402
+    LineageRecord,
+    PeerRecord,
+    UpdateManifest,
+    lineage_key,
+    stage_key,
+)
 from decentrl.net.wire import TensorLimits, encode_struct  # noqa: E402
 from decentrl.sync.delta import PublishedState, TensorChange  # noqa: E402
 from decentrl.sync.distribute import StoredUpdate, WeightFollower, WeightPublisher  # noqa: E402
@@ -271,6 +278,11 @@ def measure_update(publisher: WeightPublisher, followers: list[TimedFollower],
     publisher.publish(version, current)
     publisher.wait(timeout=600)
     encode_s = time.perf_counter() - began
+    # The publisher's node plays the run's owner too: it signs the new version's lineage.
+    lineage = LineageRecord(stage=0, publisher=publisher.node.peer_id,
+                            hashes={version: publisher.state.hash})
+    publisher.node.run(publisher.node.announce(lineage_key(RUN, 0), encode_struct(lineage),
+                                               ANNOUNCE_TTL_S), timeout=30)
     size = publisher.updates[("delta", version)].manifest.size
     chunks = len(publisher.updates[("delta", version)].manifest.chunk_hashes)
     start, retries = sync_all(followers, version, pool)
@@ -309,8 +321,13 @@ def run_config(count: int, variant: str, args: argparse.Namespace,
     servers: list[Any] = []
     try:
         announce_replicas(nodes[1:], layers)
+        owner = nodes[0].peer_id  # the publisher's node plays the run's owner
+        for node in nodes:
+            authority = RunAuthority(node, RUN, owner, 0)
+            node.run(authority.refresh(), timeout=30)
+            node.authorize = authority.check
         current = {name: t.clone() for name, t in weights.items()}
-        publisher = WeightPublisher(nodes[0], RUN, 0, sync, 0, current, ANNOUNCE_TTL_S,
+        publisher = WeightPublisher(nodes[0], RUN, 0, sync, 0, current,
                                     timeout_s=SYNC_TIMEOUT_S)
         servers.append(publisher)
         followers = []
@@ -319,7 +336,7 @@ def run_config(count: int, variant: str, args: argparse.Namespace,
             # the same for all: computed once).
             state = PublishedState(0, {n: t.clone() for n, t in base.tensors.items()}, base.hash)
             follower = TimedFollower(node, RUN, 0, sync, state, lambda *a: None,
-                                     timeout_s=60, ban_s=30)
+                                     timeout_s=60, ban_s=30, owner=owner)
             follower.commit = follower.record_commit
             followers.append(follower)
             servers.append(follower)
