@@ -117,9 +117,14 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
     node = SwarmNode.start(name, initial_peers, profile, TensorLimits(), compute_threads=threads,
                            identity=identity)
     report({"sockets": node.socket_paths()})
+    console = console or Console(stderr=True)
+    if role != "inference" and adversary is None:
+        console.print(f"this training peer's id is {node.peer_id}: the run's operator admits "
+                      "it (decentrl coordinate --admit ID, or a line in RUN/admitted.txt)",
+                      markup=False, highlight=False, soft_wrap=True)
     try:
         manifest = wait_for_manifest(node, config.name if config is not None else str(run),
-                                     owner, config_wait_s, stop, console or Console(stderr=True))
+                                     owner, config_wait_s, stop, console)
         if manifest is None:
             return
         config = accept_manifest(manifest, config)
