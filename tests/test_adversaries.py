@@ -179,7 +179,8 @@ def test_a_flood_of_malformed_requests_is_blocked_and_banned(
                                    TensorLimits())
         swarm.sockets.extend(attacker.socket_paths())
         stop = threading.Event()
-        thread = threading.Thread(target=flood, args=(attacker, config, stop, 0.02),
+        thread = threading.Thread(target=flood,
+                                  args=(attacker, config, swarm.client.peer_id, stop, 0.02),
                                   daemon=True)
         try:
             with coordinated(config, swarm) as coordinator:
