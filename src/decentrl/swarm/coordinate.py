@@ -33,7 +33,7 @@ from decentrl.model.loading import load_tokenizer, resolve_model
 from decentrl.model.stages import StagePlan
 from decentrl.net.directory import Directory, SwarmUnavailable
 from decentrl.net.node import SwarmNode
-from decentrl.net.protocol import PeerRecord, layer_span
+from decentrl.net.protocol import PeerRecord, RunSizes, layer_span
 from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.observe.dashboard import DashboardServer
 from decentrl.observe.live import SwarmObserver
@@ -99,6 +99,7 @@ class SwarmBackend:
         if config.threads is not None:
             torch.set_num_threads(config.threads)  # the coordinator relays; the peers compute
         self.config, self.node, self.console = config, node, console
+        node.sizes = RunSizes.of(self.spec, config)  # bounds the replies it collects
         self.checkpoints = CheckpointLayout(config.path / "checkpoints")
         self.tokenizer = load_tokenizer(folder)
         self.directory = Directory(node, config.name, config.num_stages, config.swarm,
