@@ -322,10 +322,16 @@ def honest_step(stranger: SwarmNode, peer: StagePeer) -> None:
 
 async def open_stream(node: SwarmNode, peer: str, method: str
                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A raw stream to `peer`'s `method`: what a hostile caller writes into it is its choice."""
+    """A raw stream to `peer`'s RPC `method`: what a hostile caller writes into it is its
+    choice."""
+    return await open_stream_to(node, peer, f"decentrl.{method}")
+
+
+async def open_stream_to(node: SwarmNode, peer: str, protocol: str
+                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     assert node.p2p is not None
     _, reader, writer = await node.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
-                                                                  f"decentrl.{method}")
+                                                                  protocol)
     return reader, writer
 
 
@@ -364,8 +370,17 @@ async def close(writer: asyncio.StreamWriter) -> None:
     writer.close()
 
 
-def resident_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def resident_bytes(pid: int | str = "self") -> int:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append(value & 0x7F | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
 
 
 def wait_until(condition: Callable[[], bool]) -> None:
@@ -405,6 +420,37 @@ def test_a_declared_length_over_the_limit_is_refused_unread(peer: StagePeer,
     assert not answer or error_text(answer) == refusal  # the refusal, unless the cut overtook it
     assert peer.node.open_streams(stranger.peer_id) == 0
     honest_step(stranger, peer)  # and it keeps serving
+
+
+@pytest.mark.network
+def test_a_dht_request_over_the_daemons_cap_is_refused_unread(peer: StagePeer,
+                                                              stranger: SwarmNode) -> None:
+    """Hivemind's DHT RPCs are unary calls: the p2p daemon reads each with a length-delimited
+    reader capped at 4 MiB before Python sees it (net/streams.py), so the same 16 GiB header
+    grows neither the daemon nor this process."""
+    assert peer.node.p2p is not None and peer.node.p2p._child is not None
+    daemon = peer.node.p2p._child.pid
+    piece = os.urandom(2**16)
+
+    async def attack() -> bytes:
+        reader, writer = await open_stream_to(stranger, peer.node.peer_id, "DHTProtocol.rpc_store")
+        with contextlib.closing(writer):
+            writer.write(varint(HUGE))
+            with contextlib.suppress(ConnectionError):
+                for _ in range(SENT_AFTER_HEADER // len(piece)):
+                    writer.write(piece)
+                    await writer.drain()
+            return await answer_of(reader)
+
+    before, daemon_before = resident_bytes(), resident_bytes(daemon)
+    assert stranger.run(attack(), timeout=120) == b""
+    assert resident_bytes() - before < SENT_AFTER_HEADER // 4
+    assert resident_bytes(daemon) - daemon_before < SENT_AFTER_HEADER // 4
+    # The DHT still answers the stranger, and the peer its RPCs.
+    assert stranger.dht is not None
+    assert stranger.run(stranger.dht.protocol.call_ping(PeerID.from_base58(peer.node.peer_id)),
+                        timeout=30) is not None
+    honest_step(stranger, peer)
 
 
 @pytest.mark.network

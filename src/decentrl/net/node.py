@@ -434,7 +434,7 @@ class SwarmNode:
                  timeout=30)
 
     def open_streams(self, peer: str) -> int:
-        """`peer`'s requests open at this node now (read from the loop thread)."""
+        """`peer`'s requests open at this node now (counted on the loop thread)."""
         return self._open_streams.get(peer, 0)
 
     async def _serve_stream(self, rpc: Rpc[Req, Any], handler: Handler[Req], sender: str,
@@ -651,7 +651,8 @@ class SwarmNode:
                                    encode_struct(body), manifest, parts)
         requests = to_messages(runtime_pb2.ExpertRequest, metadata, parts, uid=request_id)
         declared = size_limit(rpc.max_reply_bytes, self.sizes)
-        reply_limit = min(declared or self.limits.max_total_bytes, self.limits.max_total_bytes)
+        reply_limit = self.limits.max_total_bytes if declared is None \
+            else min(declared, self.limits.max_total_bytes)
         link = self.links.link(peer)
         try:
             async with asyncio.timeout(timeout):
