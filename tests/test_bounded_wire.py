@@ -518,9 +518,15 @@ def test_concurrent_streams_over_the_cap_are_refused(peer: StagePeer,
         hold()
         hold()
         assert "has 2 requests open here already" in stranger.run(next_error(held[2][0]), 90)
-        reader, writer = stranger.run(stalled(stranger, node.peer_id, "close_session"), 30)
-        assert stranger.run(answer_of(reader), timeout=90) == b""
-        stranger.run(close(writer), timeout=30)
+
+        async def fifth() -> bytes:
+            reader, writer = await open_stream(stranger, node.peer_id, "close_session")
+            with contextlib.closing(writer):
+                writer.write(header(100))
+                with contextlib.suppress(ConnectionError):  # the peer may cut it first
+                    await writer.drain()
+                return await answer_of(reader)
+        assert stranger.run(fifth(), timeout=90) == b""
         assert reasons == ["close_session: 5 requests open at once; the stream is cut unanswered"]
     finally:
         for _, held_writer in held:
@@ -582,7 +588,8 @@ def test_a_caller_policy_refuses_before_the_request_is_read(peer: StagePeer,
         reader, writer = await open_stream(stranger, peer.node.peer_id, "inference_step")
         with contextlib.closing(writer):
             writer.write(header(HUGE))
-            await writer.drain()
+            with contextlib.suppress(ConnectionError):  # the peer may cut it first
+                await writer.drain()
             return await answer_of(reader)
     answer = stranger.run(huge(), timeout=90)
     assert not answer or "may not call it" in error_text(answer)
