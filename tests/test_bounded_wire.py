@@ -265,6 +265,13 @@ def test_a_limit_that_depends_on_the_run_needs_its_sizes() -> None:
     assert size_limit(CLOSE_SESSION.max_bytes, None) == size_limit(CLOSE_SESSION.max_bytes, SIZES)
 
 
+def test_node_refuses_nonsense_stream_settings() -> None:
+    with pytest.raises(ValueError, match="read_timeout_s > 0"):
+        SwarmNode("x", LinkProfile(), TensorLimits(), read_timeout_s=0)
+    with pytest.raises(ValueError, match="max_streams_per_sender >= 1"):
+        SwarmNode("x", LinkProfile(), TensorLimits(), max_streams_per_sender=0)
+
+
 # ---- a live stage peer, attacked from a stranger's node -------------------------------------
 
 @pytest.fixture(scope="module")
@@ -535,10 +542,17 @@ def test_concurrent_streams_over_the_cap_are_refused(peer: StagePeer,
     honest_step(stranger, peer)
 
 
+async def serving_nothing(request: Request[Any]) -> Reply:
+    raise AssertionError("never served")
+
+
 @pytest.mark.network
 def test_a_reply_over_its_rpcs_limit_is_refused_by_the_caller(stranger: SwarmNode) -> None:
     liar = SwarmNode.start("liar", stranger.addresses(), LinkProfile(), TensorLimits())
     try:
+        with pytest.raises(ValueError, match="inference_step's request limit depends on the "
+                                             "run's sizes"):
+            liar.serve(INFERENCE_STEP, serving_nothing)
         async def oversized_chunk(request: Request[ChunkRequest]) -> Reply:
             return Reply(Empty(), {"data": torch.zeros(3 * 2**20, dtype=torch.uint8)})
         liar.serve(SYNC_CHUNK, oversized_chunk)
