@@ -2,13 +2,23 @@
 RPC layer on top, all on an asyncio loop in a background thread so that synchronous code (the
 generation loop, the trainer driver) can call peers while the loop keeps serving them.
 
-Every RPC is a hivemind protobuf stream: requests and replies are `ExpertRequest`/`ExpertResponse`
-messages whose metadata is a msgspec struct and whose tensors go through hivemind's codecs
-(net/wire.py), chunked under the 4 MiB frame cap. The request id travels in the `uid` field; a
-server remembers its last replies by sender and id, so a caller that retries after a lost reply
-gets the same answer instead of running the request twice. Every hop goes through the link
-emulator (net/link.py) on the caller's side, and every call has a timeout: nothing waits forever
-on a peer.
+Every RPC is a stream in hivemind's protobuf framing, read by our own bounded reader
+(net/streams.py): requests and replies are `ExpertRequest`/`ExpertResponse` messages whose
+metadata is a msgspec struct and whose tensors go through hivemind's codecs (net/wire.py),
+chunked under the 4 MiB message cap. The request id travels in the `uid` field; a server
+remembers its last replies by sender and id, so a caller that retries after a lost reply gets the
+same answer instead of running the request twice. Every hop goes through the link emulator
+(net/link.py) on the caller's side, and every call has a timeout: nothing waits forever on a
+peer.
+
+Nothing a peer sends is read past a bound. A request's and a reply's bytes are capped per RPC
+(net/protocol.py: a number, or a function of the run's sizes, `SwarmNode.sizes`), and a message
+header that declares more is refused before any of the message is read. On the serving side a
+stream that sends nothing for `read_timeout_s` is cut, and one sender may have at most
+`max_streams_per_sender` requests open at once (past it they are refused, no strike: an honest
+caller with many sessions can get there; past twice it, the sender is flooding: a strike, and
+the stream is cut unanswered). Before any of a request is read, its sender must not be blocked
+and must pass the caller policy (`SwarmNode.authorize`).
 
 The node's Ed25519 key (net/identity.py) is its daemon's libp2p identity. Every request and
 every reply is signed by its sender (`Envelope.signature`, over `message_digest`) and checked
@@ -39,17 +49,21 @@ from typing import Any, Generic, Literal, TypeVar
 import msgspec
 import torch
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P, P2PContext, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from decentrl.net.identity import Identity, verify
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
-from decentrl.net.protocol import Rpc
+from decentrl.net.protocol import Rpc, RunSizes, size_limit
 from decentrl.net.records import MAX_RECORD_BYTES, SignedRecordValidator
+from decentrl.net.streams import ErrorFrame, FrameReader, StreamStalled, write_frame
 from decentrl.net.wire import (
+    MAX_MESSAGE_BYTES,
     ActivationCodec,
     TensorLimits,
     TensorManifest,
@@ -85,6 +99,12 @@ BLOCK_S = 300.0
 # that a stream of throwaway identities cannot grow the table without end.
 STRIKE_TABLE_SIZE = 1024
 SIGNATURE_DOMAIN = b"decentrl/1"
+# The longest a request stream may send nothing (before or inside its request), or leave a piece
+# of its reply unread, before it is cut.
+READ_TIMEOUT_S = 10.0
+# Requests one sender may have open at a node at once, those waiting for the compute thread
+# included.
+MAX_STREAMS_PER_SENDER = 32
 MessageKind = Literal["request", "reply"]
 _KIND_BYTE: dict[MessageKind, bytes] = {"request": b"\x00", "reply": b"\x01"}
 
@@ -139,6 +159,14 @@ class ReplyContentError(WireError):
 
 class SenderBlocked(RuntimeError):
     """A request refused unread: its sender sent too many malformed ones lately. Not a strike."""
+
+
+class TooManyStreams(RuntimeError):
+    """A request refused unread: its sender has too many requests open at this node already."""
+
+
+class CallerLeft(Exception):
+    """The caller closed its stream before its answer was ready."""
 
 
 class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -217,10 +245,15 @@ class SwarmNode:
     def __init__(self, name: str, link_profile: LinkProfile, limits: TensorLimits,
                  compute_threads: int | None = None, identity: Identity | None = None,
                  strikes_to_block: int = STRIKES_TO_BLOCK,
-                 strike_window_s: float = STRIKE_WINDOW_S, block_s: float = BLOCK_S) -> None:
+                 strike_window_s: float = STRIKE_WINDOW_S, block_s: float = BLOCK_S,
+                 read_timeout_s: float = READ_TIMEOUT_S,
+                 max_streams_per_sender: int = MAX_STREAMS_PER_SENDER) -> None:
         if strikes_to_block < 1 or strike_window_s <= 0 or block_s < 0:
             raise ValueError(f"need strikes_to_block >= 1, strike_window_s > 0, block_s >= 0; got "
                              f"{strikes_to_block}, {strike_window_s}, {block_s}")
+        if read_timeout_s <= 0 or max_streams_per_sender < 1:
+            raise ValueError(f"need read_timeout_s > 0, max_streams_per_sender >= 1; got "
+                             f"{read_timeout_s}, {max_streams_per_sender}")
         self.name = name
         self.limits = limits
         self.link_profile = link_profile
@@ -228,8 +261,14 @@ class SwarmNode:
         self.strikes_to_block = strikes_to_block
         self.strike_window_s = strike_window_s
         self.block_s = block_s
-        # Raises CallerRefused / CallerUnknown unless (sender, rpc) may be served; called on the
-        # loop before a request's handler runs (net/authority.py RunAuthority.check).
+        self.read_timeout_s = read_timeout_s
+        self.max_streams_per_sender = max_streams_per_sender
+        # The run's sizes, which bound the activations and micro-batches its RPCs carry: needed to
+        # serve those RPCs; a caller without them caps such replies at `limits` alone.
+        self.sizes: RunSizes | None = None
+        # Who may call what: awaited with (sender, rpc) before any of a request is read; raises
+        # CallerRefused (a strike) or CallerUnknown (none) to refuse it (net/authority.py
+        # RunAuthority.check). Called on the loop thread.
         self.authorize: Callable[[str, Rpc[Any, Any]], Awaitable[None]] = only_any_peer
         # Called with (peer id, reason) on each strike, from the loop thread.
         self.on_strike: Callable[[str, str], None] | None = None
@@ -240,6 +279,7 @@ class SwarmNode:
         self._strike_lock = threading.Lock()
         self._strike_times: dict[str, deque[float]] = {}
         self._blocks: dict[str, tuple[float, int]] = {}  # sender -> (until, strikes)
+        self._open_streams: dict[str, int] = {}  # sender -> requests open here (loop only)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=f"p2p-{name}", daemon=True)
         # One compute thread: requests run one at a time and the loop stays free to serve the
@@ -265,10 +305,12 @@ class SwarmNode:
     def start(cls, name: str, initial_peers: Sequence[str], link_profile: LinkProfile,
               limits: TensorLimits, host: str = LOOPBACK, compute_threads: int | None = None,
               identity: Identity | None = None, strikes_to_block: int = STRIKES_TO_BLOCK,
-              strike_window_s: float = STRIKE_WINDOW_S, block_s: float = BLOCK_S) -> SwarmNode:
+              strike_window_s: float = STRIKE_WINDOW_S, block_s: float = BLOCK_S,
+              read_timeout_s: float = READ_TIMEOUT_S,
+              max_streams_per_sender: int = MAX_STREAMS_PER_SENDER) -> SwarmNode:
         check_peer_addresses(initial_peers)
         node = cls(name, link_profile, limits, compute_threads, identity, strikes_to_block,
-                   strike_window_s, block_s)
+                   strike_window_s, block_s, read_timeout_s, max_streams_per_sender)
         node._thread.start()
         try:
             node.run(node._start(list(initial_peers), host), timeout=STARTUP_TIMEOUT_S)
@@ -385,63 +427,116 @@ class SwarmNode:
     # ---- serving ---------------------------------------------------------------------------
 
     def serve(self, rpc: Rpc[Req, Any], handler: Handler[Req]) -> None:
-        """Serve `rpc` (net/protocol.py) with `handler`. A request is refused, and counted as a
-        strike, as soon as more than the RPC's size limit came in, and unless its body decodes
-        as the RPC's request and its tensors are the ones the RPC takes; only then does the
-        handler run."""
+        """Serve `rpc` (net/protocol.py) with `handler`. A request is refused before any of it is
+        read if its sender has too many requests open here, is blocked, or may not call `rpc`
+        (`authorize`); it is refused, and counted as a strike, as soon as a message header
+        declares more than the RPC's size limit, and unless its body decodes as the RPC's request
+        and its tensors are the ones the RPC takes; only then does the handler run. A stream that
+        sends nothing for `read_timeout_s` is cut."""
         assert self.p2p is not None
+        declared = size_limit(rpc.max_bytes, self.sizes)
+        if declared is None:
+            raise ValueError(f"{rpc.method}'s request limit depends on the run's sizes: set the "
+                             f"node's sizes (RunSizes.of(spec, config)) before serving it")
+        limit = min(declared, self.limits.max_total_bytes)
+
+        async def handle_stream(info: StreamInfo, reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter) -> None:
+            sender = str(info.peer_id)
+            stream = FrameReader(reader, f"{rpc.method} request", limit, self.read_timeout_s)
+            with contextlib.closing(writer):
+                await self._serve_stream(rpc, handler, sender, stream, writer)
+
+        self.run(self.p2p.add_binary_stream_handler(f"decentrl.{rpc.method}", handle_stream),
+                 timeout=30)
+
+    def open_streams(self, peer: str) -> int:
+        """`peer`'s requests open at this node now (counted on the loop thread)."""
+        return self._open_streams.get(peer, 0)
+
+    async def _serve_stream(self, rpc: Rpc[Req, Any], handler: Handler[Req], sender: str,
+                            stream: FrameReader, writer: asyncio.StreamWriter) -> None:
         method = rpc.method
-        limit = self.limits.max_total_bytes if rpc.max_bytes is None \
-            else min(rpc.max_bytes, self.limits.max_total_bytes)
-
-        async def stream_handler(requests: Any, context: P2PContext) -> Any:
-            sender = str(context.remote_id)
+        open_streams = self._open_streams.get(sender, 0) + 1
+        self._open_streams[sender] = open_streams
+        try:
+            if open_streams > 2 * self.max_streams_per_sender:
+                self._strike(sender, method, TooManyStreams(
+                    f"{open_streams} requests open at once; the stream is cut unanswered"))
+                return
             try:
-                messages = await self._receive(method, requests, limit)
-                self._refuse_if_blocked(sender)
-                await self.authorize(sender, rpc)
-                request_id, envelope, parts = self._open_request(method, messages, sender)
-            except ValueError as error:  # WireError and SignatureError included
-                self._strike(sender, method, error)
-                raise
-            # A retried request (its reply was lost) gets the first reply, not a second run.
-            key = (sender, request_id)
-            cached = self._replies.get(key) if request_id else None
-            if cached is None:
-                cached = self.loop.create_future()
-                if request_id:
-                    self._replies[key] = cached
-                    while len(self._replies) > REPLY_CACHE_SIZE:
-                        self._replies.popitem(last=False)
-                try:
-                    cached.set_result(await self._handle(rpc, handler, request_id, envelope,
-                                                         parts, sender))
-                except asyncio.CancelledError:
-                    log.warning("%s: %s from %s cancelled mid-request", self.name, method,
-                                sender[-8:])
-                    self._replies.pop(key, None)
-                    cached.cancel()
-                    raise
-                except Exception as error:
-                    # A ValueError is the request's fault (bad tensors, a handler's PeerError);
-                    # anything else (a timeout, a bug) is not held against the sender.
-                    if isinstance(error, ValueError):
-                        self._strike(sender, method, error)
-                    else:
-                        log.info("%s: %s from %s refused: %s", self.name, method, sender[-8:],
-                                 error)
-                    self._replies.pop(key, None)
-                    cached.set_exception(error)
-                    cached.exception()  # retrieved here; the caller gets it below
-            responses = await asyncio.shield(cached)
-            assert self.links is not None
-            await self.links.uplink.send(message_bytes(responses), sender)
+                responses = await self._answer(rpc, handler, sender, stream, open_streams)
+            except CallerLeft:
+                return
+            except StreamStalled as error:
+                log.info("%s: %s from %s cut: %s", self.name, method, sender[-8:], error)
+                await write_frame(writer, RPCError(message=str(error)), self.read_timeout_s)
+                return
+            except Exception as error:  # a refusal: the caller gets its text
+                await write_frame(writer, RPCError(message=str(error)), self.read_timeout_s)
+                await stream.discard_rest(MAX_MESSAGE_BYTES)
+                return
             for response in responses:
-                yield response
+                await write_frame(writer, response, self.read_timeout_s)
+        except (ConnectionError, TimeoutError) as error:  # the caller left, or stopped reading
+            log.info("%s: %s from %s: could not answer: %r", self.name, method, sender[-8:],
+                     error)
+        finally:
+            if open_streams > 1:
+                self._open_streams[sender] = self._open_streams[sender] - 1
+            else:
+                self._open_streams.pop(sender, None)
 
-        self.run(self.p2p.add_protobuf_handler(f"decentrl.{method}", stream_handler,
-                                               runtime_pb2.ExpertRequest, stream_input=True,
-                                               stream_output=True), timeout=30)
+    async def _answer(self, rpc: Rpc[Req, Any], handler: Handler[Req], sender: str,
+                      stream: FrameReader, open_streams: int) -> list[runtime_pb2.ExpertResponse]:
+        """The reply to the request on `stream`, or the refusal raised (its text goes back)."""
+        method = rpc.method
+        if open_streams > self.max_streams_per_sender:
+            raise TooManyStreams(f"{method}: peer {sender[-8:]} has "
+                                 f"{self.max_streams_per_sender} requests open here already")
+        try:
+            self._refuse_if_blocked(sender)
+            await self.authorize(sender, rpc)
+            messages = await stream.requests(runtime_pb2.ExpertRequest)
+            if messages is None:
+                raise CallerLeft
+            request_id, envelope, parts = self._open_request(method, messages, sender)
+        except ValueError as error:  # WireError, SignatureError and CallerRefused included
+            self._strike(sender, method, error)
+            raise
+        # A retried request (its reply was lost) gets the first reply, not a second run.
+        key = (sender, request_id)
+        cached = self._replies.get(key) if request_id else None
+        if cached is None:
+            cached = self.loop.create_future()
+            if request_id:
+                self._replies[key] = cached
+                while len(self._replies) > REPLY_CACHE_SIZE:
+                    self._replies.popitem(last=False)
+            try:
+                cached.set_result(await _unless_caller_leaves(
+                    stream, self._handle(rpc, handler, request_id, envelope, parts, sender)))
+            except (asyncio.CancelledError, CallerLeft):
+                log.warning("%s: %s from %s cancelled mid-request", self.name, method,
+                            sender[-8:])
+                self._replies.pop(key, None)
+                cached.cancel()
+                raise
+            except Exception as error:
+                # A ValueError is the request's fault (bad tensors, a handler's PeerError);
+                # anything else (a timeout, a bug) is not held against the sender.
+                if isinstance(error, ValueError):
+                    self._strike(sender, method, error)
+                else:
+                    log.info("%s: %s from %s refused: %s", self.name, method, sender[-8:],
+                             error)
+                self._replies.pop(key, None)
+                cached.set_exception(error)
+                cached.exception()  # retrieved here; the caller gets it below
+        responses = await asyncio.shield(cached)
+        assert self.links is not None
+        await self.links.uplink.send(message_bytes(responses), sender)
+        return responses
 
     def unserve(self, rpc: Rpc[Any, Any]) -> None:
         """Stop serving `rpc`, so that another object on this node may serve it later (a
@@ -449,22 +544,9 @@ class SwarmNode:
         if self._closed or self.p2p is None:
             return
         try:
-            self.run(self.p2p.remove_protobuf_handler(f"decentrl.{rpc.method}",
-                                                      stream_input=True, stream_output=True),
-                     timeout=30)
+            self.run(self.p2p.remove_binary_stream_handler(f"decentrl.{rpc.method}"), timeout=30)
         except (P2PDaemonError, TimeoutError) as error:
             log.warning("%s: could not stop serving %s: %s", self.name, rpc.method, error)
-
-    async def _receive(self, method: str, requests: Any, limit: int) -> list[Any]:
-        """A request's messages, read whole (also from a blocked sender: the stream must be
-        drained before the refusal goes back), never past `limit` bytes."""
-        messages, size = [], 0
-        async for message in requests:
-            size += message.ByteSize()
-            if size > limit:
-                raise WireError(f"{method} request over {limit} bytes")
-            messages.append(message)
-        return messages
 
     def _open_request(self, method: str, messages: list[Any], sender: str
                       ) -> tuple[str, Envelope, list[runtime_pb2.Tensor]]:
@@ -568,9 +650,10 @@ class SwarmNode:
         decoded as the RPC's reply, and its tensors. A reply that arrives incomplete is asked for
         again (same request id) a few times. Raises PeerRefused (the peer answered with an
         error), RemoteError (it timed out or could not be reached), MessageLost (the emulated
-        link dropped the request), or WireError (the reply was malformed, or not signed by
-        `peer`: SignatureError; a ReplyContentError where `peer` did sign it, so its content,
-        such as non-finite values or tensors the RPC never replies with, is its own doing)."""
+        link dropped the request), or WireError (the reply was over the RPC's reply limit,
+        malformed, or not signed by `peer`: SignatureError; a ReplyContentError where `peer`
+        did sign it, so its content, such as non-finite values or tensors the RPC never replies
+        with, is its own doing)."""
         assert self.p2p is not None and self.links is not None
         if not isinstance(body, rpc.request):
             raise TypeError(f"{rpc.method} takes a {rpc.request.__name__} body, not "
@@ -585,16 +668,16 @@ class SwarmNode:
         metadata = signed_envelope(self.identity, "request", method, request_id,
                                    encode_struct(body), manifest, parts)
         requests = to_messages(runtime_pb2.ExpertRequest, metadata, parts, uid=request_id)
+        declared = size_limit(rpc.max_reply_bytes, self.sizes)
+        reply_limit = self.limits.max_total_bytes if declared is None \
+            else min(declared, self.limits.max_total_bytes)
         link = self.links.link(peer)
         try:
             async with asyncio.timeout(timeout):
                 await self.links.uplink.send(message_bytes(requests), peer)
                 await link.send(message_bytes(requests), "out")
                 for attempt in range(TRUNCATED_REPLY_RETRIES + 1):
-                    stream = await self.p2p.iterate_protobuf_handler(
-                        PeerID.from_base58(peer), f"decentrl.{method}", _aiter(requests),
-                        runtime_pb2.ExpertResponse)
-                    responses = [r async for r in stream]
+                    responses = await self._exchange(peer, method, requests, reply_limit)
                     try:
                         reply_body, reply_tensors = self._decode_reply(responses, peer, method,
                                                                        request_id)
@@ -618,8 +701,8 @@ class SwarmNode:
         except TimeoutError as error:
             raise RemoteError(f"{method} at {peer[-8:]}: no answer within {timeout:.0f}s"
                               ) from error
-        except P2PHandlerError as error:
-            raise PeerRefused(f"{method} at {peer[-8:]}: {error}") from error
+        except ErrorFrame as error:
+            raise PeerRefused(f"{method} at {peer[-8:]}: {error}") from None
         except (ConnectionError, OSError, asyncio.IncompleteReadError, P2PDaemonError) as error:
             # P2PDaemonError includes its subclasses: ControlFailure is a peer we cannot dial.
             raise RemoteError(f"{method} at {peer[-8:]}: {error}") from error
@@ -628,6 +711,24 @@ class SwarmNode:
             return decode_struct(reply_body, rpc.reply), reply_tensors
         except WireError as error:
             raise ReplyContentError(f"{method} at {peer[-8:]}: {error}") from None
+
+    async def _exchange(self, peer: str, method: str, requests: list[runtime_pb2.ExpertRequest],
+                        reply_limit: int) -> list[runtime_pb2.ExpertResponse]:
+        """One stream to `peer`'s `method`: the request out, the reply back, never more than
+        `reply_limit` bytes of it (FrameRefused, a WireError). ErrorFrame if the peer refused."""
+        assert self.p2p is not None
+        _, reader, writer = await self.p2p.call_binary_stream_handler(
+            PeerID.from_base58(peer), f"decentrl.{method}")
+        with contextlib.closing(writer):
+            sending = asyncio.create_task(_send_requests(writer, requests))
+            # A peer that refuses before reading the whole request may reset the stream under
+            # the sender: what counts is the answer read below.
+            sending.add_done_callback(_retrieve_outcome)
+            try:
+                return await FrameReader(reader, f"{method} reply", reply_limit, None).replies(
+                    runtime_pb2.ExpertResponse)
+            finally:
+                sending.cancel()
 
     def _decode_reply(self, responses: list[Any], peer: str, method: str, request_id: str
                       ) -> tuple[bytes, dict[str, torch.Tensor]]:
@@ -681,6 +782,28 @@ class SwarmNode:
         return self.record_validator.refused
 
 
-async def _aiter(items: list[T]) -> Any:
-    for item in items:
-        yield item
+async def _send_requests(writer: asyncio.StreamWriter,
+                         requests: list[runtime_pb2.ExpertRequest]) -> None:
+    for request in requests:
+        await write_frame(writer, request, None)
+    await write_frame(writer, P2P.END_OF_STREAM, None)
+
+
+def _retrieve_outcome(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def _unless_caller_leaves(stream: FrameReader, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result; CallerLeft, and `work` cancelled, if the caller closes its stream first
+    (it gave up: a retry comes on another stream)."""
+    task = asyncio.ensure_future(work)
+    left = asyncio.ensure_future(stream.wait_closed())
+    try:
+        await asyncio.wait((task, left), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise CallerLeft
+        return task.result()
+    finally:
+        left.cancel()
+        task.cancel()

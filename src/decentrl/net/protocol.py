@@ -4,13 +4,15 @@ tensors travel beside them (net/node.py) and are checked where they are used."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import msgspec
 import torch
 
+from decentrl.config import RunConfig
+from decentrl.model.blocks import ModelSpec
 from decentrl.net.wire import WireError
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import RolloutGroup
@@ -254,7 +256,8 @@ class ChunkRequest(Body):
 #
 # Every RPC is declared here once: its request and reply bodies, the tensors a request may carry
 # (any other name, a missing required one or the wrong kind of dtype is refused before the
-# handler runs), the tensors a reply may carry, the request's size limit, and who may call it.
+# handler runs), the tensors a reply may carry, the size limits of a request and of a reply
+# (see "size limits" below), and who may call it.
 # SwarmNode.serve and SwarmNode.call take these declarations, not method names, so a handler
 # cannot skip the checks and a caller cannot send another body.
 
@@ -265,10 +268,15 @@ Callers = Literal["any peer", "coordinator", "same stage"]
 # is stage 0's token ids or a later stage's hidden states (the handler knows which it serves).
 DtypeKind = Literal["int64", "bool", "float", "float32", "uint8", "ids or float"]
 
-# A request without tensors is a few hundred bytes; this leaves room, and nothing more.
+# A request without tensors is a few hundred bytes; this leaves room, and nothing more. Also the
+# room a message of tensors gets for its envelope and its manifest.
 SMALL_REQUEST_BYTES = 64 * 2**10
 # A rollout group is token ids and log-probs, a few hundred KiB even for long completions.
 MAX_SUBMISSION_BYTES = 8 * 2**20
+# A sync plan: a keyframe's manifest and the deltas after it, 32 bytes per chunk hash.
+MAX_SYNC_PLAN_BYTES = 4 * 2**20
+# The data of one chunk of a weight update (sync/distribute.py cuts none larger).
+SYNC_CHUNK_DATA_BYTES = 2 * 2**20
 COMMITMENT_TENSORS = ("commit_rows", "commit_positions", "commit_indices", "commit_values")
 # A training micro-batch (learn/batch.py TrainBatch), field by field.
 BATCH_TENSORS: dict[str, DtypeKind] = {
@@ -292,6 +300,97 @@ class TensorRule(NamedTuple):
         return dtype == _EXACT_DTYPES[self.kind]
 
 
+# ---- size limits ---------------------------------------------------------------------------
+#
+# Every request and every reply has a limit on its bytes on the wire, checked as it is read (net/
+# streams.py) before anything is decoded. Messages without tensors get SMALL_REQUEST_BYTES. The
+# activations and micro-batches of a run are bounded by its sizes (RunSizes): a function of them
+# declares those limits, and the node evaluates it with the sizes it was given.
+
+# Bytes per element at their widest on the wire: token ids and positions are int64, a float is
+# float32 at most (the fp32 codec), a mask is bool.
+ID_BYTES, FLOAT_BYTES, FLAG_BYTES = 8, 4, 1
+
+
+@dataclass(frozen=True)
+class RunSizes:
+    """What bounds the tensors a run's RPCs carry: the model's hidden width and positions, the
+    tokens one inference session may hold (batch x max_length), the sequences of a training
+    micro-batch, the hidden dims of a commitment point."""
+
+    hidden_size: int
+    max_positions: int
+    max_session_tokens: int
+    micro_batch_size: int
+    commit_top_k: int
+
+    @classmethod
+    def of(cls, spec: ModelSpec, config: RunConfig) -> RunSizes:
+        return cls(spec.hidden_size, spec.max_positions, config.swarm.max_session_tokens,
+                   config.train.micro_batch_size, config.trust.commit_top_k)
+
+    @property
+    def activation_bytes(self) -> int:
+        """One position's input or output of a stage: a token id, or a hidden state."""
+        return max(ID_BYTES, FLOAT_BYTES * self.hidden_size)
+
+    @property
+    def batch_positions(self) -> int:
+        """Positions of a micro-batch's prompts, or of its completions, at most: every row is
+        at most max_positions long."""
+        return self.micro_batch_size * self.max_positions
+
+
+def with_envelope(tensor_bytes: int) -> int:
+    """A message's bytes on the wire for `tensor_bytes` of tensors: its envelope, and the chunk
+    and frame headers (a few dozen bytes per MiB)."""
+    return tensor_bytes + tensor_bytes // 1024 + SMALL_REQUEST_BYTES
+
+
+def step_request_bytes(sizes: RunSizes) -> int:
+    """An inference or verification step: per position of the session, its input, its position
+    id, its key mask and (verification) its target."""
+    per_position = sizes.activation_bytes + 2 * ID_BYTES + FLAG_BYTES
+    return with_envelope(sizes.max_session_tokens * per_position)
+
+
+def step_reply_bytes(sizes: RunSizes) -> int:
+    """A step's reply: per new position its hidden state and at most one commitment point (row,
+    position, top-k indices and bf16 values), or at the last stage a few scores."""
+    point = 2 * ID_BYTES + sizes.commit_top_k * (ID_BYTES + 2)
+    return with_envelope(sizes.max_session_tokens * (sizes.activation_bytes + point))
+
+
+def forward_request_bytes(sizes: RunSizes) -> int:
+    """A training micro-batch (learn/batch.py TrainBatch) and the stage's inputs: per prompt
+    position its id, position and mask; per completion position its id, position, two masks and
+    three log-probs (behaviour, proximal, reference); each with its input; per row three
+    numbers."""
+    prompt = 2 * ID_BYTES + FLAG_BYTES + sizes.activation_bytes
+    completion = 2 * ID_BYTES + 2 * FLAG_BYTES + 3 * FLOAT_BYTES + sizes.activation_bytes
+    row = 2 * ID_BYTES + FLOAT_BYTES
+    return with_envelope(sizes.batch_positions * (prompt + completion)
+                         + sizes.micro_batch_size * row)
+
+
+def activation_pair_bytes(sizes: RunSizes) -> int:
+    """A micro-batch's prompt and completion hidden states, or their gradients (a forward's
+    outputs, a backward's request and reply), and two floats per row."""
+    return with_envelope(2 * sizes.batch_positions * sizes.activation_bytes
+                         + 2 * sizes.micro_batch_size * FLOAT_BYTES)
+
+
+# A size limit: bytes, or a function of the run's sizes.
+SizeLimit = int | Callable[[RunSizes], int]
+
+
+def size_limit(limit: SizeLimit, sizes: RunSizes | None) -> int | None:
+    """`limit` in bytes; None where it depends on sizes that are not known."""
+    if isinstance(limit, int):
+        return limit
+    return None if sizes is None else limit(sizes)
+
+
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
@@ -304,8 +403,8 @@ class Rpc(Generic[Req, Rep]):
     callers: Callers
     tensors: Mapping[str, TensorRule] = field(default_factory=dict)  # a request's
     reply_tensors: tuple[str, ...] = ()  # the names a reply may carry
-    # A request's size limit; None: the node's own (TensorLimits), for activations and batches.
-    max_bytes: int | None = SMALL_REQUEST_BYTES
+    max_bytes: SizeLimit = SMALL_REQUEST_BYTES  # a request's bytes on the wire
+    max_reply_bytes: SizeLimit = SMALL_REQUEST_BYTES
 
     def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Raise WireError unless a request's tensors are the ones this RPC takes."""
@@ -333,31 +432,34 @@ STEP_TENSORS = {"inputs": TensorRule("ids or float"), "positions": TensorRule("i
 
 INFERENCE_STEP = Rpc(
     "inference_step", InferenceStep, InferenceReply, "coordinator", STEP_TENSORS,
-    ("hidden", *COMMITMENT_TENSORS, "tokens", "logprobs"), None)
+    ("hidden", *COMMITMENT_TENSORS, "tokens", "logprobs"), step_request_bytes, step_reply_bytes)
 CLOSE_SESSION = Rpc("close_session", CloseSession, Empty, "coordinator")
 VERIFY_STEP = Rpc(
     "verify_step", VerifyStep, VerifyReply, "coordinator",
     {**STEP_TENSORS, "targets": TensorRule("int64", required=False)},
-    ("hidden", "logprobs", "margins"), None)
+    ("hidden", "logprobs", "margins"), step_request_bytes, step_reply_bytes)
 TRAIN_FORWARD = Rpc(
     "train_forward", TrainForward, TrainForwardReply, "coordinator",
     {**{name: TensorRule(kind) for name, kind in BATCH_TENSORS.items()},
      "prompt_in": TensorRule("ids or float"), "completion_in": TensorRule("ids or float"),
      "proximal": TensorRule("float32", required=False),
      "reference": TensorRule("float32", required=False)},
-    ("prompt_out", "completion_out", "row_surprise", "row_log_ratio"), None)
+    ("prompt_out", "completion_out", "row_surprise", "row_log_ratio"), forward_request_bytes,
+    activation_pair_bytes)
 TRAIN_BACKWARD = Rpc(
     "train_backward", TrainBackward, Empty, "coordinator",
     {"prompt_grad": TensorRule("float", required=False),
      "completion_grad": TensorRule("float", required=False)},
-    ("prompt_grad", "completion_grad"), None)
+    ("prompt_grad", "completion_grad"), activation_pair_bytes, activation_pair_bytes)
 TRAIN_GRAD_NORM = Rpc("train_grad_norm", Empty, GradNorm, "coordinator")
 TRAIN_STEP = Rpc("train_step", TrainStep, VersionReply, "coordinator")
 TRAIN_DISCARD = Rpc("train_discard", Empty, VersionReply, "coordinator")
 CHECKPOINT = Rpc("checkpoint", CheckpointRequest, VersionReply, "coordinator")
 TRAIN_PUBLISHED = Rpc("train_published", PublishedRequest, PublishedHash, "coordinator")
-SYNC_PLAN = Rpc("sync_plan", SyncPlanRequest, SyncPlan, "same stage")
-SYNC_CHUNK = Rpc("sync_chunk", ChunkRequest, Empty, "same stage", reply_tensors=("data",))
+SYNC_PLAN = Rpc("sync_plan", SyncPlanRequest, SyncPlan, "same stage",
+                max_reply_bytes=MAX_SYNC_PLAN_BYTES)
+SYNC_CHUNK = Rpc("sync_chunk", ChunkRequest, Empty, "same stage", reply_tensors=("data",),
+                 max_reply_bytes=with_envelope(SYNC_CHUNK_DATA_BYTES))
 SUBMIT_ROLLOUTS = Rpc("submit_rollouts", RolloutGroup, RolloutsQueued, "any peer",
                       max_bytes=MAX_SUBMISSION_BYTES)
 

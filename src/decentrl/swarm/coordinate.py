@@ -37,7 +37,7 @@ from decentrl.model.loading import load_tokenizer, model_spec, resolve_model
 from decentrl.model.stages import StagePlan
 from decentrl.net.directory import Directory, SwarmUnavailable
 from decentrl.net.node import SwarmNode
-from decentrl.net.protocol import PeerRecord, RosterEntry, layer_span
+from decentrl.net.protocol import PeerRecord, RosterEntry, RunSizes, layer_span
 from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.observe.dashboard import DashboardServer
 from decentrl.observe.live import SwarmObserver
@@ -112,6 +112,7 @@ class SwarmBackend:
             torch.set_num_threads(config.threads)  # the coordinator relays; the peers compute
         self.config, self.node, self.console = config, node, console
         self.manifest_ttl_s = 5 * config.swarm.announce_every_s
+        node.sizes = RunSizes.of(self.spec, config)  # bounds the replies it collects
         self.checkpoints = CheckpointLayout(config.path / "checkpoints")
         self.tokenizer = load_tokenizer(folder)
         self.directory = Directory(node, config.name, config.num_stages, config.swarm,

@@ -32,7 +32,7 @@ from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule
 from decentrl.net.authority import RunAuthority
 from decentrl.net.node import Handler, SwarmNode
-from decentrl.net.protocol import PeerRecord, Role, Rpc, stage_key
+from decentrl.net.protocol import PeerRecord, Role, Rpc, RunSizes, stage_key
 from decentrl.net.wire import encode_struct
 from decentrl.rollout.sampling import sampling_config
 from decentrl.swarm.inbound import InboundChecks
@@ -113,6 +113,7 @@ class StagePeer:
                   else self.training.model if self.training is not None else None)
         assert module is not None  # a peer serves or trains
         self.spec, self.layers = checks.spec, (module.layer_ids.start, module.layer_ids.stop)
+        node.sizes = RunSizes.of(self.spec, config)  # bounds the requests it serves
         self.services: list[Service] = [s for s in (self.training, self.inference)
                                         if s is not None]
         if wrap_inference is not None:
