@@ -57,13 +57,13 @@ from decentrl.net.protocol import (
     size_limit,
 )
 from decentrl.net.streams import (
-    ERROR_TEXT_CHARS,
     FRAME_HEADER_BYTES,
     ErrorFrame,
     FrameReader,
     FrameRefused,
     StreamStalled,
 )
+from decentrl.net.text import REMOTE_ERROR_CHARS
 from decentrl.net.wire import (
     MAX_MESSAGE_BYTES,
     TensorLimits,
@@ -142,11 +142,11 @@ def test_requests_end_at_their_end_frame_and_a_cut_stream_has_none() -> None:
 
 def test_a_peer_refusal_raises_its_text_cut_short() -> None:
     async def scenario() -> None:
-        text = "no " * 1000
+        text = "no " * 1000  # 3000 characters
         reader = fed(MESSAGE + frame(RPCError(message=text).SerializeToString(), error=True))
         with pytest.raises(ErrorFrame) as refused:
             await FrameReader(reader, "x reply", 10**6, None).replies(runtime_pb2.ExpertRequest)
-        assert str(refused.value) == text[:ERROR_TEXT_CHARS] + "... (cut)"
+        assert str(refused.value) == f"{text[:REMOTE_ERROR_CHARS]}…(+2500 chars)"
     asyncio.run(scenario())
 
 

@@ -288,7 +288,7 @@ def test_verification_events_are_listed_escaped(built: tuple[Path, str]) -> None
     _, text = built
     assert (f"| 4.2 min | {MALLORY_ESCAPED} | 0 | failed | forged log-probs \\| row 3 second line |"
             in text)
-    assert f"| 6.8 min | {MALLORY_ESCAPED} | - | malformed | " + "x" * 159 + "… |" in text
+    assert f"| 6.8 min | {MALLORY_ESCAPED} | - | malformed | " + "x" * 160 + "…(+340 chars) |" in text
     assert "| passed |" not in text  # passes are counted in the plot, not listed
 
 

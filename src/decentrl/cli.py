@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar, cast
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
 from decentrl.config import load_config, parse_config
 from decentrl.demo import DEMO_TASKS
 from decentrl.observe.logs import configure_logging
+from decentrl.observe.terminal import terminal_text
 
 if TYPE_CHECKING:
     from decentrl.release.export import Weights
@@ -39,6 +39,8 @@ Command = TypeVar("Command", bound=Callable[..., None])
 # else is a bug: one line too, exit code 1.
 USER_ERRORS = (ValueError, OSError, RuntimeError, TimeoutError)
 INTERRUPTED_EXIT = 130
+# An error's message on the terminal: ours name every bad field of a config in a few lines.
+ERROR_CHARS = 4000
 debug_mode = False
 
 
@@ -85,9 +87,10 @@ def command(name: str | None = None, **settings: Any) -> Callable[[Command], Com
 
 
 def fail(message: str, code: int = 2) -> None:
-    # stderr: stdout is data for whoever started a peer (its ready line).
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {escape(message)}",
-                                               highlight=False)
+    # stderr: stdout is data for whoever started a peer (its ready line). The message may quote a
+    # peer (a refusal, a config from the DHT): inert, bounded, its lines kept.
+    Console(stderr=True, soft_wrap=True).print(
+        f"[red]error:[/] {terminal_text(message, ERROR_CHARS, multiline=True)}", highlight=False)
     raise typer.Exit(code=code)
 
 
@@ -233,8 +236,6 @@ def reachability(address: str) -> str:
 
 def print_join_event(event: dict[str, Any]) -> None:
     """A joined peer's summary, in words (the launcher reads the same events as JSON lines)."""
-    from decentrl.observe.terminal import terminal_text
-
     if "ready" not in event:
         return  # its sockets: for a launcher that must clean up after it
     role = event["role"]

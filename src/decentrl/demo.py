@@ -21,6 +21,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from decentrl.config import RunConfig, is_run_folder
+from decentrl.observe.terminal import terminal_text
 
 # The heavy modules (torch, the swarm, matplotlib) are imported where they are used: `decentrl
 # --help` reads this module's constants and should not wait for them.
@@ -85,6 +86,8 @@ def demo_config(task: str) -> dict[str, Any]:
 # The release comparison at the demo's end: greedy pass@1 on every family of the default suite
 # (the swarm's own evaluation has pass@k), about two minutes for base and model on 2 cores.
 DEMO_SUITE_PROBLEMS = 100
+# A ban's cause (a peer's own error text, often) in the summary.
+BAN_CAUSE_CHARS = 160
 
 
 def peak_memory_gib() -> float:
@@ -257,8 +260,8 @@ def demo_summary(summary: RunSummary, wall_s: float, names: dict[str, str],
                  f"{trust['verify_failed']} failed, {trust['verify_skipped']} checks skipped; "
                  f"{trust['flagged']} groups flagged by the trainer; "
                  f"{trust['submissions_refused']} submissions refused")
-    lines += [f"  banned {escape(names.get(peer, peer[-8:]))}: {escape(why[:160])}"
-              for peer, why in summary.banned.items()]
+    lines += [f"  banned {terminal_text(names.get(peer, peer[-8:]))}: "
+              f"{terminal_text(why, BAN_CAUSE_CHARS)}" for peer, why in summary.banned.items()]
     lines += [f"model:  {model_dir} (Hugging Face folder, model card README.md, SHA256SUMS)",
               f"report: {report}",
               f"logs:   {summary.path / 'logs'} (JSON lines)"]

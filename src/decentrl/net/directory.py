@@ -16,8 +16,14 @@ from decentrl.config import SwarmConfig
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import PeerRecord, stage_key
 from decentrl.net.records import decode_records
+from decentrl.net.text import peer_text
 
 log = logging.getLogger(__name__)
+
+# Announcements read per stage. Anyone can announce under a stage's key, and each one read is
+# decoded and kept with its routing state; a stage of a volunteer swarm has tens of replicas.
+# Peers already in the directory are read first, so a flood of newcomers cannot push them out.
+PEERS_PER_STAGE = 256
 
 
 class SwarmUnavailable(RuntimeError):
@@ -59,7 +65,12 @@ class Directory:
         for stage in range(self.num_stages):
             entries = self.node.run(self.node.lookup(stage_key(self.run, stage)),
                                     timeout=self.swarm.request_timeout_s)
-            records, skipped_here = decode_records(entries, PeerRecord, stage)
+            known_first = sorted(entries, key=lambda peer: peer not in self.peers)
+            if len(known_first) > PEERS_PER_STAGE:
+                log.warning("stage %d: %d announcements, reading the first %d", stage,
+                            len(known_first), PEERS_PER_STAGE)
+            records, skipped_here = decode_records(
+                {peer: entries[peer] for peer in known_first[:PEERS_PER_STAGE]}, PeerRecord, stage)
             found.update(records)
             skipped += skipped_here
         with self.lock:
@@ -148,7 +159,8 @@ class Directory:
                 return
             state.failures += 1
             state.banned_until = time.monotonic() + self.swarm.ban_s
-        log.warning("peer %s avoided for %.0fs: %s", peer[-8:], self.swarm.ban_s, reason)
+        log.warning("peer %s avoided for %.0fs: %s", peer[-8:], self.swarm.ban_s,
+                    peer_text(reason))
 
     def records(self) -> dict[str, PeerRecord]:
         """Every live announcement, by peer id."""

@@ -62,6 +62,7 @@ from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
 from decentrl.net.protocol import Rpc, RunSizes, size_limit
 from decentrl.net.records import MAX_RECORD_BYTES, SignedRecordValidator
 from decentrl.net.streams import ErrorFrame, FrameReader, StreamStalled, write_frame
+from decentrl.net.text import peer_text
 from decentrl.net.wire import (
     MAX_MESSAGE_BYTES,
     ActivationCodec,
@@ -95,9 +96,13 @@ TRUNCATED_REPLY_RETRIES = 3
 STRIKES_TO_BLOCK = 20
 STRIKE_WINDOW_S = 60.0
 BLOCK_S = 300.0
-# Senders with recent strikes that are remembered; past this, the stale ones are forgotten, so
-# that a stream of throwaway identities cannot grow the table without end.
+# Senders with recent strikes, and blocked senders, that are remembered. A stream of throwaway
+# identities must not grow either table without end, and identities are free, so a cap costs no
+# protection: past it, strikes are forgotten stalest first (their sender starts over, as a fresh
+# identity would) and blocks soonest to end first. An honest swarm has tens of peers. (Ended
+# blocks also go when their sender is looked up.)
 STRIKE_TABLE_SIZE = 1024
+BLOCK_TABLE_SIZE = 1024
 SIGNATURE_DOMAIN = b"decentrl/1"
 # The longest a request stream may send nothing (before or inside its request), or leave a piece
 # of its reply unread, before it is cut.
@@ -277,7 +282,8 @@ class SwarmNode:
         self.strike_clock: Callable[[], float] = time.monotonic
         # Strike times and blocks per sender: written on the loop, read from any thread.
         self._strike_lock = threading.Lock()
-        self._strike_times: dict[str, deque[float]] = {}
+        # Least recently struck first.
+        self._strike_times: OrderedDict[str, deque[float]] = OrderedDict()
         self._blocks: dict[str, tuple[float, int]] = {}  # sender -> (until, strikes)
         self._open_streams: dict[str, int] = {}  # sender -> requests open here (loop only)
         self.loop = asyncio.new_event_loop()
@@ -616,18 +622,23 @@ class SwarmNode:
                 return  # a request that was in flight when the block began
             self._blocks.pop(sender, None)
             times = self._strike_times.setdefault(sender, deque())
+            self._strike_times.move_to_end(sender)
             times.append(now)
             while times[0] <= horizon:
                 times.popleft()
             count = len(times)
             if count >= self.strikes_to_block:
-                self._blocks[sender] = (now + self.block_s, count)
                 del self._strike_times[sender]
-            if len(self._strike_times) > STRIKE_TABLE_SIZE:
-                self._strike_times = {peer: ts for peer, ts in self._strike_times.items()
-                                      if ts[-1] > horizon}
+                while len(self._blocks) >= BLOCK_TABLE_SIZE:
+                    # The first block in the table ends first (each lasts block_s): ended or
+                    # ending soonest, it is the one to forget.
+                    del self._blocks[next(iter(self._blocks))]
+                self._blocks[sender] = (now + self.block_s, count)
+            while len(self._strike_times) > STRIKE_TABLE_SIZE:
+                self._strike_times.popitem(last=False)
+        # The error's text may be the sender's own (a field name, a session id): made inert.
         log.info("%s: %s from %s refused (strike %d of %d): %s", self.name, method, sender[-8:],
-                 count, self.strikes_to_block, error)
+                 count, self.strikes_to_block, peer_text(error))
         if count >= self.strikes_to_block:
             log.warning("%s: blocking %s for %.0fs after %d malformed requests in %.0fs",
                         self.name, sender[-8:], self.block_s, count, self.strike_window_s)
@@ -701,7 +712,7 @@ class SwarmNode:
         except TimeoutError as error:
             raise RemoteError(f"{method} at {peer[-8:]}: no answer within {timeout:.0f}s"
                               ) from error
-        except ErrorFrame as error:
+        except ErrorFrame as error:  # its text is cut and made inert (net/streams.py)
             raise PeerRefused(f"{method} at {peer[-8:]}: {error}") from None
         except (ConnectionError, OSError, asyncio.IncompleteReadError, P2PDaemonError) as error:
             # P2PDaemonError includes its subclasses: ControlFailure is a peer we cannot dial.

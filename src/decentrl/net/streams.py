@@ -22,14 +22,13 @@ from google.protobuf.message import Message as Protobuf
 from hivemind.p2p import P2P
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from decentrl.net.text import REMOTE_ERROR_CHARS, peer_text
 from decentrl.net.wire import MAX_MESSAGE_BYTES, WireError
 
 M = TypeVar("M", bound=Protobuf)
 FRAME_HEADER_BYTES = 1 + P2P.HEADER_LEN
 # Bytes read or written between two checks of the idle bound.
 PIECE_BYTES = 2**16
-# The longest text of a peer's error frame that is kept; the rest is cut.
-ERROR_TEXT_CHARS = 500
 
 
 class FrameRefused(WireError):
@@ -41,7 +40,8 @@ class StreamStalled(TimeoutError):
 
 
 class ErrorFrame(Exception):
-    """The other side answered with an error frame; the message is its text (cut)."""
+    """The other side answered with an error frame; the message is its text, made inert and cut
+    (net/text.py)."""
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,6 @@ async def write_frame(writer: asyncio.StreamWriter, message: Protobuf, idle_s: f
             await writer.drain()
     async with asyncio.timeout(idle_s):  # an empty frame has no piece
         await writer.drain()
-
-
-def cut_text(text: str) -> str:
-    """A peer's text, at most ERROR_TEXT_CHARS of it."""
-    return text if len(text) <= ERROR_TEXT_CHARS else f"{text[:ERROR_TEXT_CHARS]}... (cut)"
 
 
 class FrameReader:
@@ -140,7 +135,8 @@ class FrameReader:
         messages = []
         while (frame := await self.next()) is not None:
             if frame.error:
-                raise ErrorFrame(cut_text(self._parse(RPCError, frame.payload).message))
+                raise ErrorFrame(peer_text(self._parse(RPCError, frame.payload).message,
+                                          REMOTE_ERROR_CHARS))
             messages.append(self._parse(message_type, frame.payload))
         return messages
 

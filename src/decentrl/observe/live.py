@@ -1,12 +1,16 @@
 """The coordinator's running account of its swarm, for operators: a snapshot of every peer (stage,
 role, version, throughput, bytes uploaded, reputation) and every verification event go into
 metrics.jsonl as they happen (the per-run report plots them afterwards), and `state()` is what the
-live dashboard shows (observe/dashboard.py serves it)."""
+live dashboard shows (observe/dashboard.py serves it). Peer names are peers' own choice: they are
+made inert and bounded (net/text.py) before they are kept, written or shown, and what is kept per
+peer is bounded too."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -15,6 +19,7 @@ import msgspec
 
 from decentrl.config import RunConfig
 from decentrl.net.directory import Directory
+from decentrl.net.text import peer_text
 from decentrl.observe.metrics import (
     EvalRecord,
     MetricsLog,
@@ -25,10 +30,14 @@ from decentrl.observe.metrics import (
 )
 from decentrl.trust.reputation import Reputation
 
+log = logging.getLogger(__name__)
+
 Phase = Literal["waiting", "evaluating", "training", "finished"]
-# A verification event's detail is written by the verifier from an untrusted peer's output.
-MAX_DETAIL_CHARS = 300
-EVENTS_SHOWN = 200
+# A peer's name as the snapshots, the events and the dashboard carry it.
+NAME_CHARS = 64
+# Names of peers that have left, kept to label their later verification events: a stream of
+# throwaway identities must not grow the table, and a name forgotten shows as the id's tail.
+NAMES_KEPT = 1024
 # The keys of a step record the dashboard draws; the whole record is in metrics.jsonl.
 STEP_KEYS = ("step", "elapsed_s", "version", "reward", "accuracy", "staleness_mean",
              "completion_tokens_mean", "train_s", "wait_s", "sequences", "tokens_per_s")
@@ -63,38 +72,47 @@ class SwarmObserver:
     phase: Phase = "waiting"
     training_began: float | None = None  # wall clock; the time budget counts from here
     training_ended: float | None = None
-    names: dict[str, str] = field(default_factory=dict)  # kept after a peer leaves
-    events_logged: int = 0
+    # Kept after a peer leaves (the NAMES_KEPT most recently seen), already made inert.
+    names: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    events_logged: int = 0  # of the reputation's events_recorded
     # Reentrant: record() holds it (the announce thread and the run's end both record) and
     # calls peers(), which takes it too.
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     def peers(self) -> list[PeerSnapshot]:
         records = self.directory.records()
+        names = {peer: peer_text(record.name, NAME_CHARS) for peer, record in records.items()}
         with self.lock:
-            self.names.update({peer: record.name for peer, record in records.items()})
-        return [PeerSnapshot(peer_id=peer, name=r.name, stage=r.stage, layers=list(r.layers),
+            for peer, name in names.items():
+                self.names[peer] = name
+                self.names.move_to_end(peer)
+            while len(self.names) > NAMES_KEPT:
+                self.names.popitem(last=False)
+        return [PeerSnapshot(peer_id=peer, name=names[peer], stage=r.stage, layers=list(r.layers),
                              role=r.role, version=r.version, tokens_per_s=r.tokens_per_s,
                              bytes_sent=r.bytes_sent,
                              reputation=round(self.reputation.score(peer), 3),
                              banned=self.reputation.banned(peer))
                 for peer, r in sorted(records.items(), key=lambda item: (item[1].stage,
-                                                                          item[1].name))]
+                                                                          names[item[0]]))]
 
     def record(self) -> None:
         """One swarm snapshot, and the verification events since the last call, into
-        metrics.jsonl."""
+        metrics.jsonl (as many as the reputation still holds: it drops the oldest of a flood)."""
         with self.lock:
             self.metrics.write(SwarmRecord(step=self.step(), version=self.learner_version(),
                                            peers=self.peers()))
-            with self.reputation.lock:
-                new = self.reputation.events[self.events_logged:]
-            self.events_logged += len(new)
-            for event in new:
+            new, recorded = self.reputation.events_after(self.events_logged)
+            lost = recorded - self.events_logged - len(new)
+            self.events_logged = recorded
+            for event in new:  # the detail is already inert and bounded (trust/reputation.py)
                 self.metrics.write(TrustRecord(
                     time=round(event.time, 3), peer=event.peer,
                     name=self.names.get(event.peer, event.peer[-8:]), stage=event.stage,
-                    outcome=event.outcome, detail=event.detail[:MAX_DETAIL_CHARS]))
+                    outcome=event.outcome, detail=event.detail))
+        if lost:
+            log.warning("%d verification events since the last snapshot were dropped unwritten: "
+                        "more arrived than the reputation keeps", lost)
 
     def updates(self, peers: list[PeerSnapshot]) -> list[dict[str, Any]]:
         """Per stage, how far the learner's newest weights have spread among its replicas."""
@@ -117,7 +135,7 @@ class SwarmObserver:
             stages.append({"stage": stage,  # the first and the last layer, as people count them
                            "layers": [first, stop - 1] if stop is not None else None,
                            "peers": msgspec.to_builtins(members)})
-        events = self.metrics.of(TrustRecord)[-EVENTS_SHOWN:]
+        events = self.metrics.of(TrustRecord)  # the newest (metrics.EVENTS_SHOWN)
         return {
             "run": self.config.name, "phase": self.phase,
             "elapsed_s": round(time.time() - self.metrics.started, 1),

@@ -1,6 +1,8 @@
 """Structured logs: one JSON object per line (time, level, logger, process name, message, and any
 `extra=` fields), so a swarm's logs can be filtered and joined by machine; the console keeps a
-short human line for warnings."""
+short human line for warnings. Either way a message is one line, with no control character and
+bounded in length: callers bound what peers chose (net/text.py), and the formatters do it again
+for whatever text a caller passed on whole."""
 
 from __future__ import annotations
 
@@ -11,8 +13,27 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from decentrl.net.text import peer_text
+
 # The attributes every LogRecord has; anything else on a record came from `extra=`.
 STANDARD_ATTRIBUTES = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+# Far longer than any message of ours, which name what they are about in a line or two: the
+# backstop for an error whose text a peer chose and a caller logged whole.
+LOG_MESSAGE_CHARS = 4000
+
+
+def log_message(record: logging.LogRecord) -> str:
+    """The record's message as one inert line of at most LOG_MESSAGE_CHARS (and a marker)."""
+    return peer_text(record.getMessage(), LOG_MESSAGE_CHARS)
+
+
+class LineFormatter(logging.Formatter):
+    """logging.Formatter, with the message as log_message makes it (the traceback, when there is
+    one, still follows on its own lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = log_message(record)
+        return super().formatMessage(record)
 
 
 class JsonLinesFormatter(logging.Formatter):
@@ -24,10 +45,10 @@ class JsonLinesFormatter(logging.Formatter):
         entry: dict[str, Any] = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(), "logger": record.name,
-            "process": self.process_name, "message": record.getMessage(),
+            "process": self.process_name, "message": log_message(record),
         }
-        entry.update({key: value for key, value in vars(record).items()
-                      if key not in STANDARD_ATTRIBUTES})
+        entry.update({key: peer_text(value, LOG_MESSAGE_CHARS) if isinstance(value, str) else value
+                      for key, value in vars(record).items() if key not in STANDARD_ATTRIBUTES})
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
@@ -49,8 +70,8 @@ def configure_logging(process_name: str, json_stderr: bool = False,
         console.setFormatter(JsonLinesFormatter(process_name))
     else:
         console.setLevel(logging.WARNING)
-        console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
-                                               datefmt="%H:%M:%S"))
+        console.setFormatter(LineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
+                                           datefmt="%H:%M:%S"))
     root.addHandler(console)
     if json_file is not None:
         json_file.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -158,13 +159,25 @@ def read_metrics(path: Path) -> RunRecords:
     return RunRecords(found["step"], found["eval"], found["swarm"], found["trust"])
 
 
+# The verification events the dashboard lists, newest last.
+EVENTS_SHOWN = 200
+# The records of each kind MetricsLog holds in memory, for the dashboard; None: all of them. Steps
+# and evaluations grow with the run's own progress; swarm snapshots and verification events grow
+# with time and with what peers do, and the dashboard shows the live directory and only the
+# newest events, so only those are held. Every record is in the file.
+RECORDS_HELD: dict[type[Record], int | None] = {StepRecord: None, EvalRecord: None,
+                                                SwarmRecord: 1, TrustRecord: EVENTS_SHOWN}
+
+
 class MetricsLog:
-    """metrics.jsonl, appended as records happen, and this run's records in memory (for the
-    dashboard). Written from the training loop and from the swarm observer's thread."""
+    """metrics.jsonl, appended as records happen, and the newest of this run's records in memory
+    (RECORDS_HELD, for the dashboard). Written from the training loop and from the swarm
+    observer's thread."""
 
     def __init__(self, path: Path, started: float) -> None:
         self.path, self.started = path, started
-        self.records: list[AnyRecord] = []
+        self.held: dict[type[Record], deque[Any]] = {
+            kind: deque(maxlen=limit) for kind, limit in RECORDS_HELD.items()}
         self.lock = threading.Lock()
 
     def write(self, record: R) -> R:
@@ -174,12 +187,13 @@ class MetricsLog:
         with self.lock:
             with self.path.open("ab") as f:
                 f.write(line)
-            self.records.append(record)  # type: ignore[arg-type]  # R is one of AnyRecord
+            self.held[type(record)].append(record)
         return record
 
     def of(self, kind: type[R]) -> list[R]:
+        """The records of `kind` held in memory (RECORDS_HELD), oldest first."""
         with self.lock:
-            return [r for r in self.records if isinstance(r, kind)]
+            return list(self.held[kind])
 
 
 def step_line(record: StepRecord) -> str:

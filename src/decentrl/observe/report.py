@@ -32,6 +32,7 @@ from decentrl.evaluate.suite import (
     percent_change,
     suite_table_markdown,
 )
+from decentrl.net.text import peer_text
 from decentrl.observe.metrics import (
     RunRecords,
     StepRecord,
@@ -198,17 +199,15 @@ def mean_of(values: Sequence[float]) -> float | None:
 
 
 def markdown_text(text: str, limit: int = DETAIL_CHARS) -> str:
-    """Untrusted text as one line of inert Markdown, at most `limit` characters before escaping
-    (so an escape is never cut in half)."""
-    flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
-    if len(flat) > limit:
-        flat = flat[:limit - 1] + "…"
-    return "".join(f"\\{c}" if c in MARKDOWN_SPECIALS else c for c in flat)
+    """Untrusted text as one line of inert Markdown: whitespace runs as one space, other control
+    characters escaped and the text cut as net/text.py does (at most `limit` characters and a
+    marker, before the Markdown escapes, so that none is cut in half)."""
+    inert = peer_text(" ".join(text.split()), limit)
+    return "".join(f"\\{c}" if c in MARKDOWN_SPECIALS else c for c in inert)
 
 
 def plot_label(text: str) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= PLOT_LABEL_CHARS else flat[:PLOT_LABEL_CHARS - 1] + "…"
+    return peer_text(" ".join(text.split()), PLOT_LABEL_CHARS)
 
 
 def byte_unit(count: float) -> tuple[int, str]:

@@ -1,20 +1,18 @@
-"""Text that other peers chose (names, error details), made safe to print on a terminal: without
-control characters a terminal would obey (escape sequences, carriage returns) and without rich
-markup the console would render, and cut to a length that cannot flood a line."""
+"""Text that other peers chose (names, error details), made safe to print on a rich console:
+inert and bounded (net/text.py: no control character a terminal would obey, cut to a length
+with a marker) and with rich markup escaped, so that a name like "[bold red]" prints as itself."""
 
 from __future__ import annotations
 
-import unicodedata
-
 from rich.markup import escape
 
+from decentrl.net.text import peer_text
+
+# A peer's name in a table cell or a status line.
 TERMINAL_CHARS = 64
 
 
-def terminal_text(text: str, limit: int = TERMINAL_CHARS) -> str:
-    """`text` with control and format characters replaced by "?", cut to `limit` characters,
-    with rich markup escaped."""
-    visible = "".join("?" if unicodedata.category(c).startswith("C") else c for c in text)
-    if len(visible) > limit:
-        visible = visible[:limit - 1] + "…"
-    return escape(visible)
+def terminal_text(text: object, limit: int = TERMINAL_CHARS, *, multiline: bool = False) -> str:
+    """`text` as peer_text shows it (control characters escaped, at most `limit` characters and
+    a marker), with rich markup escaped. `multiline` keeps newlines."""
+    return escape(peer_text(text, limit, multiline=multiline))

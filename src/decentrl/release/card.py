@@ -231,8 +231,11 @@ def swarm_section(snapshot: SwarmRecord | None) -> str:
     lines = [f"The swarm at the run's last snapshot (step {snapshot.step}):", "",
              "| peer | stage | role | weight version | peer id |", "|---|---|---|---|---|"]
     for peer in sorted(snapshot.peers, key=lambda p: (p.stage, p.role, p.name)):
+        # Every text here came from a peer: escaped, and no code span (a backtick would end it,
+        # and Markdown's escapes do not work inside one).
         lines.append(f"| {markdown_text(peer_name(peer.name, peer.peer_id))} | {peer.stage} | "
-                     f"{peer.role} | {peer.version} | `{markdown_text(peer.peer_id)}` |")
+                     f"{markdown_text(peer.role)} | {peer.version} | "
+                     f"{markdown_text(peer.peer_id)} |")
     return "\n".join(lines) + "\n"
 
 

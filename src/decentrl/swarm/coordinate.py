@@ -39,6 +39,7 @@ from decentrl.net.directory import Directory, SwarmUnavailable
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import PeerRecord, RosterEntry, RunSizes, layer_span
 from decentrl.net.swarm_transport import HivemindTransport
+from decentrl.net.text import peer_text
 from decentrl.observe.dashboard import DashboardServer
 from decentrl.observe.live import SwarmObserver
 from decentrl.observe.terminal import terminal_text
@@ -195,11 +196,11 @@ class SwarmBackend:
     def _peer_changed(self, peer: str, record: PeerRecord, joined: bool) -> None:
         what = (f"stage {record.stage} layers {layer_span(record.layers)}, {record.role}"
                 if joined else f"stage {record.stage}: its announcement expired")
-        self.console.print(f"{terminal_text(record.name)} ({peer[-8:]}) "
+        self.console.print(f"{terminal_text(record.name)} ({terminal_text(peer[-8:])}) "
                            f"{'joined' if joined else 'left'}: {what}", highlight=False)
         log.info("peer %s", "joined" if joined else "left",
-                 extra={"peer_id": peer, "peer_name": record.name, "stage": record.stage,
-                        "role": record.role})
+                 extra={"peer_id": peer_text(peer), "peer_name": peer_text(record.name),
+                        "stage": record.stage, "role": record.role})
 
     def peer_table(self) -> Table:
         table = Table(title="who holds which layers")

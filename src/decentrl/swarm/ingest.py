@@ -27,6 +27,7 @@ from decentrl.envs import Environment
 from decentrl.learn.advantages import filter_zero_variance_groups, group_advantages
 from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.losses import StaleRolloutError, check_staleness
+from decentrl.net.text import SHOWN_ID_CHARS, peer_text
 from decentrl.rollout.episodes import replay_episode
 from decentrl.rollout.types import RolloutGroup, ScoredGroup, check_version_spans
 from decentrl.swarm.scheduler import PromptScheduler
@@ -141,7 +142,9 @@ class Ingestion:
             return None
         except (RejectedGroup, ValueError) as error:
             self.stats.count_rejection(type(error).__name__)
-            log.warning("rejected group %s: %s", group.group_id, error)
+            # The group id, and so the error, may be a submitter's own text.
+            log.warning("rejected group %s: %s", peer_text(group.group_id, SHOWN_ID_CHARS),
+                        peer_text(error))
             return None
         self.stats.accepted += 1
         return scored, staleness

@@ -26,15 +26,16 @@ from typing import Any, Generic, Protocol, TypeVar
 import msgspec
 import torch
 from rich.console import Console
-from rich.markup import escape
 
 from decentrl.config import RunConfig
 from decentrl.envs import Environment, make_task_or_environment
 from decentrl.evaluate.runner import EvalResult, evaluate
 from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.learn.trainer import PipelineTrainer
+from decentrl.net.text import REMOTE_ERROR_CHARS
 from decentrl.net.transport import RolloutTransport
 from decentrl.observe.metrics import EvalRecord, MetricsLog, StepRecord, step_line
+from decentrl.observe.terminal import terminal_text
 from decentrl.progress import progress_bar
 from decentrl.rollout.chain import InferenceChain, InferenceSession
 from decentrl.rollout.types import RolloutGroup, ScoredGroup
@@ -432,7 +433,9 @@ class TrainingLoop(Generic[AnyBackend]):
                 if self.failed_steps > MAX_FAILED_STEPS:
                     raise RuntimeError(f"{self.failed_steps} training steps in a row failed; "
                                        f"the last: {error}") from error
-                self.console.print(f"[yellow]training step failed: {escape(str(error))}[/]")
+                # The error may quote a training peer's refusal.
+                self.console.print(f"[yellow]training step failed: "
+                                   f"{terminal_text(error, REMOTE_ERROR_CHARS)}[/]")
                 self.pending[:0] = scored  # still pending in the store; retried after recovery
                 self._recover()
                 return None

@@ -91,6 +91,21 @@ def chunk_size_for(size: int, chunks: int) -> int:
     return min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, math.ceil(size / chunks)))
 
 
+# Peers counted by name in a traffic counter. Anyone may ask for chunks, and sources come from
+# announcements anyone can write, so past this the bytes of further peers are counted together
+# under OTHER_PEERS: totals stay exact, the table stays small. A stage has tens of replicas.
+PEERS_COUNTED = 256
+OTHER_PEERS = "others"
+# Sources banned for a bad chunk that are remembered, for the same reason.
+BANNED_SOURCES_KEPT = 1024
+
+
+def count_bytes(counter: Counter[str], peer: str, count: int) -> None:
+    """Add `count` bytes to `peer`'s entry, or to OTHER_PEERS once PEERS_COUNTED peers have
+    one."""
+    counter[peer if peer in counter or len(counter) < PEERS_COUNTED else OTHER_PEERS] += count
+
+
 @dataclass
 class StoredUpdate:
     """An update's manifest and as much of its payload as this peer holds, with its traffic."""
@@ -192,8 +207,8 @@ class UpdateServer:
             raise WireError(f"no chunk {body.index} of {body.kind} v{body.version} of stage "
                             f"{self.stage} here")
         data = bytearray(update.data[update.span(body.index)])
-        update.sent[request.sender] += len(data)
-        self.sent_total[request.sender] += len(data)
+        count_bytes(update.sent, request.sender, len(data))
+        count_bytes(self.sent_total, request.sender, len(data))
         return Reply(Empty(), {"data": torch.frombuffer(data, dtype=torch.uint8)})
 
     async def add(self, update: StoredUpdate) -> None:
@@ -494,10 +509,14 @@ class WeightFollower(UpdateServer):
             return False
         data = tensors.get("data")
         raw = b"" if data is None or data.dtype != torch.uint8 else data.numpy().tobytes()
-        update.received[source] += len(raw)
-        self.received_total[source] += len(raw)
+        count_bytes(update.received, source, len(raw))
+        count_bytes(self.received_total, source, len(raw))
         if hashlib.sha256(raw).digest() != manifest.chunk_hashes[index]:
             self.bad_chunks += 1
+            self.banned.pop(source, None)
+            while len(self.banned) >= BANNED_SOURCES_KEPT:
+                # The first ban in the table ends first (each lasts ban_s): forget it.
+                del self.banned[next(iter(self.banned))]
             self.banned[source] = time.monotonic() + self.ban_s
             log.warning("stage %d: %s served a bad chunk %d of %s v%d; banned for %.0fs",
                         self.stage, source[-8:], index, manifest.kind, manifest.version,

@@ -10,7 +10,9 @@ spot-checks, what it does with verdicts, flags and malformed messages, and whom 
   are dropped wherever they wait (inbox or pending buffer).
 - A group submitted by another peer is admitted only for a problem leased to that peer; this
   coordinator generates its own groups and leases none, so a remote submission is refused (a
-  replay of a group already accepted is named as such)."""
+  replay of a group already accepted is named as such).
+- What it remembers of groups is bounded (GROUPS_TRACKED, ACCEPTED_IDS_KEPT), like the reputation
+  it keeps, and text a peer chose is made inert before it is printed or logged."""
 
 from __future__ import annotations
 
@@ -19,15 +21,14 @@ import queue
 import random
 import secrets
 import threading
-import time
-from collections import Counter
+from collections import Counter, OrderedDict
 
 from rich.console import Console
-from rich.markup import escape
 
 from decentrl.config import RunConfig
 from decentrl.net.directory import Directory
 from decentrl.net.node import SwarmNode
+from decentrl.net.text import SHOWN_ID_CHARS, peer_text
 from decentrl.rollout.types import RolloutGroup
 from decentrl.trust.provenance import Provenance
 from decentrl.trust.reputation import Reputation
@@ -36,10 +37,40 @@ from decentrl.trust.verify import Verdict, Verifier
 log = logging.getLogger(__name__)
 
 VERIFY_BACKLOG = 32
+# Groups whose provenance or verdict is kept. Both matter only while a group waits to be trained,
+# and at most a few hundred wait at once (generation in flight, the inbox, the pending buffer,
+# the groups a rollback returns); a verdict that arrives after its group was trained is not
+# needed at all. Past this the oldest are forgotten.
+GROUPS_TRACKED = 4096
+# Accepted group ids, kept only to name a replayed submission as such: a replay of an older group
+# is refused all the same (its problem is leased to nobody), only named less precisely.
+ACCEPTED_IDS_KEPT = 16384
 
 
 class SubmissionRefused(ValueError):
     """A rollout submission this coordinator does not admit; the message says why."""
+
+
+class RecentIds:
+    """A set of ids that keeps only the newest `size` of them (adding one again renews it)."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"RecentIds needs a size of at least 1, got {size}")
+        self.size = size
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, item: str) -> None:
+        self._ids[item] = None
+        self._ids.move_to_end(item)
+        if len(self._ids) > self.size:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class Trust:
@@ -54,15 +85,14 @@ class Trust:
         node.on_strike = lambda peer, reason: self.reputation.record(peer, "malformed", reason)
         self.verifier = Verifier(node, directory, config, hidden_size, pad_id)
         self.lock = threading.Lock()
-        self.provenance: dict[str, Provenance] = {}
-        self.accepted_ids: set[str] = set()
-        self.verified: set[str] = set()
-        self.failed: set[str] = set()
+        self.provenance: OrderedDict[str, Provenance] = OrderedDict()
+        self.accepted_ids = RecentIds(ACCEPTED_IDS_KEPT)
+        self.verified = RecentIds(GROUPS_TRACKED)
+        self.failed = RecentIds(GROUPS_TRACKED)
         self.queue: queue.Queue[tuple[RolloutGroup, Provenance, str]] = \
             queue.Queue(maxsize=VERIFY_BACKLOG)
         # Unpredictable to peers: a peer that knew which groups get checked would lie elsewhere.
         self.random = random.Random(secrets.randbits(64))
-        self.banned_at: dict[str, float] = {}  # wall clock of each peer's first ban
         self.count: Counter[str] = Counter()
 
     # ---- what the coordinator tells the gate ----------------------------------------------
@@ -70,6 +100,8 @@ class Trust:
     def produced(self, group_id: str, provenance: Provenance) -> None:
         with self.lock:
             self.provenance[group_id] = provenance
+            if len(self.provenance) > GROUPS_TRACKED:
+                self.provenance.popitem(last=False)
 
     def forget(self, group_id: str) -> None:
         with self.lock:
@@ -119,22 +151,17 @@ class Trust:
             replay = group.group_id in self.accepted_ids
         self.count["submissions_refused"] += 1
         if replay:
-            detail = f"replayed group {group.group_id}, already accepted"
+            detail = f"replayed group {peer_text(group.group_id, SHOWN_ID_CHARS)}, already accepted"
         else:
             detail = f"problem {group.problem_index} is not leased to peer {sender[-8:]}"
         self.reputation.record(sender, "failed", detail)
         raise SubmissionRefused(detail)
 
     def banned_peers(self) -> dict[str, str]:
-        """Every peer banned during the run, with the event that tipped it over."""
+        """The first peers banned during the run (reputation.BANS_EXPLAINED of them), each with
+        the event that tipped it over the first time; `counters()` counts every ban."""
         with self.reputation.lock:
-            events = list(self.reputation.events)
-        banned = {}
-        for event in events:
-            if event.peer in self.banned_at and event.time <= self.banned_at[event.peer]:
-                where = "" if event.stage is None else f" at stage {event.stage}"
-                banned[event.peer] = f"{event.outcome}{where}: {event.detail}"
-        return banned
+            return dict(self.reputation.ban_causes)
 
     def counters(self) -> dict[str, int]:
         return {key: self.count[key] for key in ("verified", "verify_failed", "verify_skipped",
@@ -167,7 +194,7 @@ class Trust:
         replicas that sampled it."""
         if verdict.outcome == "skipped":
             self.count["verify_skipped"] += 1
-            log.info("check of group %s skipped: %s", verdict.group_id, verdict.detail)
+            log.info("check of group %s skipped: %s", verdict.group_id, peer_text(verdict.detail))
             if reason == "flagged":
                 for peer in provenance.stage_peers(len(provenance.stages) - 1):
                     self.reputation.record(peer, "flagged", "flagged by the trainer, "
@@ -187,13 +214,13 @@ class Trust:
         self.count["verify_failed"] += 1
         with self.lock:
             self.failed.add(verdict.group_id)
-        self.console.print(f"[red]group {verdict.group_id} failed its check: stage "
-                           f"{verdict.stage} replica {verdict.peer[-8:]}: "
-                           f"{escape(verdict.detail)}[/]")
+        # The detail is the replica's own output: no markup, and made inert.
+        self.console.print(f"group {verdict.group_id} failed its check: stage {verdict.stage} "
+                           f"replica {verdict.peer[-8:]}: {peer_text(verdict.detail)}",
+                           style="red", markup=False, highlight=False)
         self.reputation.record(verdict.peer, "failed", verdict.detail, verdict.stage)
 
     def _banned(self, peer: str, seconds: float) -> None:
         self.count["banned"] += 1
-        self.banned_at.setdefault(peer, time.time())
         self.console.print(f"[red]peer {peer[-8:]} banned for {seconds:.0f}s (score "
                            f"{self.reputation.score(peer):.2f})[/]")
