@@ -287,7 +287,7 @@ def test_a_runs_latest_checkpoint_exports_to_the_same_model(
     card = (out / "README.md").read_text()
     assert "| pass@1 (greedy) | - | 55.5% [48.6, 62.2] |" in card
     assert "1 optimizer steps; this is weight version 1 of every stage" in card
-    assert "| infer1.0 | 1 | inference | 1 | `12D3KooWinfer1.0` |" in card  # who trained it
+    assert "| infer1.0 | 1 | inference | 1 | 12D3KooWinfer1.0 |" in card  # who trained it
     shard = (run_dir / "checkpoints" / "v1" / "stage0.pt").read_bytes()
     assert hashlib.sha256(shard).hexdigest() in card
     # SHA256SUMS covers every other file, as `sha256sum -c` reads it.
