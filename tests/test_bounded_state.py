@@ -10,10 +10,12 @@ import logging
 from collections import Counter
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 import torch
+from rich.console import Console
 from swarm_helpers import tiny_run_config
 
 from decentrl.config import SyncConfig
@@ -41,7 +43,8 @@ from decentrl.sync.distribute import (
     count_bytes,
     make_update,
 )
-from decentrl.trust.gate import RecentIds
+from decentrl.trust.gate import ACCEPTED_IDS_KEPT, GROUPS_TRACKED, RecentIds, Trust
+from decentrl.trust.provenance import Provenance
 from decentrl.trust.reputation import (
     BANS_EXPLAINED,
     DETAIL_CHARS,
@@ -189,6 +192,23 @@ def test_the_observer_remembers_a_bounded_number_of_names(tiny_model_dir: Path,
 
 
 # ---- the coordinator's memory of groups ----------------------------------------------------
+
+def test_the_gate_tracks_a_bounded_number_of_groups(tiny_model_dir: Path) -> None:
+    config = tiny_run_config(tiny_model_dir, 1)
+    # What the gate configures on a node; nothing here goes over the network.
+    node = cast(SwarmNode, SimpleNamespace(strikes_to_block=0, block_s=0.0, on_strike=None))
+    trust = Trust(config, node, Directory(node, config.name, 1, config.swarm), 32, 0,
+                  Console(quiet=True))
+    groups = identities(GROUPS_TRACKED + 10, "group")
+    for group_id in groups:
+        provenance = Provenance.empty(1)
+        provenance.stages[0].serve(0, "replica")
+        trust.produced(group_id, provenance)
+    assert len(trust.provenance) == GROUPS_TRACKED
+    assert groups[0] not in trust.provenance and groups[-1] in trust.provenance
+    assert (trust.verified.size, trust.failed.size, trust.accepted_ids.size) == (
+        GROUPS_TRACKED, GROUPS_TRACKED, ACCEPTED_IDS_KEPT)
+
 
 def test_recent_ids_keep_the_newest() -> None:
     ids = RecentIds(100)
