@@ -251,7 +251,8 @@ class ChunkNode:
 def test_a_flood_of_bad_chunk_sources_keeps_the_banned_table_at_its_cap() -> None:
     follower = WeightFollower(cast(SwarmNode, ChunkNode()), "run", 0, SyncConfig(),
                               PublishedState.of(0, {"w": torch.zeros(2)}),
-                              lambda version, changes: None, timeout_s=1.0, ban_s=60.0)
+                              lambda version, changes: None, timeout_s=1.0, ban_s=60.0,
+                              owner="owner")
     update = make_update(0, 1, "delta", (0, "base"), "after", bytes(range(8)), 1)
     sources = identities(BANNED_SOURCES_KEPT + 50, "forger")
 
