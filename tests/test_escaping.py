@@ -5,6 +5,7 @@ escape it as Markdown. Each surface gets the same hostile name."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -17,6 +18,9 @@ from typing import Any, cast
 import msgspec
 import pytest
 import typer
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 from rich.console import Console
 from swarm_helpers import tiny_run_config
 
@@ -30,6 +34,7 @@ from decentrl.net.directory import Directory, PeerState
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import PeerRecord
+from decentrl.net.streams import ErrorFrame, FrameReader
 from decentrl.net.text import peer_text
 from decentrl.net.wire import TensorLimits
 from decentrl.observe.dashboard import DashboardServer
@@ -79,6 +84,22 @@ def test_peer_text_cuts_long_text_with_a_marker_that_counts_what_was_cut() -> No
     assert peer_text("abcdefgh\x1b", 10) == "abcdefgh…(+1 chars)"
     with pytest.raises(ValueError, match="at least 1 character"):
         peer_text("x", 0)
+
+
+def test_a_peers_refusal_arrives_inert() -> None:
+    """The error frame a peer answers with is its own text: what the caller raises is inert."""
+    async def refusal() -> str:
+        payload = RPCError(message=HOSTILE * 100).SerializeToString()
+        reader = asyncio.StreamReader()
+        reader.feed_data(P2P.ERROR_MARKER + len(payload).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+                         + payload)
+        reader.feed_eof()
+        with pytest.raises(ErrorFrame) as refused:
+            await FrameReader(reader, "x reply", 10**6, None).replies(runtime_pb2.ExpertResponse)
+        return str(refused.value)
+    text = asyncio.run(refusal())
+    assert text.startswith(INERT * 2) and CUT.search(text)
+    assert_no_raw_controls(text)
 
 
 # ---- the terminal -------------------------------------------------------------------------
