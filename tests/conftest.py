@@ -3,7 +3,9 @@ Also hypothesis's profiles for the fuzz tests and the count of the examples they
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,22 @@ settings.register_profile("fuzz", max_examples=FUZZ_EXAMPLES_PER_TEST)
 settings.load_profile("fuzz" if os.environ.get("DECENTRL_FUZZ") == "1" else "decentrl")
 
 _FUZZ_TALLY = FuzzTally()
+
+
+@pytest.fixture
+def restored_logging() -> Iterator[None]:
+    """The logging setup as it was before the test (tests of configure_logging change it)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    ours = logging.getLogger("decentrl").level
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+    logging.getLogger("decentrl").setLevel(ours)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import json
 import logging
 import re
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -143,21 +142,6 @@ def test_an_error_quoting_a_peer_ends_in_one_escaped_message(
 
 
 # ---- logs ---------------------------------------------------------------------------------
-
-@pytest.fixture
-def restored_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    ours = logging.getLogger("decentrl").level
-    yield
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-        handler.close()
-    for handler in handlers:
-        root.addHandler(handler)
-    root.setLevel(level)
-    logging.getLogger("decentrl").setLevel(ours)
-
 
 def test_log_lines_stay_one_inert_bounded_line(tmp_path: Path, restored_logging: None,
                                                 capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,29 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 
 from decentrl.observe.live import dashboard_steps
 from decentrl.observe.logs import configure_logging
 from decentrl.observe.metrics import StepRecord
-
-
-@pytest.fixture
-def restored_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    ours = logging.getLogger("decentrl").level
-    yield
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-        handler.close()
-    for handler in handlers:
-        root.addHandler(handler)
-    root.setLevel(level)
-    logging.getLogger("decentrl").setLevel(ours)
 
 
 def test_logs_are_json_lines_with_their_extra_fields(tmp_path: Path,
