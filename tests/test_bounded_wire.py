@@ -542,6 +542,24 @@ def test_concurrent_streams_over_the_cap_are_refused(peer: StagePeer,
     honest_step(stranger, peer)
 
 
+@pytest.mark.network
+def test_streams_count_right_whichever_closes_first(peer: StagePeer, stranger: SwarmNode,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    node = peer.node
+    node.read_timeout_s = 60.0
+    streams = [stranger.run(stalled(stranger, node.peer_id, "inference_step"), timeout=30)]
+    wait_until(lambda: node.open_streams(stranger.peer_id) == 1)
+    streams.append(stranger.run(stalled(stranger, node.peer_id, "inference_step"), timeout=30))
+    wait_until(lambda: node.open_streams(stranger.peer_id) == 2)
+    # The first one opened closes first: the other still counts, and then nothing does.
+    stranger.run(close(streams[0][1]), timeout=30)
+    wait_until(lambda: node.open_streams(stranger.peer_id) == 1)
+    stranger.run(close(streams[1][1]), timeout=30)
+    wait_until(lambda: node.open_streams(stranger.peer_id) == 0)
+    assert "Unhandled exception" not in caplog.text
+    honest_step(stranger, peer)
+
+
 async def serving_nothing(request: Request[Any]) -> Reply:
     raise AssertionError("never served")
 

@@ -488,8 +488,10 @@ class SwarmNode:
             log.info("%s: %s from %s: could not answer: %r", self.name, method, sender[-8:],
                      error)
         finally:
-            if open_streams > 1:
-                self._open_streams[sender] = self._open_streams[sender] - 1
+            # The count now, not the one this stream saw: others opened and closed meanwhile.
+            still_open = self._open_streams.get(sender, 1) - 1
+            if still_open > 0:
+                self._open_streams[sender] = still_open
             else:
                 self._open_streams.pop(sender, None)
 
