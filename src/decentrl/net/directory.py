@@ -174,9 +174,8 @@ class Directory:
                     for stage in range(self.num_stages)]
 
     def stage_summary(self) -> list[list[PeerRecord]]:
-        with self.lock:
-            return [[s.record for s in self.peers.values() if s.record.stage == stage]
-                    for stage in range(self.num_stages)]
+        """Each stage's announcements."""
+        return [[record for _, record in peers] for peers in self.stage_peers()]
 
 
 def backoff(attempt: int) -> float:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -113,6 +114,8 @@ class SwarmBackend:
             torch.set_num_threads(config.threads)  # the coordinator relays; the peers compute
         self.config, self.node, self.console = config, node, console
         self.manifest_ttl_s = 5 * config.swarm.announce_every_s
+        # Everything but the roster is fixed for the run: hashed once, not every announcement.
+        self.manifest = run_manifest(config, roster=[])
         node.sizes = RunSizes.of(self.spec, config)  # bounds the replies it collects
         self.checkpoints = CheckpointLayout(config.path / "checkpoints")
         self.tokenizer = load_tokenizer(folder)
@@ -152,7 +155,8 @@ class SwarmBackend:
         """The signed run manifest, with the training peers driven now as its roster."""
         roster = [RosterEntry(stage=worker.stage, peer_id=worker.peer, since=worker.since)
                   for worker in self.workers if worker.peer is not None]
-        publish_manifest(self.node, run_manifest(self.config, roster), self.manifest_ttl_s)
+        publish_manifest(self.node, msgspec.structs.replace(self.manifest, roster=roster),
+                         self.manifest_ttl_s)
 
     def describe(self) -> str:
         return (f"[bold]{self.config.name}[/]: coordinator {self.node.peer_id[-8:]} waiting for "
@@ -183,7 +187,8 @@ class SwarmBackend:
             while True:
                 self.announce_run()
                 self.directory.refresh()
-                lacking = stages_lacking(self.directory.stage_peers(), self.admitted)
+                admitted = admitted_peers(self.config.path)  # read once per look
+                lacking = stages_lacking(self.directory.stage_peers(), admitted.__contains__)
                 if not lacking:
                     return
                 waited = time.monotonic() - started
