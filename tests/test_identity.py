@@ -246,3 +246,17 @@ def test_a_failing_strike_listener_does_not_break_serving() -> None:
 def test_node_refuses_nonsense_strike_settings() -> None:
     with pytest.raises(ValueError, match="strikes_to_block >= 1"):
         SwarmNode("x", LinkProfile(), TensorLimits(), strikes_to_block=0)
+
+
+def test_a_key_file_keeps_its_peer_id_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "keys" / "peer.key"
+    made = Identity.from_file(path)  # made on first use, readable by its owner only
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert Identity.from_file(path).peer_id == made.peer_id
+    path.chmod(0o644)
+    with pytest.raises(PermissionError, match="readable by others"):
+        Identity.from_file(path)
+    path.chmod(0o600)
+    path.write_bytes(b"not a key")
+    with pytest.raises(ValueError, match="is not a libp2p private key|does not hold an Ed25519"):
+        Identity.from_file(path)
