@@ -220,7 +220,7 @@ def test_honest_bf16_and_fp32_replicas_pass_each_others_checks(
             generated = list(pool.map(generate, scheduler.next(24)))
         served: set[str] = set()
         for group, provenance in generated:
-            verdict = verifier.verify(group, provenance)
+            verdict = verifier.verify(group, provenance, verifier.panel(provenance))
             assert verdict.outcome == "passed", verdict
             assert verdict.checked == (0, 1)  # by the other replica of each stage
             served |= provenance.peers()
@@ -258,7 +258,8 @@ def test_a_check_rewinds_the_verifier_to_the_recorded_version(
         chain.directory.refresh()
         verifier = Verifier(swarm.client, chain.directory, config, model.spec.hidden_size,
                             model.tokenizer.pad_token_id)
-        verdict = verifier.verify(group, sessions[0].provenance)
+        verdict = verifier.verify(group, sessions[0].provenance,
+                                  verifier.panel(sessions[0].provenance))
         if history:
             assert verdict.outcome == "passed", verdict
         else:

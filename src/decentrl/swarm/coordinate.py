@@ -124,6 +124,10 @@ class SwarmBackend:
         self.trust = Trust(config, node, self.directory, self.spec.hidden_size,
                            self.tokenizer.pad_token_id, console)
         self.gate = self.trust
+        # Admitted training peers start with a record (no probation); the set is read again at
+        # every announce round, so admitting one mid-run takes effect within a round.
+        self.vouched = admitted_peers(config.path)
+        self.trust.reputation.vouched = lambda peer: peer in self.vouched
         self.chain = RemoteChain(node, self.directory, config.swarm, config.trust, self.spec,
                                  self.trust.reputation)
         self.lineage = LineageSigner(node, config)
@@ -187,7 +191,7 @@ class SwarmBackend:
             while True:
                 self.announce_run()
                 self.directory.refresh()
-                admitted = admitted_peers(self.config.path)  # read once per look
+                admitted = self.vouched = admitted_peers(self.config.path)  # once per look
                 lacking = stages_lacking(self.directory.stage_peers(), admitted.__contains__)
                 if not lacking:
                     return
@@ -225,6 +229,7 @@ class SwarmBackend:
         while not stop.wait(self.config.swarm.announce_every_s):
             try:
                 self.announce_run()
+                self.vouched = admitted_peers(self.config.path)
                 self.lineage.renew()
                 self.directory.refresh()
                 if self.observer is not None and \

@@ -6,7 +6,16 @@ signed claim that contradicts what it delivered (proof) counts enough to ban at 
 the trainer's log-probs (strong but indirect evidence) counts 0.5, a malformed message 0.25. A new
 peer starts at 1; an honest peer's rare false alarm costs little once it has passed a few checks.
 Below `ban_score` the peer is banned for `ban_s`, doubled at each later ban; when a ban ends the
-peer starts over (score 1) on probation: the next ban is longer.
+peer starts over (score 1): the next ban is longer.
+
+Identities are free, so a score that starts at 1 would let a liar that rotates its key serve at
+full trust forever. A peer is on probation until it has passed `probation_checks` checks: while
+it is, its groups are checked at a higher rate (trust/gate.py), it is not chosen to verify anyone
+(trust/tribunal.py), and a single confirmed lie (`failed` or `proved`) bans it. Peers the operator
+admitted (training peers listed in RUN/admitted.txt) start with a record.
+
+Verifiers earn and lose reputation like producers: a verifier whose opinion the tribunal upheld
+passed, one whose opinion it overruled failed.
 
 Everything kept here grows with what strangers send (one malformed message from a fresh identity
 is an event and a standing), so every table is bounded: the events, the standings, the causes of
@@ -72,6 +81,9 @@ class PeerStanding:
 class Reputation:
     ban_score: float
     ban_s: float
+    probation_checks: int = 0
+    # Peers with a record from the start (the operator admitted them), read afresh at each look.
+    vouched: Callable[[str], bool] = lambda peer: False
     on_ban: list[Callable[[str, float], None]] = field(default_factory=list)  # (peer, seconds)
     clock: Callable[[], float] = time.monotonic
     # Least recently seen first.
@@ -93,6 +105,7 @@ class Reputation:
             if standing.banned_until and standing.banned_until <= now:
                 # The ban is over: a fresh start, on probation (the next ban is longer).
                 standing.passed, standing.failed, standing.banned_until = 0, 0.0, 0.0
+            on_probation = self._on_probation(peer, standing)
             if outcome == "passed":
                 standing.passed += 1
             else:
@@ -100,7 +113,9 @@ class Reputation:
             standing.outcomes[outcome] += 1
             self.events.append(TrustEvent(time.time(), peer, stage, outcome, detail))
             self.events_recorded += 1
-            newly_banned = standing.banned_until <= now and standing.score < self.ban_score
+            lied_on_probation = on_probation and outcome in ("failed", "proved")
+            newly_banned = standing.banned_until <= now and (
+                standing.score < self.ban_score or lied_on_probation)
             if newly_banned:
                 seconds = self.ban_s * 2 ** standing.bans
                 standing.bans += 1
@@ -122,6 +137,15 @@ class Reputation:
         with self.lock:
             standing = self.standings.get(peer)
             return 1.0 if standing is None else standing.score
+
+    def on_probation(self, peer: str) -> bool:
+        """Whether `peer` has yet to earn a record (see the module docstring)."""
+        with self.lock:
+            return self._on_probation(peer, self.standings.get(peer))
+
+    def _on_probation(self, peer: str, standing: PeerStanding | None) -> bool:
+        passed = 0 if standing is None else standing.passed
+        return passed < self.probation_checks and not self.vouched(peer)
 
     def banned(self, peer: str) -> bool:
         with self.lock:
