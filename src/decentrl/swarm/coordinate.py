@@ -134,6 +134,7 @@ class SwarmBackend:
         self.workers = [RemoteStageWorker(node, self.directory, stage, config.num_stages,
                                           config.swarm, self.admitted, self.lineage)
                         for stage in range(config.num_stages)]
+        self.directory.version_ceiling = lambda stage: self.workers[stage].version
         loss = loss_config_from(config.train, config.rollout.max_new_tokens, config.trust)
         self.trainer = PipelineTrainer(self.workers, config.train, loss,
                                        sampling_config(config.rollout), torch.device("cpu"))
