@@ -234,10 +234,11 @@ class Trust:
         verdict = ruling.verdict
         self.count["verify_opinions"] += len(ruling.opinions)
         for judge, stage in set(ruling.upheld):
-            self.reputation.record(judge, "passed", stage=stage)
+            self.reputation.record(judge, "passed", stage=stage, as_verifier=True)
         for overruled in ruling.overruled:
             self.count["verifiers_overruled"] += 1
-            self.reputation.record(overruled.verifier, "failed", overruled.why, overruled.stage)
+            self.reputation.record(overruled.verifier, "failed", overruled.why, overruled.stage,
+                                   as_verifier=True)
         if verdict.outcome == "skipped":
             self.count["verify_skipped"] += 1
             with self.lock:
