@@ -17,7 +17,7 @@ scored by the trainer's poison flags (the base model is the policy: versions do 
 Figures per scenario: groups the culprit touched, spot-check detection (failed, blamed on the
 culprit at its stage), trainer-flag detection (a row of the group flagged), wrongful blame (a
 failed check blaming an honest peer, over all groups), and cost: re-execution wall time over
-compute: the peers' time re-executing (`InferenceService.verify_busy_s`) over their time
+compute: the peers' time re-executing (`VerifyService.busy_s`) over their time
 serving generation (`busy_s`), when every group is checked; at `trust.verify_fraction` f the
 spot-checks cost f x that ratio of generation compute (target < 10%).
 
@@ -165,7 +165,8 @@ def run_scenario(scenario: str, config: RunConfig, groups: int, local_stages: li
                   f"{verdict.outcome} {verdict.detail[:100]}", flush=True)
         services = [peer.inference for peer in peers if peer.inference is not None]
         serving = sum(service.busy_s for service in services)
-        checking = sum(service.verify_busy_s for service in services)
+        checking = sum(peer.verification.busy_s for peer in peers
+                       if peer.verification is not None)
         nothing = [torch.full((1,), float("nan"))]  # every group went through the culprit
         gaps, margins = torch.cat(honest_gaps or nothing), torch.cat(honest_margins or nothing)
         return {"scenario": scenario, "groups": groups, "touched": touched, "caught": caught,
