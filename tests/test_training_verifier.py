@@ -13,15 +13,24 @@ from typing import Any, cast
 import pytest
 import torch
 from msgspec.structs import replace
-from swarm_helpers import Swarm, publisher_of, serving, start_swarm, tiny_run_config
+from swarm_helpers import (
+    Swarm,
+    publisher_of,
+    serving,
+    start_node,
+    start_swarm,
+    tiny_run_config,
+)
 from test_adversaries import add_replica, generation
 from test_swarm import make_batch
 from test_trust_claims import replica_record
 
 from decentrl.config import RunConfig
 from decentrl.net.directory import Directory, PeerState
-from decentrl.net.node import SwarmNode
-from decentrl.net.protocol import VERIFY_STEP
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import PeerRefused, SwarmNode
+from decentrl.net.protocol import CLOSE_SESSION, VERIFY_STEP, CloseSession, VerifyStep
+from decentrl.net.wire import TensorLimits
 from decentrl.swarm.peer import StagePeer
 from decentrl.trust.verify import Verifier
 
@@ -92,10 +101,23 @@ def test_a_single_replicas_group_from_older_versions_is_judged_by_the_training_p
         assert verdict.checked == (0, 1)
         for peer, before in zip(trainers, copies, strict=True):
             assert peer.verification is not None and peer.verification.busy_s > 0
+            assert not peer.verification.sessions.sessions  # the verifier closed its session
             # Rewound to v0 for the check, and back to v3 exactly.
             assert peer.verification.weights.model.version == 3
             for name, tensor in served_copy(peer).items():
                 assert torch.equal(tensor, before[name]), name
+
+        # Only the run's owner may drive a check there, as on a replica (net/authority.py).
+        stranger = start_node(config, "stranger", swarm.client.addresses(), TensorLimits(),
+                              LinkProfile())
+        try:
+            verify = VerifyStep(session="s", start=0, batch=1, max_length=8, version=0,
+                                prompt_columns=1)
+            for rpc, body in ((VERIFY_STEP, verify), (CLOSE_SESSION, CloseSession(session="s"))):
+                with pytest.raises(PeerRefused, match=f"{rpc.method} is for the run's coord"):
+                    stranger.call_sync(trainers[0].node.peer_id, rpc, body, timeout=20)
+        finally:
+            stranger.shutdown()
 
 
 @pytest.mark.network
