@@ -21,7 +21,7 @@ from swarm_helpers import (
     start_swarm,
     tiny_run_config,
 )
-from test_adversaries import add_replica, generation
+from test_adversaries import add_replica, coordinated, generation, trust_config
 from test_swarm import make_batch
 from test_trust_claims import replica_record
 
@@ -118,6 +118,27 @@ def test_a_single_replicas_group_from_older_versions_is_judged_by_the_training_p
                     stranger.call_sync(trainers[0].node.peer_id, rpc, body, timeout=20)
         finally:
             stranger.shutdown()
+
+
+@pytest.mark.network
+def test_a_run_with_one_replica_per_stage_judges_every_stage_and_bans_nobody(
+        tiny_sharp_dir: Path, tmp_path: Path) -> None:
+    """The coordinator's own spot-checks (every group) over one replica per stage: the training
+    peers judge, the replicas earn passes at their stage, and nobody is charged."""
+    config = trust_config(tiny_sharp_dir, steps=3, run_dir=str(tmp_path / "runs"))
+    with start_swarm(config, LAYOUT) as swarm, coordinated(config, swarm) as coordinator:
+        summary = coordinator.run(wait_s=60)
+        trust = coordinator.backend.trust
+        assert summary.steps == config.train.steps
+        assert trust.count["verified"] > 0, trust.count
+        for stage in (0, 1):
+            replica = swarm.peer(stage, "inference").node.peer_id
+            judge = swarm.peer(stage, "training").node.peer_id
+            assert trust.reputation.counts(replica).get("passed", 0) > 0
+            assert trust.reputation.counts(judge).get("passed", 0) > 0  # upheld as a verifier
+        for peer in swarm.peers:
+            assert not trust.reputation.banned(peer.node.peer_id)
+            assert trust.reputation.counts(peer.node.peer_id).get("failed", 0) == 0
 
 
 @pytest.mark.network
