@@ -2,7 +2,17 @@
 replicas serve (swarm/replica.py `ServedWeights`, written by its publisher at every published
 state) and re-executes spot-checks on it (swarm/verification.py), at the versions a group
 recorded. Every swarm here has one inference replica per stage beside each stage's training
-peer, so the training peer is the only one who can judge a replica's work."""
+peer, so the training peer is the only one who can judge a replica's work.
+
+- A group generated three versions ago passes on the training peers, every stage checked, and
+  their copies come back to the newest version bit for bit; only the owner may drive a check.
+- A coordinated run checks every group: every stage is judged, nobody is charged.
+- A lying single replica (random tokens at the last stage, corrupt activations at the first) is
+  caught and blamed by its stage's training peer.
+- The switch (trust.training_peer_verifies) off: no announcement, no verify_step served.
+- `Directory.verifiers` lists replicas and verifying training peers, and nobody ineligible.
+- Without the network: the copy a publisher keeps from its own updates is a replica's weights
+  bit for bit (bf16) at every version it can rewind to, and after a rollback."""
 
 from __future__ import annotations
 
@@ -26,12 +36,23 @@ from test_swarm import make_batch
 from test_trust_claims import replica_record
 
 from decentrl.config import RunConfig
+from decentrl.model.loading import LoadedModel
+from decentrl.model.stages import StageModule, StagePlan, build_stage
 from decentrl.net.directory import Directory, PeerState
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import PeerRefused, SwarmNode
 from decentrl.net.protocol import CLOSE_SESSION, VERIFY_STEP, CloseSession, VerifyStep
 from decentrl.net.wire import TensorLimits
 from decentrl.swarm.peer import StagePeer
+from decentrl.swarm.replica import ServedWeights
+from decentrl.sync.delta import (
+    PublishedState,
+    apply_payload,
+    decode_payload,
+    encode_delta,
+    payload_bytes,
+)
+from decentrl.sync.history import VersionUnavailable
 from decentrl.trust.verify import Verifier
 
 LAYOUT = [(0, "training"), (1, "training"), (0, "inference"), (1, "inference")]
@@ -195,3 +216,51 @@ def test_verifiers_are_the_stages_replicas_and_training_peers_that_verify() -> N
     directory.peers["banned"].banned_until = time.monotonic() + 60
     assert sorted(directory.verifiers(0, {"producer"})) == ["both", "replica", "trainer"]
     assert directory.verifiers(1, {"x"}) == ["other-stage"]
+
+
+def test_a_publishers_served_copy_is_a_replicas_weights_bit_for_bit_at_every_version(
+        tiny_model: LoadedModel) -> None:
+    """In bf16 (the serving dtype on a GPU), with no network: the copy a publisher keeps from
+    its own updates (`take`) and a replica that decodes the same updates (`commit`) hold the same
+    bits at every version, rewound or not; a rollback (the state taken whole) is the cast of that
+    state, and nothing before it can be rewound."""
+    plan = StagePlan.even(tiny_model.spec.num_layers, 2)
+
+    def stage() -> StageModule:
+        return build_stage(tiny_model.spec, plan, 0, tiny_model.tensors, torch.device("cpu"),
+                           torch.float32)
+
+    learner = {name: t.clone() for name, t in stage().state_dict().items()}
+    publisher = PublishedState.of(0, learner)
+    published = PublishedState.of(0, learner)  # the replica's float32 copy
+    copy = ServedWeights(stage().to(torch.bfloat16), keep=3)
+    copy.take(publisher, None)
+    replica = ServedWeights(stage().to(torch.bfloat16), keep=3)
+    g = torch.Generator().manual_seed(0)
+    served = {0: {n: t.clone() for n, t in replica.model.state_dict().items()}}
+    for version in range(1, 5):
+        for t in learner.values():
+            t += 1e-2 * torch.randn(t.shape, generator=g)
+        payload = encode_delta(publisher, learner, 0.05)
+        copy.take(publisher, apply_payload(publisher, payload, version))
+        shapes = {n: t.shape for n, t in published.tensors.items()}
+        replica.commit(version, apply_payload(
+            published, decode_payload(payload_bytes(payload), shapes), version))
+        served[version] = {n: t.clone() for n, t in replica.model.state_dict().items()}
+    assert copy.model.version == replica.model.version == 4
+    for version in (4, 2, 1):
+        with copy.rewound(version) as model:
+            for name, tensor in model.state_dict().items():
+                assert torch.equal(tensor.view(torch.int16),
+                                   served[version][name].view(torch.int16)), (version, name)
+    with pytest.raises(VersionUnavailable), copy.rewound(0):  # four updates ago, three kept
+        pass
+    assert copy.model.version == 4 and not copy.lock.locked()
+
+    rollback = PublishedState.of(2, {n: t + 1 for n, t in learner.items()})
+    copy.take(rollback, None)
+    assert copy.model.version == 2
+    for name, tensor in copy.model.state_dict().items():
+        assert torch.equal(tensor, rollback.tensors[name].to(torch.bfloat16)), name
+    with pytest.raises(VersionUnavailable), copy.rewound(1):
+        pass
