@@ -8,9 +8,10 @@ Two kinds of peer serve it, with the same code:
 - a training peer (trust.training_peer_verifies), on the copy it keeps of what its replicas
   serve: the exact weights a replica served at version v are the publisher's published state at
   v, so a stage with a single replica is still judged by someone else. The cost is one more copy
-  of the stage in the serving dtype (about an eighth of what the learner already holds in bf16:
-  float32 master weights, two optimizer moments, the published state) and the re-executions'
-  compute, which waits its turn behind the training requests.
+  of the stage in the serving dtype: 2 bytes a parameter in bf16 against the 20 the learner
+  already holds (float32 weights, gradients, two optimizer moments, the published state), or
+  about half again in LoRA mode (frozen float32 base weights, small adapters); and the
+  re-executions' compute, which waits its turn behind the training requests.
 
 Every request runs on the node's compute thread and holds the served weights' lock while they
 are rewound, so no inference request and no published update sees them at another version."""
@@ -38,6 +39,8 @@ SCORE_BOUND = 1e4
 
 
 class VerifyService:
+    """Serves `verify_step` on `weights`, in sessions of another service's table."""
+
     def __init__(self, sessions: InferenceService, weights: ServedWeights,
                  closes_sessions: bool) -> None:
         """`sessions`: the table that holds the re-executions' sessions (and counts them against
