@@ -28,7 +28,7 @@ Figures per scenario: the culprit's groups, those checked, caught (a confirmed r
 culprit at its stage), identities it used and groups served per identity before its ban, its
 groups that would have trained (neither held nor dropped when the run ends), wrongful charges
 (a `failed` event against an honest peer, producer or verifier) and honest bans, and the cost:
-the peers' seconds re-executing (`verify_busy_s`) over their seconds generating (`busy_s`).
+the peers' seconds re-executing (`VerifyService.busy_s`) over their seconds generating (`busy_s`).
 
 `--honest-checks N` then re-checks honest groups N times through the tribunal (random panels over
 bf16 and fp32 replicas) and counts failed opinions, failed rulings and bans.
@@ -144,8 +144,8 @@ class Swarm:
             node.shutdown()
 
     def cost(self) -> tuple[float, float]:
-        services = [peer.inference for peer in self.peers if peer.inference is not None]
-        return (sum(s.busy_s for s in services), sum(s.verify_busy_s for s in services))
+        return (sum(p.inference.busy_s for p in self.peers if p.inference is not None),
+                sum(p.verification.busy_s for p in self.peers if p.verification is not None))
 
 
 def run_scenario(scenario: str, config: RunConfig, groups: int, loaded: Any, folder: Path,

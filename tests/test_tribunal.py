@@ -234,3 +234,28 @@ def test_a_group_waiting_for_its_ruling_does_not_train(tiny_model_dir: Path,
     finally:
         loop.stop.set()
         loop.close()
+
+
+def test_an_admitted_training_peer_judges_a_stage_nobody_else_can(tiny_model_dir: Path) -> None:
+    # Stage 1: one replica and its training peer (admitted, vouched). Its opinion confirms a lie
+    # alone; a stranger's framing opinion loses to it.
+    replicas = {"p0": 0, "v0a": 0, "p1": 1, "trainer1": 1}
+    trust, court = court_gate(config_for(tiny_model_dir), replicas, {}, {"p1"})
+    trust.reputation.vouched = lambda peer: peer == "trainer1"
+    provenance = served_by("p0", "p1")
+    ruling = convene(court, made_up_group("lie"), provenance, False, trust.reputation.vouched)
+    assert ruling.confirmed and ruling.verdict.peer == "p1"
+    trust.judge(ruling, provenance, "sampled")
+    assert trust.reputation.counts("p1") == {"failed": 1}
+
+    replicas = {"p0": 0, "v0a": 0, "p1": 1, "framer": 1, "trainer1": 1}
+    trust, court = court_gate(config_for(tiny_model_dir), replicas, {"framer": "framer"}, set())
+    vouched = lambda peer: peer == "trainer1"  # noqa: E731
+    outcomes = Counter()
+    for number in range(20):
+        ruling = convene(court, made_up_group(f"g{number}"), provenance, True, vouched)
+        trust.judge(ruling, provenance, "sampled")
+        outcomes[ruling.verdict.outcome] += 1
+    assert outcomes == {"passed": 20}
+    assert trust.reputation.counts("p1").get("failed", 0) == 0
+    assert trust.reputation.counts("framer")["failed"] > 0

@@ -187,6 +187,10 @@ class TrustConfig(Section):
                                    "to a replica on probation while an established one has room")
     history_versions: int = Field(4, ge=0, description="updates a replica can rewind, so it can "
                                   "re-execute at the versions a rollout recorded")
+    training_peer_verifies: bool = Field(True, description="a training peer keeps a copy of the "
+                                         "weights its replicas serve (one more copy of its stage "
+                                         "in the serving dtype) and re-executes spot-checks of "
+                                         "its stage, so a stage with one replica is judged too")
     logprob_tolerance: float = Field(0.5, gt=0, description="a re-executed token's log-prob may "
                                      "differ from the claimed one by this much (nats)")
     sampling_tolerance: float = Field(0.5, gt=0, description="how far (nats) a claimed token's "

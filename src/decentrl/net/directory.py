@@ -140,12 +140,14 @@ class Directory:
 
     def verifiers(self, stage: int, exclude: set[str]) -> list[str]:
         """Every peer that can re-execute someone else's work at `stage`: replicas that follow
-        the stage's weights (they can rewind them), live, not banned, none of `exclude`. Who
+        the stage's weights (they can rewind them) and training peers that keep a copy of what
+        those replicas serve (`PeerRecord.verifies`), live, not banned, none of `exclude`. Who
         among them judges is the caller's (random) choice, never what they announce."""
         now = time.monotonic()
         with self.lock:
             return [p for p, s in self.peers.items()
-                    if s.record.stage == stage and s.record.role == "inference"
+                    if s.record.stage == stage
+                    and (s.record.role == "inference" or s.record.verifies)
                     and p not in exclude and s.banned_until <= now and not self.distrusted(p)]
 
     def release(self, peer: str) -> None:

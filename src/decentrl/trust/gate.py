@@ -219,7 +219,8 @@ class Trust:
                 continue
             try:
                 repeat = self.random.random() < self.config.trust.second_opinion_fraction
-                ruling = convene(self.verifier, group, provenance, repeat)
+                ruling = convene(self.verifier, group, provenance, repeat,
+                                 self.reputation.vouched)
             except Exception:  # noqa: BLE001 - one check lost; the thread goes on
                 log.exception("verifying group %s failed", group.group_id)
                 with self.lock:
