@@ -8,6 +8,7 @@ Every swarm here runs in this process over loopback, on the tiny model."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,14 +16,22 @@ from typing import Any
 
 import pytest
 import torch
-from swarm_helpers import ObservedChain, Swarm, start_peer, start_swarm, tiny_run_config
+from swarm_helpers import (
+    ObservedChain,
+    Swarm,
+    serving,
+    start_peer,
+    start_swarm,
+    tiny_run_config,
+)
 from test_swarm import make_batch
 
 from decentrl.config import RunConfig, TrustConfig
 from decentrl.model.loading import LoadedModel, load_model
-from decentrl.net.protocol import Role
+from decentrl.net.protocol import InferenceStep, Role
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
 from decentrl.swarm.adversary import HostileInference
+from decentrl.swarm.inbound import PeerBusy
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.sessions import RemoteChain, RemoteSession
@@ -184,6 +193,49 @@ def test_a_lie_told_across_a_failover_is_blamed_on_who_served_those_columns(
         assert verdict.outcome == "failed", verdict
         assert (verdict.stage, verdict.peer) == (1, hostile), verdict
         assert witness not in session.provenance.peers()
+
+
+@pytest.mark.network
+def test_a_replica_that_rebuilds_its_own_session_is_re_executed_there(
+        tiny_sharp_dir: Path) -> None:
+    """After a weight update the session's replica refuses one step (busy); the session comes
+    back to it and replays from position 0, and the replica rebuilds the session it held at the
+    new version: no other replica served, but the cache was rebuilt all the same."""
+    config = failover_config(tiny_sharp_dir, 2)
+    model = load_model(str(tiny_sharp_dir))
+    with start_swarm(config, swarm_layout(2, 0)) as swarm:
+        replica = swarm.peer(1, "inference")
+        remote = swarm.chain(model.spec)
+        remote.directory.refresh()
+        route(remote, 1, [replica.node.peer_id], [])
+        service = serving(replica)
+        real_infer = service.infer
+        updated = threading.Event()
+        refused: list[int] = []
+
+        def refuse_once(sender: str, body: InferenceStep, tensors: dict[str, torch.Tensor]
+                        ) -> Any:
+            if updated.is_set() and not refused:
+                refused.append(body.start)
+                raise PeerBusy("busy, once")
+            return real_infer(sender, body, tensors)
+        service.infer = refuse_once  # type: ignore[method-assign]
+
+        def after_step(session: RemoteSession, step: int) -> None:
+            if step == KILL_AFTER_STEP:
+                train_and_follow(swarm)
+                updated.set()
+        group, session = generate_one(swarm, config, model, ObservedChain(remote, after_step))
+        takeover = session_layout(group, model.tokenizer.pad_token_id).prompt_columns \
+            + KILL_AFTER_STEP
+        assert refused == [takeover] and session.failovers == 1
+        provenance = session.provenance.stages[1]
+        assert provenance.served == [(0, replica.node.peer_id)]
+        assert provenance.rebuilt == [takeover]
+        verdict = verify(swarm, config, model, remote, group, session.provenance)
+        assert verdict.outcome == "passed" and verdict.checked == (0, 1), verdict
+        assert verdict.token_gaps is not None
+        assert float(verdict.token_gaps.max()) < 1e-3, float(verdict.token_gaps.max())
 
 
 # ---- which replica the last stage's verdict blames (no network) -----------------------------
