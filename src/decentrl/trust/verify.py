@@ -4,7 +4,11 @@ The group's session is rebuilt column by column exactly as generation laid it ou
 prompts, then one column per decoding step), and fed teacher-forced through one replica per stage
 that did not serve the original, in segments: each segment covers the decoding steps one span of
 `version_spans` recorded, and every verifier rewinds its weights to the version that span names
-(sync/history.py). That is a prefill, far cheaper than generating.
+(sync/history.py). That is a prefill, far cheaper than generating. Where the session replayed
+a stage from position 0 (a failover, or a retry after a timeout), the replica recomputed every
+earlier column with its weights of the moment, the version that step recorded, not those of the
+earlier steps: the verifier of that stage replays from position 0 at the same column too, at
+that version (`StageProvenance.rebuilt`), so the re-execution is the computation the rollout got.
 
 What is compared:
 - every stage but the last: the activation commitments the original replicas signed, against the
@@ -15,7 +19,9 @@ What is compared:
   environment forced into a multi-turn episode are fed but not judged here (nothing sampled them).
 
 The first stage that fails is blamed (the stages after it were fed its lie), at the replica that
-served the failing column. Tolerances are calibrated so that bf16 and fp32 replicas agree."""
+served the failing column; at the last stage, the column is the first failure of the replica
+whose own tokens fail most beyond the tolerated share, not the group's first failing column
+(after a failover, that may be an honest replica's rare miss). Tolerances are calibrated so that bf16 and fp32 replicas agree."""
 
 from __future__ import annotations
 
