@@ -38,7 +38,7 @@ from decentrl.swarm.sessions import RemoteChain, RemoteSession
 from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
 from decentrl.trust.provenance import Provenance
-from decentrl.trust.verify import Verdict, Verifier, judge_tokens, session_layout
+from decentrl.trust.verify import Verdict, Verifier, judge_tokens, segments, session_layout
 
 # Every test here but the last starts a swarm of peers, each with its own p2p daemon.
 
@@ -268,3 +268,19 @@ def test_the_tokens_verdict_blames_the_replica_whose_tokens_fail() -> None:
     # The honest replica's miss alone is within the tolerated share: no verdict at all.
     gaps[columns >= takeover] = 0.0
     assert judge_tokens(layout, gaps, torch.zeros_like(gaps), provenance.stages[1], trust) is None
+
+
+def test_segments_are_cut_where_a_stage_was_rebuilt() -> None:
+    rollout = Rollout(prompt_tokens=[5, 6, 7], completion_tokens=[1, 2, 3, 4, 5],
+                      behaviour_logprobs=[-1.0] * 5, finished=False)
+    group = RolloutGroup(group_id="g", task="sums", problem_index=0, stage_versions=[3, 7],
+                         version_spans=[VersionSpan(start=0, versions=[3, 7]),
+                                        VersionSpan(start=2, versions=[4, 7])],
+                         sampling_seed=1, rollouts=[rollout])
+    layout = session_layout(group, pad_id=0)
+    spans = [(0, 4, [3, 7]), (4, 7, [4, 7])]
+    assert segments(group, layout) == spans
+    # A rebuild at the column step 3 fed cuts the second span; one where a span starts already
+    # has its segment.
+    assert segments(group, layout, {5}) == [(0, 4, [3, 7]), (4, 5, [4, 7]), (5, 7, [4, 7])]
+    assert segments(group, layout, {4}) == spans
