@@ -56,12 +56,13 @@ def failover_config(model_dir: Path, num_stages: int) -> RunConfig:
         trust={"verify_fraction": 1.0, "history_versions": 4})
 
 
-def swarm_layout(num_stages: int, stage: int) -> list[tuple[int, Role]]:
-    """A training peer per stage; two replicas per stage, three at `stage`: the one that dies,
-    its replacement, and one that served neither and re-executes them."""
+def swarm_layout(num_stages: int, stage: int, at_stage: int = 3) -> list[tuple[int, Role]]:
+    """A training peer per stage; two replicas per stage (one serves, one re-executes), and
+    `at_stage` at `stage`: by default the one that dies, its replacement, and one that served
+    neither and re-executes them."""
     training: list[tuple[int, Role]] = [(s, "training") for s in range(num_stages)]
     return training + [(s, "inference") for s in range(num_stages)
-                       for _ in range(3 if s == stage else 2)]
+                       for _ in range(at_stage if s == stage else 2)]
 
 
 def train_and_follow(swarm: Swarm) -> int:
@@ -169,29 +170,35 @@ def route(chain: RemoteChain, stage: int, order: list[str], killed: list[str]) -
 
 
 @pytest.mark.network
-@pytest.mark.parametrize("liar", ["replacement", "dead"])
+@pytest.mark.parametrize(("num_stages", "adversary", "liar"), [
+    (2, "forge-logprobs", "replacement"),
+    (2, "forge-logprobs", "dead"),
+    (3, "corrupt-activations", "replacement"),
+], ids=["last-stage-replacement", "last-stage-dead", "middle-stage-replacement"])
 def test_a_lie_told_across_a_failover_is_blamed_on_who_served_those_columns(
-        liar: str, tiny_sharp_dir: Path) -> None:
-    config = failover_config(tiny_sharp_dir, 2)
+        num_stages: int, adversary: str, liar: str, tiny_sharp_dir: Path) -> None:
+    """Stage 1's replicas: an honest one, a liar, and a witness that serves neither and
+    re-executes. The session starts on one of the first two, which dies after a weight update;
+    the other takes over. Whichever lied is blamed, at stage 1."""
+    stage = 1
+    config = failover_config(tiny_sharp_dir, num_stages)
     model = load_model(str(tiny_sharp_dir))
-    layout: list[tuple[int, Role]] = [(0, "training"), (1, "training"), (0, "inference"),
-                                      (0, "inference"), (1, "inference")]
-    with start_swarm(config, layout) as swarm:
-        honest = swarm.peer(1, "inference").node.peer_id
-        hostile = add_replica(swarm, config, 1, "liar", "forge-logprobs").node.peer_id
-        witness = add_replica(swarm, config, 1, "witness").node.peer_id
+    with start_swarm(config, swarm_layout(num_stages, stage, at_stage=1)) as swarm:
+        honest = swarm.peer(stage, "inference").node.peer_id
+        hostile = add_replica(swarm, config, stage, "liar", adversary).node.peer_id
+        witness = add_replica(swarm, config, stage, "witness").node.peer_id
         first, second = (honest, hostile) if liar == "replacement" else (hostile, honest)
         killed: list[str] = []
         remote = swarm.chain(model.spec)
         remote.directory.refresh()
-        route(remote, 1, [first, second], killed)
-        chain = ObservedChain(remote, kill_mid_session(swarm, 1, killed))
+        route(remote, stage, [first, second], killed)
+        chain = ObservedChain(remote, kill_mid_session(swarm, stage, killed))
         group, session = generate_one(swarm, config, model, chain)
         assert killed == [first]
-        assert [peer for _, peer in session.provenance.stages[1].served] == [first, second]
+        assert [peer for _, peer in session.provenance.stages[stage].served] == [first, second]
         verdict = verify(swarm, config, model, remote, group, session.provenance)
         assert verdict.outcome == "failed", verdict
-        assert (verdict.stage, verdict.peer) == (1, hostile), verdict
+        assert (verdict.stage, verdict.peer) == (stage, hostile), verdict
         assert witness not in session.provenance.peers()
 
 
