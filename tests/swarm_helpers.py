@@ -62,7 +62,9 @@ def tiny_run_config(model_dir: Path, num_stages: int, codec: str = "fp32",
     5x longer than the test), so no background DHT traffic competes with the test. Peers block a
     sender only after many malformed requests: the malformed-request tests send dozens from one
     client on purpose. The trainer's poison flags are off: many tests train on made-up behaviour
-    log-probs. `overrides` are merged section by section, e.g. `swarm={"retries": 10}`."""
+    log-probs. New identities are not on probation (tests of probation turn it on): most tests
+    count the checks and bans of peers that are all new. `overrides` are merged section by
+    section, e.g. `swarm={"retries": 10}`."""
     data: dict[str, Any] = {
         "name": f"t{secrets.token_hex(3)}",  # a fresh DHT key space per swarm
         "model": str(model_dir), "num_stages": num_stages, "device": "cpu", "dtype": "fp32",
@@ -70,7 +72,8 @@ def tiny_run_config(model_dir: Path, num_stages: int, codec: str = "fp32",
         "train": {"micro_batch_size": 2, "lr": 1e-2},
         "swarm": {"activation_codec": codec, "announce_every_s": 60.0, "request_timeout_s": 20.0,
                   "retries": 4, "ban_s": 30.0},
-        "trust": {"strikes_to_block": 1000, "flag_log_ratio": None, "flag_surprise": None},
+        "trust": {"strikes_to_block": 1000, "flag_log_ratio": None, "flag_surprise": None,
+                  "probation_checks": 0},
     }
     return parse_config(deep_merge(data, overrides))
 

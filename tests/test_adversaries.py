@@ -139,6 +139,32 @@ def test_hostile_replica_is_caught_blamed_and_banned(
             assert summary.steps == config.train.steps
 
 
+def test_a_colluding_judge_neither_saves_its_partner_nor_gets_an_honest_replica_blamed(
+        tiny_sharp_dir: Path, tmp_path: Path) -> None:
+    # Every group checked, every pass repeated: the judge sits on many rulings. Two honest
+    # replicas at the last stage, so that whoever produced a group, two others can judge it.
+    # As many sessions at a time as the last stage has replicas: each of them gets work.
+    config = trust_config(tiny_sharp_dir, steps=5, run_dir=str(tmp_path / "runs"),
+                          swarm={"sessions_in_flight": 4, "announce_every_s": 1.0, "ban_s": 2.0},
+                          trust={"verify_fraction": 1.0, "second_opinion_fraction": 1.0,
+                                 "ban_s": 600.0, "flag_log_ratio": 1.0, "flag_surprise": 3.0})
+    layout = [*LAYOUT, (1, "inference")]
+    with start_swarm(config, layout) as swarm:
+        partner = add_replica(swarm, config, 1, "partner", "forge-logprobs")
+        judge = add_replica(swarm, config, 1, "judge", "collude-verify")
+        with coordinated(config, swarm) as coordinator:
+            summary = coordinator.run(wait_s=60)
+            trust = coordinator.backend.trust
+            reputation = trust.reputation
+            assert reputation.banned(partner.node.peer_id), reputation.counts(partner.node.peer_id)
+            assert trust.count["verifiers_overruled"] > 0
+            assert reputation.counts(judge.node.peer_id).get("failed", 0) > 0
+            for peer in honest_ids(swarm, [partner, judge]):
+                assert reputation.counts(peer).get("failed", 0) == 0, reputation.counts(peer)
+                assert not reputation.banned(peer)
+            assert summary.steps == config.train.steps
+
+
 def test_replayed_submissions_are_refused_and_their_sender_banned(
         tiny_sharp_dir: Path, tmp_path: Path) -> None:
     config = trust_config(tiny_sharp_dir, steps=3, run_dir=str(tmp_path / "runs"))
@@ -220,7 +246,7 @@ def test_honest_bf16_and_fp32_replicas_pass_each_others_checks(
             generated = list(pool.map(generate, scheduler.next(24)))
         served: set[str] = set()
         for group, provenance in generated:
-            verdict = verifier.verify(group, provenance)
+            verdict = verifier.verify(group, provenance, verifier.panel(provenance))
             assert verdict.outcome == "passed", verdict
             assert verdict.checked == (0, 1)  # by the other replica of each stage
             served |= provenance.peers()
@@ -258,7 +284,8 @@ def test_a_check_rewinds_the_verifier_to_the_recorded_version(
         chain.directory.refresh()
         verifier = Verifier(swarm.client, chain.directory, config, model.spec.hidden_size,
                             model.tokenizer.pad_token_id)
-        verdict = verifier.verify(group, sessions[0].provenance)
+        verdict = verifier.verify(group, sessions[0].provenance,
+                                  verifier.panel(sessions[0].provenance))
         if history:
             assert verdict.outcome == "passed", verdict
         else:

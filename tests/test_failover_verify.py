@@ -108,7 +108,9 @@ def verify(swarm: Swarm, config: RunConfig, model: LoadedModel, chain: RemoteCha
     chain.directory.refresh()
     verifier = Verifier(swarm.client, chain.directory, config, model.spec.hidden_size,
                         model.tokenizer.pad_token_id)
-    return verifier.verify(group, provenance)
+    panel = verifier.panel(provenance)
+    assert panel is not None
+    return verifier.verify(group, provenance, panel)
 
 
 @pytest.mark.network

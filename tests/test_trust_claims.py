@@ -7,7 +7,7 @@ directory (net/directory.py) filled with announcements by hand, and the training
 - Spot-checks: a random `trust.verify_fraction` of accepted groups is re-executed.
 - Reputation: a banned peer's unverified groups are dropped, and it is never chosen again.
 - Trainer flags: the groups of the rows the trainer's log-probs flag get re-executed.
-- Routing: inference replicas are chosen by load and latency."""
+- Routing: inference replicas are chosen by load and latency, never by what they claim."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
 from decentrl.trust.gate import Trust
 from decentrl.trust.provenance import Provenance
+from decentrl.trust.tribunal import convene
 from decentrl.trust.verify import Verdict, Verifier
 
 NUM_STAGES = 2
@@ -72,16 +73,23 @@ class ScriptedVerifier(Verifier):
         self.blame: dict[str, tuple[int, str]] = {}  # group id -> (stage, replica)
         self.drained = threading.Event()
 
-    def verify(self, group: RolloutGroup, provenance: Provenance) -> Verdict:
-        self.checked.append(group.group_id)
+    def panel(self, provenance: Provenance, avoid: frozenset[str] = frozenset(),
+              contested: int | None = None) -> tuple[str, ...]:
+        """Verifiers no opinion on the group has used yet."""
+        return tuple(f"verifier-{len(avoid)}-{stage}" for stage in range(NUM_STAGES))
+
+    def verify(self, group: RolloutGroup, provenance: Provenance,
+               panel: tuple[str, ...]) -> Verdict:
+        if panel[0].startswith("verifier-0-"):  # the first opinion (the others repeat it)
+            self.checked.append(group.group_id)
         if self.pending.empty():
             self.drained.set()
         every_stage = tuple(range(NUM_STAGES))
         if group.group_id not in self.blame:
-            return Verdict(group.group_id, "passed", None, None, "", every_stage, 0.0)
+            return Verdict(group.group_id, "passed", None, None, "", every_stage, 0.0, panel)
         stage, peer = self.blame[group.group_id]
         return Verdict(group.group_id, "failed", stage, peer, "tokens do not re-execute",
-                       every_stage[:stage + 1], 0.0)
+                       every_stage[:stage + 1], 0.0, panel)
 
 
 def offline_gate(config: RunConfig, seed: int | None = None) -> Trust:
@@ -225,10 +233,10 @@ def test_a_banned_peers_unverified_groups_are_dropped_and_it_is_never_chosen_aga
 
     # Never chosen again for a session or a check, not even when the stage has no one else.
     assert directory.choose_inference(1) == "honest"
-    assert directory.choose_verifier(1, exclude=set()) == "honest"
+    assert directory.verifiers(1, exclude=set()) == ["honest"]
     directory.ban("honest", "unreachable")
     assert directory.choose_inference(1, allow_banned=True) == "honest"
-    assert directory.choose_verifier(1, exclude=set()) is None
+    assert directory.verifiers(1, exclude=set()) == []
 
 
 # ---- the trainer's flags lead to re-execution -----------------------------------------------
@@ -351,47 +359,62 @@ def test_a_flagged_group_that_fails_its_check_is_dropped_and_its_liar_blamed(
     assert trust.reputation.counts("replica-0") == {"passed": 1}
 
 
-def test_a_flagged_group_no_replica_can_check_counts_against_its_last_stage(
+def test_a_flagged_group_no_replica_can_check_costs_its_producers_nothing(
         tiny_model_dir: Path) -> None:
+    # With one replica per stage and nobody else to re-execute, an operator once saw the honest
+    # last-stage replica banned for flags nobody could check: what nobody checked charges nobody.
     config = tiny_run_config(tiny_model_dir, NUM_STAGES, trust={"verify_fraction": 0.0})
     trust = offline_gate(config)  # its real verifier, over a directory with no replica
     group = produce_and_accept(trust, "flagged", served_by("replica-0", "sampler"))
-    trust.flagged([group])
-    # What the verification thread does with the queued check.
+    for _ in range(10):
+        trust.flagged([group])
     queued, provenance, reason = trust.queue.get_nowait()
     assert (queued.group_id, reason) == ("flagged", "flagged")
-    verdict = trust.verifier.verify(queued, provenance)
-    assert (verdict.outcome, verdict.detail) == ("skipped", "no replica to re-execute on")
-    trust.judge(verdict, provenance, reason)
+    ruling = convene(trust.verifier, queued, provenance, repeat_pass=False)
+    assert (ruling.verdict.outcome, ruling.verdict.detail) == ("skipped",
+                                                               "no replica to re-execute on")
+    trust.judge(ruling, provenance, reason)
     assert trust.count["verify_skipped"] == 1
-    assert trust.reputation.counts("sampler") == {"flagged": 1}
-    assert trust.reputation.counts("replica-0") == {}
+    assert trust.reputation.counts("sampler") == {} and trust.reputation.counts("replica-0") == {}
+    assert not trust.reputation.banned("sampler")
 
 
 # ---- inference replicas are chosen by load and latency --------------------------------------
 
-def test_inference_replicas_are_chosen_by_load_then_latency(tiny_model_dir: Path) -> None:
+def test_inference_replicas_are_chosen_by_load_then_latency_never_by_claimed_capacity(
+        tiny_model_dir: Path) -> None:
     config = tiny_run_config(tiny_model_dir, NUM_STAGES)
     directory = Directory(cast(SwarmNode, OfflineNode()), config.name, NUM_STAGES, config.swarm)
     announce(directory, {"near": replica_record("near", 0, free_sessions=2),
-                         "far": replica_record("far", 0, free_sessions=8)})
+                         "far": replica_record("far", 0, free_sessions=1000)})
     for _ in range(20):  # the calls' round trips, smoothed
         directory.observe("near", 0.02)
         directory.observe("far", 0.4)
 
     # Equally loaded (idle): the lower latency wins.
     assert directory.choose_inference(0) == "near"
-    # Load is open sessions over the room a replica announced: "near" holds 1 of 2, so the slow
-    # one wins until it is as loaded (4 of 8), and only then does latency decide again.
-    assert [directory.choose_inference(0) for _ in range(4)] == ["far"] * 4
+    # Load is the sessions this process has open there, whatever room a replica claims: the one
+    # that claims 1000 gets the next session, and then latency decides again.
+    assert directory.choose_inference(0) == "far"
     assert directory.choose_inference(0) == "near"
-    # "near" is full (2 of 2): every later session goes to "far", however slow.
+    # "near" is full (2 of 2): only then does every later session go to "far", however slow.
     assert [directory.choose_inference(0) for _ in range(4)] == ["far"] * 4
-    assert directory.choose_inference(0) is None  # both full
 
     # Closed sessions free the room; with both idle, latency decides, as it changes.
-    for peer in ["near"] * 2 + ["far"] * 8:
+    for peer in ["near"] * 2 + ["far"] * 5:
         directory.release(peer)
     for _ in range(20):
         directory.observe("far", 0.001)
     assert directory.choose_inference(0) == "far"
+
+
+def test_a_replica_claiming_a_version_its_trainer_never_made_gets_no_preference(
+        tiny_model_dir: Path) -> None:
+    config = tiny_run_config(tiny_model_dir, NUM_STAGES)
+    directory = Directory(cast(SwarmNode, OfflineNode()), config.name, NUM_STAGES, config.swarm)
+    directory.version_ceiling = lambda stage: 5  # what the stage's trainer has made
+    announce(directory, {"honest": msgspec.structs.replace(replica_record("honest", 0), version=5),
+                         "boaster": msgspec.structs.replace(replica_record("boaster", 0),
+                                                            version=10**6)})
+    directory.observe("boaster", 0.001)  # and the lowest latency
+    assert [directory.choose_inference(0) for _ in range(4)] == ["honest"] * 4

@@ -180,7 +180,7 @@ def checked(sharp: LoadedModel, tiny_sharp_dir: Path
 def test_an_honest_multi_turn_group_passes(checked: Any) -> None:
     _, verifier, group, provenance = checked
     assert any(r.generated is not None for r in group.rollouts)
-    verdict = verifier.verify(group, provenance)
+    verdict = verifier.verify(group, provenance, verifier.panel(provenance))
     assert verdict.outcome == "passed", verdict
     assert verdict.checked == (0, 1)
     # Only the sampled tokens were judged.
@@ -205,7 +205,8 @@ def test_a_tampered_sample_after_the_environment_is_caught(checked: Any,
     tokens[index] = (tokens[index] + 1) % sharp.spec.vocab_size
     rollouts = list(group.rollouts)
     rollouts[row] = msgspec.structs.replace(rollout, completion_tokens=tokens)
-    verdict = verifier.verify(msgspec.structs.replace(group, rollouts=rollouts), provenance)
+    verdict = verifier.verify(msgspec.structs.replace(group, rollouts=rollouts), provenance,
+                              verifier.panel(provenance))
     assert verdict.outcome == "failed" and verdict.stage == 1, verdict
     assert verdict.peer in provenance.stage_peers(1)
 
@@ -216,5 +217,6 @@ def test_demanding_samples_at_forced_tokens_would_fail_the_honest_group(checked:
     target) fails: the check must know which tokens the environment gave."""
     _, verifier, group, provenance = checked
     as_sampled = [msgspec.structs.replace(r, generated=None) for r in group.rollouts]
-    verdict = verifier.verify(msgspec.structs.replace(group, rollouts=as_sampled), provenance)
+    verdict = verifier.verify(msgspec.structs.replace(group, rollouts=as_sampled), provenance,
+                              verifier.panel(provenance))
     assert verdict.outcome == "failed" and verdict.stage == 1, verdict

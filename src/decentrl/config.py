@@ -176,6 +176,15 @@ class TrustConfig(Section):
     commit_top_k: int = Field(8, ge=1, description="hidden dims per commitment point")
     verify_fraction: float = Field(0.1, ge=0, le=1, description="fraction of rollout groups "
                                    "re-executed (teacher-forced) by other replicas")
+    second_opinion_fraction: float = Field(0.1, ge=0, le=1, description="fraction of passed "
+                                           "checks repeated by a second verifier (a failed check "
+                                           "always is): catches a verifier that covers a liar")
+    probation_checks: int = Field(3, ge=0, description="checks a new identity must pass before it "
+                                  "may verify others; until then one confirmed lie bans it")
+    probation_verify_fraction: float = Field(1.0, ge=0, le=1, description="fraction of the "
+                                             "groups of a peer on probation that are checked")
+    probation_share: float = Field(0.25, ge=0, le=1, description="chance that a new session goes "
+                                   "to a replica on probation while an established one has room")
     history_versions: int = Field(4, ge=0, description="updates a replica can rewind, so it can "
                                   "re-execute at the versions a rollout recorded")
     logprob_tolerance: float = Field(0.5, gt=0, description="a re-executed token's log-prob may "

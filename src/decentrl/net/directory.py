@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,14 @@ class Directory:
     # Peers the run's reputation banned (trust/reputation.py): never chosen, not even as a last
     # resort, unlike peers merely avoided after a failure.
     distrusted: Callable[[str], bool] = lambda peer: False
+    # Peers still earning a record (trust/reputation.py), and how often one gets a new session
+    # while an established replica has room (trust.probation_share).
+    on_probation: Callable[[str], bool] = lambda peer: False
+    probation_share: float = 1.0
+    random: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
+    # The newest version a replica of a stage can serve (its trainer's), where the caller knows
+    # it; None: unknown.
+    version_ceiling: Callable[[int], int | None] = lambda stage: None
     # Called with (peer id, its record, True) for each peer that appeared and (.., False) for
     # each whose announcement expired, after a refresh, outside the lock.
     on_change: Callable[[str, PeerRecord, bool], None] = lambda peer, record, joined: None
@@ -92,9 +101,18 @@ class Directory:
                 and not self.distrusted(peer)]
 
     def choose_inference(self, stage: int, allow_banned: bool = False) -> str | None:
-        """A replica for a new session: the newest weights (fresher rollouts), then the most
-        room, then the lowest latency. With `allow_banned`, when every replica of the stage is
-        banned, the one whose ban ends first: a peer that failed once is better than no peer."""
+        """A replica for a new session: the newest weights (fresher rollouts), then the fewest
+        sessions this process has open there, then the lowest latency. With `allow_banned`, when
+        every replica of the stage is banned, the one whose ban ends first: a peer that failed
+        once is better than no peer.
+
+        What a peer announces of itself only limits it: its free sessions cap what it gets (a
+        peer that claims a huge capacity gets no bigger share), and a version over
+        `version_ceiling` (the newest the stage's trainer has made) is a lie, ranked below every
+        other. A peer
+        on probation (`on_probation`) gets a new session only with chance `probation_share`
+        while an established replica has room, so a burst of new identities cannot take over
+        generation."""
         with self.lock:
             replicas = [(p, s) for p, s in self.peers.items()
                         if s.record.stage == stage and s.record.role in ("inference", "both")
@@ -107,28 +125,28 @@ class Directory:
                 if not allow_banned:
                     return None
                 candidates = [min(replicas, key=lambda item: item[1].banned_until)]
-            newest = max(s.record.version for _, s in candidates)
+            new = {p for p, _ in candidates if self.on_probation(p)}
+            if 0 < len(new) < len(candidates):
+                chose_new = self.random.random() < self.probation_share
+                candidates = [(p, s) for p, s in candidates if (p in new) == chose_new]
+            ceiling = self.version_ceiling(stage)
+            versions = {p: -1 if ceiling is not None and s.record.version > ceiling
+                        else s.record.version for p, s in candidates}
+            newest = max(versions.values())
             peer, state = min(candidates, key=lambda item: (
-                newest - item[1].record.version,
-                item[1].sessions / max(1, item[1].record.free_sessions), item[1].latency_s))
+                newest - versions[item[0]], item[1].sessions, item[1].latency_s))
             state.sessions += 1
             return peer
 
-    def choose_verifier(self, stage: int, exclude: set[str]) -> str | None:
-        """A replica to re-execute someone else's work on: one that follows the stage's weights
-        (it can rewind them), is not banned, and is none of `exclude` (who did the work)."""
+    def verifiers(self, stage: int, exclude: set[str]) -> list[str]:
+        """Every peer that can re-execute someone else's work at `stage`: replicas that follow
+        the stage's weights (they can rewind them), live, not banned, none of `exclude`. Who
+        among them judges is the caller's (random) choice, never what they announce."""
         now = time.monotonic()
         with self.lock:
-            candidates = [(p, s) for p, s in self.peers.items()
-                          if s.record.stage == stage and s.record.role == "inference"
-                          and p not in exclude and s.banned_until <= now
-                          and not self.distrusted(p)]
-            if not candidates:
-                return None
-            peer, state = min(candidates, key=lambda item: (
-                item[1].sessions / max(1, item[1].record.free_sessions), item[1].latency_s))
-            state.sessions += 1
-            return peer
+            return [p for p, s in self.peers.items()
+                    if s.record.stage == stage and s.record.role == "inference"
+                    and p not in exclude and s.banned_until <= now and not self.distrusted(p)]
 
     def release(self, peer: str) -> None:
         with self.lock:

@@ -48,7 +48,13 @@ Total = Literal["accepted", "trained", "peers"]
 # What each cumulative counter of trust/gate.py counts, and of which total.
 TRUST_COUNTERS: dict[str, tuple[str, Total | None]] = {
     "verified": ("groups whose spot-check passed", "accepted"),
-    "verify_failed": ("groups whose spot-check caught a lie", "accepted"),
+    "verify_failed": ("groups whose spot-check caught a lie (confirmed by a second verifier)",
+                      "accepted"),
+    "verify_unconfirmed": ("groups dropped on a failed check nobody confirmed (no charge)",
+                           "accepted"),
+    "verify_opinions": ("re-executions run (a failure, and some passes, get a second opinion; "
+                        "a disagreement a third)", "accepted"),
+    "verifiers_overruled": ("verifiers charged for an opinion the tribunal rejected", None),
     "verify_skipped": ("spot-checks skipped (backlog full, no other replica to redo the work, or "
                        "the re-execution failed)", "accepted"),
     "flagged": ("groups with rows the trainer's log-probs flagged (left out of the loss, then "

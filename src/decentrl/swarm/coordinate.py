@@ -124,12 +124,17 @@ class SwarmBackend:
         self.trust = Trust(config, node, self.directory, self.spec.hidden_size,
                            self.tokenizer.pad_token_id, console)
         self.gate = self.trust
+        # Admitted training peers start with a record (no probation); the set is read again at
+        # every announce round, so admitting one mid-run takes effect within a round.
+        self.vouched = admitted_peers(config.path)
+        self.trust.reputation.vouched = lambda peer: peer in self.vouched
         self.chain = RemoteChain(node, self.directory, config.swarm, config.trust, self.spec,
                                  self.trust.reputation)
         self.lineage = LineageSigner(node, config)
         self.workers = [RemoteStageWorker(node, self.directory, stage, config.num_stages,
                                           config.swarm, self.admitted, self.lineage)
                         for stage in range(config.num_stages)]
+        self.directory.version_ceiling = lambda stage: self.workers[stage].version
         loss = loss_config_from(config.train, config.rollout.max_new_tokens, config.trust)
         self.trainer = PipelineTrainer(self.workers, config.train, loss,
                                        sampling_config(config.rollout), torch.device("cpu"))
@@ -187,7 +192,7 @@ class SwarmBackend:
             while True:
                 self.announce_run()
                 self.directory.refresh()
-                admitted = admitted_peers(self.config.path)  # read once per look
+                admitted = self.vouched = admitted_peers(self.config.path)  # once per look
                 lacking = stages_lacking(self.directory.stage_peers(), admitted.__contains__)
                 if not lacking:
                     return
@@ -225,6 +230,7 @@ class SwarmBackend:
         while not stop.wait(self.config.swarm.announce_every_s):
             try:
                 self.announce_run()
+                self.vouched = admitted_peers(self.config.path)
                 self.lineage.renew()
                 self.directory.refresh()
                 if self.observer is not None and \

@@ -90,6 +90,7 @@ class Gate(Protocol):
     def forget(self, group_id: str) -> None: ...
     def trained(self, group_id: str) -> None: ...
     def flagged(self, groups: list[RolloutGroup]) -> None: ...
+    def awaiting_verdict(self, group_id: str) -> bool: ...
 
 
 class TrustEveryone:
@@ -109,6 +110,9 @@ class TrustEveryone:
 
     def flagged(self, groups: list[RolloutGroup]) -> None:
         pass
+
+    def awaiting_verdict(self, group_id: str) -> bool:
+        return False
 
 
 class Backend(Protocol):
@@ -230,6 +234,7 @@ class TrainingLoop(Generic[AnyBackend]):
                                     backend.tokenizer, config.rollout, self.scheduler, config.seed)
         self.metrics = MetricsLog(self.path / "metrics.jsonl", time.time())
         self.pending: list[tuple[ScoredGroup, int]] = []  # accepted, not yet trained
+        self.held: list[tuple[ScoredGroup, int]] = []  # accepted, waiting for a check's ruling
         self.problems_lock = threading.Lock()
         self.stop = threading.Event()
         self.step = self.store.last_step()
@@ -382,6 +387,7 @@ class TrainingLoop(Generic[AnyBackend]):
         and not yet trained (re-checked, they may have gone stale), then new arrivals."""
         batch: list[tuple[ScoredGroup, int]] = []
         while len(batch) < needed:
+            self._hold_unjudged()
             if self.pending:
                 scored, _ = self.pending.pop(0)
                 staleness = self._still_trainable(scored)
@@ -396,8 +402,17 @@ class TrainingLoop(Generic[AnyBackend]):
             if group is not None:
                 accepted = self._accept(group)
                 if accepted is not None:
-                    batch.append(accepted)
+                    self.pending.append(accepted)
         return batch
+
+    def _hold_unjudged(self) -> None:
+        """Verdict before influence: groups picked for a check wait in `held` until their ruling,
+        then join the pending ones (a failed one is dropped there, like any distrusted group)."""
+        gate = self.backend.gate
+        waiting = self.held + self.pending
+        self.held = [item for item in waiting if gate.awaiting_verdict(item[0].group.group_id)]
+        self.pending = [item for item in waiting
+                        if not gate.awaiting_verdict(item[0].group.group_id)]
 
     def _generate_batch(self, needed: int) -> list[tuple[ScoredGroup, int]]:
         """Synchronous mode: generate one batch with the learner's current weights."""
@@ -455,6 +470,7 @@ class TrainingLoop(Generic[AnyBackend]):
             train_s=round(time.time() - train_started, 3),
             sequences=0 if batch is None else batch.num_sequences,
             stale_dropped=self.ingestion.stats.stale, rejected=self.ingestion.stats.rejected,
+            held_for_verdict=len(self.held),
             **stats, **losses, **self.backend.step_counters()))
         self.store.record_step(self.step, self.trainer.version,
                                {k: float(v) for k, v in msgspec.structs.asdict(record).items()

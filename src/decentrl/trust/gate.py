@@ -1,18 +1,26 @@
 """The coordinator's trust gate: what it knows of who produced each rollout group, which groups it
-spot-checks, what it does with verdicts, flags and malformed messages, and whom it admits.
+spot-checks, what it does with rulings, flags and malformed messages, and whom it admits.
 
 - Every group its sessions generate is recorded with its provenance (who computed what).
-- A random `verify_fraction` of accepted groups is re-executed on other replicas (trust/verify.py),
-  off the training path; groups the trainer's log-probs flagged are re-executed too, to find out
-  who is responsible. Peers cannot tell which groups will be checked.
-- Verdicts, flags and malformed messages feed the reputation (trust/reputation.py). A banned peer
-  is never chosen again for the ban's length, and groups it helped produce that were not verified
-  are dropped wherever they wait (inbox or pending buffer).
+- A random `verify_fraction` of accepted groups is re-executed by other peers, and every group a
+  peer on probation helped produce at `probation_verify_fraction` (trust/reputation.py). A group
+  picked for a check does not train until its ruling (`awaiting_verdict`): whether a group is
+  checked is decided here, from an unpredictable source, and never told to its producers. Groups
+  the trainer's log-probs flagged are re-executed after their step, to find out who lied.
+- A ruling is the tribunal's (trust/tribunal.py): no single verifier's opinion blames anyone.
+  Rulings, flags and malformed messages feed the reputation. A banned peer is never chosen again
+  for the ban's length, and groups it helped produce that were not verified are dropped wherever
+  they wait (inbox or pending buffer).
 - A group submitted by another peer is admitted only for a problem leased to that peer; this
   coordinator generates its own groups and leases none, so a remote submission is refused (a
   replay of a group already accepted is named as such).
 - What it remembers of groups is bounded (GROUPS_TRACKED, ACCEPTED_IDS_KEPT), like the reputation
-  it keeps, and text a peer chose is made inert before it is printed or logged."""
+  it keeps, and text a peer chose is made inert before it is printed or logged.
+
+A run stays live through a burst of new identities: their groups are checked, but only as fast as
+the checks run (VERIFY_BACKLOG; a probation group that finds the backlog full is dropped, never
+trained unchecked), and new sessions go to them only at `probation_share` while established
+replicas have room (net/directory.py), so established peers keep the run's generation going."""
 
 from __future__ import annotations
 
@@ -32,7 +40,8 @@ from decentrl.net.text import SHOWN_ID_CHARS, peer_text
 from decentrl.rollout.types import RolloutGroup
 from decentrl.trust.provenance import Provenance
 from decentrl.trust.reputation import Reputation
-from decentrl.trust.verify import Verdict, Verifier
+from decentrl.trust.tribunal import Ruling, convene
+from decentrl.trust.verify import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +87,12 @@ class Trust:
                  hidden_size: int, pad_id: int, console: Console | None = None) -> None:
         self.config = config
         self.console = console or Console()
-        self.reputation = Reputation(config.trust.ban_score, config.trust.ban_s)
+        self.reputation = Reputation(config.trust.ban_score, config.trust.ban_s,
+                                     config.trust.probation_checks)
         self.reputation.on_ban.append(self._banned)
         directory.distrusted = self.reputation.banned
+        directory.on_probation = self.reputation.on_probation
+        directory.probation_share = config.trust.probation_share
         node.strikes_to_block, node.block_s = config.trust.strikes_to_block, config.trust.block_s
         node.on_strike = lambda peer, reason: self.reputation.record(peer, "malformed", reason)
         self.verifier = Verifier(node, directory, config, hidden_size, pad_id)
@@ -89,6 +101,8 @@ class Trust:
         self.accepted_ids = RecentIds(ACCEPTED_IDS_KEPT)
         self.verified = RecentIds(GROUPS_TRACKED)
         self.failed = RecentIds(GROUPS_TRACKED)
+        self.awaiting: set[str] = set()  # groups picked for a check, held until their ruling
+        self.unchecked = RecentIds(GROUPS_TRACKED)  # probation groups whose check could not run
         self.queue: queue.Queue[tuple[RolloutGroup, Provenance, str]] = \
             queue.Queue(maxsize=VERIFY_BACKLOG)
         # Unpredictable to peers: a peer that knew which groups get checked would lie elsewhere.
@@ -108,12 +122,29 @@ class Trust:
             self.provenance.pop(group_id, None)
 
     def accepted(self, group: RolloutGroup) -> None:
-        """An accepted group: maybe spot-check it."""
+        """An accepted group: maybe spot-check it (then it waits for its ruling)."""
         with self.lock:
             self.accepted_ids.add(group.group_id)
             provenance = self.provenance.get(group.group_id)
-        if provenance is not None and self.random.random() < self.config.trust.verify_fraction:
-            self._enqueue(group, provenance, "sampled")
+        if provenance is None:
+            return
+        new = any(self.reputation.on_probation(p) for p in provenance.peers())
+        trust = self.config.trust
+        fraction = max(trust.verify_fraction, trust.probation_verify_fraction if new else 0.0)
+        if self.random.random() >= fraction:
+            return
+        with self.lock:
+            self.awaiting.add(group.group_id)
+        if not self._enqueue(group, provenance, "probation" if new else "sampled"):
+            with self.lock:
+                self.awaiting.discard(group.group_id)
+                if new:  # never trained unchecked; see the module docstring
+                    self.unchecked.add(group.group_id)
+
+    def awaiting_verdict(self, group_id: str) -> bool:
+        """Whether the group waits for the ruling of its check (it must not train before)."""
+        with self.lock:
+            return group_id in self.awaiting
 
     def trained(self, group_id: str) -> None:
         self.forget(group_id)  # a queued check holds its own reference
@@ -135,6 +166,8 @@ class Trust:
         with self.lock:
             if group_id in self.failed:
                 return "failed verification"
+            if group_id in self.unchecked:
+                return "a peer on probation produced it and it could not be checked"
             if group_id in self.verified:
                 return None
             provenance = self.provenance.get(group_id)
@@ -164,16 +197,19 @@ class Trust:
             return dict(self.reputation.ban_causes)
 
     def counters(self) -> dict[str, int]:
-        return {key: self.count[key] for key in ("verified", "verify_failed", "verify_skipped",
-                                                 "flagged", "banned", "submissions_refused")}
+        return {key: self.count[key] for key in (
+            "verified", "verify_failed", "verify_unconfirmed", "verify_skipped", "verify_opinions",
+            "verifiers_overruled", "flagged", "banned", "submissions_refused")}
 
     # ---- spot-checks ---------------------------------------------------------------------
 
-    def _enqueue(self, group: RolloutGroup, provenance: Provenance, reason: str) -> None:
+    def _enqueue(self, group: RolloutGroup, provenance: Provenance, reason: str) -> bool:
         try:
             self.queue.put_nowait((group, provenance, reason))
+            return True
         except queue.Full:
             self.count["verify_skipped"] += 1  # checking lags generation: skip, never block
+            return False
 
     def verify_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -182,23 +218,34 @@ class Trust:
             except queue.Empty:
                 continue
             try:
-                verdict = self.verifier.verify(group, provenance)
+                repeat = self.random.random() < self.config.trust.second_opinion_fraction
+                ruling = convene(self.verifier, group, provenance, repeat)
             except Exception:  # noqa: BLE001 - one check lost; the thread goes on
                 log.exception("verifying group %s failed", group.group_id)
+                with self.lock:
+                    self.awaiting.discard(group.group_id)
                 continue
-            self.judge(verdict, provenance, reason)
+            self.judge(ruling, provenance, reason)
 
-    def judge(self, verdict: Verdict, provenance: Provenance, reason: str) -> None:
-        """Turn a verdict into reputation: every peer whose work checked out passed; the blamed
-        one failed. A flagged group that could not be checked counts as a flag against the
-        replicas that sampled it."""
+    def judge(self, ruling: Ruling, provenance: Provenance, reason: str) -> None:
+        """Turn a ruling into reputation: every peer whose work checked out passed, the producer
+        the ruling blamed failed, verifiers earn or lose by whether they were upheld. Nobody is
+        charged for what nobody could check, nor for a failure nobody confirmed."""
+        verdict = ruling.verdict
+        self.count["verify_opinions"] += len(ruling.opinions)
+        for judge, stage in set(ruling.upheld):
+            self.reputation.record(judge, "passed", stage=stage, as_verifier=True)
+        for overruled in ruling.overruled:
+            self.count["verifiers_overruled"] += 1
+            self.reputation.record(overruled.verifier, "failed", overruled.why, overruled.stage,
+                                   as_verifier=True)
         if verdict.outcome == "skipped":
             self.count["verify_skipped"] += 1
+            with self.lock:
+                self.awaiting.discard(verdict.group_id)
+                if reason == "probation":  # never trained unchecked
+                    self.unchecked.add(verdict.group_id)
             log.info("check of group %s skipped: %s", verdict.group_id, peer_text(verdict.detail))
-            if reason == "flagged":
-                for peer in provenance.stage_peers(len(provenance.stages) - 1):
-                    self.reputation.record(peer, "flagged", "flagged by the trainer, "
-                                           "unverifiable", len(provenance.stages) - 1)
             return
         for stage in verdict.checked:
             if stage == verdict.stage:
@@ -209,16 +256,21 @@ class Trust:
             self.count["verified"] += 1
             with self.lock:
                 self.verified.add(verdict.group_id)
+                self.awaiting.discard(verdict.group_id)
             return
         assert verdict.peer is not None
-        self.count["verify_failed"] += 1
+        self.count["verify_failed" if ruling.confirmed else "verify_unconfirmed"] += 1
         with self.lock:
             self.failed.add(verdict.group_id)
+            self.awaiting.discard(verdict.group_id)
+        confirmed = "" if ruling.confirmed else " (unconfirmed: nobody charged)"
         # The detail is the replica's own output: no markup, and made inert.
-        self.console.print(f"group {verdict.group_id} failed its check: stage {verdict.stage} "
-                           f"replica {verdict.peer[-8:]}: {peer_text(verdict.detail)}",
-                           style="red", markup=False, highlight=False)
-        self.reputation.record(verdict.peer, "failed", verdict.detail, verdict.stage)
+        self.console.print(f"group {verdict.group_id} failed its check{confirmed}: stage "
+                           f"{verdict.stage} replica {verdict.peer[-8:]}: "
+                           f"{peer_text(verdict.detail)}", style="red", markup=False,
+                           highlight=False)
+        if ruling.confirmed:
+            self.reputation.record(verdict.peer, "failed", verdict.detail, verdict.stage)
 
     def _banned(self, peer: str, seconds: float) -> None:
         self.count["banned"] += 1

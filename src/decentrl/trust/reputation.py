@@ -6,7 +6,17 @@ signed claim that contradicts what it delivered (proof) counts enough to ban at 
 the trainer's log-probs (strong but indirect evidence) counts 0.5, a malformed message 0.25. A new
 peer starts at 1; an honest peer's rare false alarm costs little once it has passed a few checks.
 Below `ban_score` the peer is banned for `ban_s`, doubled at each later ban; when a ban ends the
-peer starts over (score 1) on probation: the next ban is longer.
+peer starts over (score 1): the next ban is longer.
+
+Identities are free, so a score that starts at 1 would let a liar that rotates its key serve at
+full trust forever. A peer is on probation until it has passed `probation_checks` checks: while
+it is, its groups are checked at a higher rate (trust/gate.py), it is not chosen to verify anyone
+(trust/tribunal.py), and a single confirmed lie (`failed` or `proved`) bans it. Peers the operator
+admitted (training peers listed in RUN/admitted.txt) start with a record.
+
+Verifiers earn and lose reputation like producers: a verifier whose opinion the tribunal upheld
+passed, one whose opinion it overruled failed. The two records are kept apart and the score is
+the worse of the two: a liar must not buy back its lies as a producer with honest verdicts.
 
 Everything kept here grows with what strangers send (one malformed message from a fresh identity
 is an event and a standing), so every table is bounded: the events, the standings, the causes of
@@ -57,21 +67,27 @@ class TrustEvent:
 
 @dataclass
 class PeerStanding:
-    passed: int = 0
+    passed: int = 0  # as a producer
     failed: float = 0.0
+    upheld: int = 0  # as a verifier
+    overruled: float = 0.0
     bans: int = 0
     banned_until: float = 0.0  # monotonic
     outcomes: Counter[Outcome] = field(default_factory=Counter)  # events of each kind, ever
 
     @property
     def score(self) -> float:
-        return (1 + self.passed) / (1 + self.passed + self.failed)
+        return min((1 + self.passed) / (1 + self.passed + self.failed),
+                   (1 + self.upheld) / (1 + self.upheld + self.overruled))
 
 
 @dataclass
 class Reputation:
     ban_score: float
     ban_s: float
+    probation_checks: int = 0
+    # Peers with a record from the start (the operator admitted them), read afresh at each look.
+    vouched: Callable[[str], bool] = lambda peer: False
     on_ban: list[Callable[[str, float], None]] = field(default_factory=list)  # (peer, seconds)
     clock: Callable[[], float] = time.monotonic
     # Least recently seen first.
@@ -84,8 +100,9 @@ class Reputation:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, peer: str, outcome: Outcome, detail: str = "",
-               stage: int | None = None) -> bool:
-        """Count one event; True if it got the peer banned just now."""
+               stage: int | None = None, as_verifier: bool = False) -> bool:
+        """Count one event (of the peer's work as a verifier with `as_verifier`); True if it
+        got the peer banned just now."""
         detail = peer_text(detail, DETAIL_CHARS)
         with self.lock:
             now = self.clock()
@@ -93,14 +110,23 @@ class Reputation:
             if standing.banned_until and standing.banned_until <= now:
                 # The ban is over: a fresh start, on probation (the next ban is longer).
                 standing.passed, standing.failed, standing.banned_until = 0, 0.0, 0.0
-            if outcome == "passed":
+                standing.upheld, standing.overruled = 0, 0.0
+            on_probation = self._on_probation(peer, standing)
+            if as_verifier:
+                if outcome == "passed":
+                    standing.upheld += 1
+                else:
+                    standing.overruled += FAILURE_WEIGHTS[outcome]
+            elif outcome == "passed":
                 standing.passed += 1
             else:
                 standing.failed += FAILURE_WEIGHTS[outcome]
             standing.outcomes[outcome] += 1
             self.events.append(TrustEvent(time.time(), peer, stage, outcome, detail))
             self.events_recorded += 1
-            newly_banned = standing.banned_until <= now and standing.score < self.ban_score
+            lied_on_probation = on_probation and outcome in ("failed", "proved")
+            newly_banned = standing.banned_until <= now and (
+                standing.score < self.ban_score or lied_on_probation)
             if newly_banned:
                 seconds = self.ban_s * 2 ** standing.bans
                 standing.bans += 1
@@ -122,6 +148,15 @@ class Reputation:
         with self.lock:
             standing = self.standings.get(peer)
             return 1.0 if standing is None else standing.score
+
+    def on_probation(self, peer: str) -> bool:
+        """Whether `peer` has yet to earn a record (see the module docstring)."""
+        with self.lock:
+            return self._on_probation(peer, self.standings.get(peer))
+
+    def _on_probation(self, peer: str, standing: PeerStanding | None) -> bool:
+        passed = 0 if standing is None else standing.passed
+        return passed < self.probation_checks and not self.vouched(peer)
 
     def banned(self, peer: str) -> bool:
         with self.lock:

@@ -131,6 +131,7 @@ class Verdict:
     detail: str
     checked: tuple[int, ...]  # the stages whose work was judged (by another replica)
     seconds: float
+    panel: tuple[str, ...]  # the peer that re-executed each stage
     # When the last stage was judged: every completion token's |claimed - re-executed|
     # behaviour log-prob and its seeded sampling margin (what the tolerances are set against).
     token_gaps: torch.Tensor | None = None
@@ -143,52 +144,68 @@ class Verifier:
         self.node, self.directory, self.config = node, directory, config
         self.hidden_size, self.pad_id = hidden_size, pad_id
         self.tolerance = CommitTolerance()
+        # Who verifies must be unpredictable to peers: a liar that knew would pick its partner.
+        self.random = secrets.SystemRandom()
 
-    def verify(self, group: RolloutGroup, provenance: Provenance) -> Verdict:
+    def panel(self, provenance: Provenance, avoid: frozenset[str] = frozenset(),
+              contested: int | None = None) -> tuple[str, ...] | None:
+        """One re-executing peer per stage, drawn at random (an unpredictable source, never by
+        what peers announce) among the stage's eligible verifiers: never a peer that served the
+        group, nor one of `avoid` (the verifiers of earlier opinions) where another exists, and
+        not a peer on probation where an established one exists. A stage with no verifier but
+        its own producers is re-executed by one of them: that feeds the later stages but judges
+        nothing of its own (a consistent liar would agree with itself). None when some stage has
+        nobody at all, or when the `contested` stage has no verifier outside `avoid`: a second
+        opinion must come from someone else."""
+        producers = provenance.peers()
+        chosen = []
+        for stage in range(self.config.num_stages):
+            fresh = self.directory.verifiers(stage, producers | avoid)
+            if not fresh and stage == contested:
+                return None
+            pool = (fresh or self.directory.verifiers(stage, producers)
+                    or self.directory.verifiers(stage, set()))
+            if not pool:
+                return None
+            established = [p for p in pool if not self.directory.on_probation(p)]
+            chosen.append(self.random.choice(established or pool))
+        return tuple(chosen)
+
+    def verify(self, group: RolloutGroup, provenance: Provenance,
+               panel: tuple[str, ...]) -> Verdict:
+        """Re-execute `group` on `panel` (one peer per stage, from `panel()`) and judge every
+        stage whose re-executing peer did not serve the group."""
         started = time.monotonic()
         layout = session_layout(group, self.pad_id)
-        stages = self.config.num_stages
-        # Another replica per stage where there is one. Where there is none, the replica that
-        # did the work re-executes it: that feeds the later stages, but judges nothing of its
-        # own stage (a consistent liar would agree with itself).
-        verifiers = [self.directory.choose_verifier(s, provenance.stage_peers(s))
-                     for s in range(stages)]
-        independent = [v is not None for v in verifiers]
-        verifiers = [v if v is not None else self.directory.choose_verifier(s, set())
-                     for s, v in enumerate(verifiers)]
-        if not any(independent) or any(v is None for v in verifiers):
-            for peer in verifiers:
-                if peer is not None:
-                    self.directory.release(peer)
-            return Verdict(group.group_id, "skipped", None, None,
-                           "no replica to re-execute on", (), time.monotonic() - started)
-        checked = tuple(s for s in range(stages) if independent[s])
+        checked = tuple(s for s, peer in enumerate(panel)
+                        if peer not in provenance.stage_peers(s))
+        if not checked:
+            return Verdict(group.group_id, "skipped", None, None, "no replica to re-execute on",
+                           (), time.monotonic() - started, panel)
         session = secrets.token_hex(8)
         try:
-            failure, scores = self._replay(group, layout, provenance,
-                                           [v for v in verifiers if v], session, checked)
+            failure, scores = self._replay(group, layout, provenance, panel, session, checked)
         except (RemoteError, WireError, MessageLost, ValueError, TimeoutError) as error:
             return Verdict(group.group_id, "skipped", None, None, f"re-execution failed: {error}",
-                           (), time.monotonic() - started)
+                           (), time.monotonic() - started, panel)
         finally:
-            for peer in verifiers:
-                if peer is not None:
-                    self.directory.release(peer)
-                    try:
-                        self.node.call_sync(peer, CLOSE_SESSION, CloseSession(session=session),
-                                            timeout=5)
-                    except (RemoteError, WireError, MessageLost, TimeoutError):
-                        pass  # the verifier drops idle sessions itself
+            for peer in set(panel):
+                try:
+                    self.node.call_sync(peer, CLOSE_SESSION, CloseSession(session=session),
+                                        timeout=5)
+                except (RemoteError, WireError, MessageLost, TimeoutError):
+                    pass  # the verifier drops idle sessions itself
         seconds = time.monotonic() - started
         if failure is None:
-            return Verdict(group.group_id, "passed", None, None, "", checked, seconds, *scores)
+            return Verdict(group.group_id, "passed", None, None, "", checked, seconds, panel,
+                           *scores)
         stage, column, detail = failure
         peer = provenance.stages[stage].peer_at(column)
         return Verdict(group.group_id, "failed", stage, peer, detail,
-                       tuple(s for s in checked if s <= stage), seconds, *scores)
+                       tuple(s for s in checked if s <= stage), seconds, panel, *scores)
 
     def _replay(self, group: RolloutGroup, layout: Layout, provenance: Provenance,
-                verifiers: list[str], session: str, checked: tuple[int, ...]
+                verifiers: tuple[str, ...], session: str, checked: tuple[int, ...]
                 ) -> tuple[tuple[int, int, str] | None, tuple[torch.Tensor | None, ...]]:
         """Re-execute every segment on the verifiers: (stage, column, why) of the first lie
         among the `checked` stages, or None; and the token gaps and margins if judged."""
