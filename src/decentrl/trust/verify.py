@@ -21,7 +21,8 @@ What is compared:
 The first stage that fails is blamed (the stages after it were fed its lie), at the replica that
 served the failing column; at the last stage, the column is the first failure of the replica
 whose own tokens fail most beyond the tolerated share, not the group's first failing column
-(after a failover, that may be an honest replica's rare miss). Tolerances are calibrated so that bf16 and fp32 replicas agree."""
+(after a failover, that may be an honest replica's rare miss). Tolerances are calibrated so that
+bf16 and fp32 replicas agree."""
 
 from __future__ import annotations
 
@@ -293,7 +294,7 @@ def judge_tokens(layout: Layout, gaps: torch.Tensor, margins: torch.Tensor,
     columns = (layout.targets >= 0).nonzero()[:, 1]
     replica_of_column = {c: served.peer_at(c) for c in sorted(set(columns.tolist()))}
     sampled_by = [replica_of_column[int(column)] for column in columns]
-    replicas = list(dict.fromkeys(sampled_by))  # in column order
+    replicas = list(dict.fromkeys(replica_of_column.values()))  # in column order
 
     def share(peer: str) -> torch.Tensor:
         return torch.tensor([p == peer for p in sampled_by], dtype=torch.bool)
