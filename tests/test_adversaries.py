@@ -26,7 +26,13 @@ from decentrl.model.loading import LoadedModel, load_model
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.wire import TensorLimits
-from decentrl.swarm.adversary import HostileInference, flood, submit_replays
+from decentrl.swarm.adversary import (
+    JUDGE_ADVERSARIES,
+    HostileInference,
+    LyingJudge,
+    flood,
+    submit_replays,
+)
 from decentrl.swarm.coordinate import swarm_run
 from decentrl.swarm.loop import TrainingLoop
 from decentrl.swarm.manifest import admit
@@ -60,10 +66,12 @@ def add_replica(swarm: Swarm, config: RunConfig, stage: int, name: str,
                 adversary: str | None = None, collusion: Path | None = None) -> StagePeer:
     """An inference replica (hostile with `adversary`) joining `swarm` with its own `config`;
     shut down with the swarm."""
+    judge = adversary in JUDGE_ADVERSARIES
     peer = start_peer(config, stage, "inference", swarm.client.addresses(),
                       swarm.client.peer_id, name=name,
-                      wrap_inference=None if adversary is None else
-                      lambda service: HostileInference(service, adversary, collusion))
+                      wrap_inference=None if adversary is None or judge else
+                      lambda service: HostileInference(service, adversary, collusion),
+                      wrap_verification=LyingJudge if judge else None)
     swarm.peers.append(peer)
     swarm.sockets.extend(peer.node.socket_paths())
     return peer

@@ -67,6 +67,7 @@ from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
 from decentrl.swarm.inference import InferenceService
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.scheduler import PromptScheduler
+from decentrl.swarm.verification import VerifyService
 from decentrl.tasks import make_task, render_prompt
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,9 @@ Adversary = Literal["random-tokens", "forge-logprobs", "inject-answers", "corrup
                     "replay", "flood"]
 ADVERSARIES: tuple[str, ...] = get_args(Adversary)
 STAGE_ADVERSARIES = ("random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations",
-                     "malformed-activations", "collude-verify", "huge-capacity")
-LAST_STAGE_ADVERSARIES = ("random-tokens", "forge-logprobs", "collude-verify", "huge-capacity")
+                     "malformed-activations")
+JUDGE_ADVERSARIES = ("collude-verify", "huge-capacity")  # honest producers, lying verifiers
+LAST_STAGE_ADVERSARIES = ("random-tokens", "forge-logprobs")
 ACTIVATION_ADVERSARIES = ("corrupt-activations", "malformed-activations")
 Malformation = Literal["wrong-width", "non-finite", "huge"]
 MALFORMATIONS: tuple[str, ...] = get_args(Malformation)
@@ -144,21 +146,8 @@ class HostileInference:
             if adversary == "inject-answers" else None
 
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
-        judges = self.adversary in ("collude-verify", "huge-capacity")
-        return [(rpc, self._inference_step if rpc is INFERENCE_STEP
-                 else self._verify_step if rpc is VERIFY_STEP and judges else handler)
+        return [(rpc, self._inference_step if rpc is INFERENCE_STEP else handler)
                 for rpc, handler in self.service.handlers()]
-
-    async def _verify_step(self, request: Request[VerifyStep]) -> Reply:
-        return await self.service.node.compute(self._judge, request.sender, request.body,
-                                               request.tensors)
-
-    def _judge(self, sender: str, body: VerifyStep, tensors: dict[str, torch.Tensor]) -> Reply:
-        """A re-execution whose log-probs agree with a forge-logprobs partner's claims."""
-        reply = self.service._verify(sender, body, tensors)
-        result = dict(reply.tensors or {})
-        result["logprobs"] = result["logprobs"] - FORGED_SHIFT
-        return Reply(reply.body, result, reply.codec)
 
     async def _inference_step(self, request: Request[InferenceStep]) -> Reply:
         return await self.service.node.compute(self._infer, request.sender, request.body,
@@ -168,8 +157,6 @@ class HostileInference:
                ) -> Reply:
         reply = self.service.infer(sender, body, tensors)
         result = dict(reply.tensors or {})
-        if self.adversary in ("collude-verify", "huge-capacity"):
-            return reply  # it lies as a judge, not as a producer
         if self.adversary == "malformed-activations":
             return self._malform(reply, result["hidden"].float(), body, tensors)
         if self.adversary == "random-tokens":
@@ -232,6 +219,31 @@ class HostileInference:
         self.injected[body.session] = emitted + 1
         result["tokens"] = result["tokens"].clone()
         result["tokens"][0::2] = token
+
+
+class LyingJudge:
+    """An honest verification service, wrapped: each re-execution runs as it would, and the
+    last stage's log-probs are reported FORGED_SHIFT nats low, which is what a forge-logprobs
+    partner claims."""
+
+    def __init__(self, service: VerifyService) -> None:
+        if not service.checks.is_last:
+            raise ValueError("a lying judge re-executes the last stage")
+        self.service = service
+
+    def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
+        return [(rpc, self._verify_step if rpc is VERIFY_STEP else handler)
+                for rpc, handler in self.service.handlers()]
+
+    async def _verify_step(self, request: Request[VerifyStep]) -> Reply:
+        return await self.service.node.compute(self._judge, request.sender, request.body,
+                                               request.tensors)
+
+    def _judge(self, sender: str, body: VerifyStep, tensors: dict[str, torch.Tensor]) -> Reply:
+        reply = self.service.verify(sender, body, tensors)
+        result = dict(reply.tensors or {})
+        result["logprobs"] = result["logprobs"] - FORGED_SHIFT
+        return Reply(reply.body, result, reply.codec)
 
 
 def submit_replays(node: SwarmNode, config: RunConfig, owner: str, stop: threading.Event,
@@ -317,8 +329,11 @@ def hostile_peer(config: RunConfig, stage: int, node: SwarmNode, owner: str, nam
                  ) -> StagePeer:
     """A peer of `stage` of the run `owner` owns, whose inference lies the way `adversary` does
     (`malformation`: the one a malformed-activations peer always sends)."""
-    kind = "random-tokens" if adversary == "rotate-keys" else adversary
     peer_class = BoastingPeer if adversary == "huge-capacity" else StagePeer
+    if adversary in JUDGE_ADVERSARIES:
+        return peer_class(config, stage, role, node, owner, checkpoint_dir, name,
+                          wrap_verification=LyingJudge)
+    kind = "random-tokens" if adversary == "rotate-keys" else adversary
     return peer_class(config, stage, role, node, owner, checkpoint_dir, name,
                       wrap_inference=lambda service: HostileInference(service, kind,
                                                                       collusion_dir, malformation))

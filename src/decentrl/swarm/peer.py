@@ -65,10 +65,11 @@ def serve_learner_weights(served: StageModule, learner: StageModule, version: in
 class StagePeer:
     def __init__(self, config: RunConfig, stage: int, role: Role, node: SwarmNode, owner: str,
                  checkpoint_dir: Path | None = None, name: str = "peer",
-                 wrap_inference: Callable[[InferenceService], Service] | None = None) -> None:
+                 wrap_inference: Callable[[InferenceService], Service] | None = None,
+                 wrap_verification: Callable[[VerifyService], Service] | None = None) -> None:
         """`owner`: the peer id of the run's owner (its coordinator), the only peer that may
-        drive this one. `wrap_inference` puts the inference service behind a wrapper (a hostile
-        peer's)."""
+        drive this one. `wrap_inference` and `wrap_verification` put the inference or the
+        verification service behind a wrapper (a hostile peer's)."""
         if not 0 <= stage < config.num_stages:
             raise ValueError(f"stage {stage} does not exist in a {config.num_stages}-stage run")
         trains = role in ("training", "both")
@@ -134,6 +135,11 @@ class StagePeer:
             if self.inference is None:
                 raise ValueError("only a peer that serves inference can wrap its inference")
             self.services = [wrap_inference(s) if s is self.inference else s
+                             for s in self.services]
+        if wrap_verification is not None:
+            if self.verification is None:
+                raise ValueError("this peer serves no verification to wrap")
+            self.services = [wrap_verification(s) if s is self.verification else s
                              for s in self.services]
         self._tasks: list[asyncio.Task[Any]] = []
 
