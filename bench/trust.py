@@ -224,7 +224,7 @@ def run_scenario(scenario: str, config: RunConfig, groups: int, loaded: Any, fol
                     group, provenance, reason = trust.queue.get_nowait()
                     ruling = (old_ruling(trust.verifier, group, provenance) if policy == "old"
                               else convene(trust.verifier, group, provenance,
-                                           trust.random.random()
+                                           reason == "probation" or trust.random.random()
                                            < config.trust.second_opinion_fraction))
                     rulings += 1
                     opinions += len(ruling.opinions)

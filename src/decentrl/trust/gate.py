@@ -218,7 +218,10 @@ class Trust:
             except queue.Empty:
                 continue
             try:
-                repeat = self.random.random() < self.config.trust.second_opinion_fraction
+                # A new identity's work always gets a second opinion: its partner could be
+                # the one verifier drawn, and probation is where a covered lie would slip in.
+                repeat = reason == "probation" or \
+                    self.random.random() < self.config.trust.second_opinion_fraction
                 ruling = convene(self.verifier, group, provenance, repeat,
                                  self.reputation.vouched)
             except Exception:  # noqa: BLE001 - one check lost; the thread goes on
