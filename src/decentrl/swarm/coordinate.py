@@ -57,6 +57,11 @@ from decentrl.trust.gate import Trust
 
 log = logging.getLogger(__name__)
 
+# While a stage has no inference replica, how often the console says so again.
+STAGE_WAIT_REPORT_S = 30.0
+# How often a wait for a stage's replica reads the DHT afresh.
+STAGE_WAIT_LOOK_S = 1.0
+
 
 def check_swarm_config(config: RunConfig, spec: ModelSpec) -> None:
     """Raise ConfigError for a config the swarm cannot run on a model of `spec`."""
@@ -94,6 +99,21 @@ def stages_lacking(stages: list[list[tuple[str, PeerRecord]]],
                          + (f" ({'; '.join(notes)})" if notes else ""))
         if needs:
             lacking.append(f"stage {index} has {' and '.join(needs)}")
+    return lacking
+
+
+def unserved_stages(stages: list[list[tuple[str, PeerRecord]]],
+                    distrusted: Callable[[str], bool]) -> list[str]:
+    """The stages with no inference replica the run may use, in words ("stage 3 has no inference
+    replica (1 banned)"); empty when every stage has one. `stages`: each stage's (peer id,
+    announcement); `distrusted`: the trust gate's bans (a replica whose ban ended serves again).
+    A replica merely avoided after a failed call still counts: sessions retry it."""
+    lacking = []
+    for index, peers in enumerate(stages):
+        replicas = [peer for peer, record in peers if record.role in ("inference", "both")]
+        if not any(not distrusted(peer) for peer in replicas):
+            lacking.append(f"stage {index} has no inference replica"
+                           + (f" ({len(replicas)} banned)" if replicas else ""))
     return lacking
 
 
@@ -141,6 +161,11 @@ class SwarmBackend:
                                            timeout_s=config.swarm.request_timeout_s,
                                            admit=self.trust.admit_submission)
         self.generation_threads = config.swarm.sessions_in_flight
+        # A wait for a stage's replica, shared by the generation and evaluation threads that
+        # wait: when it began (None: not waiting), when it last looked and last said so.
+        self.stage_wait = threading.Lock()
+        self.unserved_since: float | None = None
+        self.stage_looked_at = self.stage_reported_at = float("-inf")
         self.observer: SwarmObserver | None = None  # set by swarm_run, once the loop exists
         self.dashboard: DashboardServer | None = None
 
@@ -283,8 +308,51 @@ class SwarmBackend:
         log.warning("replicas did not reach version %d within %.0fs", version, timeout_s)
 
     def evaluation(self, version: int) -> tuple[InferenceChain, int]:
+        self.await_servers(None)
         self.wait_for_replicas(version, timeout_s=120)
         return self.chain, self.config.swarm.sessions_in_flight
+
+    def evaluated(self, group: RolloutGroup, session: InferenceSession) -> None:
+        assert isinstance(session, RemoteSession)
+        self.trust.evaluated(group, session.provenance)
+
+    def _unserved(self) -> list[str]:
+        return unserved_stages(self.directory.stage_peers(), self.trust.reputation.banned)
+
+    def await_servers(self, stop: threading.Event | None) -> None:
+        """Until every stage has an inference replica the run may use (one joins, or a ban
+        ends), or `stop` is set. Every thread that waits shares one wait: the console names
+        what each stage lacks every STAGE_WAIT_REPORT_S, and SwarmUnavailable ends the wait
+        `swarm.stage_wait_s` after it began."""
+        if not self._unserved():  # what the directory knows now: the cheap look, every round
+            return
+        limit_s = self.config.swarm.stage_wait_s
+        while stop is None or not stop.is_set():
+            with self.stage_wait:
+                now = time.monotonic()
+                if now - self.stage_looked_at >= STAGE_WAIT_LOOK_S:
+                    self.stage_looked_at = now
+                    self.directory.refresh()
+                lacking = self._unserved()
+                if not lacking:
+                    if self.unserved_since is not None:
+                        self.console.print(f"[green]every stage has an inference replica again "
+                                           f"after {now - self.unserved_since:.0f}s of waiting[/]")
+                        self.unserved_since, self.stage_reported_at = None, float("-inf")
+                    return
+                if self.unserved_since is None:
+                    self.unserved_since = now
+                waited = now - self.unserved_since
+                if waited > limit_s:
+                    raise SwarmUnavailable(f"after waiting {limit_s:.0f}s (swarm.stage_wait_s), "
+                                           f"{'; '.join(lacking)}")
+                if now - self.stage_reported_at >= STAGE_WAIT_REPORT_S:
+                    self.stage_reported_at = now
+                    text = (f"waiting for peers: {'; '.join(lacking)} ({waited:.0f}s of at most "
+                            f"{limit_s:.0f}s)")
+                    log.warning(text)
+                    self.console.print(f"[yellow]{text}[/]")
+            time.sleep(STAGE_WAIT_LOOK_S)
 
     def step_counters(self) -> dict[str, Any]:
         links = self.node.links
