@@ -96,6 +96,10 @@ def episode_rows(before: EvalResult | None, after: EvalResult | None) -> list[li
     ]
 
 
+# Where a training-shaped evaluation's seed indices start (see `training_shaped_jobs`).
+EVAL_SEED_OFFSET = 2**31
+
+
 @dataclass(frozen=True)
 class TrainingShape:
     """Evaluation sessions shaped as a run's generation sessions, so that the peers serving a
@@ -146,12 +150,13 @@ def greedy_jobs(items: list[Problem], batch_size: int, pass_k: int, seed: int) -
 def training_shaped_jobs(items: list[Problem], shape: TrainingShape, pass_k: int, seed: int
                          ) -> list[Job]:
     """Each problem's `group_size` samples as many times as pass@k needs (once for pass@1), in
-    sessions of `problems_per_session` problems. The seed has the form of a training session's
-    (run seed * 2^32 + a problem index), so a peer that inverts the per-step seeds learns
-    nothing from it."""
+    sessions of `problems_per_session` problems. A seed has the form of a training session's
+    (run seed * 2^32 + an index), from 2^31 on, where training's problem indices do not reach
+    (swarm/scheduler.py), so no seed of a training session recurs in an evaluation. Each
+    evaluation of a run draws the same seeds: the before and after compare on the same noise."""
     draws, size = -(-pass_k // shape.group_size), shape.problems_per_session
     return [Job(first, items[first:first + size], shape.group_size, shape.sampling,
-                seed * 2**32 + items[first].index * draws + draw, True, draw)
+                seed * 2**32 + EVAL_SEED_OFFSET + items[first].index * draws + draw, True, draw)
             for draw in range(draws) for first in range(0, len(items), size)]
 
 

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -117,6 +117,61 @@ def unserved_stages(stages: list[list[tuple[str, PeerRecord]]],
     return lacking
 
 
+class StageDirectory(Protocol):
+    def refresh(self) -> None: ...
+    def stage_peers(self) -> list[list[tuple[str, PeerRecord]]]: ...
+
+
+class StageWait:
+    """Waits until every stage has an inference replica the run may use (one joins, or a ban
+    ends). Every thread that waits (generation loops, evaluation sessions) shares one wait: the
+    console names what each stage lacks every STAGE_WAIT_REPORT_S, and SwarmUnavailable ends
+    the wait `limit_s` after it began."""
+
+    def __init__(self, directory: StageDirectory, distrusted: Callable[[str], bool],
+                 limit_s: float, console: Console) -> None:
+        self.directory, self.distrusted = directory, distrusted
+        self.limit_s, self.console = limit_s, console
+        self.lock = threading.Lock()
+        self.since: float | None = None  # when the wait began; None: not waiting
+        self.looked_at = self.reported_at = float("-inf")
+
+    def unserved(self) -> list[str]:
+        return unserved_stages(self.directory.stage_peers(), self.distrusted)
+
+    def until_served(self, stop: threading.Event | None) -> None:
+        """Return once every stage is served, or `stop` is set; raise SwarmUnavailable once
+        the wait is `limit_s` old."""
+        if not self.unserved():  # what the directory knows now: the cheap look, every round
+            return
+        while stop is None or not stop.is_set():
+            with self.lock:
+                now = time.monotonic()
+                if now - self.looked_at >= STAGE_WAIT_LOOK_S:
+                    self.looked_at = now
+                    self.directory.refresh()
+                lacking = self.unserved()
+                if not lacking:
+                    if self.since is not None:
+                        self.console.print(f"[green]every stage has an inference replica again "
+                                           f"after {now - self.since:.0f}s of waiting[/]")
+                        self.since, self.reported_at = None, float("-inf")
+                    return
+                if self.since is None:
+                    self.since = now
+                waited = now - self.since
+                if waited > self.limit_s:
+                    raise SwarmUnavailable(f"after waiting {self.limit_s:.0f}s "
+                                           f"(swarm.stage_wait_s), {'; '.join(lacking)}")
+                if now - self.reported_at >= STAGE_WAIT_REPORT_S:
+                    self.reported_at = now
+                    text = (f"waiting for peers: {'; '.join(lacking)} ({waited:.0f}s of at most "
+                            f"{self.limit_s:.0f}s)")
+                    log.warning(text)
+                    self.console.print(f"[yellow]{text}[/]")
+            time.sleep(STAGE_WAIT_LOOK_S)
+
+
 class SwarmBackend:
     generation_cpu_threads = None  # the peers compute; this process relays
     problems_per_generation = 1  # one group per session: sessions are the unit of concurrency
@@ -161,11 +216,11 @@ class SwarmBackend:
                                            timeout_s=config.swarm.request_timeout_s,
                                            admit=self.trust.admit_submission)
         self.generation_threads = config.swarm.sessions_in_flight
-        # A wait for a stage's replica, shared by the generation and evaluation threads that
-        # wait: when it began (None: not waiting), when it last looked and last said so.
-        self.stage_wait = threading.Lock()
-        self.unserved_since: float | None = None
-        self.stage_looked_at = self.stage_reported_at = float("-inf")
+        self.closed = threading.Event()
+        self.verifying = threading.Thread(target=self.trust.verify_forever, args=(self.closed,),
+                                          name="verify", daemon=True)
+        self.stage_wait = StageWait(self.directory, self.trust.reputation.banned,
+                                    config.swarm.stage_wait_s, console)
         self.observer: SwarmObserver | None = None  # set by swarm_run, once the loop exists
         self.dashboard: DashboardServer | None = None
 
@@ -198,9 +253,10 @@ class SwarmBackend:
         # Announcing (and with it the directory and the swarm snapshots) starts now, so the
         # dashboard follows the peers through the first evaluation too.
         threads = [threading.Thread(target=self._announce_forever, args=(stop,), name="announce",
-                                    daemon=True),
-                   threading.Thread(target=self.trust.verify_forever, args=(stop,),
-                                    name="verify", daemon=True)]
+                                    daemon=True)]
+        # Spot-checks go on until the backend closes, not when training ends: the groups of the
+        # evaluation after training are checked too.
+        self.verifying.start()
         for thread in threads:
             thread.start()
         return threads
@@ -316,43 +372,8 @@ class SwarmBackend:
         assert isinstance(session, RemoteSession)
         self.trust.evaluated(group, session.provenance)
 
-    def _unserved(self) -> list[str]:
-        return unserved_stages(self.directory.stage_peers(), self.trust.reputation.banned)
-
     def await_servers(self, stop: threading.Event | None) -> None:
-        """Until every stage has an inference replica the run may use (one joins, or a ban
-        ends), or `stop` is set. Every thread that waits shares one wait: the console names
-        what each stage lacks every STAGE_WAIT_REPORT_S, and SwarmUnavailable ends the wait
-        `swarm.stage_wait_s` after it began."""
-        if not self._unserved():  # what the directory knows now: the cheap look, every round
-            return
-        limit_s = self.config.swarm.stage_wait_s
-        while stop is None or not stop.is_set():
-            with self.stage_wait:
-                now = time.monotonic()
-                if now - self.stage_looked_at >= STAGE_WAIT_LOOK_S:
-                    self.stage_looked_at = now
-                    self.directory.refresh()
-                lacking = self._unserved()
-                if not lacking:
-                    if self.unserved_since is not None:
-                        self.console.print(f"[green]every stage has an inference replica again "
-                                           f"after {now - self.unserved_since:.0f}s of waiting[/]")
-                        self.unserved_since, self.stage_reported_at = None, float("-inf")
-                    return
-                if self.unserved_since is None:
-                    self.unserved_since = now
-                waited = now - self.unserved_since
-                if waited > limit_s:
-                    raise SwarmUnavailable(f"after waiting {limit_s:.0f}s (swarm.stage_wait_s), "
-                                           f"{'; '.join(lacking)}")
-                if now - self.stage_reported_at >= STAGE_WAIT_REPORT_S:
-                    self.stage_reported_at = now
-                    text = (f"waiting for peers: {'; '.join(lacking)} ({waited:.0f}s of at most "
-                            f"{limit_s:.0f}s)")
-                    log.warning(text)
-                    self.console.print(f"[yellow]{text}[/]")
-            time.sleep(STAGE_WAIT_LOOK_S)
+        self.stage_wait.until_served(stop)
 
     def step_counters(self) -> dict[str, Any]:
         links = self.node.links
@@ -368,6 +389,9 @@ class SwarmBackend:
         return summary
 
     def close(self) -> None:
+        self.closed.set()
+        if self.verifying.is_alive():  # a check in flight still uses the node
+            self.verifying.join(timeout=self.config.swarm.request_timeout_s)
         if self.dashboard is not None:
             self.dashboard.close()
         self.lineage.close()
