@@ -378,12 +378,13 @@ def test_a_replica_that_lies_only_in_evaluation_is_caught_by_an_evaluation_check
         assert any(v.outcome == "passed" and reason == "evaluation" for v, reason in verdicts)
 
 
-def coordinate_and_run(config: RunConfig, swarm: Swarm, hooks: list[RunHooks]
+def coordinate_and_run(config: RunConfig, swarm: Swarm, hooks: list[RunHooks],
+                       console: Console | None = None
                        ) -> tuple[TrainingLoop, list[tuple[Verdict, str]]]:
     """Run a coordinator over `swarm` to the end; the loop and every verdict with its reason."""
     (config.path / "checkpoints").mkdir(parents=True, exist_ok=True)
     admit(config.path, [p.node.peer_id for p in swarm.peers if p.training is not None])
-    loop = swarm_run(config, swarm.client, Console(quiet=True), hooks)
+    loop = swarm_run(config, swarm.client, console or Console(quiet=True), hooks)
     verdicts: list[tuple[Verdict, str]] = []
     trust = loop.backend.trust
     judge = trust.judge
@@ -402,3 +403,49 @@ def coordinate_and_run(config: RunConfig, swarm: Swarm, hooks: list[RunHooks]
     finally:
         loop.close()
     return loop, verdicts
+
+
+class ReplaceLastStage(RunHooks):
+    """After step `at_step`, the only last-stage replica goes away; a new one joins once its
+    announcement has expired and the coordinator has been waiting a while."""
+
+    def __init__(self, swarm: Swarm, config: RunConfig, at_step: int, join_after_s: float
+                 ) -> None:
+        self.swarm, self.config = swarm, config
+        self.at_step, self.join_after_s = at_step, join_after_s
+        self.joined = threading.Event()
+
+    def after_step(self, loop: TrainingLoop, record: Any) -> None:
+        if record.step != self.at_step:
+            return
+        self.swarm.kill(self.swarm.peer(1, "inference"))
+
+        def replace() -> None:
+            join(self.swarm, self.config, "replacement")
+            self.joined.set()
+
+        threading.Timer(self.join_after_s, replace).start()
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("at_step", [1, 3], ids=["generation waits", "final evaluation waits"])
+def test_a_run_whose_last_stage_lost_its_replica_waits_for_a_new_one(
+        at_step: int, tiny_sharp_dir: Path, tmp_path: Path) -> None:
+    config = eval_config(
+        tiny_sharp_dir, run_dir=str(tmp_path / "runs"),
+        train={"steps": 3, "micro_batch_size": 8, "max_staleness": 2,
+               "zero_variance_groups": "keep", "lr": 1e-3},
+        swarm={"sessions_in_flight": 2, "announce_every_s": 1.0, "ban_s": 2.0, "retries": 2},
+        trust={"verify_fraction": 0.0})
+    out = io.StringIO()
+    with start_swarm(config, [*LAYOUT, (1, "inference")]) as swarm:
+        # The dead replica's announcement lives 5 announcements (5 s): then the stage is empty.
+        replacing = ReplaceLastStage(swarm, config, at_step, join_after_s=10.0)
+        loop, _ = coordinate_and_run(config, swarm, [replacing],
+                                     Console(file=out, width=200))
+        assert replacing.joined.is_set()
+        assert loop.step == config.train.steps
+    text = out.getvalue()
+    assert "waiting for peers: stage 1 has no inference replica" in text, text
+    assert "every stage has an inference replica again" in text, text
+    assert (config.path / "eval_after.json").is_file()
