@@ -14,7 +14,9 @@ training peers the operator admitted, and signs each stage's weight lineage (swa
 
 Faults: a generation that loses a peer moves to another replica (swarm/sessions.py); a training peer
 that dies ends the step, and the loop waits for a replacement (it loads the last checkpoint) and
-rolls every stage back to that checkpoint."""
+rolls every stage back to that checkpoint. A stage left with no inference replica the run may use
+(every one gone or banned) holds generation and evaluation until one joins or a ban ends
+(`StageWait`), up to `swarm.stage_wait_s`; an evaluation resumes with the sessions it had done."""
 
 from __future__ import annotations
 
