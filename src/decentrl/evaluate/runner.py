@@ -151,8 +151,9 @@ def training_shaped_jobs(items: list[Problem], shape: TrainingShape, pass_k: int
                          ) -> list[Job]:
     """Each problem's `group_size` samples as many times as pass@k needs (once for pass@1), in
     sessions of `problems_per_session` problems. A seed has the form of a training session's
-    (run seed * 2^32 + an index), from 2^31 on, where training's problem indices do not reach
-    (swarm/scheduler.py), so no seed of a training session recurs in an evaluation. Each
+    (run seed * 2^32 + an index), from 2^31 on: past the problem indices (run seed * 1_000_003 +
+    problems scheduled, swarm/scheduler.py) a run reaches in practice, so a training session's
+    seed does not recur in an evaluation. Each
     evaluation of a run draws the same seeds: the before and after compare on the same noise."""
     draws, size = -(-pass_k // shape.group_size), shape.problems_per_session
     return [Job(first, items[first:first + size], shape.group_size, shape.sampling,
