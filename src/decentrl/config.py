@@ -133,6 +133,9 @@ class SwarmConfig(Section):
                                               "caches of one sender's sessions on a peer may "
                                               "hold; caches grow with the positions written, so "
                                               "this bounds the memory one sender takes")
+    stage_wait_s: float = Field(1800.0, gt=0, description="how long generation and evaluation "
+                                "wait for a stage that has lost every inference replica before "
+                                "the run fails")
     inference_replicas: int = Field(2, ge=1, description="per stage, for the local launcher")
     dashboard_port: int | None = Field(0, ge=0, le=65535, description="the coordinator's web "
                                        "dashboard on 127.0.0.1 (0: any free port; None: off)")

@@ -146,6 +146,14 @@ class Trust:
         with self.lock:
             return group_id in self.awaiting
 
+    def evaluated(self, group: RolloutGroup, provenance: Provenance) -> None:
+        """A group an evaluation session made (shaped as a training group, so its replicas could
+        not tell): spot-checked at the same rate as training groups. A failed check counts
+        against its replica as any other; the evaluation's result is not revised (the release
+        comparison on this machine is the final word)."""
+        if self.random.random() < self.config.trust.verify_fraction:
+            self._enqueue(group, provenance, "evaluation")
+
     def trained(self, group_id: str) -> None:
         self.forget(group_id)  # a queued check holds its own reference
 
