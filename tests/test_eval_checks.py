@@ -48,6 +48,7 @@ from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task
+from decentrl.trust.tribunal import Ruling
 from decentrl.trust.verify import Verdict, session_layout
 
 
@@ -389,9 +390,9 @@ def coordinate_and_run(config: RunConfig, swarm: Swarm, hooks: list[RunHooks],
     trust = loop.backend.trust
     judge = trust.judge
 
-    def recorded(verdict: Verdict, provenance: Any, reason: str) -> None:
-        verdicts.append((verdict, reason))
-        judge(verdict, provenance, reason)
+    def recorded(ruling: Ruling, provenance: Any, reason: str) -> None:
+        verdicts.append((ruling.verdict, reason))
+        judge(ruling, provenance, reason)
 
     trust.judge = recorded  # type: ignore[method-assign]
     try:
