@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
+from rich.console import Console
 from swarm_helpers import (
     ObservedChain,
     Swarm,
@@ -32,6 +34,7 @@ from decentrl.net.protocol import InferenceStep, Role
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
 from decentrl.swarm.adversary import HostileInference
 from decentrl.swarm.inbound import PeerBusy
+from decentrl.swarm.local import local_run
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.sessions import RemoteChain, RemoteSession
@@ -293,3 +296,52 @@ def test_segments_are_cut_where_a_stage_was_rebuilt() -> None:
     # has its segment.
     assert segments(group, layout, {5}) == [(0, 4, [3, 7]), (4, 5, [4, 7]), (5, 7, [4, 7])]
     assert segments(group, layout, {4}) == spans
+
+
+# ---- a rollback discards the versions of its branch ---------------------------------------
+
+def at_version(group: RolloutGroup, version: int, group_id: str) -> RolloutGroup:
+    """`group` as if sampled with `version` at every stage."""
+    stages = len(group.stage_versions)
+    return msgspec.structs.replace(group, group_id=group_id, stage_versions=[version] * stages,
+                                   version_spans=[VersionSpan(start=0,
+                                                              versions=[version] * stages)])
+
+
+def test_groups_of_a_branch_a_rollback_discarded_never_train(tiny_model_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """After a rollback to v0, version 1 names other weights: a group sampled at the discarded
+    v1, whether it waited in the inbox or was still being generated, would be checked (and
+    trained) against weights that never sampled it. It is dropped; a v0 group is kept."""
+    config = tiny_run_config(tiny_model_dir, 2, run_dir=str(tmp_path), threads=1,
+                             rollout={"group_size": 2, "prompts_per_step": 2,
+                                      "max_new_tokens": 4},
+                             train={"mode": "async", "micro_batch_size": 4})
+    loop = local_run(config, Console(quiet=True))
+    try:
+        loop.reconcile()
+        loop.checkpoint()  # v0, what the rollback goes back to
+        [kept] = loop._generate(1)
+        discarded = at_version(kept, 1, "discarded/in-inbox")
+        for group in (discarded, kept):
+            assert loop.backend.transport.put_rollouts(group, 1.0)
+        # The stage trainers report a version the store never recorded: a rollback.
+        loop.backend.versions = lambda: [1, 1]  # type: ignore[method-assign]
+        loop.backend.load_checkpoint = lambda version: None  # type: ignore[method-assign]
+        loop.reconcile()
+        assert loop.rollbacks == [0]
+        assert [scored.group.group_id for scored, _ in loop.pending] == [kept.group_id]
+        assert loop.ingestion.stats.reasons["rolled back"] == 1
+
+        # A session that was generating while the rollback happened.
+        generate = loop.worker.generate_groups
+
+        def rolled_back_meanwhile(*args: Any, **kwargs: Any) -> list[RolloutGroup]:
+            [group] = generate(*args, **kwargs)
+            loop.rollbacks.append(0)
+            return [at_version(group, 1, "discarded/in-flight"), group]
+        loop.worker.generate_groups = rolled_back_meanwhile  # type: ignore[method-assign]
+        assert [g.group_id for g in loop._generate(1)] == [f"{config.task.name}/1"]
+        assert loop.ingestion.stats.reasons["rolled back"] == 2
+    finally:
+        loop.close()

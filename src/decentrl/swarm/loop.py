@@ -254,6 +254,7 @@ class TrainingLoop(Generic[AnyBackend]):
         self.stop = threading.Event()
         self.step = self.store.last_step()
         self.recoveries = 0
+        self.rollbacks: list[int] = []  # the version each rollback of this run went back to
         self.failed_steps = 0
         self.generation_errors = 0
         self.generation_error: BaseException | None = None
@@ -287,6 +288,14 @@ class TrainingLoop(Generic[AnyBackend]):
             self.store.mark_dropped(discarded, f"sampled by weights newer than v{version}, "
                                                "which a rollback discarded")
         self.pending = [(g.scored, g.staleness) for g in self.store.pending_groups()]
+        # The same holds for groups that finished before the rollback and wait in the inbox,
+        # and for sessions still generating now (`_generate` checks `rollbacks` when they end).
+        self.rollbacks.append(version)
+        while (group := self.backend.transport.get_rollouts(timeout=0)) is not None:
+            if not self._from_discarded_branch(group, version):
+                accepted = self._accept(group)
+                if accepted is not None:
+                    self.pending.append(accepted)
         self.step = step
         self.recoveries += 1
         self.console.print(f"[yellow]training rolled back to checkpoint v{version} (step {step}); "
@@ -321,10 +330,25 @@ class TrainingLoop(Generic[AnyBackend]):
 
     def _generate(self, count: int) -> list[RolloutGroup]:
         sessions: list[InferenceSession] = []
+        rollbacks_before = len(self.rollbacks)
         self.worker.sync_weights()
         groups = self.worker.generate_groups(self._schedule(count), on_session=sessions.append)
         self.backend.generated(groups, sessions)
-        return groups
+        # A rollback while these sessions ran may have discarded the versions they sampled with.
+        floor = min(self.rollbacks[rollbacks_before:], default=None)
+        return [g for g in groups if floor is None or not self._from_discarded_branch(g, floor)]
+
+    def _from_discarded_branch(self, group: RolloutGroup, version: int) -> bool:
+        """Whether `group` sampled with weights newer than `version`, the one a rollback went
+        back to: those version numbers name other weights from then on (checked against them, an
+        honest replica would fail). Logged and dropped."""
+        newest = max(v for span in group.version_spans for v in span.versions)
+        if newest <= version:
+            return False
+        self.ingestion.stats.count_rejection("rolled back")
+        log.warning("dropped group %s: sampled at v%d, which the rollback to v%d discarded",
+                    group.group_id, newest, version)
+        return True
 
     def _generate_forever(self) -> None:
         """One generation loop: problems in, groups into the transport, until the run stops.
