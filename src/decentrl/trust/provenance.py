@@ -1,18 +1,25 @@
 """Provenance: who computed what in one generation session, so that a spot-check can name the
 peer that lied. Per stage: which replica served which columns of the session (a failover hands
-the rest to another replica), and the activation commitments those replicas signed."""
+the rest to another replica), and the coordinator's secret sketches of what they delivered
+(commit.py), with the seed of the sketch matrix. It never leaves the coordinator: a stage that
+knew the seed could lie where the sketch does not look."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
-from decentrl.trust.commit import Commitment
+import torch
+
+from decentrl.trust.commit import Sketches, sketch_matrix
 
 
 @dataclass
 class StageProvenance:
     served: list[tuple[int, str]] = field(default_factory=list)  # (first column, peer), in order
-    commitments: list[Commitment] = field(default_factory=list)  # of the columns they computed
+    sketches: list[Sketches] = field(default_factory=list)  # of the columns they computed
+    # Drawn by the coordinator (an unpredictable source), per session and stage.
+    seed: int = field(default_factory=lambda: secrets.randbits(63))
 
     def peer_at(self, column: int) -> str:
         """The replica whose output the session used at `column`."""
@@ -28,6 +35,10 @@ class StageProvenance:
     def serve(self, column: int, peer: str) -> None:
         if not self.served or self.served[-1][1] != peer:
             self.served.append((column, peer))
+
+    def matrix(self, dims: int, hidden_size: int) -> torch.Tensor:
+        """The stage's secret sketch matrix, regenerated from its seed."""
+        return sketch_matrix(self.seed, dims, hidden_size)
 
 
 @dataclass
