@@ -136,6 +136,18 @@ def check_sketches(kept: Sketches, matrix: torch.Tensor, hidden: torch.Tensor,
     return CommitCheck(len(error), int(failed.sum()), float(error.max()), mean, first)
 
 
+def earliest_failure(checks: Sequence[tuple[int, CommitCheck]]) -> tuple[int, int, int] | None:
+    """(stage, row, position) to blame among the (stage, check) pairs of a session: the earliest
+    failing position (ties: the lower stage). A lie at stage s at position q fails stage s at q,
+    and the next stage, fed the lie but re-executed on the truth, only at q and later."""
+    failures = [(check.first_failure[1], stage, check.first_failure[0])
+                for stage, check in checks if check.first_failure is not None]
+    if not failures:
+        return None
+    position, stage, row = min(failures)
+    return stage, row, position
+
+
 def _keys(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return rows.long() * MAX_POSITION + positions.long()
 

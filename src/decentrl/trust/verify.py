@@ -41,7 +41,7 @@ from decentrl.net.wire import WireError
 from decentrl.rollout.generate import left_pad
 from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup
-from decentrl.trust.commit import CommitTolerance, Sketches, check_sketches
+from decentrl.trust.commit import CommitTolerance, Sketches, check_sketches, earliest_failure
 from decentrl.trust.provenance import Provenance
 from decentrl.trust.relay import BadReply, check_hidden_states
 
@@ -239,21 +239,21 @@ class Verifier:
                 except BadReply as bad:
                     raise BadReply(f"verifier {peer[-8:]}: {bad}") from None
                 hidden_states[stage, :, first:end] = x
-        failures = []  # (position, stage, row, why) of each failing stage's earliest failure
+        checks = []
         for stage in (s for s in checked if s < stages - 1):
             record = provenance.stages[stage]
             matrix = record.matrix(trust.sketch_dims, self.hidden_size)
-            check = check_sketches(Sketches.concat(record.sketches, trust.sketch_dims), matrix,
-                                   hidden_states[stage], layout.positions, layout.valid,
-                                   self.tolerance)
-            if check.first_failure is not None:
-                row, position = check.first_failure
-                why = (f"stage {stage}: {check.failed} of {check.checked} positions differ "
-                       f"(worst relative error {check.worst:.3f}, mean {check.mean:.3f})")
-                failures.append((position, stage, row, why))
-        if failures:
-            position, stage, row, detail = min(failures)
+            checks.append((stage, check_sketches(
+                Sketches.concat(record.sketches, trust.sketch_dims), matrix,
+                hidden_states[stage], layout.positions, layout.valid, self.tolerance)))
+        blamed = earliest_failure(checks)
+        if blamed is not None:
+            stage, row, position = blamed
+            check = dict(checks)[stage]
             column = layout.prompt_columns - len(group.rollouts[row].prompt_tokens) + position
+            detail = (f"stage {stage}: {check.failed} of {check.checked} positions differ from "
+                      f"the re-execution (worst relative error {check.worst:.3f}, mean "
+                      f"{check.mean:.3f})")
             return (stage, column, detail), (None, None)
         if stages - 1 not in checked:
             return None, (None, None)
