@@ -10,10 +10,11 @@ are checked: every position is, and a change in any direction of the hidden stat
 sketch by about as much as it moves the state (Johnson-Lindenstrauss), whatever R is.
 
 Points are named by (row, position id), not by column: position ids count a row's real tokens,
-so they do not move with left padding. The sketch is of the raw hidden state: an elementwise
-squash, h / (|h| + a * scale(h)), meant to keep SmolLM2's massive activations (~25,000) from
-hiding the ordinary dims, raised the honest error more than any lie's and caught less at every
-corruption bench/commit_sensitivity.py tried (a = 0.1-10, scale = rms or median |h|).
+so they do not move with left padding. The sketch is of the raw hidden state. An elementwise
+squash first, h / (|h| + a * scale(h)), meant to keep SmolLM2's massive activations (~25,000)
+from hiding the ordinary dims, did worse when measured on SmolLM2 stage 0 (a = 0.1-10, scale =
+rms or median |h|): it doubled the honest error (worst 0.087-0.12 against 0.042 raw), caught
+noise of 0.1x std at 51-78 % of positions against 91 % raw, and no output scaled by 1.1.
 """
 
 from __future__ import annotations
@@ -35,23 +36,26 @@ MAX_POSITION = 2**32
 @dataclass(frozen=True)
 class CommitTolerance:
     """How far a re-executed hidden state may differ from the delivered one. A position's error
-    is ||R (h_delivered - h_recomputed)|| / ||R h_recomputed||: about ||delta|| / ||h||, scale-
-    free. A position fails over `max_error`. Subtler changes only show in the mean: over at
-    least `mean_min_points` positions, a mean error over `max_mean_error` fails every position
-    whose own error is over it.
+    is ||R (h_delivered - h_recomputed)|| / ||h_recomputed||: an estimate of ||delta|| / ||h||
+    (R is scaled so that E ||R x||^2 = ||x||^2), scale-free. A position fails over `max_error`.
+    Subtler changes only show in the mean: over at least `mean_min_points` positions, a mean
+    error over `max_mean_error` fails every position whose own error is over it.
 
     Calibrated on honest computation (bench/commit_sensitivity.py; tests/test_commit.py repeats
     it in small): KV-cache decoding of a left-padded batch of 8 rows against teacher-forced
-    recomputation of the batch with 3 more padding columns, bf16 vs fp32 both ways, a sketch of
-    32 dims at every position. Honest error, worst / mean over positions:
-    - SmolLM2-135M stage 0 (15 layers, hidden 576, 160 positions): 0.042 / 0.012; through the
-      int8 activation codec on both sides 0.062 / 0.029 (massive activations set the int8 step
-      of their rows).
-    - tiny test models (hidden 32): 0.022 / 0.007; through int8 0.030 / 0.011.
-    A corruption of Gaussian noise of s x a row's std errs by about s (x 1.1: 0.1). So per
-    position, with the bf16 or fp32 codec (3x SmolLM2's honest worst), noise of 0.2x std is
-    caught at any single position and 0.1x at most; the mean over every position catches 0.05x
-    (2.5x SmolLM2's honest mean). Through int8, 2x the honest figures."""
+    recomputation of the batch with 3 more padding columns, bf16 vs fp32 both ways, through the
+    bf16 or the int8 activation codec on both sides (delivery and the verifier's reply), a sketch
+    of 32 dims at every position, 20 secret matrices. Honest error, worst / worst mean:
+    - SmolLM2-135M stage 0 (15 layers, hidden 576, 188 positions): 0.061 / 0.0125; through int8
+      0.078 / 0.030.
+    - a tiny test model (hidden 32, 225 positions): 0.010 / 0.0048; through int8 0.019 / 0.0076.
+    A corruption of Gaussian noise of s x a row's std errs by about s (x 1.1: by 0.1). So, with
+    the bf16 or fp32 codec: per position 2.05x SmolLM2's honest worst, noise of 0.2x std is caught
+    at any single position (20 of 20 checks); the mean, 2.4x its honest worst, catches noise of
+    0.05x std and x 1.1 over every position or only 7 in 8 of them (every check), while 0.02x std
+    passes. Through int8 (2.2x and 2.0x the honest figures): 0.2x std at one position 18 of 20,
+    0.1x std over every position or 7 in 8. The old top-k commitments at every 8th position
+    caught 0.1-0.2x std at the positions they opened and nothing elsewhere."""
 
     max_error: float = 0.125
     max_mean_error: float = 0.03
@@ -62,12 +66,12 @@ class CommitTolerance:
         """The tolerance of a run whose hidden states travel in `codec`: int8 rounds them to
         1/254 of their row's largest value on the way to the coordinator and back from the
         verifier."""
-        return cls(max_error=0.125, max_mean_error=0.06) if codec == "int8" else cls()
+        return cls(max_error=0.17, max_mean_error=0.06) if codec == "int8" else cls()
 
 
 def sketch_matrix(seed: int, dims: int, hidden_size: int) -> torch.Tensor:
     """The secret Gaussian [dims, hidden_size] matrix of `seed`, scaled so that a sketch has
-    about the norm of its hidden state."""
+    about the norm of its hidden state (E ||R x||^2 = ||x||^2)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(dims, hidden_size, generator=generator) / dims ** 0.5
 
@@ -120,9 +124,10 @@ def check_sketches(kept: Sketches, matrix: torch.Tensor, hidden: torch.Tensor,
     if not bool(found.any()):
         return CommitCheck(0, 0, 0.0, 0.0, None)
     rows, at = kept.rows[found], kept.positions[found]
-    recomputed = hidden[rows, cols[found]].float() @ matrix.T
-    delivered = kept.values[found].float()
-    error = (delivered - recomputed).norm(dim=-1) / recomputed.norm(dim=-1).clamp(min=1e-12)
+    recomputed = hidden[rows, cols[found]].float()
+    gap = (kept.values[found].float() - recomputed @ matrix.T).norm(dim=-1)
+    # Over the recomputed state's own norm, not its sketch's: one random estimate, not two.
+    error = gap / recomputed.norm(dim=-1).clamp(min=1e-12)
     failed = error > tolerance.max_error
     mean = float(error.mean())
     if len(error) >= tolerance.mean_min_points and mean > tolerance.max_mean_error:
