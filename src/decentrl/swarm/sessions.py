@@ -10,9 +10,9 @@ the activations it returns: the session keeps a secret random sketch of them at 
 Every reply is checked whole before it is used or relayed to the next stage (trust/relay.py:
 shape with the model's hidden width, dtype, finite values, a magnitude bound; tokens and
 log-probs at the last stage). A reply that fails, or whose signed content does not decode, is
-proof against the replica that produced it: its reputation
-records it, the directory bans it, and the session moves to another replica. The next stage never
-receives it, so it never strikes the coordinator for what another peer produced."""
+proof against the replica that produced it: its reputation records it, the directory bans it,
+and the session moves to another replica. The next stage never receives it, so it never strikes
+the coordinator for what another peer produced."""
 
 from __future__ import annotations
 
