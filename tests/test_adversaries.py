@@ -119,6 +119,9 @@ def honest_ids(swarm: Swarm, hostile: list[StagePeer]) -> list[str]:
     ("random-tokens", [1], 1, "failed"),
     ("forge-logprobs", [1], 1, "failed"),
     ("corrupt-activations", [0], 0, "failed"),
+    # Lies only where the old fixed-point commitments never looked: the honest last stage it
+    # feeds must not be blamed.
+    ("corrupt-unopened", [0], 0, "failed"),
     ("inject-answers", [0, 1], 1, "failed"),
 ])
 def test_hostile_replica_is_caught_blamed_and_banned(
@@ -302,3 +305,28 @@ def test_a_check_rewinds_the_verifier_to_the_recorded_version(
             assert replica.version == 1
             for name, tensor in serving(replica).model.state_dict().items():
                 assert torch.equal(tensor, served[replica.node.peer_id][name]), name
+
+
+def test_a_liar_at_unopened_positions_is_blamed_not_the_stage_it_fed(
+        tiny_sharp_dir: Path) -> None:
+    """A stage-0 replica that corrupts only positions whose id is not a multiple of 8 (what the
+    old fixed-point commitments never opened) serves every session; the honest last stage
+    computes on its lie. A check on replicas that joined later fails and blames the liar at
+    stage 0, never the honest stage 1."""
+    config = trust_config(tiny_sharp_dir, steps=1)
+    with start_swarm(config, [(1, "inference"), (1, "inference")]) as swarm:
+        liar = add_replica(swarm, config, 0, "unopened", "corrupt-unopened").node.peer_id
+        model, chain, worker, scheduler = generation(swarm, config, tiny_sharp_dir)
+        generated = []
+        for index in scheduler.next(3):
+            sessions: list[Any] = []
+            [group] = worker.generate_groups([index], on_session=sessions.append)
+            generated.append((group, sessions[0].provenance))
+        add_replica(swarm, config, 0, "honest0")
+        chain.directory.refresh()
+        verifier = Verifier(swarm.client, chain.directory, config, model.spec.hidden_size,
+                            model.tokenizer.pad_token_id)
+        for group, provenance in generated:
+            assert provenance.stage_peers(0) == {liar}
+            verdict = verifier.verify(group, provenance, verifier.panel(provenance))
+            assert (verdict.outcome, verdict.stage, verdict.peer) == ("failed", 0, liar), verdict

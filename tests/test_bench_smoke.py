@@ -131,3 +131,14 @@ def test_record_signing_prints_figures(capsys: pytest.CaptureFixture[str]) -> No
     values = figures(capsys.readouterr().out, "record-signing")
     assert_positive(values, [f"{body}_{cost}" for body in ("announcement", "limit")
                              for cost in ("sign_us", "validate_us", "total_us")])
+
+
+def test_commit_sensitivity_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("commit_sensitivity")
+    bench.main(["--models", "tiny", "--trials", "2"])
+    values = figures(capsys.readouterr().out, "commit-sensitivity")
+    assert_positive(values, ["tiny_bf16_honest_worst", "tiny_int8_honest_mean"])
+    for codec in ("bf16", "int8"):
+        assert values[f"tiny_{codec}_honest_every"] == 0  # no false alarm
+        assert values[f"tiny_{codec}_noise_0p2_every"] == 1
+        assert values[f"tiny_{codec}_noise_0p2_unopened"] == 1

@@ -39,7 +39,6 @@ from decentrl.net.node import (
 from decentrl.net.protocol import (
     BATCH_TENSORS,
     CLOSE_SESSION,
-    COMMITMENT_TENSORS,
     INFERENCE_STEP,
     MAX_SYNC_PLAN_BYTES,
     SYNC_CHUNK,
@@ -182,8 +181,7 @@ def test_a_refused_request_is_read_to_its_end_within_a_budget() -> None:
 
 # ---- each RPC's limits admit its largest honest messages ------------------------------------
 
-SIZES = RunSizes(hidden_size=32, max_positions=64, max_session_tokens=128, micro_batch_size=3,
-                 commit_top_k=8)
+SIZES = RunSizes(hidden_size=32, max_positions=64, max_session_tokens=128, micro_batch_size=3)
 
 
 def wire_bytes(kind: str, rpc: Rpc[Any, Any], tensors: dict[str, torch.Tensor]) -> int:
@@ -212,12 +210,8 @@ def largest_step(targets: bool) -> dict[str, torch.Tensor]:
 
 
 def largest_step_reply() -> dict[str, torch.Tensor]:
-    """Hidden states of every position and a commitment point at every one (interval 1)."""
-    points, top_k = SIZES.max_session_tokens, SIZES.commit_top_k
-    commitment = (zeros("int64", points), zeros("int64", points), zeros("int64", points, top_k),
-                  torch.zeros(points, top_k, dtype=torch.int16))
-    return {"hidden": torch.randn(2, points // 2, SIZES.hidden_size),
-            **dict(zip(COMMITMENT_TENSORS, commitment))}
+    """Hidden states of every position."""
+    return {"hidden": torch.randn(2, SIZES.max_session_tokens // 2, SIZES.hidden_size)}
 
 
 def largest_micro_batch() -> dict[str, torch.Tensor]:

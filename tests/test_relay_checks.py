@@ -1,7 +1,6 @@
 """The coordinator checks every tensor an inference stage replies, whole, before it uses it or
 relays it to the next stage (trust/relay.py): a hostile stage-0 replica that returns hidden states
-of the wrong width, NaNs or huge values (each with a commitment to what it sent) is refused, blamed
-and banned; the honest next stage never sees its reply, so it never strikes the coordinator; the
+of the wrong width, NaNs or huge values is refused, blamed and banned; the honest next stage never sees its reply, so it never strikes the coordinator; the
 session fails over to an honest replica and generation completes as it would have locally."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Spot-checks of multi-turn rollouts (trust/verify.py): a token an environment forced into an
-episode is fed to the re-execution like any other (its commitments are checked) but is not judged
+episode is fed to the re-execution like any other (its sketches are checked) but is not judged
 as a sample, since nothing sampled it. An honest episode passes, a tampered sample is still
 caught, and demanding samples at the forced positions (the layout before multi-turn) would have
 failed the honest episode."""
@@ -198,7 +198,7 @@ def test_a_tampered_sample_after_the_environment_is_caught(checked: Any,
     rollout = group.rollouts[row]
     assert rollout.generated is not None
     # The last token of a longest multi-turn row: sampled, after the forced reply, and never fed
-    # (so no commitment sees it): only the last stage's judgement of samples can catch it.
+    # (so no sketch sees it): only the last stage's judgement of samples can catch it.
     index = longest - 1
     assert rollout.generated[index] and not all(rollout.generated[:index])
     tokens = list(rollout.completion_tokens)

@@ -282,8 +282,8 @@ def join(
              "it).")] = False,
     adversary: Annotated[Optional[str], typer.Option(  # noqa: UP007
         help="Run a hostile peer instead, for trust tests and demos: random-tokens, "
-             "forge-logprobs, inject-answers, corrupt-activations, malformed-activations, "
-             "replay or flood.")] = None,
+             "forge-logprobs, inject-answers, corrupt-activations, corrupt-unopened, "
+             "malformed-activations, replay or flood.")] = None,
     collusion_dir: Annotated[Optional[Path], typer.Option(  # noqa: UP007
         help="A folder that an inject-answers pair shares.")] = None,
     log_json: Annotated[bool, typer.Option(

@@ -171,12 +171,12 @@ class SyncConfig(Section):
 
 
 class TrustConfig(Section):
-    """How the coordinator checks peers it cannot trust (trust/): activation commitments,
+    """How the coordinator checks peers it cannot trust (trust/): activation sketches,
     spot-check re-execution, flags from the trainer's own log-probs, reputation and bans."""
 
-    commit_interval: int = Field(8, ge=1, description="token positions between two activation "
-                                 "commitments of an inference stage")
-    commit_top_k: int = Field(8, ge=1, description="hidden dims per commitment point")
+    sketch_dims: int = Field(32, ge=4, le=1024, description="dims of the coordinator's secret "
+                             "random sketch of every hidden state a stage delivers, at every "
+                             "position (what spot-checks compare)")
     verify_fraction: float = Field(0.1, ge=0, le=1, description="fraction of rollout groups "
                                    "re-executed (teacher-forced) by other replicas")
     second_opinion_fraction: float = Field(0.1, ge=0, le=1, description="fraction of passed "

@@ -280,7 +280,6 @@ MAX_SUBMISSION_BYTES = 8 * 2**20
 MAX_SYNC_PLAN_BYTES = 4 * 2**20
 # The data of one chunk of a weight update (sync/distribute.py cuts none larger).
 SYNC_CHUNK_DATA_BYTES = 2 * 2**20
-COMMITMENT_TENSORS = ("commit_rows", "commit_positions", "commit_indices", "commit_values")
 # A training micro-batch (learn/batch.py TrainBatch), field by field.
 BATCH_TENSORS: dict[str, DtypeKind] = {
     "prompts": "int64", "prompt_valid": "bool", "prompt_positions": "int64",
@@ -319,18 +318,17 @@ ID_BYTES, FLOAT_BYTES, FLAG_BYTES = 8, 4, 1
 class RunSizes:
     """What bounds the tensors a run's RPCs carry: the model's hidden width and positions, the
     tokens one inference session may hold (batch x max_length), the sequences of a training
-    micro-batch, the hidden dims of a commitment point."""
+    micro-batch."""
 
     hidden_size: int
     max_positions: int
     max_session_tokens: int
     micro_batch_size: int
-    commit_top_k: int
 
     @classmethod
     def of(cls, spec: ModelSpec, config: RunConfig) -> RunSizes:
         return cls(spec.hidden_size, spec.max_positions, config.swarm.max_session_tokens,
-                   config.train.micro_batch_size, config.trust.commit_top_k)
+                   config.train.micro_batch_size)
 
     @property
     def activation_bytes(self) -> int:
@@ -358,10 +356,8 @@ def step_request_bytes(sizes: RunSizes) -> int:
 
 
 def step_reply_bytes(sizes: RunSizes) -> int:
-    """A step's reply: per new position its hidden state and at most one commitment point (row,
-    position, top-k indices and bf16 values), or at the last stage a few scores."""
-    point = 2 * ID_BYTES + sizes.commit_top_k * (ID_BYTES + 2)
-    return with_envelope(sizes.max_session_tokens * (sizes.activation_bytes + point))
+    """A step's reply: per new position its hidden state, or at the last stage a few scores."""
+    return with_envelope(sizes.max_session_tokens * sizes.activation_bytes)
 
 
 def forward_request_bytes(sizes: RunSizes) -> int:
@@ -435,7 +431,7 @@ STEP_TENSORS = {"inputs": TensorRule("ids or float"), "positions": TensorRule("i
 
 INFERENCE_STEP = Rpc(
     "inference_step", InferenceStep, InferenceReply, "coordinator", STEP_TENSORS,
-    ("hidden", *COMMITMENT_TENSORS, "tokens", "logprobs"), step_request_bytes, step_reply_bytes)
+    ("hidden", "tokens", "logprobs"), step_request_bytes, step_reply_bytes)
 CLOSE_SESSION = Rpc("close_session", CloseSession, Empty, "coordinator")
 VERIFY_STEP = Rpc(
     "verify_step", VerifyStep, VerifyReply, "coordinator",

@@ -9,12 +9,13 @@ way a volunteer on the internet could, and nothing here is known to the coordina
   spy reads each session's prompt and leaves the correct answer where its partner finds it; the
   last-stage peer then emits that answer in half of the group's rows, claiming plausible
   log-probs, so the injected rows win the group's advantages;
-- corrupt-activations (any stage but the last): adds noise to the hidden states it returns, and
-  signs a commitment to what it actually sent;
+- corrupt-activations (any stage but the last): adds noise to the hidden states it returns;
+- corrupt-unopened (the stage before the last): adds noise only at positions whose id is not a
+  multiple of 8, the ones a commitment at fixed points (every 8th position) never opened;
 - malformed-activations (any stage but the last): returns hidden states the next stage could not
   take, in turn (or always the one it is given): half the model's width, NaNs (sent past our
-  own encoder's refusal), or values of 1e30; each with a commitment to what it sent, so that
-  only the coordinator's checks of the relayed tensor (trust/relay.py) stand in the way;
+  own encoder's refusal), or values of 1e30, so that only the coordinator's checks of the
+  relayed tensor (trust/relay.py) stand in the way;
 - collude-verify (last stage): serves inference honestly, but when it re-executes someone else's
   session for a spot-check it reports log-probs FORGED_SHIFT nats low: exactly what a
   forge-logprobs partner claims (its lies pass) and a lie about every honest replica it checks;
@@ -73,18 +74,19 @@ from decentrl.tasks import make_task, render_prompt
 log = logging.getLogger(__name__)
 
 Adversary = Literal["random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations",
-                    "malformed-activations", "collude-verify", "huge-capacity", "rotate-keys",
-                    "replay", "flood"]
+                    "corrupt-unopened", "malformed-activations", "collude-verify",
+                    "huge-capacity", "rotate-keys", "replay", "flood"]
 ADVERSARIES: tuple[str, ...] = get_args(Adversary)
 STAGE_ADVERSARIES = ("random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations",
-                     "malformed-activations")
+                     "corrupt-unopened", "malformed-activations")
 JUDGE_ADVERSARIES = ("collude-verify", "huge-capacity")  # honest producers, lying verifiers
 LAST_STAGE_ADVERSARIES = ("random-tokens", "forge-logprobs")
-ACTIVATION_ADVERSARIES = ("corrupt-activations", "malformed-activations")
+ACTIVATION_ADVERSARIES = ("corrupt-activations", "corrupt-unopened", "malformed-activations")
 Malformation = Literal["wrong-width", "non-finite", "huge"]
 MALFORMATIONS: tuple[str, ...] = get_args(Malformation)
 FORGED_SHIFT = 3.0  # nats subtracted from honest behaviour log-probs
 NOISE_SCALE = 0.5  # of each row's hidden-state std
+UNOPENED_EVERY = 8  # corrupt-unopened spares the positions that are multiples of this
 HUGE_ACTIVATION = 1e30  # finite in fp32 and bf16, so only a magnitude bound refuses it
 BOASTED_SESSIONS = 10**6
 BOASTED_VERSIONS = 10**6  # added to the version it really serves
@@ -96,8 +98,9 @@ def adversary_stages(kind: str, num_stages: int) -> list[int]:
     """The stages a hostile peer of `kind` joins (an inject-answers pair is two peers)."""
     last = num_stages - 1
     return {"random-tokens": [last], "forge-logprobs": [last], "inject-answers": [0, last],
-            "corrupt-activations": [0], "malformed-activations": [0], "collude-verify": [last],
-            "huge-capacity": [last], "rotate-keys": [last]}.get(kind, [])
+            "corrupt-activations": [0], "corrupt-unopened": [max(0, last - 1)],
+            "malformed-activations": [0], "collude-verify": [last], "huge-capacity": [last],
+            "rotate-keys": [last]}.get(kind, [])
 
 
 def unchecked_encoding(tensors: Mapping[str, torch.Tensor]
@@ -158,28 +161,27 @@ class HostileInference:
         reply = self.service.infer(sender, body, tensors)
         result = dict(reply.tensors or {})
         if self.adversary == "malformed-activations":
-            return self._malform(reply, result["hidden"].float(), body, tensors)
+            return self._malform(reply, result["hidden"].float())
         if self.adversary == "random-tokens":
             result["tokens"] = torch.randint(self.service.checks.spec.vocab_size,
                                              result["tokens"].shape, generator=self.rng)
         elif self.adversary == "forge-logprobs":
             result["logprobs"] = result["logprobs"] - FORGED_SHIFT
-        elif self.adversary == "corrupt-activations":
+        elif self.adversary in ("corrupt-activations", "corrupt-unopened"):
             hidden = result["hidden"].float()
-            noisy = hidden + NOISE_SCALE * hidden.std(-1, keepdim=True) * torch.randn(
+            noise = NOISE_SCALE * hidden.std(-1, keepdim=True) * torch.randn(
                 hidden.shape, generator=self.rng)
-            result["hidden"] = noisy.to(result["hidden"].dtype)
-            result |= self.service.commitment(noisy, tensors["positions"], tensors["key_valid"],
-                                              body.start)
+            if self.adversary == "corrupt-unopened":
+                noise *= (tensors["positions"] % UNOPENED_EVERY != 0)[..., None]
+            result["hidden"] = (hidden + noise).to(result["hidden"].dtype)
         elif self.service.checks.is_first:
             self._spy(body, tensors)
         else:
             self._inject(body, result)
         return Reply(reply.body, result, reply.codec)
 
-    def _malform(self, reply: Reply, hidden: torch.Tensor, body: InferenceStep,
-                 tensors: dict[str, torch.Tensor]) -> Reply:
-        """Hidden states the next stage could not take, with a commitment to them."""
+    def _malform(self, reply: Reply, hidden: torch.Tensor) -> Reply:
+        """Hidden states the next stage could not take."""
         kind = self.malformation or MALFORMATIONS[self.malformed % len(MALFORMATIONS)]
         self.malformed += 1
         if kind == "wrong-width":
@@ -189,9 +191,7 @@ class HostileInference:
         else:
             hidden = hidden.clone()
             hidden[:, :, 0] = float("nan")
-        commitment = self.service.commitment(hidden, tensors["positions"], tensors["key_valid"],
-                                             body.start)
-        return Reply(reply.body, encoded=unchecked_encoding({"hidden": hidden, **commitment}))
+        return Reply(reply.body, encoded=unchecked_encoding({"hidden": hidden}))
 
     def _spy(self, body: InferenceStep, tensors: dict[str, torch.Tensor]) -> None:
         """Leave the correct answer of a new session's prompt for the last-stage partner."""

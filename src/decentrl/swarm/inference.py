@@ -1,8 +1,9 @@
 """The inference service of a stage peer: Petals-style sessions (a client sends the new
 positions' inputs, the peer keeps the session's KV cache and returns the next hidden states, or
-samples at the last stage), with a commitment to every output. The re-execution of someone
-else's session at the versions it recorded (a spot-check, `verify_step`) is
-swarm/verification.py's, in sessions of this table.
+samples at the last stage). A reply is its sender's commitment to what it computed: the
+envelope is signed, and the coordinator keeps a secret sketch of it (trust/commit.py). The
+re-execution of someone else's session at the versions it recorded (a spot-check,
+`verify_step`) is swarm/verification.py's, in sessions of this table.
 
 A session belongs to the peer that opened it: the table is keyed by (opener, session id), so
 only the opener can step, replay or close it, and the same id from another sender is another
@@ -39,7 +40,6 @@ from decentrl.net.protocol import (
 from decentrl.rollout.chain import last_position, step_generator
 from decentrl.rollout.sampling import sample
 from decentrl.swarm.inbound import InboundChecks, PeerBusy, PeerError
-from decentrl.trust.commit import commitment_to_wire, make_commitment
 
 # Sessions idle this long are dropped (their client is gone); a live client steps far more often.
 SESSION_IDLE_S = 300.0
@@ -114,22 +114,13 @@ class InferenceService:
                 tokens, logprobs = sample(out, body.sampling, step_generator(body.seed))
                 result = {"tokens": tokens.cpu(), "logprobs": logprobs.float().cpu()}
             else:
-                result = {"hidden": hidden.cpu(),
-                          **self.commitment(hidden, positions, key_valid, body.start)}
+                result = {"hidden": hidden.cpu()}
         self.served_tokens += inputs.shape[0] * inputs.shape[1]
         self.busy_s += time.perf_counter() - started
         reply = InferenceReply(version=self.model.version, length=session.cache.length)
         # Log-probs are [B] floats the trainer's importance ratios use: never compressed.
         codec = "fp32" if self.model.is_last else self.config.swarm.activation_codec
         return Reply(reply, result, codec)
-
-    def commitment(self, hidden: torch.Tensor, positions: torch.Tensor,
-                   key_valid: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
-        """The signed activation commitment of the new positions' outputs (trust/commit.py)."""
-        trust = self.config.trust
-        # Only the commitment points are gathered (on the compute device), never the whole output.
-        return commitment_to_wire(make_commitment(hidden, positions, key_valid[:, start:],
-                                                  trust.commit_interval, trust.commit_top_k))
 
     def session(self, sender: str, body: InferenceStep | VerifyStep, new: int) -> Session:
         """`sender`'s session that a step of `new` positions continues (opened by its first

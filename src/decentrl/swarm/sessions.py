@@ -3,16 +3,16 @@ peers, one replica per stage chosen by the directory (net/directory.py), one hop
 
 A session that loses a peer mid-generation moves to another replica of the same stage: the client
 keeps every input it sent to each stage, replays them to the new replica in one call (rebuilding
-its KV cache), and carries on; the rollout completes. Every stage but the last signs a commitment
-to the activations it returns; the session checks it against what it received and keeps it, with
-who computed which columns (`provenance`), for spot-checks (trust/).
+its KV cache), and carries on; the rollout completes. A stage's signed reply is its commitment to
+the activations it returns: the session keeps a secret random sketch of them at every position
+(trust/commit.py), with who computed which columns (`provenance`), for spot-checks (trust/).
 
 Every reply is checked whole before it is used or relayed to the next stage (trust/relay.py:
 shape with the model's hidden width, dtype, finite values, a magnitude bound; tokens and
-log-probs at the last stage). A reply that fails, or whose signed content does not decode, or
-whose commitment contradicts it, is proof against the replica that produced it: its reputation
-records it, the directory bans it, and the session moves to another replica. The next stage never
-receives it, so it never strikes the coordinator for what another peer produced."""
+log-probs at the last stage). A reply that fails, or whose signed content does not decode, is
+proof against the replica that produced it: its reputation records it, the directory bans it,
+and the session moves to another replica. The next stage never receives it, so it never strikes
+the coordinator for what another peer produced."""
 
 from __future__ import annotations
 
@@ -37,16 +37,10 @@ from decentrl.net.protocol import (
 from decentrl.net.wire import WireError
 from decentrl.rollout.chain import StepResult
 from decentrl.rollout.sampling import SamplingConfig
-from decentrl.trust.commit import CommitTolerance, check_commitment, commit_points, parse_commitment
+from decentrl.trust.commit import take_sketches
 from decentrl.trust.provenance import Provenance
 from decentrl.trust.relay import BadReply, check_hidden_states, check_samples
 from decentrl.trust.reputation import Reputation
-
-# A commitment is checked against the activations as relayed: after the activation codec (int8
-# moves an entry by up to 1/254 of its row's largest value) rather than recomputed. A mismatch
-# there counts as proof of a lie, so twice the re-execution tolerance: a lie worth telling (the
-# demo's corrupter, noise at 0.5x std) is a mean error of 0.18, far over either.
-RELAY_TOLERANCE = CommitTolerance(rel_tol=0.3, max_mean_error=0.08)
 
 CPU = torch.device("cpu")
 
@@ -69,6 +63,10 @@ class RemoteSession:
         self.cached = [0] * stages  # positions each stage's current peer holds
         self.length = 0  # columns of the session fed so far
         self.provenance = Provenance.empty(stages)
+        # The secret sketch matrices (never sent anywhere); the provenance keeps their seeds.
+        self.sketch_matrices = [self.provenance.stages[stage].matrix(chain.trust.sketch_dims,
+                                                                     chain.hidden_size)
+                                for stage in range(stages - 1)]
         self.failovers = 0
         self.closed = False
 
@@ -138,8 +136,6 @@ class RemoteSession:
                     swarm.request_timeout_s, request_id)
                 result = self._check_reply(reply, out, last, start, send_inputs.shape[1],
                                            inputs.shape[1])
-                if not last:
-                    self._keep_commitment(stage, out, result[0], positions, key_valid)
             except MessageLost as lost:
                 error = lost  # the same peer, the same request id: it answers once
                 time.sleep(backoff(attempt))
@@ -158,6 +154,8 @@ class RemoteSession:
                 continue
             self.chain.directory.observe(peer, time.monotonic() - started)
             self.provenance.stages[stage].serve(self.length, peer, rebuilt=replay)
+            if not last:
+                self._keep_sketches(stage, result[0], positions, key_valid)
             history.inputs.append(inputs)
             history.positions.append(positions)
             self.cached[stage] = reply.length
@@ -178,24 +176,14 @@ class RemoteSession:
         hidden = check_hidden_states(out.get("hidden"), self.batch, sent, self.chain.hidden_size)
         return (hidden[:, sent - new:],)
 
-    def _keep_commitment(self, stage: int, out: dict[str, torch.Tensor], hidden: torch.Tensor,
-                         positions: torch.Tensor, key_valid: torch.Tensor) -> None:
-        """Check the commitment a stage signed against the hidden states it delivered for the
-        new positions, and keep it for spot-checks. A commitment that contradicts its own
-        delivery is proof of a lie (BadReply); one that is merely malformed (ValueError) is a
-        broken peer. Either way the session moves on and the peer is banned."""
-        trust = self.chain.trust
-        claimed = parse_commitment(out, self.batch, self.chain.hidden_size, trust.commit_top_k)
+    def _keep_sketches(self, stage: int, hidden: torch.Tensor, positions: torch.Tensor,
+                       key_valid: torch.Tensor) -> None:
+        """Keep the secret sketch of the hidden states `stage` delivered at the new positions
+        (those of this step only: a replica that took over also computed the replayed ones,
+        which the session already had from its predecessor), for spot-checks."""
         valid = key_valid[:, key_valid.shape[1] - positions.shape[1]:]
-        # A replica that took over replayed the earlier positions: keep the new ones only.
-        claimed = claimed.within(positions, valid)
-        expected = commit_points(positions, valid, trust.commit_interval)[0].numel()
-        check = check_commitment(claimed, hidden, positions, valid, self.chain.tolerance)
-        if check.failed or check.checked != expected or len(claimed) != expected:
-            raise BadReply(f"a commitment that does not match the activations it sent "
-                           f"({check.failed} of {check.checked} points differ, {len(claimed)} "
-                           f"points for {expected} expected)")
-        self.provenance.stages[stage].commitments.append(claimed)
+        self.provenance.stages[stage].sketches.append(
+            take_sketches(hidden, positions, valid, self.sketch_matrices[stage]))
 
     def close(self) -> None:
         if self.closed:
@@ -214,8 +202,8 @@ class RemoteSession:
 
 
 class RemoteChain:
-    """An InferenceChain over the swarm: every session picks one replica per stage, checks the
-    activation commitments of every stage but the last, and records who computed what
+    """An InferenceChain over the swarm: every session picks one replica per stage, and keeps a
+    secret sketch of the activations of every stage but the last and who computed what
     (`RemoteSession.provenance`) for spot-checks."""
 
     def __init__(self, node: SwarmNode, directory: Directory, swarm: SwarmConfig,
@@ -224,7 +212,6 @@ class RemoteChain:
         self.node, self.directory, self.swarm, self.trust = node, directory, swarm, trust
         self.num_stages = directory.num_stages
         self.vocab_size, self.hidden_size = spec.vocab_size, spec.hidden_size
-        self.tolerance = RELAY_TOLERANCE
         self.reputation = reputation
         self.failovers = 0
 

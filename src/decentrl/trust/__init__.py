@@ -1,1 +1,1 @@
-"""Trust: identities and signatures, activation commitments, spot-check verification, reputation."""
+"""Trust: identities and signatures, activation sketches, spot-check verification, reputation."""

@@ -1,19 +1,26 @@
 """Provenance: who computed what in one generation session, so that a spot-check can name the
 peer that lied. Per stage: which replica served which columns of the session (a failover hands
-the rest to another replica), the activation commitments those replicas signed, and where a
-replica rebuilt the stage's KV cache by a replay from position 0."""
+the rest to another replica), where a replica rebuilt the stage's KV cache by a replay from
+position 0, and the coordinator's secret sketches of what they delivered (commit.py), with the
+seed of the sketch matrix. It never leaves the coordinator: a stage that knew the seed could lie
+where the sketch does not look."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
-from decentrl.trust.commit import Commitment
+import torch
+
+from decentrl.trust.commit import Sketches, sketch_matrix
 
 
 @dataclass
 class StageProvenance:
     served: list[tuple[int, str]] = field(default_factory=list)  # (first column, peer), in order
-    commitments: list[Commitment] = field(default_factory=list)  # of the columns they computed
+    sketches: list[Sketches] = field(default_factory=list)  # of the columns they computed
+    # Drawn by the coordinator (an unpredictable source), per session and stage.
+    seed: int = field(default_factory=lambda: secrets.randbits(63))
     # The first column of each step that a replica served by replaying the session from position
     # 0 (a failover, or a retry after a timeout, even to the same replica). The replay recomputed
     # every earlier column's keys and values with that replica's weights, the version the step
@@ -37,6 +44,10 @@ class StageProvenance:
             self.rebuilt.append(column)
         if not self.served or self.served[-1][1] != peer:
             self.served.append((column, peer))
+
+    def matrix(self, dims: int, hidden_size: int) -> torch.Tensor:
+        """The stage's secret sketch matrix, regenerated from its seed."""
+        return sketch_matrix(self.seed, dims, hidden_size)
 
 
 @dataclass

@@ -11,18 +11,22 @@ earlier steps: the verifier of that stage replays from position 0 at the same co
 that version (`StageProvenance.rebuilt`), so the re-execution is the computation the rollout got.
 
 What is compared:
-- every stage but the last: the activation commitments the original replicas signed, against the
-  verifier's hidden states at the same (row, position) points (trust/commit.py);
+- every stage but the last: the coordinator's secret sketches of the hidden states the original
+  replicas delivered, against the same sketches of the verifier's, at every (row, position)
+  (trust/commit.py);
 - the last stage: each sampled completion token's claimed behaviour log-prob against the
   re-executed one, and its seeded sampling margin (0 when the token is what the seeded draw gives;
   a token that was not drawn, such as a random or injected one, has a large margin). Tokens an
   environment forced into a multi-turn episode are fed but not judged here (nothing sampled them).
 
-The first stage that fails is blamed (the stages after it were fed its lie), at the replica that
-served the failing column; at the last stage, the column is the first failure of the replica
-whose own tokens fail most beyond the tolerated share, not the group's first failing column
-(after a failover, that may be an honest replica's rare miss). Tolerances are calibrated so that
-bf16 and fp32 replicas agree."""
+Blame: among the stages whose sketches fail, the one with the earliest failing position (ties:
+the lower stage), at the replica that served that column. A lie at stage s at position q fails
+stage s at q, and stage s+1 (fed the lie, re-executed on the truth) only at q and later (causal
+attention): the liar is blamed, not the honest stage after it. The last stage is judged only
+when every earlier one passed; there the column is the first failure of the replica whose own
+tokens fail most beyond the tolerated share, not the group's first failing column (after a
+failover, that may be an honest replica's rare miss). Tolerances are calibrated so that bf16 and
+fp32 replicas agree."""
 
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ from decentrl.net.wire import WireError
 from decentrl.rollout.generate import left_pad
 from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup
-from decentrl.trust.commit import Commitment, CommitTolerance, check_commitment
+from decentrl.trust.commit import CommitTolerance, Sketches, check_sketches, earliest_failure
 from decentrl.trust.provenance import Provenance, StageProvenance
 from decentrl.trust.relay import BadReply, check_hidden_states
 
@@ -75,7 +79,7 @@ def session_layout(group: RolloutGroup, pad_id: int) -> Layout:
 
     In a multi-turn episode some completion tokens were forced (an environment's reply, fed in
     place of the step's sample): they are fed like any other token, so the whole episode is
-    teacher-forced and every stage's commitments are checked at their columns too, but they have
+    teacher-forced and every stage's sketches are checked at their columns too, but they have
     no target (-1) and no claimed log-prob, since the model never sampled them."""
     rows = group.rollouts
     ids, prompt_valid = left_pad([r.prompt_tokens for r in rows], pad_id, torch.device("cpu"))
@@ -144,7 +148,7 @@ class Verifier:
                  hidden_size: int, pad_id: int) -> None:
         self.node, self.directory, self.config = node, directory, config
         self.hidden_size, self.pad_id = hidden_size, pad_id
-        self.tolerance = CommitTolerance()
+        self.tolerance = CommitTolerance.for_codec(config.swarm.activation_codec)
         # Who verifies must be unpredictable to peers: a liar that knew would pick its partner.
         self.random = secrets.SystemRandom()
 
@@ -214,7 +218,7 @@ class Verifier:
         stages = self.config.num_stages
         batch = layout.ids.shape[0]
         # Every stage's re-executed hidden states, checked once at the end: the mean-error test
-        # of a commitment check needs many points, more than one segment may have.
+        # of a sketch check needs many positions, more than one segment may have.
         hidden_states = torch.zeros((stages - 1, batch, layout.width, self.hidden_size))
         scores = torch.zeros((2, batch, layout.width))
         rebuilt = [set(provenance.stages[stage].rebuilt) for stage in range(stages)]
@@ -257,16 +261,22 @@ class Verifier:
                 except BadReply as bad:
                     raise BadReply(f"verifier {peer[-8:]}: {bad}") from None
                 hidden_states[stage, :, first:end] = x
+        checks = []
         for stage in (s for s in checked if s < stages - 1):
-            claimed = Commitment.concat(provenance.stages[stage].commitments, trust.commit_top_k)
-            check = check_commitment(claimed, hidden_states[stage], layout.positions,
-                                     layout.valid, self.tolerance)
-            if check.failed and check.first_failure is not None:
-                row, position = check.first_failure
-                column = layout.prompt_columns - len(group.rollouts[row].prompt_tokens) + position
-                return (stage, column, f"stage {stage}: {check.failed} of {check.checked} "
-                                       f"commitment points differ (worst relative error "
-                                       f"{check.worst:.3f}, mean {check.mean:.3f})"), (None, None)
+            record = provenance.stages[stage]
+            matrix = record.matrix(trust.sketch_dims, self.hidden_size)
+            checks.append((stage, check_sketches(
+                Sketches.concat(record.sketches, trust.sketch_dims), matrix,
+                hidden_states[stage], layout.positions, layout.valid, self.tolerance)))
+        blamed = earliest_failure(checks)
+        if blamed is not None:
+            stage, row, position = blamed
+            check = dict(checks)[stage]
+            column = layout.prompt_columns - len(group.rollouts[row].prompt_tokens) + position
+            detail = (f"stage {stage}: {check.failed} of {check.checked} positions differ from "
+                      f"the re-execution (worst relative error {check.worst:.3f}, mean "
+                      f"{check.mean:.3f})")
+            return (stage, column, detail), (None, None)
         if stages - 1 not in checked:
             return None, (None, None)
         scored = layout.targets >= 0
