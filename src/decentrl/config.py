@@ -200,6 +200,12 @@ class TrustConfig(Section):
                                         "average this many nats less likely than typical under "
                                         "the trainer (mean of log pi + entropy of pi) is flagged "
                                         "and left out of the loss")
+    train_audit_fraction: float = Field(0.1, ge=0, le=1, description="fraction of training "
+                                        "steps a stage's second training peer recomputes, when it "
+                                        "has one (trust/audit.py); a disagreement goes to a third")
+    train_audit_tolerance: float = Field(0.1, gt=0, description="relative L2 distance allowed "
+                                         "between two training peers' gradients and outputs of "
+                                         "the same step (bench/train_audit.py calibrates it)")
     ban_score: float = Field(0.5, gt=0, lt=1, description="a peer whose score falls below this "
                              "is banned")
     ban_s: float = Field(600.0, ge=0, description="first ban's length; each later ban doubles")

@@ -52,7 +52,7 @@ from decentrl.swarm.lineage import LineageSigner
 from decentrl.swarm.loop import RunHooks, RunSummary, TrainingLoop, TrainingUnavailable
 from decentrl.swarm.manifest import admitted_peers, publish_manifest, run_manifest
 from decentrl.swarm.sessions import RemoteChain, RemoteSession
-from decentrl.swarm.training_client import RemoteStageWorker
+from decentrl.swarm.training_client import RemoteStageWorker, TrainAudit
 from decentrl.trust.gate import Trust
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,12 @@ class SwarmBackend:
         self.workers = [RemoteStageWorker(node, self.directory, stage, config.num_stages,
                                           config.swarm, self.admitted, self.lineage)
                         for stage in range(config.num_stages)]
+        # A stage's second training peer recomputes a random share of its steps (trust/audit.py).
+        self.audit = (TrainAudit(node, self.directory, config, self.admitted,
+                                 self.trust.reputation)
+                      if config.trust.train_audit_fraction > 0 else None)
+        for worker in self.workers:
+            worker.audit = self.audit
         loss = loss_config_from(config.train, config.rollout.max_new_tokens, config.trust)
         self.trainer = PipelineTrainer(self.workers, config.train, loss,
                                        sampling_config(config.rollout), torch.device("cpu"))
