@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from helpers import build
@@ -20,7 +21,15 @@ from decentrl.learn.trainer import PipelineTrainer, StageTrainer, loss_config_fr
 from decentrl.model.loading import LoadedModel
 from decentrl.net.directory import SwarmUnavailable
 from decentrl.net.link import LinkProfile
-from decentrl.net.wire import TensorLimits
+from decentrl.net.node import PeerRefused, RemoteError
+from decentrl.net.protocol import (
+    STATE_CHUNK_FLOATS,
+    TRAIN_AUDIT_LOAD,
+    TRAIN_STATE,
+    AuditLoad,
+    StateRequest,
+)
+from decentrl.net.wire import TensorLimits, WireError
 from decentrl.rollout.sampling import SamplingConfig, sampling_config
 from decentrl.rollout.types import Rollout
 from decentrl.swarm.adversary import hostile_peer
@@ -186,3 +195,34 @@ def test_forged_flags_are_outvoted(tiny_model_dir: Path) -> None:
         assert reputation.banned(forger.node.peer_id)
         assert audit.count["train_audit_disagreements"] == 1
         assert all(reputation.counts(peer).get("passed") == 1 for peer in honest)
+
+
+def test_bad_state_requests_are_refused_and_counted(tiny_model_dir: Path) -> None:
+    config = tiny_run_config(tiny_model_dir, 1, trust={"train_audit_fraction": 1.0})
+    with start_swarm(config, [(0, "training")]) as swarm:
+        peer = swarm.peer(0)
+        strikes: list[str] = []
+        peer.node.on_strike = lambda sender, reason: strikes.append(reason)
+        target = peer.node.peer_id
+        header, _ = swarm.client.call_sync(target, TRAIN_STATE,
+                                           StateRequest(version=0, offset=0, count=0))
+        load = AuditLoad(version=0, step=0, offset=0, total=header.total, digest=header.digest,
+                         names=header.names, sizes=header.sizes)
+        refusals = [
+            (TRAIN_STATE, StateRequest(version=0, offset=0, count=STATE_CHUNK_FLOATS + 1), {},
+             "count must be in"),
+            (TRAIN_STATE, StateRequest(version=0, offset=header.total + 1, count=1), {},
+             "outside the state"),
+            (TRAIN_AUDIT_LOAD, msgspec.structs.replace(load, sizes=(1,) * len(header.sizes)),
+             {"data": torch.zeros(4)}, "not of stage 0's parameters"),
+            (TRAIN_AUDIT_LOAD, msgspec.structs.replace(load, offset=4), {"data": torch.zeros(4)},
+             "must be sent from offset 0"),
+            (TRAIN_AUDIT_LOAD, load, {"data": torch.zeros(2 * STATE_CHUNK_FLOATS)},
+             "exceeds|too large|over"),
+        ]
+        for rpc, body, tensors, why in refusals:
+            with pytest.raises((PeerRefused, WireError, RemoteError), match=why):
+                swarm.client.call_sync(target, rpc, body, exact=tensors or None, timeout=20)
+        assert len(strikes) >= 4
+        # Nothing was loaded: the peer has no audit state to step.
+        assert peer.training is not None and peer.training.audit_trainer is None
