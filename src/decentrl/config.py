@@ -134,6 +134,9 @@ class SwarmConfig(Section):
                                               "hold; caches grow with the positions written, so "
                                               "this bounds the memory one sender takes")
     inference_replicas: int = Field(2, ge=1, description="per stage, for the local launcher")
+    training_peers_per_stage: int = Field(1, ge=1, description="per stage, for the local "
+                                          "launcher: the first trains, the others audit it "
+                                          "(trust.train_audit_fraction)")
     dashboard_port: int | None = Field(0, ge=0, le=65535, description="the coordinator's web "
                                        "dashboard on 127.0.0.1 (0: any free port; None: off)")
     snapshot_every_s: float = Field(10.0, gt=0, description="how often the coordinator records "

@@ -88,7 +88,8 @@ def adversary_stages(kind: str, num_stages: int) -> list[int]:
     """The stages a hostile peer of `kind` joins (an inject-answers pair is two peers)."""
     last = num_stages - 1
     return {"random-tokens": [last], "forge-logprobs": [last], "inject-answers": [0, last],
-            "corrupt-activations": [0], "malformed-activations": [0]}.get(kind, [])
+            "corrupt-activations": [0], "malformed-activations": [0], "poison-update": [0],
+            "forge-flags": [last]}.get(kind, [])
 
 
 def unchecked_encoding(tensors: Mapping[str, torch.Tensor]

@@ -305,7 +305,8 @@ class SwarmBackend:
     def finish(self, summary: RunSummary) -> RunSummary:
         self.console.print(self.peer_table())
         summary.failovers = self.chain.failovers
-        summary.trust = self.trust.counters()
+        summary.trust = {**self.trust.counters(),
+                         **(self.audit.count if self.audit is not None else {})}
         summary.banned = self.trust.banned_peers()
         summary.dashboard_url = self.dashboard.url if self.dashboard is not None else None
         return summary
