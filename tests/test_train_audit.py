@@ -2,7 +2,9 @@
 step passes the self-consistency check and a reversed one does not; over the network, honest
 peers in fp32 and bf16 agree on every audited step; a peer that poisons its update is proved a
 liar by its own committed states, banned, its step refused, and training goes on with another
-peer; a last-stage peer that forges the trainer's row flags is outvoted by two replays."""
+peer (in the training loop too: the step is reverted and retried); a last-stage peer that forges
+the trainer's row flags is outvoted by two replays, as is an auditor that lies; a bad request
+for a state is refused."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import msgspec
 import pytest
 import torch
 from helpers import build
+from rich.console import Console
 from swarm_helpers import Swarm, start_node, start_swarm, tiny_run_config
 
 from decentrl.config import RunConfig, TrainConfig
@@ -33,7 +36,10 @@ from decentrl.net.wire import TensorLimits, WireError
 from decentrl.rollout.sampling import SamplingConfig, sampling_config
 from decentrl.rollout.types import Rollout
 from decentrl.swarm.adversary import hostile_peer
+from decentrl.swarm.coordinate import swarm_run
 from decentrl.swarm.lineage import LineageSigner
+from decentrl.swarm.loop import RunHooks, TrainingLoop
+from decentrl.swarm.manifest import admit
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.training_client import RemoteStageWorker, TrainAudit
 from decentrl.trust.audit import (
@@ -226,3 +232,61 @@ def test_bad_state_requests_are_refused_and_counted(tiny_model_dir: Path) -> Non
         assert len(strikes) >= 4
         # Nothing was loaded: the peer has no audit state to step.
         assert peer.training is not None and peer.training.audit_trainer is None
+
+
+def test_a_lying_auditor_is_outvoted_and_the_step_stands(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tiny_run_config(tiny_model_dir, 1, trust={"train_audit_fraction": 1.0,
+                                                        "flag_surprise": 3.0})
+    with start_swarm(config, [(0, "training"), (0, "training")]) as swarm:
+        primary, third = (p.node.peer_id for p in swarm.peers)
+        forger = add_hostile_trainer(swarm, 0, "forge-flags").node.peer_id
+        allowed = {primary}
+        trainer, audit, reputation = audited_trainer(swarm, allowed.__contains__)
+        allowed.update((forger, third))
+        monkeypatch.setattr(audit, "_others", lambda stage, exclude: [forger, third])
+        trainer.train_step(make_batch())
+        assert trainer.version == 1
+        assert reputation.banned(forger) and not reputation.banned(primary)
+        assert reputation.counts(primary).get("passed") == 1
+        assert reputation.counts(third).get("passed") == 1
+
+
+class AdmitTheOthers(RunHooks):
+    """Once the coordinator drives the poisoner, the honest training peers are admitted too."""
+
+    def __init__(self, run_path: Path, peers: list[str]) -> None:
+        self.run_path, self.peers = run_path, peers
+
+    def training_started(self, loop: TrainingLoop) -> None:
+        admit(self.run_path, self.peers)
+
+
+@pytest.mark.network
+def test_the_loop_reverts_a_poisoned_step_and_trains_on(tiny_model_dir: Path,
+                                                        tmp_path: Path) -> None:
+    config = tiny_run_config(
+        tiny_model_dir, 1, run_dir=str(tmp_path), trust={"train_audit_fraction": 1.0},
+        rollout={"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 4},
+        train={"steps": 2, "checkpoint_every": 1, "zero_variance_groups": "keep"},
+        eval={"problems": 2, "pass_k": 1, "max_new_tokens": 4, "batch_size": 2},
+        swarm={"dashboard_port": None, "sessions_in_flight": 1, "announce_every_s": 0.5})
+    with start_swarm(config, [(0, "inference"), (0, "training"), (0, "training")]) as swarm:
+        honest = [p.node.peer_id for p in swarm.peers if p.training is not None]
+        poisoner = add_hostile_trainer(swarm, 0, "poison-update")
+        admit(config.path, [poisoner.node.peer_id])
+        # The coordinator moves the `latest` pointer where its training peers write checkpoints.
+        (config.path / "checkpoints").symlink_to(swarm.checkpoint_dir)
+        loop = swarm_run(config, swarm.client, Console(quiet=True),
+                         hooks=[AdmitTheOthers(config.path, honest)])
+        try:
+            summary = loop.run(wait_s=60)
+        finally:
+            loop.close()
+        # The poisoned step was not recorded: the loop brought the stage back to the store's
+        # version (the new training peer's, so nothing to load) and trained its groups again.
+        assert summary.trust["train_audit_liars"] == 1
+        assert list(summary.banned) == [poisoner.node.peer_id]
+        assert summary.steps == 2 and loop.trainer.version == 2
+        (worker,) = loop.trainer.workers
+        assert isinstance(worker, RemoteStageWorker) and worker.peer in honest

@@ -19,7 +19,8 @@ way a volunteer on the internet could, and nothing here is known to the coordina
   accepted or never handed out, with correct answers;
 - flood (a client, no stage): sends malformed and oversized requests to every peer it finds;
 - poison-update (a training peer, any stage): steps honestly, then reverses its update (gradient
-  ascent), keeping honest Adam moments;
+  ascent) and adds noise of a step's size (harm even where the honest update is zero), keeping
+  honest Adam moments;
 - forge-flags (a training peer of the last stage): trains honestly, but reports per-row
   statistics that flag every honest row of the batch and clear every row its loss flagged.
 A hostile training peer audits the way it trains: its replays of other peers' steps lie alike."""
@@ -335,6 +336,8 @@ class HostileTrainer(StageTrainer):
         before = [p.detach().clone() for p in self.params]
         super().step(grad_scale)
         if self.adversary == "poison-update":
+            lr = self.optimizer.param_groups[0]["lr"]
             with torch.no_grad():
                 for p, old in zip(self.params, before):
-                    p.copy_(2 * old - p)  # old - (p - old): the update, reversed
+                    # old - (p - old): the update reversed, and an Adam step's worth of noise.
+                    p.copy_(2 * old - p + lr * torch.randn_like(p))

@@ -207,9 +207,15 @@ class LocalSwarm:
         renewer.start()
         checkpoints = self.config.path / "checkpoints"
         keys = self.config.path / "keys"
+        hostile_trainers = {stage for kind in self.adversaries if kind in TRAINING_ADVERSARIES
+                            for stage in adversary_stages(kind, self.config.num_stages)}
         for stage in range(self.config.num_stages):
             # The first training peer of a stage trains; any others audit it (trust/audit.py).
-            for index in range(self.config.swarm.training_peers_per_stage if self.training else 0):
+            # Beside a hostile training peer two honest ones: a third settles a disagreement.
+            peers = self.config.swarm.training_peers_per_stage
+            if stage in hostile_trainers:
+                peers = max(peers, 2)
+            for index in range(peers if self.training else 0):
                 name = f"train{stage}" + (f".{index}" if index else "")
                 key = keys / f"{name}.key"
                 admit(self.config.path, [Identity.from_file(key).peer_id])

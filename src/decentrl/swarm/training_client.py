@@ -205,12 +205,13 @@ class RemoteStageWorker:
                                                     version=self._version + 1))
         self._version = reply.version
         assert self.peer is not None  # it just answered
-        self.lineage.published(self.stage, self.peer, reply.version)
         tape, self.tape = self.tape, StepTape()
         self.committed = {v: d for v, d in self.committed.items() if v == reply.version - 1}
         self.committed[reply.version] = reply.state_digest
         if self.audit is not None and self.audit.drawn():
             self.audit.audit(self, tape, grad_scale)
+        # Signed only once it stands: replicas never take a step an audit reverted.
+        self.lineage.published(self.stage, self.peer, reply.version)
 
     def discard(self) -> None:
         self.tape = StepTape()
@@ -301,6 +302,7 @@ class TrainAudit:
                 return
             if len(opinions) == 2:
                 self._settle(primary, stage, version, pre, opinions, verdicts)
+                return
         if not opinions:
             self.count["train_audit_skipped"] += 1
             return
