@@ -105,8 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(common.bench_model(args.model))
     torch.set_num_threads(args.threads)
     primary = chain(model, args.stages, train, torch.float32)
-    auditors = {name: chain(model, args.stages, train, dtype) for name, dtype in AUDITORS.items()}
-    poisoner = chain(model, args.stages, train, torch.float32)
+    other = chain(model, args.stages, train, torch.float32)  # each auditor, then the poisoner
     errors: dict[str, list[float]] = {name: [] for name in [*AUDITORS, "poisoned"]}
     timings: dict[str, list[float]] = {"step": [], "snapshot": [], "replay": [], "check": []}
     reversed_caught: list[bool] = []
@@ -122,9 +121,11 @@ def main(argv: list[str] | None = None) -> None:
         for state in post:
             state_digest(state.version, state.step, state.names, state.sizes, state.flat)
         timings["snapshot"].append(time.perf_counter() - started)
-        for name, auditor in auditors.items():
+        for name, dtype in AUDITORS.items():
+            for trainer in other.stage_trainers:
+                trainer.autocast_dtype = dtype
             torch.set_num_threads(2 * args.threads if name == "threads" else args.threads)
-            redone = replay(auditor, pre, batch)
+            redone = replay(other, pre, batch)
             torch.set_num_threads(args.threads)
             started = time.perf_counter()
             for before, ours, theirs in zip(pre, post, redone):
@@ -132,11 +133,15 @@ def main(argv: list[str] | None = None) -> None:
                 errors[name].append(gradient_error(before, ours, theirs, train.betas[0])[0])
             if name == "threads":
                 timings["check"].append(time.perf_counter() - started)
+            del redone
+        for trainer in other.stage_trainers:
+            trainer.autocast_dtype = torch.float32
         started = time.perf_counter()  # a replay on the primary's threads and precision
-        poisoned = replay(poisoner, pre, negated(batch))
+        poisoned = replay(other, pre, negated(batch))
         timings["replay"].append(time.perf_counter() - started)
         errors["poisoned"] += [gradient_error(before, ours, theirs, train.betas[0])[0]
                                for before, ours, theirs in zip(pre, poisoned, post)]
+        del poisoned
         # The poison-update adversary: the honest step, reversed, with honest moments.
         for before, ours in zip(pre, post):
             weights = ours.flat.clone()
