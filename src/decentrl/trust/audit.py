@@ -85,7 +85,7 @@ def state_digest(version: int, step: int, names: tuple[str, ...], sizes: tuple[i
                  flat: torch.Tensor) -> str:
     digest = hashlib.blake2b(digest_size=32)
     digest.update(f"{version}:{step}:{','.join(names)}:{sizes}".encode())
-    digest.update(flat.contiguous().numpy().tobytes())
+    digest.update(flat.contiguous().numpy())  # the buffer itself: no copy of the state
     return digest.hexdigest()
 
 
@@ -102,19 +102,19 @@ def state_layout(trainer: StageTrainer) -> tuple[tuple[str, ...], tuple[int, ...
 
 def flat_state(trainer: StageTrainer) -> FlatState:
     """A CPU copy of the trainer's training state."""
-    parts: list[torch.Tensor] = []
-    names, sizes, step = [], [], 0
-    for name, p in trainable(trainer):
+    names, sizes = state_layout(trainer)
+    flat = torch.zeros(3 * sum(sizes), dtype=torch.float32)
+    start, step = 0, 0
+    for (_, p), size in zip(trainable(trainer), sizes):
         state = trainer.optimizer.state.get(p, {})
-        weights = p.detach().float().flatten().cpu()
-        zeros = torch.zeros_like(weights)
-        first = state["exp_avg"].float().flatten().cpu() if "exp_avg" in state else zeros
-        second = state["exp_avg_sq"].float().flatten().cpu() if "exp_avg_sq" in state else zeros
-        step = max(step, int(state["step"])) if "step" in state else step
-        parts += [weights, first, second]
-        names.append(name)
-        sizes.append(weights.numel())
-    return FlatState(trainer.version, step, tuple(names), tuple(sizes), torch.cat(parts))
+        flat[start:start + size].copy_(p.detach().flatten())
+        for part, key in enumerate(("exp_avg", "exp_avg_sq"), start=1):
+            if key in state:
+                flat[start + part * size:start + (part + 1) * size].copy_(state[key].flatten())
+        if "step" in state:
+            step = max(step, int(state["step"]))
+        start += 3 * size
+    return FlatState(trainer.version, step, names, sizes, flat)
 
 
 def load_flat_state(trainer: StageTrainer, state: FlatState) -> None:
