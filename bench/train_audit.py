@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     errors: dict[str, list[float]] = {name: [] for name in [*AUDITORS, "poisoned"]}
     timings: dict[str, list[float]] = {"step": [], "snapshot": [], "replay": [], "check": []}
     reversed_caught: list[bool] = []
+    worst: dict[str, tuple[float, str]] = {}  # per auditor: its largest disagreement, and where
     for step in range(args.steps):
         batch = random_batch(step, args.rows, args.prompt_length, args.completion_length,
                              model.spec.vocab_size)
@@ -130,7 +131,9 @@ def main(argv: list[str] | None = None) -> None:
             started = time.perf_counter()
             for before, ours, theirs in zip(pre, post, redone):
                 assert check_step(before, ours, train) is None, "an honest step failed its check"
-                errors[name].append(gradient_error(before, ours, theirs, train.betas[0])[0])
+                error, where = gradient_error(before, ours, theirs, train.betas[0])
+                errors[name].append(error)
+                worst[name] = max(worst.get(name, (0.0, "")), (error, where))
             if name == "threads":
                 timings["check"].append(time.perf_counter() - started)
             del redone
@@ -167,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         ["figure", "value"], list(figures.items()),
         caption=f"audit cost at train_audit_fraction={fraction}; an audit moves "
                 f"4 x {state_mib:.1f} MiB through the coordinator")
+    for name, (error, where) in worst.items():
+        print(f"{name}: largest honest disagreement {error:.3g} at {where}")
     common.print_figures("train_audit", figures)
     if args.plot:
         plot(Path(args.plot), errors, tolerance, figures, fraction)
