@@ -36,7 +36,16 @@ an audit catches it, with probability `train_audit_fraction` per step; then its 
 reverted and every stage rolls back to the last checkpoint, which may hold unaudited changes of
 its (checkpoints are not audited). The digest binds the state the peer trains on, not what it
 publishes to its replicas: those are checked by spot-checks of what they serve (trust/verify.py).
-Two colluding training peers of one stage, auditor and primary, pass each other's lies."""
+Two colluding training peers of one stage, auditor and primary, pass each other's lies. With only
+two training peers at a stage a disagreement cannot be settled: the step is reverted (the loop
+rolls back) and nobody is blamed, so a liar there costs the run its audited steps but never gets
+a lie through an audit.
+
+Costs: every training peer keeps two CPU copies of its state (weights and both moments: three
+times the trainable parameters, twice) and copies and hashes one per step; an auditor holds a
+second trainer of its stage; an audit moves the state four times through the coordinator (pre
+and post from the primary, pre to the auditor, its post back), which holds three copies while it
+compares. bench/train_audit.py measures them."""
 
 from __future__ import annotations
 
