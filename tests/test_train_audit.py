@@ -141,6 +141,15 @@ def audited_trainer(swarm: Swarm, admitted: Callable[[str], bool]
     return trainer, audit, reputation
 
 
+def admit_auditors(trainer: PipelineTrainer, allowed: set[str], peers: list[str]) -> None:
+    """Admit `peers` once the workers drive the peers admitted so far; those commit to their
+    state now that their stage has auditors."""
+    allowed.update(peers)
+    for worker in trainer.workers:
+        assert isinstance(worker, RemoteStageWorker)
+        worker.commit()
+
+
 def test_honest_peers_in_fp32_and_bf16_agree(tiny_model_dir: Path) -> None:
     config = tiny_run_config(tiny_model_dir, 2, trust={"train_audit_fraction": 1.0})
     bf16 = tiny_run_config(tiny_model_dir, 2, dtype="bf16", name=config.name,
@@ -157,7 +166,9 @@ def test_honest_peers_in_fp32_and_bf16_agree(tiny_model_dir: Path) -> None:
             swarm.sockets.extend(auditor.socket_paths())
         allowed = set(primaries)
         trainer, audit, reputation = audited_trainer(swarm, allowed.__contains__)
-        allowed.update(p.node.peer_id for p in swarm.peers)  # the auditors, once connected
+        # Without an auditor at its stage, a training peer keeps no copy of its state.
+        assert all(p.training is not None and not p.training.states for p in swarm.peers)
+        admit_auditors(trainer, allowed, [p.node.peer_id for p in swarm.peers])
         for seed in range(3):
             trainer.train_step(make_batch(seed))
         assert audit.count["train_audits"] == 6
@@ -172,7 +183,7 @@ def test_a_poisoned_update_is_caught_and_training_goes_on(tiny_model_dir: Path) 
         poisoner = add_hostile_trainer(swarm, 0, "poison-update")
         allowed = {poisoner.node.peer_id}
         trainer, audit, reputation = audited_trainer(swarm, allowed.__contains__)
-        allowed.update(p.node.peer_id for p in swarm.peers)
+        admit_auditors(trainer, allowed, [p.node.peer_id for p in swarm.peers])
         (worker,) = trainer.workers
         assert isinstance(worker, RemoteStageWorker) and worker.peer == poisoner.node.peer_id
         with pytest.raises(SwarmUnavailable, match="not an AdamW step"):
@@ -195,7 +206,7 @@ def test_forged_flags_are_outvoted(tiny_model_dir: Path) -> None:
         forger = add_hostile_trainer(swarm, 0, "forge-flags")
         allowed = {forger.node.peer_id}
         trainer, audit, reputation = audited_trainer(swarm, allowed.__contains__)
-        allowed.update(honest)
+        admit_auditors(trainer, allowed, honest)
         with pytest.raises(SwarmUnavailable, match="row statistics"):
             trainer.train_step(make_batch())
         assert reputation.banned(forger.node.peer_id)
@@ -243,7 +254,7 @@ def test_a_lying_auditor_is_outvoted_and_the_step_stands(
         forger = add_hostile_trainer(swarm, 0, "forge-flags").node.peer_id
         allowed = {primary}
         trainer, audit, reputation = audited_trainer(swarm, allowed.__contains__)
-        allowed.update((forger, third))
+        admit_auditors(trainer, allowed, [forger, third])
         monkeypatch.setattr(audit, "_others", lambda stage, exclude: [forger, third])
         trainer.train_step(make_batch())
         assert trainer.version == 1

@@ -191,6 +191,7 @@ class TrainStep(Body):
     grad_scale: float
     version: int  # the version after this step; a peer at another version refuses
     audit: bool = False  # step the audit's state: nothing is published
+    commit: bool = False  # keep the states before and after, and reply the digest of the latter
 
 
 class VersionReply(Body):

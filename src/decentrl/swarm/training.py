@@ -7,9 +7,10 @@ stage (`WeightPublisher`, sync/distribute.py) to its replicas.
 A training peer that starts where a checkpoint exists resumes from it: a replacement for a peer
 that died takes over at the run's last complete checkpoint.
 
-Audits (trust/audit.py): when the run audits its training peers, the peer keeps CPU copies of its
-training state at its last two versions and commits to each by its digest in the reply that made
-it; the coordinator may fetch them (`TRAIN_STATE`). As an auditor, the same peer loads another
+Audits (trust/audit.py): while the coordinator asks it to commit (`TrainStep.commit`: its stage
+has an auditor), the peer keeps CPU copies of its training state at its last two versions and
+commits to each by its digest in the reply that made it; the coordinator may fetch them
+(`TRAIN_STATE`, which also commits to the current state when none is kept). As an auditor, the same peer loads another
 peer's pre-step state into a second trainer of its stage (`TRAIN_AUDIT_LOAD`) and replays the
 step on it (the training RPCs with `audit` set): its own trainer, its published and served
 weights do not change."""
@@ -81,12 +82,10 @@ class TrainingService:
         self.on_new_weights: Callable[[StageTrainer], None] = lambda trainer: None
         # Audits: this peer's training state at its last two versions with their digests, and
         # the state it audits another peer's step on (made at its first audit).
-        self.audited = config.trust.train_audit_fraction > 0
         self.states: dict[int, tuple[FlatState, str]] = {}
         self.audit_trainer: StageTrainer | None = None
         self._incoming: tuple[AuditLoad, list[torch.Tensor]] | None = None
         self._resume_from_checkpoint()
-        self._snapshot()
         self.publisher = WeightPublisher(
             node, config.name, self.stage, config.sync, trainer.version,
             published_tensors(trainer.stage), config.swarm.request_timeout_s)
@@ -178,26 +177,26 @@ class TrainingService:
             trainer = self._trainer(audit=True)
             await self.node.compute(trainer.step, body.grad_scale)
             return Reply(VersionReply(version=trainer.version))
-        await self.node.compute(self._step, body.grad_scale)
+        await self.node.compute(self._step, body.grad_scale, body.commit)
         await self.announce()
         return Reply(VersionReply(version=self.trainer.version, state_digest=self._digest()))
 
-    def _step(self, grad_scale: float) -> None:
+    def _step(self, grad_scale: float, commit: bool) -> None:
         """Step, then publish the new version (compute thread, between steps: the publisher
         takes a copy and encodes the update on its own thread)."""
         self.trainer.step(grad_scale)
-        self._snapshot(keep_previous=True)
+        if commit:
+            self._snapshot()
+        else:
+            self.states = {}
         self.on_new_weights(self.trainer)
         self.publisher.publish(self.trainer.version, published_tensors(self.trainer.stage))
 
-    def _snapshot(self, keep_previous: bool = False) -> None:
-        """Keep the training state at this version, and after a step the one before it (compute
+    def _snapshot(self) -> None:
+        """Keep the training state at this version, and the one before it if kept (compute
         thread)."""
-        if not self.audited:
-            return
         state = flat_state(self.trainer)
-        self.states = {v: held for v, held in self.states.items()
-                       if keep_previous and v == state.version - 1}
+        self.states = {v: held for v, held in self.states.items() if v == state.version - 1}
         self.states[state.version] = (state, state.digest)
 
     # ---- audits --------------------------------------------------------------------------
@@ -212,6 +211,10 @@ class TrainingService:
             digest = state.digest
         elif body.version in self.states:
             state, digest = self.states[body.version]
+        elif body.version == self.trainer.version:  # a commitment to the state as it is now
+            state = await self.node.compute(flat_state, self.trainer)
+            digest = state.digest
+            self.states[state.version] = (state, digest)
         else:
             raise PeerBusy(f"stage {self.stage} keeps its training state at versions "
                            f"{sorted(self.states)}, not {body.version}")
@@ -310,7 +313,7 @@ class TrainingService:
         if state["version"] != version:
             raise PeerBusy(f"{path} holds version {state['version']}, not {version}")
         self.trainer.load_state(state)
-        self._snapshot()
+        self.states = {}
         self.on_new_weights(self.trainer)
 
     def _resume_from_checkpoint(self) -> None:

@@ -118,11 +118,18 @@ class RemoteStageWorker:
         self._version = self.since = record.version
         self.lineage.published(self.stage, self.peer, record.version, restart=True)
         self.tape, self.committed = StepTape(), {}
-        if self.audit is not None:
-            header, _ = self._call(TRAIN_STATE, StateRequest(version=record.version, offset=0,
-                                                             count=0))
-            self.committed = {record.version: header.digest}
+        self.commit()
         return record.version
+
+    def commit(self) -> None:
+        """Have the peer commit to its state as it is now, if this stage has an auditor (an
+        audit replays a step from the state its peer committed to before it)."""
+        if self.audit is None or self.peer is None or \
+                not self.audit.auditors(self.stage, self.peer):
+            return
+        header, _ = self._call(TRAIN_STATE, StateRequest(version=self._version, offset=0,
+                                                         count=0))
+        self.committed = {self._version: header.digest}
 
     @property
     def version(self) -> int:
@@ -201,13 +208,16 @@ class RemoteStageWorker:
     def step(self, grad_scale: float) -> None:
         """Step the peer; on a step drawn for an audit, audit it (SwarmUnavailable when the step
         is to be reverted)."""
+        commit = self.audit is not None and self.peer is not None and \
+            bool(self.audit.auditors(self.stage, self.peer))
         reply, _ = self._call(TRAIN_STEP, TrainStep(grad_scale=grad_scale,
-                                                    version=self._version + 1))
+                                                    version=self._version + 1, commit=commit))
         self._version = reply.version
         assert self.peer is not None  # it just answered
         tape, self.tape = self.tape, StepTape()
         self.committed = {v: d for v, d in self.committed.items() if v == reply.version - 1}
-        self.committed[reply.version] = reply.state_digest
+        if commit:
+            self.committed[reply.version] = reply.state_digest
         if self.audit is not None and self.audit.drawn():
             self.audit.audit(self, tape, grad_scale)
         # Signed only once it stands: replicas never take a step an audit reverted.
@@ -222,7 +232,8 @@ class RemoteStageWorker:
         reply, _ = self._call(CHECKPOINT, CheckpointRequest(action=action, version=version))
         self._version = reply.version
         if action == "load":
-            self.committed = {reply.version: reply.state_digest}
+            self.committed = {}
+            self.commit()
         if action == "load":  # the publisher starts over from a keyframe of the checkpoint
             assert self.peer is not None  # it just answered
             self.lineage.published(self.stage, self.peer, reply.version, restart=True)
@@ -256,6 +267,10 @@ class TrainAudit:
     def drawn(self) -> bool:
         return self.random.random() < self.fraction
 
+    def auditors(self, stage: int, primary: str) -> list[str]:
+        """The training peers that could audit `primary`'s steps at `stage`, in random order."""
+        return self._others(stage, {primary})
+
     def audit(self, worker: RemoteStageWorker, tape: StepTape, grad_scale: float) -> None:
         started = time.perf_counter()
         try:
@@ -272,8 +287,8 @@ class TrainAudit:
     def _audit(self, worker: RemoteStageWorker, tape: StepTape, grad_scale: float) -> None:
         primary, stage, version = worker.peer, worker.stage, worker.version
         assert primary is not None
-        others = self._others(stage, {primary})
-        if not others or version - 1 not in worker.committed:
+        others = self.auditors(stage, primary)
+        if not others or {version - 1, version} - set(worker.committed):
             self.count["train_audit_skipped"] += 1
             return
         self.count["train_audits"] += 1
