@@ -231,12 +231,11 @@ class RemoteStageWorker:
     def checkpoint(self, action: Literal["save", "load"], version: int) -> int:
         reply, _ = self._call(CHECKPOINT, CheckpointRequest(action=action, version=version))
         self._version = reply.version
-        if action == "load":
-            self.committed = {}
-            self.commit()
         if action == "load":  # the publisher starts over from a keyframe of the checkpoint
             assert self.peer is not None  # it just answered
             self.lineage.published(self.stage, self.peer, reply.version, restart=True)
+            self.committed = {}
+            self.commit()
         return self._version
 
 
