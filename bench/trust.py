@@ -1,35 +1,49 @@
-"""Hostile peers caught, honest ones blamed, checks' cost.
+"""Hostile peers and judges caught, honest ones never banned, what checking costs.
 
-Trust: how often each hostile peer is caught, how often an honest one is wrongly blamed, and
-what spot-checks cost next to generation.
+Trust that rests on no single peer: per adversary, how often its lies are caught, how fast it is
+banned, who gets the blame, and how many of its groups would have trained; over many checks of
+honest work, how many honest peers are wrongly banned; and what the checks cost next to
+generation.
 
 What runs: a 2-stage swarm in this process over loopback (every peer on its own SwarmNode), on
-the demo's task and sampling (sums, group 8, 20 new tokens, temperature 1). Per scenario:
-- `honest`: two honest replicas per stage, one in the run's compute dtype and one in fp32, so
-  every check re-executes on the other dtype;
-- one scenario per stage adversary (swarm/adversary.py): one honest replica per stage plus the
-  hostile peer(s), which the client picks for about half of the sessions.
-`--groups` N groups are generated two sessions at a time (`RolloutWorker`, one group per session,
-as the coordinator does; the client spreads concurrent sessions over the replicas), then each is
-re-executed by the `Verifier` (trust/verify.py) exactly as the coordinator's spot-checks do, and
-scored by the trainer's poison flags (the base model is the policy: versions do not move here).
+the demo's task and sampling (sums, group 8, 20 new tokens, temperature 1), and the coordinator's
+real trust gate (trust/gate.py: spot-check sampling, probation, the tribunal of trust/tribunal.py,
+reputation and bans) with the run's default trust settings. Groups are generated as many sessions at
+a time as there are replicas of the busiest stage (one group per session, as the coordinator does; the
+client spreads concurrent sessions over the replicas); after each round the gate's queued checks
+run to their rulings, so a ban takes effect on the next sessions, as in a run.
 
-Figures per scenario: groups the culprit touched, spot-check detection (failed, blamed on the
-culprit at its stage), trainer-flag detection (a row of the group flagged), wrongful blame (a
-failed check blaming an honest peer, over all groups), and cost: re-execution wall time over
-compute: the peers' time re-executing (`InferenceService.verify_busy_s`) over their time
-serving generation (`busy_s`), when every group is checked; at `trust.verify_fraction` f the
-spot-checks cost f x that ratio of generation compute (target < 10%).
+Scenarios:
+- `honest`: per stage a bf16, an fp32 and a second bf16 replica: every check re-executes across
+  dtypes or on another peer;
+- one per stage adversary of swarm/adversary.py: per stage an honest bf16 and an honest fp32
+  replica, plus the hostile peer(s) (collude-verify and huge-capacity come with their
+  forge-logprobs partner, whose lies they cover and which they would otherwise judge);
+  rotate-keys comes back under a fresh identity each time it is banned.
 
-Run: decentrl bench trust [--model smollm2-135m-instruct|tiny] [--groups 8] [--json PATH]
-     [--scenarios honest,random-tokens,...]
+`--policy old` replays the rules before issue 18 for comparison: one verifier per stage, the one
+announcing the most free room, whose opinion is final, and no probation.
+
+Figures per scenario: the culprit's groups, those checked, caught (a confirmed ruling blaming the
+culprit at its stage), identities it used and groups served per identity before its ban, its
+groups that would have trained (neither held nor dropped when the run ends), wrongful charges
+(a `failed` event against an honest peer, producer or verifier) and honest bans, and the cost:
+the peers' seconds re-executing (`VerifyService.busy_s`) over their seconds generating (`busy_s`).
+
+`--honest-checks N` then re-checks honest groups N times through the tribunal (random panels over
+bf16 and fp32 replicas) and counts failed opinions, failed rulings and bans.
+
+Run: decentrl bench trust [--model smollm2-135m-instruct|tiny] [--groups 24] [--policy new|old]
+     [--scenarios honest,random-tokens,...] [--honest-checks 0] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,31 +52,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
 
 from decentrl.config import RunConfig, parse_config  # noqa: E402
-from decentrl.learn.batch import build_batch  # noqa: E402
-from decentrl.learn.losses import flagged_rows  # noqa: E402
-from decentrl.learn.trainer import LossInputs, loss_config_from, micro_batch_loss, stage_forward  # noqa: E402,E501
 from decentrl.model.loading import load_model  # noqa: E402
-from decentrl.model.stages import StagePlan, build_stages  # noqa: E402
-from decentrl.net.directory import Directory  # noqa: E402
 from decentrl.net.link import LinkProfile  # noqa: E402
 from decentrl.net.node import SwarmNode  # noqa: E402
 from decentrl.net.wire import TensorLimits  # noqa: E402
 from decentrl.rollout.types import RolloutGroup  # noqa: E402
-from decentrl.swarm.adversary import adversary_stages, hostile_peer  # noqa: E402
+from decentrl.swarm.adversary import ADVERSARIES, adversary_stages, hostile_peer  # noqa: E402
 from decentrl.swarm.peer import StagePeer  # noqa: E402
-from decentrl.swarm.sessions import RemoteChain  # noqa: E402
 from decentrl.swarm.scheduler import PromptScheduler  # noqa: E402
-from decentrl.rollout.sampling import sampling_config
+from decentrl.swarm.sessions import RemoteChain  # noqa: E402
 from decentrl.swarm.worker import RolloutWorker  # noqa: E402
 from decentrl.tasks import make_task  # noqa: E402
-from decentrl.trust.verify import Verifier  # noqa: E402
+from decentrl.trust.gate import Trust  # noqa: E402
+from decentrl.trust.provenance import Provenance  # noqa: E402
+from decentrl.trust.tribunal import Ruling, convene  # noqa: E402
+from decentrl.trust.verify import Verdict, Verifier  # noqa: E402
 
-SCENARIOS = ("honest", "random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations")
+CLIENT_ADVERSARIES = ("replay", "flood")  # not stage peers: tests/test_adversaries.py
+SCENARIOS = ("honest", *(a for a in ADVERSARIES if a not in CLIENT_ADVERSARIES))
+# The partner whose lies a colluding judge covers.
+PARTNERS = {"collude-verify": "forge-logprobs", "huge-capacity": "forge-logprobs"}
 
 
-def bench_config(model: str, run_dir: Path) -> RunConfig:
+def bench_config(model: str, run_dir: Path, policy: str) -> RunConfig:
+    trust: dict[str, Any] = {"probation_checks": 0} if policy == "old" else {}
     return parse_config({
         "name": "trust-bench", "run_dir": str(run_dir), "model": model, "num_stages": 2,
         "threads": 1,
@@ -70,171 +86,321 @@ def bench_config(model: str, run_dir: Path) -> RunConfig:
                                              "format_weight": 0.0}},
         "rollout": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 20},
         "swarm": {"announce_every_s": 60.0, "request_timeout_s": 120.0},
+        "trust": trust,
     })
 
 
-def start(peers: list[StagePeer], nodes: list[SwarmNode], addresses: list[str], config: RunConfig,
-          stage: int, name: str, adversary: str | None = None,
-          collusion: Path | None = None) -> StagePeer:
-    """A peer of the run the client (nodes[0], the coordinator) owns."""
-    node = SwarmNode.start(name, addresses, LinkProfile(), TensorLimits())
-    nodes.append(node)
-    owner = nodes[0].peer_id
-    if adversary is None:
-        peer = StagePeer(config, stage, "inference", node, owner, name=name)
-    else:
-        peer = hostile_peer(config, stage, node, owner, name, adversary, collusion)
-    peer.start()
-    peers.append(peer)
-    return peer
+class OldVerifier(Verifier):
+    """The verifier choice before issue 18: per stage the replica announcing the most free
+    sessions that did not serve the group."""
+
+    def panel(self, provenance: Provenance, avoid: frozenset[str] = frozenset(),
+              contested: int | None = None) -> tuple[str, ...] | None:
+        records = self.directory.records()
+        chosen = []
+        for stage in range(self.config.num_stages):
+            pool = (self.directory.verifiers(stage, provenance.peers())
+                    or self.directory.verifiers(stage, set()))
+            if not pool:
+                return None
+            chosen.append(max(pool, key=lambda p: records[p].free_sessions))
+        return tuple(chosen)
 
 
-def trainer_flags(stages: list[Any], group: RolloutGroup, config: RunConfig, pad_id: int
-                  ) -> bool:
-    """Whether the trainer's poison flags catch a row of `group` (the policy: the base model)."""
-    rows = group.rollouts
-    batch = build_batch(rows, [0.0] * len(rows), [0] * len(rows), pad_id)
-    loss = loss_config_from(config.train, config.rollout.max_new_tokens, config.trust)
-    with torch.no_grad():
-        x: Any = (batch.prompts, batch.completions)
-        for stage in stages:
-            x = stage_forward(stage, x, batch)
-        inputs = LossInputs(None, None, batch.num_sequences, batch.num_target_tokens)
-        _, _, (surprise, ratio) = micro_batch_loss(x, batch, inputs, loss,
-                                                   sampling_config(config.rollout))
-    return bool(flagged_rows(surprise, ratio, loss).any())
+def old_ruling(verifier: Verifier, group: RolloutGroup, provenance: Provenance) -> Ruling:
+    """One opinion, final."""
+    panel = verifier.panel(provenance)
+    verdict = (verifier.verify(group, provenance, panel) if panel is not None else
+               Verdict(group.group_id, "skipped", None, None, "no verifier", (), 0.0, ()))
+    return Ruling(verdict, (verdict,), verdict.outcome != "skipped", (), ())
 
 
-def run_scenario(scenario: str, config: RunConfig, groups: int, local_stages: list[Any],
-                 loaded: Any, folder: Path) -> dict[str, Any]:
+class Swarm:
+    """The client (the run's owner and coordinator) and the stage peers of one scenario."""
+
+    def __init__(self, config: RunConfig, folder: Path) -> None:
+        self.config, self.folder = config, folder
+        self.client = SwarmNode.start("client", [], LinkProfile(), TensorLimits())
+        self.nodes: list[SwarmNode] = [self.client]
+        self.peers: list[StagePeer] = []
+
+    def start(self, stage: int, name: str, adversary: str | None = None,
+              config: RunConfig | None = None) -> StagePeer:
+        node = SwarmNode.start(name, self.client.addresses(), LinkProfile(), TensorLimits())
+        self.nodes.append(node)
+        config = config or self.config
+        peer = (StagePeer(config, stage, "inference", node, self.client.peer_id, name=name)
+                if adversary is None else
+                hostile_peer(config, stage, node, self.client.peer_id, name, adversary,
+                             self.folder))
+        peer.start()
+        self.peers.append(peer)
+        return peer
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.stop()
+        for node in self.nodes:
+            node.shutdown()
+
+    def cost(self) -> tuple[float, float]:
+        return (sum(p.inference.busy_s for p in self.peers if p.inference is not None),
+                sum(p.verification.busy_s for p in self.peers if p.verification is not None))
+
+
+def run_scenario(scenario: str, config: RunConfig, groups: int, loaded: Any, folder: Path,
+                 policy: str) -> dict[str, Any]:
     fp32 = config.model_copy(update={"dtype": "fp32"})
-    client = SwarmNode.start("client", [], LinkProfile(), TensorLimits())
-    nodes, peers = [client], []
+    swarm = Swarm(config, folder)
     try:
-        addresses = client.addresses()
-        hostile: list[StagePeer] = []
         for stage in range(config.num_stages):
-            start(peers, nodes, addresses, config, stage, f"honest{stage}")
+            swarm.start(stage, f"honest{stage}")
+            swarm.start(stage, f"fp32-{stage}", config=fp32)
             if scenario == "honest":
-                start(peers, nodes, addresses, fp32, stage, f"fp32-{stage}")
+                swarm.start(stage, f"honest{stage}b")
+        kind = "random-tokens" if scenario == "rotate-keys" else scenario
+        hostile: list[StagePeer] = []
         if scenario != "honest":
             for stage in adversary_stages(scenario, config.num_stages):
-                hostile.append(start(peers, nodes, addresses, config, stage, f"hostile{stage}",
-                                     scenario, folder))
-        # The peer that lies (an inject-answers pair's last-stage half); a group is the
-        # culprit's when every hostile peer served it (the pair injects only together).
-        culprit = hostile[-1].node.peer_id if hostile else None
-        culprit_stage = hostile[-1].index if hostile else None
-        directory = Directory(client, config.name, config.num_stages, config.swarm)
+                hostile.append(swarm.start(stage, f"hostile{stage}", kind))
+            if scenario in PARTNERS:
+                partner = PARTNERS[scenario]
+                for stage in adversary_stages(partner, config.num_stages):
+                    hostile.append(swarm.start(stage, f"partner{stage}", partner))
+        # The liar whose groups are counted: an inject-answers pair's last-stage half, a colluding
+        # judge's partner, or the stage peer itself.
+        culprit: StagePeer | None = hostile[-1] if hostile else None
+        honest = {p.node.peer_id for p in swarm.peers if p not in hostile}
+        trust = Trust(config, swarm.client, _directory(swarm), loaded.spec.hidden_size,
+                      loaded.tokenizer.pad_token_id, Console(quiet=True))
+        if policy == "old":
+            trust.verifier = OldVerifier(swarm.client, trust.verifier.directory, config,
+                                         loaded.spec.hidden_size, loaded.tokenizer.pad_token_id)
+        directory = trust.verifier.directory
+        directory.version_ceiling = lambda stage: 0  # nothing trains here: the base weights
         directory.refresh()
-        chain = RemoteChain(client, directory, config.swarm, config.trust, loaded.spec)
+        chain = RemoteChain(swarm.client, directory, config.swarm, config.trust, loaded.spec,
+                            trust.reputation)
         task = make_task(config.task.name, **config.task.options)
         scheduler = PromptScheduler(config.seed)
         worker = RolloutWorker(chain, None, task, loaded.tokenizer, config.rollout, scheduler,
                                config.seed)
-        verifier = Verifier(client, directory, config, loaded.spec.hidden_size,
-                            loaded.tokenizer.pad_token_id)
-        touched = caught = flagged = wrongful = skipped = 0
-        honest_gaps, honest_margins = [], []
+        judge = hostile[0] if scenario in PARTNERS else None  # the colluding judge
+        identities = [culprit.node.peer_id] if culprit is not None else []
+        served_before_ban: list[int] = []
+        served_now = 0  # the current identity's groups
+        culprit_groups: list[str] = []
+        checked = caught = opinions = rulings = judged = served_by_judge = 0
+        wrongful: list[str] = []
 
-        def generate(index: int) -> tuple[RolloutGroup, Any]:
+        def generate(index: int) -> tuple[RolloutGroup, Provenance]:
             sessions: list[Any] = []
             [group] = worker.generate_groups([index], on_session=sessions.append)
             return group, sessions[0].provenance
 
-        with ThreadPoolExecutor(2) as pool:
-            generated = list(pool.map(generate, scheduler.next(groups)))
-        for index, (group, provenance) in enumerate(generated):
-            verdict = verifier.verify(group, provenance)
-            involved = bool(hostile) and all(
-                peer.node.peer_id in provenance.stage_peers(peer.index) for peer in hostile)
-            touched += involved
-            skipped += verdict.outcome == "skipped"
-            if not involved and verdict.token_gaps is not None:
-                honest_gaps.append(verdict.token_gaps)
-                honest_margins.append(verdict.token_margins)
-            if verdict.outcome == "failed":
-                if involved and verdict.peer == culprit and verdict.stage == culprit_stage:
-                    caught += 1
-                else:
-                    wrongful += 1
-            if trainer_flags(local_stages, group, config, loaded.tokenizer.pad_token_id) \
-                    and (involved or culprit is None):
-                flagged += 1
-            print(f"  {scenario} group {index}: {'culprit' if involved else 'honest'}, "
-                  f"{verdict.outcome} {verdict.detail[:100]}", flush=True)
-        services = [peer.inference for peer in peers if peer.inference is not None]
-        serving = sum(service.busy_s for service in services)
-        checking = sum(service.verify_busy_s for service in services)
-        nothing = [torch.full((1,), float("nan"))]  # every group went through the culprit
-        gaps, margins = torch.cat(honest_gaps or nothing), torch.cat(honest_margins or nothing)
-        return {"scenario": scenario, "groups": groups, "touched": touched, "caught": caught,
-                "flagged": flagged, "wrongful": wrongful, "skipped": skipped,
-                "honest_tokens": gaps.numel(), "honest_gap_p99": float(gaps.quantile(0.99)),
-                "honest_gap_max": float(gaps.max()),
-                "honest_margin_p99": float(margins.quantile(0.99)),
-                "honest_margin_max": float(margins.max()),
-                "honest_over_tolerance": float(
-                    ((gaps > config.trust.logprob_tolerance)
-                     | (margins > config.trust.sampling_tolerance)).float().mean()),
+        def culprits(provenance: Provenance) -> bool:
+            """Whether the culprit (with its spy, for an inject-answers pair) served it."""
+            pair = hostile if scenario == "inject-answers" else [culprit]
+            return all(p is not None and p.node.peer_id in provenance.stage_peers(p.index)
+                       for p in pair)
+
+        # As many sessions at a time as the busiest stage has replicas: the client spreads
+        # concurrent sessions over the replicas, so every replica, hostile or not, gets work.
+        concurrency = max(sum(p.index == s for p in swarm.peers)
+                          for s in range(config.num_stages))
+        started = time.monotonic()
+        with ThreadPoolExecutor(concurrency) as pool:
+            for round_start in range(0, groups, concurrency):
+                for group, provenance in pool.map(generate, scheduler.next(
+                        min(concurrency, groups - round_start))):
+                    trust.produced(group.group_id, provenance)
+                    trust.accepted(group)
+                    if culprit is not None and culprits(provenance):
+                        culprit_groups.append(group.group_id)
+                        served_now += 1
+                    if judge is not None and judge.node.peer_id in provenance.peers():
+                        served_by_judge += 1
+                while not trust.queue.empty():
+                    group, provenance, reason = trust.queue.get_nowait()
+                    ruling = (old_ruling(trust.verifier, group, provenance) if policy == "old"
+                              else convene(trust.verifier, group, provenance,
+                                           reason == "probation" or trust.random.random()
+                                           < config.trust.second_opinion_fraction))
+                    rulings += 1
+                    opinions += len(ruling.opinions)
+                    judged += judge is not None and any(
+                        judge.node.peer_id in o.panel for o in ruling.opinions)
+                    events_before = trust.reputation.events_recorded
+                    trust.judge(ruling, provenance, reason)
+                    new_events, _ = trust.reputation.events_after(events_before)
+                    wrongful += [f"{e.peer[-8:]} at stage {e.stage}: {e.detail[:80]}"
+                                 for e in new_events if e.peer in honest
+                                 and e.outcome == "failed"]
+                    verdict = ruling.verdict
+                    if group.group_id in culprit_groups:
+                        checked += verdict.outcome != "skipped"
+                        caught += (verdict.outcome == "failed" and ruling.confirmed
+                                   and verdict.stage == hostile[-1].index)
+                    print(f"  {scenario}: group {group.group_id} ({reason}) "
+                          f"{'culprit' if group.group_id in culprit_groups else 'honest'}: "
+                          f"{verdict.outcome} after {len(ruling.opinions)} opinion(s) "
+                          f"{verdict.detail[:80]}", flush=True)
+                if culprit is not None and trust.reputation.banned(culprit.node.peer_id):
+                    served_before_ban.append(served_now)
+                    served_now = 0
+                    if scenario != "rotate-keys":
+                        culprit = None  # banned: it gets no more sessions
+                        continue
+                    culprit = swarm.start(culprit.index, f"hostile-{len(identities)}", kind)
+                    hostile.append(culprit)
+                    identities.append(culprit.node.peer_id)
+                    directory.refresh()
+        seconds = time.monotonic() - started
+        for group_id in culprit_groups:
+            print(f"  {scenario}: the culprit's group {group_id}: "
+                  f"{trust.distrusted_producer(group_id) or 'would train'}", flush=True)
+        trained = [g for g in culprit_groups
+                   if trust.distrusted_producer(g) is None and not trust.awaiting_verdict(g)]
+        serving, checking = swarm.cost()
+        honest_bans = sorted(p[-8:] for p in honest if trust.reputation.banned(p))
+        return {"scenario": scenario, "policy": policy, "groups": groups,
+                "culprit_groups": len(culprit_groups), "checked": checked, "caught": caught,
+                "identities": len(identities), "served_before_ban": served_before_ban,
+                "reached_training": len(trained), "wrongful": wrongful,
+                "honest_bans": honest_bans, "opinions": opinions,
+                "banned_causes": trust.banned_peers(), "seconds": seconds,
+                "judge_banned": judge is not None and trust.reputation.banned(
+                    judge.node.peer_id),
+                "judged_share": judged / rulings if rulings else 0.0,
+                "judge_served_share": served_by_judge / groups,
                 "serve_s": serving, "check_s": checking,
-                "check_over_generation": checking / serving}
+                "check_over_generation": checking / serving if serving else 0.0}
     finally:
-        for peer in peers:
-            peer.stop()
-        for node in nodes:
-            node.shutdown()
+        swarm.close()
+
+
+def _directory(swarm: Swarm) -> Any:
+    from decentrl.net.directory import Directory
+
+    config = swarm.config
+    return Directory(swarm.client, config.name, config.num_stages, config.swarm)
+
+
+def honest_checks(config: RunConfig, loaded: Any, folder: Path, checks: int, groups: int
+                  ) -> dict[str, Any]:
+    """`checks` rulings on honest groups (random among `groups` generated), panels drawn at
+    random over a bf16, an fp32 and a second bf16 replica per stage."""
+    fp32 = config.model_copy(update={"dtype": "fp32"})
+    swarm = Swarm(config, folder)
+    try:
+        for stage in range(config.num_stages):
+            swarm.start(stage, f"honest{stage}")
+            swarm.start(stage, f"fp32-{stage}", config=fp32)
+            swarm.start(stage, f"honest{stage}b")
+        trust = Trust(config, swarm.client, _directory(swarm), loaded.spec.hidden_size,
+                      loaded.tokenizer.pad_token_id, Console(quiet=True))
+        directory = trust.verifier.directory
+        directory.refresh()
+        chain = RemoteChain(swarm.client, directory, config.swarm, config.trust, loaded.spec,
+                            trust.reputation)
+        task = make_task(config.task.name, **config.task.options)
+        scheduler = PromptScheduler(config.seed)
+        worker = RolloutWorker(chain, None, task, loaded.tokenizer, config.rollout, scheduler,
+                               config.seed)
+        made: list[tuple[RolloutGroup, Provenance]] = []
+        for index in scheduler.next(groups):
+            sessions: list[Any] = []
+            [group] = worker.generate_groups([index], on_session=sessions.append)
+            made.append((group, sessions[0].provenance))
+        rng = random.Random(0)
+        opinions = failed_opinions = failed_rulings = 0
+        started = time.monotonic()
+        for number in range(checks):
+            group, provenance = rng.choice(made)
+            ruling = convene(trust.verifier, group, provenance, repeat_pass=False)
+            trust.judge(ruling, provenance, "sampled")
+            opinions += len(ruling.opinions)
+            failed_opinions += sum(o.outcome == "failed" for o in ruling.opinions)
+            failed_rulings += ruling.verdict.outcome == "failed"
+            if number % 100 == 0:
+                print(f"  honest checks: {number}/{checks}, {failed_opinions} failed opinions, "
+                      f"{time.monotonic() - started:.0f}s", flush=True)
+        bans = sum(trust.reputation.banned(p.node.peer_id) for p in swarm.peers)
+        return {"checks": checks, "opinions": opinions, "failed_opinions": failed_opinions,
+                "failed_rulings": failed_rulings, "honest_bans": bans,
+                "seconds": time.monotonic() - started}
+    finally:
+        swarm.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="decentrl bench trust", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=24)
+    parser.add_argument("--policy", choices=("new", "old"), default="new")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--honest-checks", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    scenarios = args.scenarios.split(",")
+    scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:
         parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="decentrl-trust-") as tmp:
         folder = Path(tmp)
-        config = bench_config(common.bench_model(args.model), folder / "runs")
+        config = bench_config(common.bench_model(args.model), folder / "runs", args.policy)
         loaded = load_model(config.model)
-        plan = StagePlan.even(loaded.spec.num_layers, config.num_stages)
-        local = build_stages(loaded.spec, plan, loaded.tensors, torch.device("cpu"),
-                             torch.float32)
-        results = [run_scenario(s, config, args.groups, local, loaded, folder)
+        results = [run_scenario(s, config, args.groups, loaded, folder, args.policy)
                    for s in scenarios]
-    fraction = config.trust.verify_fraction
+        honest = (honest_checks(config, loaded, folder, args.honest_checks, 16)
+                  if args.honest_checks else None)
     rows = []
     for r in results:
-        honest = r["scenario"] == "honest"
-        rows.append([r["scenario"], r["groups"], "-" if honest else r["touched"],
-                     "-" if honest else f"{r['caught']}/{r['touched']}",
-                     f"{r['flagged']}/{r['groups'] if honest else r['touched']}",
-                     f"{r['wrongful']}/{r['groups']}", r["skipped"],
-                     r["check_over_generation"], fraction * r["check_over_generation"]])
-        common.print_figures(f"trust_{r['scenario'].replace('-', '_')}", {
-            "touched": r["touched"], "caught": r["caught"], "flagged": r["flagged"],
-            "wrongful": r["wrongful"], "cost_ratio": r["check_over_generation"]})
+        culprit = r["scenario"] != "honest"
+        bans = r["served_before_ban"]
+        rows.append([r["scenario"], r["culprit_groups"] if culprit else "-",
+                     f"{r['caught']}/{r['checked']}" if culprit else "-",
+                     r["identities"] if culprit else "-",
+                     ", ".join(map(str, bans)) or ("never" if culprit else "-"),
+                     f"{r['reached_training']}/{r['culprit_groups']}" if culprit else "-",
+                     len(r["wrongful"]), len(r["honest_bans"]), r["opinions"],
+                     r["check_over_generation"]])
+        common.print_figures(f"trust_{args.policy}_{r['scenario'].replace('-', '_')}", {
+            "culprit_groups": r["culprit_groups"], "caught": r["caught"],
+            "checked": r["checked"], "reached_training": r["reached_training"],
+            "wrongful": len(r["wrongful"]), "honest_bans": len(r["honest_bans"]),
+            "cost_ratio": r["check_over_generation"]})
+        for line in r["wrongful"]:
+            print(f"  wrongful ({r['scenario']}): {line}")
     common.print_table(
-        f"spot-checks and trainer flags ({args.model}, {args.groups} groups per scenario)",
-        ["scenario", "groups", "culprit's groups", "checks caught", "trainer flagged",
-         "wrongful blame", "skipped", "check / generate", f"cost at f={fraction}"], rows)
-    common.print_table(
-        "honest tokens re-executed (every scenario's groups the culprit did not touch)",
-        ["scenario", "tokens", "log-prob gap p99", "max", "sampling margin p99", "max",
-         "beyond tolerance"],
-        [[r["scenario"], r["honest_tokens"], r["honest_gap_p99"], r["honest_gap_max"],
-          r["honest_margin_p99"], r["honest_margin_max"], r["honest_over_tolerance"]]
-         for r in results],
-        caption=f"tolerances: log-prob {config.trust.logprob_tolerance}, margin "
-                f"{config.trust.sampling_tolerance}; a check fails above "
-                f"{config.trust.max_mismatch_fraction:.0%} of a group's tokens")
-    common.write_json(args.json, {"model": args.model, "results": results})
+        f"trust, {args.policy} rules ({args.model}, {args.groups} groups per scenario, "
+        f"default trust settings)",
+        ["scenario", "culprit's groups", "caught / checked", "identities",
+         "groups served before each ban", "culprit's groups trained", "wrongful charges",
+         "honest bans", "re-executions", "check / generate"], rows,
+        caption="caught: a confirmed ruling blamed the culprit at its stage; trained: neither "
+                "held for a ruling nor dropped when the scenario ended")
+    judges = [r for r in results if r["scenario"] in PARTNERS]
+    if judges:
+        common.print_table(
+            f"colluding judges ({args.policy} rules)",
+            ["scenario", "rulings it sat on", "sessions it served", "judge banned"],
+            [[r["scenario"], r["judged_share"], r["judge_served_share"], r["judge_banned"]]
+             for r in judges],
+            caption="shares of all rulings and all groups; a fair share is 1/3 of the last "
+                    "stage's (two honest replicas and the judge besides the partner)")
+    if honest is not None:
+        common.print_table(
+            f"honest work re-checked ({args.model})",
+            ["rulings", "re-executions", "failed opinions", "failed rulings", "honest bans",
+             "seconds"],
+            [[honest["checks"], honest["opinions"], honest["failed_opinions"],
+              honest["failed_rulings"], honest["honest_bans"], honest["seconds"]]])
+        common.print_figures("trust_honest_checks", {k: float(v) for k, v in honest.items()})
+    common.write_json(args.json, {"model": args.model, "policy": args.policy,
+                                  "results": results, "honest_checks": honest})
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from decentrl.swarm.peer import Service, StagePeer
 from decentrl.swarm.replica import ReplicaWeights
 from decentrl.swarm.sessions import RemoteChain
 from decentrl.swarm.training_client import RemoteStageWorker
+from decentrl.swarm.verification import VerifyService
 from decentrl.sync.distribute import WeightPublisher
 
 CPU = torch.device("cpu")
@@ -173,14 +174,17 @@ def start_peer(config: RunConfig, stage: int, role: Role, initial_peers: Sequenc
                owner: str, limits: TensorLimits = TensorLimits(),
                checkpoint_dir: Path | None = None, name: str = "peer",
                link: LinkProfile = LinkProfile(),
-               wrap_inference: Callable[[InferenceService], Service] | None = None) -> StagePeer:
+               wrap_inference: Callable[[InferenceService], Service] | None = None,
+               wrap_verification: Callable[[VerifyService], Service] | None = None
+               ) -> StagePeer:
     """A SwarmNode and a started StagePeer on it, of the run the peer id `owner` owns (its
-    inference wrapped by `wrap_inference`, a hostile peer's); the node is shut down if the peer
-    fails."""
+    inference or verification wrapped by a hostile peer's wrapper); the node is shut down if
+    the peer fails."""
     node = start_node(config, name, initial_peers, limits, link)
     try:
         peer = StagePeer(config, stage, role, node, owner, checkpoint_dir=checkpoint_dir,
-                         name=name, wrap_inference=wrap_inference)
+                         name=name, wrap_inference=wrap_inference,
+                         wrap_verification=wrap_verification)
         peer.start()
     except BaseException:
         node.shutdown()

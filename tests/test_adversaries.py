@@ -26,7 +26,13 @@ from decentrl.model.loading import LoadedModel, load_model
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.wire import TensorLimits
-from decentrl.swarm.adversary import HostileInference, flood, submit_replays
+from decentrl.swarm.adversary import (
+    JUDGE_ADVERSARIES,
+    HostileInference,
+    LyingJudge,
+    flood,
+    submit_replays,
+)
 from decentrl.swarm.coordinate import swarm_run
 from decentrl.swarm.loop import TrainingLoop
 from decentrl.swarm.manifest import admit
@@ -60,10 +66,12 @@ def add_replica(swarm: Swarm, config: RunConfig, stage: int, name: str,
                 adversary: str | None = None, collusion: Path | None = None) -> StagePeer:
     """An inference replica (hostile with `adversary`) joining `swarm` with its own `config`;
     shut down with the swarm."""
+    judge = adversary in JUDGE_ADVERSARIES
     peer = start_peer(config, stage, "inference", swarm.client.addresses(),
                       swarm.client.peer_id, name=name,
-                      wrap_inference=None if adversary is None else
-                      lambda service: HostileInference(service, adversary, collusion))
+                      wrap_inference=None if adversary is None or judge else
+                      lambda service: HostileInference(service, adversary, collusion),
+                      wrap_verification=LyingJudge if judge else None)
     swarm.peers.append(peer)
     swarm.sockets.extend(peer.node.socket_paths())
     return peer
@@ -136,6 +144,32 @@ def test_hostile_replica_is_caught_blamed_and_banned(
                 assert not reputation.banned(peer), reputation.counts(peer)
                 assert reputation.counts(peer).get("failed", 0) == 0
             assert coordinator.backend.trust.count["verified"] > 0  # honest groups checked out
+            assert summary.steps == config.train.steps
+
+
+def test_a_colluding_judge_neither_saves_its_partner_nor_gets_an_honest_replica_blamed(
+        tiny_sharp_dir: Path, tmp_path: Path) -> None:
+    # Every group checked, every pass repeated: the judge sits on many rulings. Two honest
+    # replicas at the last stage, so that whoever produced a group, two others can judge it.
+    # As many sessions at a time as the last stage has replicas: each of them gets work.
+    config = trust_config(tiny_sharp_dir, steps=5, run_dir=str(tmp_path / "runs"),
+                          swarm={"sessions_in_flight": 4, "announce_every_s": 1.0, "ban_s": 2.0},
+                          trust={"verify_fraction": 1.0, "second_opinion_fraction": 1.0,
+                                 "ban_s": 600.0, "flag_log_ratio": 1.0, "flag_surprise": 3.0})
+    layout = [*LAYOUT, (1, "inference")]
+    with start_swarm(config, layout) as swarm:
+        partner = add_replica(swarm, config, 1, "partner", "forge-logprobs")
+        judge = add_replica(swarm, config, 1, "judge", "collude-verify")
+        with coordinated(config, swarm) as coordinator:
+            summary = coordinator.run(wait_s=60)
+            trust = coordinator.backend.trust
+            reputation = trust.reputation
+            assert reputation.banned(partner.node.peer_id), reputation.counts(partner.node.peer_id)
+            assert trust.count["verifiers_overruled"] > 0
+            assert reputation.counts(judge.node.peer_id).get("failed", 0) > 0
+            for peer in honest_ids(swarm, [partner, judge]):
+                assert reputation.counts(peer).get("failed", 0) == 0, reputation.counts(peer)
+                assert not reputation.banned(peer)
             assert summary.steps == config.train.steps
 
 

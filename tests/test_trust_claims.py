@@ -408,13 +408,12 @@ def test_inference_replicas_are_chosen_by_load_then_latency_never_by_claimed_cap
     assert directory.choose_inference(0) == "far"
 
 
-def test_a_replica_claiming_a_version_no_training_peer_has_gets_no_preference(
+def test_a_replica_claiming_a_version_its_trainer_never_made_gets_no_preference(
         tiny_model_dir: Path) -> None:
     config = tiny_run_config(tiny_model_dir, NUM_STAGES)
     directory = Directory(cast(SwarmNode, OfflineNode()), config.name, NUM_STAGES, config.swarm)
-    trainer = msgspec.structs.replace(replica_record("trainer", 0), role="training", version=5)
-    announce(directory, {"trainer": trainer,
-                         "honest": msgspec.structs.replace(replica_record("honest", 0), version=5),
+    directory.version_ceiling = lambda stage: 5  # what the stage's trainer has made
+    announce(directory, {"honest": msgspec.structs.replace(replica_record("honest", 0), version=5),
                          "boaster": msgspec.structs.replace(replica_record("boaster", 0),
                                                             version=10**6)})
     directory.observe("boaster", 0.001)  # and the lowest latency

@@ -133,6 +133,9 @@ class SwarmConfig(Section):
                                               "caches of one sender's sessions on a peer may "
                                               "hold; caches grow with the positions written, so "
                                               "this bounds the memory one sender takes")
+    stage_wait_s: float = Field(1800.0, gt=0, description="how long generation and evaluation "
+                                "wait for a stage that has lost every inference replica before "
+                                "the run fails")
     inference_replicas: int = Field(2, ge=1, description="per stage, for the local launcher")
     training_peers_per_stage: int = Field(1, ge=1, description="per stage, for the local "
                                           "launcher: the first trains, the others audit it "
@@ -190,6 +193,10 @@ class TrustConfig(Section):
                                    "to a replica on probation while an established one has room")
     history_versions: int = Field(4, ge=0, description="updates a replica can rewind, so it can "
                                   "re-execute at the versions a rollout recorded")
+    training_peer_verifies: bool = Field(True, description="a training peer keeps a copy of the "
+                                         "weights its replicas serve (one more copy of its stage "
+                                         "in the serving dtype) and re-executes spot-checks of "
+                                         "its stage, so a stage with one replica is judged too")
     logprob_tolerance: float = Field(0.5, gt=0, description="a re-executed token's log-prob may "
                                      "differ from the claimed one by this much (nats)")
     sampling_tolerance: float = Field(0.5, gt=0, description="how far (nats) a claimed token's "

@@ -1,9 +1,16 @@
-"""Held-out evaluation over an inference chain: greedy pass@1 and sampled pass@k, each with a 95%
-confidence interval (Wilson for pass@1; normal approximation over problems for pass@k).
+"""Held-out evaluation over an inference chain: pass@1 and sampled pass@k, each with a 95%
+confidence interval (Wilson for greedy pass@1; normal approximation over problems otherwise).
 
-An environment is evaluated the same way, a whole episode per sample: pass@1 is the greedy
-episode success rate, and `episodes` adds the greedy episodes' mean turns, tool calls per episode
-and the share of calls that were malformed. An episode the token budget cut short is a failure."""
+Two shapes. By default pass@1 is greedy, in batches of problems (the release comparison on the
+coordinator's own machine, evaluate/suite.py). A run's own evaluation, local or swarm
+(swarm/loop.py), passes a `TrainingShape`: every session is a training group's (G samples of one
+prompt, the rollout's sampling, a training-like seed), so that in a swarm the peers cannot tell
+evaluation from training and the coordinator can spot-check it; pass@1 is then the mean success
+of samples at the rollout's temperature (`EvalResult.pass1_temperature`), usually below greedy.
+
+An environment is evaluated the same way, a whole episode per sample: pass@1 is the episode
+success rate, and `episodes` adds the pass@1 episodes' mean turns, tool calls per episode and
+the share of calls that were malformed. An episode the token budget cut short is a failure."""
 
 from __future__ import annotations
 
@@ -15,21 +22,23 @@ from typing import Any
 
 from decentrl.envs import Environment
 from decentrl.evaluate.stats import Accuracy, pass_at_k
-from decentrl.rollout.chain import InferenceChain
+from decentrl.rollout.chain import InferenceChain, InferenceSession
 from decentrl.rollout.episodes import generate_episodes
-from decentrl.rollout.generate import generate
+from decentrl.rollout.generate import generate, rollout_group
 from decentrl.rollout.sampling import SamplingConfig
+from decentrl.rollout.types import RolloutGroup
 from decentrl.tasks import Problem, Task, problems, render_prompt
 
 
 @dataclass
 class EpisodeStats:
-    """Over greedy episodes: what the agent did, beside whether it succeeded."""
+    """Over the pass@1 episodes: what the agent did, beside whether it succeeded."""
 
     mean_turns: float
     mean_tool_calls: float
     invalid_call_rate: float | None  # None: no tool call was made
     cut_by_budget: int  # episodes the token budget ended before the environment did
+    played: int | None = None  # episodes in all (None in older files: one per problem)
 
 
 @dataclass
@@ -50,19 +59,22 @@ class EvalResult:
     task: str
     split: str
     problems: int
-    pass1: Accuracy  # greedy
+    pass1: Accuracy  # greedy, or sampled at pass1_temperature
     pass_k: Accuracy | None  # sampled, unbiased estimator, averaged over problems
     k: int
     mean_completion_tokens: float
     samples: list[dict[str, Any]]  # a few (question, completion, correct) for the report
     episodes: EpisodeStats | None = None  # for an environment
+    pass1_temperature: float | None = None  # None: greedy pass@1
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def pass1_label(result: EvalResult) -> str:
-    return "episode success (greedy)" if result.episodes is not None else "pass@1 (greedy)"
+    how = ("greedy" if result.pass1_temperature is None
+           else f"sampled at T={result.pass1_temperature:g}")
+    return f"episode success ({how})" if result.episodes is not None else f"pass@1 ({how})"
 
 
 def episode_rows(before: EvalResult | None, after: EvalResult | None) -> list[list[str]]:
@@ -79,102 +91,187 @@ def episode_rows(before: EvalResult | None, after: EvalResult | None) -> list[li
         ["tool calls per episode", *cells(lambda r, e: f"{e.mean_tool_calls:.2f}")],
         ["invalid-call rate", *cells(lambda r, e: "-" if e.invalid_call_rate is None
                                      else f"{100 * e.invalid_call_rate:.1f}%")],
-        ["cut by the token budget", *cells(lambda r, e: f"{e.cut_by_budget} of {r.problems}")],
+        ["cut by the token budget", *cells(
+            lambda r, e: f"{e.cut_by_budget} of {e.played or r.problems}")],
     ]
 
 
-def _judge(chain: InferenceChain, task: Task | Environment, split: str,
-           batch_problems: list[Problem], tokenizer: Any, max_new_tokens: int,
-           sampling: SamplingConfig, seed: int | None) -> Outcomes:
+# Where a training-shaped evaluation's seed indices start (see `training_shaped_jobs`).
+EVAL_SEED_OFFSET = 2**31
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """Evaluation sessions shaped as a run's generation sessions, so that the peers serving a
+    swarm run's evaluation cannot tell it from training (and the coordinator can spot-check it
+    like training): `problems_per_session` problems per session (a swarm's: 1), `group_size`
+    samples of each, drawn with the rollout's `sampling` from a seed of the training seeds'
+    form. pass@1 is then the mean of those samples' success (at the rollout's temperature, not
+    greedy)."""
+
+    group_size: int
+    sampling: SamplingConfig
+    problems_per_session: int = 1
+
+
+@dataclass(frozen=True)
+class Job:
+    """One session: `problems` from index `first` of the evaluation's list, each `repeats`
+    times in a row, and whether its samples make pass@1 (or only pass@k)."""
+
+    first: int
+    problems: list[Problem]
+    repeats: int
+    sampling: SamplingConfig
+    seed: int | None
+    for_pass1: bool
+    draw: int | None = None  # a training-shaped session: which of each problem's sessions
+
+
+# Called with each group (a problem's samples) of a training-shaped session, and the session.
+OnGroup = Callable[[RolloutGroup, InferenceSession], None]
+# Called with a session's error and how many times its job failed so far: returns to run the job
+# again (the sessions already done are kept), raises to end the evaluation.
+Retry = Callable[[Exception, int], None]
+
+
+def greedy_jobs(items: list[Problem], batch_size: int, pass_k: int, seed: int) -> list[Job]:
+    """Greedy batches for pass@1, and for pass@k sub-batches of k samples per problem
+    (problem-major, so each problem's samples sit together), each with its own seed."""
+    jobs = [Job(start, items[start:start + batch_size], 1, SamplingConfig(temperature=0.0),
+                None, True) for start in range(0, len(items), batch_size)]
+    if pass_k > 1:
+        per_batch = max(1, batch_size // pass_k)
+        jobs += [Job(sub, items[sub:sub + per_batch], pass_k, SamplingConfig(temperature=1.0),
+                     seed * 1_000_003 + sub, False) for sub in range(0, len(items), per_batch)]
+    return jobs
+
+
+def training_shaped_jobs(items: list[Problem], shape: TrainingShape, pass_k: int, seed: int
+                         ) -> list[Job]:
+    """Each problem's `group_size` samples as many times as pass@k needs (once for pass@1), in
+    sessions of `problems_per_session` problems. A seed has the form of a training session's
+    (run seed * 2^32 + an index), from 2^31 on: past the problem indices (run seed * 1_000_003 +
+    problems scheduled, swarm/scheduler.py) a run reaches in practice, so a training session's
+    seed does not recur in an evaluation. Each
+    evaluation of a run draws the same seeds: the before and after compare on the same noise."""
+    draws, size = -(-pass_k // shape.group_size), shape.problems_per_session
+    return [Job(first, items[first:first + size], shape.group_size, shape.sampling,
+                seed * 2**32 + EVAL_SEED_OFFSET + items[first].index * draws + draw, True, draw)
+            for draw in range(draws) for first in range(0, len(items), size)]
+
+
+def _judge(chain: InferenceChain, task: Task | Environment, split: str, job: Job, tokenizer: Any,
+           max_new_tokens: int, on_group: OnGroup | None) -> Outcomes:
+    rows = [p for p in job.problems for _ in range(job.repeats)]
+    sessions: list[InferenceSession] = []
     if isinstance(task, Environment):
-        episodes = [task.episode(split, p.index) for p in batch_problems]  # type: ignore[arg-type]
-        played = generate_episodes(chain, episodes, tokenizer, max_new_tokens, sampling, seed)
-        return Outcomes(
+        episodes = [task.episode(split, p.index) for p in rows]  # type: ignore[arg-type]
+        played = generate_episodes(chain, episodes, tokenizer, max_new_tokens, job.sampling,
+                                   job.seed, sessions.append)
+        generations, prompts = [p.generation for p in played], [p.prompt for p in played]
+        outcomes = Outcomes(
             solved=[p.reward is not None and p.reward.solved for p in played],
-            texts=[tokenizer.decode(p.generation.tokens, skip_special_tokens=True)
-                   for p in played],
-            lengths=[len(p.generation.tokens) for p in played],
+            texts=[tokenizer.decode(g.tokens, skip_special_tokens=True) for g in generations],
+            lengths=[len(g.tokens) for g in generations],
             turns=[e.turns for e in episodes], tool_calls=[e.tool_calls for e in episodes],
             invalid_calls=[e.invalid_calls for e in episodes],
             cut=[p.reward is None for p in played])
-    prompts = [render_prompt(task, p, tokenizer) for p in batch_problems]
-    generations = generate(chain, prompts, max_new_tokens, sampling, {tokenizer.eos_token_id},
-                           tokenizer.pad_token_id, seed)
-    texts = [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in generations]
-    count = len(batch_problems)
-    return Outcomes(solved=[task.reward(p, text).solved for p, text in zip(batch_problems, texts)],
-                    texts=texts, lengths=[len(g.tokens) for g in generations], turns=[1] * count,
-                    tool_calls=[0] * count, invalid_calls=[0] * count, cut=[False] * count)
+    else:
+        prompts = [render_prompt(task, p, tokenizer) for p in rows]
+        generations = generate(chain, prompts, max_new_tokens, job.sampling,
+                               {tokenizer.eos_token_id}, tokenizer.pad_token_id, job.seed,
+                               sessions.append)
+        texts = [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in generations]
+        count = len(rows)
+        outcomes = Outcomes(
+            solved=[task.reward(p, text).solved for p, text in zip(rows, texts)], texts=texts,
+            lengths=[len(g.tokens) for g in generations], turns=[1] * count,
+            tool_calls=[0] * count, invalid_calls=[0] * count, cut=[False] * count)
+    if on_group is not None and job.draw is not None and job.seed is not None:
+        for number, problem in enumerate(job.problems):
+            rows_of = slice(number * job.repeats, (number + 1) * job.repeats)
+            on_group(rollout_group(f"eval/{task.name}/{problem.index}/{job.draw}", task.name,
+                                   problem.index, prompts[rows_of.start], generations[rows_of],
+                                   job.seed), sessions[0])
+    return outcomes
 
 
 def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, num_problems: int,
              max_new_tokens: int, batch_size: int, pass_k: int = 1, seed: int = 0,
              split: str = "heldout", progress: Callable[[int, int], None] | None = None,
-             concurrency: int = 1) -> EvalResult:
-    """`progress`, if given, is called with (generations done, generations in all): one greedy
-    generation per problem, and `pass_k` sampled ones when pass_k > 1.
-    `concurrency` > 1 runs that many batches at once (over a swarm, so hop latency is hidden and
-    every replica works); the result does not depend on it."""
+             concurrency: int = 1, shape: TrainingShape | None = None,
+             on_group: OnGroup | None = None, retry: Retry | None = None) -> EvalResult:
+    """`progress`, if given, is called with (generations done, generations in all).
+    Without `shape`: one greedy generation per problem for pass@1, in batches of `batch_size`,
+    and `pass_k` sampled ones when pass_k > 1. With `shape`: training-shaped sessions (see
+    `TrainingShape`; `batch_size` is unused), each handed to `on_group` once generated.
+    `concurrency` > 1 runs that many sessions at once (over a swarm, so hop latency is hidden
+    and every replica works); the result does not depend on it. A session that fails is run
+    again while `retry` returns."""
     if num_problems < 1 or batch_size < 1:
         raise ValueError(f"num_problems and batch_size must be >= 1, got {num_problems} and "
                          f"{batch_size}")
     items = problems(task, split, num_problems)  # type: ignore[arg-type]
-    greedy = SamplingConfig(temperature=0.0)
-    sampled = SamplingConfig(temperature=1.0)
-    # Jobs: greedy batches, and for pass@k, sub-batches of k samples per problem (problem-major,
-    # so each problem's samples sit together). Each sampled job has its own seed.
-    jobs: list[tuple[int, list[Problem], SamplingConfig, int | None]] = []
-    for start in range(0, len(items), batch_size):
-        jobs.append((start, items[start:start + batch_size], greedy, None))
-    if pass_k > 1:
-        per_batch = max(1, batch_size // pass_k)
-        for sub in range(0, len(items), per_batch):
-            repeated = [p for p in items[sub:sub + per_batch] for _ in range(pass_k)]
-            jobs.append((sub, repeated, sampled, seed * 1_000_003 + sub))
-    done, total = 0, sum(len(chunk) for _, chunk, _, _ in jobs)
+    jobs = (greedy_jobs(items, batch_size, pass_k, seed) if shape is None
+            else training_shaped_jobs(items, shape, pass_k, seed))
+    done, total = 0, sum(len(job.problems) * job.repeats for job in jobs)
     lock = threading.Lock()
 
-    def run(job: tuple[int, list[Problem], SamplingConfig, int | None]) -> Outcomes:
+    def run(job: Job) -> Outcomes:
         nonlocal done
-        start, chunk, sampling, job_seed = job
-        out = _judge(chain, task, split, chunk, tokenizer, max_new_tokens, sampling, job_seed)
+        failures = 0
+        while True:
+            try:
+                out = _judge(chain, task, split, job, tokenizer, max_new_tokens, on_group)
+                break
+            except Exception as error:
+                failures += 1
+                if retry is None:
+                    raise
+                retry(error, failures)
         if progress is not None:
             with lock:
-                done += len(chunk)
+                done += len(out.solved)
                 progress(done, total)
         return out
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         results = list(pool.map(run, jobs))
-    greedy = Outcomes([], [], [], [], [], [], [])
+    pass1 = Outcomes([], [], [], [], [], [], [])
+    pass1_solved: list[list[bool]] = [[] for _ in items]
+    sampled_solved: list[list[bool]] = [[] for _ in items]
     samples: list[dict[str, Any]] = []
-    sampled_correct = [0] * len(items)
-    for (start, chunk, sampling, _), out in zip(jobs, results):
-        if sampling.greedy:
-            for field in vars(greedy):
-                getattr(greedy, field).extend(getattr(out, field))
-            if len(samples) < 8:
-                samples += [{"question": p.question, "completion": t, "correct": s}
-                            for p, t, s in zip(chunk, out.texts, out.solved)][: 8 - len(samples)]
-        else:
-            for j, ok in enumerate(out.solved):
-                sampled_correct[start + j // pass_k] += int(ok)
+    for job, out in zip(jobs, results):
+        for row, solved in enumerate(out.solved):
+            problem = job.first + row // job.repeats
+            (pass1_solved if job.for_pass1 else sampled_solved)[problem].append(solved)
+            if shape is not None:
+                sampled_solved[problem].append(solved)
+        if job.for_pass1:
+            for field in vars(pass1):
+                getattr(pass1, field).extend(getattr(out, field))
+            # The first sample of each problem, for the report.
+            samples += [{"question": p.question, "completion": out.texts[i * job.repeats],
+                         "correct": out.solved[i * job.repeats]}
+                        for i, p in enumerate(job.problems)][: max(0, 8 - len(samples))]
     pass_k_accuracy = None
     if pass_k > 1:
         pass_k_accuracy = Accuracy.from_values(
-            [pass_at_k(pass_k, c, pass_k) for c in sampled_correct])
+            [pass_at_k(len(s), sum(s), pass_k) for s in sampled_solved])
     episodes = None
     if isinstance(task, Environment):
-        calls = sum(greedy.tool_calls)
+        calls = sum(pass1.tool_calls)
         episodes = EpisodeStats(
-            mean_turns=sum(greedy.turns) / len(items),
-            mean_tool_calls=calls / len(items),
-            invalid_call_rate=sum(greedy.invalid_calls) / calls if calls else None,
-            cut_by_budget=sum(greedy.cut))
+            mean_turns=sum(pass1.turns) / len(pass1.turns),
+            mean_tool_calls=calls / len(pass1.turns),
+            invalid_call_rate=sum(pass1.invalid_calls) / calls if calls else None,
+            cut_by_budget=sum(pass1.cut), played=len(pass1.cut))
     return EvalResult(
         task=task.name, split=split, problems=len(items),
-        pass1=Accuracy.from_counts(sum(greedy.solved), len(greedy.solved)),
+        pass1=(Accuracy.from_counts(sum(pass1.solved), len(pass1.solved)) if shape is None
+               else Accuracy.from_values([sum(s) / len(s) for s in pass1_solved])),
         pass_k=pass_k_accuracy, k=pass_k,
-        mean_completion_tokens=sum(greedy.lengths) / len(greedy.lengths), samples=samples,
+        mean_completion_tokens=sum(pass1.lengths) / len(pass1.lengths), samples=samples,
         episodes=episodes,
-    )
+        pass1_temperature=None if shape is None else shape.sampling.temperature)

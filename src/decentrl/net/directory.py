@@ -58,6 +58,9 @@ class Directory:
     on_probation: Callable[[str], bool] = lambda peer: False
     probation_share: float = 1.0
     random: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
+    # The newest version a replica of a stage can serve (its trainer's), where the caller knows
+    # it; None: unknown.
+    version_ceiling: Callable[[int], int | None] = lambda stage: None
     # Called with (peer id, its record, True) for each peer that appeared and (.., False) for
     # each whose announcement expired, after a refresh, outside the lock.
     on_change: Callable[[str, PeerRecord, bool], None] = lambda peer, record, joined: None
@@ -104,8 +107,9 @@ class Directory:
         once is better than no peer.
 
         What a peer announces of itself only limits it: its free sessions cap what it gets (a
-        peer that claims a huge capacity gets no bigger share), and a version newer than any
-        admitted training peer of the stage announces is a lie, ranked below every other. A peer
+        peer that claims a huge capacity gets no bigger share), and a version over
+        `version_ceiling` (the newest the stage's trainer has made) is a lie, ranked below every
+        other. A peer
         on probation (`on_probation`) gets a new session only with chance `probation_share`
         while an established replica has room, so a burst of new identities cannot take over
         generation."""
@@ -125,29 +129,25 @@ class Directory:
             if 0 < len(new) < len(candidates):
                 chose_new = self.random.random() < self.probation_share
                 candidates = [(p, s) for p, s in candidates if (p in new) == chose_new]
-            trained = self._trained_version(stage)
-            versions = {p: s.record.version if s.record.version <= trained else -1
-                        for p, s in candidates}
+            ceiling = self.version_ceiling(stage)
+            versions = {p: -1 if ceiling is not None and s.record.version > ceiling
+                        else s.record.version for p, s in candidates}
             newest = max(versions.values())
             peer, state = min(candidates, key=lambda item: (
                 newest - versions[item[0]], item[1].sessions, item[1].latency_s))
             state.sessions += 1
             return peer
 
-    def _trained_version(self, stage: int) -> int:
-        """The newest version a training peer of `stage` announces (no replica can be newer)."""
-        return max((s.record.version for s in self.peers.values()
-                    if s.record.stage == stage and s.record.role in ("training", "both")),
-                   default=2**62)
-
     def verifiers(self, stage: int, exclude: set[str]) -> list[str]:
         """Every peer that can re-execute someone else's work at `stage`: replicas that follow
-        the stage's weights (they can rewind them), live, not banned, none of `exclude`. Who
+        the stage's weights (they can rewind them) and training peers that keep a copy of what
+        those replicas serve (`PeerRecord.verifies`), live, not banned, none of `exclude`. Who
         among them judges is the caller's (random) choice, never what they announce."""
         now = time.monotonic()
         with self.lock:
             return [p for p, s in self.peers.items()
-                    if s.record.stage == stage and s.record.role == "inference"
+                    if s.record.stage == stage
+                    and (s.record.role == "inference" or s.record.verifies)
                     and p not in exclude and s.banned_until <= now and not self.distrusted(p)]
 
     def release(self, peer: str) -> None:

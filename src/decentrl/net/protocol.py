@@ -48,6 +48,9 @@ class PeerRecord(Body):
     free_sessions: int
     training_ready: bool  # a training peer whose weights are loaded and that accepts steps
     bytes_sent: int = 0  # everything this peer has uploaded so far (requests and replies)
+    # A training peer that re-executes spot-checks of its stage on a copy of the weights its
+    # replicas serve (an inference replica always does).
+    verifies: bool = False
 
 
 def layer_span(layers: tuple[int, int]) -> str:

@@ -19,7 +19,7 @@ import torch
 
 from decentrl.rollout.chain import InferenceChain, InferenceSession
 from decentrl.rollout.sampling import SamplingConfig
-from decentrl.rollout.types import VersionSpan, oldest_versions
+from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan, oldest_versions
 
 
 @dataclass
@@ -34,6 +34,21 @@ class Generation:
     def versions(self) -> tuple[int, ...]:
         """Per stage, the oldest weight version that sampled a token of this row."""
         return tuple(oldest_versions(self.spans))
+
+
+def rollout_group(group_id: str, task: str, problem_index: int, prompt: list[int],
+                  rows: list[Generation], sampling_seed: int) -> RolloutGroup:
+    """The group of `rows`, samples of `prompt` generated together in one session seeded with
+    `sampling_seed`: what a spot-check re-executes (trust/verify.py)."""
+    rollouts = [Rollout(prompt_tokens=prompt, completion_tokens=g.tokens,
+                        behaviour_logprobs=g.logprobs, finished=g.finished,
+                        generated=None if all(g.generated) else g.generated)
+                for g in rows]
+    # The rows share the session's steps: each row's spans are a prefix of the longest's.
+    spans = max(rows, key=lambda g: len(g.tokens)).spans
+    return RolloutGroup(group_id=group_id, task=task, problem_index=problem_index,
+                        stage_versions=oldest_versions(spans), version_spans=spans,
+                        sampling_seed=sampling_seed, rollouts=rollouts)
 
 
 def version_spans(step_versions: list[tuple[int, ...]]) -> list[VersionSpan]:

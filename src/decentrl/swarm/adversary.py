@@ -15,6 +15,13 @@ way a volunteer on the internet could, and nothing here is known to the coordina
   take, in turn (or always the one it is given): half the model's width, NaNs (sent past our
   own encoder's refusal), or values of 1e30; each with a commitment to what it sent, so that
   only the coordinator's checks of the relayed tensor (trust/relay.py) stand in the way;
+- collude-verify (last stage): serves inference honestly, but when it re-executes someone else's
+  session for a spot-check it reports log-probs FORGED_SHIFT nats low: exactly what a
+  forge-logprobs partner claims (its lies pass) and a lie about every honest replica it checks;
+- huge-capacity (last stage): a collude-verify peer that also announces room for a million
+  sessions and a version no training peer has, to be chosen for every session and every check;
+- rotate-keys (last stage): a random-tokens liar that, once nobody sends it work (it was banned),
+  comes back as a new identity, again and again;
 - replay (a client, no stage): submits rollout groups of problems the coordinator already
   accepted or never handed out, with correct answers;
 - flood (a client, no stage): sends malformed and oversized requests to every peer it finds;
@@ -32,11 +39,13 @@ import logging
 import random
 import re
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+import msgspec
 import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import runtime_pb2
@@ -52,11 +61,13 @@ from decentrl.net.protocol import (
     INFERENCE_STEP,
     MAX_SUBMISSION_BYTES,
     SUBMIT_ROLLOUTS,
+    VERIFY_STEP,
     Empty,
     InferenceStep,
     PeerRecord,
     Role,
     Rpc,
+    VerifyStep,
     stage_key,
 )
 from decentrl.net.records import decode_records
@@ -65,16 +76,19 @@ from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
 from decentrl.swarm.inference import InferenceService
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.scheduler import PromptScheduler
+from decentrl.swarm.verification import VerifyService
 from decentrl.tasks import make_task, render_prompt
 
 log = logging.getLogger(__name__)
 
 Adversary = Literal["random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations",
-                    "malformed-activations", "replay", "flood", "poison-update",
-                    "forge-flags"]
+                    "malformed-activations", "collude-verify", "huge-capacity", "rotate-keys",
+                    "replay", "flood", "poison-update", "forge-flags"]
 ADVERSARIES: tuple[str, ...] = get_args(Adversary)
 STAGE_ADVERSARIES = ("random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations",
                      "malformed-activations")
+JUDGE_ADVERSARIES = ("collude-verify", "huge-capacity")  # honest producers, lying verifiers
+LAST_STAGE_ADVERSARIES = ("random-tokens", "forge-logprobs")
 ACTIVATION_ADVERSARIES = ("corrupt-activations", "malformed-activations")
 TRAINING_ADVERSARIES = ("poison-update", "forge-flags")
 FORGED_SURPRISE = -100.0  # a row statistic every flag_surprise threshold flags
@@ -83,13 +97,18 @@ MALFORMATIONS: tuple[str, ...] = get_args(Malformation)
 FORGED_SHIFT = 3.0  # nats subtracted from honest behaviour log-probs
 NOISE_SCALE = 0.5  # of each row's hidden-state std
 HUGE_ACTIVATION = 1e30  # finite in fp32 and bf16, so only a magnitude bound refuses it
+BOASTED_SESSIONS = 10**6
+BOASTED_VERSIONS = 10**6  # added to the version it really serves
+# A rotating liar whose identity got no work for this long was banned: it takes a new one.
+ROTATE_IDLE_S = 20.0
 
 
 def adversary_stages(kind: str, num_stages: int) -> list[int]:
     """The stages a hostile peer of `kind` joins (an inject-answers pair is two peers)."""
     last = num_stages - 1
     return {"random-tokens": [last], "forge-logprobs": [last], "inject-answers": [0, last],
-            "corrupt-activations": [0], "malformed-activations": [0], "poison-update": [0],
+            "corrupt-activations": [0], "malformed-activations": [0], "collude-verify": [last],
+            "huge-capacity": [last], "rotate-keys": [last], "poison-update": [0],
             "forge-flags": [last]}.get(kind, [])
 
 
@@ -120,7 +139,7 @@ class HostileInference:
         if adversary not in STAGE_ADVERSARIES:
             raise ValueError(f"{adversary!r} is not a stage adversary; one of {STAGE_ADVERSARIES}")
         checks = service.checks
-        if adversary in ("random-tokens", "forge-logprobs") and not checks.is_last:
+        if adversary in LAST_STAGE_ADVERSARIES and not checks.is_last:
             raise ValueError(f"{adversary} attacks from the last stage")
         if adversary in ACTIVATION_ADVERSARIES and checks.is_last:
             raise ValueError(f"{adversary} attacks from a stage that returns activations")
@@ -214,6 +233,31 @@ class HostileInference:
         result["tokens"][0::2] = token
 
 
+class LyingJudge:
+    """An honest verification service, wrapped: each re-execution runs as it would, and the
+    last stage's log-probs are reported FORGED_SHIFT nats low, which is what a forge-logprobs
+    partner claims."""
+
+    def __init__(self, service: VerifyService) -> None:
+        if not service.checks.is_last:
+            raise ValueError("a lying judge re-executes the last stage")
+        self.service = service
+
+    def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
+        return [(rpc, self._verify_step if rpc is VERIFY_STEP else handler)
+                for rpc, handler in self.service.handlers()]
+
+    async def _verify_step(self, request: Request[VerifyStep]) -> Reply:
+        return await self.service.node.compute(self._judge, request.sender, request.body,
+                                               request.tensors)
+
+    def _judge(self, sender: str, body: VerifyStep, tensors: dict[str, torch.Tensor]) -> Reply:
+        reply = self.service.verify(sender, body, tensors)
+        result = dict(reply.tensors or {})
+        result["logprobs"] = result["logprobs"] - FORGED_SHIFT
+        return Reply(reply.body, result, reply.codec)
+
+
 def submit_replays(node: SwarmNode, config: RunConfig, owner: str, stop: threading.Event,
                    every_s: float = 1.0, start: threading.Event | None = None) -> int:
     """The replay adversary: once the run has accepted rollouts (`start` is set; by default,
@@ -304,9 +348,14 @@ def hostile_peer(config: RunConfig, stage: int, node: SwarmNode, owner: str, nam
             raise ValueError(f"{adversary} is a training peer")
         peer.training.trainer = HostileTrainer(peer.training.trainer, config.train, adversary)
         return peer
-    return StagePeer(config, stage, role, node, owner, checkpoint_dir, name,
-                     wrap_inference=lambda service: HostileInference(service, adversary,
-                                                                     collusion_dir, malformation))
+    peer_class = BoastingPeer if adversary == "huge-capacity" else StagePeer
+    if adversary in JUDGE_ADVERSARIES:
+        return peer_class(config, stage, role, node, owner, checkpoint_dir, name,
+                          wrap_verification=LyingJudge)
+    kind = "random-tokens" if adversary == "rotate-keys" else adversary
+    return peer_class(config, stage, role, node, owner, checkpoint_dir, name,
+                      wrap_inference=lambda service: HostileInference(service, kind,
+                                                                      collusion_dir, malformation))
 
 
 class HostileTrainer(StageTrainer):
@@ -341,3 +390,41 @@ class HostileTrainer(StageTrainer):
                 for p, old in zip(self.params, before):
                     # old - (p - old): the update reversed, and an Adam step's worth of noise.
                     p.copy_(2 * old - p + lr * torch.randn_like(p))
+
+
+class BoastingPeer(StagePeer):
+    """A stage peer that announces room for BOASTED_SESSIONS sessions and a version far newer
+    than the one it serves."""
+
+    def record(self) -> PeerRecord:
+        honest = super().record()
+        return msgspec.structs.replace(honest, free_sessions=BOASTED_SESSIONS,
+                                       version=honest.version + BOASTED_VERSIONS)
+
+
+def rotate_keys(config: RunConfig, stage: int, node: SwarmNode, new_node: Callable[[], SwarmNode],
+                owner: str, name: str, stop: threading.Event,
+                on_identity: Callable[[SwarmNode], None], idle_s: float = ROTATE_IDLE_S) -> int:
+    """The rotate-keys adversary: a random-tokens liar of `stage` on `node`; each time its
+    identity gets no work for `idle_s` after it had some (it was banned), it leaves and joins
+    again on a fresh node (`new_node`, a new key; `on_identity` hears of each), until `stop`.
+    Returns how many identities it used."""
+    identities = 0
+    while not stop.is_set():
+        if identities:
+            node = new_node()
+        on_identity(node)
+        identities += 1
+        peer = hostile_peer(config, stage, node, owner, f"{name}.{identities}", "rotate-keys")
+        peer.start()
+        assert peer.inference is not None
+        served, idle_since = 0, time.monotonic()
+        while not stop.wait(1.0):
+            if peer.inference.served_tokens != served:
+                served, idle_since = peer.inference.served_tokens, time.monotonic()
+            elif served and time.monotonic() - idle_since > idle_s:
+                log.info("%s: identity %d is out of work; taking a new one", name, identities)
+                break
+        peer.stop()
+        node.shutdown()
+    return identities

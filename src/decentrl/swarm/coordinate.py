@@ -14,7 +14,9 @@ training peers the operator admitted, and signs each stage's weight lineage (swa
 
 Faults: a generation that loses a peer moves to another replica (swarm/sessions.py); a training peer
 that dies ends the step, and the loop waits for a replacement (it loads the last checkpoint) and
-rolls every stage back to that checkpoint."""
+rolls every stage back to that checkpoint. A stage left with no inference replica the run may use
+(every one gone or banned) holds generation and evaluation until one joins or a ban ends
+(`StageWait`), up to `swarm.stage_wait_s`; an evaluation resumes with the sessions it had done."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -56,6 +58,11 @@ from decentrl.swarm.training_client import RemoteStageWorker, TrainAudit
 from decentrl.trust.gate import Trust
 
 log = logging.getLogger(__name__)
+
+# While a stage has no inference replica, how often the console says so again.
+STAGE_WAIT_REPORT_S = 30.0
+# How often a wait for a stage's replica reads the DHT afresh.
+STAGE_WAIT_LOOK_S = 1.0
 
 
 def check_swarm_config(config: RunConfig, spec: ModelSpec) -> None:
@@ -97,6 +104,76 @@ def stages_lacking(stages: list[list[tuple[str, PeerRecord]]],
     return lacking
 
 
+def unserved_stages(stages: list[list[tuple[str, PeerRecord]]],
+                    distrusted: Callable[[str], bool]) -> list[str]:
+    """The stages with no inference replica the run may use, in words ("stage 3 has no inference
+    replica (1 banned)"); empty when every stage has one. `stages`: each stage's (peer id,
+    announcement); `distrusted`: the trust gate's bans (a replica whose ban ended serves again).
+    A replica merely avoided after a failed call still counts: sessions retry it."""
+    lacking = []
+    for index, peers in enumerate(stages):
+        replicas = [peer for peer, record in peers if record.role in ("inference", "both")]
+        if not any(not distrusted(peer) for peer in replicas):
+            lacking.append(f"stage {index} has no inference replica"
+                           + (f" ({len(replicas)} banned)" if replicas else ""))
+    return lacking
+
+
+class StageDirectory(Protocol):
+    def refresh(self) -> None: ...
+    def stage_peers(self) -> list[list[tuple[str, PeerRecord]]]: ...
+
+
+class StageWait:
+    """Waits until every stage has an inference replica the run may use (one joins, or a ban
+    ends). Every thread that waits (generation loops, evaluation sessions) shares one wait: the
+    console names what each stage lacks every STAGE_WAIT_REPORT_S, and SwarmUnavailable ends
+    the wait `limit_s` after it began."""
+
+    def __init__(self, directory: StageDirectory, distrusted: Callable[[str], bool],
+                 limit_s: float, console: Console) -> None:
+        self.directory, self.distrusted = directory, distrusted
+        self.limit_s, self.console = limit_s, console
+        self.lock = threading.Lock()
+        self.since: float | None = None  # when the wait began; None: not waiting
+        self.looked_at = self.reported_at = float("-inf")
+
+    def unserved(self) -> list[str]:
+        return unserved_stages(self.directory.stage_peers(), self.distrusted)
+
+    def until_served(self, stop: threading.Event | None) -> None:
+        """Return once every stage is served, or `stop` is set; raise SwarmUnavailable once
+        the wait is `limit_s` old."""
+        if not self.unserved():  # what the directory knows now: the cheap look, every round
+            return
+        while stop is None or not stop.is_set():
+            with self.lock:
+                now = time.monotonic()
+                if now - self.looked_at >= STAGE_WAIT_LOOK_S:
+                    self.looked_at = now
+                    self.directory.refresh()
+                lacking = self.unserved()
+                if not lacking:
+                    if self.since is not None:
+                        self.console.print(f"[green]every stage has an inference replica again "
+                                           f"after {now - self.since:.0f}s of waiting[/]")
+                        self.since, self.reported_at = None, float("-inf")
+                    return
+                if self.since is None:
+                    self.since = now
+                waited = now - self.since
+                if waited > self.limit_s:
+                    raise SwarmUnavailable(f"after waiting {self.limit_s:.0f}s "
+                                           f"(swarm.stage_wait_s), {'; '.join(lacking)}")
+                if now - self.reported_at >= STAGE_WAIT_REPORT_S:
+                    self.reported_at = now
+                    text = (f"waiting for peers: {'; '.join(lacking)} ({waited:.0f}s of at most "
+                            f"{self.limit_s:.0f}s)")
+                    log.warning(text)
+                    self.console.print(f"[yellow]{text}[/]")
+            time.sleep(STAGE_WAIT_LOOK_S)
+
+
 class SwarmBackend:
     generation_cpu_threads = None  # the peers compute; this process relays
     problems_per_generation = 1  # one group per session: sessions are the unit of concurrency
@@ -134,6 +211,7 @@ class SwarmBackend:
         self.workers = [RemoteStageWorker(node, self.directory, stage, config.num_stages,
                                           config.swarm, self.admitted, self.lineage)
                         for stage in range(config.num_stages)]
+        self.directory.version_ceiling = lambda stage: self.workers[stage].version
         # A stage's second training peer recomputes a random share of its steps (trust/audit.py).
         self.audit = (TrainAudit(node, self.directory, config, self.admitted,
                                  self.trust.reputation)
@@ -151,6 +229,11 @@ class SwarmBackend:
                                            timeout_s=config.swarm.request_timeout_s,
                                            admit=self.trust.admit_submission)
         self.generation_threads = config.swarm.sessions_in_flight
+        self.closed = threading.Event()
+        self.verifying = threading.Thread(target=self.trust.verify_forever, args=(self.closed,),
+                                          name="verify", daemon=True)
+        self.stage_wait = StageWait(self.directory, self.trust.reputation.banned,
+                                    config.swarm.stage_wait_s, console)
         self.observer: SwarmObserver | None = None  # set by swarm_run, once the loop exists
         self.dashboard: DashboardServer | None = None
 
@@ -183,9 +266,10 @@ class SwarmBackend:
         # Announcing (and with it the directory and the swarm snapshots) starts now, so the
         # dashboard follows the peers through the first evaluation too.
         threads = [threading.Thread(target=self._announce_forever, args=(stop,), name="announce",
-                                    daemon=True),
-                   threading.Thread(target=self.trust.verify_forever, args=(stop,),
-                                    name="verify", daemon=True)]
+                                    daemon=True)]
+        # Spot-checks go on until the backend closes, not when training ends: the groups of the
+        # evaluation after training are checked too.
+        self.verifying.start()
         for thread in threads:
             thread.start()
         return threads
@@ -294,8 +378,16 @@ class SwarmBackend:
         log.warning("replicas did not reach version %d within %.0fs", version, timeout_s)
 
     def evaluation(self, version: int) -> tuple[InferenceChain, int]:
+        self.await_servers(None)
         self.wait_for_replicas(version, timeout_s=120)
         return self.chain, self.config.swarm.sessions_in_flight
+
+    def evaluated(self, group: RolloutGroup, session: InferenceSession) -> None:
+        assert isinstance(session, RemoteSession)
+        self.trust.evaluated(group, session.provenance)
+
+    def await_servers(self, stop: threading.Event | None) -> None:
+        self.stage_wait.until_served(stop)
 
     def step_counters(self) -> dict[str, Any]:
         links = self.node.links
@@ -312,6 +404,9 @@ class SwarmBackend:
         return summary
 
     def close(self) -> None:
+        self.closed.set()
+        if self.verifying.is_alive():  # a check in flight still uses the node
+            self.verifying.join(timeout=self.config.swarm.request_timeout_s)
         if self.dashboard is not None:
             self.dashboard.close()
         self.lineage.close()

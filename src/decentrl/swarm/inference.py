@@ -1,7 +1,8 @@
 """The inference service of a stage peer: Petals-style sessions (a client sends the new
 positions' inputs, the peer keeps the session's KV cache and returns the next hidden states, or
-samples at the last stage), with a commitment to every output, and the re-execution of someone
-else's session at the versions it recorded (a spot-check, `verify_step`).
+samples at the last stage), with a commitment to every output. The re-execution of someone
+else's session at the versions it recorded (a spot-check, `verify_step`) is
+swarm/verification.py's, in sessions of this table.
 
 A session belongs to the peer that opened it: the table is keyed by (opener, session id), so
 only the opener can step, replay or close it, and the same id from another sender is another
@@ -28,26 +29,20 @@ from decentrl.net.node import Handler, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
     CLOSE_SESSION,
     INFERENCE_STEP,
-    VERIFY_STEP,
     CloseSession,
     Empty,
     InferenceReply,
     InferenceStep,
     Rpc,
-    VerifyReply,
     VerifyStep,
 )
 from decentrl.rollout.chain import last_position, step_generator
-from decentrl.rollout.generate import step_seed
-from decentrl.rollout.sampling import sample, sampling_margin, sampling_noise, transformed_logits
+from decentrl.rollout.sampling import sample
 from decentrl.swarm.inbound import InboundChecks, PeerBusy, PeerError
-from decentrl.sync.history import UpdateHistory, VersionUnavailable
 from decentrl.trust.commit import commitment_to_wire, make_commitment
 
 # Sessions idle this long are dropped (their client is gone); a live client steps far more often.
 SESSION_IDLE_S = 300.0
-# Re-execution scores are bounded so that they can travel (messages carry finite floats only).
-SCORE_BOUND = 1e4
 
 
 # A session's key: (the peer that opened it, the id it chose).
@@ -68,13 +63,12 @@ class Session:
 
 
 class InferenceService:
-    """Serves one stage's model. `history` (a replica's undo information of its last updates)
-    makes it a verifier too: it can rewind its weights to a version a rollout recorded."""
+    """Serves one stage's model, and holds the sessions of every request that keeps a KV cache
+    here (re-executions too, swarm/verification.py)."""
 
     def __init__(self, config: RunConfig, model: StageModule, node: SwarmNode,
-                 checks: InboundChecks, history: UpdateHistory | None) -> None:
+                 checks: InboundChecks) -> None:
         self.config, self.model, self.node, self.checks = config, model, node, checks
-        self.history = history
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.sessions: dict[SessionKey, Session] = {}
@@ -83,14 +77,9 @@ class InferenceService:
         self._sessions_lock = threading.Lock()
         self.served_tokens = 0
         self.busy_s = 0.0  # computing inference requests
-        self.verify_busy_s = 0.0  # re-executing others' work (spot-checks)
 
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
-        served: list[tuple[Rpc[Any, Any], Handler[Any]]] = [
-            (INFERENCE_STEP, self._inference_step), (CLOSE_SESSION, self._close_session)]
-        if self.history is not None:
-            served.append((VERIFY_STEP, self._verify_step))
-        return served
+        return [(INFERENCE_STEP, self._inference_step), (CLOSE_SESSION, self._close_session)]
 
     @property
     def tokens_per_s(self) -> float:
@@ -114,7 +103,7 @@ class InferenceService:
         """One step of `sender`'s session (compute thread)."""
         started = time.perf_counter()
         inputs, positions, key_valid = self.checks.step(body, tensors)
-        session = self._session(sender, body, inputs.shape[1])
+        session = self.session(sender, body, inputs.shape[1])
         device_inputs = inputs.to(self.device, self.dtype if inputs.is_floating_point() else None)
         with torch.inference_mode():
             hidden = self.model.body(device_inputs, positions.to(self.device),
@@ -142,7 +131,7 @@ class InferenceService:
         return commitment_to_wire(make_commitment(hidden, positions, key_valid[:, start:],
                                                   trust.commit_interval, trust.commit_top_k))
 
-    def _session(self, sender: str, body: InferenceStep | VerifyStep, new: int) -> Session:
+    def session(self, sender: str, body: InferenceStep | VerifyStep, new: int) -> Session:
         """`sender`'s session that a step of `new` positions continues (opened by its first
         step), checked against it, with room in its cache for those positions."""
         key = (sender, body.session)
@@ -199,70 +188,3 @@ class InferenceService:
         with self._sessions_lock:
             self.sessions.pop((request.sender, request.body.session), None)
         return Reply(Empty())
-
-    # ---- spot-checks of other replicas' work ---------------------------------------------
-
-    async def _verify_step(self, request: Request[VerifyStep]) -> Reply:
-        return await self.node.compute(self._verify, request.sender, request.body,
-                                       request.tensors)
-
-    def _verify(self, sender: str, body: VerifyStep, tensors: dict[str, torch.Tensor]) -> Reply:
-        """Re-execute a segment of someone else's session, teacher-forced, at the version it
-        recorded: rewind this replica's weights, run the stage, put the weights back (all on the
-        compute thread, so no inference request sees the rewound weights)."""
-        started = time.perf_counter()
-        try:
-            return self._reexecute(sender, body, tensors)
-        finally:
-            self.verify_busy_s += time.perf_counter() - started
-
-    def _reexecute(self, sender: str, body: VerifyStep, tensors: dict[str, torch.Tensor]
-                   ) -> Reply:
-        assert self.history is not None  # served only with a history
-        inputs, positions, key_valid = self.checks.step(body, tensors)
-        targets = self.checks.targets(body, tensors, inputs.shape[:2])
-        session = self._session(sender, body, inputs.shape[1])
-        device_inputs = inputs.to(self.device, self.dtype if inputs.is_floating_point() else None)
-        try:
-            rewound = self.history.rewound(self.model.state_dict(), self.model.version,
-                                           body.version)
-        except VersionUnavailable as error:
-            raise PeerBusy(str(error)) from None
-        with rewound, torch.inference_mode():
-            hidden = self.model.body(device_inputs, positions.to(self.device),
-                                     key_valid.to(self.device), session.cache)
-            if not self.model.is_last:
-                return Reply(VerifyReply(version=body.version), {"hidden": hidden.cpu()},
-                             self.config.swarm.activation_codec)
-            assert targets is not None  # the last stage's, checked
-            logprobs, margins = self._score_targets(hidden, targets, body)
-        return Reply(VerifyReply(version=body.version),
-                     {"logprobs": logprobs, "margins": margins}, "fp32")
-
-    def _score_targets(self, hidden: torch.Tensor, targets: torch.Tensor, body: VerifyStep
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per position with a target: its log-prob under the sampling distribution, and its
-        seeded sampling margin (0 when it is the token the seeded draw gives); 0 elsewhere. Both
-        are bounded by SCORE_BOUND (a token outside the kept set scores -inf / +inf, which no
-        message may carry). One position at a time: the head's [B, vocab] logits of a whole
-        segment would not fit."""
-        sampling, seed = body.sampling, body.sampling_seed
-        assert sampling is not None and seed is not None  # checked with the targets
-        batch, length = targets.shape
-        logprobs = torch.zeros((batch, length))
-        margins = torch.zeros((batch, length))
-        for column in range(length):
-            rows = targets[:, column] >= 0
-            if not bool(rows.any()):
-                continue
-            step = body.start + column - (body.prompt_columns - 1)
-            logits = self.model.head(hidden[:, column]).float()
-            wanted = targets[:, column].clamp(min=0).to(logits.device)
-            noise = sampling_noise(step_generator(step_seed(seed, step)), batch,
-                                   logits.shape[-1])
-            scored = transformed_logits(logits, sampling).log_softmax(-1)
-            picked = scored.gather(-1, wanted[:, None]).squeeze(-1).cpu()
-            margin = sampling_margin(logits, wanted, sampling, noise).cpu()
-            logprobs[rows, column] = picked[rows].clamp(min=-SCORE_BOUND)
-            margins[rows, column] = margin[rows].clamp(max=SCORE_BOUND)
-        return logprobs, margins

@@ -34,6 +34,7 @@ from decentrl.swarm.adversary import (
     adversary_stages,
     flood,
     hostile_peer,
+    rotate_keys,
     submit_replays,
 )
 from decentrl.swarm.manifest import (
@@ -147,6 +148,14 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
             attack(node, config, owner, stop)
             return
         chosen = stage if stage is not None else choose_stage(node, config, role)
+        if adversary == "rotate-keys":
+            report({**ready, "stage": chosen, "num_stages": config.num_stages, "role": role})
+            watcher = threading.Thread(target=until_stopped, daemon=True)
+            watcher.start()
+            rotate_keys(config, chosen, node, lambda: SwarmNode.start(
+                name, initial_peers, profile, TensorLimits(), compute_threads=threads),
+                owner, name, stop, lambda fresh: report({"sockets": fresh.socket_paths()}))
+            return
         if adversary is not None:
             peer = hostile_peer(config, chosen, node, owner, name, adversary, collusion_dir, role,
                                 checkpoint_dir)

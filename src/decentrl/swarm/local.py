@@ -136,6 +136,12 @@ class LocalBackend:
         copy_weights([t.stage for t in self.trainer.stage_trainers], self.eval_chain)
         return self.eval_chain, 1
 
+    def evaluated(self, group: RolloutGroup, session: InferenceSession) -> None:
+        pass  # generated in this process: nothing to check
+
+    def await_servers(self, stop: threading.Event | None) -> None:
+        pass  # every stage is in this process
+
     def step_counters(self) -> dict[str, Any]:
         return {}
 

@@ -29,7 +29,7 @@ from rich.console import Console
 
 from decentrl.config import RunConfig
 from decentrl.envs import Environment, make_task_or_environment
-from decentrl.evaluate.runner import EvalResult, evaluate
+from decentrl.evaluate.runner import EvalResult, TrainingShape, evaluate
 from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.learn.trainer import PipelineTrainer
 from decentrl.net.text import REMOTE_ERROR_CHARS
@@ -38,6 +38,7 @@ from decentrl.observe.metrics import EvalRecord, MetricsLog, StepRecord, step_li
 from decentrl.observe.terminal import terminal_text
 from decentrl.progress import progress_bar
 from decentrl.rollout.chain import InferenceChain, InferenceSession
+from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup, ScoredGroup
 from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.scheduler import PromptScheduler
@@ -55,6 +56,9 @@ MAX_FAILED_STEPS = 5
 RESUMABLE_CHANGES = ("train.steps", "train.time_budget_s")
 # How long a recovery waits for every stage to have a training peer again.
 RECOVERY_WAIT_S = 600.0
+# Times one evaluation session may fail (after waiting for its stages' servers each time) before
+# the evaluation gives up: a session that fails with every stage served is a bug, not a fault.
+EVALUATION_ATTEMPTS = 5
 
 
 class TrainingUnavailable(RuntimeError):
@@ -167,6 +171,17 @@ class Backend(Protocol):
 
     def evaluation(self, version: int) -> tuple[InferenceChain, int]:
         """A chain that serves the learner's `version`, and how many sessions to run on it."""
+        ...
+
+    def evaluated(self, group: RolloutGroup, session: InferenceSession) -> None:
+        """A group an evaluation session produced (shaped as a training group), with its
+        session (from evaluation threads)."""
+        ...
+
+    def await_servers(self, stop: threading.Event | None) -> None:
+        """Return once every stage has an inference server to generate with, or `stop` is set;
+        a swarm waits for a replica that joins or whose ban ends, saying so, and raises
+        SwarmUnavailable after `swarm.stage_wait_s`."""
         ...
 
     def step_counters(self) -> dict[str, Any]:
@@ -323,6 +338,7 @@ class TrainingLoop(Generic[AnyBackend]):
             while not self.stop.is_set():
                 if not all(hook.before_generation(self, self.stop) for hook in self.hooks):
                     continue
+                backend.await_servers(self.stop)
                 try:
                     groups = self._generate(backend.problems_per_generation)
                     attempt = 0
@@ -487,11 +503,16 @@ class TrainingLoop(Generic[AnyBackend]):
             hook.before_evaluation(self, label)
         chain, concurrency = self.backend.evaluation(self.trainer.version)
         ev = self.config.eval
+        # Sessions as the backend's generation makes them: a peer cannot tell which it serves.
+        shape = TrainingShape(self.config.rollout.group_size, sampling_config(self.config.rollout),
+                              self.backend.problems_per_generation)
         with progress_bar(self.console, f"evaluating ({label})", None) as update:
             result = evaluate(chain, self.eval_task, self.backend.tokenizer, ev.problems,
                               ev.max_new_tokens, ev.batch_size, pass_k=pass_k,
                               seed=self.config.seed, concurrency=concurrency,
-                              progress=lambda done, total: update(done, total=total))
+                              progress=lambda done, total: update(done, total=total),
+                              shape=shape, on_group=self.backend.evaluated,
+                              retry=self._retry_evaluation)
         self.metrics.write(EvalRecord(
             label=label, step=self.step, version=self.trainer.version, task=result.task,
             problems=result.problems, pass1=result.pass1.mean, pass1_low=result.pass1.low,
@@ -504,6 +525,18 @@ class TrainingLoop(Generic[AnyBackend]):
         for hook in self.hooks:
             hook.after_evaluation(self, label, result)
         return result
+
+    def _retry_evaluation(self, error: Exception, failures: int) -> None:
+        """An evaluation session failed: wait until every stage has a server, then it runs again
+        (the sessions already done count). Raises `error` when it is not one of the backend's
+        transient errors or the session failed EVALUATION_ATTEMPTS times."""
+        if not isinstance(error, self.backend.transient_generation_errors) \
+                or failures >= EVALUATION_ATTEMPTS:
+            raise error
+        log.warning("an evaluation session failed (%d of %d attempts): %s", failures,
+                    EVALUATION_ATTEMPTS, error)
+        # Not the run's stop event: the evaluation after training runs once it is set.
+        self.backend.await_servers(None)
 
     def _write_evaluation(self, name: str, result: EvalResult) -> None:
         (self.path / name).write_text(json.dumps(result.to_json(), indent=2))

@@ -1,12 +1,14 @@
 """A stage peer: one process, one pipeline stage, exactly that stage's layers. It composes the
 services its role needs (Petals' server and its backends, in our shape):
 
-- inference (swarm/inference.py): sessions with their KV caches, and re-execution for
-  spot-checks; an inference replica's weights follow its stage's training peer
-  (swarm/replica.py);
+- inference (swarm/inference.py): sessions with their KV caches; an inference replica's
+  weights follow its stage's training peer (swarm/replica.py);
 - training (swarm/training.py): forward, backward and step of its stage with its own optimizer,
   checkpoints, and the publishing of every new version to the replicas;
-- both: a training peer that also serves its current weights.
+- both: a training peer that also serves its current weights;
+- verification (swarm/verification.py): re-execution for spot-checks, on a replica's served
+  weights, or on a training peer's copy of what its replicas serve
+  (trust.training_peer_verifies).
 
 Every request is checked first against its RPC's callers rule (net/authority.py: training and
 inference only from the run's owner, weight sync only from the owner and the stage's peers),
@@ -39,6 +41,7 @@ from decentrl.swarm.inbound import InboundChecks
 from decentrl.swarm.inference import InferenceService
 from decentrl.swarm.replica import ReplicaWeights, published_tensors
 from decentrl.swarm.training import TrainingService
+from decentrl.swarm.verification import VerifyService
 from decentrl.sync.delta import PublishedState
 
 log = logging.getLogger(__name__)
@@ -62,10 +65,11 @@ def serve_learner_weights(served: StageModule, learner: StageModule, version: in
 class StagePeer:
     def __init__(self, config: RunConfig, stage: int, role: Role, node: SwarmNode, owner: str,
                  checkpoint_dir: Path | None = None, name: str = "peer",
-                 wrap_inference: Callable[[InferenceService], Service] | None = None) -> None:
+                 wrap_inference: Callable[[InferenceService], Service] | None = None,
+                 wrap_verification: Callable[[VerifyService], Service] | None = None) -> None:
         """`owner`: the peer id of the run's owner (its coordinator), the only peer that may
-        drive this one. `wrap_inference` puts the inference service behind a wrapper (a hostile
-        peer's)."""
+        drive this one. `wrap_inference` and `wrap_verification` put the inference or the
+        verification service behind a wrapper (a hostile peer's)."""
         if not 0 <= stage < config.num_stages:
             raise ValueError(f"stage {stage} does not exist in a {config.num_stages}-stage run")
         trains = role in ("training", "both")
@@ -79,6 +83,7 @@ class StagePeer:
         self.training: TrainingService | None = None
         self.inference: InferenceService | None = None
         self.replica: ReplicaWeights | None = None
+        self.verification: VerifyService | None = None
         checks: InboundChecks | None = None
         if trains:
             assert checkpoint_dir is not None
@@ -105,21 +110,36 @@ class StagePeer:
             else:
                 self.replica = ReplicaWeights(config, stage, node, model, published,
                                               self.announce, name, owner)
-            self.inference = InferenceService(
-                config, model, node, checks,
-                self.replica.history if self.replica is not None else None)
+            self.inference = InferenceService(config, model, node, checks)
+            if self.replica is not None:
+                self.verification = VerifyService(self.inference, self.replica.served,
+                                                  closes_sessions=False)
+        if self.training is not None and config.trust.training_peer_verifies:
+            assert checks is not None
+            served = self.training.served_copy(
+                load_stage(config, stage, torch.device("cpu"), torch.float32).to(device, dtype))
+            # A peer that serves no inference keeps the re-executions' sessions in a table of
+            # its own, whose inference is never served.
+            sessions = self.inference or InferenceService(config, served.model, node, checks)
+            self.verification = VerifyService(sessions, served,
+                                              closes_sessions=self.inference is None)
         assert checks is not None
         module = (self.inference.model if self.inference is not None
                   else self.training.model if self.training is not None else None)
         assert module is not None  # a peer serves or trains
         self.spec, self.layers = checks.spec, (module.layer_ids.start, module.layer_ids.stop)
         node.sizes = RunSizes.of(self.spec, config)  # bounds the requests it serves
-        self.services: list[Service] = [s for s in (self.training, self.inference)
-                                        if s is not None]
+        self.services: list[Service] = [s for s in (self.training, self.inference,
+                                                    self.verification) if s is not None]
         if wrap_inference is not None:
             if self.inference is None:
                 raise ValueError("only a peer that serves inference can wrap its inference")
             self.services = [wrap_inference(s) if s is self.inference else s
+                             for s in self.services]
+        if wrap_verification is not None:
+            if self.verification is None:
+                raise ValueError("this peer serves no verification to wrap")
+            self.services = [wrap_verification(s) if s is self.verification else s
                              for s in self.services]
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -187,6 +207,7 @@ class StagePeer:
             tokens_per_s=round(inference.tokens_per_s, 1) if inference is not None else 0.0,
             free_sessions=inference.free_sessions() if inference is not None else 0,
             training_ready=self.training is not None,
+            verifies=self.training is not None and self.verification is not None,
             bytes_sent=self.node.links.uplink.bytes_sent if self.node.links is not None else 0)
 
     async def announce(self) -> None:
@@ -198,8 +219,12 @@ class StagePeer:
         while True:
             await asyncio.sleep(self.config.swarm.announce_every_s)
             try:
-                if self.inference is not None:
-                    self.inference.drop_idle_sessions()
+                # Every session held here (a training peer's re-executions', if it serves no
+                # inference, are in a table of their own).
+                sessions = self.verification.sessions if self.verification is not None \
+                    else self.inference
+                if sessions is not None:
+                    sessions.drop_idle_sessions()
                 await self.announce()
                 await self.authority.refresh()
             except Exception as error:  # noqa: BLE001 - the next round retries

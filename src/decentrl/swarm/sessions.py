@@ -76,9 +76,10 @@ class RemoteSession:
              sampling: SamplingConfig, seed: int | None) -> StepResult:
         """One step through every stage; its versions are those the stages' replies reported,
         the weights that computed this step. A replica that takes over mid-session (replayed
-        from position 0) rebuilds the KV cache of the earlier positions with its own weights but
-        samples nothing for them: the tokens sampled before keep the versions of the steps that
-        sampled them, and the replacement's version counts from the step it joined at."""
+        from position 0) rebuilds the KV cache of the earlier positions with its own weights, the
+        step's version, but samples nothing for them: the tokens sampled before keep the versions
+        of the steps that sampled them, and the provenance records the rebuild (its column), so
+        that a spot-check rebuilds the same cache at the same version."""
         if self.closed:
             raise RuntimeError("session is closed")
         x = tokens.cpu()
@@ -156,7 +157,7 @@ class RemoteSession:
                 time.sleep(backoff(attempt))
                 continue
             self.chain.directory.observe(peer, time.monotonic() - started)
-            self.provenance.stages[stage].serve(self.length, peer)
+            self.provenance.stages[stage].serve(self.length, peer, rebuilt=replay)
             history.inputs.append(inputs)
             history.positions.append(positions)
             self.cached[stage] = reply.length

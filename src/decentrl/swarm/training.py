@@ -59,7 +59,7 @@ from decentrl.net.protocol import (
     VersionReply,
 )
 from decentrl.swarm.inbound import InboundChecks, PeerBusy, PeerError
-from decentrl.swarm.replica import published_tensors
+from decentrl.swarm.replica import ServedWeights, published_tensors
 from decentrl.sync.distribute import WeightPublisher
 from decentrl.trust.audit import FlatState, flat_state, load_flat_state, state_layout
 
@@ -97,6 +97,17 @@ class TrainingService:
     @property
     def model(self) -> StageModule:
         return self.trainer.stage
+
+    def served_copy(self, model: StageModule) -> ServedWeights:
+        """`model` (a module of this stage in the serving dtype, nobody else's) made a copy of
+        what the replicas serve, the published state, and kept so: every state published from
+        now on is written into it by the publisher's encoding thread, with its undo history (so
+        this peer can re-execute spot-checks, swarm/verification.py). Call it before the peer
+        serves: nothing is being published yet."""
+        served = ServedWeights(model, self.config.trust.history_versions)
+        served.take(self.publisher.state, None)
+        self.publisher.on_published = served.take
+        return served
 
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
         return [(TRAIN_FORWARD, self._train_forward), (TRAIN_BACKWARD, self._train_backward),

@@ -14,9 +14,9 @@ from decentrl.envs import Environment
 from decentrl.net.transport import RolloutTransport, Transport
 from decentrl.rollout.chain import InferenceChain, InferenceSession, LocalChain
 from decentrl.rollout.episodes import generate_episodes
-from decentrl.rollout.generate import Generation, generate
+from decentrl.rollout.generate import Generation, generate, rollout_group
 from decentrl.rollout.sampling import sampling_config
-from decentrl.rollout.types import Rollout, RolloutGroup, oldest_versions
+from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.tasks import Task, render_prompt
 
@@ -52,22 +52,9 @@ class RolloutWorker:
         sampling_seed = self.seed * 2**32 + problem_indices[0]
         generations, prompts = self._generate(problem_indices, sampling_seed, on_session)
         self.generated_tokens += sum(len(g.tokens) for g in generations)
-        groups = []
-        for i, (index, prompt) in enumerate(zip(problem_indices, prompts)):
-            rows = generations[i * size:(i + 1) * size]
-            rollouts = [
-                Rollout(prompt_tokens=prompt, completion_tokens=g.tokens,
-                        behaviour_logprobs=g.logprobs, finished=g.finished,
-                        generated=None if all(g.generated) else g.generated)
-                for g in rows
-            ]
-            # The rows share the session's steps: each row's spans are a prefix of the longest's.
-            spans = max(rows, key=lambda g: len(g.tokens)).spans
-            groups.append(RolloutGroup(group_id=f"{self.task.name}/{index}", task=self.task.name,
-                                       problem_index=index, stage_versions=oldest_versions(spans),
-                                       version_spans=spans, sampling_seed=sampling_seed,
-                                       rollouts=rollouts))
-        return groups
+        return [rollout_group(f"{self.task.name}/{index}", self.task.name, index, prompt,
+                              generations[i * size:(i + 1) * size], sampling_seed)
+                for i, (index, prompt) in enumerate(zip(problem_indices, prompts))]
 
     def _generate(self, problem_indices: list[int], sampling_seed: int,
                   on_session: Callable[[InferenceSession], None] | None

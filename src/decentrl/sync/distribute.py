@@ -247,6 +247,11 @@ class WeightPublisher(UpdateServer):
         # so the compute thread goes back to training at once.
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"publish-{stage}")
         self._lock = threading.Lock()
+        # Called on the encoding thread with each new published state and what the update changed
+        # (None: the state was replaced whole, a rollback or a dense update): a training peer
+        # keeps its copy of what the replicas serve by it (swarm/replica.py `ServedWeights`).
+        self.on_published: Callable[[PublishedState, Mapping[str, TensorChange] | None],
+                                    None] = lambda state, changes: None
         node.serve(SYNC_PLAN, self._serve_plan)
         self._store_keyframe()
 
@@ -279,6 +284,7 @@ class WeightPublisher(UpdateServer):
     def _restart(self, version: int, snapshot: dict[str, torch.Tensor]) -> None:
         with self._lock:
             self.state = PublishedState.owning(version, snapshot)
+        self.on_published(self.state, None)
         self.node.run(self._drop_all(), timeout=self.timeout_s)
         self._store_keyframe()
 
@@ -294,8 +300,9 @@ class WeightPublisher(UpdateServer):
         payload = encode_delta(self.state, snapshot, self.sync.density)
         with self._lock:
             # The same code a replica runs on the same payload: both sides stay bit-identical.
-            apply_payload(self.state, payload, version)
+            changes = apply_payload(self.state, payload, version)
             self.state.hash = state_hash(self.state.tensors)
+        self.on_published(self.state, changes)
         update = make_update(self.stage, version, "delta", base, self.state.hash,
                              payload_bytes(payload), self.sync.chunks_per_update)
         self.node.run(self._add_delta(update), timeout=self.timeout_s)

@@ -146,6 +146,14 @@ class Trust:
         with self.lock:
             return group_id in self.awaiting
 
+    def evaluated(self, group: RolloutGroup, provenance: Provenance) -> None:
+        """A group an evaluation session made (shaped as a training group, so its replicas could
+        not tell): spot-checked at the same rate as training groups. A failed check counts
+        against its replica as any other; the evaluation's result is not revised (the release
+        comparison on this machine is the final word)."""
+        if self.random.random() < self.config.trust.verify_fraction:
+            self._enqueue(group, provenance, "evaluation")
+
     def trained(self, group_id: str) -> None:
         self.forget(group_id)  # a queued check holds its own reference
 
@@ -218,8 +226,12 @@ class Trust:
             except queue.Empty:
                 continue
             try:
-                repeat = self.random.random() < self.config.trust.second_opinion_fraction
-                ruling = convene(self.verifier, group, provenance, repeat)
+                # A new identity's work always gets a second opinion: its partner could be
+                # the one verifier drawn, and probation is where a covered lie would slip in.
+                repeat = reason == "probation" or \
+                    self.random.random() < self.config.trust.second_opinion_fraction
+                ruling = convene(self.verifier, group, provenance, repeat,
+                                 self.reputation.vouched)
             except Exception:  # noqa: BLE001 - one check lost; the thread goes on
                 log.exception("verifying group %s failed", group.group_id)
                 with self.lock:
@@ -234,10 +246,11 @@ class Trust:
         verdict = ruling.verdict
         self.count["verify_opinions"] += len(ruling.opinions)
         for judge, stage in set(ruling.upheld):
-            self.reputation.record(judge, "passed", stage=stage)
+            self.reputation.record(judge, "passed", stage=stage, as_verifier=True)
         for overruled in ruling.overruled:
             self.count["verifiers_overruled"] += 1
-            self.reputation.record(overruled.verifier, "failed", overruled.why, overruled.stage)
+            self.reputation.record(overruled.verifier, "failed", overruled.why, overruled.stage,
+                                   as_verifier=True)
         if verdict.outcome == "skipped":
             self.count["verify_skipped"] += 1
             with self.lock:

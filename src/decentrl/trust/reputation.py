@@ -15,7 +15,8 @@ it is, its groups are checked at a higher rate (trust/gate.py), it is not chosen
 admitted (training peers listed in RUN/admitted.txt) start with a record.
 
 Verifiers earn and lose reputation like producers: a verifier whose opinion the tribunal upheld
-passed, one whose opinion it overruled failed.
+passed, one whose opinion it overruled failed. The two records are kept apart and the score is
+the worse of the two: a liar must not buy back its lies as a producer with honest verdicts.
 
 Everything kept here grows with what strangers send (one malformed message from a fresh identity
 is an event and a standing), so every table is bounded: the events, the standings, the causes of
@@ -66,15 +67,18 @@ class TrustEvent:
 
 @dataclass
 class PeerStanding:
-    passed: int = 0
+    passed: int = 0  # as a producer
     failed: float = 0.0
+    upheld: int = 0  # as a verifier
+    overruled: float = 0.0
     bans: int = 0
     banned_until: float = 0.0  # monotonic
     outcomes: Counter[Outcome] = field(default_factory=Counter)  # events of each kind, ever
 
     @property
     def score(self) -> float:
-        return (1 + self.passed) / (1 + self.passed + self.failed)
+        return min((1 + self.passed) / (1 + self.passed + self.failed),
+                   (1 + self.upheld) / (1 + self.upheld + self.overruled))
 
 
 @dataclass
@@ -96,8 +100,9 @@ class Reputation:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record(self, peer: str, outcome: Outcome, detail: str = "",
-               stage: int | None = None) -> bool:
-        """Count one event; True if it got the peer banned just now."""
+               stage: int | None = None, as_verifier: bool = False) -> bool:
+        """Count one event (of the peer's work as a verifier with `as_verifier`); True if it
+        got the peer banned just now."""
         detail = peer_text(detail, DETAIL_CHARS)
         with self.lock:
             now = self.clock()
@@ -105,8 +110,14 @@ class Reputation:
             if standing.banned_until and standing.banned_until <= now:
                 # The ban is over: a fresh start, on probation (the next ban is longer).
                 standing.passed, standing.failed, standing.banned_until = 0, 0.0, 0.0
+                standing.upheld, standing.overruled = 0, 0.0
             on_probation = self._on_probation(peer, standing)
-            if outcome == "passed":
+            if as_verifier:
+                if outcome == "passed":
+                    standing.upheld += 1
+                else:
+                    standing.overruled += FAILURE_WEIGHTS[outcome]
+            elif outcome == "passed":
                 standing.passed += 1
             else:
                 standing.failed += FAILURE_WEIGHTS[outcome]

@@ -11,6 +11,10 @@ failure:
   verifier covering its partner).
 - Two opinions that agree decide. When they disagree, a third panel, with other verifiers at the
   contested stage where the stage has them, decides by majority.
+- Where the stage has nobody else to ask, an admitted training peer's opinion (`vouched`: the
+  operator admitted it, and trusts it with the stage's gradients already) stands on its own: it
+  confirms a failure alone, and it decides a disagreement with a stranger. That is what judges a
+  stage served by a single replica.
 - The producer blamed by the upheld opinion is charged; so is every verifier whose opinion was
   overruled, at the stage where it parted from the upheld one; the verifiers of upheld opinions
   pass. A failure that no second verifier could confirm (the stage has nobody else), or three
@@ -24,6 +28,7 @@ verifier's pass is repeated and overruled, or whenever the liar is judged by any
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from decentrl.rollout.types import RolloutGroup
@@ -62,9 +67,9 @@ def contested_stage(one: Verdict, other: Verdict) -> int:
 
 
 def convene(verifier: Verifier, group: RolloutGroup, provenance: Provenance,
-            repeat_pass: bool) -> Ruling:
+            repeat_pass: bool, vouched: Callable[[str], bool] = lambda peer: False) -> Ruling:
     """Rule on `group`: one opinion, a second where it failed (or `repeat_pass`), a third where
-    the two differ."""
+    the two differ; `vouched` peers stand alone where nobody else can be asked."""
     first_panel = verifier.panel(provenance)
     if first_panel is None:
         skipped = Verdict(group.group_id, "skipped", None, None, "no replica to re-execute on",
@@ -77,13 +82,18 @@ def convene(verifier: Verifier, group: RolloutGroup, provenance: Provenance,
     contested = first.stage if first.outcome == "failed" else None
     second = _another_opinion(verifier, group, provenance, opinions, contested)
     if second is None:
-        return _ruling(first, opinions, confirmed=first.outcome == "passed")
+        alone = contested is not None and vouched(first.panel[contested])
+        return _ruling(first, opinions, confirmed=first.outcome == "passed" or alone)
     opinions.append(second)
     if finding(second) == finding(first):
         return _ruling(first, opinions, confirmed=True)
     third = _another_opinion(verifier, group, provenance, opinions,
                              contested_stage(first, second))
     if third is None:
+        stage = contested_stage(first, second)
+        trusted = [o for o in opinions if vouched(o.panel[stage])]
+        if len(trusted) == 1:
+            return _ruling(trusted[0], opinions, confirmed=True)
         return _undecided(first, opinions, "two verifiers disagree and no third could decide")
     opinions.append(third)
     votes = Counter(finding(v) for v in opinions)

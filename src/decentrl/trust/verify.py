@@ -4,7 +4,11 @@ The group's session is rebuilt column by column exactly as generation laid it ou
 prompts, then one column per decoding step), and fed teacher-forced through one replica per stage
 that did not serve the original, in segments: each segment covers the decoding steps one span of
 `version_spans` recorded, and every verifier rewinds its weights to the version that span names
-(sync/history.py). That is a prefill, far cheaper than generating.
+(sync/history.py). That is a prefill, far cheaper than generating. Where the session replayed
+a stage from position 0 (a failover, or a retry after a timeout), the replica recomputed every
+earlier column with its weights of the moment, the version that step recorded, not those of the
+earlier steps: the verifier of that stage replays from position 0 at the same column too, at
+that version (`StageProvenance.rebuilt`), so the re-execution is the computation the rollout got.
 
 What is compared:
 - every stage but the last: the activation commitments the original replicas signed, against the
@@ -15,19 +19,23 @@ What is compared:
   environment forced into a multi-turn episode are fed but not judged here (nothing sampled them).
 
 The first stage that fails is blamed (the stages after it were fed its lie), at the replica that
-served the failing column. Tolerances are calibrated so that bf16 and fp32 replicas agree."""
+served the failing column; at the last stage, the column is the first failure of the replica
+whose own tokens fail most beyond the tolerated share, not the group's first failing column
+(after a failover, that may be an honest replica's rare miss). Tolerances are calibrated so that
+bf16 and fp32 replicas agree."""
 
 from __future__ import annotations
 
 import logging
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from decentrl.config import RunConfig
+from decentrl.config import RunConfig, TrustConfig
 from decentrl.net.directory import Directory
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, SwarmNode
@@ -37,7 +45,7 @@ from decentrl.rollout.generate import left_pad
 from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup
 from decentrl.trust.commit import Commitment, CommitTolerance, check_commitment
-from decentrl.trust.provenance import Provenance
+from decentrl.trust.provenance import Provenance, StageProvenance
 from decentrl.trust.relay import BadReply, check_hidden_states
 
 log = logging.getLogger(__name__)
@@ -97,15 +105,21 @@ def session_layout(group: RolloutGroup, pad_id: int) -> Layout:
     return Layout(full, valid, positions, targets, claimed, prompt)
 
 
-def segments(group: RolloutGroup, layout: Layout) -> list[tuple[int, int, list[int]]]:
-    """(first column, end column, versions per stage) of each span's decoding steps."""
+def segments(group: RolloutGroup, layout: Layout, cuts: Iterable[int] = ()
+             ) -> list[tuple[int, int, list[int]]]:
+    """(first column, end column, versions per stage) of each span's decoding steps, each also
+    cut at the columns of `cuts` (where a stage's cache was rebuilt, `StageProvenance.rebuilt`)."""
     steps = layout.width - layout.prompt_columns + 1
     spans = group.version_spans
     found = []
     for index, span in enumerate(spans):
         end_step = spans[index + 1].start if index + 1 < len(spans) else steps
         first = 0 if span.start == 0 else layout.prompt_columns + span.start - 1
-        found.append((first, layout.prompt_columns + end_step - 1, span.versions))
+        end = layout.prompt_columns + end_step - 1
+        for cut in sorted({c for c in cuts if first < c < end}):
+            found.append((first, cut, span.versions))
+            first = cut
+        found.append((first, end, span.versions))
     return found
 
 
@@ -203,34 +217,43 @@ class Verifier:
         # of a commitment check needs many points, more than one segment may have.
         hidden_states = torch.zeros((stages - 1, batch, layout.width, self.hidden_size))
         scores = torch.zeros((2, batch, layout.width))
-        for first, end, versions in segments(group, layout):
+        rebuilt = [set(provenance.stages[stage].rebuilt) for stage in range(stages)]
+        for first, end, versions in segments(group, layout, set().union(*rebuilt)):
             x: torch.Tensor = layout.ids[:, first:end]
-            positions = layout.positions[:, first:end]
             for stage, peer in enumerate(verifiers):
                 last = stage == stages - 1
+                # Where the session replayed this stage from position 0, so does the check: the
+                # earlier columns again, at this segment's version, as the replica recomputed
+                # them; only the new columns' outputs go on and are judged.
+                start = 0 if first in rebuilt[stage] else first
+                if start < first:
+                    earlier = layout.ids if stage == 0 else hidden_states[stage - 1]
+                    x = torch.cat([earlier[:, :first], x], 1)
                 body = VerifyStep(
-                    session=session, start=first, batch=batch, max_length=layout.width,
+                    session=session, start=start, batch=batch, max_length=layout.width,
                     version=versions[stage], prompt_columns=layout.prompt_columns,
                     sampling=sampling_config(rollout) if last else None, sampling_seed=group.sampling_seed if last else None)
-                tensors = {"inputs": x, "positions": positions,
+                tensors = {"inputs": x, "positions": layout.positions[:, start:end],
                            "key_valid": layout.valid[:, :end]}
                 if last:
-                    tensors["targets"] = layout.targets[:, first:end]
+                    targets = layout.targets[:, start:end].clone()
+                    targets[:, :first - start] = -1  # sampled (and scored) before the replay
+                    tensors["targets"] = targets
                 _, out = self.node.call_sync(peer, VERIFY_STEP, body, tensors,
                                              self.config.swarm.activation_codec,
                                              self.config.swarm.request_timeout_s)
                 if last:
                     for index, name in enumerate(("logprobs", "margins")):
                         value = out.get(name)
-                        if value is None or value.shape != (batch, end - first):
+                        if value is None or value.shape != (batch, end - start):
                             raise WireError(f"verifier {peer[-8:]} replied no {name} "
-                                            f"[{batch}, {end - first}]")
-                        scores[index, :, first:end] = value.float()
+                                            f"[{batch}, {end - start}]")
+                        scores[index, :, first:end] = value[:, first - start:].float()
                     continue
                 # Checked whole before the next stage's verifier gets it (trust/relay.py).
                 try:
-                    x = check_hidden_states(out.get("hidden"), batch, end - first,
-                                            self.hidden_size).float()
+                    x = check_hidden_states(out.get("hidden"), batch, end - start,
+                                            self.hidden_size)[:, first - start:].float()
                 except BadReply as bad:
                     raise BadReply(f"verifier {peer[-8:]}: {bad}") from None
                 hidden_states[stage, :, first:end] = x
@@ -249,19 +272,42 @@ class Verifier:
         scored = layout.targets >= 0
         gaps = (layout.claimed - scores[0]).abs()[scored]
         margins = scores[1][scored]
-        return self._judge_tokens(layout, gaps, margins), (gaps, margins)
+        found = judge_tokens(layout, gaps, margins, provenance.stages[stages - 1], trust)
+        if found is None:
+            return None, (gaps, margins)
+        column, detail = found
+        return (stages - 1, column, detail), (gaps, margins)
 
-    def _judge_tokens(self, layout: Layout, gaps: torch.Tensor, margins: torch.Tensor
-                      ) -> tuple[int, int, str] | None:
-        """The last stage's verdict from every scored token's log-prob gap and sampling margin
-        (in the row-major order of `layout.targets >= 0`)."""
-        trust = self.config.trust
-        bad = (gaps > trust.logprob_tolerance) | (margins > trust.sampling_tolerance)
-        count, total = int(bad.sum()), bad.numel()
-        if count <= trust.max_mismatch_fraction * total:
-            return None
-        column = int((layout.targets >= 0).nonzero()[bad][:, 1].min())
-        worst_gap, worst_margin = float(gaps.max()), float(margins.max())
-        detail = (f"last stage: {count} of {total} tokens do not re-execute (worst log-prob gap "
-                  f"{worst_gap:.2f}, worst sampling margin {worst_margin:.2f})")
-        return self.config.num_stages - 1, column, detail
+
+def judge_tokens(layout: Layout, gaps: torch.Tensor, margins: torch.Tensor,
+                 served: StageProvenance, trust: TrustConfig) -> tuple[int, str] | None:
+    """The last stage's verdict from every scored token's log-prob gap and sampling margin (in
+    the row-major order of `layout.targets >= 0`): None when the group's share of tokens that do
+    not re-execute is within `trust.max_mismatch_fraction`, else (a failing column, why). The
+    column is the first failing one of the replica with the most failures beyond that share of
+    its own tokens: after a failover, the replica that sampled the bad tokens is blamed, not the
+    first column to fail, which may be an honest replica's rare numeric miss."""
+    bad = (gaps > trust.logprob_tolerance) | (margins > trust.sampling_tolerance)
+    count, total = int(bad.sum()), bad.numel()
+    if count <= trust.max_mismatch_fraction * total:
+        return None
+    columns = (layout.targets >= 0).nonzero()[:, 1]
+    replica_of_column = {c: served.peer_at(c) for c in sorted(set(columns.tolist()))}
+    sampled_by = [replica_of_column[int(column)] for column in columns]
+    replicas = list(dict.fromkeys(replica_of_column.values()))  # in column order
+
+    def share(peer: str) -> torch.Tensor:
+        return torch.tensor([p == peer for p in sampled_by], dtype=torch.bool)
+
+    def excess(peer: str) -> float:
+        """Its failures beyond the share of its own tokens an honest replica may miss."""
+        theirs = share(peer)
+        return int((bad & theirs).sum()) - trust.max_mismatch_fraction * int(theirs.sum())
+    blamed = max(replicas, key=excess)  # the first of equals
+    theirs = share(blamed)
+    column = int(columns[bad & theirs].min())
+    detail = (f"last stage: {count} of {total} tokens do not re-execute, "
+              f"{int((bad & theirs).sum())} of the {int(theirs.sum())} tokens its replica "
+              f"{blamed[-8:]} sampled (worst log-prob gap {float(gaps.max()):.2f}, worst "
+              f"sampling margin {float(margins.max()):.2f})")
+    return column, detail
