@@ -199,8 +199,8 @@ class TrainStep(Body):
 
 class VersionReply(Body):
     version: int
-    # The digest of the peer's training state at `version` (trust/audit.py), when the run audits
-    # its training peers: the peer commits to it.
+    # A step's reply when asked to commit (TrainStep.commit): the digest of the peer's training
+    # state at `version` (trust/audit.py), which the peer commits to.
     state_digest: str = ""
 
 

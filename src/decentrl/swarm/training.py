@@ -277,7 +277,7 @@ class TrainingService:
 
     async def _train_discard(self, request: Request[Empty]) -> Reply:
         await self.node.compute(self.trainer.discard)
-        return Reply(VersionReply(version=self.trainer.version, state_digest=self._digest()))
+        return Reply(VersionReply(version=self.trainer.version))
 
     async def _train_published(self, request: Request[PublishedRequest]) -> Reply:
         """The hash of what the replicas are brought to at a version, once it is encoded: the
@@ -301,7 +301,7 @@ class TrainingService:
             await self.node.compute(self.publisher.reset, body.version,
                                     published_tensors(self.trainer.stage))
             await self.announce()
-        return Reply(VersionReply(version=self.trainer.version, state_digest=self._digest()))
+        return Reply(VersionReply(version=self.trainer.version))
 
     def _save(self, version: int) -> None:
         path = self.checkpoints.stage_file(version, self.stage)
