@@ -184,12 +184,13 @@ def plot(path: Path, errors: dict[str, list[float]], tolerance: float,
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     names = ["fp32, 2x threads", "bf16 autocast", "poisoner (ascent)"]
     values = [errors["threads"], errors["bf16"], errors["poisoned"]]
+    floor = 1e-6  # a log scale has no zero: bit-identical replays are drawn here
     for i, series in enumerate(values):
-        left.scatter([i] * len(series), series, alpha=0.7)
+        left.scatter([i] * len(series), [max(value, floor) for value in series], alpha=0.7)
     left.axhline(tolerance, color="red", linestyle="--", label=f"tolerance {tolerance}")
     left.set_yscale("log")
     left.set_xticks(range(len(names)), names)
-    left.set_ylabel("gradient disagreement with the primary (rel. L2, worst tensor)")
+    left.set_ylabel("gradient disagreement (rel. L2, worst tensor; 0 at 1e-6)")
     left.legend()
     left.set_title("calibration: honest replays vs a poisoned update")
     parts = {"snapshots (every step)": figures["snapshot_s"],
