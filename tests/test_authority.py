@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from swarm_helpers import Swarm, start_node, start_swarm, tiny_run_config, weights_of
+from test_swarm import make_batch
 
 from decentrl.learn.trainer import Activations, LossInputs
 from decentrl.net.link import LinkProfile
@@ -26,6 +27,7 @@ from decentrl.net.protocol import (
     TRAIN_DISCARD,
     TRAIN_FORWARD,
     TRAIN_PUBLISHED,
+    TRAIN_STATE,
     TRAIN_STEP,
     VERIFY_STEP,
     CheckpointRequest,
@@ -35,6 +37,7 @@ from decentrl.net.protocol import (
     LineageRecord,
     PeerRecord,
     PublishedRequest,
+    StateRequest,
     SyncPlanRequest,
     TrainBackward,
     TrainForward,
@@ -51,7 +54,6 @@ from decentrl.swarm.manifest import (
     admitted_peers,
     run_manifest,
 )
-from test_swarm import make_batch
 
 COORDINATOR_ONLY = [
     (TRAIN_FORWARD, TrainForward(micro=0, version=0, last=True, total_sequences=1,
@@ -61,6 +63,7 @@ COORDINATOR_ONLY = [
     (TRAIN_DISCARD, Empty()),
     (CHECKPOINT, CheckpointRequest(action="load", version=0)),
     (TRAIN_PUBLISHED, PublishedRequest(version=0)),
+    (TRAIN_STATE, StateRequest(version=0, offset=0, count=0)),
 ]
 
 

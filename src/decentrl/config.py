@@ -137,6 +137,9 @@ class SwarmConfig(Section):
                                 "wait for a stage that has lost every inference replica before "
                                 "the run fails")
     inference_replicas: int = Field(2, ge=1, description="per stage, for the local launcher")
+    training_peers_per_stage: int = Field(1, ge=1, description="per stage, for the local "
+                                          "launcher: the first trains, the others audit it "
+                                          "(trust.train_audit_fraction)")
     dashboard_port: int | None = Field(0, ge=0, le=65535, description="the coordinator's web "
                                        "dashboard on 127.0.0.1 (0: any free port; None: off)")
     snapshot_every_s: float = Field(10.0, gt=0, description="how often the coordinator records "
@@ -207,6 +210,14 @@ class TrustConfig(Section):
                                         "average this many nats less likely than typical under "
                                         "the trainer (mean of log pi + entropy of pi) is flagged "
                                         "and left out of the loss")
+    train_audit_fraction: float = Field(0.1, ge=0, le=1, description="fraction of training "
+                                        "steps a stage's second training peer recomputes, when it "
+                                        "has one (trust/audit.py); a disagreement goes to a third")
+    train_audit_tolerance: float = Field(0.5, gt=0, description="relative L2 distance allowed "
+                                         "between two training peers' gradients and outputs of "
+                                         "the same step: honest bf16 and fp32 peers reach 0.4 on "
+                                         "the default model, gradient ascent 2 "
+                                         "(bench/train_audit.py)")
     ban_score: float = Field(0.5, gt=0, lt=1, description="a peer whose score falls below this "
                              "is banned")
     ban_s: float = Field(600.0, ge=0, description="first ban's length; each later ban doubles")

@@ -160,10 +160,15 @@ class Directory:
         """The stage's training peer: an `admitted` one that says it is ready (the newest
         version first). Anyone can announce itself as a training peer; only the run's owner
         admits one."""
-        with self.lock:
-            ready = [(p, s.record) for p, s in self._live(stage)
-                     if s.record.training_ready and admitted(p)]
+        ready = self.training_peers(stage, admitted)
         return max(ready, key=lambda item: item[1].version) if ready else None
+
+    def training_peers(self, stage: int, admitted: Callable[[str], bool]
+                       ) -> list[tuple[str, PeerRecord]]:
+        """The stage's `admitted` training peers that say they are ready and are not banned."""
+        with self.lock:
+            return [(p, s.record) for p, s in self._live(stage)
+                    if s.record.training_ready and admitted(p)]
 
     def observe(self, peer: str, seconds: float) -> None:
         with self.lock:

@@ -170,6 +170,7 @@ class TrainForward(Body):
     last: bool  # compute the loss here (the coordinator's view of the chain)
     total_sequences: int
     total_tokens: int
+    audit: bool = False  # on the audit's state (TRAIN_AUDIT_LOAD), not the peer's own
 
 
 class TrainForwardReply(Body):
@@ -182,6 +183,7 @@ class TrainBackward(Body):
     """Tensors `prompt_grad` / `completion_grad` (none at the last stage)."""
 
     micro: int
+    audit: bool = False
 
 
 class GradNorm(Body):
@@ -191,10 +193,15 @@ class GradNorm(Body):
 class TrainStep(Body):
     grad_scale: float
     version: int  # the version after this step; a peer at another version refuses
+    audit: bool = False  # step the audit's state: nothing is published
+    commit: bool = False  # keep the states before and after, and reply the digest of the latter
 
 
 class VersionReply(Body):
     version: int
+    # A step's reply when asked to commit (TrainStep.commit): the digest of the peer's training
+    # state at `version` (trust/audit.py), which the peer commits to.
+    state_digest: str = ""
 
 
 class PublishedRequest(Body):
@@ -211,6 +218,39 @@ class PublishedHash(Body):
 class CheckpointRequest(Body):
     action: Literal["save", "load"]
     version: int
+
+
+class StateRequest(Body):
+    """A stretch of a training peer's flat training state (trust/audit.py FlatState)."""
+
+    version: int
+    offset: int  # in floats
+    count: int  # floats wanted, at most STATE_CHUNK_FLOATS (0: the header alone)
+    audit: bool = False  # the audit's recomputed state instead of the peer's own
+
+
+class StateChunk(Body):
+    """Tensor `data`: float32 [min(count, total - offset)]."""
+
+    version: int
+    step: int  # the optimizer's step count
+    total: int  # floats in the whole state
+    digest: str
+    names: tuple[str, ...]  # the trainable parameters, in the optimizer's order
+    sizes: tuple[int, ...]
+
+
+class AuditLoad(Body):
+    """A stretch of the state an audit starts from, in order (tensor `data`, float32); the last
+    one makes the peer check the digest and load it."""
+
+    version: int
+    step: int
+    offset: int
+    total: int
+    digest: str
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
 
 
 # ---- weight updates (sync/) ---------------------------------------------------------------
@@ -280,6 +320,9 @@ MAX_SUBMISSION_BYTES = 8 * 2**20
 MAX_SYNC_PLAN_BYTES = 4 * 2**20
 # The data of one chunk of a weight update (sync/distribute.py cuts none larger).
 SYNC_CHUNK_DATA_BYTES = 2 * 2**20
+# A stretch of a training state in an audit (trust/audit.py), and the parameter names beside it.
+STATE_CHUNK_FLOATS = 2**21
+STATE_CHUNK_BYTES = 4 * STATE_CHUNK_FLOATS + 2**20
 # A training micro-batch (learn/batch.py TrainBatch), field by field.
 BATCH_TENSORS: dict[str, DtypeKind] = {
     "prompts": "int64", "prompt_valid": "bool", "prompt_positions": "int64",
@@ -455,6 +498,10 @@ TRAIN_STEP = Rpc("train_step", TrainStep, VersionReply, "coordinator")
 TRAIN_DISCARD = Rpc("train_discard", Empty, VersionReply, "coordinator")
 CHECKPOINT = Rpc("checkpoint", CheckpointRequest, VersionReply, "coordinator")
 TRAIN_PUBLISHED = Rpc("train_published", PublishedRequest, PublishedHash, "coordinator")
+TRAIN_STATE = Rpc("train_state", StateRequest, StateChunk, "coordinator", reply_tensors=("data",),
+                  max_reply_bytes=with_envelope(STATE_CHUNK_BYTES))
+TRAIN_AUDIT_LOAD = Rpc("train_audit_load", AuditLoad, VersionReply, "coordinator",
+                       {"data": TensorRule("float32")}, max_bytes=with_envelope(STATE_CHUNK_BYTES))
 SYNC_PLAN = Rpc("sync_plan", SyncPlanRequest, SyncPlan, "same stage",
                 max_reply_bytes=MAX_SYNC_PLAN_BYTES)
 SYNC_CHUNK = Rpc("sync_chunk", ChunkRequest, Empty, "same stage", reply_tensors=("data",),
@@ -464,4 +511,5 @@ SUBMIT_ROLLOUTS = Rpc("submit_rollouts", RolloutGroup, RolloutsQueued, "any peer
 
 RPCS: dict[str, Rpc[Any, Any]] = {rpc.method: rpc for rpc in (
     INFERENCE_STEP, CLOSE_SESSION, VERIFY_STEP, TRAIN_FORWARD, TRAIN_BACKWARD, TRAIN_GRAD_NORM,
-    TRAIN_STEP, TRAIN_DISCARD, CHECKPOINT, TRAIN_PUBLISHED, SYNC_PLAN, SYNC_CHUNK, SUBMIT_ROLLOUTS)}
+    TRAIN_STEP, TRAIN_DISCARD, CHECKPOINT, TRAIN_PUBLISHED, TRAIN_STATE, TRAIN_AUDIT_LOAD,
+    SYNC_PLAN, SYNC_CHUNK, SUBMIT_ROLLOUTS)}

@@ -25,7 +25,13 @@ way a volunteer on the internet could, and nothing here is known to the coordina
   comes back as a new identity, again and again;
 - replay (a client, no stage): submits rollout groups of problems the coordinator already
   accepted or never handed out, with correct answers;
-- flood (a client, no stage): sends malformed and oversized requests to every peer it finds."""
+- flood (a client, no stage): sends malformed and oversized requests to every peer it finds;
+- poison-update (a training peer, any stage): steps honestly, then reverses its update (gradient
+  ascent) and adds noise of a step's size (harm even where the honest update is zero), keeping
+  honest Adam moments;
+- forge-flags (a training peer of the last stage): trains honestly, but reports per-row
+  statistics that flag every honest row of the batch and clear every row its loss flagged.
+A hostile training peer audits the way it trains: its replays of other peers' steps lie alike."""
 
 from __future__ import annotations
 
@@ -45,7 +51,10 @@ import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from decentrl.config import RunConfig
+from decentrl.config import RunConfig, TrainConfig
+from decentrl.learn.batch import TrainBatch
+from decentrl.learn.losses import flagged_rows
+from decentrl.learn.trainer import Activations, LossInputs, StageTrainer
 from decentrl.model.loading import load_tokenizer, resolve_model
 from decentrl.net.link import MessageLost
 from decentrl.net.node import Handler, RemoteError, Reply, Request, SwarmNode
@@ -75,13 +84,16 @@ log = logging.getLogger(__name__)
 
 Adversary = Literal["random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations",
                     "corrupt-unopened", "malformed-activations", "collude-verify",
-                    "huge-capacity", "rotate-keys", "replay", "flood"]
+                    "huge-capacity", "rotate-keys", "replay", "flood", "poison-update",
+                    "forge-flags"]
 ADVERSARIES: tuple[str, ...] = get_args(Adversary)
 STAGE_ADVERSARIES = ("random-tokens", "forge-logprobs", "inject-answers", "corrupt-activations",
                      "corrupt-unopened", "malformed-activations")
 JUDGE_ADVERSARIES = ("collude-verify", "huge-capacity")  # honest producers, lying verifiers
 LAST_STAGE_ADVERSARIES = ("random-tokens", "forge-logprobs")
 ACTIVATION_ADVERSARIES = ("corrupt-activations", "corrupt-unopened", "malformed-activations")
+TRAINING_ADVERSARIES = ("poison-update", "forge-flags")
+FORGED_SURPRISE = -100.0  # a row statistic every flag_surprise threshold flags
 Malformation = Literal["wrong-width", "non-finite", "huge"]
 MALFORMATIONS: tuple[str, ...] = get_args(Malformation)
 FORGED_SHIFT = 3.0  # nats subtracted from honest behaviour log-probs
@@ -100,7 +112,7 @@ def adversary_stages(kind: str, num_stages: int) -> list[int]:
     return {"random-tokens": [last], "forge-logprobs": [last], "inject-answers": [0, last],
             "corrupt-activations": [0], "corrupt-unopened": [max(0, last - 1)],
             "malformed-activations": [0], "collude-verify": [last], "huge-capacity": [last],
-            "rotate-keys": [last]}.get(kind, [])
+            "rotate-keys": [last], "poison-update": [0], "forge-flags": [last]}.get(kind, [])
 
 
 def unchecked_encoding(tensors: Mapping[str, torch.Tensor]
@@ -327,8 +339,15 @@ def hostile_peer(config: RunConfig, stage: int, node: SwarmNode, owner: str, nam
                  adversary: str, collusion_dir: Path | None = None, role: Role = "inference",
                  checkpoint_dir: Path | None = None, malformation: str | None = None
                  ) -> StagePeer:
-    """A peer of `stage` of the run `owner` owns, whose inference lies the way `adversary` does
-    (`malformation`: the one a malformed-activations peer always sends)."""
+    """A peer of `stage` of the run `owner` owns, whose inference (or training, for a training
+    adversary) lies the way `adversary` does (`malformation`: the one a malformed-activations
+    peer always sends)."""
+    if adversary in TRAINING_ADVERSARIES:
+        peer = StagePeer(config, stage, role, node, owner, checkpoint_dir, name)
+        if peer.training is None:
+            raise ValueError(f"{adversary} is a training peer")
+        peer.training.trainer = HostileTrainer(peer.training.trainer, config.train, adversary)
+        return peer
     peer_class = BoastingPeer if adversary == "huge-capacity" else StagePeer
     if adversary in JUDGE_ADVERSARIES:
         return peer_class(config, stage, role, node, owner, checkpoint_dir, name,
@@ -337,6 +356,40 @@ def hostile_peer(config: RunConfig, stage: int, node: SwarmNode, owner: str, nam
     return peer_class(config, stage, role, node, owner, checkpoint_dir, name,
                       wrap_inference=lambda service: HostileInference(service, kind,
                                                                       collusion_dir, malformation))
+
+
+class HostileTrainer(StageTrainer):
+    """An honest stage trainer (its state taken over) whose results lie the way `adversary`
+    does: the training peer around it commits to and serves what this produces."""
+
+    def __init__(self, honest: StageTrainer, train: TrainConfig, adversary: str) -> None:
+        if adversary not in TRAINING_ADVERSARIES:
+            raise ValueError(f"{adversary!r} is not a training adversary; one of "
+                             f"{TRAINING_ADVERSARIES}")
+        if adversary == "forge-flags" and not honest.stage.is_last:
+            raise ValueError("forge-flags attacks from the last stage")
+        super().__init__(honest.stage, train, honest.loss, honest.sampling, honest.autocast_dtype)
+        self.optimizer.load_state_dict(honest.optimizer.state_dict())
+        self.adversary = adversary
+
+    def forward(self, micro: int, inputs: Activations, batch: TrainBatch,
+                loss_inputs: LossInputs | None = None
+                ) -> tuple[Activations, dict[str, float]]:
+        out, metrics = super().forward(micro, inputs, batch, loss_inputs)
+        if self.adversary == "forge-flags" and loss_inputs is not None:
+            flagged = flagged_rows(out[0], out[1], self.loss)
+            out = (torch.where(flagged, 0.0, FORGED_SURPRISE), torch.zeros_like(out[1]))
+        return out, metrics
+
+    def step(self, grad_scale: float) -> None:
+        before = [p.detach().clone() for p in self.params]
+        super().step(grad_scale)
+        if self.adversary == "poison-update":
+            lr = self.optimizer.param_groups[0]["lr"]
+            with torch.no_grad():
+                for p, old in zip(self.params, before):
+                    # old - (p - old): the update reversed, and an Adam step's worth of noise.
+                    p.copy_(2 * old - p + lr * torch.randn_like(p))
 
 
 class BoastingPeer(StagePeer):

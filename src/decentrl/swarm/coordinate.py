@@ -54,7 +54,7 @@ from decentrl.swarm.lineage import LineageSigner
 from decentrl.swarm.loop import RunHooks, RunSummary, TrainingLoop, TrainingUnavailable
 from decentrl.swarm.manifest import admitted_peers, publish_manifest, run_manifest
 from decentrl.swarm.sessions import RemoteChain, RemoteSession
-from decentrl.swarm.training_client import RemoteStageWorker
+from decentrl.swarm.training_client import RemoteStageWorker, TrainAudit
 from decentrl.trust.gate import Trust
 
 log = logging.getLogger(__name__)
@@ -212,6 +212,12 @@ class SwarmBackend:
                                           config.swarm, self.admitted, self.lineage)
                         for stage in range(config.num_stages)]
         self.directory.version_ceiling = lambda stage: self.workers[stage].version
+        # A stage's second training peer recomputes a random share of its steps (trust/audit.py).
+        self.audit = (TrainAudit(node, self.directory, config, self.admitted,
+                                 self.trust.reputation)
+                      if config.trust.train_audit_fraction > 0 else None)
+        for worker in self.workers:
+            worker.audit = self.audit
         loss = loss_config_from(config.train, config.rollout.max_new_tokens, config.trust)
         self.trainer = PipelineTrainer(self.workers, config.train, loss,
                                        sampling_config(config.rollout), torch.device("cpu"))
@@ -391,7 +397,8 @@ class SwarmBackend:
     def finish(self, summary: RunSummary) -> RunSummary:
         self.console.print(self.peer_table())
         summary.failovers = self.chain.failovers
-        summary.trust = self.trust.counters()
+        summary.trust = {**self.trust.counters(),
+                         **(self.audit.count if self.audit is not None else {})}
         summary.banned = self.trust.banned_peers()
         summary.dashboard_url = self.dashboard.url if self.dashboard is not None else None
         return summary

@@ -30,6 +30,7 @@ from decentrl.net.records import decode_records
 from decentrl.net.wire import TensorLimits
 from decentrl.swarm.adversary import (
     ADVERSARIES,
+    TRAINING_ADVERSARIES,
     adversary_stages,
     flood,
     hostile_peer,
@@ -215,13 +216,21 @@ class LocalSwarm:
         renewer.start()
         checkpoints = self.config.path / "checkpoints"
         keys = self.config.path / "keys"
+        hostile_trainers = {stage for kind in self.adversaries if kind in TRAINING_ADVERSARIES
+                            for stage in adversary_stages(kind, self.config.num_stages)}
         for stage in range(self.config.num_stages):
-            if self.training:
-                key = keys / f"train{stage}.key"
+            # The first training peer of a stage trains; any others audit it (trust/audit.py).
+            # Beside a hostile training peer two honest ones: a third settles a disagreement.
+            peers = self.config.swarm.training_peers_per_stage
+            if stage in hostile_trainers:
+                peers = max(peers, 2)
+            for index in range(peers if self.training else 0):
+                name = f"train{stage}" + (f".{index}" if index else "")
+                key = keys / f"{name}.key"
                 admit(self.config.path, [Identity.from_file(key).peer_id])
-                self._add(f"train{stage}", ["join", "--stage", str(stage), "--role", "training",
-                                            "--checkpoint-dir", str(checkpoints), "--identity",
-                                            str(key)], addresses)
+                self._add(name, ["join", "--stage", str(stage), "--role", "training",
+                                 "--checkpoint-dir", str(checkpoints), "--identity", str(key)],
+                          addresses)
             for replica in range(self.replicas):
                 self._add(f"infer{stage}.{replica}", ["join", "--stage", str(stage), "--role",
                                                       "inference"], addresses)
@@ -232,9 +241,16 @@ class LocalSwarm:
                 raise ValueError(f"unknown adversary {kind!r}; one of {ADVERSARIES}")
             stages = adversary_stages(kind, self.config.num_stages)
             for stage in stages or ["auto"]:
-                self._add(f"adv-{kind}" + (f".{stage}" if stages else ""),
-                          ["join", "--stage", str(stage), "--role", "inference", "--adversary",
-                           kind, "--collusion-dir", str(collusion)], addresses)
+                name = f"adv-{kind}" + (f".{stage}" if stages else "")
+                if kind in TRAINING_ADVERSARIES:  # an admitted training peer that lies
+                    key = keys / f"{name}.key"
+                    admit(self.config.path, [Identity.from_file(key).peer_id])
+                    role = ["training", "--checkpoint-dir", str(checkpoints), "--identity",
+                            str(key)]
+                else:
+                    role = ["inference", "--collusion-dir", str(collusion)]
+                self._add(name, ["join", "--stage", str(stage), "--adversary", kind, "--role",
+                                 *role], addresses)
         try:
             for child in self.children.values():
                 self._spawn(child)

@@ -5,11 +5,20 @@ finish), and asks it to save or load checkpoints. Every step publishes the new v
 stage (`WeightPublisher`, sync/distribute.py) to its replicas.
 
 A training peer that starts where a checkpoint exists resumes from it: a replacement for a peer
-that died takes over at the run's last complete checkpoint."""
+that died takes over at the run's last complete checkpoint.
+
+Audits (trust/audit.py): while the coordinator asks it to commit (`TrainStep.commit`: its stage
+has an auditor), the peer keeps CPU copies of its training state at its last two versions and
+commits to each by its digest in the reply that made it; the coordinator may fetch them
+(`TRAIN_STATE`, which also commits to the current state when none is kept). As an auditor, the same peer loads another
+peer's pre-step state into a second trainer of its stage (`TRAIN_AUDIT_LOAD`) and replays the
+step on it (the training RPCs with `audit` set): its own trainer, its published and served
+weights do not change."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -25,18 +34,24 @@ from decentrl.model.stages import StageModule
 from decentrl.net.node import Handler, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
     CHECKPOINT,
+    STATE_CHUNK_FLOATS,
+    TRAIN_AUDIT_LOAD,
     TRAIN_BACKWARD,
     TRAIN_DISCARD,
     TRAIN_FORWARD,
     TRAIN_GRAD_NORM,
     TRAIN_PUBLISHED,
+    TRAIN_STATE,
     TRAIN_STEP,
+    AuditLoad,
     CheckpointRequest,
     Empty,
     GradNorm,
     PublishedHash,
     PublishedRequest,
     Rpc,
+    StateChunk,
+    StateRequest,
     TrainBackward,
     TrainForward,
     TrainForwardReply,
@@ -46,6 +61,7 @@ from decentrl.net.protocol import (
 from decentrl.swarm.inbound import InboundChecks, PeerBusy, PeerError
 from decentrl.swarm.replica import ServedWeights, published_tensors
 from decentrl.sync.distribute import WeightPublisher
+from decentrl.trust.audit import FlatState, flat_state, load_flat_state, state_layout
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +80,11 @@ class TrainingService:
         # Called (compute thread) with the trainer after its weights changed: a peer that also
         # serves inference copies them into its served model.
         self.on_new_weights: Callable[[StageTrainer], None] = lambda trainer: None
+        # Audits: this peer's training state at its last two versions with their digests, and
+        # the state it audits another peer's step on (made at its first audit).
+        self.states: dict[int, tuple[FlatState, str]] = {}
+        self.audit_trainer: StageTrainer | None = None
+        self._incoming: tuple[AuditLoad, list[torch.Tensor]] | None = None
         self._resume_from_checkpoint()
         self.publisher = WeightPublisher(
             node, config.name, self.stage, config.sync, trainer.version,
@@ -92,12 +113,25 @@ class TrainingService:
         return [(TRAIN_FORWARD, self._train_forward), (TRAIN_BACKWARD, self._train_backward),
                 (TRAIN_GRAD_NORM, self._train_grad_norm), (TRAIN_STEP, self._train_step),
                 (TRAIN_DISCARD, self._train_discard), (CHECKPOINT, self._checkpoint),
-                (TRAIN_PUBLISHED, self._train_published)]
+                (TRAIN_PUBLISHED, self._train_published), (TRAIN_STATE, self._train_state),
+                (TRAIN_AUDIT_LOAD, self._audit_load)]
 
-    def _at_version(self, version: int) -> None:
-        if version != self.trainer.version:
-            raise PeerBusy(f"stage {self.stage} is at version {self.trainer.version}, the request "
-                           f"expects {version}")
+    def _at_version(self, version: int, audit: bool = False) -> None:
+        trainer = self._trainer(audit)
+        if version != trainer.version:
+            raise PeerBusy(f"stage {self.stage}{' (audit)' if audit else ''} is at version "
+                           f"{trainer.version}, the request expects {version}")
+
+    def _trainer(self, audit: bool) -> StageTrainer:
+        if not audit:
+            return self.trainer
+        if self.audit_trainer is None:
+            raise PeerBusy(f"stage {self.stage} has no audit state loaded")
+        return self.audit_trainer
+
+    def _digest(self) -> str:
+        held = self.states.get(self.trainer.version)
+        return "" if held is None else held[1]
 
     # ---- one step, micro-batch by micro-batch ---------------------------------------------
 
@@ -105,7 +139,8 @@ class TrainingService:
         return await self.node.compute(self._forward, request.body, request.tensors)
 
     def _forward(self, body: TrainForward, tensors: dict[str, torch.Tensor]) -> Reply:
-        self._at_version(body.version)
+        self._at_version(body.version, body.audit)
+        trainer = self._trainer(body.audit)
         if body.last != self.checks.is_last:
             raise PeerError(f"the coordinator thinks stage {self.stage} is "
                             f"{'' if body.last else 'not '}the last stage")
@@ -115,7 +150,7 @@ class TrainingService:
         if body.last:
             loss_inputs = LossInputs(tensors.get("proximal"), tensors.get("reference"),
                                      body.total_sequences, body.total_tokens)
-        out, metrics = self.trainer.forward(body.micro, inputs, batch, loss_inputs)
+        out, metrics = trainer.forward(body.micro, inputs, batch, loss_inputs)
         if body.last:  # per-row statistics, in full precision: the coordinator flags from them
             return Reply(TrainForwardReply(metrics=metrics),
                          {"row_surprise": out[0].cpu(), "row_log_ratio": out[1].cpu()}, "fp32")
@@ -127,14 +162,15 @@ class TrainingService:
         return await self.node.compute(self._backward, request.body, request.tensors)
 
     def _backward(self, body: TrainBackward, tensors: dict[str, torch.Tensor]) -> Reply:
-        if body.micro not in self.trainer.saved:
+        trainer = self._trainer(body.audit)
+        if body.micro not in trainer.saved:
             raise PeerBusy(f"stage {self.stage} has no forward pass for micro-batch {body.micro}")
-        outputs = self.trainer.saved[body.micro][1]
+        outputs = trainer.saved[body.micro][1]
         grads = self.checks.gradients(tensors, outputs)
         if grads is not None:
             grads = (grads[0].to(self.device, outputs[0].dtype),
                      grads[1].to(self.device, outputs[1].dtype))
-        back = self.trainer.backward(body.micro, grads)
+        back = trainer.backward(body.micro, grads)
         result = {} if back is None or back[0] is None else \
             {"prompt_grad": back[0].cpu(), "completion_grad": back[1].cpu()}
         return Reply(Empty(), result, self.config.swarm.activation_codec)
@@ -145,19 +181,99 @@ class TrainingService:
 
     async def _train_step(self, request: Request[TrainStep]) -> Reply:
         body = request.body
-        self._at_version(body.version - 1)
+        self._at_version(body.version - 1, body.audit)
         if not 0 < body.grad_scale <= 1:
             raise PeerError(f"grad_scale must be in (0, 1], got {body.grad_scale}")
-        await self.node.compute(self._step, body.grad_scale)
+        if body.audit:
+            trainer = self._trainer(audit=True)
+            await self.node.compute(trainer.step, body.grad_scale)
+            return Reply(VersionReply(version=trainer.version))
+        await self.node.compute(self._step, body.grad_scale, body.commit)
         await self.announce()
-        return Reply(VersionReply(version=self.trainer.version))
+        return Reply(VersionReply(version=self.trainer.version, state_digest=self._digest()))
 
-    def _step(self, grad_scale: float) -> None:
+    def _step(self, grad_scale: float, commit: bool) -> None:
         """Step, then publish the new version (compute thread, between steps: the publisher
         takes a copy and encodes the update on its own thread)."""
         self.trainer.step(grad_scale)
+        if commit:
+            self._snapshot()
+        else:
+            self.states = {}
         self.on_new_weights(self.trainer)
         self.publisher.publish(self.trainer.version, published_tensors(self.trainer.stage))
+
+    def _snapshot(self) -> None:
+        """Keep the training state at this version, and the one before it if kept (compute
+        thread)."""
+        state = flat_state(self.trainer)
+        self.states = {v: held for v, held in self.states.items() if v == state.version - 1}
+        self.states[state.version] = (state, state.digest)
+
+    # ---- audits --------------------------------------------------------------------------
+
+    async def _train_state(self, request: Request[StateRequest]) -> Reply:
+        body = request.body
+        if not 0 <= body.count <= STATE_CHUNK_FLOATS:
+            raise PeerError(f"count must be in [0, {STATE_CHUNK_FLOATS}], got {body.count}")
+        if body.audit:
+            trainer = self._trainer(audit=True)
+            state = await self.node.compute(flat_state, trainer)
+            digest = state.digest
+        elif body.version in self.states:
+            state, digest = self.states[body.version]
+        elif body.version == self.trainer.version:  # a commitment to the state as it is now
+            state = await self.node.compute(flat_state, self.trainer)
+            digest = state.digest
+            self.states[state.version] = (state, digest)
+        else:
+            raise PeerBusy(f"stage {self.stage} keeps its training state at versions "
+                           f"{sorted(self.states)}, not {body.version}")
+        if state.version != body.version:
+            raise PeerBusy(f"the audit state is at version {state.version}, not {body.version}")
+        total = state.flat.numel()
+        if not 0 <= body.offset <= total:
+            raise PeerError(f"offset {body.offset} is outside the state's {total} floats")
+        data = state.flat[body.offset:body.offset + body.count]
+        return Reply(StateChunk(version=state.version, step=state.step, total=total,
+                                digest=digest, names=state.names, sizes=state.sizes),
+                     {"data": data}, "fp32")
+
+    async def _audit_load(self, request: Request[AuditLoad]) -> Reply:
+        return await self.node.compute(self._load_audit_chunk, request.body,
+                                       request.tensors["data"])
+
+    def _load_audit_chunk(self, body: AuditLoad, data: torch.Tensor) -> Reply:
+        """Take one stretch of the state to audit from; the last one loads it (compute thread).
+        A stretch out of order, or a state of another shape than this stage's, is refused: what
+        is held is bounded by this stage's own state."""
+        names, sizes = state_layout(self.trainer)
+        if (body.names, body.sizes) != (names, sizes) or body.total != 3 * sum(sizes):
+            raise PeerError(f"the audit state is not of stage {self.stage}'s parameters")
+        if body.offset == 0:
+            self._incoming = (body, [])
+        if self._incoming is None:
+            raise PeerError("an audit state must be sent from offset 0")
+        first, parts = self._incoming
+        received = sum(part.numel() for part in parts)
+        if (body.version, body.step, body.digest) != (first.version, first.step, first.digest) \
+                or body.offset != received or data.dim() != 1 \
+                or received + data.numel() > body.total:
+            self._incoming = None
+            raise PeerError(f"audit state stretch at {body.offset} does not follow the "
+                            f"{received} floats received")
+        parts.append(data.clone())
+        if received + data.numel() < body.total:
+            return Reply(VersionReply(version=body.version))
+        self._incoming = None
+        state = FlatState(body.version, body.step, body.names, body.sizes, torch.cat(parts))
+        if state.digest != body.digest:
+            raise PeerError("the audit state does not hash to its digest")
+        if self.audit_trainer is None:
+            self.audit_trainer = copy.deepcopy(self.trainer)
+        self.audit_trainer.discard()
+        load_flat_state(self.audit_trainer, state)
+        return Reply(VersionReply(version=state.version, state_digest=state.digest))
 
     async def _train_discard(self, request: Request[Empty]) -> Reply:
         await self.node.compute(self.trainer.discard)
@@ -208,6 +324,7 @@ class TrainingService:
         if state["version"] != version:
             raise PeerBusy(f"{path} holds version {state['version']}, not {version}")
         self.trainer.load_state(state)
+        self.states = {}
         self.on_new_weights(self.trainer)
 
     def _resume_from_checkpoint(self) -> None:
