@@ -260,8 +260,8 @@ def test_trust_counts_say_what_they_count_and_out_of_how_many(
             f"{PENDING} still pending at the end.") in text
     assert (f"| verified | 120 | groups whose spot-check passed | {ACCEPTED} groups accepted "
             "(47.6%) |") in text
-    assert f"| verify_failed | 1 | groups whose spot-check caught a lie | {ACCEPTED} groups " \
-        "accepted (0.4%) |" in text
+    assert "| verify_failed | 1 | groups whose spot-check caught a lie (confirmed by a second " \
+        f"verifier) | {ACCEPTED} groups accepted (0.4%) |" in text
     assert "| flagged | 1 | groups with rows the trainer's log-probs flagged (left out of the " \
         f"loss, then re-checked) | {TRAINED} groups trained (0.4%) |" in text
     assert "| banned | 1 | bans (a peer banned again counts again) | 6 peers seen |" in text

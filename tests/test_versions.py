@@ -281,7 +281,7 @@ def test_swarm_replica_update_mid_generation_is_recorded(
         publisher, follower = training_peer.training.publisher, replica_peer.replica.follower
         assert (replica_peer.version, follower.state.hash) == (1, publisher.state.hash)
         assert ("delta", 1) in follower.updates
-        served = replica_peer.replica.model.state_dict()
+        served = replica_peer.replica.served.model.state_dict()
         for name, value in publisher.state.tensors.items():
             assert torch.equal(served[name].float(), value), name
 
