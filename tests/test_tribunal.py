@@ -259,3 +259,14 @@ def test_an_admitted_training_peer_judges_a_stage_nobody_else_can(tiny_model_dir
     assert outcomes == {"passed": 20}
     assert trust.reputation.counts("p1").get("failed", 0) == 0
     assert trust.reputation.counts("framer")["failed"] > 0
+
+
+def test_what_a_banned_liar_got_into_training_is_counted(tiny_model_dir: Path) -> None:
+    config = config_for(tiny_model_dir)
+    trust = offline_gate(config)
+    for number in range(3):
+        trust.produced(f"g{number}", served_by("p0", "liar" if number < 2 else "p1"))
+        trust.trained(f"g{number}")
+    assert trust.trained_from_banned() == 0
+    trust.reputation.record("liar", "proved", "a lie")  # banned, later
+    assert trust.trained_from_banned() == 2

@@ -115,6 +115,9 @@ def demo(
     task: Annotated[str, typer.Option(
         help=f"What to post-train on: {' or '.join(DEMO_TASKS)} (word problems solved in "
              "episodes with a python tool).")] = "sums",
+    verify_fraction: Annotated[Optional[float], typer.Option(  # noqa: UP007
+        help="Share of rollout groups spot-checked (trust.verify_fraction; 1 checks every "
+             "group).")] = None,
 ) -> None:
     """Post-train SmolLM2-135M-Instruct over a swarm on this machine.
 
@@ -127,6 +130,8 @@ def demo(
     data = demo_config(task)
     data["name"] = name
     data["train"]["time_budget_s"] = budget
+    if verify_fraction is not None:
+        data.setdefault("trust", {})["verify_fraction"] = verify_fraction
     config = parse_config(data)
     if fresh:
         fresh_run_folder(config, console)

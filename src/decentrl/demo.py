@@ -257,9 +257,17 @@ def demo_summary(summary: RunSummary, wall_s: float, names: dict[str, str],
                      f"-> {summary.after.pass1.as_percent()} ({100 * gain:+.1f} points)")
     trust = summary.trust
     lines.append(f"trust: {trust['verified']} groups spot-checked and passed, "
-                 f"{trust['verify_failed']} failed, {trust['verify_skipped']} checks skipped; "
-                 f"{trust['flagged']} groups flagged by the trainer; "
-                 f"{trust['submissions_refused']} submissions refused")
+                 f"{trust['verify_failed']} failed (confirmed), {trust['verify_unconfirmed']} "
+                 f"unconfirmed, {trust['verify_skipped']} checks skipped, "
+                 f"{trust['verifiers_overruled']} verifiers overruled; {trust['flagged']} groups "
+                 f"flagged by the trainer; {trust['submissions_refused']} submissions refused; "
+                 f"{trust.get('trained_from_banned', 0)} trained groups came from peers banned "
+                 f"later")
+    if trust.get("train_audits"):
+        lines.append(f"training audits: {trust['train_audits']} steps audited, "
+                     f"{trust.get('train_audit_disagreements', 0)} disagreements, "
+                     f"{trust.get('train_audit_liars', 0)} liars banned, "
+                     f"{trust.get('train_audit_unsettled', 0)} unsettled")
     lines += [f"  banned {terminal_text(names.get(peer, peer[-8:]))}: "
               f"{terminal_text(why, BAN_CAUSE_CHARS)}" for peer, why in summary.banned.items()]
     lines += [f"model:  {model_dir} (Hugging Face folder, model card README.md, SHA256SUMS)",

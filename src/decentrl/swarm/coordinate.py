@@ -398,6 +398,7 @@ class SwarmBackend:
         self.console.print(self.peer_table())
         summary.failovers = self.chain.failovers
         summary.trust = {**self.trust.counters(),
+                         "trained_from_banned": self.trust.trained_from_banned(),
                          **(self.audit.count if self.audit is not None else {})}
         summary.banned = self.trust.banned_peers()
         summary.dashboard_url = self.dashboard.url if self.dashboard is not None else None

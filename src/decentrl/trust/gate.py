@@ -108,6 +108,8 @@ class Trust:
         # Unpredictable to peers: a peer that knew which groups get checked would lie elsewhere.
         self.random = random.Random(secrets.randbits(64))
         self.count: Counter[str] = Counter()
+        # Groups trained per peer that helped produce them: what a liar got into training.
+        self.trained_by: Counter[str] = Counter()
 
     # ---- what the coordinator tells the gate ----------------------------------------------
 
@@ -155,7 +157,21 @@ class Trust:
             self._enqueue(group, provenance, "evaluation")
 
     def trained(self, group_id: str) -> None:
+        with self.lock:
+            provenance = self.provenance.get(group_id)
+            if provenance is not None:
+                self.trained_by.update(provenance.peers())
+                while len(self.trained_by) > GROUPS_TRACKED:  # bounded like the rest
+                    del self.trained_by[min(self.trained_by, key=self.trained_by.__getitem__)]
         self.forget(group_id)  # a queued check holds its own reference
+
+    def trained_from_banned(self) -> int:
+        """Trained groups that a peer banned during the run helped produce (trained before its
+        ban, unchecked or checked before it lied; the bans explained in `banned_peers`)."""
+        with self.reputation.lock:
+            banned = set(self.reputation.ban_causes)
+        with self.lock:
+            return sum(count for peer, count in self.trained_by.items() if peer in banned)
 
     def flagged(self, groups: list[RolloutGroup]) -> None:
         """Groups with rows the trainer's log-probs flagged (they did not count in the loss):
