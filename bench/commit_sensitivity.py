@@ -34,10 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
+from decentrl.model.blocks import positions_from_valid  # noqa: E402
 from decentrl.model.loading import LoadedModel, load_model  # noqa: E402
 from decentrl.model.stages import StageModule, StagePlan, build_stage  # noqa: E402
 from decentrl.net.wire import ActivationCodec, decode_tensor, encode_tensor  # noqa: E402
+from decentrl.rollout.generate import left_pad  # noqa: E402
 from decentrl.trust.commit import (  # noqa: E402
     CommitCheck,
     CommitTolerance,
@@ -69,16 +72,12 @@ def stage0(model: LoadedModel, dtype: torch.dtype) -> StageModule:
     return build_stage(model.spec, plan, 0, model.tensors, torch.device("cpu"), dtype)
 
 
-def layout(seqs: list[list[int]], extra: int = 0) -> tuple[torch.Tensor, torch.Tensor,
-                                                           torch.Tensor]:
+def layout(seqs: list[list[int]], extra: int = 0
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-padded token ids, position ids and the valid mask [B, T], `extra` more columns."""
-    length = max(len(s) for s in seqs) + extra
-    ids = torch.zeros(len(seqs), length, dtype=torch.long)
-    valid = torch.zeros(len(seqs), length, dtype=torch.bool)
-    for row, seq in enumerate(seqs):
-        ids[row, length - len(seq):] = torch.tensor(seq)
-        valid[row, length - len(seq):] = True
-    return ids, (valid.long().cumsum(-1) - 1).clamp(min=0), valid
+    ids, valid = left_pad(seqs, 0, torch.device("cpu"))
+    ids, valid = F.pad(ids, (extra, 0)), F.pad(valid, (extra, 0))
+    return ids, positions_from_valid(valid), valid
 
 
 @torch.no_grad()

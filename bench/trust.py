@@ -56,6 +56,7 @@ from rich.console import Console  # noqa: E402
 
 from decentrl.config import RunConfig, parse_config  # noqa: E402
 from decentrl.model.loading import load_model  # noqa: E402
+from decentrl.net.directory import Directory  # noqa: E402
 from decentrl.net.link import LinkProfile  # noqa: E402
 from decentrl.net.node import SwarmNode  # noqa: E402
 from decentrl.net.wire import TensorLimits  # noqa: E402
@@ -137,6 +138,32 @@ class Swarm:
         self.peers.append(peer)
         return peer
 
+    def start_honest(self, third: bool) -> None:
+        """Per stage an honest replica in the run's dtype, one in fp32, and with `third` a
+        second one in the run's dtype."""
+        fp32 = self.config.model_copy(update={"dtype": "fp32"})
+        for stage in range(self.config.num_stages):
+            self.start(stage, f"honest{stage}")
+            self.start(stage, f"fp32-{stage}", config=fp32)
+            if third:
+                self.start(stage, f"honest{stage}b")
+
+    def coordinator(self, loaded: Any) -> tuple[Trust, RolloutWorker, PromptScheduler]:
+        """The coordinator's trust gate over these peers, and a worker that generates through
+        them as the coordinator does."""
+        config = self.config
+        directory = Directory(self.client, config.name, config.num_stages, config.swarm)
+        trust = Trust(config, self.client, directory, loaded.spec.hidden_size,
+                      loaded.tokenizer.pad_token_id, Console(quiet=True))
+        directory.version_ceiling = lambda stage: 0  # nothing trains here: the base weights
+        directory.refresh()
+        chain = RemoteChain(self.client, directory, config.swarm, config.trust, loaded.spec,
+                            trust.reputation)
+        task = make_task(config.task.name, **config.task.options)
+        scheduler = PromptScheduler(config.seed)
+        return trust, RolloutWorker(chain, None, task, loaded.tokenizer, config.rollout,
+                                    scheduler, config.seed), scheduler
+
     def close(self) -> None:
         for peer in self.peers:
             peer.stop()
@@ -150,14 +177,9 @@ class Swarm:
 
 def run_scenario(scenario: str, config: RunConfig, groups: int, loaded: Any, folder: Path,
                  policy: str) -> dict[str, Any]:
-    fp32 = config.model_copy(update={"dtype": "fp32"})
     swarm = Swarm(config, folder)
     try:
-        for stage in range(config.num_stages):
-            swarm.start(stage, f"honest{stage}")
-            swarm.start(stage, f"fp32-{stage}", config=fp32)
-            if scenario == "honest":
-                swarm.start(stage, f"honest{stage}b")
+        swarm.start_honest(third=scenario == "honest")
         kind = "random-tokens" if scenario == "rotate-keys" else scenario
         hostile: list[StagePeer] = []
         if scenario != "honest":
@@ -171,20 +193,11 @@ def run_scenario(scenario: str, config: RunConfig, groups: int, loaded: Any, fol
         # judge's partner, or the stage peer itself.
         culprit: StagePeer | None = hostile[-1] if hostile else None
         honest = {p.node.peer_id for p in swarm.peers if p not in hostile}
-        trust = Trust(config, swarm.client, _directory(swarm), loaded.spec.hidden_size,
-                      loaded.tokenizer.pad_token_id, Console(quiet=True))
-        if policy == "old":
-            trust.verifier = OldVerifier(swarm.client, trust.verifier.directory, config,
-                                         loaded.spec.hidden_size, loaded.tokenizer.pad_token_id)
+        trust, worker, scheduler = swarm.coordinator(loaded)
         directory = trust.verifier.directory
-        directory.version_ceiling = lambda stage: 0  # nothing trains here: the base weights
-        directory.refresh()
-        chain = RemoteChain(swarm.client, directory, config.swarm, config.trust, loaded.spec,
-                            trust.reputation)
-        task = make_task(config.task.name, **config.task.options)
-        scheduler = PromptScheduler(config.seed)
-        worker = RolloutWorker(chain, None, task, loaded.tokenizer, config.rollout, scheduler,
-                               config.seed)
+        if policy == "old":
+            trust.verifier = OldVerifier(swarm.client, directory, config,
+                                         loaded.spec.hidden_size, loaded.tokenizer.pad_token_id)
         judge = hostile[0] if scenario in PARTNERS else None  # the colluding judge
         identities = [culprit.node.peer_id] if culprit is not None else []
         served_before_ban: list[int] = []
@@ -279,34 +292,14 @@ def run_scenario(scenario: str, config: RunConfig, groups: int, loaded: Any, fol
         swarm.close()
 
 
-def _directory(swarm: Swarm) -> Any:
-    from decentrl.net.directory import Directory
-
-    config = swarm.config
-    return Directory(swarm.client, config.name, config.num_stages, config.swarm)
-
-
 def honest_checks(config: RunConfig, loaded: Any, folder: Path, checks: int, groups: int
                   ) -> dict[str, Any]:
     """`checks` rulings on honest groups (random among `groups` generated), panels drawn at
     random over a bf16, an fp32 and a second bf16 replica per stage."""
-    fp32 = config.model_copy(update={"dtype": "fp32"})
     swarm = Swarm(config, folder)
     try:
-        for stage in range(config.num_stages):
-            swarm.start(stage, f"honest{stage}")
-            swarm.start(stage, f"fp32-{stage}", config=fp32)
-            swarm.start(stage, f"honest{stage}b")
-        trust = Trust(config, swarm.client, _directory(swarm), loaded.spec.hidden_size,
-                      loaded.tokenizer.pad_token_id, Console(quiet=True))
-        directory = trust.verifier.directory
-        directory.refresh()
-        chain = RemoteChain(swarm.client, directory, config.swarm, config.trust, loaded.spec,
-                            trust.reputation)
-        task = make_task(config.task.name, **config.task.options)
-        scheduler = PromptScheduler(config.seed)
-        worker = RolloutWorker(chain, None, task, loaded.tokenizer, config.rollout, scheduler,
-                               config.seed)
+        swarm.start_honest(third=True)
+        trust, worker, scheduler = swarm.coordinator(loaded)
         made: list[tuple[RolloutGroup, Provenance]] = []
         for index in scheduler.next(groups):
             sessions: list[Any] = []

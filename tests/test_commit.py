@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from decentrl.model.blocks import positions_from_valid
 from decentrl.model.loading import DEFAULT_MODEL, LoadedModel, load_model
 from decentrl.model.stages import StageModule, StagePlan, build_stage
 from decentrl.net.protocol import INFERENCE_STEP
 from decentrl.net.wire import WireError, decode_tensor, encode_tensor
+from decentrl.rollout.generate import left_pad
 from decentrl.trust.commit import (
     CommitCheck,
     CommitTolerance,
@@ -49,13 +52,9 @@ def layout(seqs: list[list[int]], extra: int = 0
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token ids, position ids and the valid mask [B, T] of left-padded rows, as generation
     builds them; `extra` pads every row by that many more columns."""
-    length = max(len(s) for s in seqs) + extra
-    ids = torch.zeros(len(seqs), length, dtype=torch.long)
-    valid = torch.zeros(len(seqs), length, dtype=torch.bool)
-    for row, seq in enumerate(seqs):
-        ids[row, length - len(seq):] = torch.tensor(seq)
-        valid[row, length - len(seq):] = True
-    return ids, (valid.long().cumsum(-1) - 1).clamp(min=0), valid
+    ids, valid = left_pad(seqs, 0, torch.device("cpu"))
+    ids, valid = F.pad(ids, (extra, 0)), F.pad(valid, (extra, 0))
+    return ids, positions_from_valid(valid), valid
 
 
 @torch.no_grad()

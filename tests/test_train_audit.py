@@ -17,9 +17,9 @@ import torch
 from helpers import build
 from rich.console import Console
 from swarm_helpers import Swarm, start_node, start_swarm, tiny_run_config
+from test_swarm import make_batch
 
 from decentrl.config import RunConfig, TrainConfig
-from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.trainer import PipelineTrainer, StageTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel
 from decentrl.net.directory import SwarmUnavailable
@@ -34,7 +34,6 @@ from decentrl.net.protocol import (
 )
 from decentrl.net.wire import TensorLimits, WireError
 from decentrl.rollout.sampling import SamplingConfig, sampling_config
-from decentrl.rollout.types import Rollout
 from decentrl.swarm.adversary import hostile_peer
 from decentrl.swarm.coordinate import swarm_run
 from decentrl.swarm.lineage import LineageSigner
@@ -52,16 +51,6 @@ from decentrl.trust.audit import (
 from decentrl.trust.reputation import Reputation
 
 CPU = torch.device("cpu")
-
-
-def make_batch(seed: int = 0, rows: int = 6) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    rollouts = [Rollout(prompt_tokens=[1, 2, 3, i % 3 + 1],
-                        completion_tokens=torch.randint(1, 30, (5 + i,), generator=g).tolist(),
-                        behaviour_logprobs=[-1.0] * (5 + i), finished=True)
-                for i in range(rows)]
-    advantages = [1.0, -1.0, 0.5, -0.5, 0.2, -0.2][:rows]
-    return build_batch(rollouts, advantages, [0] * rows, 0)
 
 
 # ---- the checks, on local stage trainers ---------------------------------------------------
