@@ -110,8 +110,8 @@ def demo(
                                              "folder that holds a run).")] = True,
     adversaries: Annotated[bool, typer.Option(
         "--adversaries",
-        help="Add one hostile peer of every kind beside the honest ones, to watch the swarm "
-             "catch them.")] = False,
+        help="Add one hostile peer of every inference, judging and identity kind beside the "
+             "honest ones, to watch the swarm catch them.")] = False,
     task: Annotated[str, typer.Option(
         help=f"What to post-train on: {' or '.join(DEMO_TASKS)} (word problems solved in "
              "episodes with a python tool).")] = "sums",
