@@ -61,7 +61,12 @@ from decentrl.net.link import LinkProfile  # noqa: E402
 from decentrl.net.node import SwarmNode  # noqa: E402
 from decentrl.net.wire import TensorLimits  # noqa: E402
 from decentrl.rollout.types import RolloutGroup  # noqa: E402
-from decentrl.swarm.adversary import ADVERSARIES, adversary_stages, hostile_peer  # noqa: E402
+from decentrl.swarm.adversary import (  # noqa: E402
+    ADVERSARIES,
+    TRAINING_ADVERSARIES,
+    adversary_stages,
+    hostile_peer,
+)
 from decentrl.swarm.peer import StagePeer  # noqa: E402
 from decentrl.swarm.scheduler import PromptScheduler  # noqa: E402
 from decentrl.swarm.sessions import RemoteChain  # noqa: E402
@@ -72,8 +77,10 @@ from decentrl.trust.provenance import Provenance  # noqa: E402
 from decentrl.trust.tribunal import Ruling, convene  # noqa: E402
 from decentrl.trust.verify import Verdict, Verifier  # noqa: E402
 
-CLIENT_ADVERSARIES = ("replay", "flood")  # not stage peers: tests/test_adversaries.py
-SCENARIOS = ("honest", *(a for a in ADVERSARIES if a not in CLIENT_ADVERSARIES))
+# Clients (tests/test_adversaries.py) and training peers (bench/train_audit.py) are measured
+# elsewhere: here, the peers that serve and judge inference.
+ELSEWHERE = ("replay", "flood", *TRAINING_ADVERSARIES)
+SCENARIOS = ("honest", *(a for a in ADVERSARIES if a not in ELSEWHERE))
 # The partner whose lies a colluding judge covers.
 PARTNERS = {"collude-verify": "forge-logprobs", "huge-capacity": "forge-logprobs"}
 
