@@ -31,7 +31,7 @@ from test_swarm import make_batch
 from decentrl.config import RunConfig, TrustConfig
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.net.protocol import InferenceStep, Role
-from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
+from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, VersionSpan
 from decentrl.swarm.adversary import HostileInference
 from decentrl.swarm.inbound import PeerBusy
 from decentrl.swarm.local import local_run
@@ -325,12 +325,19 @@ def test_groups_of_a_branch_a_rollback_discarded_never_train(tiny_model_dir: Pat
         discarded = at_version(kept, 1, "discarded/in-inbox")
         for group in (discarded, kept):
             assert loop.backend.transport.put_rollouts(group, 1.0)
+        # A held group of the discarded branch, pending in the store: dropped, never revisited.
+        held = at_version(kept, 1, "discarded/held")
+        scored = ScoredGroup(group=held, rewards=[0.0] * len(held.rollouts),
+                             correct=[0.0] * len(held.rollouts))
+        loop.store.add_group(scored, 0, 0)
+        loop.held.append((scored, 0))
         # The stage trainers report a version the store never recorded: a rollback.
         loop.backend.versions = lambda: [1, 1]  # type: ignore[method-assign]
         loop.backend.load_checkpoint = lambda version: None  # type: ignore[method-assign]
         loop.reconcile()
         assert loop.rollbacks == [0]
         assert [scored.group.group_id for scored, _ in loop.pending] == [kept.group_id]
+        assert loop.held == []
         assert loop.ingestion.stats.reasons["rolled back"] == 1
 
         # A session that was generating while the rollback happened.

@@ -288,6 +288,9 @@ class TrainingLoop(Generic[AnyBackend]):
             self.store.mark_dropped(discarded, f"sampled by weights newer than v{version}, "
                                                "which a rollback discarded")
         self.pending = [(g.scored, g.staleness) for g in self.store.pending_groups()]
+        # Held groups are pending in the store: those still pending are in `pending` now (and go
+        # back to `held` while they await a ruling); the discarded ones must not come back.
+        self.held = []
         # The same holds for groups that finished before the rollback and wait in the inbox,
         # and for sessions still generating now (`_generate` checks `rollbacks` when they end).
         self.rollbacks.append(version)
