@@ -91,6 +91,21 @@ def outputs_of(forwards: list[dict[str, torch.Tensor]], backwards: list[dict[str
     return named
 
 
+def call_retrying(node: SwarmNode, swarm: SwarmConfig, peer: str, rpc: Rpc[Req, Rep], body: Req,
+                  tensors: dict[str, torch.Tensor] | None, codec: ActivationCodec,
+                  exact: dict[str, torch.Tensor] | None) -> tuple[Rep, dict[str, torch.Tensor]]:
+    """One call, sent again with the same request id (the peer answers it once) while messages
+    are lost, up to `swarm.retries` times; any other failure is raised at once."""
+    request_id = secrets.token_hex(8)
+    for attempt in range(swarm.retries + 1):
+        try:
+            return node.call_sync(peer, rpc, body, tensors, codec, swarm.request_timeout_s,
+                                  request_id, exact)
+        except MessageLost:
+            time.sleep(backoff(attempt))
+    raise MessageLost(f"{swarm.retries + 1} messages to {peer[-8:]} lost in a row")
+
+
 class RemoteStageWorker:
     """A training peer of one stage, as the pipeline trainer's StageWorker."""
 
@@ -146,20 +161,16 @@ class RemoteStageWorker:
         if self.peer is None:
             self.connect()
         assert self.peer is not None
-        request_id = secrets.token_hex(8)
-        for attempt in range(self.swarm.retries + 1):
-            try:
-                return self.node.call_sync(self.peer, rpc, body, tensors, codec,
-                                           self.swarm.request_timeout_s, request_id, exact)
-            except MessageLost:
-                time.sleep(backoff(attempt))
-            except (RemoteError, WireError) as error:
-                if not isinstance(error, (PeerRefused, WireError)):
-                    self.directory.ban(self.peer, str(error))
-                self.peer = None
-                raise SwarmUnavailable(f"training stage {self.stage}: {error}") from error
-        raise SwarmUnavailable(f"training stage {self.stage}: {self.swarm.retries + 1} messages "
-                               "lost in a row")
+        try:
+            return call_retrying(self.node, self.swarm, self.peer, rpc, body, tensors, codec,
+                                 exact)
+        except MessageLost as lost:
+            raise SwarmUnavailable(f"training stage {self.stage}: {lost}") from lost
+        except (RemoteError, WireError) as error:
+            if not isinstance(error, (PeerRefused, WireError)):
+                self.directory.ban(self.peer, str(error))
+            self.peer = None
+            raise SwarmUnavailable(f"training stage {self.stage}: {error}") from error
 
     def forward(self, micro: int, inputs: Activations, batch: TrainBatch,
                 loss_inputs: LossInputs | None = None
@@ -377,15 +388,8 @@ class TrainAudit:
     def _call(self, peer: str, rpc: Rpc[Req, Rep], body: Req,
               tensors: dict[str, torch.Tensor] | None = None, codec: ActivationCodec = "fp32",
               exact: dict[str, torch.Tensor] | None = None) -> tuple[Rep, dict[str, torch.Tensor]]:
-        swarm = self.config.swarm
-        request_id = secrets.token_hex(8)
-        for attempt in range(swarm.retries + 1):
-            try:
-                return self.node.call_sync(peer, rpc, body, tensors, codec,
-                                           swarm.request_timeout_s, request_id, exact)
-            except MessageLost:
-                time.sleep(backoff(attempt))
-        raise MessageLost(f"{swarm.retries + 1} messages to {peer[-8:]} lost in a row")
+        return call_retrying(self.node, self.config.swarm, peer, rpc, body, tensors, codec,
+                             exact)
 
     def _fetch(self, peer: str, version: int, audit: bool) -> tuple[FlatState, str]:
         """A peer's flat training state at `version` and the digest it claims for it."""
