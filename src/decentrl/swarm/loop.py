@@ -451,11 +451,11 @@ class TrainingLoop(Generic[AnyBackend]):
     def _hold_unjudged(self) -> None:
         """Verdict before influence: groups picked for a check wait in `held` until their ruling,
         then join the pending ones (a failed one is dropped there, like any distrusted group)."""
-        gate = self.backend.gate
         waiting = self.held + self.pending
-        self.held = [item for item in waiting if gate.awaiting_verdict(item[0].group.group_id)]
-        self.pending = [item for item in waiting
-                        if not gate.awaiting_verdict(item[0].group.group_id)]
+        awaiting = [self.backend.gate.awaiting_verdict(item[0].group.group_id)
+                    for item in waiting]
+        self.held = [item for item, held in zip(waiting, awaiting) if held]
+        self.pending = [item for item, held in zip(waiting, awaiting) if not held]
 
     def _generate_batch(self, needed: int) -> list[tuple[ScoredGroup, int]]:
         """Synchronous mode: generate one batch with the learner's current weights."""
