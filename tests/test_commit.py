@@ -154,8 +154,9 @@ def test_a_lie_at_one_unpredictable_position_is_caught_and_blamed_on_the_liar(
         model: LoadedModel) -> None:
     """Stage 0 adds noise of 0.2x std at one position whose id is not a multiple of 8 (none the
     old fixed-point commitments opened). Stage 1 computes honestly on what it was fed. The
-    verifier re-executes both on the truth: stage 0 fails at that position alone, stage 1 at
-    it and later only, and the earliest failure blames stage 0."""
+    verifier re-executes both on the truth: stage 0 fails at that position alone; stage 1, whose
+    outputs carry the lie forward, may fail at it or later (whether depends on the secret matrix)
+    but never before; the earliest failure blames stage 0."""
     seqs = sequences(model)
     row, position = 2, 13
     first, second = stage(model, torch.bfloat16), stage(model, torch.bfloat16, 1)
@@ -174,7 +175,7 @@ def test_a_lie_at_one_unpredictable_position_is_caught_and_blamed_on_the_liar(
                                              truth, re_positions, re_valid, TOLERANCE)))
     liar, honest = checks[0][1], checks[1][1]
     assert (liar.failed, liar.first_failure) == (1, (row, position))
-    assert honest.first_failure is not None and honest.first_failure[1] >= position
+    assert honest.first_failure is None or honest.first_failure[1] >= position
     assert earliest_failure(checks) == (0, row, position)
 
 
