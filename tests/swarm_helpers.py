@@ -100,8 +100,9 @@ class Swarm:
     lineage: LineageSigner | None = None  # made by the first workers()
 
     def admitted(self, peer_id: str) -> bool:
-        """The swarm's own training peers (those started with it or added later)."""
-        return any(p.node.peer_id == peer_id and p.training is not None for p in self.peers)
+        """The swarm's own training peers (those started with it or added later, not killed)."""
+        return any(p.node.peer_id == peer_id and p.training is not None
+                   and p not in self.killed for p in self.peers)
 
     def sign(self, trainer: StagePeer, version: int | None = None) -> None:
         """What the coordinator does after a step: sign `trainer`'s published `version` (by

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
+import time
 from collections import Counter
 from contextlib import closing
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from decentrl.model.blocks import ModelSpec
 from decentrl.observe.metrics import StepRecord
 from decentrl.rollout.types import ScoredGroup
 from decentrl.swarm.coordinate import check_swarm_config, swarm_run
-from decentrl.swarm.launch import LocalSwarm
+from decentrl.swarm.launch import READY, Child, LocalSwarm
 from decentrl.swarm.loop import RunHooks, TrainingLoop
 
 
@@ -242,3 +245,32 @@ def test_swarm_refuses_what_it_cannot_run(tiny_model_dir: Path, tmp_path: Path) 
     too_many = rf"num_stages must be in \[1, {layers}\].*got {layers + 1}"
     with pytest.raises(ConfigError, match=too_many):
         check_swarm_config(parse_config({**base, "num_stages": layers + 1}), spec)
+
+
+def test_sockets_a_peer_reports_after_it_is_ready_are_removed_when_it_is_killed(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A key-rotating adversary starts a new daemon after its READY line and reports that
+    daemon's sockets then: the launcher keeps reading, so a SIGKILL (which the daemon does not
+    survive to clean up after) still leaves no socket behind."""
+    config = tiny_run_config(tiny_model_dir, 2, run_dir=str(tmp_path / "runs"))
+    local = LocalSwarm(config, tmp_path / "config.json", replicas=1)
+    first, later = tmp_path / "first.sock", tmp_path / "later.sock"
+    first.touch()
+    script = (f"import json, time\n"
+              f"print(json.dumps({{'sockets': [{str(first)!r}]}}), flush=True)\n"
+              f"print(json.dumps({{'ready': {READY!r}}}), flush=True)\n"
+              f"open({str(later)!r}, 'w').close()\n"
+              f"print(json.dumps({{'sockets': [{str(later)!r}]}}), flush=True)\n"
+              f"time.sleep(600)\n")
+    child = Child("rotating", [], tmp_path / "rotating.log")
+    child.process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+    local.children[child.name] = child
+    local._wait_ready(child, timeout_s=30)
+    deadline = time.monotonic() + 30
+    while str(later) not in local.sockets and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert str(later) in local.sockets
+    local.kill(child.name)
+    assert child.process.poll() is not None
+    assert not later.exists() and not local.sockets

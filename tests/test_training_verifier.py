@@ -30,12 +30,14 @@ from swarm_helpers import (
     start_node,
     start_swarm,
     tiny_run_config,
+    weights_of,
 )
 from test_adversaries import add_replica, coordinated, generation, trust_config
 from test_swarm import make_batch
 from test_trust_claims import replica_record
 
 from decentrl.config import RunConfig
+from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.model.loading import LoadedModel
 from decentrl.model.stages import StageModule, StagePlan, build_stage
 from decentrl.net.directory import Directory, PeerState
@@ -44,7 +46,7 @@ from decentrl.net.node import PeerRefused, SwarmNode
 from decentrl.net.protocol import CLOSE_SESSION, VERIFY_STEP, CloseSession, VerifyStep
 from decentrl.net.wire import TensorLimits
 from decentrl.swarm.peer import StagePeer
-from decentrl.swarm.replica import ServedWeights
+from decentrl.swarm.replica import ServedWeights, published_tensors
 from decentrl.sync.delta import (
     PublishedState,
     apply_payload,
@@ -195,6 +197,58 @@ def test_with_the_switch_off_a_training_peer_neither_announces_nor_serves_checks
                        for rpc, _ in service.handlers())
         directory = swarm.directory()
         assert directory.verifiers(0, set()) == directory.verifiers(1, set()) == []
+
+
+@pytest.mark.network
+def test_a_restarted_or_rolled_back_training_peer_publishes_what_its_replicas_served(
+        tiny_sharp_dir: Path) -> None:
+    """With sparse updates the learner's weights are not what the replicas serve. A training
+    peer that comes back from a checkpoint (a crash) or rolls back to one publishes the state
+    its replicas served at that version, the hash the lineage signed there, bit for bit: its
+    copy judges the groups of that version as the replicas made them, and the replicas need no
+    keyframe. (It once published the learner's weights under the old version number, and every
+    later check of an honest replica at that version failed on the training peer's copy.)"""
+    config = config_for(tiny_sharp_dir)
+    assert config.sync.mode == "sparse"
+    with start_swarm(config, [(0, "training"), (1, "training"), (0, "inference")]) as swarm:
+        replica = swarm.peer(0, "inference")
+        trainer = swarm.remote_trainer()
+        worker = trainer.workers[0]
+        assert swarm.lineage is not None  # made by the trainer's workers
+
+        def follow() -> None:  # once the coordinator has signed (no wait for the next round)
+            swarm.lineage.wait()
+            replica.node.run(weights_of(replica).follow(), timeout=60)
+
+        for seed in range(2):
+            trainer.train_step(make_batch(seed))
+        follow()
+        assert replica.version == 2
+        at_two = weights_of(replica).follower.state.hash
+        for each in trainer.workers:
+            each.checkpoint("save", 2)
+        CheckpointLayout(swarm.checkpoint_dir).commit(2)
+        trainer.train_step(make_batch(2))
+        follow()
+        assert replica.version == 3
+        assert weights_of(replica).follower.state.hash != at_two
+
+        assert worker.checkpoint("load", 2) == 2  # a rollback
+        first = swarm.peer(0, "training")
+        assert publisher_of(first).published(2).result(timeout=30) == at_two
+        follow()
+        assert (replica.version, weights_of(replica).follower.state.hash) == (2, at_two)
+
+        swarm.kill(first)  # a crash, and a replacement from the same checkpoint folder
+        second = swarm.add(0, "training")
+        assert worker.connect() == 2
+        follow()
+        assert (replica.version, weights_of(replica).follower.state.hash) == (2, at_two)
+        assert publisher_of(second).published(2).result(timeout=30) == at_two
+        learner = PublishedState.of(2, published_tensors(second.training.trainer.stage))
+        assert learner.hash != at_two  # the sparse updates left some of the learner's change out
+        for name, tensor in serving(replica).model.state_dict().items():
+            assert torch.equal(served_copy(second)[name], tensor), name
 
 
 def test_verifiers_are_the_stages_replicas_and_training_peers_that_verify() -> None:

@@ -125,13 +125,21 @@ def demo(
     talking over emulated WAN links on loopback. It trains on sums or on tool-using word-problem
     episodes, reports held-out accuracy (or episode success) before and after, and exports the
     model."""
-    from decentrl.demo import demo_config, fresh_run_folder, run_local, run_swarm_demo
+    from decentrl.demo import (
+        ADVERSARIES_ANNOUNCE_EVERY_S,
+        demo_config,
+        fresh_run_folder,
+        run_local,
+        run_swarm_demo,
+    )
 
     data = demo_config(task)
     data["name"] = name
     data["train"]["time_budget_s"] = budget
     if verify_fraction is not None:
         data.setdefault("trust", {})["verify_fraction"] = verify_fraction
+    if adversaries:
+        data["swarm"]["announce_every_s"] = ADVERSARIES_ANNOUNCE_EVERY_S
     config = parse_config(data)
     if fresh:
         fresh_run_folder(config, console)

@@ -199,6 +199,7 @@ class LocalSwarm:
         self.bootstrap: SwarmNode | None = None
         self.children: dict[str, Child] = {}
         self.sockets: set[str] = set()
+        self._sockets_lock = threading.Lock()  # the report readers add to them
 
     def start(self, on_ready: Callable[[Child], None] = lambda child: None) -> list[str]:
         """A bootstrap DHT node in this process, under the run owner's key (the coordinator runs
@@ -304,14 +305,34 @@ class LocalSwarm:
                 raise RuntimeError(f"{child.name} exited before it was ready: "
                                    f"{' '.join(said)[-500:] or 'no output'}; see {child.log_path}")
             if line.startswith("{"):
-                info = json.loads(line)
-                child.info.update(info)
-                self.sockets.update(info.get("sockets", []))  # cleaned up even if it fails later
+                info = self._take_report(child, line)  # sockets cleaned up even if it fails later
                 if info.get("ready") == READY:
+                    threading.Thread(target=self._read_reports, args=(child, child.process),
+                                     name=f"reports-{child.name}", daemon=True).start()
                     return
             else:
                 said.append(line.strip())
         raise TimeoutError(f"{child.name} was not ready within {timeout_s:.0f}s")
+
+    def _take_report(self, child: Child, line: str) -> dict[str, Any]:
+        info = json.loads(line)
+        sockets = info.get("sockets", [])
+        with self._sockets_lock:  # every socket any of its daemons had, removed when it goes
+            child.info.update({**info, "sockets": [*child.info.get("sockets", []), *sockets]})
+            self.sockets.update(sockets)
+        return info
+
+    def _read_reports(self, child: Child, process: subprocess.Popen[str]) -> None:
+        """A ready peer's later reports: the sockets of each daemon a key-rotating adversary
+        starts (the one before is shut down by the peer itself), so that a SIGKILL still leaves
+        none behind. Until `process` ends; a restarted child has a reader of its own."""
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("{") and child.process is process:
+                try:
+                    self._take_report(child, line)
+                except json.JSONDecodeError:
+                    log.warning("%s: unreadable report %r", child.name, line[:200])
 
     def layout(self) -> list[str]:
         return [self.describe(child) for child in self.children.values()]
@@ -353,12 +374,14 @@ class LocalSwarm:
                     on_event(f"chaos: {name} did not come back: {error}")
 
     def _remove_sockets(self, child: Child) -> None:
-        for path in child.info.get("sockets", []):
+        with self._sockets_lock:
+            paths = list(child.info.get("sockets", []))
+            self.sockets.difference_update(paths)
+        for path in paths:
             try:
                 os.remove(path)
             except FileNotFoundError:
                 pass
-            self.sockets.discard(path)
 
     def shutdown(self) -> None:
         for child in self.children.values():

@@ -86,6 +86,15 @@ class LineageSigner:
                                        timeout=self.timeout_s)
         with self._lock:
             old = self.records.get(event.stage)
+            if old is not None and old.hashes.get(event.version, reply.state_hash) \
+                    != reply.state_hash:
+                # A training peer restarts at the state its replicas served (swarm/training.py
+                # `_load`); one that cannot (a checkpoint without it) puts new weights behind a
+                # version number groups already recorded, and checks of those groups fail.
+                log.warning("stage %d v%d signed again with another state (%s, was %s): groups "
+                            "generated at v%d before now may fail their checks", event.stage,
+                            event.version, reply.state_hash[:12],
+                            old.hashes[event.version][:12], event.version)
             hashes = {} if event.restart or old is None or old.publisher != event.peer \
                 else dict(old.hashes)
             hashes[event.version] = reply.state_hash

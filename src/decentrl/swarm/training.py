@@ -85,10 +85,11 @@ class TrainingService:
         self.states: dict[int, tuple[FlatState, str]] = {}
         self.audit_trainer: StageTrainer | None = None
         self._incoming: tuple[AuditLoad, list[torch.Tensor]] | None = None
-        self._resume_from_checkpoint()
+        resumed = self._resume_from_checkpoint()
         self.publisher = WeightPublisher(
             node, config.name, self.stage, config.sync, trainer.version,
-            published_tensors(trainer.stage), config.swarm.request_timeout_s)
+            published_tensors(trainer.stage) if resumed is None else resumed,
+            config.swarm.request_timeout_s)
 
     @property
     def version(self) -> int:
@@ -297,9 +298,8 @@ class TrainingService:
             self._at_version(body.version)
             await self.node.compute(self._save, body.version)
         else:
-            await self.node.compute(self._load, body.version)
-            await self.node.compute(self.publisher.reset, body.version,
-                                    published_tensors(self.trainer.stage))
+            published = await self.node.compute(self._load, body.version)
+            await self.node.compute(self.publisher.reset, body.version, published)
             await self.announce()
         return Reply(VersionReply(version=self.trainer.version))
 
@@ -316,7 +316,12 @@ class TrainingService:
         torch.save(state, staging)
         os.replace(staging, path)  # a crash mid-save leaves no half-written checkpoint
 
-    def _load(self, version: int) -> None:
+    def _load(self, version: int) -> dict[str, torch.Tensor]:
+        """Load the checkpoint of `version`; returns what to publish at it. That is what the
+        replicas served at `version` where the checkpoint holds it: with sparse updates the
+        learner's weights are not what they served, and publishing those under the same version
+        number would put two different weights behind one version (a spot-check at that version
+        would then fail every honest replica that generated on the first)."""
         path = self.checkpoints.stage_file(version, self.stage)
         if not path.is_file():
             raise PeerBusy(f"no checkpoint {path}")
@@ -326,14 +331,23 @@ class TrainingService:
         self.trainer.load_state(state)
         self.states = {}
         self.on_new_weights(self.trainer)
+        learner = published_tensors(self.trainer.stage)
+        served: dict[str, torch.Tensor] = state.get("served", {})
+        if served.keys() != learner.keys():  # saved before the publisher had encoded it
+            log.warning("%s: checkpoint v%d of stage %d lacks the served weights; publishing the "
+                        "learner's", self.name, version, self.stage)
+            return learner
+        return served
 
-    def _resume_from_checkpoint(self) -> None:
-        """A replacement training peer starts from the newest complete checkpoint of its stage."""
+    def _resume_from_checkpoint(self) -> dict[str, torch.Tensor] | None:
+        """A replacement training peer starts from the newest complete checkpoint of its stage;
+        returns what to publish (None: no checkpoint, the learner's weights as they are)."""
         version = self.checkpoints.latest_version()
         if version is None:
-            return
-        self._load(version)
+            return None
+        published = self._load(version)
         log.info("%s: stage %d resumed from checkpoint v%d", self.name, self.stage, version)
+        return published
 
     def close(self) -> None:
         self.publisher.close()
