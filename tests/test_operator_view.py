@@ -140,7 +140,17 @@ def check_export_matches_the_swarm(coordinator: TrainingLoop, run_dir: Path,
     assert "as the swarm's inference replicas served it" in (folder / "README.md").read_text()
     prompts = chat_prompts(exported, QUESTIONS)
     eos, pad = exported.tokenizer.eos_token_id, exported.tokenizer.pad_token_id
+    # Every replica at the last version, not only the newest of each stage (a loaded machine
+    # can leave one a round behind, and the rows of a batch go to both).
+    directory = coordinator.backend.chain.directory
+    deadline = time.monotonic() + 60
+    while {r.version for stage in directory.stage_summary() for r in stage
+           if r.role == "inference"} != {STEPS} and time.monotonic() < deadline:
+        time.sleep(0.5)
+        directory.refresh()
     assert coordinator.backend.chain.versions() == (STEPS,) * coordinator.config.num_stages
+    assert all(r.version == STEPS for stage in directory.stage_summary() for r in stage
+               if r.role == "inference")
     swarm = generate(coordinator.backend.chain, prompts, 12, SamplingConfig(temperature=0.0),
                      {eos}, pad)
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()

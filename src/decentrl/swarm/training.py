@@ -333,7 +333,7 @@ class TrainingService:
         self.on_new_weights(self.trainer)
         learner = published_tensors(self.trainer.stage)
         served: dict[str, torch.Tensor] = state.get("served", {})
-        if served.keys() != learner.keys():  # saved before the publisher had encoded it
+        if served.keys() != learner.keys():  # saved while the publisher was at another version
             log.warning("%s: checkpoint v%d of stage %d lacks the served weights; publishing the "
                         "learner's", self.name, version, self.stage)
             return learner
