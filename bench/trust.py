@@ -28,7 +28,9 @@ Figures per scenario: the culprit's groups, those checked, caught (a confirmed r
 culprit at its stage), identities it used and groups served per identity before its ban, its
 groups that would have trained (neither held nor dropped when the run ends), wrongful charges
 (a `failed` event against an honest peer, producer or verifier) and honest bans, and the cost:
-the peers' seconds re-executing (`VerifyService.busy_s`) over their seconds generating (`busy_s`).
+the peers' seconds re-executing (`VerifyService.busy_s`) over their seconds generating (`busy_s`),
+as measured and at steady state (the measured cost of one re-execution at the default check rates,
+once nobody is on probation).
 
 `--honest-checks N` then re-checks honest groups N times through the tribunal (random panels over
 bf16 and fp32 replicas) and counts failed opinions, failed rulings and bans.
@@ -182,6 +184,19 @@ class Swarm:
                 sum(p.verification.busy_s for p in self.peers if p.verification is not None))
 
 
+def steady_state_cost(config: RunConfig, serve_s_per_group: float,
+                      check_s_per_opinion: float) -> float:
+    """Checking over generation once no peer is on probation: `verify_fraction` of the groups
+    re-executed once, `second_opinion_fraction` of those again (a failure's confirmation and a
+    third opinion are rare with honest peers and left out). A scenario's own ratio is higher: its
+    peers are all new, so at first every group is checked twice."""
+    if not serve_s_per_group:
+        return 0.0
+    trust = config.trust
+    per_group = trust.verify_fraction * (1 + trust.second_opinion_fraction)
+    return per_group * check_s_per_opinion / serve_s_per_group
+
+
 def run_scenario(scenario: str, config: RunConfig, groups: int, loaded: Any, folder: Path,
                  policy: str) -> dict[str, Any]:
     swarm = Swarm(config, folder)
@@ -294,7 +309,9 @@ def run_scenario(scenario: str, config: RunConfig, groups: int, loaded: Any, fol
                 "judged_share": judged / rulings if rulings else 0.0,
                 "judge_served_share": served_by_judge / groups,
                 "serve_s": serving, "check_s": checking,
-                "check_over_generation": checking / serving if serving else 0.0}
+                "check_over_generation": checking / serving if serving else 0.0,
+                "steady_state_cost": steady_state_cost(config, serving / groups,
+                                                       checking / opinions if opinions else 0.0)}
     finally:
         swarm.close()
 
@@ -366,12 +383,13 @@ def main(argv: list[str] | None = None) -> None:
                      ", ".join(map(str, bans)) or ("never" if culprit else "-"),
                      f"{r['reached_training']}/{r['culprit_groups']}" if culprit else "-",
                      len(r["wrongful"]), len(r["honest_bans"]), r["opinions"],
-                     r["check_over_generation"]])
+                     r["check_over_generation"], r["steady_state_cost"]])
         common.print_figures(f"trust_{args.policy}_{r['scenario'].replace('-', '_')}", {
             "culprit_groups": r["culprit_groups"], "caught": r["caught"],
             "checked": r["checked"], "reached_training": r["reached_training"],
             "wrongful": len(r["wrongful"]), "honest_bans": len(r["honest_bans"]),
-            "cost_ratio": r["check_over_generation"]})
+            "cost_ratio": r["check_over_generation"],
+            "steady_state_cost": r["steady_state_cost"]})
         for line in r["wrongful"]:
             print(f"  wrongful ({r['scenario']}): {line}")
     common.print_table(
@@ -379,9 +397,12 @@ def main(argv: list[str] | None = None) -> None:
         f"default trust settings)",
         ["scenario", "culprit's groups", "caught / checked", "identities",
          "groups served before each ban", "culprit's groups trained", "wrongful charges",
-         "honest bans", "re-executions", "check / generate"], rows,
+         "honest bans", "re-executions", "check / generate", "steady state"], rows,
         caption="caught: a confirmed ruling blamed the culprit at its stage; trained: neither "
-                "held for a ruling nor dropped when the scenario ended")
+                "held for a ruling nor dropped when the scenario ended; check / generate: "
+                "re-execution seconds over generation seconds in the scenario (probation "
+                "included); steady state: the same cost per re-execution at the default "
+                "check rates once nobody is on probation")
     judges = [r for r in results if r["scenario"] in PARTNERS]
     if judges:
         common.print_table(

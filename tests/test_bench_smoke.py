@@ -142,3 +142,20 @@ def test_commit_sensitivity_prints_figures(capsys: pytest.CaptureFixture[str]) -
         assert values[f"tiny_{codec}_honest_every"] == 0  # no false alarm
         assert values[f"tiny_{codec}_noise_0p2_every"] == 1
         assert values[f"tiny_{codec}_noise_0p2_unopened"] == 1
+
+
+@pytest.mark.network
+def test_trust_prints_figures(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Honest peers are never charged; a liar on probation is caught at its first group and
+    none of its groups would train; both scenarios report what checking costs."""
+    bench = load_bench("trust")
+    bench.main(["--model", str(tiny_model_dir), "--groups", "4",
+                "--scenarios", "honest,random-tokens"])
+    output = capsys.readouterr().out
+    honest = figures(output, "trust_new_honest")
+    liar = figures(output, "trust_new_random_tokens")
+    assert_positive(honest, ["cost_ratio", "steady_state_cost"])
+    assert_positive(liar, ["culprit_groups", "caught"])
+    assert liar["caught"] == liar["checked"] and liar["reached_training"] == 0
+    assert honest["wrongful"] == liar["wrongful"] == 0
+    assert honest["honest_bans"] == liar["honest_bans"] == 0
