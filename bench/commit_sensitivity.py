@@ -11,7 +11,7 @@ same sketch of a re-execution on another replica. This measures, on stage 0 of e
   states crossing the bf16 or the int8 activation codec on both sides (delivery and the
   verifier's reply);
 - detection: a bf16 stage's delivery corrupted before the codec by Gaussian noise of s x each
-  row's std (s = 0.02, 0.05, 0.1, 0.2) or scaled by 1.1, at (a) every position, (b) one position
+  row's std (s = 0.02, 0.05, 0.1, 0.2, 0.4) or scaled by 1.1, at (a) every position, (b) one position
   drawn at random, (c) only positions whose id is not a multiple of 8 (what the old top-k
   commitments at every 8th position never opened); checked against an fp32 recomputation with the
   run's tolerance for that codec (`CommitTolerance.for_codec`). Per corruption: the share of
@@ -58,7 +58,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog, twice, and then sleeps un
          "Q: What is the capital of France? A: Paris. Q: And of Italy? A: Rome.",
          "Hello! How are you today?"]
 TINY_LENGTHS = (40, 17, 33, 26, 45, 12, 30, 22)
-NOISES = (0.02, 0.05, 0.1, 0.2)
+NOISES = (0.02, 0.05, 0.1, 0.2, 0.4)
 CODECS: tuple[ActivationCodec, ...] = ("bf16", "int8")
 PREFILL = 8
 EXTRA_PADDING = 3

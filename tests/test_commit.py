@@ -152,7 +152,7 @@ def test_scaled_or_noisy_outputs_fail(model: LoadedModel, corruption: str) -> No
 
 def test_a_lie_at_one_unpredictable_position_is_caught_and_blamed_on_the_liar(
         model: LoadedModel) -> None:
-    """Stage 0 adds noise of 0.2x std at one position whose id is not a multiple of 8 (none the
+    """Stage 0 adds noise of 0.4x std at one position whose id is not a multiple of 8 (none the
     old fixed-point commitments opened). Stage 1 computes honestly on what it was fed. The
     verifier re-executes both on the truth: stage 0 fails at that position alone; stage 1, whose
     outputs carry the lie forward, may fail at it or later (whether depends on the secret matrix)
@@ -163,7 +163,7 @@ def test_a_lie_at_one_unpredictable_position_is_caught_and_blamed_on_the_liar(
     delivered, positions, valid = decoded(first, seqs)
     column = column_of(positions, valid, row, position)
     noise = torch.randn(delivered.shape[-1], generator=torch.Generator().manual_seed(1))
-    delivered[row, column] += 0.2 * delivered[row, column].std() * noise
+    delivered[row, column] += 0.4 * delivered[row, column].std() * noise
     with torch.no_grad():  # stage 1 fed the lie, in one pass (the same as decoding it)
         relayed = second.body(delivered.to(torch.bfloat16), positions, valid).float()
     truth0, re_positions, re_valid = teacher_forced(stage(model, torch.float32), seqs, 3)

@@ -49,15 +49,20 @@ class CommitTolerance:
     - SmolLM2-135M stage 0 (15 layers, hidden 576, 188 positions): 0.061 / 0.0125; through int8
       0.078 / 0.030.
     - a tiny test model (hidden 32, 225 positions): 0.010 / 0.0048; through int8 0.019 / 0.0076.
-    A corruption of Gaussian noise of s x a row's std errs by about s (x 1.1: by 0.1). So, with
-    the bf16 or fp32 codec: per position 2.05x SmolLM2's honest worst, noise of 0.2x std is caught
-    at any single position (20 of 20 checks); the mean, 2.4x its honest worst, catches noise of
-    0.05x std and x 1.1 over every position or only 7 in 8 of them (every check), while 0.02x std
-    passes. Through int8 (2.2x and 2.0x the honest figures): 0.2x std at one position 18 of 20,
-    0.1x std over every position or 7 in 8. The old top-k commitments at every 8th position
-    caught 0.1-0.2x std at the positions they opened and nothing elsewhere."""
+    Real sessions have a longer tail than that set: the demo's chat prompts with 20 sampled
+    tokens, 60 groups of 8 rows (29,000 positions), bf16 decoding against fp32: exact worst
+    ||delta|| / ||h|| 0.094, and the 32-dim estimate of it reaches 0.11; in demo runs, honest
+    replicas were failed at single positions at 0.15-0.16 with the per-position bound at 0.125.
+    The estimate's own spread is about 1/sqrt(2 dims) = 12.5% of the error. So the per-position
+    bound is 0.25, 2.7x the honest exact worst, and one position alone fails for a lie of about
+    0.3x a row's std or more (bench/commit_sensitivity.py: 0.4x std at any single position every
+    check); smaller lies fail through the mean. A corruption of Gaussian noise of s x a row's std
+    errs by about s (x 1.1: by 0.1). The mean, 2.4x the honest worst mean, catches noise of 0.05x
+    std and x 1.1 over every position or only 7 in 8 of them (every check), while 0.02x std
+    passes. Through int8 the bounds are 0.3 and 0.06. The old top-k commitments at every 8th
+    position caught 0.1-0.2x std at the positions they opened and nothing elsewhere."""
 
-    max_error: float = 0.125
+    max_error: float = 0.25
     max_mean_error: float = 0.03
     mean_min_points: int = 16
 
@@ -66,7 +71,7 @@ class CommitTolerance:
         """The tolerance of a run whose hidden states travel in `codec`: int8 rounds them to
         1/254 of their row's largest value on the way to the coordinator and back from the
         verifier."""
-        return cls(max_error=0.17, max_mean_error=0.06) if codec == "int8" else cls()
+        return cls(max_error=0.3, max_mean_error=0.06) if codec == "int8" else cls()
 
 
 def sketch_matrix(seed: int, dims: int, hidden_size: int) -> torch.Tensor:
