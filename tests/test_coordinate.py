@@ -4,6 +4,7 @@ accepted rollout lost and no version skipped."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import subprocess
@@ -13,13 +14,19 @@ from collections import Counter
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
-from swarm_helpers import launched_swarm, tiny_run_config
+from swarm_helpers import launched_swarm, start_node, tiny_run_config
 
 from decentrl.config import ConfigError, RunConfig, parse_config
+from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.model.blocks import ModelSpec
+from decentrl.net.directory import SwarmUnavailable
+from decentrl.net.link import LinkProfile, MessageLost
+from decentrl.net.protocol import CHECKPOINT, CheckpointRequest
+from decentrl.net.wire import TensorLimits
 from decentrl.observe.metrics import StepRecord
 from decentrl.rollout.types import ScoredGroup
 from decentrl.swarm.coordinate import check_swarm_config, swarm_run
@@ -274,3 +281,50 @@ def test_sockets_a_peer_reports_after_it_is_ready_are_removed_when_it_is_killed(
     local.kill(child.name)
     assert child.process.poll() is not None
     assert not later.exists() and not local.sockets
+
+
+@pytest.mark.network
+def test_a_checkpoint_that_cannot_be_saved_costs_that_checkpoint_only(swarm) -> None:  # type: ignore[no-untyped-def]
+    """A periodic save that fails (a training peer too slow to answer: under memory pressure a
+    demo's coordinator once died of it) is reported and skipped: `latest` stays at the last
+    complete checkpoint, the run goes on, and the final save is made."""
+    config, local = swarm
+    coordinator = swarm_run(config, local.bootstrap, Console(quiet=True))
+    save = coordinator.backend.save_checkpoint
+    failed: list[int] = []
+
+    def slow_peer(version: int, step: int, problem_position: int) -> None:
+        if step == 2:
+            failed.append(version)
+            raise SwarmUnavailable("training stage 1: checkpoint at train1: no answer within 30s")
+        save(version, step, problem_position)
+
+    coordinator.backend.save_checkpoint = slow_peer  # type: ignore[method-assign]
+    try:
+        summary = coordinator.run(wait_s=120)
+    finally:
+        coordinator.close()
+    assert failed == [2] and summary.steps == 6
+    with closing(sqlite3.connect(config.path / "run.sqlite")) as db:
+        saved = [v for (v,) in db.execute("SELECT version FROM checkpoints ORDER BY version")]
+    assert saved == [0, 4, 6]
+    assert CheckpointLayout(config.path / "checkpoints").latest_version() == 6
+
+
+def test_a_call_its_own_loop_never_runs_is_a_lost_message(tiny_model_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backstop of `call_sync` (the call's own timeout did not fire: the node's event loop
+    was starved) raises what every caller already handles, a lost message, not a bare
+    TimeoutError out of the training loop."""
+    config = tiny_run_config(tiny_model_dir, 2)
+    node = start_node(config, "starved", [], TensorLimits(), LinkProfile())
+    try:
+        async def never_answers(*args: Any) -> None:
+            await asyncio.sleep(3600)
+
+        monkeypatch.setattr(node, "call", never_answers)
+        with pytest.raises(MessageLost, match="no answer within 10s"):
+            node.call_sync("12D3KooWpeer", CHECKPOINT, CheckpointRequest(action="save", version=1),
+                           timeout=0.0)
+    finally:
+        node.shutdown()

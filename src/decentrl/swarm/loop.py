@@ -304,9 +304,20 @@ class TrainingLoop(Generic[AnyBackend]):
         self.console.print(f"[yellow]training rolled back to checkpoint v{version} (step {step}); "
                            f"{returned} groups back to pending[/]")
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, required: bool = True) -> None:
+        """Save every stage at this version. A periodic save (`required` False) that fails (a
+        training peer gone or too slow to answer) costs the run nothing but this checkpoint:
+        `latest` keeps pointing at the last complete one, and the next interval tries again. The
+        first and the last are required: replacements start from one, the release is the other."""
         version = self.trainer.version
-        self.backend.save_checkpoint(version, self.step, self.scheduler.position)
+        try:
+            self.backend.save_checkpoint(version, self.step, self.scheduler.position)
+        except self.backend.recoverable_step_errors as error:
+            if required:
+                raise
+            self.console.print(f"[yellow]checkpoint v{version} not saved (the last complete one "
+                               f"stands): {terminal_text(error, REMOTE_ERROR_CHARS)}[/]")
+            return
         self.store.record_checkpoint(version, self.step, self.config.num_stages)
 
     def _recover(self) -> None:
@@ -519,7 +530,7 @@ class TrainingLoop(Generic[AnyBackend]):
                                {k: float(v) for k, v in msgspec.structs.asdict(record).items()
                                 if isinstance(v, (int, float)) and not isinstance(v, bool)})
         if self.step % config.train.checkpoint_every == 0:
-            self.checkpoint()
+            self.checkpoint(required=False)
         self.console.print(step_line(record))
         return record
 
