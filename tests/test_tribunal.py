@@ -37,12 +37,13 @@ from decentrl.trust.provenance import Provenance
 from decentrl.trust.tribunal import convene
 from decentrl.trust.verify import Verdict, Verifier
 
-Character = Literal["honest", "framer", "coverer"]
+Character = Literal["honest", "framer", "coverer", "gone"]
 
 
 class Court(Verifier):
     """Re-execution as each verifier would answer it: an honest one finds exactly the `liars`'
-    lies, a framer fails every group at its stage, a coverer passes every group."""
+    lies, a framer fails every group at its stage, a coverer passes every group, and a panel
+    with a gone verifier cannot re-execute."""
 
     def __init__(self, trust: Trust, characters: dict[str, Character], liars: set[str]) -> None:
         super().__init__(trust.verifier.node, trust.verifier.directory, trust.config, 32, 0)
@@ -53,6 +54,9 @@ class Court(Verifier):
                panel: tuple[str, ...]) -> Verdict:
         self.panels.append(panel)
         stages = tuple(range(NUM_STAGES))
+        if any(self.characters.get(judge) == "gone" for judge in panel):
+            return Verdict(group.group_id, "skipped", None, None,
+                           "re-execution failed: verify_step: Connect failed", (), 0.0, panel)
         for stage, judge in enumerate(panel):
             character = self.characters.get(judge, "honest")
             lie = any(p in self.liars for p in provenance.stage_peers(stage))
@@ -116,6 +120,19 @@ def test_a_verifier_covering_its_partner_is_caught_when_its_pass_is_repeated(
         caught += 1
     assert covered > 0 and trust.reputation.counts("v1a")["failed"] == covered
     assert trust.reputation.banned("p1")
+
+
+def test_a_verifier_that_does_not_answer_is_replaced_by_another_draw(
+        tiny_model_dir: Path) -> None:
+    trust, court = court_gate(config_for(tiny_model_dir), REPLICAS, {"v1a": "gone"}, {"p1"})
+    provenance = served_by("p0", "p1")
+    drawn = 0
+    for number in range(30):
+        ruling = convene(court, made_up_group(f"g{number}"), provenance, repeat_pass=False)
+        assert ruling.verdict.outcome == "failed" and ruling.verdict.peer == "p1", ruling
+        drawn += any(panel[1] == "v1a" for panel in court.panels)
+        court.panels.clear()
+    assert drawn > 0  # drawn at random among three: 30 draws never missing it is ~5e-6
 
 
 def test_a_failure_no_second_verifier_can_confirm_charges_nobody_and_drops_the_group(
