@@ -149,8 +149,9 @@ def check_export_matches_the_swarm(coordinator: TrainingLoop, run_dir: Path,
         time.sleep(0.5)
         directory.refresh()
     assert coordinator.backend.chain.versions() == (STEPS,) * coordinator.config.num_stages
-    assert all(r.version == STEPS for stage in directory.stage_summary() for r in stage
-               if r.role == "inference")
+    replicas = {(index, r.name): r.version for index, stage in enumerate(directory.stage_summary())
+                for r in stage if r.role == "inference"}
+    assert set(replicas.values()) == {STEPS}, replicas
     swarm = generate(coordinator.backend.chain, prompts, 12, SamplingConfig(temperature=0.0),
                      {eos}, pad)
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -161,9 +161,10 @@ def test_bad_payloads_are_refused_and_change_nothing(data: bytes, error: str) ->
 
 # ---- over the swarm ---------------------------------------------------------------------------
 
-def fake_step(swarm: Swarm, trainer_peer: StagePeer, seed: int) -> None:
+def fake_step(swarm: Swarm, trainer_peer: StagePeer, seed: int, sign: bool = True) -> None:
     """Stand-in for an optimizer step on a training peer: move its weights, publish the version,
-    and sign it into the stage's lineage as the coordinator would."""
+    and sign it into the stage's lineage as the coordinator would (unless `sign` is False: as if
+    every attempt to sign it failed)."""
     assert trainer_peer.training is not None
     stage = trainer_peer.training.trainer.stage
     g = torch.Generator().manual_seed(seed)
@@ -177,7 +178,8 @@ def fake_step(swarm: Swarm, trainer_peer: StagePeer, seed: int) -> None:
         publisher_of(trainer_peer).publish(stage.version, published_tensors(stage))
     trainer_peer.node.run(trainer_peer.node.compute(step), timeout=30)
     publisher_of(trainer_peer).wait(timeout=30)
-    swarm.sign(trainer_peer)
+    if sign:
+        swarm.sign(trainer_peer)
 
 
 def follow_all(replicas: list[StagePeer]) -> list[bool]:
@@ -336,6 +338,26 @@ def test_an_update_the_owner_did_not_sign_is_refused_before_it_is_fetched(
         assert replica.node.run(weights_of(replica).follow(), timeout=60) is True
         assert replica.version == 1  # v1 was signed, v2 not yet
         swarm.sign(trainer_peer)
+        assert replica.node.run(weights_of(replica).follow(), timeout=60) is True
+        assert_serves_published(replica, trainer_peer)
+
+
+@pytest.mark.network
+def test_a_version_left_unsigned_is_signed_with_the_next_and_replicas_step_through_it(
+        tiny_sharp_dir: Path) -> None:
+    config = sync_config(tiny_sharp_dir)
+    with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
+        trainer_peer, replica = swarm.peer(0, "training"), swarm.peer(0, "inference")
+        fake_step(swarm, trainer_peer, 1)
+        replica.node.run(weights_of(replica).follow(), timeout=60)
+        fake_step(swarm, trainer_peer, 2, sign=False)  # its answer lost, every retry too
+        assert swarm.lineage is not None and set(swarm.lineage.records[0].hashes) == {1}
+        fake_step(swarm, trainer_peer, 3)
+        # v2 is signed with v3, from the hash the publisher still keeps with its update: the
+        # replica takes both (before, it stopped at v1 for good: no update may skip a version).
+        assert set(swarm.lineage.records[0].hashes) == {1, 2, 3}
+        assert swarm.lineage.records[0].hashes[2] == \
+            publisher_of(trainer_peer).updates[("delta", 2)].manifest.state_hash
         assert replica.node.run(weights_of(replica).follow(), timeout=60) is True
         assert_serves_published(replica, trainer_peer)
 

@@ -7,13 +7,15 @@ stranger announcing a newer version, or a publisher offering anything the coordi
 see it make, moves no replica.
 
 The queries run on one background thread, in order: the training loop does not wait for the
-publisher's encoding, and a version is signed only after every earlier event of its stage."""
+publisher's encoding, and a version is signed only after every earlier event of its stage. A
+query that fails is retried; a version still unsigned is signed with its stage's next one."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from decentrl.config import RunConfig
@@ -23,6 +25,8 @@ from decentrl.net.protocol import TRAIN_PUBLISHED, LineageRecord, PublishedReque
 from decentrl.net.wire import WireError, encode_struct
 
 log = logging.getLogger(__name__)
+
+SIGN_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class LineageSigner:
         self.keep = 2 * config.sync.keyframe_every + 8
         self.ttl_s = 5 * config.swarm.announce_every_s
         self.timeout_s = config.swarm.request_timeout_s
+        self.retry_pause_s = config.swarm.announce_every_s
         self.records: dict[int, LineageRecord] = {}
         self._lock = threading.Lock()
         self._events: queue.Queue[Published | None] = queue.Queue()
@@ -65,44 +70,70 @@ class LineageSigner:
             self._announce(record)
 
     def close(self) -> None:
+        """Sign what is queued (the last step's version too), then stop."""
         self._events.put(None)
-        self._thread.join(timeout=self.timeout_s + 5)
+        self._thread.join(timeout=SIGN_ATTEMPTS * (self.timeout_s + self.retry_pause_s) + 5)
 
     def _work(self) -> None:
         while (event := self._events.get()) is not None:
             try:
-                self._sign(event)
-            except (RemoteError, MessageLost, WireError, TimeoutError) as error:
-                # The replicas keep the version they have until a later one is signed.
-                log.warning("lineage of stage %d v%d not signed: %s", event.stage,
-                            event.version, error)
+                self._sign_with_retries(event)
             finally:
                 self._events.task_done()
         self._events.task_done()
 
+    def _sign_with_retries(self, event: Published) -> None:
+        # Retried in place, so the versions of a stage are still signed in order: a version left
+        # unsigned holds its stage's replicas until a later one is (the last one, for good).
+        for attempt in range(1, SIGN_ATTEMPTS + 1):
+            try:
+                self._sign(event)
+                return
+            except (RemoteError, MessageLost, WireError, TimeoutError) as error:
+                log.warning("lineage of stage %d v%d not signed (attempt %d of %d): %s",
+                            event.stage, event.version, attempt, SIGN_ATTEMPTS, error)
+            if attempt < SIGN_ATTEMPTS:
+                time.sleep(self.retry_pause_s)
+
     def _sign(self, event: Published) -> None:
-        reply, _ = self.node.call_sync(event.peer, TRAIN_PUBLISHED,
-                                       PublishedRequest(version=event.version),
-                                       timeout=self.timeout_s)
         with self._lock:
             old = self.records.get(event.stage)
-            if old is not None and old.hashes.get(event.version, reply.state_hash) \
-                    != reply.state_hash:
+        continues = old is not None and not event.restart and old.publisher == event.peer
+        signed: dict[int, str] = {}
+        if old is not None and continues:
+            # A version whose signing failed before is signed with the next one (the publisher
+            # keeps the hashes of its recent updates): a replica cannot step over an unsigned one.
+            for version in range(max(max(old.hashes) + 1, event.version - self.keep),
+                                 event.version):
+                try:
+                    signed[version] = self._published_hash(event.peer, version)
+                except (RemoteError, MessageLost, WireError, TimeoutError) as error:
+                    log.warning("lineage of stage %d v%d left unsigned: %s", event.stage,
+                                version, error)
+        signed[event.version] = self._published_hash(event.peer, event.version)
+        with self._lock:
+            old = self.records.get(event.stage)
+            if old is not None and old.hashes.get(event.version, signed[event.version]) \
+                    != signed[event.version]:
                 # A training peer restarts at the state its replicas served (swarm/training.py
                 # `_load`); one that cannot (a checkpoint without it) puts new weights behind a
                 # version number groups already recorded, and checks of those groups fail.
                 log.warning("stage %d v%d signed again with another state (%s, was %s): groups "
                             "generated at v%d before now may fail their checks", event.stage,
-                            event.version, reply.state_hash[:12],
+                            event.version, signed[event.version][:12],
                             old.hashes[event.version][:12], event.version)
-            hashes = {} if event.restart or old is None or old.publisher != event.peer \
-                else dict(old.hashes)
-            hashes[event.version] = reply.state_hash
+            hashes = dict(old.hashes) if continues and old is not None else {}
+            hashes.update(signed)
             kept = sorted(hashes)[-self.keep:]
             record = LineageRecord(stage=event.stage, publisher=event.peer,
                                    hashes={version: hashes[version] for version in kept})
             self.records[event.stage] = record
         self._announce(record)
+
+    def _published_hash(self, peer: str, version: int) -> str:
+        reply, _ = self.node.call_sync(peer, TRAIN_PUBLISHED, PublishedRequest(version=version),
+                                       timeout=self.timeout_s)
+        return reply.state_hash
 
     def _announce(self, record: LineageRecord) -> None:
         self.node.run(self.node.announce(lineage_key(self.run, record.stage),

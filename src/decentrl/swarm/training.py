@@ -286,8 +286,8 @@ class TrainingService:
         version = request.body.version
         state_hash = await asyncio.wrap_future(self.publisher.published(version))
         if state_hash is None:
-            raise PeerBusy(f"stage {self.stage} publishes version {self.trainer.version}, not "
-                           f"{version}")
+            raise PeerBusy(f"stage {self.stage} keeps no published state at version {version} "
+                           f"(it publishes version {self.trainer.version})")
         return Reply(PublishedHash(version=version, state_hash=state_hash))
 
     # ---- checkpoints ---------------------------------------------------------------------

@@ -270,11 +270,16 @@ class WeightPublisher(UpdateServer):
             self.state.hash))
 
     def published(self, version: int) -> Future[str | None]:
-        """The hash of the published state once every update submitted before this call is
-        encoded, if it is then at `version` (None if it is at another)."""
+        """The hash of the published state at `version` once every update submitted before this
+        call is encoded: the current state's, or that of an update still kept (a signing that
+        failed is retried after later versions are out); None if neither is at `version`."""
         def hash_at() -> str | None:
             with self._lock:
-                return self.state.hash if self.state.version == version else None
+                if self.state.version == version:
+                    return self.state.hash
+            kept = [u.manifest for u in list(self.updates.values())
+                    if u.manifest.version == version]
+            return kept[0].state_hash if kept else None
         return self._encoder.submit(hash_at)
 
     def reset(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
