@@ -150,7 +150,10 @@ def test_coordinator_restart_resumes_from_sqlite(
     before = read_store(database)
     assert before.steps == [(1, 1), (2, 2), (3, 3)]
     pending = before.in_state("pending")
-    assert pending == set(crash.accepted)
+    # Besides the two of step 4, a group accepted earlier may still wait: one held for its check
+    # while a step trained without it (swarm/loop.py `held`).
+    assert set(crash.accepted) <= pending
+    assert len(pending) < config.rollout.prompts_per_step  # else step 4 would have started
     trained = {gid: group for gid, group in before.groups.items() if group.state == "trained"}
 
     second = swarm_run(config, local.bootstrap, Console(quiet=True))
