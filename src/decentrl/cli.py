@@ -27,6 +27,7 @@ from decentrl.observe.logs import configure_logging
 from decentrl.observe.terminal import terminal_text
 
 if TYPE_CHECKING:
+    from decentrl.net.reach import NetworkOptions
     from decentrl.release.export import Weights
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,14 @@ def coordinate(
         help="The peer id of a training peer to admit, repeatable (it prints its id when it "
              "starts). Admitted ids are kept in RUN/admitted.txt; edit it to admit more while "
              "the run goes on.")] = None,
+    listen: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
+        help="Where to listen, repeatable, like /ip4/0.0.0.0/tcp/31337 (open that TCP port to "
+             "the internet). Default: loopback only, for a swarm on this machine. Listening "
+             "elsewhere, the coordinator also relays for peers behind NAT and dials joining "
+             "peers back to tell them whether others can reach them.")] = None,
+    announce: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
+        help="The address to give peers instead of the listen one, repeatable: the host's "
+             "public address, like /ip4/203.0.113.5/tcp/31337.")] = None,
 ) -> None:
     """Coordinate a swarm run.
 
@@ -197,7 +206,9 @@ def coordinate(
     stores the rollouts, trains the pipeline of training peers, evaluates and checkpoints. It
     runs under the run's key (RUN/keys/owner.key, made on the first start): peers obey it alone.
     It prints the command that volunteers run to join."""
+    from decentrl.net.dialback import DialBackService
     from decentrl.net.node import SwarmNode
+    from decentrl.net.reach import server_options
     from decentrl.net.wire import TensorLimits
     from decentrl.swarm.coordinate import swarm_run
     from decentrl.swarm.launch import link_profile
@@ -206,6 +217,7 @@ def coordinate(
 
     exit_on_sigterm()
     run_config = load_config(config)
+    network = network_options(lambda: server_options(listen or [], announce or []))
     admit_peers(run_config.path, admit or [])
     if not admitted_peers(run_config.path):
         console.print("no training peer is admitted yet: start each with decentrl join --role "
@@ -213,7 +225,9 @@ def coordinate(
                       f"or a line in {run_config.path / 'admitted.txt'})", highlight=False)
     configure_logging("coordinator", json_file=run_config.path / "logs" / "coordinator.jsonl")
     node = SwarmNode.start("coordinator", initial_peers or [], link_profile(run_config),
-                           TensorLimits(), identity=owner_identity(run_config.path))
+                           TensorLimits(), network=network,
+                           identity=owner_identity(run_config.path))
+    dial_back = DialBackService(node) if network.reachability != "loopback" else None
     coordinator = None
     try:
         coordinator = swarm_run(run_config, node, console)  # checks the whole config
@@ -229,6 +243,81 @@ def coordinate(
     finally:
         if coordinator is not None:
             coordinator.close()
+        if dial_back is not None:
+            node.run(dial_back.close(), timeout=30)
+        node.shutdown()
+
+
+def network_options(make: Callable[[], NetworkOptions]) -> NetworkOptions:
+    """`make()`, or exit with what is wrong with the network options given."""
+    try:
+        return make()
+    except ValueError as error:
+        fail(str(error))
+        raise  # not reached: fail exits
+
+
+@command()
+def relay(
+    listen: Annotated[list[str], typer.Option(
+        help="Where to listen, repeatable, like /ip4/0.0.0.0/tcp/31338 (a port open to the "
+             "internet).")],
+    initial_peers: Annotated[list[str], typer.Option(
+        help="The multiaddr of a peer in the swarm (the coordinator prints it), repeatable.")],
+    announce: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
+        help="The address to give peers instead of the listen one, repeatable.")] = None,
+    exit_with_parent: Annotated[bool, typer.Option(
+        "--exit-with-parent",
+        help="Stop when the process that started this one exits (the local launcher uses "
+             "it).")] = False,
+    log_json: Annotated[bool, typer.Option(
+        "--log-json",
+        help="Log JSON lines to stderr and print machine-readable events on stdout (the local "
+             "launcher reads them).")] = False,
+) -> None:
+    """Relay for peers behind NAT, until stopped (a public host with spare bandwidth).
+
+    It serves no layers: peers that nobody can dial take a slot here and are reached through
+    it (libp2p circuit relay v2), and joining peers ask it whether others can dial them. Give
+    its address to volunteers with --relay."""
+    import os
+    import signal
+    import threading
+
+    from decentrl.net.dialback import DialBackService
+    from decentrl.net.link import LinkProfile
+    from decentrl.net.node import SwarmNode, check_peer_addresses
+    from decentrl.net.reach import server_options
+    from decentrl.net.wire import TensorLimits
+    from decentrl.swarm.launch import READY, print_json_line
+
+    configure_logging("relay", json_stderr=log_json)
+    check_peer_addresses(initial_peers)
+    network = network_options(lambda: server_options(listen, announce or []))
+    if network.reachability == "loopback":
+        fail("a relay listens on an address other peers can dial, not on loopback")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    parent = os.getppid()
+    node = SwarmNode.start("relay", initial_peers, LinkProfile(), TensorLimits(),
+                           network=network)
+    dial_back = DialBackService(node)
+    try:
+        if log_json:
+            print_json_line({"sockets": node.socket_paths()})
+            print_json_line({"ready": READY, "name": "relay", "peer_id": node.peer_id,
+                             "addresses": node.addresses(), "role": "relay"})
+        else:
+            for address in node.addresses():
+                console.print(f"relaying at {address}", soft_wrap=True, highlight=False)
+            console.print("peers behind NAT use it with: decentrl join ... --relay ADDRESS "
+                          "(one of the above); serving until Ctrl-C", highlight=False)
+        while not stop.wait(1.0):
+            if exit_with_parent and os.getppid() != parent:
+                break
+    finally:
+        node.run(dial_back.close(), timeout=30)
         node.shutdown()
 
 
@@ -303,8 +392,25 @@ def join(
         "--log-json",
         help="Log JSON lines to stderr and print machine-readable events on stdout (the local "
              "launcher reads them).")] = False,
+    listen: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
+        help="Where to listen, repeatable. Default: loopback when every initial peer is on "
+             "this machine, else every interface on a random port.")] = None,
+    announce: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
+        help="The address to give peers instead of the listen one, repeatable (a host with a "
+             "public address, or a forwarded port).")] = None,
+    relay: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
+        help="The full multiaddr of a relay to use if others cannot dial this peer, "
+             "repeatable. Default: the initial peers.")] = None,
+    reachability: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        help="auto (ask a peer to dial this one back: directly reachable, or else through "
+             "relays), direct, relayed, or loopback. Default: loopback when every initial "
+             "peer is on this machine, else auto.")] = None,
 ) -> None:
-    """Serve one stage of a run's model (exactly its layers) until stopped."""
+    """Serve one stage of a run's model (exactly its layers) until stopped.
+
+    Behind a home router it needs no open port: it finds out whether others can dial it,
+    and if not, takes a slot at a relay (the coordinator by default) and is reached through
+    it."""
     import signal
     import threading
 
@@ -313,6 +419,7 @@ def join(
     from decentrl.net.identity import Identity
     from decentrl.net.node import check_peer_addresses
     from decentrl.net.protocol import Role
+    from decentrl.net.reach import REACHABILITIES, Reachability, peer_options
     from decentrl.swarm.adversary import ADVERSARIES
     from decentrl.swarm.launch import join as join_swarm
     from decentrl.swarm.launch import print_json_line
@@ -329,6 +436,11 @@ def join(
         fail("join needs --run (the run's name, from the coordinator's join command) or "
              "--config")
     check_peer_addresses(initial_peers)
+    if reachability is not None and reachability not in REACHABILITIES:
+        fail(f"--reachability must be one of {', '.join(REACHABILITIES)}, got {reachability!r}")
+    network = network_options(lambda: peer_options(
+        initial_peers, listen or [], announce or [], relay or [],
+        cast(Reachability, reachability) if reachability else None))
     try:
         check_peer_id(owner, "--owner")
         key = Identity.from_file(identity) if identity is not None else None
@@ -350,7 +462,8 @@ def join(
                    cast(Role, role), initial_peers, checkpoint_dir, name, stop, exit_with_parent,
                    adversary, collusion_dir,
                    report=print_json_line if log_json else print_join_event,
-                   console=Console(stderr=True), config_wait_s=wait, identity=key)
+                   console=Console(stderr=True), config_wait_s=wait, identity=key,
+                   network=network)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -60,6 +60,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from decentrl.net.identity import Identity, verify
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
 from decentrl.net.protocol import Rpc, RunSizes, size_limit
+from decentrl.net.reach import NetworkOptions, RouteRecord, check_route_record, dialable, route_key
 from decentrl.net.records import MAX_RECORD_BYTES, SignedRecordValidator
 from decentrl.net.streams import ErrorFrame, FrameReader, StreamStalled, write_frame
 from decentrl.net.text import peer_text
@@ -79,6 +80,7 @@ from decentrl.net.wire import (
 )
 
 log = logging.getLogger(__name__)
+LOOPBACK_ONLY = NetworkOptions()
 # hivemind logs every request a handler refuses as a warning with its traceback; the node logs
 # refusals itself (one line, with the sender), and a flood of malformed requests would otherwise
 # bury everything else.
@@ -87,7 +89,6 @@ logging.getLogger("hivemind.p2p.p2p_daemon").setLevel(logging.ERROR)
 T = TypeVar("T")
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 EXAMPLE_ADDRESS = "/ip4/192.0.2.7/tcp/31337/p2p/12D3KooW..."
 # Replies kept for retried requests; activations are a few MiB, so a short memory.
 REPLY_CACHE_SIZE = 16
@@ -130,6 +131,19 @@ def check_peer_addresses(addresses: Sequence[str]) -> None:
         if "p2p" not in protocols:
             raise ValueError(f"peer address {address!r} lacks its /p2p/<peer id> part; use the "
                              f"address the peer printed, like {EXAMPLE_ADDRESS}")
+
+
+def daemon_class(flags: Mapping[str, Any], netns: str | None = None) -> type[P2P]:
+    """hivemind's daemon wrapper, also passing p2pd flags that `P2P.create` does not take, and
+    starting the daemon inside network namespace `netns` if one is given."""
+    if not flags and netns is None:
+        return P2P
+    prefix = ["ip", "netns", "exec", netns] if netns is not None else []
+
+    class FlaggedP2P(P2P):
+        def _make_process_args(self, *args: Any, **kwargs: Any) -> list[str]:
+            return [*prefix, *P2P._make_process_args(*args, **kwargs, **flags)]
+    return FlaggedP2P
 
 
 class RemoteError(RuntimeError):
@@ -229,6 +243,7 @@ class Request(Generic[Req]):
     body: Req
     tensors: dict[str, torch.Tensor]
     sender: str
+    address: str = ""  # the multiaddr the sender's stream came from (a relay's, if relayed)
 
 
 @dataclass
@@ -304,12 +319,17 @@ class SwarmNode:
         self._replies: OrderedDict[tuple[str, str],
                                    asyncio.Future[list[runtime_pb2.ExpertResponse]]] = OrderedDict()
         self._closed = False
+        self.network = LOOPBACK_ONLY
+        # Peers this node connected to through their route records, with the route used
+        # (relayed routes are counted apart: net/link.py).
+        self.routed: dict[str, str] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     @classmethod
     def start(cls, name: str, initial_peers: Sequence[str], link_profile: LinkProfile,
-              limits: TensorLimits, host: str = LOOPBACK, compute_threads: int | None = None,
+              limits: TensorLimits, network: NetworkOptions = LOOPBACK_ONLY,
+              compute_threads: int | None = None,
               identity: Identity | None = None, strikes_to_block: int = STRIKES_TO_BLOCK,
               strike_window_s: float = STRIKE_WINDOW_S, block_s: float = BLOCK_S,
               read_timeout_s: float = READ_TIMEOUT_S,
@@ -319,7 +339,7 @@ class SwarmNode:
                    strike_window_s, block_s, read_timeout_s, max_streams_per_sender)
         node._thread.start()
         try:
-            node.run(node._start(list(initial_peers), host), timeout=STARTUP_TIMEOUT_S)
+            node.run(node._start(list(initial_peers), network), timeout=STARTUP_TIMEOUT_S)
         except P2PDaemonError as error:
             node.shutdown()
             if "failed to connect to bootstrap peers" in str(error):
@@ -337,18 +357,18 @@ class SwarmNode:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    async def _start(self, initial_peers: list[str], host: str) -> None:
+    async def _start(self, initial_peers: list[str], network: NetworkOptions) -> None:
+        self.network = network
+        options, flags = network.daemon_options(initial_peers)
         # The daemon reads its key from a file at start: a private one in a fresh 0700 folder,
         # gone as soon as the daemon runs.
         key_dir = tempfile.mkdtemp(prefix="decentrl-key-")
         try:
             key_path = os.path.join(key_dir, "identity.key")
             self.identity.write_libp2p_key(key_path)
-            # Loopback-safe: no NAT port mapping, no AutoNAT, no relays, no IPFS bootstrap; the
-            # only peers are the ones we are told about.
-            self.p2p = await P2P.create(
-                initial_peers=initial_peers or None, host_maddrs=[host], nat_port_map=False,
-                auto_nat=False, use_relay=False, use_auto_relay=False, use_ipfs=False,
+            # Never the IPFS bootstrap: the only peers are the ones we are told about.
+            self.p2p = await daemon_class(flags, network.netns).create(
+                initial_peers=initial_peers or None, use_ipfs=False, **options,
                 # libp2p's connection manager trims connections past its water marks, which can
                 # cut a stream mid-reply; a swarm's peers keep few connections, so keep them all.
                 conn_manager=False, startup_timeout=STARTUP_TIMEOUT_S,
@@ -361,8 +381,10 @@ class SwarmNode:
             raise RuntimeError(f"{self.name}: the p2p daemon runs as {self.p2p.peer_id}, not as "
                                f"its identity {self.identity.peer_id}; its signatures would not "
                                f"verify")
+        # A relayed node's DHT is a client: nobody can dial it to ask (or store) anything.
         self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial_peers or None,
                                         ensure_bootstrap_success=bool(initial_peers),
+                                        client_mode=network.dht_client,
                                         record_validator=self.record_validator)
         self.links = LinkEmulator(local=str(self.p2p.peer_id), profile=self.link_profile)
 
@@ -426,6 +448,15 @@ class SwarmNode:
             future.cancel()
             raise
 
+    def configure(self, link_profile: LinkProfile, compute_threads: int | None) -> None:
+        """Take a run's link emulation and thread count after starting (a peer that learns its
+        run's config from the swarm), before it serves or calls anyone."""
+        assert self.p2p is not None
+        self.link_profile = link_profile
+        self.links = LinkEmulator(local=str(self.p2p.peer_id), profile=link_profile)
+        if compute_threads:
+            self.compute_pool.submit(torch.set_num_threads, compute_threads).result(timeout=30)
+
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking work (a forward pass) on the compute thread."""
         return await self.loop.run_in_executor(self.compute_pool, fn, *args)
@@ -451,7 +482,7 @@ class SwarmNode:
             sender = str(info.peer_id)
             stream = FrameReader(reader, f"{rpc.method} request", limit, self.read_timeout_s)
             with contextlib.closing(writer):
-                await self._serve_stream(rpc, handler, sender, stream, writer)
+                await self._serve_stream(rpc, handler, sender, str(info.addr), stream, writer)
 
         self.run(self.p2p.add_binary_stream_handler(f"decentrl.{rpc.method}", handle_stream),
                  timeout=30)
@@ -461,7 +492,8 @@ class SwarmNode:
         return self._open_streams.get(peer, 0)
 
     async def _serve_stream(self, rpc: Rpc[Req, Any], handler: Handler[Req], sender: str,
-                            stream: FrameReader, writer: asyncio.StreamWriter) -> None:
+                            address: str, stream: FrameReader,
+                            writer: asyncio.StreamWriter) -> None:
         method = rpc.method
         open_streams = self._open_streams.get(sender, 0) + 1
         self._open_streams[sender] = open_streams
@@ -471,7 +503,8 @@ class SwarmNode:
                     f"{open_streams} requests open at once; the stream is cut unanswered"))
                 return
             try:
-                responses = await self._answer(rpc, handler, sender, stream, open_streams)
+                responses = await self._answer(rpc, handler, sender, address, stream,
+                                               open_streams)
             except CallerLeft:
                 return
             except StreamStalled as error:
@@ -495,7 +528,7 @@ class SwarmNode:
             else:
                 self._open_streams.pop(sender, None)
 
-    async def _answer(self, rpc: Rpc[Req, Any], handler: Handler[Req], sender: str,
+    async def _answer(self, rpc: Rpc[Req, Any], handler: Handler[Req], sender: str, address: str,
                       stream: FrameReader, open_streams: int) -> list[runtime_pb2.ExpertResponse]:
         """The reply to the request on `stream`, or the refusal raised (its text goes back)."""
         method = rpc.method
@@ -523,7 +556,8 @@ class SwarmNode:
                     self._replies.popitem(last=False)
             try:
                 cached.set_result(await _unless_caller_leaves(
-                    stream, self._handle(rpc, handler, request_id, envelope, parts, sender)))
+                    stream, self._handle(rpc, handler, request_id, envelope, parts, sender,
+                                         address)))
             except (asyncio.CancelledError, CallerLeft):
                 log.warning("%s: %s from %s cancelled mid-request", self.name, method,
                             sender[-8:])
@@ -566,12 +600,12 @@ class SwarmNode:
         return request_id, envelope, parts
 
     async def _handle(self, rpc: Rpc[Req, Any], handler: Handler[Req], request_id: str,
-                      envelope: Envelope, parts: list[runtime_pb2.Tensor], sender: str
-                      ) -> list[runtime_pb2.ExpertResponse]:
+                      envelope: Envelope, parts: list[runtime_pb2.Tensor], sender: str,
+                      address: str) -> list[runtime_pb2.ExpertResponse]:
         body = decode_struct(envelope.body, rpc.request)
         tensors = decode_tensors(parts, envelope.manifest, self.limits)
         rpc.check_tensors(tensors)
-        reply = await handler(Request(body, tensors, sender))
+        reply = await handler(Request(body, tensors, sender, address))
         if not isinstance(reply.body, rpc.reply):  # a bug here, not the sender's fault
             raise TypeError(f"the {rpc.method} handler replied with {type(reply.body).__name__}, "
                             f"not {rpc.reply.__name__}")
@@ -730,8 +764,15 @@ class SwarmNode:
         """One stream to `peer`'s `method`: the request out, the reply back, never more than
         `reply_limit` bytes of it (FrameRefused, a WireError). ErrorFrame if the peer refused."""
         assert self.p2p is not None
-        _, reader, writer = await self.p2p.call_binary_stream_handler(
-            PeerID.from_base58(peer), f"decentrl.{method}")
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(
+                PeerID.from_base58(peer), f"decentrl.{method}")
+        except P2PDaemonError:
+            # Not connected, and the daemon found no way to dial it: the peer's own routes.
+            if not await self._connect_by_routes(peer):
+                raise
+            _, reader, writer = await self.p2p.call_binary_stream_handler(
+                PeerID.from_base58(peer), f"decentrl.{method}")
         with contextlib.closing(writer):
             sending = asyncio.create_task(_send_requests(writer, requests))
             # A peer that refuses before reading the whole request may reset the stream under
@@ -770,6 +811,44 @@ class SwarmNode:
         except TimeoutError:
             raise MessageLost(f"{rpc.method} at {peer[-8:]}: no answer within {timeout + 10:.0f}s "
                               f"(this node's event loop did not get to it)") from None
+
+    # ---- routes --------------------------------------------------------------------------
+
+    async def announce_routes(self, record: RouteRecord, ttl_s: float) -> bool:
+        """Tell the swarm how to dial this node (net/reach.py)."""
+        check_route_record(record)
+        return await self.announce(route_key(self.peer_id), encode_struct(record), ttl_s)
+
+    async def routes_of(self, peer: str) -> RouteRecord | None:
+        """`peer`'s own route record (one that anyone else wrote under its key is ignored), or
+        None if it has none or it is malformed."""
+        value = (await self.lookup(route_key(peer))).get(peer)
+        if value is None:
+            return None
+        try:
+            record = decode_struct(value, RouteRecord)
+            check_route_record(record)
+        except (WireError, ValueError) as error:
+            log.info("%s: the route record of %s is refused: %s", self.name, peer[-8:], error)
+            return None
+        return record
+
+    async def _connect_by_routes(self, peer: str) -> bool:
+        """Connect to `peer` through the first route of its record that works; False if none
+        did (or it announces none)."""
+        assert self.p2p is not None
+        record = await self.routes_of(peer)
+        for address in record.addresses if record is not None else ():
+            try:
+                await self.p2p._client.connect(PeerID.from_base58(peer), [dialable(address)])
+            except (P2PDaemonError, ConnectionError, OSError, ValueError) as error:
+                log.info("%s: no connection to %s through %s: %s", self.name, peer[-8:],
+                         address, error)
+                continue
+            self.routed[peer] = address
+            log.info("%s: connected to %s through %s", self.name, peer[-8:], address)
+            return True
+        return False
 
     # ---- DHT -----------------------------------------------------------------------------
 

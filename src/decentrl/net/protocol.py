@@ -128,6 +128,20 @@ class CloseSession(Body):
     session: str
 
 
+class DialBackRequest(Body):
+    """Dial me back (net/dialback.py): at the address my request came from, on these TCP ports,
+    and through these relays (full multiaddrs of peers connected to you)."""
+
+    ports: list[int]
+    relays: list[str]
+
+
+class DialBackReply(Body):
+    direct: str  # the address a fresh connection reached the sender at ("" if none)
+    relayed: list[str]  # the circuit addresses that reached it
+    errors: list[str]  # why each other attempt failed
+
+
 class Empty(Body):
     pass
 
@@ -508,8 +522,9 @@ SYNC_CHUNK = Rpc("sync_chunk", ChunkRequest, Empty, "same stage", reply_tensors=
                  max_reply_bytes=with_envelope(SYNC_CHUNK_DATA_BYTES))
 SUBMIT_ROLLOUTS = Rpc("submit_rollouts", RolloutGroup, RolloutsQueued, "any peer",
                       max_bytes=MAX_SUBMISSION_BYTES)
+DIAL_BACK = Rpc("dial_back", DialBackRequest, DialBackReply, "any peer")
 
 RPCS: dict[str, Rpc[Any, Any]] = {rpc.method: rpc for rpc in (
     INFERENCE_STEP, CLOSE_SESSION, VERIFY_STEP, TRAIN_FORWARD, TRAIN_BACKWARD, TRAIN_GRAD_NORM,
     TRAIN_STEP, TRAIN_DISCARD, CHECKPOINT, TRAIN_PUBLISHED, TRAIN_STATE, TRAIN_AUDIT_LOAD,
-    SYNC_PLAN, SYNC_CHUNK, SUBMIT_ROLLOUTS)}
+    SYNC_PLAN, SYNC_CHUNK, SUBMIT_ROLLOUTS, DIAL_BACK)}

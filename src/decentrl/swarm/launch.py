@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,10 +22,13 @@ from typing import Any
 from rich.console import Console
 
 from decentrl.config import RunConfig
+from decentrl.net.dialback import DialBackService, start_reachable
 from decentrl.net.identity import Identity
 from decentrl.net.link import LinkProfile
-from decentrl.net.node import SwarmNode
+from decentrl.net.netns import Internet
+from decentrl.net.node import LOOPBACK_ONLY, SwarmNode
 from decentrl.net.protocol import PeerRecord, Role, layer_span, stage_key
+from decentrl.net.reach import NetworkOptions
 from decentrl.net.records import decode_records
 from decentrl.net.wire import TensorLimits
 from decentrl.swarm.adversary import (
@@ -100,7 +103,7 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
          stop: threading.Event, exit_with_parent: bool = False, adversary: str | None = None,
          collusion_dir: Path | None = None, report: Callable[[dict[str, Any]], None] =
          print_json_line, console: Console | None = None, config_wait_s: float = 300,
-         identity: Identity | None = None) -> None:
+         identity: Identity | None = None, network: NetworkOptions = LOOPBACK_ONLY) -> None:
     """Run one stage peer of the run that `owner` (a peer id) owns until `stop` is set (or, with
     `exit_with_parent`, until the process that started it is gone: a launcher that dies must not
     leave peers behind). The peer waits for the owner's signed run manifest and serves with its
@@ -109,17 +112,30 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
     READY event: peer id, run, stage, layers ("0-14"), role, addresses. `adversary` makes it a
     hostile peer (swarm/adversary.py): a stage peer that lies, or a client that attacks.
     `console` shows the wait for the manifest. `identity`: the peer's key (a training peer keeps
-    its admitted peer id across restarts); a fresh one by default."""
+    its admitted peer id across restarts); a fresh one by default. `network`: where it listens
+    and how others reach it (net/reach.py); it finds out which way works and says so."""
     if config is None and run is None:
         raise ValueError("join needs --config or --run (to take the run owner's config)")
     check_peer_id(owner, "--owner")
     parent = os.getppid()
     profile = link_profile(config) if config is not None else LinkProfile()
     threads = config.threads if config is not None and config.threads else None
-    node = SwarmNode.start(name, initial_peers, profile, TensorLimits(), compute_threads=threads,
-                           identity=identity)
-    report({"sockets": node.socket_paths()})
+    identity = identity or Identity.generate()  # the same across a reachability restart
     console = console or Console(stderr=True)
+
+    def start_node(options: NetworkOptions) -> SwarmNode:
+        started = SwarmNode.start(name, initial_peers, profile, TensorLimits(), network=options,
+                                  compute_threads=threads, identity=identity)
+        report({"sockets": started.socket_paths()})
+        return started
+
+    node, reach = start_reachable(name, initial_peers, network, start_node)
+    if network.reachability != "loopback":
+        console.print(f"{name} is {reach.describe()}", markup=False, highlight=False,
+                      soft_wrap=True)
+        if not reach.reachable:
+            log.warning("%s: no peer could dial this one; it serves what reaches it over its "
+                        "own connections only", name)
     if role != "inference" and adversary is None:
         console.print(f"this training peer's id is {node.peer_id}: the run's operator admits "
                       "it (decentrl coordinate --admit ID, or a line in RUN/admitted.txt)",
@@ -129,7 +145,10 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
                                      owner, config_wait_s, stop, console)
         if manifest is None:
             return
+        joined_by_name = config is None
         config = accept_manifest(manifest, config)
+        if joined_by_name:  # its node started before it knew the run's link and threads
+            node.configure(link_profile(config), config.threads)
 
         def until_stopped() -> None:
             while not stop.wait(1.0):
@@ -139,7 +158,8 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
             stop.set()
 
         ready = {"ready": READY, "name": name, "peer_id": node.peer_id, "run": config.name,
-                 "addresses": node.addresses()}
+                 "addresses": node.addresses(), "reachability": reach.describe()
+                 if network.reachability != "loopback" else "loopback"}
         if adversary in ("replay", "flood"):
             report({**ready, "role": adversary})
             watcher = threading.Thread(target=until_stopped, daemon=True)
@@ -185,15 +205,29 @@ class Child:
 class LocalSwarm:
     """The coordinator plus, per stage, `replicas` inference peers and one training peer, each a
     separate `decentrl` process on loopback, logging into `<run>/logs/`. Its bootstrap node is
-    the run's owner: the coordinator runs on it."""
+    the run's owner: the coordinator runs on it.
+
+    With `internet` (net/netns.py), every process sits on a host of its own there instead:
+    `placement` maps "coordinator" and each peer's name (train0, infer0.0, ...) to a host name
+    (unplaced peers go to the coordinator's host), and a `decentrl relay` runs on each host of
+    `relays`. Peers join as they would from a home: they learn whether they can be dialed and
+    use the relays (and the coordinator) if not."""
 
     def __init__(self, config: RunConfig, config_path: Path, replicas: int,
-                 training: bool = True, adversaries: Sequence[str] = ()) -> None:
+                 training: bool = True, adversaries: Sequence[str] = (),
+                 internet: Internet | None = None, placement: Mapping[str, str] | None = None,
+                 relays: Sequence[str] = ()) -> None:
         """`training=False` starts inference replicas only (generation benchmarks).
         `adversaries` adds hostile peers (swarm/adversary.py) beside the honest ones."""
+        if internet is None and (placement or relays):
+            raise ValueError("placement and relays need an internet (net/netns.py)")
         self.config, self.config_path, self.replicas = config, config_path, replicas
         self.training = training
         self.adversaries = list(adversaries)
+        self.internet, self.placement = internet, dict(placement or {})
+        self.relay_hosts = list(relays)
+        self.relay_addresses: list[str] = []
+        self.dial_back: DialBackService | None = None
         self.logs = config.path / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.bootstrap: SwarmNode | None = None
@@ -207,8 +241,21 @@ class LocalSwarm:
         stage takes a while). The owner's manifest is announced first: each peer waits for it,
         and the training peers, whose keys are made here, are admitted."""
         self.bootstrap = SwarmNode.start("bootstrap", [], link_profile(self.config),
-                                         TensorLimits(), identity=owner_identity(self.config.path))
+                                         TensorLimits(), network=self._coordinator_network(),
+                                         identity=owner_identity(self.config.path))
         addresses = self.bootstrap.addresses()
+        if self.internet is not None:
+            self.dial_back = DialBackService(self.bootstrap)
+        for index, host in enumerate(self.relay_hosts):
+            relay = Child(f"relay{index}", ["relay", "--listen", self._listen(host),
+                                             "--exit-with-parent", "--log-json",
+                                             *(f"--initial-peers={a}" for a in addresses)],
+                          self.logs / f"relay{index}.log")
+            self.placement.setdefault(relay.name, host)
+            self.children[relay.name] = relay
+            self._spawn(relay)
+            self._wait_ready(relay, timeout_s=60)
+            self.relay_addresses += relay.info["addresses"]
         # Until the coordinator announces it with its roster, this does (it expires unless
         # renewed, and loading the peers may take minutes).
         announced = threading.Event()
@@ -252,10 +299,11 @@ class LocalSwarm:
                     role = ["inference", "--collusion-dir", str(collusion)]
                 self._add(name, ["join", "--stage", str(stage), "--adversary", kind, "--role",
                                  *role], addresses)
+        peers = [child for child in self.children.values() if child.process is None]
         try:
-            for child in self.children.values():
+            for child in peers:
                 self._spawn(child)
-            for child in self.children.values():
+            for child in peers:
                 self._wait_ready(child, timeout_s=300)
                 on_ready(child)
         finally:
@@ -281,16 +329,39 @@ class LocalSwarm:
                 "--name", name, "--exit-with-parent", "--log-json"]
         for address in addresses:
             full += ["--initial-peers", address]
+        if self.internet is not None:
+            full += ["--listen", self._listen(self._host(name)), "--reachability", "auto"]
+            for relay in [*self.relay_addresses, *addresses]:
+                full += ["--relay", relay]
         self.children[name] = Child(name, full, self.logs / f"{name}.log")
+
+    def _host(self, name: str) -> str:
+        return self.placement.get(name, self.placement.get("coordinator", ""))
+
+    def _listen(self, host: str) -> str:
+        """A host's own address on a port of its daemon's choosing (not every interface: its
+        loopback address would be given out, and mean another host's loopback elsewhere)."""
+        assert self.internet is not None
+        return f"/ip4/{self.internet.hosts[host].address}/tcp/0"
+
+    def _coordinator_network(self) -> NetworkOptions:
+        if self.internet is None:
+            return LOOPBACK_ONLY
+        host = self.internet.hosts[self._host("coordinator")]
+        return NetworkOptions((self._listen(host.name),), reachability="direct",
+                              relay_service=True, netns=host.namespace)
 
     def _spawn(self, child: Child) -> None:
         # On one machine every peer competes for the same cores, which separate machines would
         # not; the training chain is the critical path, so inference replicas yield to it.
         niceness = INFERENCE_NICENESS if "--role" in child.args and \
             child.args[child.args.index("--role") + 1] == "inference" else 0
+        command = [sys.executable, "-m", "decentrl.cli", *child.args]
+        if self.internet is not None:
+            command = self.internet.command(self._host(child.name), command)
         with child.log_path.open("a") as log_file:
             child.process = subprocess.Popen(
-                [sys.executable, "-m", "decentrl.cli", *child.args], stdout=subprocess.PIPE,
+                command, stdout=subprocess.PIPE,
                 stderr=log_file, text=True, start_new_session=True,
                 preexec_fn=(lambda: yield_cpu(niceness)) if niceness else None)
         child.info = {}
@@ -397,4 +468,6 @@ class LocalSwarm:
                 child.process.wait()
             self._remove_sockets(child)
         if self.bootstrap is not None:
+            if self.dial_back is not None:
+                self.bootstrap.run(self.dial_back.close(), timeout=30)
             self.bootstrap.shutdown()
