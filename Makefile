@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The dashboard's test renders its page in Debian's headless Chromium.
 CHROMIUM := /usr/bin/chromium
+# The network-namespace tests build home NAT routers with nftables (net/netns.py).
+NFT := /usr/sbin/nft
 
 .PHONY: demo test test-unit test-slow fuzz bench-trl clean
 
@@ -23,17 +25,21 @@ $(CHROMIUM):
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
+$(NFT):
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables
+
 demo: $(STAMP)
 	$(BIN)/decentrl demo
 
-test: $(STAMP) | $(CHROMIUM)
+test: $(STAMP) | $(CHROMIUM) $(NFT)
 	$(BIN)/python -m pytest -q
 
 # The fast tests that start no peer-to-peer daemon (those are marked network).
 test-unit: $(STAMP) | $(CHROMIUM)
 	$(BIN)/python -m pytest -q -m 'not slow and not network'
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) | $(NFT)
 	$(BIN)/python -m pytest -q -m slow
 
 # The fuzz tests under hypothesis's "fuzz" profile (tests/conftest.py): over 100,000 examples in

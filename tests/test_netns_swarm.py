@@ -18,6 +18,7 @@ from test_netns import netns_or_skip
 
 from decentrl.config import RunConfig
 from decentrl.net.netns import HomeSpec, Internet
+from decentrl.net.protocol import PeerRecord
 from decentrl.observe.metrics import StepRecord
 from decentrl.swarm.coordinate import swarm_run
 from decentrl.swarm.launch import LocalSwarm
@@ -67,8 +68,8 @@ class KillRelayOnceUsed(RunHooks):
 
 
 def run_swarm(config: RunConfig, **where: Any) -> tuple[RunSummary, list[StepRecord],
-                                                          dict[str, int], LocalSwarm]:
-    """The run's summary, its step records, and each replica's version at the end."""
+                                                          dict[str, PeerRecord], LocalSwarm]:
+    """The run's summary, its step records, and each peer's last announcement."""
     config.path.mkdir(parents=True)
     config_path = config.path / "swarm-config.json"
     config_path.write_text(config.model_dump_json())
@@ -88,14 +89,13 @@ def run_swarm(config: RunConfig, **where: Any) -> tuple[RunSummary, list[StepRec
             summary = coordinator.run(wait_s=180)
             directory = coordinator.backend.chain.directory
             directory.refresh()
-            versions = {r.name: r.version for stage in directory.stage_summary()
-                        for r in stage if r.role == "inference"}
+            peers = {r.name: r for stage in directory.stage_summary() for r in stage}
         finally:
             coordinator.close()
     finally:
         local.shutdown()
     assert not local.sockets, f"leftover p2pd sockets: {local.sockets}"
-    return summary, records, versions, local
+    return summary, records, peers, local
 
 
 @pytest.mark.network
@@ -106,7 +106,7 @@ def test_a_swarm_half_behind_nat_matches_the_loopback_one_and_survives_its_relay
     loopback, loop_records, _, _ = run_swarm(run_config(tiny_sharp_dir, tmp_path / "loopback"))
     with Internet.start(["coordinator", "relay", "public1"],
                         [HomeSpec(["home1a", "home1b"]), HomeSpec(["home2a"])]) as internet:
-        far, far_records, versions, local = run_swarm(
+        far, far_records, peers, local = run_swarm(
             run_config(tiny_sharp_dir, tmp_path / "netns"), internet=internet,
             placement=PLACEMENT, relays=["relay"])
     # Who could be dialed how, as each peer found out and said.
@@ -127,7 +127,10 @@ def test_a_swarm_half_behind_nat_matches_the_loopback_one_and_survives_its_relay
     # took every update of its training peer behind another NAT: stage 0's replica reached its
     # training peer through the relay first, then, with the relay gone, through the coordinator.
     assert far.steps == STEPS
+    versions = {name: peer.version for name, peer in peers.items() if peer.role == "inference"}
     assert versions == {"infer0.0": STEPS, "infer1.0": STEPS}, versions
+    # Stage 0's training peer answered its replica through relays; the public one never.
+    assert peers["train0"].bytes_relayed > 0 and peers["train1"].bytes_relayed == 0
     assert local.bootstrap is not None
     relay, coordinator = local.children["relay0"].info["peer_id"], local.bootstrap.peer_id
     train0 = local.children["train0"].info["peer_id"]

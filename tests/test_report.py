@@ -75,10 +75,11 @@ def step_record(step: int) -> dict[str, Any]:
 
 
 def peer(peer_id: str, name: str, stage: int, role: str, elapsed_s: float,
-         megabytes_per_s: float, banned: bool = False) -> dict[str, Any]:
+         megabytes_per_s: float, banned: bool = False, relayed: float = 0.0) -> dict[str, Any]:
     # Bytes grow with time, so only the last snapshot has the final count.
+    sent = int(elapsed_s * megabytes_per_s * 1_000_000)
     return {"peer_id": peer_id, "name": name, "stage": stage, "role": role, "version": 3,
-            "tokens_per_s": 42.5, "bytes_sent": int(elapsed_s * megabytes_per_s * 1_000_000),
+            "tokens_per_s": 42.5, "bytes_sent": sent, "bytes_relayed": int(relayed * sent),
             "reputation": 0.2 if banned else 0.95, "banned": banned}
 
 
@@ -90,7 +91,9 @@ def swarm_record(elapsed_s: float) -> dict[str, Any]:
              peer("id-mallory", MALLORY, 1, "inference", elapsed_s, 0.2,
                   banned=elapsed_s >= 400)]
     if elapsed_s >= 300:
-        peers.append(peer("id-infer-b", "infer-b", 0, "inference", elapsed_s, 1.5))
+        # Behind NAT: half of what it sends goes through a relay.
+        peers.append(peer("id-infer-b", "infer-b", 0, "inference", elapsed_s, 1.5,
+                          relayed=0.5))
     if elapsed_s < 420:
         peers.append(peer("id-infer-c", "infer-c", 1, "inference", elapsed_s, 1.0))
     return {"event": "swarm", "elapsed_s": elapsed_s, "step": int(elapsed_s // 20),
@@ -247,9 +250,14 @@ def test_bytes_per_peer_come_from_the_last_snapshot(built: tuple[Path, str]) -> 
         ("infer-b (stage 0)", 990e6), ("infer-a (stage 0)", 660e6),
         (f"{MALLORY} (stage 1)", 132e6)]
     # The table lists the last snapshot's peers: infer-c had left by then.
-    assert f"| infer-a | 0 | inference | 3 | 42.5 | {human_bytes(660e6)} | 0.95 | no |" in text
-    assert f"| {MALLORY_ESCAPED} | 1 | inference | 3 | 42.5 | {human_bytes(132e6)} | 0.20 | yes |" \
+    assert f"| infer-a | 0 | inference | 3 | 42.5 | {human_bytes(660e6)} | 0 B | 0.95 | no |" \
         in text
+    assert f"| infer-b | 0 | inference | 3 | 42.5 | {human_bytes(990e6)} | " \
+        f"{human_bytes(495e6)} | 0.95 | no |" in text
+    assert f"| {MALLORY_ESCAPED} | 1 | inference | 3 | 42.5 | {human_bytes(132e6)} | 0 B | " \
+        "0.20 | yes |" in text
+    assert f"Through relays: {human_bytes(495e6)} of the {human_bytes(5412e6)} those peers " \
+        "sent (9.1%)" in text
     assert "infer-c" not in text
 
 

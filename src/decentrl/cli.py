@@ -213,7 +213,7 @@ def coordinate(
     from decentrl.swarm.coordinate import swarm_run
     from decentrl.swarm.launch import link_profile
     from decentrl.swarm.manifest import admit as admit_peers
-    from decentrl.swarm.manifest import admitted_peers, owner_identity
+    from decentrl.swarm.manifest import admitted_peers, announce_run_end, owner_identity
 
     exit_on_sigterm()
     run_config = load_config(config)
@@ -240,6 +240,7 @@ def coordinate(
         console.print(joining, soft_wrap=True, highlight=False, markup=False)
         summary = coordinator.run(wait_s=wait)
         console.print(f"{summary.steps} steps; after: pass@1 {summary.after.pass1.as_percent()}")
+        announce_run_end(node, run_config.name, summary.steps)  # its peers stop
     finally:
         if coordinator is not None:
             coordinator.close()
@@ -405,6 +406,10 @@ def join(
         help="auto (ask a peer to dial this one back: directly reachable, or else through "
              "relays), direct, relayed, or loopback. Default: loopback when every initial "
              "peer is on this machine, else auto.")] = None,
+    keep_serving: Annotated[bool, typer.Option(
+        "--keep-serving",
+        help="Go on serving after the run's owner says the run ended (by default the peer "
+             "stops then).")] = False,
 ) -> None:
     """Serve one stage of a run's model (exactly its layers) until stopped.
 
@@ -463,7 +468,7 @@ def join(
                    adversary, collusion_dir,
                    report=print_json_line if log_json else print_join_event,
                    console=Console(stderr=True), config_wait_s=wait, identity=key,
-                   network=network)
+                   network=network, keep_serving=keep_serving)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

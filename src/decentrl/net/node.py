@@ -320,9 +320,11 @@ class SwarmNode:
                                    asyncio.Future[list[runtime_pb2.ExpertResponse]]] = OrderedDict()
         self._closed = False
         self.network = LOOPBACK_ONLY
-        # Peers this node connected to through their route records, with the route used
-        # (relayed routes are counted apart: net/link.py).
+        # Peers this node connected to through their route records, with the route used.
         self.routed: dict[str, str] = {}
+        # Of what this node sent (requests to peers it reached through a relay, replies to
+        # requests that came through one), the bytes that crossed a relay.
+        self.relayed_bytes_sent = 0
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -578,6 +580,8 @@ class SwarmNode:
         responses = await asyncio.shield(cached)
         assert self.links is not None
         await self.links.uplink.send(message_bytes(responses), sender)
+        if "p2p-circuit" in address:
+            self.relayed_bytes_sent += message_bytes(responses)
         return responses
 
     def unserve(self, rpc: Rpc[Any, Any]) -> None:
@@ -723,6 +727,8 @@ class SwarmNode:
             async with asyncio.timeout(timeout):
                 await self.links.uplink.send(message_bytes(requests), peer)
                 await link.send(message_bytes(requests), "out")
+                if "p2p-circuit" in self.routed.get(peer, ""):
+                    self.relayed_bytes_sent += message_bytes(requests)
                 for attempt in range(TRUNCATED_REPLY_RETRIES + 1):
                     responses = await self._exchange(peer, method, requests, reply_limit)
                     try:

@@ -48,6 +48,7 @@ class PeerRecord(Body):
     free_sessions: int
     training_ready: bool  # a training peer whose weights are loaded and that accepts steps
     bytes_sent: int = 0  # everything this peer has uploaded so far (requests and replies)
+    bytes_relayed: int = 0  # what of it went through relays (net/reach.py)
     # A training peer that re-executes spot-checks of its stage on a copy of the weights its
     # replicas serve (an inference replica always does).
     verifies: bool = False
@@ -84,6 +85,18 @@ class RunManifest(Body):
     model_hash: str  # model/loading.py model_fingerprint of the base model
     stages: list[tuple[int, int]]  # each stage's layers [start, stop)
     roster: list[RosterEntry]  # the admitted training peers, one per stage once connected
+
+
+def ended_key(run: str) -> str:
+    return f"decentrl/{run}/ended"
+
+
+class RunEnded(Body):
+    """The owner's word that its run is over (under `ended_key`, owner's subkey): its peers
+    stop serving, unless told to keep serving."""
+
+    run: str
+    steps: int
 
 
 class LineageRecord(Body):

@@ -96,6 +96,7 @@ class PeerSnapshot(msgspec.Struct, kw_only=True):
     banned: bool
     name: str = ""
     layers: list[int] = []  # [start, stop)
+    bytes_relayed: int = 0  # of bytes_sent, through relays
 
 
 class SwarmRecord(Record, tag="swarm"):

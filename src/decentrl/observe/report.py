@@ -637,9 +637,10 @@ def training_section(run_dir: Path, config: RunConfig, records: RunRecords, fold
 def peers_table(snapshot: SwarmRecord) -> str:
     rows = [[markdown_text(peer_name(p.name, p.peer_id)), str(p.stage), markdown_text(p.role),
              str(p.version), f"{p.tokens_per_s:.1f}", human_bytes(p.bytes_sent),
-             f"{p.reputation:.2f}", "yes" if p.banned else "no"] for p in snapshot.peers]
-    return table(["peer", "stage", "role", "version", "tok/s", "bytes sent", "reputation",
-                  "banned"], rows)
+             human_bytes(p.bytes_relayed), f"{p.reputation:.2f}", "yes" if p.banned else "no"]
+            for p in snapshot.peers]
+    return table(["peer", "stage", "role", "version", "tok/s", "bytes sent",
+                  "through relays", "reputation", "banned"], rows)
 
 
 def swarm_section(records: RunRecords, folder: Path) -> str:
@@ -659,9 +660,20 @@ def swarm_section(records: RunRecords, folder: Path) -> str:
         image(folder / "bytes_per_peer.png", "bytes sent per peer"),
         "Bytes each of those peers has uploaded since it started, and the coordinator's own "
         "traffic (sent and received).",
+        relayed_line(last),
         image(folder / "peers.png", "peers per stage over time"),
         "Peers of each stage over time by role, stacked: the top edge is the stage's peers.",
     ])
+
+
+def relayed_line(snapshot: SwarmRecord) -> str:
+    sent = sum(p.bytes_sent for p in snapshot.peers)
+    relayed = sum(p.bytes_relayed for p in snapshot.peers)
+    if not relayed:
+        return "No peer sent anything through a relay."
+    return (f"Through relays: {human_bytes(relayed)} of the {human_bytes(sent)} those peers sent "
+            f"({100 * relayed / max(sent, 1):.1f}%): peers that nobody could dial directly, "
+            "reached through a relay's circuit (their own replies included).")
 
 
 def groups_line(totals: GroupTotals) -> str:

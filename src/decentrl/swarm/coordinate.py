@@ -230,6 +230,8 @@ class SwarmBackend:
                                            admit=self.trust.admit_submission)
         self.generation_threads = config.swarm.sessions_in_flight
         self.closed = threading.Event()
+        self.announcing = threading.Thread(target=self._announce_forever, args=(self.closed,),
+                                           name="announce", daemon=True)
         self.verifying = threading.Thread(target=self.trust.verify_forever, args=(self.closed,),
                                           name="verify", daemon=True)
         self.stage_wait = StageWait(self.directory, self.trust.reputation.banned,
@@ -263,16 +265,15 @@ class SwarmBackend:
             self.console.print(f"dashboard: {self.dashboard.url}")
         self.wait_for_swarm(wait_s)
         self.console.print(self.peer_table())
-        # Announcing (and with it the directory and the swarm snapshots) starts now, so the
-        # dashboard follows the peers through the first evaluation too.
-        threads = [threading.Thread(target=self._announce_forever, args=(stop,), name="announce",
-                                    daemon=True)]
+        # Announcing (and with it the directory, the lineage records and the swarm snapshots)
+        # starts now, so the dashboard follows the peers through the first evaluation too, and
+        # goes on until the backend closes: replicas still catching up with the last version
+        # after training need its lineage record, which expires unless renewed.
+        self.announcing.start()
         # Spot-checks go on until the backend closes, not when training ends: the groups of the
         # evaluation after training are checked too.
         self.verifying.start()
-        for thread in threads:
-            thread.start()
-        return threads
+        return []
 
     def wait_for_swarm(self, timeout_s: float) -> None:
         """Until every stage has an inference replica and a training peer that is ready."""
@@ -406,8 +407,9 @@ class SwarmBackend:
 
     def close(self) -> None:
         self.closed.set()
-        if self.verifying.is_alive():  # a check in flight still uses the node
-            self.verifying.join(timeout=self.config.swarm.request_timeout_s)
+        for thread in (self.verifying, self.announcing):  # both may be using the node
+            if thread.is_alive():
+                thread.join(timeout=self.config.swarm.request_timeout_s)
         if self.dashboard is not None:
             self.dashboard.close()
         self.lineage.close()

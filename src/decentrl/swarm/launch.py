@@ -5,6 +5,7 @@ p2pd daemon, and the unix sockets a killed daemon leaves behind are removed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from decentrl.net.node import LOOPBACK_ONLY, SwarmNode
 from decentrl.net.protocol import PeerRecord, Role, layer_span, stage_key
 from decentrl.net.reach import NetworkOptions
 from decentrl.net.records import decode_records
-from decentrl.net.wire import TensorLimits
+from decentrl.net.wire import TensorLimits, WireError
 from decentrl.swarm.adversary import (
     ADVERSARIES,
     TRAINING_ADVERSARIES,
@@ -46,6 +47,7 @@ from decentrl.swarm.manifest import (
     check_peer_id,
     owner_identity,
     publish_manifest,
+    read_run_end,
     run_manifest,
     wait_for_manifest,
 )
@@ -55,6 +57,7 @@ log = logging.getLogger(__name__)
 
 READY = "DECENTRL-READY"
 LOOKUP_TIMEOUT_S = 30.0
+RUN_END_CHECK_S = 10.0
 INFERENCE_NICENESS = 10
 
 
@@ -94,6 +97,19 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
     return min(capacity)[1]
 
 
+def run_ended(node: SwarmNode, config: RunConfig, owner: str, console: Console) -> bool:
+    """Whether the owner said the run ended (said so on `console`); False when unsure."""
+    try:
+        ended = read_run_end(node, config.name, owner)
+    except (WireError, TimeoutError, RuntimeError) as error:
+        log.info("could not read whether run %s ended: %s", config.name, error)
+        return False
+    if ended is not None:
+        console.print(f"run {config.name!r} ended after {ended.steps} steps; stopping",
+                      markup=False, highlight=False)
+    return ended is not None
+
+
 def print_json_line(event: dict[str, Any]) -> None:
     print(json.dumps(event), flush=True)
 
@@ -103,7 +119,8 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
          stop: threading.Event, exit_with_parent: bool = False, adversary: str | None = None,
          collusion_dir: Path | None = None, report: Callable[[dict[str, Any]], None] =
          print_json_line, console: Console | None = None, config_wait_s: float = 300,
-         identity: Identity | None = None, network: NetworkOptions = LOOPBACK_ONLY) -> None:
+         identity: Identity | None = None, network: NetworkOptions = LOOPBACK_ONLY,
+         keep_serving: bool = False) -> None:
     """Run one stage peer of the run that `owner` (a peer id) owns until `stop` is set (or, with
     `exit_with_parent`, until the process that started it is gone: a launcher that dies must not
     leave peers behind). The peer waits for the owner's signed run manifest and serves with its
@@ -113,7 +130,8 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
     hostile peer (swarm/adversary.py): a stage peer that lies, or a client that attacks.
     `console` shows the wait for the manifest. `identity`: the peer's key (a training peer keeps
     its admitted peer id across restarts); a fresh one by default. `network`: where it listens
-    and how others reach it (net/reach.py); it finds out which way works and says so."""
+    and how others reach it (net/reach.py); it finds out which way works and says so. When the
+    owner says the run ended, the peer stops, unless `keep_serving`."""
     if config is None and run is None:
         raise ValueError("join needs --config or --run (to take the run owner's config)")
     check_peer_id(owner, "--owner")
@@ -151,15 +169,21 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
             node.configure(link_profile(config), config.threads)
 
         def until_stopped() -> None:
+            checked = time.monotonic()
             while not stop.wait(1.0):
                 if exit_with_parent and os.getppid() != parent:
                     log.warning("%s: the launcher is gone; stopping", name)
                     break
+                if not keep_serving and time.monotonic() - checked > RUN_END_CHECK_S:
+                    checked = time.monotonic()
+                    if run_ended(node, config, owner, console):
+                        break
             stop.set()
 
         ready = {"ready": READY, "name": name, "peer_id": node.peer_id, "run": config.name,
                  "addresses": node.addresses(), "reachability": reach.describe()
-                 if network.reachability != "loopback" else "loopback"}
+                 if network.reachability != "loopback" else "loopback",
+                 "link": dataclasses.asdict(node.link_profile)}
         if adversary in ("replay", "flood"):
             report({**ready, "role": adversary})
             watcher = threading.Thread(target=until_stopped, daemon=True)

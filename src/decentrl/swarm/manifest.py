@@ -31,7 +31,7 @@ from decentrl.model.loading import model_fingerprint, model_spec, resolve_model
 from decentrl.model.stages import StagePlan
 from decentrl.net.identity import Identity, SignatureError, public_key_of
 from decentrl.net.node import SwarmNode
-from decentrl.net.protocol import RosterEntry, RunManifest, coordinator_key
+from decentrl.net.protocol import RosterEntry, RunEnded, RunManifest, coordinator_key, ended_key
 from decentrl.net.wire import WireError, decode_struct, encode_struct
 from decentrl.progress import progress_bar
 
@@ -116,6 +116,24 @@ def read_manifest(node: SwarmNode, run: str, owner: str) -> RunManifest | None:
     if manifest.run != run:
         raise WireError(f"the owner's manifest for run {run!r} names run {manifest.run!r}")
     return manifest
+
+
+def announce_run_end(node: SwarmNode, run: str, steps: int, ttl_s: float = 3600.0) -> None:
+    """Tell the run's peers that it is over (they stop, unless they keep serving)."""
+    node.run(node.announce(ended_key(run), encode_struct(RunEnded(run=run, steps=steps)), ttl_s),
+             timeout=LOOKUP_TIMEOUT_S)
+
+
+def read_run_end(node: SwarmNode, run: str, owner: str) -> RunEnded | None:
+    """The owner's word that `run` ended, or None; what anyone else wrote there is not read, and
+    a record the owner signed for another run is refused."""
+    raw = node.run(node.lookup(ended_key(run)), timeout=LOOKUP_TIMEOUT_S).get(owner)
+    if raw is None:
+        return None
+    ended = decode_struct(raw, RunEnded)
+    if ended.run != run:
+        raise WireError(f"the owner's end of run {run!r} names run {ended.run!r}")
+    return ended
 
 
 def wait_for_manifest(node: SwarmNode, run: str, owner: str, timeout_s: float,

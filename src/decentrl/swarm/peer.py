@@ -208,7 +208,8 @@ class StagePeer:
             free_sessions=inference.free_sessions() if inference is not None else 0,
             training_ready=self.training is not None,
             verifies=self.training is not None and self.verification is not None,
-            bytes_sent=self.node.links.uplink.bytes_sent if self.node.links is not None else 0)
+            bytes_sent=self.node.links.uplink.bytes_sent if self.node.links is not None else 0,
+            bytes_relayed=self.node.relayed_bytes_sent)
 
     async def announce(self) -> None:
         ttl = 5 * self.config.swarm.announce_every_s

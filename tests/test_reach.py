@@ -1,0 +1,148 @@
+"""How peers reach each other (net/reach.py, net/dialback.py): network options and their errors,
+route records (only a peer's own counts), and the dial-back check with its refusals."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hivemind.utils.multiaddr import Multiaddr
+
+from decentrl.net.dialback import DialBackService, check_reachability
+from decentrl.net.identity import Identity
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import PeerRefused, SwarmNode
+from decentrl.net.protocol import DIAL_BACK, DialBackRequest
+from decentrl.net.reach import (
+    NetworkOptions,
+    RouteRecord,
+    check_route_record,
+    dialable,
+    peer_options,
+    route_key,
+)
+from decentrl.net.wire import TensorLimits, encode_struct
+
+RELAY = "/ip4/10.250.0.3/tcp/31338/p2p/12D3KooWRUJjzVFzWkuVW3D1X9XUA2tfMHW6a76CUQrd4di1jsYk"
+
+
+def test_network_options_name_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="reachability must be one of"):
+        NetworkOptions(reachability="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="is not a multiaddr"):
+        NetworkOptions(listen=("localhost:31337",))
+    with pytest.raises(ValueError, match="/ip4/<host>/tcp/<port>"):
+        NetworkOptions(listen=("/dns4/example.org/tcp/1",))
+    with pytest.raises(ValueError, match="needs an explicit port"):
+        NetworkOptions(listen=("/ip4/0.0.0.0/tcp/1",), announce=("/ip4/192.0.2.1/tcp/0",))
+    with pytest.raises(ValueError, match="lacks its /p2p/<peer id> part"):
+        NetworkOptions(relays=("/ip4/10.250.0.3/tcp/31338",))
+    with pytest.raises(ValueError, match="at least one relay"):
+        NetworkOptions(listen=("/ip4/0.0.0.0/tcp/0",), reachability="relayed"
+                       ).daemon_options([])
+
+
+def test_a_swarm_elsewhere_is_joined_as_from_behind_a_home_router() -> None:
+    local = "/ip4/127.0.0.1/tcp/4000/p2p/" + RELAY.rsplit("/", 1)[1]
+    assert peer_options([local]) == NetworkOptions()  # loopback, as the demo and tests
+    home = peer_options([RELAY])
+    assert (home.reachability, home.listen) == ("auto", ("/ip4/0.0.0.0/tcp/0",))
+    options, flags = home.relayed([RELAY]).daemon_options([RELAY])
+    assert options["trusted_relays"] == [RELAY] and options["dht_mode"] == "client"
+    assert flags == {"relayDiscovery": False, "relayService": False}
+    options, flags = NetworkOptions().daemon_options([])
+    assert not options["use_relay"] and not options["auto_nat"] and not flags
+
+
+def test_a_relay_address_is_encoded_as_the_daemon_reads_it() -> None:
+    circuit = RELAY + "/p2p-circuit"
+    encoded = dialable(circuit)
+    assert str(encoded) == circuit
+    # hivemind writes the relay's id as a CID (0x01 0x72 ...), which the daemon refuses; the
+    # raw multihash follows the /p2p/ code and its length.
+    raw = encoded.to_bytes()
+    assert b"\xa5\x03\x26\x00\x24" in raw and b"\x01\x72" not in raw
+    assert Multiaddr(circuit).to_bytes() != raw
+
+
+@pytest.mark.parametrize(("record", "error"), [
+    (RouteRecord(addresses=[], relayed=False), "1 to 8 addresses"),
+    (RouteRecord(addresses=["/ip4/10.0.0.1/tcp/1"] * 9, relayed=False), "1 to 8 addresses"),
+    (RouteRecord(addresses=["/ip4/10.0.0.1/udp/1"], relayed=False), "TCP address"),
+    (RouteRecord(addresses=["/ip4/10.0.0.1/tcp/1"], relayed=True), "relayed=True"),
+    (RouteRecord(addresses=[RELAY + "/p2p-circuit"], relayed=False), "relayed=False"),
+    (RouteRecord(addresses=["/ip4/10.0.0.1/tcp/1" + "/tcp/1" * 60], relayed=False),
+     "over 300"),
+])
+def test_a_malformed_route_record_is_refused(record: RouteRecord, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        check_route_record(record)
+
+
+@pytest.fixture
+def checker_and_asker() -> Iterator[tuple[SwarmNode, SwarmNode, DialBackService]]:
+    checker = SwarmNode.start("checker", [], LinkProfile(), TensorLimits())
+    asker = SwarmNode.start("asker", checker.addresses(), LinkProfile(), TensorLimits())
+    service = DialBackService(checker)
+    try:
+        yield checker, asker, service
+    finally:
+        checker.run(service.close(), timeout=30)
+        asker.shutdown()
+        checker.shutdown()
+
+
+@pytest.mark.network
+def test_the_dial_back_check_dials_the_asker_only_and_refuses_what_it_should(
+        checker_and_asker: tuple[SwarmNode, SwarmNode, DialBackService]) -> None:
+    checker, asker, service = checker_and_asker
+    # A fresh connection from the probe daemon reaches the asker where its request came from.
+    report = check_reachability(asker, [checker.peer_id], [])
+    port = asker.addresses()[0].split("/tcp/")[1].split("/")[0]
+    assert report.direct == f"/ip4/127.0.0.1/tcp/{port}" and report.reachable
+    assert report.describe() == f"reachable directly at /ip4/127.0.0.1/tcp/{port}"
+    assert service.checks == 1
+    # Once per asker a while: refused, and no strike (an honest peer restarting asks again).
+    with pytest.raises(PeerRefused, match="one check every 5s"):
+        asker.call_sync(checker.peer_id, DIAL_BACK, DialBackRequest(ports=[1], relays=[]))
+    assert checker.strikes(asker.peer_id) == 0 and service.checks == 1
+    # A relay that is not a peer of the checker's is not dialed (the probe is never aimed at a
+    # host outside the swarm); too many ports is a malformed request, a strike.
+    other = SwarmNode.start("other", [checker.addresses()[0]], LinkProfile(), TensorLimits())
+    try:
+        reply, _ = other.call_sync(checker.peer_id, DIAL_BACK, DialBackRequest(
+            ports=[], relays=[RELAY]))
+        assert (reply.direct, reply.relayed) == ("", [])
+        assert reply.errors == [f"{RELAY}: not a peer connected to this one from that host"]
+        with pytest.raises(PeerRefused, match="at most 4 TCP ports"):
+            asker.call_sync(checker.peer_id, DIAL_BACK,
+                            DialBackRequest(ports=[1, 2, 3, 4, 5], relays=[]))
+        assert checker.strikes(asker.peer_id) == 1
+    finally:
+        other.shutdown()
+
+
+@pytest.mark.network
+def test_only_a_peers_own_route_record_is_read(
+        checker_and_asker: tuple[SwarmNode, SwarmNode, DialBackService]) -> None:
+    checker, asker, _ = checker_and_asker
+    own = RouteRecord(addresses=["/ip4/127.0.0.1/tcp/4000"], relayed=False)
+    asker.run(asker.announce_routes(own, 60), timeout=30)
+    # A stranger writes a record under the asker's key (under its own subkey): never read.
+    stranger = SwarmNode.start("stranger", [checker.addresses()[0]], LinkProfile(),
+                               TensorLimits(), identity=Identity.generate())
+    try:
+        forged = RouteRecord(addresses=["/ip4/192.0.2.66/tcp/1"], relayed=False)
+        stranger.run(stranger.announce(route_key(asker.peer_id), encode_struct(forged), 60),
+                     timeout=30)
+        assert checker.run(checker.routes_of(asker.peer_id), timeout=30) == own
+        assert checker.run(checker.routes_of(stranger.peer_id), timeout=30) is None
+        # The peer's own record, malformed, is not used either.
+        bad = RouteRecord(addresses=["/ip4/127.0.0.1/udp/1"], relayed=False)
+        asker.run(asker.announce(route_key(asker.peer_id), encode_struct(bad), 60),
+                  timeout=30)
+        assert checker.run(checker.routes_of(asker.peer_id), timeout=30) is None
+        with pytest.raises(ValueError, match="TCP address"):
+            asker.run(asker.announce_routes(bad, 60), timeout=30)
+    finally:
+        stranger.shutdown()
