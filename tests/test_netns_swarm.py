@@ -17,9 +17,11 @@ from swarm_helpers import tiny_run_config
 from test_netns import netns_or_skip
 
 from decentrl.config import RunConfig
+from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.net.netns import HomeSpec, Internet
 from decentrl.net.protocol import PeerRecord
 from decentrl.observe.metrics import StepRecord
+from decentrl.release.export import export_run
 from decentrl.swarm.coordinate import swarm_run
 from decentrl.swarm.launch import LocalSwarm
 from decentrl.swarm.loop import RunHooks, RunSummary, TrainingLoop
@@ -131,6 +133,17 @@ def test_a_swarm_half_behind_nat_matches_the_loopback_one_and_survives_its_relay
     assert versions == {"infer0.0": STEPS, "infer1.0": STEPS}, versions
     # Stage 0's training peer answered its replica through relays; the public one never.
     assert peers["train0"].bytes_relayed > 0 and peers["train1"].bytes_relayed == 0
+    # Nothing assumed a shared disk: each training peer wrote its shards to a folder of its own,
+    # the coordinator fetched the last checkpoint's over the swarm, and the release is made
+    # from the run folder alone.
+    layout = CheckpointLayout(far.path / "checkpoints")
+    version = layout.latest_version()
+    assert version == STEPS
+    for stage, name in enumerate(("train0", "train1")):
+        own = CheckpointLayout(far.path / "hosts" / name / "checkpoints").stage_file(version,
+                                                                                    stage)
+        assert layout.stage_file(version, stage).read_bytes() == own.read_bytes()
+    assert (export_run(far.path, far.path / "model") / "model.safetensors").is_file()
     assert local.bootstrap is not None
     relay, coordinator = local.children["relay0"].info["peer_id"], local.bootstrap.peer_id
     train0 = local.children["train0"].info["peer_id"]

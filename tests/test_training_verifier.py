@@ -233,7 +233,7 @@ def test_a_restarted_or_rolled_back_training_peer_publishes_what_its_replicas_se
         assert replica.version == 3
         assert weights_of(replica).follower.state.hash != at_two
 
-        assert worker.checkpoint("load", 2) == 2  # a rollback
+        assert worker.checkpoint("load", 2).version == 2  # a rollback
         first = swarm.peer(0, "training")
         assert publisher_of(first).published(2).result(timeout=30) == at_two
         follow()

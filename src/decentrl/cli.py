@@ -35,6 +35,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Reinforcement-learning post-training of language models on a swarm of "
                        "untrusted peers.")
 console = Console()
+# Options that more than one command takes.
+ExitWithParent = Annotated[bool, typer.Option(
+    "--exit-with-parent",
+    help="Stop when the process that started this one exits (the local launcher uses it).")]
+LogJson = Annotated[bool, typer.Option(
+    "--log-json",
+    help="Log JSON lines to stderr and print machine-readable events on stdout (the local "
+         "launcher reads them).")]
 Command = TypeVar("Command", bound=Callable[..., None])
 # What a user's input or a user's swarm can cause: shown as one line with exit code 2. Anything
 # else is a bug: one line too, exit code 1.
@@ -267,14 +275,8 @@ def relay(
         help="The multiaddr of a peer in the swarm (the coordinator prints it), repeatable.")],
     announce: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
         help="The address to give peers instead of the listen one, repeatable.")] = None,
-    exit_with_parent: Annotated[bool, typer.Option(
-        "--exit-with-parent",
-        help="Stop when the process that started this one exits (the local launcher uses "
-             "it).")] = False,
-    log_json: Annotated[bool, typer.Option(
-        "--log-json",
-        help="Log JSON lines to stderr and print machine-readable events on stdout (the local "
-             "launcher reads them).")] = False,
+    exit_with_parent: ExitWithParent = False,
+    log_json: LogJson = False,
 ) -> None:
     """Relay for peers behind NAT, until stopped (a public host with spare bandwidth).
 
@@ -379,20 +381,14 @@ def join(
     checkpoint_dir: Annotated[Optional[Path], typer.Option(  # noqa: UP007
         help="Where a training peer saves its checkpoints and resumes from them.")] = None,
     name: Annotated[str, typer.Option(help="A name for logs and the peer table.")] = "peer",
-    exit_with_parent: Annotated[bool, typer.Option(
-        "--exit-with-parent",
-        help="Stop when the process that started this one exits (the local launcher uses "
-             "it).")] = False,
+    exit_with_parent: ExitWithParent = False,
     adversary: Annotated[Optional[str], typer.Option(  # noqa: UP007
         help="Run a hostile peer instead, for trust tests and demos: random-tokens, "
              "forge-logprobs, inject-answers, corrupt-activations, corrupt-unopened, "
              "malformed-activations, replay or flood.")] = None,
     collusion_dir: Annotated[Optional[Path], typer.Option(  # noqa: UP007
         help="A folder that an inject-answers pair shares.")] = None,
-    log_json: Annotated[bool, typer.Option(
-        "--log-json",
-        help="Log JSON lines to stderr and print machine-readable events on stdout (the local "
-             "launcher reads them).")] = False,
+    log_json: LogJson = False,
     listen: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
         help="Where to listen, repeatable. Default: loopback when every initial peer is on "
              "this machine, else every interface on a random port.")] = None,

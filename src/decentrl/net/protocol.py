@@ -231,6 +231,29 @@ class VersionReply(Body):
     state_digest: str = ""
 
 
+class CheckpointReply(Body):
+    version: int
+    # A save's: the sha256 and size of the stage shard the peer wrote (the coordinator signs
+    # them into the checkpoint's manifest, and checks a shard it fetches against them).
+    shard_sha256: str = ""
+    shard_bytes: int = 0
+
+
+class ShardRequest(Body):
+    """Bytes [offset, offset + count) of a training peer's checkpoint shard at `version`."""
+
+    version: int
+    offset: int
+    count: int  # at most SHARD_CHUNK_BYTES
+
+
+class ShardChunk(Body):
+    """Tensor `data`: uint8, the bytes asked for (fewer at the end of the file)."""
+
+    version: int
+    total: int  # the shard's size in bytes
+
+
 class PublishedRequest(Body):
     version: int
 
@@ -347,6 +370,8 @@ MAX_SUBMISSION_BYTES = 8 * 2**20
 MAX_SYNC_PLAN_BYTES = 4 * 2**20
 # The data of one chunk of a weight update (sync/distribute.py cuts none larger).
 SYNC_CHUNK_DATA_BYTES = 2 * 2**20
+# A stretch of a checkpoint shard fetched from its training peer (release/shards.py).
+SHARD_CHUNK_BYTES = 2 * 2**20
 # A stretch of a training state in an audit (trust/audit.py), and the parameter names beside it.
 STATE_CHUNK_FLOATS = 2**21
 STATE_CHUNK_BYTES = 4 * STATE_CHUNK_FLOATS + 2**20
@@ -523,7 +548,9 @@ TRAIN_BACKWARD = Rpc(
 TRAIN_GRAD_NORM = Rpc("train_grad_norm", Empty, GradNorm, "coordinator")
 TRAIN_STEP = Rpc("train_step", TrainStep, VersionReply, "coordinator")
 TRAIN_DISCARD = Rpc("train_discard", Empty, VersionReply, "coordinator")
-CHECKPOINT = Rpc("checkpoint", CheckpointRequest, VersionReply, "coordinator")
+CHECKPOINT = Rpc("checkpoint", CheckpointRequest, CheckpointReply, "coordinator")
+CHECKPOINT_SHARD = Rpc("checkpoint_shard", ShardRequest, ShardChunk, "coordinator",
+                       reply_tensors=("data",), max_reply_bytes=with_envelope(SHARD_CHUNK_BYTES))
 TRAIN_PUBLISHED = Rpc("train_published", PublishedRequest, PublishedHash, "coordinator")
 TRAIN_STATE = Rpc("train_state", StateRequest, StateChunk, "coordinator", reply_tensors=("data",),
                   max_reply_bytes=with_envelope(STATE_CHUNK_BYTES))
@@ -539,5 +566,6 @@ DIAL_BACK = Rpc("dial_back", DialBackRequest, DialBackReply, "any peer")
 
 RPCS: dict[str, Rpc[Any, Any]] = {rpc.method: rpc for rpc in (
     INFERENCE_STEP, CLOSE_SESSION, VERIFY_STEP, TRAIN_FORWARD, TRAIN_BACKWARD, TRAIN_GRAD_NORM,
-    TRAIN_STEP, TRAIN_DISCARD, CHECKPOINT, TRAIN_PUBLISHED, TRAIN_STATE, TRAIN_AUDIT_LOAD,
+    TRAIN_STEP, TRAIN_DISCARD, CHECKPOINT, CHECKPOINT_SHARD, TRAIN_PUBLISHED, TRAIN_STATE,
+    TRAIN_AUDIT_LOAD,
     SYNC_PLAN, SYNC_CHUNK, SUBMIT_ROLLOUTS, DIAL_BACK)}

@@ -38,9 +38,11 @@ from decentrl.model.loading import (
 from decentrl.model.lora import has_lora, merge_lora
 from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule, StagePlan, build_stages
+from decentrl.net.identity import Identity
 from decentrl.observe.metrics import read_metrics
 from decentrl.observe.report import read_evaluation
 from decentrl.release.card import ModelSize, model_card
+from decentrl.release.shards import ShardRecord, check_shard, read_manifest
 
 EXPORT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 REQUIRED_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
@@ -280,6 +282,17 @@ def replace_folder(new: Path, target: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
+def signed_shards(run_dir: Path, layout: CheckpointLayout, version: int
+                  ) -> dict[int, ShardRecord]:
+    """The shards the run's owner signed for checkpoint `version` (a swarm run's), by stage;
+    empty for a run without a manifest (a local run)."""
+    key = run_dir / "keys" / "owner.key"
+    if not key.is_file():
+        return {}
+    manifest = read_manifest(layout, version, Identity.from_file(key).peer_id)
+    return {} if manifest is None else {record.stage: record for record in manifest.shards}
+
+
 def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
                weights: Weights = "served", force: bool = False) -> Path:
     """Assemble the latest checkpoint of a run (its folder: `config.json` and
@@ -310,9 +323,12 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
     checkpoint = layout.folder(version)
     check_output_folder(out_dir, force, {"the run folder": run_dir, "the checkpoint": checkpoint,
                                          "the base model's folder": folder})
+    signed = signed_shards(run_dir, layout, version)
     stages, versions, hashes, served = [], set(), [], []
     for index in range(config.num_stages):
         path = layout.stage_file(version, index)
+        if index in signed:
+            check_shard(path, signed[index])  # a shard the coordinator signed, fetched or not
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {checkpoint} lacks {path.name}")
         hashes.append(file_sha256(path))

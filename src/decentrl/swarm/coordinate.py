@@ -47,6 +47,15 @@ from decentrl.observe.dashboard import DashboardServer
 from decentrl.observe.live import SwarmObserver
 from decentrl.observe.terminal import terminal_text
 from decentrl.progress import progress_bar
+from decentrl.release.shards import (
+    ShardError,
+    ShardManifest,
+    ShardRecord,
+    fetch_shard,
+    missing_shards,
+    read_manifest,
+    write_manifest,
+)
 from decentrl.rollout.chain import InferenceChain, InferenceSession
 from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup
@@ -344,9 +353,29 @@ class SwarmBackend:
                 worker.checkpoint("load", version)
 
     def save_checkpoint(self, version: int, step: int, problem_position: int) -> None:
-        for worker in self.workers:
-            worker.checkpoint("save", version)
+        saved = [worker.checkpoint("save", version) for worker in self.workers]
+        # Each shard sits on its training peer's disk: the run folder keeps, signed, which one
+        # is part of this checkpoint (release/shards.py).
+        write_manifest(self.checkpoints, ShardManifest(version, [
+            ShardRecord(stage=worker.stage, peer=worker.peer or "", sha256=reply.shard_sha256,
+                        bytes=reply.shard_bytes)
+            for worker, reply in zip(self.workers, saved, strict=True)]), self.node.identity)
         self.checkpoints.commit(version)
+
+    def fetch_shards(self) -> None:
+        """Bring every shard of the latest checkpoint that the run folder lacks from its
+        training peer, checked against the signed manifest: the release needs them all."""
+        version = self.checkpoints.latest_version()
+        manifest = None if version is None else \
+            read_manifest(self.checkpoints, version, self.node.peer_id)
+        if manifest is None:
+            return
+        for record in missing_shards(self.checkpoints, manifest):
+            worker = self.workers[record.stage]
+            self.console.print(f"fetching stage {record.stage}'s checkpoint shard "
+                               f"({record.bytes / 2**20:.0f} MiB) from its training peer")
+            fetch_shard(worker.shard_chunk, manifest.version, record,
+                        self.checkpoints.stage_file(manifest.version, record.stage))
 
     def discard_step(self) -> None:
         for worker in self.workers:
@@ -397,6 +426,12 @@ class SwarmBackend:
 
     def finish(self, summary: RunSummary) -> RunSummary:
         self.console.print(self.peer_table())
+        try:
+            self.fetch_shards()
+        except (ShardError, SwarmUnavailable) as error:
+            # The run is done; the release needs every shard, and `export` will say which.
+            self.console.print(f"[yellow]the release lacks a checkpoint shard: "
+                               f"{terminal_text(error)}[/]")
         summary.failovers = self.chain.failovers
         summary.trust = {**self.trust.counters(),
                          "trained_from_banned": self.trust.trained_from_banned(),

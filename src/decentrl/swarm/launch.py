@@ -286,7 +286,6 @@ class LocalSwarm:
         renewer = threading.Thread(target=self._announce_run, args=(announced,),
                                    name="announce-run", daemon=True)
         renewer.start()
-        checkpoints = self.config.path / "checkpoints"
         keys = self.config.path / "keys"
         hostile_trainers = {stage for kind in self.adversaries if kind in TRAINING_ADVERSARIES
                             for stage in adversary_stages(kind, self.config.num_stages)}
@@ -301,7 +300,8 @@ class LocalSwarm:
                 key = keys / f"{name}.key"
                 admit(self.config.path, [Identity.from_file(key).peer_id])
                 self._add(name, ["join", "--stage", str(stage), "--role", "training",
-                                 "--checkpoint-dir", str(checkpoints), "--identity", str(key)],
+                                 "--checkpoint-dir", str(self._checkpoint_dir(name)),
+                                 "--identity", str(key)],
                           addresses)
             for replica in range(self.replicas):
                 self._add(f"infer{stage}.{replica}", ["join", "--stage", str(stage), "--role",
@@ -317,8 +317,8 @@ class LocalSwarm:
                 if kind in TRAINING_ADVERSARIES:  # an admitted training peer that lies
                     key = keys / f"{name}.key"
                     admit(self.config.path, [Identity.from_file(key).peer_id])
-                    role = ["training", "--checkpoint-dir", str(checkpoints), "--identity",
-                            str(key)]
+                    role = ["training", "--checkpoint-dir", str(self._checkpoint_dir(name)),
+                            "--identity", str(key)]
                 else:
                     role = ["inference", "--collusion-dir", str(collusion)]
                 self._add(name, ["join", "--stage", str(stage), "--adversary", kind, "--role",
@@ -358,6 +358,14 @@ class LocalSwarm:
             for relay in [*self.relay_addresses, *addresses]:
                 full += ["--relay", relay]
         self.children[name] = Child(name, full, self.logs / f"{name}.log")
+
+    def _checkpoint_dir(self, name: str) -> Path:
+        """Where a training peer keeps its checkpoints: on one machine, the run folder's; on
+        hosts of their own, a folder of the peer's (the coordinator fetches the shards of the
+        release: release/shards.py)."""
+        if self.internet is None:
+            return self.config.path / "checkpoints"
+        return self.config.path / "hosts" / name / "checkpoints"
 
     def _host(self, name: str) -> str:
         return self.placement.get(name, self.placement.get("coordinator", ""))

@@ -21,6 +21,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import TypeVar
 
 from rich.console import Console
 from rich.markup import escape
@@ -109,13 +110,7 @@ def publish_manifest(node: SwarmNode, manifest: RunManifest, ttl_s: float) -> No
 def read_manifest(node: SwarmNode, run: str, owner: str) -> RunManifest | None:
     """The manifest the owner of `run` signed, or None while there is none. Whatever anyone
     else wrote under the run's key is not read at all."""
-    raw = node.run(node.lookup(coordinator_key(run)), timeout=LOOKUP_TIMEOUT_S).get(owner)
-    if raw is None:
-        return None
-    manifest = decode_struct(raw, RunManifest)
-    if manifest.run != run:
-        raise WireError(f"the owner's manifest for run {run!r} names run {manifest.run!r}")
-    return manifest
+    return _owners_record(node, coordinator_key(run), owner, RunManifest, run)
 
 
 def announce_run_end(node: SwarmNode, run: str, steps: int, ttl_s: float = 3600.0) -> None:
@@ -127,13 +122,22 @@ def announce_run_end(node: SwarmNode, run: str, steps: int, ttl_s: float = 3600.
 def read_run_end(node: SwarmNode, run: str, owner: str) -> RunEnded | None:
     """The owner's word that `run` ended, or None; what anyone else wrote there is not read, and
     a record the owner signed for another run is refused."""
-    raw = node.run(node.lookup(ended_key(run)), timeout=LOOKUP_TIMEOUT_S).get(owner)
+    return _owners_record(node, ended_key(run), owner, RunEnded, run)
+
+
+OwnersRecord = TypeVar("OwnersRecord", RunManifest, RunEnded)
+
+
+def _owners_record(node: SwarmNode, key: str, owner: str, kind: type[OwnersRecord],
+                   run: str) -> OwnersRecord | None:
+    """The record `owner` signed under `key`, or None; WireError if it names another run."""
+    raw = node.run(node.lookup(key), timeout=LOOKUP_TIMEOUT_S).get(owner)
     if raw is None:
         return None
-    ended = decode_struct(raw, RunEnded)
-    if ended.run != run:
-        raise WireError(f"the owner's end of run {run!r} names run {ended.run!r}")
-    return ended
+    record = decode_struct(raw, kind)
+    if record.run != run:
+        raise WireError(f"the owner's {kind.__name__} for run {run!r} names run {record.run!r}")
+    return record
 
 
 def wait_for_manifest(node: SwarmNode, run: str, owner: str, timeout_s: float,

@@ -30,10 +30,13 @@ import torch
 from decentrl.config import RunConfig
 from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.learn.trainer import LossInputs, StageTrainer
+from decentrl.model.loading import file_sha256
 from decentrl.model.stages import StageModule
 from decentrl.net.node import Handler, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
     CHECKPOINT,
+    CHECKPOINT_SHARD,
+    SHARD_CHUNK_BYTES,
     STATE_CHUNK_FLOATS,
     TRAIN_AUDIT_LOAD,
     TRAIN_BACKWARD,
@@ -44,12 +47,15 @@ from decentrl.net.protocol import (
     TRAIN_STATE,
     TRAIN_STEP,
     AuditLoad,
+    CheckpointReply,
     CheckpointRequest,
     Empty,
     GradNorm,
     PublishedHash,
     PublishedRequest,
     Rpc,
+    ShardChunk,
+    ShardRequest,
     StateChunk,
     StateRequest,
     TrainBackward,
@@ -115,7 +121,7 @@ class TrainingService:
                 (TRAIN_GRAD_NORM, self._train_grad_norm), (TRAIN_STEP, self._train_step),
                 (TRAIN_DISCARD, self._train_discard), (CHECKPOINT, self._checkpoint),
                 (TRAIN_PUBLISHED, self._train_published), (TRAIN_STATE, self._train_state),
-                (TRAIN_AUDIT_LOAD, self._audit_load)]
+                (TRAIN_AUDIT_LOAD, self._audit_load), (CHECKPOINT_SHARD, self._checkpoint_shard)]
 
     def _at_version(self, version: int, audit: bool = False) -> None:
         trainer = self._trainer(audit)
@@ -296,14 +302,35 @@ class TrainingService:
         body = request.body
         if body.action == "save":
             self._at_version(body.version)
-            await self.node.compute(self._save, body.version)
-        else:
-            published = await self.node.compute(self._load, body.version)
-            await self.node.compute(self.publisher.reset, body.version, published)
-            await self.announce()
-        return Reply(VersionReply(version=self.trainer.version))
+            path = await self.node.compute(self._save, body.version)
+            return Reply(CheckpointReply(version=self.trainer.version,
+                                         shard_sha256=file_sha256(path),
+                                         shard_bytes=path.stat().st_size))
+        published = await self.node.compute(self._load, body.version)
+        await self.node.compute(self.publisher.reset, body.version, published)
+        await self.announce()
+        return Reply(CheckpointReply(version=self.trainer.version))
 
-    def _save(self, version: int) -> None:
+    async def _checkpoint_shard(self, request: Request[ShardRequest]) -> Reply:
+        """A stretch of this stage's checkpoint shard at a version it saved (the coordinator
+        fetches it for the release when the run folder is on another host, release/shards.py)."""
+        body = request.body
+        if not 0 < body.count <= SHARD_CHUNK_BYTES or body.offset < 0:
+            raise ValueError(f"checkpoint_shard takes 1 to {SHARD_CHUNK_BYTES} bytes from an "
+                             f"offset >= 0, not {body.count} from {body.offset}")
+        path = self.checkpoints.stage_file(body.version, self.stage)
+        if not path.is_file():
+            raise PeerBusy(f"stage {self.stage} keeps no checkpoint at version {body.version}")
+
+        def read() -> tuple[int, bytes]:
+            with path.open("rb") as shard:
+                shard.seek(body.offset)
+                return path.stat().st_size, shard.read(body.count)
+        total, data = await asyncio.get_running_loop().run_in_executor(None, read)
+        return Reply(ShardChunk(version=body.version, total=total),
+                     {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8)})
+
+    def _save(self, version: int) -> Path:
         path = self.checkpoints.stage_file(version, self.stage)
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_suffix(".tmp")
@@ -315,6 +342,7 @@ class TrainingService:
             state["served"] = served.tensors
         torch.save(state, staging)
         os.replace(staging, path)  # a crash mid-save leaves no half-written checkpoint
+        return path
 
     def _load(self, version: int) -> dict[str, torch.Tensor]:
         """Load the checkpoint of `version`; returns what to publish at it. That is what the

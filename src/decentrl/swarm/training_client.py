@@ -35,6 +35,7 @@ from decentrl.net.node import PeerRefused, RemoteError, SwarmNode
 from decentrl.net.protocol import (
     BATCH_TENSORS,
     CHECKPOINT,
+    CHECKPOINT_SHARD,
     STATE_CHUNK_FLOATS,
     TRAIN_AUDIT_LOAD,
     TRAIN_BACKWARD,
@@ -44,9 +45,12 @@ from decentrl.net.protocol import (
     TRAIN_STATE,
     TRAIN_STEP,
     AuditLoad,
+    CheckpointReply,
     CheckpointRequest,
     Empty,
     Rpc,
+    ShardChunk,
+    ShardRequest,
     StateRequest,
     TrainBackward,
     TrainForward,
@@ -239,7 +243,8 @@ class RemoteStageWorker:
         reply, _ = self._call(TRAIN_DISCARD, Empty())
         self._version = reply.version
 
-    def checkpoint(self, action: Literal["save", "load"], version: int) -> int:
+    def checkpoint(self, action: Literal["save", "load"], version: int) -> CheckpointReply:
+        """Save (the reply names the shard the peer wrote) or load checkpoint `version`."""
         reply, _ = self._call(CHECKPOINT, CheckpointRequest(action=action, version=version))
         self._version = reply.version
         if action == "load":  # the publisher starts over from a keyframe of the checkpoint
@@ -247,7 +252,11 @@ class RemoteStageWorker:
             self.lineage.published(self.stage, self.peer, reply.version, restart=True)
             self.committed = {}
             self.commit()
-        return self._version
+        return reply
+
+    def shard_chunk(self, request: ShardRequest) -> tuple[ShardChunk, dict[str, torch.Tensor]]:
+        """A stretch of the peer's checkpoint shard (release/shards.py fetches it whole)."""
+        return self._call(CHECKPOINT_SHARD, request)
 
 
 class AuditFailed(RuntimeError):

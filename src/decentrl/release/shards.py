@@ -1,0 +1,131 @@
+"""Checkpoint shards across hosts. Each training peer writes its stage's shard to its own disk
+(`--checkpoint-dir`). At every checkpoint the coordinator writes, into its own run folder, the
+shards' manifest: each stage's sha256, size and the training peer that holds it, signed with the
+run owner's key (`checkpoints/v<N>/shards.json`). For the release it fetches every shard that the
+run folder lacks, or holds a different copy of, from the stage's training peer over the swarm,
+in chunks (`checkpoint_shard`), and keeps it only if it hashes to what the manifest says;
+`decentrl export` then reads the run folder alone, and refuses a shard the manifest disowns.
+On one machine the peers write into the run folder itself: nothing moves."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import torch
+
+from decentrl.learn.checkpoints import CheckpointLayout
+from decentrl.model.loading import file_sha256
+from decentrl.net.identity import Identity, SignatureError, verify
+from decentrl.net.protocol import SHARD_CHUNK_BYTES, ShardChunk, ShardRequest
+
+MANIFEST_FILE = "shards.json"
+SIGNATURE_DOMAIN = b"decentrl/shards/1"
+
+
+class ShardRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    stage: int
+    peer: str  # the training peer that wrote it
+    sha256: str
+    bytes: int
+
+
+class ShardManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    version: int
+    shards: list[ShardRecord]
+
+
+class ShardError(RuntimeError):
+    """A shard that is missing, or is not the one the run owner signed."""
+
+
+def manifest_path(layout: CheckpointLayout, version: int) -> Path:
+    return layout.folder(version) / MANIFEST_FILE
+
+
+def write_manifest(layout: CheckpointLayout, manifest: ShardManifest, owner: Identity) -> None:
+    body = msgspec.json.encode(manifest)
+    signed = {"manifest": json.loads(body),
+              "signature": owner.sign(SIGNATURE_DOMAIN + body).hex()}
+    path = manifest_path(layout, manifest.version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(".tmp")
+    staging.write_text(json.dumps(signed, indent=1))
+    os.replace(staging, path)
+
+
+def read_manifest(layout: CheckpointLayout, version: int, owner: str) -> ShardManifest | None:
+    """The owner-signed manifest of checkpoint `version`; None where there is none (a local
+    run's). Raises ShardError if it is malformed or not signed by `owner`."""
+    path = manifest_path(layout, version)
+    if not path.is_file():
+        return None
+    try:
+        signed = json.loads(path.read_text())
+        body = msgspec.json.encode(signed["manifest"])
+        verify(owner, SIGNATURE_DOMAIN + body, bytes.fromhex(signed["signature"]))
+        manifest = msgspec.json.decode(body, type=ShardManifest)
+    except (ValueError, KeyError, TypeError, SignatureError, msgspec.DecodeError) as error:
+        raise ShardError(f"{path} is not a shard manifest the run's owner signed: "
+                         f"{error}") from None
+    if manifest.version != version:
+        raise ShardError(f"{path} describes version {manifest.version}, not {version}")
+    return manifest
+
+
+def check_shard(path: Path, record: ShardRecord) -> None:
+    """Raise ShardError unless `path` is the shard `record` describes."""
+    if not path.is_file():
+        raise ShardError(f"{path} is missing (stage {record.stage}'s shard is held by training "
+                         f"peer {record.peer[-8:]}: the coordinator fetches it for the release)")
+    if file_sha256(path) != record.sha256:
+        raise ShardError(f"{path} is not the shard the run's owner signed for stage "
+                         f"{record.stage} (sha256 {record.sha256[:12]}...)")
+
+
+Fetch = Callable[[ShardRequest], tuple[ShardChunk, dict[str, torch.Tensor]]]
+
+
+def fetch_shard(fetch: Fetch, version: int, record: ShardRecord, destination: Path) -> None:
+    """Download `record`'s shard through `fetch` (one `checkpoint_shard` call to its peer) into
+    `destination`, kept only if it hashes to `record.sha256`."""
+    staging = destination.with_suffix(".part")
+    digest = hashlib.sha256()
+    offset = 0
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with staging.open("wb") as out:
+            while offset < record.bytes:
+                count = min(SHARD_CHUNK_BYTES, record.bytes - offset)
+                reply, tensors = fetch(ShardRequest(version=version, offset=offset, count=count))
+                data = tensors.get("data")
+                if reply.total != record.bytes or data is None or data.dtype != torch.uint8 \
+                        or data.numel() != count:
+                    raise ShardError(f"stage {record.stage}'s peer sent {reply.total} bytes in "
+                                     f"all, {None if data is None else data.numel()} now; the "
+                                     f"manifest says {record.bytes}, {count} asked")
+                chunk = data.numpy().tobytes()
+                digest.update(chunk)
+                out.write(chunk)
+                offset += count
+        if digest.hexdigest() != record.sha256:
+            raise ShardError(f"stage {record.stage}'s shard from {record.peer[-8:]} does not "
+                             "hash to what the run's owner signed; not kept")
+        os.replace(staging, destination)
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+def missing_shards(layout: CheckpointLayout, manifest: ShardManifest) -> list[ShardRecord]:
+    """The shards of `manifest` that the run folder lacks or holds another copy of."""
+    missing = []
+    for record in manifest.shards:
+        try:
+            check_shard(layout.stage_file(manifest.version, record.stage), record)
+        except ShardError:
+            missing.append(record)
+    return missing

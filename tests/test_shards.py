@@ -1,0 +1,78 @@
+"""Checkpoint shards across hosts (release/shards.py): a training peer reports the shard it
+saved, the coordinator signs the manifest, fetches a shard its run folder lacks over the swarm
+(`checkpoint_shard`, coordinator only, bounded), keeps it only if it hashes to what was signed,
+and `export` refuses a shard the manifest disowns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decentrl.learn.checkpoints import CheckpointLayout
+from decentrl.net.directory import SwarmUnavailable
+from decentrl.net.identity import Identity
+from decentrl.net.node import PeerRefused
+from decentrl.net.protocol import CHECKPOINT_SHARD, SHARD_CHUNK_BYTES, ShardRequest
+from decentrl.release import shards
+from decentrl.release.shards import (
+    ShardError,
+    ShardManifest,
+    ShardRecord,
+    check_shard,
+    fetch_shard,
+    missing_shards,
+    read_manifest,
+    write_manifest,
+)
+from swarm_helpers import start_node, start_swarm, tiny_run_config
+
+
+@pytest.mark.network
+def test_a_shard_on_another_disk_is_fetched_checked_and_refused_when_it_differs(
+        tiny_sharp_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shards, "SHARD_CHUNK_BYTES", 64 * 2**10)  # several chunks
+    config = tiny_run_config(tiny_sharp_dir, 1)
+    with start_swarm(config, [(0, "training")]) as swarm:
+        worker = swarm.remote_trainer().workers[0]
+        saved = worker.checkpoint("save", 0)
+        peer_file = CheckpointLayout(swarm.checkpoint_dir).stage_file(0, 0)
+        assert saved.shard_bytes == peer_file.stat().st_size > 2 * 64 * 2**10
+        owner = swarm.client.identity
+        record = ShardRecord(stage=0, peer=worker.peer or "", sha256=saved.shard_sha256,
+                             bytes=saved.shard_bytes)
+        # The coordinator's run folder is another disk: the manifest says what to fetch.
+        run = CheckpointLayout(tmp_path / "checkpoints")
+        write_manifest(run, ShardManifest(version=0, shards=[record]), owner)
+        manifest = read_manifest(run, 0, owner.peer_id)
+        assert manifest is not None and missing_shards(run, manifest) == [record]
+        fetch_shard(worker.shard_chunk, 0, record, run.stage_file(0, 0))
+        assert run.stage_file(0, 0).read_bytes() == peer_file.read_bytes()
+        assert missing_shards(run, manifest) == []
+        # A shard that is not the one signed is not kept, nor exported.
+        lying = ShardRecord(stage=0, peer=record.peer, sha256="0" * 64, bytes=record.bytes)
+        with pytest.raises(ShardError, match="does not hash to what the run's owner signed"):
+            fetch_shard(worker.shard_chunk, 0, lying, tmp_path / "other.pt")
+        assert not (tmp_path / "other.pt").exists() and not (tmp_path / "other.part").exists()
+        run.stage_file(0, 0).write_bytes(b"a shard copied by hand from somewhere")
+        with pytest.raises(ShardError, match="is not the shard the run's owner signed"):
+            check_shard(run.stage_file(0, 0), record)
+        # Only the run's owner may sign the manifest.
+        with pytest.raises(ShardError, match="not a shard manifest the run's owner signed"):
+            read_manifest(run, 0, Identity.generate().peer_id)
+        # The peer refuses a stretch too long (a strike), and a version it never saved.
+        peer = swarm.peer(0, "training")
+        with pytest.raises(PeerRefused, match="takes 1 to"):
+            swarm.client.call_sync(peer.node.peer_id, CHECKPOINT_SHARD, ShardRequest(
+                version=0, offset=0, count=SHARD_CHUNK_BYTES + 1))
+        with pytest.raises(SwarmUnavailable, match="keeps no checkpoint at version 9"):
+            worker.shard_chunk(ShardRequest(version=9, offset=0, count=10))
+        # Nobody but the coordinator may fetch a shard: refused before it is read.
+        stranger = start_node(config, "stranger", swarm.client.addresses(),
+                              swarm.client.limits, swarm.client.link_profile)
+        try:
+            with pytest.raises(PeerRefused, match="checkpoint_shard"):
+                stranger.call_sync(peer.node.peer_id, CHECKPOINT_SHARD,
+                                   ShardRequest(version=0, offset=0, count=10))
+        finally:
+            stranger.shutdown()
