@@ -269,6 +269,18 @@ def test_the_demo_deletes_an_earlier_run_only(tmp_path: Path,
     assert notes.read_text() == "keep me"
 
 
+def test_the_netns_demo_refuses_without_privileges_or_with_local(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from decentrl.net import netns
+
+    monkeypatch.chdir(tmp_path)
+    assert_refused(invoke("demo", "--local", "--netns"), "--local runs every stage in one "
+                   "process; --netns needs a swarm")
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert_refused(invoke("demo", "--netns"), "--netns: building network namespaces needs root")
+    assert not (tmp_path / "runs").exists()  # refused before anything was made
+
+
 def test_debug_shows_the_traceback_and_a_bug_is_one_line_with_exit_code_1(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     debugged = invoke("--debug", "train", "--config", str(tmp_path))

@@ -127,6 +127,11 @@ def demo(
     verify_fraction: Annotated[Optional[float], typer.Option(  # noqa: UP007
         help="Share of rollout groups spot-checked (trust.verify_fraction; 1 checks every "
              "group).")] = None,
+    netns: Annotated[bool, typer.Option(
+        "--netns",
+        help="Put every process on a host of its own, built from Linux network namespaces: "
+             "the coordinator and a relay on a public segment, four of the six peers behind "
+             "two home NAT routers (needs root; nothing leaves this machine).")] = False,
 ) -> None:
     """Post-train SmolLM2-135M-Instruct over a swarm on this machine.
 
@@ -142,6 +147,14 @@ def demo(
         run_swarm_demo,
     )
 
+    if local and netns:
+        fail("--local runs every stage in one process; --netns needs a swarm: pick one")
+    if netns:
+        from decentrl.net.netns import NetnsUnavailable, check_privileges
+        try:
+            check_privileges()
+        except NetnsUnavailable as error:
+            fail(f"--netns: {error}")
     data = demo_config(task)
     data["name"] = name
     data["train"]["time_budget_s"] = budget
@@ -156,7 +169,7 @@ def demo(
         run_local(config, console)
     else:
         exit_on_sigterm()
-        run_swarm_demo(config, console, chaos_every if chaos else None, adversaries)
+        run_swarm_demo(config, console, chaos_every if chaos else None, adversaries, netns)
 
 
 @command()
@@ -214,6 +227,7 @@ def coordinate(
     stores the rollouts, trains the pipeline of training peers, evaluates and checkpoints. It
     runs under the run's key (RUN/keys/owner.key, made on the first start): peers obey it alone.
     It prints the command that volunteers run to join."""
+    from decentrl.demo import before_after_table, release
     from decentrl.net.dialback import DialBackService
     from decentrl.net.node import SwarmNode
     from decentrl.net.reach import server_options
@@ -249,6 +263,10 @@ def coordinate(
         summary = coordinator.run(wait_s=wait)
         console.print(f"{summary.steps} steps; after: pass@1 {summary.after.pass1.as_percent()}")
         announce_run_end(node, run_config.name, summary.steps)  # its peers stop
+        if summary.before is not None:
+            console.print(before_after_table(summary))
+        model_dir, report_path = release(run_config, console)
+        console.print(f"model: {model_dir}\nreport: {report_path}", highlight=False)
     finally:
         if coordinator is not None:
             coordinator.close()

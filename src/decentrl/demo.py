@@ -27,6 +27,7 @@ from decentrl.observe.terminal import terminal_text
 # --help` reads this module's constants and should not wait for them.
 if TYPE_CHECKING:
     from decentrl.evaluate.suite import Family, SuiteResult
+    from decentrl.net.netns import Internet
     from decentrl.swarm.loop import RunSummary
 
 DEMO_CONFIG = {
@@ -187,15 +188,44 @@ def run_local(config: RunConfig, console: Console) -> None:
                   f"{build_report(summary.path)})")
 
 
+# `decentrl demo --netns`: hosts of their own (net/netns.py). Four of the six peers sit behind
+# two home NATs, stage 0's training peer and one of its replicas in different homes; the
+# coordinator, a relay and one server are on the public segment.
+NETNS_PUBLIC = ("coordinator", "relay", "server")
+NETNS_HOMES = (("home1", ("train0", "infer1.0")), ("home2", ("infer0.0", "infer1.1")))
+NETNS_UPLINK_MBIT = 50.0
+
+
+def netns_placement() -> dict[str, str]:
+    placement = {"coordinator": "coordinator", "train1": "server", "infer0.1": "server"}
+    placement.update({peer: home for home, peers in NETNS_HOMES for peer in peers})
+    return placement
+
+
 def run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | None,
-                   adversaries: bool = False) -> None:
-    """Peers as processes on this machine, the coordinator here; then the release."""
-    from decentrl.envs import AGENTIC_ENVIRONMENTS
-    from decentrl.evaluate.suite import DEFAULT_SUITE, Family, with_overrides
+                   adversaries: bool = False, netns: bool = False) -> None:
+    """Peers as processes on this machine, the coordinator here; then the release. With
+    `netns`, every process on a host of its own behind real NATs (net/netns.py)."""
+    if netns:
+        from decentrl.net.netns import HomeSpec, Internet
+
+        internet = Internet.start(NETNS_PUBLIC, [HomeSpec([home], NETNS_UPLINK_MBIT)
+                                                 for home, _ in NETNS_HOMES])
+        try:
+            console.print("hosts (Linux network namespaces; nothing leaves this machine):")
+            for line in internet.describe():
+                console.print(f"  {line}", highlight=False)
+            _run_swarm_demo(config, console, chaos_every, adversaries, internet)
+        finally:
+            internet.close()
+    else:
+        _run_swarm_demo(config, console, chaos_every, adversaries, None)
+
+
+def _run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | None,
+                    adversaries: bool, internet: Internet | None) -> None:
     from decentrl.model.loading import resolve_model
     from decentrl.observe.logs import configure_logging
-    from decentrl.observe.report import build_report
-    from decentrl.release.export import export_run
     from decentrl.swarm.adversary import ADVERSARIES, TRAINING_ADVERSARIES
     from decentrl.swarm.coordinate import swarm_run
     from decentrl.swarm.launch import LocalSwarm
@@ -211,7 +241,9 @@ def run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | Non
     # hold next to the rest (tests/test_train_audit.py and bench/train_audit.py show them).
     hostile = [kind for kind in ADVERSARIES if kind not in TRAINING_ADVERSARIES]
     swarm = LocalSwarm(config, config_path, config.swarm.inference_replicas,
-                       adversaries=hostile if adversaries else ())
+                       adversaries=hostile if adversaries else (), internet=internet,
+                       placement=netns_placement() if internet is not None else None,
+                       relays=["relay"] if internet is not None else ())
     stop_chaos = threading.Event()
     coordinator = None
     try:
@@ -231,8 +263,23 @@ def run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | Non
         swarm.shutdown()
     if summary.before is not None:
         console.print(before_after_table(summary))
-    # The release's own numbers: the exported folder, what people download, against the base,
-    # computed here rather than through replicas the run could not fully verify.
+    model_dir, report = release(config, console)
+    names = {c.info.get("peer_id"): c.name for c in swarm.children.values()}
+    restarts = {c.name: c.restarts for c in swarm.children.values() if c.restarts}
+    console.print(Panel(demo_summary(summary, time.time() - started, names, restarts, model_dir,
+                                     report), title=f"{config.name}: summary", expand=False))
+
+
+def release(config: RunConfig, console: Console) -> tuple[Path, Path]:
+    """A finished swarm run's release, from its run folder: the export, its comparison with the
+    base model (the release's own numbers: the exported folder, what people download, computed
+    here rather than through replicas the run could not fully verify), the model card with
+    them, and the report. Returns the model folder and the report."""
+    from decentrl.envs import AGENTIC_ENVIRONMENTS
+    from decentrl.evaluate.suite import DEFAULT_SUITE, Family, with_overrides
+    from decentrl.observe.report import build_report
+    from decentrl.release.export import export_run
+
     model_dir = export_run(config.path, config.path / "model", force=True)
     # A task run is compared on the sums suite; an agentic run on its own environment.
     families = (with_overrides(DEFAULT_SUITE, problems=DEMO_SUITE_PROBLEMS)
@@ -247,11 +294,7 @@ def run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | Non
     console.print(suite_table(suite))
     # Again, over the first export: the model card now carries that comparison.
     export_run(config.path, model_dir, force=True)
-    report = build_report(config.path)
-    names = {c.info.get("peer_id"): c.name for c in swarm.children.values()}
-    restarts = {c.name: c.restarts for c in swarm.children.values() if c.restarts}
-    console.print(Panel(demo_summary(summary, time.time() - started, names, restarts, model_dir,
-                                     report), title=f"{config.name}: summary", expand=False))
+    return model_dir, build_report(config.path)
 
 
 def demo_summary(summary: RunSummary, wall_s: float, names: dict[str, str],

@@ -224,6 +224,7 @@ class Child:
     process: subprocess.Popen | None = None
     info: dict = field(default_factory=dict)
     restarts: int = 0
+    spawned_at: float = 0.0  # monotonic
 
 
 class LocalSwarm:
@@ -397,6 +398,7 @@ class LocalSwarm:
                 stderr=log_file, text=True, start_new_session=True,
                 preexec_fn=(lambda: yield_cpu(niceness)) if niceness else None)
         child.info = {}
+        child.spawned_at = time.monotonic()
 
     def _wait_ready(self, child: Child, timeout_s: float) -> None:
         assert child.process is not None and child.process.stdout is not None
@@ -410,6 +412,7 @@ class LocalSwarm:
             if line.startswith("{"):
                 info = self._take_report(child, line)  # sockets cleaned up even if it fails later
                 if info.get("ready") == READY:
+                    child.info["ready_after_s"] = time.monotonic() - child.spawned_at
                     threading.Thread(target=self._read_reports, args=(child, child.process),
                                      name=f"reports-{child.name}", daemon=True).start()
                     return
@@ -440,12 +443,18 @@ class LocalSwarm:
     def layout(self) -> list[str]:
         return [self.describe(child) for child in self.children.values()]
 
-    @staticmethod
-    def describe(child: Child) -> str:
-        """A ready peer: its stage, layers, role and process id."""
-        return (f"{child.name}: stage {child.info.get('stage')} layers "
+    def describe(self, child: Child) -> str:
+        """A ready peer: its stage, layers, role and process id; on hosts of their own, where
+        it sits, how others reach it, and how long it took to join."""
+        text = (f"{child.name}: stage {child.info.get('stage')} layers "
                 f"{child.info.get('layers')} ({child.info.get('role')}, pid "
                 f"{child.process.pid if child.process else '-'})")
+        if self.internet is None:
+            return text
+        host = self.internet.hosts[self._host(child.name)]
+        where = f"home {host.home}, behind NAT" if host.behind_nat else "public segment"
+        return (f"{text} on {host.name} ({where}); {child.info.get('reachability', '-')}; "
+                f"ready {child.info.get('ready_after_s', 0):.0f}s after it started")
 
     def kill(self, name: str) -> None:
         """SIGKILL a peer and its daemon (a crash, not a goodbye), then remove its sockets."""
