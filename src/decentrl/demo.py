@@ -194,6 +194,7 @@ def run_local(config: RunConfig, console: Console) -> None:
 NETNS_PUBLIC = ("coordinator", "relay", "server")
 NETNS_HOMES = (("home1", ("train0", "infer1.0")), ("home2", ("infer0.0", "infer1.1")))
 NETNS_UPLINK_MBIT = 50.0
+READY_LINE_CHARS = 1000
 
 
 def netns_placement() -> dict[str, str]:
@@ -249,7 +250,11 @@ def _run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | No
     try:
         console.print(f"starting the peers; each is ready once it has loaded its stage (logs "
                       f"in {swarm.logs})")
-        swarm.start(on_ready=lambda child: console.print(f"  ready: {swarm.describe(child)}"))
+        # What a peer said of itself (how it is reached, with the errors that told it) is text,
+        # never markup.
+        swarm.start(on_ready=lambda child: console.print(
+            f"  ready: {terminal_text(swarm.describe(child), READY_LINE_CHARS)}",
+            highlight=False))
         assert swarm.bootstrap is not None
         coordinator = swarm_run(config, swarm.bootstrap, console)
         if chaos_every is not None:

@@ -105,6 +105,8 @@ BLOCK_S = 300.0
 STRIKE_TABLE_SIZE = 1024
 BLOCK_TABLE_SIZE = 1024
 SIGNATURE_DOMAIN = b"decentrl/1"
+# After every route of a peer failed, how long before they are tried again.
+ROUTES_RETRY_S = 5.0
 # The longest a request stream may send nothing (before or inside its request), or leave a piece
 # of its reply unread, before it is cut.
 READ_TIMEOUT_S = 10.0
@@ -320,8 +322,11 @@ class SwarmNode:
                                    asyncio.Future[list[runtime_pb2.ExpertResponse]]] = OrderedDict()
         self._closed = False
         self.network = LOOPBACK_ONLY
-        # Peers this node connected to through their route records, with the route used.
+        # Peers this node connected to through their route records, with the route used; and
+        # when each peer's routes last all failed (they are not tried again for a while: a
+        # record may list addresses where nobody answers).
         self.routed: dict[str, str] = {}
+        self._routes_failed: dict[str, float] = {}
         # Of what this node sent (requests to peers it reached through a relay, replies to
         # requests that came through one), the bytes that crossed a relay.
         self.relayed_bytes_sent = 0
@@ -774,8 +779,9 @@ class SwarmNode:
             _, reader, writer = await self.p2p.call_binary_stream_handler(
                 PeerID.from_base58(peer), f"decentrl.{method}")
         except P2PDaemonError:
-            # Not connected, and the daemon found no way to dial it: the peer's own routes.
-            if not await self._connect_by_routes(peer):
+            # Not connected, and the daemon found no way to dial it: the peer's own routes (on
+            # loopback every peer is dialable, and one that is not is gone).
+            if self.network.reachability == "loopback" or not await self._connect_by_routes(peer):
                 raise
             _, reader, writer = await self.p2p.call_binary_stream_handler(
                 PeerID.from_base58(peer), f"decentrl.{method}")
@@ -843,6 +849,8 @@ class SwarmNode:
         """Connect to `peer` through the first route of its record that works; False if none
         did (or it announces none)."""
         assert self.p2p is not None
+        if time.monotonic() - self._routes_failed.get(peer, -ROUTES_RETRY_S) < ROUTES_RETRY_S:
+            return False
         record = await self.routes_of(peer)
         for address in record.addresses if record is not None else ():
             try:
@@ -852,8 +860,12 @@ class SwarmNode:
                          address, error)
                 continue
             self.routed[peer] = address
+            self._routes_failed.pop(peer, None)
             log.info("%s: connected to %s through %s", self.name, peer[-8:], address)
             return True
+        self._routes_failed[peer] = time.monotonic()
+        while len(self._routes_failed) > STRIKE_TABLE_SIZE:  # identities are free: bounded
+            self._routes_failed.pop(next(iter(self._routes_failed)))
         return False
 
     # ---- DHT -----------------------------------------------------------------------------
