@@ -22,6 +22,20 @@ def test_commit_puts_a_checkpoint_in_charge_and_removes_older_ones(tmp_path: Pat
     assert not (tmp_path / "latest.tmp").exists()
 
 
+def test_a_training_peer_on_its_own_disk_drops_only_what_is_older_than_the_committed_one(
+        tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path)
+    for version in (2, 4, 6):
+        for stage in (0, 1):
+            layout.stage_file(version, stage).parent.mkdir(parents=True, exist_ok=True)
+            layout.stage_file(version, stage).write_bytes(b"shard")
+    layout.prune_stage(0, older_than=4)  # v4 committed, v6 saved: a rollback goes to v4
+    assert not layout.stage_file(2, 0).exists() and layout.stage_file(2, 1).is_file()
+    assert layout.stage_file(4, 0).is_file() and layout.stage_file(6, 0).is_file()
+    layout.prune_stage(1, older_than=4)
+    assert not (tmp_path / "v2").exists()  # the folder goes with its last file
+
+
 @pytest.mark.parametrize("pointer", ["../etc", "v", "v1x", "", "4"])
 def test_a_malformed_latest_pointer_is_refused(tmp_path: Path, pointer: str) -> None:
     (tmp_path / "latest").write_text(pointer)

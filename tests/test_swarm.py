@@ -562,6 +562,9 @@ BAD_REQUESTS: dict[str, tuple[Any, str]] = {
     "sync_chunk that does not exist": (lambda c: c.call(c.p0, "sync_chunk", ChunkRequest(
         stage=0, kind="delta", version=3, index=0, wait_s=0.0)),
                                        "no chunk 0 of delta v3 of stage 0 here"),
+    "sync_chunk past the last": (lambda c: c.call(c.p0, "sync_chunk", ChunkRequest(
+        stage=0, kind="keyframe", version=0, index=10**6, wait_s=0.0)),
+                                 r"keyframe v0 of stage 0 has chunks 0 to \d+, not 1000000"),
     "checkpoint that does not exist": (lambda c: c.call(c.p0, "checkpoint",
                                                         CheckpointRequest("load", 7)),
                                        "no checkpoint .*v7"),

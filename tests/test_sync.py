@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from decentrl.net.node import PeerRefused
+from decentrl.net.protocol import SYNC_CHUNK, ChunkRequest
 from decentrl.net.wire import WireError, encode_struct
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.replica import published_tensors
@@ -360,6 +362,21 @@ def test_a_version_left_unsigned_is_signed_with_the_next_and_replicas_step_throu
             publisher_of(trainer_peer).updates[("delta", 2)].manifest.state_hash
         assert replica.node.run(weights_of(replica).follow(), timeout=60) is True
         assert_serves_published(replica, trainer_peer)
+
+
+@pytest.mark.network
+def test_a_chunk_of_a_version_a_replica_does_not_hold_is_refused_without_a_strike(
+        tiny_sharp_dir: Path) -> None:
+    """Replicas are not in step: one behind asks for what the others dropped. No fault."""
+    config = sync_config(tiny_sharp_dir)
+    with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
+        replica = swarm.peer(0, "inference")
+        for version in (5, 6):
+            with pytest.raises(PeerRefused, match=f"no chunk 0 of delta v{version} of stage 0 "
+                                                  "here"):
+                swarm.client.call_sync(replica.node.peer_id, SYNC_CHUNK, ChunkRequest(
+                    stage=0, kind="delta", version=version, index=0, wait_s=0.0))
+        assert replica.node.strikes(swarm.client.peer_id) == 0
 
 
 @pytest.mark.network

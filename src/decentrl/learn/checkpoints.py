@@ -48,6 +48,23 @@ class CheckpointLayout:
         version = self.latest_version()
         return None if version is None else self.folder(version)
 
+    def prune_stage(self, stage: int, older_than: int) -> None:
+        """Delete stage `stage`'s files of checkpoints older than `older_than` (a training peer
+        on a disk of its own, told which checkpoint the coordinator last committed: a rollback
+        goes there, never further back)."""
+        versions = [int(folder.name[1:]) for folder in self.root.glob("v*")
+                    if folder.name[1:].isdigit()]
+        for version in (v for v in versions if v < older_than):
+            self.stage_file(version, stage).unlink(missing_ok=True)
+            try:
+                self.folder(version).rmdir()  # gone once every stage's file is
+            except OSError:
+                pass
+            try:
+                self.folder(version).rmdir()  # gone once every stage's file is
+            except OSError:
+                pass
+
     def commit(self, version: int) -> None:
         """Put checkpoint `version` in charge (atomically) and delete every older one."""
         pointer = self.root / LATEST

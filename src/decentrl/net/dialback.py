@@ -93,8 +93,9 @@ class DialBackService:
 
     async def _targets(self, body: DialBackRequest, address: str
                        ) -> tuple[list[str], list[str]]:
-        """What to dial: the asker's own IP on its ports, then its relays that are peers of this
-        node (at the address this node is connected to them by); and why others were left."""
+        """What to dial: the asker's own IP on its ports, then those of its relays that run on
+        the host of a peer connected to this node (or on this node's); and why others were
+        left."""
         targets, errors = [], []
         names = address.split("/")
         if len(names) > 2 and names[1] in ("ip4", "ip6") and "p2p-circuit" not in address:

@@ -268,6 +268,9 @@ class PublishedHash(Body):
 class CheckpointRequest(Body):
     action: Literal["save", "load"]
     version: int
+    # The coordinator's last committed checkpoint (-1: none): a training peer may delete its
+    # older ones after a save.
+    committed: int = -1
 
 
 class StateRequest(Body):

@@ -353,7 +353,9 @@ class SwarmBackend:
                 worker.checkpoint("load", version)
 
     def save_checkpoint(self, version: int, step: int, problem_position: int) -> None:
-        saved = [worker.checkpoint("save", version) for worker in self.workers]
+        committed = self.checkpoints.latest_version()
+        saved = [worker.checkpoint("save", version, -1 if committed is None else committed)
+                 for worker in self.workers]
         # Each shard sits on its training peer's disk: the run folder keeps, signed, which one
         # is part of this checkpoint (release/shards.py).
         write_manifest(self.checkpoints, ShardManifest(version, [

@@ -302,7 +302,7 @@ class TrainingService:
         body = request.body
         if body.action == "save":
             self._at_version(body.version)
-            path = await self.node.compute(self._save, body.version)
+            path = await self.node.compute(self._save, body.version, body.committed)
             return Reply(CheckpointReply(version=self.trainer.version,
                                          shard_sha256=file_sha256(path),
                                          shard_bytes=path.stat().st_size))
@@ -330,7 +330,7 @@ class TrainingService:
         return Reply(ShardChunk(version=body.version, total=total),
                      {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8)})
 
-    def _save(self, version: int) -> Path:
+    def _save(self, version: int, committed: int) -> Path:
         path = self.checkpoints.stage_file(version, self.stage)
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_suffix(".tmp")
@@ -342,6 +342,7 @@ class TrainingService:
             state["served"] = served.tensors
         torch.save(state, staging)
         os.replace(staging, path)  # a crash mid-save leaves no half-written checkpoint
+        self.checkpoints.prune_stage(self.stage, older_than=min(committed, version))
         return path
 
     def _load(self, version: int) -> dict[str, torch.Tensor]:

@@ -243,9 +243,12 @@ class RemoteStageWorker:
         reply, _ = self._call(TRAIN_DISCARD, Empty())
         self._version = reply.version
 
-    def checkpoint(self, action: Literal["save", "load"], version: int) -> CheckpointReply:
-        """Save (the reply names the shard the peer wrote) or load checkpoint `version`."""
-        reply, _ = self._call(CHECKPOINT, CheckpointRequest(action=action, version=version))
+    def checkpoint(self, action: Literal["save", "load"], version: int,
+                   committed: int = -1) -> CheckpointReply:
+        """Save (the reply names the shard the peer wrote; it may drop its checkpoints older
+        than `committed`) or load checkpoint `version`."""
+        reply, _ = self._call(CHECKPOINT, CheckpointRequest(action=action, version=version,
+                                                            committed=committed))
         self._version = reply.version
         if action == "load":  # the publisher starts over from a keyframe of the checkpoint
             assert self.peer is not None  # it just answered

@@ -203,9 +203,14 @@ class UpdateServer:
                 except TimeoutError:
                     pass
         update = self.updates.get(key)
+        if update is not None and not 0 <= body.index < len(update.have):
+            raise WireError(f"{body.kind} v{body.version} of stage {self.stage} has chunks 0 to "
+                            f"{len(update.have) - 1}, not {body.index}")
         if update is None or not ready():
-            raise WireError(f"no chunk {body.index} of {body.kind} v{body.version} of stage "
-                            f"{self.stage} here")
+            # Replicas are not in step: one behind asks for a version the others have dropped,
+            # one ahead for a chunk nobody has yet. No fault: no strike.
+            raise ChunkUnavailable(f"no chunk {body.index} of {body.kind} v{body.version} of "
+                                   f"stage {self.stage} here")
         data = bytearray(update.data[update.span(body.index)])
         count_bytes(update.sent, request.sender, len(data))
         count_bytes(self.sent_total, request.sender, len(data))
@@ -232,6 +237,11 @@ class UpdateServer:
 
     def close(self) -> None:
         self.node.unserve(SYNC_CHUNK)
+
+
+class ChunkUnavailable(RuntimeError):
+    """A well-formed chunk request this peer cannot answer (it does not hold that update, or
+    not that chunk yet): refused without a strike."""
 
 
 class WeightPublisher(UpdateServer):
