@@ -326,7 +326,7 @@ def relay(
     dial_back = DialBackService(node)
     try:
         if log_json:
-            print_json_line({"sockets": node.socket_paths()})
+            print_json_line({"sockets": node.socket_paths() + dial_back.socket_paths()})
             print_json_line({"ready": READY, "name": "relay", "peer_id": node.peer_id,
                              "addresses": node.addresses(), "role": "relay"})
         else:

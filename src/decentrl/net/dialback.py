@@ -53,16 +53,26 @@ class CheckRefused(RuntimeError):
 
 
 class DialBackService:
-    """Serves `dial_back` on a directly reachable node; its probe daemon starts at the first
-    check and stops with `close()`."""
+    """Serves `dial_back` on a directly reachable node; its probe daemon starts with it (so its
+    sockets are known from the start, `socket_paths`) and stops with `close()`."""
 
     def __init__(self, node: SwarmNode) -> None:
         self.node = node
-        self.probe: P2P | None = None
         self.checks = 0
         self._last: dict[str, float] = {}
         self._busy = asyncio.Lock()
+        # A second daemon on this host, connected to nobody: a connection it makes is a fresh
+        # dial. Relays on, to dial through them.
+        self.probe: P2P = node.run(daemon_class({}, node.network.netns).create(
+            host_maddrs=[_probe_listen(node.network)], use_ipfs=False, nat_port_map=False,
+            auto_nat=False, use_relay=True, use_auto_relay=False, dht_mode="client",
+            conn_manager=False), timeout=60)
         node.serve(DIAL_BACK, self._dial_back)
+
+    def socket_paths(self) -> list[str]:
+        """The probe daemon's unix sockets (a killed process leaves them behind)."""
+        return [maddr["unix"] for maddr in (self.probe._daemon_listen_maddr,
+                                            self.probe._client_listen_maddr)]
 
     async def _dial_back(self, request: Request[DialBackRequest]) -> Reply:
         body, sender = request.body, request.sender
@@ -79,10 +89,9 @@ class DialBackService:
         targets, errors = await self._targets(body, request.address)
         async with self._busy:
             self.checks += 1
-            probe = await self._probe()
             direct, relayed = "", []
             for address in targets:
-                error = await _dial(probe, sender, address)
+                error = await _dial(self.probe, sender, address)
                 if error is not None:
                     errors.append(f"{address}: {error}")
                 elif "p2p-circuit" in address:
@@ -120,20 +129,8 @@ class DialBackService:
                 errors.append(f"{relay}: not a peer connected to this one from that host")
         return targets, errors
 
-    async def _probe(self) -> P2P:
-        """A second daemon of this host's, with no connection to anyone: a connection it makes
-        is a fresh dial. Relays on, to dial through them."""
-        if self.probe is None:
-            self.probe = await daemon_class({}, self.node.network.netns).create(
-                host_maddrs=[_probe_listen(self.node.network)], use_ipfs=False,
-                nat_port_map=False, auto_nat=False, use_relay=True, use_auto_relay=False,
-                dht_mode="client", conn_manager=False)
-        return self.probe
-
     async def close(self) -> None:
-        if self.probe is not None:
-            await self.probe.shutdown()
-            self.probe = None
+        await self.probe.shutdown()
 
 
 def _host(address: str) -> str:
