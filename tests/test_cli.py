@@ -281,6 +281,20 @@ def test_the_netns_demo_refuses_without_privileges_or_with_local(
     assert not (tmp_path / "runs").exists()  # refused before anything was made
 
 
+def test_bad_network_options_of_join_and_relay_are_refused() -> None:
+    peer = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWRUJjzVFzWkuVW3D1X9XUA2tfMHW6a76CUQrd4di1jsYk"
+    owner = peer.rsplit("/", 1)[1]
+    join = ("join", "--run", "r", "--owner", owner, "--initial-peers", peer)
+    assert_refused(invoke(*join, "--reachability", "sometimes"),
+                   "--reachability must be one of loopback, auto, direct, relayed")
+    assert_refused(invoke(*join, "--relay", "/ip4/203.0.113.6/tcp/1"),
+                   "lacks its /p2p/<peer id> part")
+    assert_refused(invoke(*join, "--announce", "/ip4/203.0.113.7/tcp/0"),
+                   "needs an explicit port")
+    assert_refused(invoke("relay", "--listen", "/ip4/127.0.0.1/tcp/0", "--initial-peers", peer),
+                   "a relay listens on an address other peers can dial")
+
+
 def test_debug_shows_the_traceback_and_a_bug_is_one_line_with_exit_code_1(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     debugged = invoke("--debug", "train", "--config", str(tmp_path))

@@ -31,6 +31,7 @@ from decentrl.net.reach import (
     NetworkOptions,
     RouteRecord,
     dialable,
+    host_of,
     multiaddr_protocols,
     relay_circuit,
 )
@@ -106,24 +107,24 @@ class DialBackService:
         the host of a peer connected to this node (or on this node's); and why others were
         left."""
         targets, errors = [], []
-        names = address.split("/")
-        if len(names) > 2 and names[1] in ("ip4", "ip6") and "p2p-circuit" not in address:
-            targets += [f"/{names[1]}/{names[2]}/tcp/{port}" for port in body.ports]
+        host = host_of(address)
+        if host and "p2p-circuit" not in address:
+            targets += [f"{host}/tcp/{port}" for port in body.ports]
         elif body.ports:
             errors.append(f"the request came through {address or 'an unknown route'}: no "
                           "direct address to dial back")
         assert self.node.p2p is not None
         # A relay's host: this node's own, or that of a peer connected to it (by either side,
         # so on another port than the one it listens on).
-        hosts = {str(info.peer_id): {_host(str(a)) for a in info.addrs}
+        hosts = {str(info.peer_id): {host_of(str(a)) for a in info.addrs}
                  for info in await self.node.p2p.list_peers()}
-        hosts[self.node.peer_id] = {_host(str(a))
+        hosts[self.node.peer_id] = {host_of(str(a))
                                     for a in await self.node.p2p.get_visible_maddrs()}
         for relay in body.relays:
             head, _, relay_id = relay.rpartition("/p2p/")
             if "p2p" not in multiaddr_protocols(relay) or not relay_id:
                 raise ValueError(f"relay {relay!r} lacks its /p2p/<peer id> part")
-            if _host(head) in hosts.get(relay_id, ()):
+            if host_of(head) in hosts.get(relay_id, ()):
                 targets.append(relay_circuit(relay))
             else:
                 errors.append(f"{relay}: not a peer connected to this one from that host")
@@ -131,12 +132,6 @@ class DialBackService:
 
     async def close(self) -> None:
         await self.probe.shutdown()
-
-
-def _host(address: str) -> str:
-    """The /ip4/<host> or /ip6/<host> head of a multiaddr ("" for any other)."""
-    parts = address.split("/")
-    return "/".join(parts[:3]) if len(parts) > 2 and parts[1] in ("ip4", "ip6") else ""
 
 
 def _probe_listen(network: NetworkOptions) -> str:
@@ -155,7 +150,7 @@ async def _dial(probe: P2P, peer: str, address: str) -> str | None:
     except TimeoutError:
         return f"no answer within {DIAL_TIMEOUT_S:.0f}s"
     except (P2PDaemonError, ConnectionError, OSError, ValueError) as error:
-        return _first_line(str(error))
+        return _gist(str(error))
     try:
         await probe._client.disconnect(peer_id)
     except (P2PDaemonError, ConnectionError, OSError):
@@ -163,7 +158,8 @@ async def _dial(probe: P2P, peer: str, address: str) -> str | None:
     return None
 
 
-def _first_line(text: str) -> str:
+def _gist(text: str) -> str:
+    """The daemon's own words for a failed dial: its last (most specific) line."""
     lines = [line.strip(" *") for line in text.splitlines() if line.strip()]
     return lines[-1][:200] if lines else "failed"
 
@@ -175,7 +171,6 @@ class Reachable:
     direct: str = ""
     relayed: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    checked_by: str = ""
 
     @property
     def reachable(self) -> bool:
@@ -222,7 +217,7 @@ def check_reachability(node: SwarmNode, checkers: Sequence[str], relays: Sequenc
             except (RemoteError, MessageLost, WireError) as error:
                 failures.append(f"{checker[-8:]} did not check: {error}")
                 continue
-            return Reachable(reply.direct, list(reply.relayed), list(reply.errors), checker)
+            return Reachable(reply.direct, list(reply.relayed), list(reply.errors))
     return Reachable(errors=failures)
 
 

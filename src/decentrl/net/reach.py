@@ -27,7 +27,9 @@ from typing import Any, Literal
 
 import base58
 import msgspec
+import varint
 from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.multiaddr.protocols import protocol_with_name
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 ANY_INTERFACE = "/ip4/0.0.0.0/tcp/0"
@@ -35,7 +37,6 @@ Reachability = Literal["loopback", "auto", "direct", "relayed"]
 REACHABILITIES: tuple[Reachability, ...] = ("loopback", "auto", "direct", "relayed")
 MAX_ROUTES = 8
 MAX_ADDRESS_CHARS = 300
-P2P_CODE = b"\xa5\x03"  # the multiaddr code of /p2p/ (421) as a varint
 # A relayed connection lives as long as the run (p2pd's default cuts it after 30 min and 4 GiB).
 RELAY_TIME_LIMIT = "72h"
 RELAY_DATA_LIMIT = 1 << 40
@@ -62,7 +63,7 @@ def check_route_record(record: RouteRecord) -> None:
         if len(address) > MAX_ADDRESS_CHARS:
             raise ValueError(f"a route of {len(address)} characters is over {MAX_ADDRESS_CHARS}")
         names = multiaddr_protocols(address)
-        if names[:1] not in (["ip4"], ["ip6"]) or "tcp" not in names:
+        if not ip_tcp(names):
             raise ValueError(f"route {address!r} is not an /ip4 or /ip6 TCP address")
         if ("p2p-circuit" in names) != record.relayed:
             raise ValueError(f"route {address!r} does not match relayed={record.relayed}")
@@ -75,6 +76,17 @@ def multiaddr_protocols(address: str) -> list[str]:
         raise ValueError(f"{address!r} is not a multiaddr ({error})") from None
 
 
+def ip_tcp(protocols: list[str]) -> bool:
+    """Whether a multiaddr's protocols are an IP address and a TCP port (and maybe more)."""
+    return protocols[:1] in (["ip4"], ["ip6"]) and "tcp" in protocols
+
+
+def host_of(address: str) -> str:
+    """The /ip4/<host> or /ip6/<host> head of a multiaddr ("" for any other)."""
+    parts = address.split("/")
+    return "/".join(parts[:3]) if len(parts) > 2 and parts[1] in ("ip4", "ip6") else ""
+
+
 def dialable(address: str) -> Multiaddr:
     """`address` as the daemon reads it. hivemind's multiaddr encodes a /p2p/<id> part as a CID,
     which the daemon refuses ("length greater than remaining number of bytes"); each such part
@@ -85,20 +97,10 @@ def dialable(address: str) -> Multiaddr:
     for part in relays:
         peer, _, rest = part.partition("/")
         digest = base58.b58decode(peer)
-        data += P2P_CODE + _varint(len(digest)) + digest
+        data += protocol_with_name("p2p").vcode + varint.encode(len(digest)) + digest
         if rest:
             data += Multiaddr("/" + rest).to_bytes()
     return Multiaddr(data)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
 
 
 def relay_circuit(relay: str) -> str:
@@ -130,8 +132,7 @@ class NetworkOptions:
         if not self.listen:
             raise ValueError("a node needs at least one listen address")
         for address in (*self.listen, *self.announce):
-            names = multiaddr_protocols(address)
-            if names[:1] not in (["ip4"], ["ip6"]) or "tcp" not in names:
+            if not ip_tcp(multiaddr_protocols(address)):
                 raise ValueError(f"{address!r}: listen and announce addresses are /ip4/<host>/"
                                  "tcp/<port> (or /ip6/...)")
         for address in self.announce:
@@ -184,10 +185,8 @@ class NetworkOptions:
 
 def on_loopback(address: str) -> bool:
     """Whether a multiaddr's host is this machine's loopback."""
-    parts = address.split("/")
-    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
-        return False
-    return ipaddress.ip_address(parts[2]).is_loopback
+    host = host_of(address)
+    return bool(host) and ipaddress.ip_address(host.split("/")[2]).is_loopback
 
 
 def peer_options(initial_peers: Sequence[str], listen: Sequence[str] = (),

@@ -327,11 +327,12 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
     stages, versions, hashes, served = [], set(), [], []
     for index in range(config.num_stages):
         path = layout.stage_file(version, index)
-        if index in signed:
-            check_shard(path, signed[index])  # a shard the coordinator signed, fetched or not
-        if not path.is_file():
+        if index in signed:  # a shard the coordinator signed, fetched or not
+            hashes.append(check_shard(path, signed[index]))
+        elif path.is_file():
+            hashes.append(file_sha256(path))
+        else:
             raise FileNotFoundError(f"checkpoint {checkpoint} lacks {path.name}")
-        hashes.append(file_sha256(path))
         state = torch.load(path, map_location="cpu", weights_only=True)
         stage = load_stage(config, index, torch.device("cpu"), torch.float32)
         served.append(weights == "served" and "served" in state)

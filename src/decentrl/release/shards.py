@@ -77,14 +77,16 @@ def read_manifest(layout: CheckpointLayout, version: int, owner: str) -> ShardMa
     return manifest
 
 
-def check_shard(path: Path, record: ShardRecord) -> None:
-    """Raise ShardError unless `path` is the shard `record` describes."""
+def check_shard(path: Path, record: ShardRecord) -> str:
+    """`path`'s sha256; ShardError unless it is the shard `record` describes."""
     if not path.is_file():
         raise ShardError(f"{path} is missing (stage {record.stage}'s shard is held by training "
                          f"peer {record.peer[-8:]}: the coordinator fetches it for the release)")
-    if file_sha256(path) != record.sha256:
+    digest = file_sha256(path)
+    if digest != record.sha256:
         raise ShardError(f"{path} is not the shard the run's owner signed for stage "
                          f"{record.stage} (sha256 {record.sha256[:12]}...)")
+    return digest
 
 
 Fetch = Callable[[ShardRequest], tuple[ShardChunk, dict[str, torch.Tensor]]]

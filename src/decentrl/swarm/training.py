@@ -302,10 +302,9 @@ class TrainingService:
         body = request.body
         if body.action == "save":
             self._at_version(body.version)
-            path = await self.node.compute(self._save, body.version, body.committed)
-            return Reply(CheckpointReply(version=self.trainer.version,
-                                         shard_sha256=file_sha256(path),
-                                         shard_bytes=path.stat().st_size))
+            digest, size = await self.node.compute(self._save, body.version, body.committed)
+            return Reply(CheckpointReply(version=self.trainer.version, shard_sha256=digest,
+                                         shard_bytes=size))
         published = await self.node.compute(self._load, body.version)
         await self.node.compute(self.publisher.reset, body.version, published)
         await self.announce()
@@ -330,7 +329,9 @@ class TrainingService:
         return Reply(ShardChunk(version=body.version, total=total),
                      {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8)})
 
-    def _save(self, version: int, committed: int) -> Path:
+    def _save(self, version: int, committed: int) -> tuple[str, int]:
+        """Write this stage's shard of checkpoint `version`; its sha256 and size (hashed here, on
+        the compute thread: a shard is a gigabyte, and the event loop keeps serving)."""
         path = self.checkpoints.stage_file(version, self.stage)
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_suffix(".tmp")
@@ -343,7 +344,7 @@ class TrainingService:
         torch.save(state, staging)
         os.replace(staging, path)  # a crash mid-save leaves no half-written checkpoint
         self.checkpoints.prune_stage(self.stage, older_than=min(committed, version))
-        return path
+        return file_sha256(path), path.stat().st_size
 
     def _load(self, version: int) -> dict[str, torch.Tensor]:
         """Load the checkpoint of `version`; returns what to publish at it. That is what the
