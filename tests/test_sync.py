@@ -397,3 +397,30 @@ def test_lora_mode_publishes_only_the_adapters(tiny_sharp_dir: Path) -> None:
         assert_serves_published(replica, trainer_peer)
         assert all(torch.equal(base[n], serving(replica).model.state_dict()[n]) for n in base)
 
+
+
+@pytest.mark.network
+def test_a_chunk_is_served_in_the_pieces_asked_for_and_a_piece_outside_it_is_refused(
+        tiny_sharp_dir: Path) -> None:
+    config = sync_config(tiny_sharp_dir, chunks_per_update=2)
+    with start_swarm(config, [(0, "training")]) as swarm:
+        trainer_peer = swarm.peer(0, "training")
+        fake_step(swarm, trainer_peer, 1)
+        update = publisher_of(trainer_peer).updates[("delta", 1)]
+        span = update.span(0)
+        length = span.stop - span.start
+
+        def piece(offset: int, count: int) -> bytes:
+            _, tensors = swarm.client.call_sync(trainer_peer.node.peer_id, SYNC_CHUNK, ChunkRequest(
+                stage=0, kind="delta", version=1, index=0, wait_s=0.0, offset=offset,
+                count=count))
+            return tensors["data"].numpy().tobytes()
+        whole = bytes(update.data[span])
+        assert piece(0, 0) == whole
+        assert piece(0, 100) + piece(100, 0) == whole
+        assert piece(length - 1, 1) == whole[-1:]
+        for offset, count in ((length, 0), (0, length + 1), (-1, 5), (10, -1)):
+            with pytest.raises(PeerRefused, match=f"chunk 0 of delta v1 has {length} bytes: no "
+                                                  f"piece of {count} from {offset}"):
+                piece(offset, count)
+        assert trainer_peer.node.strikes(swarm.client.peer_id) == 4

@@ -57,6 +57,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
+from decentrl.net.circuits import CIRCUIT_BYTES, REPLY_ROOM, Circuit, Circuits, CircuitTooSmall
 from decentrl.net.identity import Identity, verify
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
 from decentrl.net.protocol import Rpc, RunSizes, size_limit
@@ -322,10 +323,10 @@ class SwarmNode:
                                    asyncio.Future[list[runtime_pb2.ExpertResponse]]] = OrderedDict()
         self._closed = False
         self.network = LOOPBACK_ONLY
-        # Peers this node connected to through their route records, with the route used; and
+        # Peers reached through a relay, and what their connections carried (net/circuits.py);
         # when each peer's routes last all failed (they are not tried again for a while: a
         # record may list addresses where nobody answers).
-        self.routed: dict[str, str] = {}
+        self.circuits = Circuits()
         self._routes_failed: dict[str, float] = {}
         # Of what this node sent (requests to peers it reached through a relay, replies to
         # requests that came through one), the bytes that crossed a relay.
@@ -587,6 +588,7 @@ class SwarmNode:
         await self.links.uplink.send(message_bytes(responses), sender)
         if "p2p-circuit" in address:
             self.relayed_bytes_sent += message_bytes(responses)
+        self.circuits.seen(sender, address, message_bytes(messages), message_bytes(responses))
         return responses
 
     def unserve(self, rpc: Rpc[Any, Any]) -> None:
@@ -732,8 +734,6 @@ class SwarmNode:
             async with asyncio.timeout(timeout):
                 await self.links.uplink.send(message_bytes(requests), peer)
                 await link.send(message_bytes(requests), "out")
-                if "p2p-circuit" in self.routed.get(peer, ""):
-                    self.relayed_bytes_sent += message_bytes(requests)
                 for attempt in range(TRUNCATED_REPLY_RETRIES + 1):
                     responses = await self._exchange(peer, method, requests, reply_limit)
                     try:
@@ -773,7 +773,55 @@ class SwarmNode:
     async def _exchange(self, peer: str, method: str, requests: list[runtime_pb2.ExpertRequest],
                         reply_limit: int) -> list[runtime_pb2.ExpertResponse]:
         """One stream to `peer`'s `method`: the request out, the reply back, never more than
-        `reply_limit` bytes of it (FrameRefused, a WireError). ErrorFrame if the peer refused."""
+        `reply_limit` bytes of it (FrameRefused, a WireError). ErrorFrame if the peer refused.
+        Over a relay, one call at a time, on a connection with room for it (net/circuits.py)."""
+        request_bytes = message_bytes(requests)
+        circuit = self.circuits.get(peer)
+        if circuit is None:
+            responses = await self._stream(peer, method, requests, reply_limit)
+            # The stream may have needed a route through a relay: its first call counts there.
+            if (circuit := self.circuits.get(peer)) is not None:
+                self._carried(circuit, request_bytes, message_bytes(responses))
+            return responses
+        if request_bytes > CIRCUIT_BYTES:
+            raise CircuitTooSmall(
+                f"{method}: a request of {request_bytes} bytes is more than a relayed connection "
+                f"carries ({CIRCUIT_BYTES}), and {peer[-8:]} is reached through a relay")
+        async with circuit.turn:
+            if not circuit.has_room(request_bytes, min(reply_limit, REPLY_ROOM)):
+                await self._renew_circuit(peer, circuit)
+            try:
+                responses = await self._stream(peer, method, requests, reply_limit)
+            except ErrorFrame:  # refused: the connection is fine
+                self._carried(circuit, request_bytes, 0)
+                raise
+            except BaseException:
+                circuit.broken = True
+                self.circuits.failures += 1
+                raise
+            self._carried(circuit, request_bytes, message_bytes(responses))
+            return responses
+
+    def _carried(self, circuit: Circuit, request_bytes: int, reply_bytes: int) -> None:
+        circuit.sent += request_bytes
+        circuit.received += reply_bytes
+        self.relayed_bytes_sent += request_bytes
+
+    async def _renew_circuit(self, peer: str, circuit: Circuit) -> None:
+        """Close the relayed connection to `peer` and dial a fresh one (its routes)."""
+        assert self.p2p is not None
+        with contextlib.suppress(P2PDaemonError, ConnectionError, OSError):
+            await self.p2p._client.disconnect(PeerID.from_base58(peer))
+        self._routes_failed.pop(peer, None)  # the relay answered a moment ago
+        if not await self._connect_by_routes(peer):
+            self.circuits.forget(peer)
+            raise ConnectionError(f"no fresh relayed connection to {peer[-8:]} (was through "
+                                  f"{circuit.address})")
+        if not circuit.broken:
+            self.circuits.renewals += 1
+
+    async def _stream(self, peer: str, method: str, requests: list[runtime_pb2.ExpertRequest],
+                      reply_limit: int) -> list[runtime_pb2.ExpertResponse]:
         assert self.p2p is not None
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(
@@ -859,7 +907,10 @@ class SwarmNode:
                 log.info("%s: no connection to %s through %s: %s", self.name, peer[-8:],
                          address, error)
                 continue
-            self.routed[peer] = address
+            if "p2p-circuit" in address:
+                self.circuits.opened(peer, address)
+            else:
+                self.circuits.forget(peer)
             self._routes_failed.pop(peer, None)
             log.info("%s: connected to %s through %s", self.name, peer[-8:], address)
             return True

@@ -345,6 +345,10 @@ class ChunkRequest(Body):
     version: int
     index: int
     wait_s: float  # how long a replica that is still fetching this chunk may hold the request
+    # A piece of the chunk: bytes [offset, offset + count) of it (count 0: to its end). A peer
+    # reached through a relay is asked in pieces that fit a relayed connection (net/circuits.py).
+    offset: int = 0
+    count: int = 0
 
 
 

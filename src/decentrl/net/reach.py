@@ -37,9 +37,6 @@ Reachability = Literal["loopback", "auto", "direct", "relayed"]
 REACHABILITIES: tuple[Reachability, ...] = ("loopback", "auto", "direct", "relayed")
 MAX_ROUTES = 8
 MAX_ADDRESS_CHARS = 300
-# A relayed connection lives as long as the run (p2pd's default cuts it after 30 min and 4 GiB).
-RELAY_TIME_LIMIT = "72h"
-RELAY_DATA_LIMIT = 1 << 40
 
 
 def route_key(peer_id: str) -> str:
@@ -179,8 +176,9 @@ class NetworkOptions:
                     {"relayDiscovery": False, "relayService": False})
         return ({**common, "force_reachability": "public",
                  "announce_maddrs": list(self.announce) or None},
-                {"relayService": self.relay_service, "relayTimeLimit": RELAY_TIME_LIMIT,
-                 "relayDataLimit": RELAY_DATA_LIMIT})
+                # The relay keeps libp2p's limits per relayed connection (128 KiB each way, 2
+                # min): p2pd applies them whatever it is told (net/circuits.py).
+                {"relayService": self.relay_service})
 
 
 def on_loopback(address: str) -> bool:

@@ -211,7 +211,13 @@ class UpdateServer:
             # one ahead for a chunk nobody has yet. No fault: no strike.
             raise ChunkUnavailable(f"no chunk {body.index} of {body.kind} v{body.version} of "
                                    f"stage {self.stage} here")
-        data = bytearray(update.data[update.span(body.index)])
+        span = update.span(body.index)
+        length = span.stop - span.start
+        if not (0 <= body.offset < max(length, 1) and 0 <= body.count <= length - body.offset):
+            raise WireError(f"chunk {body.index} of {body.kind} v{body.version} has {length} "
+                            f"bytes: no piece of {body.count} from {body.offset}")
+        start = span.start + body.offset
+        data = bytearray(update.data[start:start + (body.count or length - body.offset)])
         count_bytes(update.sent, request.sender, len(data))
         count_bytes(self.sent_total, request.sender, len(data))
         return Reply(Empty(), {"data": torch.frombuffer(data, dtype=torch.uint8)})
@@ -506,7 +512,10 @@ class WeightFollower(UpdateServer):
 
         async def get(index: int) -> None:
             owner = replicas[index % len(replicas)]
-            sources = [publisher] if owner == me else [owner, publisher]
+            # A source reached through a relay comes last: it sends in small pieces, each
+            # relayed connection good for a few of them (net/circuits.py).
+            sources = sorted([publisher] if owner == me else [owner, publisher],
+                             key=lambda source: self.node.circuits.get(source) is not None)
             async with slots:
                 for source in sources:
                     if self._is_banned(source) or update.have[index]:
@@ -521,16 +530,21 @@ class WeightFollower(UpdateServer):
 
     async def _fetch_chunk(self, update: StoredUpdate, index: int, source: str) -> bool:
         manifest = update.manifest
-        request = ChunkRequest(stage=self.stage, kind=manifest.kind, version=manifest.version,
-                               index=index, wait_s=self.sync.chunk_wait_s)
-        try:
-            _, tensors = await self.node.call(source, SYNC_CHUNK, request,
-                                              timeout=self.timeout_s + self.sync.chunk_wait_s)
-        except (RemoteError, MessageLost, WireError) as error:
-            log.debug("chunk %d of v%d from %s: %s", index, manifest.version, source[-8:], error)
+        span = update.span(index)
+        for _ in range(2):
+            piece = self.node.circuits.piece_bytes(source)
+            try:
+                raw = await self._chunk_from(source, manifest, index, span.stop - span.start,
+                                             piece)
+                break
+            except (RemoteError, MessageLost, WireError) as error:
+                log.debug("chunk %d of v%d from %s: %s", index, manifest.version, source[-8:],
+                          error)
+                # Asked whole, then found to be reachable only through a relay: ask in pieces.
+                if piece is not None or self.node.circuits.piece_bytes(source) is None:
+                    return False
+        else:
             return False
-        data = tensors.get("data")
-        raw = b"" if data is None or data.dtype != torch.uint8 else data.numpy().tobytes()
         count_bytes(update.received, source, len(raw))
         count_bytes(self.received_total, source, len(raw))
         if hashlib.sha256(raw).digest() != manifest.chunk_hashes[index]:
@@ -547,6 +561,23 @@ class WeightFollower(UpdateServer):
         update.put(index, raw)
         await self._notify()
         return True
+
+    async def _chunk_from(self, source: str, manifest: UpdateManifest, index: int, length: int,
+                          piece: int | None) -> bytes:
+        """Chunk `index` as `source` sends it: in one reply, or in pieces of `piece` bytes."""
+        pieces = [(0, 0)] if piece is None or length <= piece else \
+            [(offset, min(piece, length - offset)) for offset in range(0, length, piece)]
+        raw = bytearray()
+        for offset, count in pieces:
+            request = ChunkRequest(stage=self.stage, kind=manifest.kind, version=manifest.version,
+                                   index=index, wait_s=self.sync.chunk_wait_s, offset=offset,
+                                   count=count)
+            _, tensors = await self.node.call(source, SYNC_CHUNK, request,
+                                              timeout=self.timeout_s + self.sync.chunk_wait_s)
+            data = tensors.get("data")
+            if data is not None and data.dtype == torch.uint8:
+                raw += data.numpy().tobytes()
+        return bytes(raw)
 
     def _apply(self, manifest: UpdateManifest, data: bytes | bytearray
                ) -> dict[str, TensorChange]:

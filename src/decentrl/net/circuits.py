@@ -1,0 +1,107 @@
+"""Connections through a relay, and what each may still carry.
+
+A circuit relay (libp2p relay v2) is meant to bridge two peers that cannot dial each other, not
+to carry their traffic: each relayed connection may move at most 128 KiB in each direction and
+live 2 minutes, after which the relay resets it (go-libp2p's defaults). Relays run by strangers
+use those defaults, and so do ours: p2pd registers a relay with the defaults beside the one it
+is configured with, and whichever registers last serves (NOTES.md, issue #19).
+
+So a node keeps, for each peer it reaches through a relay (it dialed the peer through one, or
+the peer's requests come in through one), a `Circuit`: when the connection opened and the bytes
+it carried each way. Its calls to that peer go one at a time, each only where the connection has
+room for the request and for `REPLY_ROOM` of reply; otherwise the node closes the connection and
+dials a fresh circuit first (net/node.py). Replies that may be larger are asked for in pieces of
+at most `PIECE_BYTES` (weight-sync chunks, sync/distribute.py); one that still does not fit is
+cut by the relay, and the call fails like any lost reply."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+# Of the relay's 128 KiB and 2 minutes: the rest is left for what is not counted here (stream
+# framing, encryption, identify, DHT requests on the same connection).
+CIRCUIT_BYTES = 100 * 2**10
+CIRCUIT_AGE_S = 100.0
+# The reply a call over a circuit keeps room for, and the data a reply should carry at most so
+# that it fits with its envelope (signature, tensor manifest).
+REPLY_ROOM = 48 * 2**10
+PIECE_BYTES = 40 * 2**10
+# Peers remembered: identities are free, and an honest swarm has tens of peers.
+MAX_CIRCUITS = 1024
+
+
+class CircuitTooSmall(ConnectionError):
+    """A request larger than a relayed connection carries at all."""
+
+
+@dataclass
+class Circuit:
+    """The relayed connection to one peer: its address, age and traffic. `turn` makes this
+    node's calls over it go one at a time (so each knows the room left); it is kept when the
+    connection is replaced, so that calls queued for the old one wait for the new one."""
+
+    address: str
+    opened: float = field(default_factory=time.monotonic)
+    sent: int = 0
+    received: int = 0
+    # A call over it failed (the relay may have cut it): replaced before the next call.
+    broken: bool = False
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def has_room(self, request_bytes: int, reply_bytes: int) -> bool:
+        return not self.broken and time.monotonic() - self.opened < CIRCUIT_AGE_S \
+            and self.sent + request_bytes <= CIRCUIT_BYTES \
+            and self.received + reply_bytes <= CIRCUIT_BYTES
+
+    def renewed(self, address: str) -> None:
+        """A fresh connection (through `address`) took this one's place."""
+        self.address = address
+        self.opened = time.monotonic()
+        self.sent = self.received = 0
+        self.broken = False
+
+
+class Circuits:
+    """The circuits of one node, by peer (used on its event loop only)."""
+
+    def __init__(self) -> None:
+        self._by_peer: OrderedDict[str, Circuit] = OrderedDict()
+        # Connections replaced before they ran out, and calls over a circuit that failed.
+        self.renewals = 0
+        self.failures = 0
+
+    def get(self, peer: str) -> Circuit | None:
+        return self._by_peer.get(peer)
+
+    def opened(self, peer: str, address: str) -> Circuit:
+        """A connection to `peer` through a relay at `address` is new (this node dialed it or
+        `peer`'s first request came through it)."""
+        circuit = self._by_peer.get(peer)
+        if circuit is None:
+            circuit = self._by_peer[peer] = Circuit(address)
+            while len(self._by_peer) > MAX_CIRCUITS:
+                self._by_peer.popitem(last=False)
+        else:
+            circuit.renewed(address)
+        self._by_peer.move_to_end(peer)
+        return circuit
+
+    def seen(self, peer: str, address: str, received: int, sent: int) -> None:
+        """A request of `peer`'s came in over `address` (`received` bytes; `sent` in reply). A
+        direct connection ends the circuit's bookkeeping: new streams prefer it."""
+        if "p2p-circuit" not in address:
+            self._by_peer.pop(peer, None)
+            return
+        circuit = self._by_peer.get(peer) or self.opened(peer, address)
+        circuit.received += received
+        circuit.sent += sent
+
+    def forget(self, peer: str) -> None:
+        self._by_peer.pop(peer, None)
+
+    def piece_bytes(self, peer: str) -> int | None:
+        """The data a reply from `peer` should carry at most (None: any size, not relayed)."""
+        return PIECE_BYTES if peer in self._by_peer else None
