@@ -5,6 +5,7 @@ summary a person reads. cli.py parses the arguments and calls these."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import shutil
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from decentrl.evaluate.suite import Family, SuiteResult
     from decentrl.net.netns import Internet
     from decentrl.swarm.loop import RunSummary
+    from decentrl.swarm.throttle import ThrottleHalfway
 
 DEMO_CONFIG = {
     "name": "demo",
@@ -194,6 +196,9 @@ def run_local(config: RunConfig, console: Console) -> None:
 NETNS_PUBLIC = ("coordinator", "relay", "server")
 NETNS_HOMES = (("home1", ("train0", "infer1.0")), ("home2", ("infer0.0", "infer1.1")))
 NETNS_UPLINK_MBIT = 50.0
+# Halfway through training, home2's uplink (a stage-0 and a stage-1 replica) drops to this.
+NETNS_THROTTLED_HOME = 2
+NETNS_THROTTLE_MBIT = 0.5
 READY_LINE_CHARS = 1000
 
 
@@ -230,6 +235,7 @@ def _run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | No
     from decentrl.swarm.adversary import ADVERSARIES, TRAINING_ADVERSARIES
     from decentrl.swarm.coordinate import swarm_run
     from decentrl.swarm.launch import LocalSwarm
+    from decentrl.swarm.throttle import ThrottleHalfway
 
     started = time.time()
     resolve_model(config.model)  # convert the GGUF once, before the peers race to do it
@@ -247,6 +253,7 @@ def _run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | No
                        relays=["relay"] if internet is not None else ())
     stop_chaos = threading.Event()
     coordinator = None
+    throttle: ThrottleHalfway | None = None
     try:
         console.print(f"starting the peers; each is ready once it has loaded its stage (logs "
                       f"in {swarm.logs})")
@@ -257,6 +264,13 @@ def _run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | No
             highlight=False))
         assert swarm.bootstrap is not None
         coordinator = swarm_run(config, swarm.bootstrap, console)
+        if internet is not None:
+            home = NETNS_HOMES[NETNS_THROTTLED_HOME - 1][1]
+            throttle = ThrottleHalfway(
+                internet, NETNS_THROTTLED_HOME, NETNS_THROTTLE_MBIT,
+                coordinator.backend.directory,
+                {c.info.get("peer_id", "") for c in swarm.children.values() if c.name in home})
+            coordinator.hooks.append(throttle)
         if chaos_every is not None:
             threading.Thread(target=swarm.chaos, args=(stop_chaos, chaos_every, config.seed,
                                                        console.print), daemon=True).start()
@@ -268,11 +282,30 @@ def _run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | No
         swarm.shutdown()
     if summary.before is not None:
         console.print(before_after_table(summary))
+    if throttle is not None and throttle.throttled_at_step is not None:
+        console.print(routing_table(throttle))
+        (config.path / "routing_under_throttle.json").write_text(json.dumps(
+            {"home": throttle.home, "mbit": throttle.mbit, "step": throttle.throttled_at_step,
+             "replicas": [dataclasses.asdict(s) for s in throttle.shares()]}, indent=1))
     model_dir, report = release(config, console)
     names = {c.info.get("peer_id"): c.name for c in swarm.children.values()}
     restarts = {c.name: c.restarts for c in swarm.children.values() if c.restarts}
     console.print(Panel(demo_summary(summary, time.time() - started, names, restarts, model_dir,
                                      report), title=f"{config.name}: summary", expand=False))
+
+
+def routing_table(throttle: ThrottleHalfway) -> Table:
+    table = Table(title=f"new sessions per replica, before and after home{throttle.home}'s "
+                        f"uplink dropped to {throttle.mbit:g} Mbit/s (step "
+                        f"{throttle.throttled_at_step})")
+    for column in ("replica", "stage", "behind the throttle", "before", "after"):
+        table.add_column(column)
+    for share in throttle.shares():
+        table.add_row(terminal_text(share.name, READY_LINE_CHARS), str(share.stage),
+                      "yes" if share.throttled else "no",
+                      f"{share.before} ({100 * share.share_before:.0f}%)",
+                      f"{share.after} ({100 * share.share_after:.0f}%)")
+    return table
 
 
 def release(config: RunConfig, console: Console) -> tuple[Path, Path]:

@@ -36,6 +36,7 @@ class PeerState:
     record: PeerRecord
     latency_s: float = 0.1  # smoothed round trip of this process's calls
     sessions: int = 0  # sessions this process has open on the peer
+    opened: int = 0  # sessions this process has given it, ever
     banned_until: float = 0.0
     failures: int = 0
 
@@ -136,6 +137,7 @@ class Directory:
             peer, state = min(candidates, key=lambda item: (
                 newest - versions[item[0]], item[1].sessions, item[1].latency_s))
             state.sessions += 1
+            state.opened += 1
             return peer
 
     def verifiers(self, stage: int, exclude: set[str]) -> list[str]:
@@ -191,6 +193,11 @@ class Directory:
         """Every live announcement, by peer id."""
         with self.lock:
             return {peer: s.record for peer, s in self.peers.items()}
+
+    def sessions_opened(self) -> dict[str, int]:
+        """By peer id, the sessions this process has given each live peer."""
+        with self.lock:
+            return {peer: s.opened for peer, s in self.peers.items()}
 
     def stage_peers(self) -> list[list[tuple[str, PeerRecord]]]:
         """Each stage's (peer id, announcement)."""

@@ -81,6 +81,7 @@ class SwarmObserver:
 
     def peers(self) -> list[PeerSnapshot]:
         records = self.directory.records()
+        sessions = self.directory.sessions_opened()
         names = {peer: peer_text(record.name, NAME_CHARS) for peer, record in records.items()}
         with self.lock:
             for peer, name in names.items():
@@ -91,6 +92,7 @@ class SwarmObserver:
         return [PeerSnapshot(peer_id=peer, name=names[peer], stage=r.stage, layers=list(r.layers),
                              role=r.role, version=r.version, tokens_per_s=r.tokens_per_s,
                              bytes_sent=r.bytes_sent, bytes_relayed=r.bytes_relayed,
+                             sessions=sessions.get(peer, 0),
                              reputation=round(self.reputation.score(peer), 3),
                              banned=self.reputation.banned(peer))
                 for peer, r in sorted(records.items(), key=lambda item: (item[1].stage,

@@ -97,6 +97,7 @@ class PeerSnapshot(msgspec.Struct, kw_only=True):
     name: str = ""
     layers: list[int] = []  # [start, stop)
     bytes_relayed: int = 0  # of bytes_sent, through relays
+    sessions: int = 0  # generation sessions the coordinator gave it so far (routing)
 
 
 class SwarmRecord(Record, tag="swarm"):

@@ -636,10 +636,11 @@ def training_section(run_dir: Path, config: RunConfig, records: RunRecords, fold
 
 def peers_table(snapshot: SwarmRecord) -> str:
     rows = [[markdown_text(peer_name(p.name, p.peer_id)), str(p.stage), markdown_text(p.role),
-             str(p.version), f"{p.tokens_per_s:.1f}", human_bytes(p.bytes_sent),
-             human_bytes(p.bytes_relayed), f"{p.reputation:.2f}", "yes" if p.banned else "no"]
+             str(p.version), f"{p.tokens_per_s:.1f}", str(p.sessions),
+             human_bytes(p.bytes_sent), human_bytes(p.bytes_relayed), f"{p.reputation:.2f}",
+             "yes" if p.banned else "no"]
             for p in snapshot.peers]
-    return table(["peer", "stage", "role", "version", "tok/s", "bytes sent",
+    return table(["peer", "stage", "role", "version", "tok/s", "sessions", "bytes sent",
                   "through relays", "reputation", "banned"], rows)
 
 

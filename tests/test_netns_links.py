@@ -1,11 +1,14 @@
-"""Weight sync between two homes behind NAT, through a relay that keeps libp2p's default limits
-(128 KiB each way, 2 minutes per relayed connection): the replica asks for megabyte updates in
-pieces that fit, on fresh circuits, and the relay never cuts a call."""
+"""Peers in homes behind NAT, in process (net/netns.py): weight sync between two homes through a
+relay that keeps libp2p's default limits (128 KiB each way, 2 minutes per relayed connection:
+the replica asks for megabyte updates in pieces that fit, on fresh circuits, and the relay never
+cuts a call); and routing that moves new sessions away from a home whose uplink is throttled."""
 
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from test_netns import netns_or_skip
 from test_sync import assert_serves_published, fake_step
 
 from decentrl.config import RunConfig
+from decentrl.model.loading import load_model
 from decentrl.model.tiny import make_tiny_model
 from decentrl.net.circuits import CIRCUIT_BYTES, PIECE_BYTES
 from decentrl.net.dialback import keep_routes_announced
@@ -22,9 +26,12 @@ from decentrl.net.netns import HomeSpec, Internet
 from decentrl.net.node import SwarmNode
 from decentrl.net.reach import NetworkOptions, RouteRecord, relay_circuit
 from decentrl.net.wire import TensorLimits
+from decentrl.rollout.generate import generate
+from decentrl.rollout.sampling import SamplingConfig
 from decentrl.swarm.peer import StagePeer
 
 pytestmark = pytest.mark.network
+GREEDY = SamplingConfig(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +106,60 @@ def test_a_replica_behind_nat_takes_megabyte_updates_from_a_training_peer_behind
     # about as often as the bytes required (before, the relay cut each one under a call).
     assert circuits.failures == 0
     assert circuits.renewals >= moved // CIRCUIT_BYTES - 2
+
+
+def test_new_sessions_move_away_from_a_home_whose_uplink_is_throttled(
+        wide_model_dir: Path) -> None:
+    """Two stage-0 replicas in two homes, generating 4 sessions at a time: about half the new
+    sessions go to each, until one home's uplink drops to 0.1 Mbit/s; its replica's hidden
+    states then crawl out, its sessions stay open, and routing gives it far fewer."""
+    netns_or_skip()
+    config = tiny_run_config(wide_model_dir, 2)
+    model = load_model(str(wide_model_dir))
+    with Internet.start(["owner", "server"], [HomeSpec(["fast"]), HomeSpec(["slow"])]) as net, \
+            tempfile.TemporaryDirectory(prefix="decentrl-netns-routing-") as folder:
+        owner = SwarmNode.start("owner", [], LinkProfile(), TensorLimits(), network=NetworkOptions(
+            (f"/ip4/{net.hosts['owner'].address}/tcp/0",), reachability="direct",
+            relay_service=True, netns=net.hosts["owner"].namespace))
+        peers: list[StagePeer] = []
+        try:
+            relay = owner.addresses()[0]
+            for host in ("fast", "slow"):
+                peers.append(behind_nat(config, net, host, relay, owner.peer_id, "inference",
+                                        Path(folder)))
+            server = SwarmNode.start("server", [relay], LinkProfile(), TensorLimits(),
+                                     network=NetworkOptions(
+                                         (f"/ip4/{net.hosts['server'].address}/tcp/0",),
+                                         reachability="direct",
+                                         netns=net.hosts["server"].namespace))
+            last = StagePeer(config, 1, "inference", server, owner.peer_id,
+                             checkpoint_dir=Path(folder), name="server")
+            peers.append(last)
+            last.start()
+            chain = Swarm(config, owner, peers, Path(folder)).chain(model.spec)
+            slow_id = peers[1].node.peer_id
+
+            def slow_share(seconds: float) -> float:
+                start = chain.directory.sessions_opened()
+                deadline = time.monotonic() + seconds
+
+                def generating() -> None:
+                    while time.monotonic() < deadline:
+                        generate(chain, [[1, 2, 3, 4]] * 8, 12, GREEDY, set(), 0)
+                with ThreadPoolExecutor(4) as pool:
+                    list(pool.map(lambda _: generating(), range(4)))
+                end = chain.directory.sessions_opened()
+                opened = {p: end[p] - start.get(p, 0) for p in (peers[0].node.peer_id, slow_id)}
+                assert sum(opened.values()) >= 8, opened
+                return opened[slow_id] / sum(opened.values())
+
+            before = slow_share(10)
+            net.throttle(2, 0.1)
+            after = slow_share(20)
+            assert 0.3 <= before <= 0.7
+            assert after < before / 2
+        finally:
+            for peer in peers:
+                peer.stop()
+                peer.node.shutdown()
+            owner.shutdown()
