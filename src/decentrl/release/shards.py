@@ -1,11 +1,14 @@
-"""Checkpoint shards across hosts. Each training peer writes its stage's shard to its own disk
-(`--checkpoint-dir`). At every checkpoint the coordinator writes, into its own run folder, the
-shards' manifest: each stage's sha256, size and the training peer that holds it, signed with the
-run owner's key (`checkpoints/v<N>/shards.json`). For the release it fetches every shard that the
-run folder lacks, or holds a different copy of, from the stage's training peer over the swarm,
-in chunks (`checkpoint_shard`), and keeps it only if it hashes to what the manifest says;
-`decentrl export` then reads the run folder alone, and refuses a shard the manifest disowns.
-On one machine the peers write into the run folder itself: nothing moves."""
+"""Checkpoint shards across hosts. Each training peer writes its stage's checkpoint to its own
+disk (`--checkpoint-dir`) as two files (learn/checkpoints.py): the shard, the stage's weights,
+which is all a release needs, and the optimizer state, which only resuming that stage's training
+needs and which never leaves the peer's disk. At every checkpoint the coordinator writes, into
+its own run folder, the shards' manifest: each stage's shard sha256, size and the training peer
+that holds it, signed with the run owner's key (`checkpoints/v<N>/shards.json`); a size beyond
+what the stage's weights can take (`shard_bytes_limit`) is refused. For the release it fetches
+every shard that the run folder lacks, or holds a different copy of, from the stage's training
+peer over the swarm, in chunks (`checkpoint_shard`), and keeps it only if it hashes to what the
+manifest says; `decentrl export` then reads the run folder alone, and refuses a shard the
+manifest disowns. On one machine the peers write into the run folder itself: nothing moves."""
 
 from __future__ import annotations
 
