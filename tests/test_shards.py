@@ -7,6 +7,7 @@ manifest disowns."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from swarm_helpers import start_node, start_swarm, tiny_run_config
 from test_swarm import make_batch
 
 from decentrl.learn.checkpoints import CheckpointLayout
+from decentrl.model.loading import model_spec, resolve_model
+from decentrl.model.run_stage import load_stage, stage_shapes
 from decentrl.net.directory import SwarmUnavailable
 from decentrl.net.identity import Identity
 from decentrl.net.node import PeerRefused
@@ -25,10 +28,14 @@ from decentrl.release.shards import (
     ShardRecord,
     check_shard,
     fetch_shard,
+    manifest_path,
     missing_shards,
     read_manifest,
+    reported_shard,
+    shard_bytes_limit,
     write_manifest,
 )
+from decentrl.swarm.coordinate import SwarmBackend
 
 
 @pytest.mark.network
@@ -102,3 +109,51 @@ def test_a_shard_on_another_disk_is_fetched_checked_and_refused_when_it_differs(
                                    ShardRequest(version=0, offset=0, count=10))
         finally:
             stranger.shutdown()
+
+
+@pytest.mark.network
+def test_a_training_peer_that_reports_a_shard_larger_than_its_stage_can_be_is_refused(
+        tiny_sharp_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lying peer must not make the coordinator fetch an arbitrarily large file: its report is
+    bounded by the stage's weights, and the checkpoint fails as if it had not answered."""
+    config = tiny_run_config(tiny_sharp_dir, 1, run_dir=str(tmp_path / "runs"))
+    limit = shard_bytes_limit(stage_shapes(config, model_spec(resolve_model(config.model)), 0))
+    with start_swarm(config, [(0, "training")]) as swarm:
+        worker = swarm.workers()[0]
+        honest = worker.checkpoint("save", 0)
+        assert 0 < honest.shard_bytes <= limit
+        training = swarm.peer(0, "training").training
+        assert training is not None
+        huge = 64 * 2**30
+        monkeypatch.setattr(training, "_save", lambda version, committed: (
+            honest.shard_sha256, huge))
+        # The coordinator's own save, over the real RPC to the lying peer.
+        coordinator = SimpleNamespace(checkpoints=CheckpointLayout(config.path / "checkpoints"),
+                                      workers=[worker], shard_limits=[limit], node=swarm.client)
+        with pytest.raises(SwarmUnavailable, match=(
+                f"checkpoint v0: training peer {(worker.peer or '')[-8:]} reports a {huge}-byte "
+                f"checkpoint shard for stage 0, whose weights take 1 to {limit} bytes: refused")):
+            SwarmBackend.save_checkpoint(coordinator, 0, 0, 0)  # type: ignore[arg-type]
+        # Nothing signed, nothing put in charge: the previous checkpoint (none here) stands.
+        assert coordinator.checkpoints.latest_version() is None
+        assert not manifest_path(coordinator.checkpoints, 0).exists()
+
+
+def test_the_shard_limit_is_the_stages_weights_twice_with_a_margin(
+        tiny_model_dir: Path) -> None:
+    # A stage of 10^8 float32 values: its shard is 800 MB, refused past 1.5 times that.
+    big = {"layer.weight": torch.empty(10**8, device="meta")}
+    assert 8 * 10**8 < shard_bytes_limit(big) < int(1.51 * 8 * 10**8)
+    # The shapes come from the run's stage as its peers build it, LoRA adapters included.
+    config = tiny_run_config(tiny_model_dir, 2, train={"lora_rank": 2})
+    shapes = stage_shapes(config, model_spec(resolve_model(config.model)), 1)
+    built = load_stage(config, 1, torch.device("cpu"), torch.float32).state_dict()
+    assert {name: t.shape for name, t in shapes.items()} == \
+        {name: t.shape for name, t in built.items()}
+    assert any(name.endswith(".lora_a") for name in shapes)
+    # A report that cannot describe a shard of the stage is refused, naming what is wrong.
+    with pytest.raises(ShardError, match="reports a 0-byte checkpoint shard for stage 1"):
+        reported_shard(1, "12D3KooWpeer", "ab" * 32, 0, 100)
+    with pytest.raises(ShardError, match="not 64 lowercase hex digits"):
+        reported_shard(1, "12D3KooWpeer", "AB" * 32, 10, 100)
+    assert reported_shard(1, "12D3KooWpeer", "ab" * 32, 100, 100).bytes == 100
