@@ -297,6 +297,14 @@ def test_a_runs_latest_checkpoint_exports_to_the_same_model(
     for name, digest in listed.items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest, name
 
+    # The export reads the weights files alone: without the optimizer state (which stays on the
+    # training peers' disks) it writes the same model.
+    optimizer_files = list((run_dir / "checkpoints" / "v1").glob("stage*.optimizer.pt"))
+    assert len(optimizer_files) == 2
+    for path in optimizer_files:
+        path.unlink()
+    export_run(run_dir, tmp_path / "weights-only")
+    assert load_file(tmp_path / "weights-only" / "model.safetensors").keys() == expected.keys()
     (run_dir / "checkpoints" / "v1" / "stage1.pt").unlink()
     with pytest.raises(FileNotFoundError, match="lacks stage1.pt"):
         export_run(run_dir, tmp_path / "again")

@@ -3,12 +3,18 @@ route records (only a peer's own counts), and the dial-back check with its refus
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from hivemind.utils.multiaddr import Multiaddr
 
-from decentrl.net.dialback import DialBackService, check_reachability
+from decentrl.net import dialback
+from decentrl.net.dialback import CheckersBusy, DialBackService, check_reachability
 from decentrl.net.identity import Identity
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import PeerRefused, SwarmNode
@@ -146,3 +152,50 @@ def test_only_a_peers_own_route_record_is_read(
             asker.run(asker.announce_routes(bad, 60), timeout=30)
     finally:
         stranger.shutdown()
+
+
+@pytest.mark.network
+def test_a_busy_checker_says_try_again_later_and_the_asker_does(
+        checker_and_asker: tuple[SwarmNode, SwarmNode, DialBackService],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    checker, asker, service = checker_and_asker
+    monkeypatch.setattr(dialback, "MAX_PENDING_CHECKS", 2)
+    release = threading.Event()
+    real_dial = dialback._dial
+
+    async def held_dial(probe: Any, peer: str, address: str) -> str | None:
+        await asyncio.to_thread(release.wait, 60)  # a slow check, until the test lets it go
+        return await real_dial(probe, peer, address)
+
+    monkeypatch.setattr(dialback, "_dial", held_dial)
+    crowd = [SwarmNode.start(f"crowd{i}", [checker.addresses()[0]], LinkProfile(),
+                             TensorLimits()) for i in range(2)]
+    try:
+        with ThreadPoolExecutor(len(crowd)) as pool:
+            checks = [pool.submit(check_reachability, node, [checker.peer_id], [])
+                      for node in crowd]
+            deadline = time.monotonic() + 30
+            while service.pending < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert service.pending == 2
+            # Full: refused with "try again later", no strike, and not counted as its check
+            # (it may come back at once).
+            with pytest.raises(PeerRefused, match="busy with 2 checks; try again later"):
+                asker.call_sync(checker.peer_id, DIAL_BACK, DialBackRequest(ports=[1],
+                                                                            relays=[]))
+            assert checker.strikes(asker.peer_id) == 0 and service.checks == 0
+            # An asker that cannot wait is told nobody could check, not that it is unreachable.
+            with pytest.raises(CheckersBusy, match="no peer could check whether asker can be "
+                                                   "reached within 0s: .*busy with 2 checks"):
+                check_reachability(asker, [checker.peer_id], [], busy_wait_s=0)
+            # One that waits asks again after a pause and gets its answer once there is room.
+            threading.Timer(1.0, release.set).start()
+            report = check_reachability(asker, [checker.peer_id], [])
+            assert report.reachable and report.direct.startswith("/ip4/127.0.0.1/tcp/")
+            assert all(check.result(timeout=60).reachable for check in checks)
+        assert service.checks == 3 and service.pending == 0
+        assert checker.strikes(asker.peer_id) == 0
+    finally:
+        release.set()
+        for node in crowd:
+            node.shutdown()

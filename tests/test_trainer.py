@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import build
+
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.losses import LOSS_NAMES
@@ -269,6 +269,10 @@ def test_checkpoint_missing_files(tiny_model: LoadedModel, batch: TrainBatch,
     before = weights(fresh)
     with pytest.raises(FileNotFoundError, match="no 'latest' pointer"):
         fresh.load(tmp_path / "elsewhere")
+    # Resuming needs the optimizer state beside the weights (an export does not).
+    (tmp_path / "ckpt" / "v1" / "stage1.optimizer.pt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has no stage1\.optimizer\.pt"):
+        fresh.load(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "v1" / "stage1.pt").unlink()
     with pytest.raises(FileNotFoundError, match="stage1.pt"):
         fresh.load(tmp_path / "ckpt")

@@ -435,6 +435,7 @@ def join(
 
     import torch
 
+    from decentrl.net.dialback import CheckersBusy
     from decentrl.net.identity import Identity
     from decentrl.net.node import check_peer_addresses
     from decentrl.net.protocol import Role
@@ -483,6 +484,8 @@ def join(
                    report=print_json_line if log_json else print_join_event,
                    console=Console(stderr=True), config_wait_s=wait, identity=key,
                    network=network, keep_serving=keep_serving)
+    except CheckersBusy as error:
+        fail(str(error))
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

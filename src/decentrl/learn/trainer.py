@@ -363,7 +363,7 @@ class PipelineTrainer:
         folder = layout.folder(self.version)
         folder.mkdir(parents=True, exist_ok=True)
         for trainer in self.stage_trainers:
-            torch.save(trainer.state(), layout.stage_file(self.version, trainer.stage.index))
+            layout.write_stage(self.version, trainer.stage.index, trainer.state())
         layout.meta_file(self.version).write_text(json.dumps({"version": self.version, **extra}))
         layout.commit(self.version)
         return folder
@@ -375,18 +375,15 @@ class PipelineTrainer:
         if version is None:
             raise FileNotFoundError(f"{root} holds no checkpoint (no 'latest' pointer)")
         meta = layout.meta_file(version)
-        paths = [layout.stage_file(version, trainer.stage.index)
-                 for trainer in self.stage_trainers]
-        for path in [meta, *paths]:
-            if not path.is_file():
-                raise FileNotFoundError(f"checkpoint {layout.folder(version)} has no {path.name}")
-        states = [torch.load(path, map_location=self.device, weights_only=True) for path in paths]
+        if not meta.is_file():
+            raise FileNotFoundError(f"checkpoint {layout.folder(version)} has no {meta.name}")
+        states = [layout.read_stage(version, trainer.stage.index, self.device)
+                  for trainer in self.stage_trainers]
         info = json.loads(meta.read_text())
-        for path, state in zip(paths, states):
-            if state["version"] != info["version"]:
-                raise ValueError(f"{path} holds version {state['version']}, the checkpoint is "
-                                 f"version {info['version']}")
-        for trainer, state in zip(self.stage_trainers, states):
+        if info["version"] != version:
+            raise ValueError(f"{meta} describes version {info['version']}, the checkpoint is "
+                             f"version {version}")
+        for trainer, state in zip(self.stage_trainers, states, strict=True):
             trainer.load_state(state)
         return info
 

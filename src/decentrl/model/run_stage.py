@@ -31,7 +31,21 @@ def load_stage(config: RunConfig, index: int, device: torch.device, dtype: torch
     names = stage_tensor_names(spec, plan, index)
     stage = build_stage(spec, plan, index, read_tensors(folder, names.__contains__), device,
                         torch.float32)
+    add_run_lora(stage, config)
+    return stage.to(dtype)
+
+
+def stage_shapes(config: RunConfig, spec: ModelSpec, index: int) -> dict[str, torch.Tensor]:
+    """Stage `index`'s state dict as the run trains it (LoRA adapters included), on the meta
+    device: every tensor's shape and dtype, with nothing read or allocated."""
+    with torch.device("meta"):
+        stage = StageModule(spec, StagePlan.even(spec.num_layers, config.num_stages), index)
+    add_run_lora(stage, config)
+    return stage.state_dict()
+
+
+def add_run_lora(stage: StageModule, config: RunConfig) -> None:
+    """The run's LoRA adapters on `stage`, if it trains adapters only."""
     train = config.train
     if train.lora_rank > 0:
         add_lora(stage, train.lora_rank, train.lora_alpha, train.lora_targets, config.seed)
-    return stage.to(dtype)

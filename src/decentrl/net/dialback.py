@@ -9,13 +9,17 @@ Who may ask: anyone (a stranger has to learn whether it can serve). What it can 
 do: dial the IP address its own request came from, on at most `MAX_PORTS` ports, and at most
 `MAX_RELAYS` relays that are connected to the checker already, at the addresses of those
 connections; each dial must authenticate as the asker's peer id. So a stranger cannot aim the
-probe at a third host. One check per asker every `CHECK_EVERY_S` (more is refused, no strike),
-one at a time per checker."""
+probe at a third host. One check per asker every `CHECK_EVERY_S`; a checker runs one check at a
+time and keeps at most `MAX_PENDING_CHECKS` running or waiting. Past either it refuses with
+"try again later" (`CheckDeferred`, no strike), which the asker reads as exactly that: it asks
+its next checker, then all of them again after a pause (`check_reachability`), and never takes
+a checker's crowd for its own unreachability."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +28,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from decentrl.net.link import MessageLost
-from decentrl.net.node import RemoteError, Reply, Request, SwarmNode, daemon_class
+from decentrl.net.node import PeerRefused, RemoteError, Reply, Request, SwarmNode, daemon_class
 from decentrl.net.protocol import DIAL_BACK, DialBackReply, DialBackRequest
 from decentrl.net.reach import (
     LOOPBACK,
@@ -45,12 +49,29 @@ CHECK_EVERY_S = 5.0
 DIAL_TIMEOUT_S = 8.0
 ROUTE_TTL_S = 60.0
 ASKERS_KEPT = 1024
+# Checks one checker keeps running or waiting. A check takes well under a second when the asker
+# answers (up to DIAL_TIMEOUT_S a target when it does not), so the last one in line is served
+# within the asker's call timeout; a crowd beyond it is told to come back (or go elsewhere)
+# instead of piling up past every asker's timeout.
+MAX_PENDING_CHECKS = 4
+# How long an asker keeps asking while every checker says "try again later".
+BUSY_WAIT_S = 300.0
+TRY_LATER = "try again later"
 StartNode = Callable[[NetworkOptions], SwarmNode]
 
 
-class CheckRefused(RuntimeError):
-    """A well-formed check this node will not run now (the asker asked too recently): no
-    strike."""
+class CheckDeferred(RuntimeError):
+    """A well-formed check this node will not run now (the asker asked too recently, or the
+    checker has `MAX_PENDING_CHECKS` running or waiting): no strike. Its text ends in TRY_LATER,
+    which the asker reads back from the refusal."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{reason}; {TRY_LATER}")
+
+
+class CheckersBusy(RuntimeError):
+    """Every checker asked said "try again later" for as long as the asker would wait: whether
+    this peer can be reached is unknown (not "unreachable")."""
 
 
 class DialBackService:
@@ -59,7 +80,8 @@ class DialBackService:
 
     def __init__(self, node: SwarmNode) -> None:
         self.node = node
-        self.checks = 0
+        self.checks = 0  # run to the end
+        self.pending = 0  # running or waiting for the probe
         self._last: dict[str, float] = {}
         self._busy = asyncio.Lock()
         # A second daemon on this host, connected to nobody: a connection it makes is a fresh
@@ -83,22 +105,29 @@ class DialBackService:
             raise ValueError(f"dial_back takes at most {MAX_RELAYS} relays")
         now = time.monotonic()
         if now - self._last.get(sender, -CHECK_EVERY_S) < CHECK_EVERY_S:
-            raise CheckRefused(f"one check every {CHECK_EVERY_S:.0f}s")
+            raise CheckDeferred(f"one check every {CHECK_EVERY_S:.0f}s")
+        if self.pending >= MAX_PENDING_CHECKS:
+            # Not remembered as this asker's check: it may come back at once.
+            raise CheckDeferred(f"busy with {self.pending} checks")
         self._last[sender] = now
         if len(self._last) > ASKERS_KEPT:
             self._last = {p: t for p, t in self._last.items() if now - t < CHECK_EVERY_S}
-        targets, errors = await self._targets(body, request.address)
-        async with self._busy:
-            self.checks += 1
-            direct, relayed = "", []
-            for address in targets:
-                error = await _dial(self.probe, sender, address)
-                if error is not None:
-                    errors.append(f"{address}: {error}")
-                elif "p2p-circuit" in address:
-                    relayed.append(address)
-                elif not direct:
-                    direct = address
+        self.pending += 1  # the event loop's thread alone counts: no lock needed
+        try:
+            targets, errors = await self._targets(body, request.address)
+            async with self._busy:
+                direct, relayed = "", []
+                for address in targets:
+                    error = await _dial(self.probe, sender, address)
+                    if error is not None:
+                        errors.append(f"{address}: {error}")
+                    elif "p2p-circuit" in address:
+                        relayed.append(address)
+                    elif not direct:
+                        direct = address
+                self.checks += 1
+        finally:
+            self.pending -= 1
         return Reply(DialBackReply(direct=direct, relayed=relayed, errors=errors))
 
     async def _targets(self, body: DialBackRequest, address: str
@@ -199,56 +228,80 @@ def _relay_words(circuit: str) -> str:
 
 
 def check_reachability(node: SwarmNode, checkers: Sequence[str], relays: Sequence[str],
-                       timeout_s: float = 60.0) -> Reachable:
+                       timeout_s: float = 60.0, busy_wait_s: float = BUSY_WAIT_S) -> Reachable:
     """Ask the first of `checkers` (peer ids) that answers to dial this node back on its
-    listening ports and through `relays`; if none does, once more after `CHECK_EVERY_S` (a
-    checker answers one check per asker in that time)."""
+    listening ports and through `relays`. A checker that says "try again later" (busy, or asked
+    by this node within `CHECK_EVERY_S`) is passed over for the next; when none checked and one
+    of them said so, all are asked again after a pause of one to two `CHECK_EVERY_S` (random, so
+    a crowd of askers spreads out), for up to `busy_wait_s`, then CheckersBusy. When every
+    checker failed otherwise (unreachable, a refusal), once more after `CHECK_EVERY_S`; then the
+    report holds why each failed the last time."""
     ports = sorted({int(a.rsplit("/tcp/", 1)[1].split("/")[0]) for a in node.addresses()
                     if "/tcp/" in a and "p2p-circuit" not in a})[:MAX_PORTS]
     request = DialBackRequest(ports=[] if node.network.reachability == "relayed" else ports,
                               relays=list(relays)[:MAX_RELAYS])
-    failures = []
-    for attempt in range(2):
-        if attempt:
-            time.sleep(CHECK_EVERY_S)
+    deadline = time.monotonic() + busy_wait_s
+    failed_rounds = 0
+    while True:
+        deferred: list[str] = []
+        failures: list[str] = []
         for checker in dict.fromkeys(checkers):
             try:
                 reply, _ = node.call_sync(checker, DIAL_BACK, request, timeout=timeout_s)
             except (RemoteError, MessageLost, WireError) as error:
-                failures.append(f"{checker[-8:]} did not check: {error}")
+                later = isinstance(error, PeerRefused) and TRY_LATER in str(error)
+                (deferred if later else failures).append(f"{checker[-8:]} did not check: {error}")
                 continue
             return Reachable(reply.direct, list(reply.relayed), list(reply.errors))
-    return Reachable(errors=failures)
+        if deferred:
+            pause = CHECK_EVERY_S * (1 + random.random())
+            if time.monotonic() + pause > deadline:
+                raise CheckersBusy(f"no peer could check whether {node.name} can be reached "
+                                   f"within {busy_wait_s:.0f}s: {'; '.join(deferred)}. Start "
+                                   "it again later, or join through other initial peers")
+            log.info("%s: %s; asking again in %.0fs", node.name, "; ".join(deferred), pause)
+            time.sleep(pause)
+            continue
+        failed_rounds += 1
+        if failed_rounds == 2:
+            return Reachable(errors=failures)
+        time.sleep(CHECK_EVERY_S)
 
 
 def start_reachable(name: str, initial_peers: Sequence[str], options: NetworkOptions,
                     start: StartNode, settle_s: float = 2.0) -> tuple[SwarmNode, Reachable]:
     """A node started as `options` say (`start(options)` makes one) and announced. "auto"
     first asks one of the initial peers to dial it back, then starts for good as a direct node,
-    or behind its relays (the initial peers unless `options.relays`), with the same identity."""
+    or behind its relays (the initial peers unless `options.relays`), with the same identity.
+    CheckersBusy (the node stopped) when no checker had room for as long as an asker waits."""
     node = start(options)
     if options.reachability == "loopback":
         return node, Reachable()
     checkers = [peer_of(a) for a in initial_peers]
     relays = list(options.relays or initial_peers)
-    if options.reachability == "auto":
-        first = check_reachability(node, checkers, [])
-        node.shutdown()
-        if first.direct:
-            node, report = start(options.direct()), first
+    try:
+        if options.reachability == "auto":
+            first = check_reachability(node, checkers, [])
+            node.shutdown()
+            if first.direct:
+                node, report = start(options.direct()), first
+            else:
+                log.info("%s: not reachable directly (%s); joining through relays", name,
+                         "; ".join(first.errors))
+                node = start(options.relayed(relays))
+                time.sleep(settle_s)  # the daemon takes its relay slots as it starts
+                # The relays check too: the peer that checked first answers this asker once a
+                # while.
+                report = check_reachability(node, [*map(peer_of, relays), *checkers], relays)
+                report.errors = first.errors + report.errors
         else:
-            log.info("%s: not reachable directly (%s); joining through relays", name,
-                     "; ".join(first.errors))
-            node = start(options.relayed(relays))
-            time.sleep(settle_s)  # the daemon takes its relay slots as it starts
-            # The relays check too: the peer that checked first answers this asker once a while.
-            report = check_reachability(node, [*map(peer_of, relays), *checkers], relays)
-            report.errors = first.errors + report.errors
-    else:
-        if options.reachability == "relayed":
-            time.sleep(settle_s)
-        report = check_reachability(node, checkers,
-                                    relays if options.reachability == "relayed" else [])
+            if options.reachability == "relayed":
+                time.sleep(settle_s)
+            report = check_reachability(node, checkers,
+                                        relays if options.reachability == "relayed" else [])
+    except CheckersBusy:
+        node.shutdown()
+        raise
     route = report.route()
     if route is not None:
         keep_routes_announced(node, route)

@@ -297,7 +297,8 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
                weights: Weights = "served", force: bool = False) -> Path:
     """Assemble the latest checkpoint of a run (its folder: `config.json` and
     `checkpoints/latest` -> `checkpoints/v<N>/stage<i>.pt`, written by a local run or by the
-    swarm's training peers) into a Hugging Face folder at `out_dir`, with a model card
+    swarm's training peers; the weights files alone, never the optimizer state beside them)
+    into a Hugging Face folder at `out_dir`, with a model card
     (`README.md`) built from the run's config, evaluations (evaluation.json too, when the run's
     model was compared with its base), last swarm snapshot and shard checksums.
 

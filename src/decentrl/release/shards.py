@@ -1,18 +1,21 @@
-"""Checkpoint shards across hosts. Each training peer writes its stage's shard to its own disk
-(`--checkpoint-dir`). At every checkpoint the coordinator writes, into its own run folder, the
-shards' manifest: each stage's sha256, size and the training peer that holds it, signed with the
-run owner's key (`checkpoints/v<N>/shards.json`). For the release it fetches every shard that the
-run folder lacks, or holds a different copy of, from the stage's training peer over the swarm,
-in chunks (`checkpoint_shard`), and keeps it only if it hashes to what the manifest says;
-`decentrl export` then reads the run folder alone, and refuses a shard the manifest disowns.
-On one machine the peers write into the run folder itself: nothing moves."""
+"""Checkpoint shards across hosts. Each training peer writes its stage's checkpoint to its own
+disk (`--checkpoint-dir`) as two files (learn/checkpoints.py): the shard, the stage's weights,
+which is all a release needs, and the optimizer state, which only resuming that stage's training
+needs and which never leaves the peer's disk. At every checkpoint the coordinator writes, into
+its own run folder, the shards' manifest: each stage's shard sha256, size and the training peer
+that holds it, signed with the run owner's key (`checkpoints/v<N>/shards.json`); a size beyond
+what the stage's weights can take (`shard_bytes_limit`) is refused. For the release it fetches
+every shard that the run folder lacks, or holds a different copy of, from the stage's training
+peer over the swarm, in chunks (`checkpoint_shard`), and keeps it only if it hashes to what the
+manifest says; `decentrl export` then reads the run folder alone, and refuses a shard the
+manifest disowns. On one machine the peers write into the run folder itself: nothing moves."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import msgspec
@@ -22,9 +25,22 @@ from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.model.loading import file_sha256
 from decentrl.net.identity import Identity, SignatureError, verify
 from decentrl.net.protocol import SHARD_CHUNK_BYTES, ShardChunk, ShardRequest
+from decentrl.net.text import peer_text
 
 MANIFEST_FILE = "shards.json"
+SHA256_HEX_CHARS = 64
+HEX_DIGITS = frozenset("0123456789abcdef")
 SIGNATURE_DOMAIN = b"decentrl/shards/1"
+# A shard holds a stage's weights twice (the learner's, and what its replicas served), each value
+# at most float32 (the learner's master dtype, and the published state's).
+SHARD_COPIES = 2
+FLOAT32_BYTES = 4
+# torch.save's framing of one tensor (zip entry, name, alignment, pickle record: a few hundred
+# bytes) and of the file, counted generously; and half again on top, so an honest shard is never
+# refused, while a lying peer still cannot make the coordinator fetch more than that.
+TENSOR_FRAMING_BYTES = 4096
+FILE_FRAMING_BYTES = 2**20
+SHARD_MARGIN = 1.5
 
 
 class ShardRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -41,6 +57,28 @@ class ShardManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class ShardError(RuntimeError):
     """A shard that is missing, or is not the one the run owner signed."""
+
+
+def shard_bytes_limit(tensors: Mapping[str, torch.Tensor]) -> int:
+    """The most bytes a stage's shard may take, given the stage's state dict (`tensors`: shapes
+    and dtypes, model/run_stage.py `stage_shapes`)."""
+    values = sum(t.numel() * max(t.element_size(), FLOAT32_BYTES) for t in tensors.values())
+    framing = TENSOR_FRAMING_BYTES * len(tensors) + FILE_FRAMING_BYTES
+    return int(SHARD_MARGIN * (SHARD_COPIES * values + framing))
+
+
+def reported_shard(stage: int, peer: str, sha256: str, size: int, limit: int) -> ShardRecord:
+    """The record of the shard a training peer says it saved (its CHECKPOINT reply); ShardError
+    if the reply cannot describe a shard of the stage: a size outside 1..`limit` (a lying peer
+    would have the coordinator fetch it whole), or no sha256."""
+    if not 0 < size <= limit:
+        raise ShardError(f"training peer {peer[-8:]} reports a {size}-byte checkpoint shard for "
+                         f"stage {stage}, whose weights take 1 to {limit} bytes: refused")
+    if len(sha256) != SHA256_HEX_CHARS or not all(c in HEX_DIGITS for c in sha256):
+        raise ShardError(f"training peer {peer[-8:]} reports {peer_text(sha256, 80)!r} as the "
+                         f"sha256 of stage {stage}'s checkpoint shard: not {SHA256_HEX_CHARS} "
+                         "lowercase hex digits")
+    return ShardRecord(stage=stage, peer=peer, sha256=sha256, bytes=size)
 
 
 def manifest_path(layout: CheckpointLayout, version: int) -> Path:

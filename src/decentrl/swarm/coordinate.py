@@ -37,6 +37,7 @@ from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import load_tokenizer, model_spec, resolve_model
+from decentrl.model.run_stage import stage_shapes
 from decentrl.model.stages import StagePlan
 from decentrl.net.directory import Directory, SwarmUnavailable
 from decentrl.net.node import SwarmNode
@@ -50,10 +51,11 @@ from decentrl.progress import progress_bar
 from decentrl.release.shards import (
     ShardError,
     ShardManifest,
-    ShardRecord,
     fetch_shard,
     missing_shards,
     read_manifest,
+    reported_shard,
+    shard_bytes_limit,
     write_manifest,
 )
 from decentrl.rollout.chain import InferenceChain, InferenceSession
@@ -204,6 +206,9 @@ class SwarmBackend:
         self.manifest = run_manifest(config, roster=[])
         node.sizes = RunSizes.of(self.spec, config)  # bounds the replies it collects
         self.checkpoints = CheckpointLayout(config.path / "checkpoints")
+        # What each stage's checkpoint shard may take: a training peer's report is bounded by it.
+        self.shard_limits = [shard_bytes_limit(stage_shapes(config, self.spec, stage))
+                             for stage in range(config.num_stages)]
         self.tokenizer = load_tokenizer(folder)
         self.directory = Directory(node, config.name, config.num_stages, config.swarm,
                                    on_change=self._peer_changed)
@@ -358,10 +363,13 @@ class SwarmBackend:
                  for worker in self.workers]
         # Each shard sits on its training peer's disk: the run folder keeps, signed, which one
         # is part of this checkpoint (release/shards.py).
-        write_manifest(self.checkpoints, ShardManifest(version, [
-            ShardRecord(stage=worker.stage, peer=worker.peer or "", sha256=reply.shard_sha256,
-                        bytes=reply.shard_bytes)
-            for worker, reply in zip(self.workers, saved, strict=True)]), self.node.identity)
+        try:
+            shards = [reported_shard(worker.stage, worker.peer or "", reply.shard_sha256,
+                                     reply.shard_bytes, self.shard_limits[worker.stage])
+                      for worker, reply in zip(self.workers, saved, strict=True)]
+        except ShardError as error:  # this checkpoint fails as if the peer had not answered
+            raise SwarmUnavailable(f"checkpoint v{version}: {error}") from error
+        write_manifest(self.checkpoints, ShardManifest(version, shards), self.node.identity)
         self.checkpoints.commit(version)
 
     def fetch_shards(self) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -311,8 +310,9 @@ class TrainingService:
         return Reply(CheckpointReply(version=self.trainer.version))
 
     async def _checkpoint_shard(self, request: Request[ShardRequest]) -> Reply:
-        """A stretch of this stage's checkpoint shard at a version it saved (the coordinator
-        fetches it for the release when the run folder is on another host, release/shards.py)."""
+        """A stretch of this stage's checkpoint shard, its weights file, at a version it saved
+        (the coordinator fetches it for the release when the run folder is on another host,
+        release/shards.py). The optimizer state is never served: the release does not need it."""
         body = request.body
         if not 0 < body.count <= SHARD_CHUNK_BYTES or body.offset < 0:
             raise ValueError(f"checkpoint_shard takes 1 to {SHARD_CHUNK_BYTES} bytes from an "
@@ -330,19 +330,17 @@ class TrainingService:
                      {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8)})
 
     def _save(self, version: int, committed: int) -> tuple[str, int]:
-        """Write this stage's shard of checkpoint `version`; its sha256 and size (hashed here, on
-        the compute thread: a shard is a gigabyte, and the event loop keeps serving)."""
-        path = self.checkpoints.stage_file(version, self.stage)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_suffix(".tmp")
+        """Write this stage's files of checkpoint `version`; the sha256 and size of its shard,
+        the weights file (hashed here, on the compute thread: a shard is a gigabyte, and the
+        event loop keeps serving). The optimizer state beside it stays on this disk: only this
+        stage's training resumes from it."""
         state = self.trainer.state()
         # What the replicas serve at this version goes along: it generated the rollouts and the
         # swarm's evaluations, and `decentrl export` releases it by default.
         served = self.publisher.served().result(timeout=self.config.swarm.request_timeout_s)
         if served.version == version:
             state["served"] = served.tensors
-        torch.save(state, staging)
-        os.replace(staging, path)  # a crash mid-save leaves no half-written checkpoint
+        path = self.checkpoints.write_stage(version, self.stage, state)
         self.checkpoints.prune_stage(self.stage, older_than=min(committed, version))
         return file_sha256(path), path.stat().st_size
 
@@ -352,12 +350,10 @@ class TrainingService:
         learner's weights are not what they served, and publishing those under the same version
         number would put two different weights behind one version (a spot-check at that version
         would then fail every honest replica that generated on the first)."""
-        path = self.checkpoints.stage_file(version, self.stage)
-        if not path.is_file():
-            raise PeerBusy(f"no checkpoint {path}")
-        state = torch.load(path, map_location=self.device, weights_only=True)
-        if state["version"] != version:
-            raise PeerBusy(f"{path} holds version {state['version']}, not {version}")
+        try:
+            state = self.checkpoints.read_stage(version, self.stage, self.device)
+        except (FileNotFoundError, ValueError) as error:  # this disk's fault, not the caller's
+            raise PeerBusy(str(error)) from None
         self.trainer.load_state(state)
         self.states = {}
         self.on_new_weights(self.trainer)
