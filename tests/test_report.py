@@ -80,6 +80,7 @@ def peer(peer_id: str, name: str, stage: int, role: str, elapsed_s: float,
     sent = int(elapsed_s * megabytes_per_s * 1_000_000)
     return {"peer_id": peer_id, "name": name, "stage": stage, "role": role, "version": 3,
             "tokens_per_s": 42.5, "bytes_sent": sent, "bytes_relayed": int(relayed * sent),
+            "sessions": int(elapsed_s / 60) if role != "training" else 0,
             "reputation": 0.2 if banned else 0.95, "banned": banned}
 
 
@@ -250,11 +251,12 @@ def test_bytes_per_peer_come_from_the_last_snapshot(built: tuple[Path, str]) -> 
         ("infer-b (stage 0)", 990e6), ("infer-a (stage 0)", 660e6),
         (f"{MALLORY} (stage 1)", 132e6)]
     # The table lists the last snapshot's peers: infer-c had left by then.
-    assert f"| infer-a | 0 | inference | 3 | 42.5 | {human_bytes(660e6)} | 0 B | 0.95 | no |" \
+    # sessions: the coordinator's count, one a minute in this synthetic run.
+    assert f"| infer-a | 0 | inference | 3 | 42.5 | 11 | {human_bytes(660e6)} | 0 B | 0.95 | no |" \
         in text
-    assert f"| infer-b | 0 | inference | 3 | 42.5 | {human_bytes(990e6)} | " \
+    assert f"| infer-b | 0 | inference | 3 | 42.5 | 11 | {human_bytes(990e6)} | " \
         f"{human_bytes(495e6)} | 0.95 | no |" in text
-    assert f"| {MALLORY_ESCAPED} | 1 | inference | 3 | 42.5 | {human_bytes(132e6)} | 0 B | " \
+    assert f"| {MALLORY_ESCAPED} | 1 | inference | 3 | 42.5 | 11 | {human_bytes(132e6)} | 0 B | " \
         "0.20 | yes |" in text
     assert f"Through relays: {human_bytes(495e6)} of the {human_bytes(5412e6)} those peers " \
         "sent (9.1%)" in text

@@ -21,7 +21,6 @@ from decentrl.net.directory import SwarmUnavailable
 from decentrl.net.identity import Identity
 from decentrl.net.node import PeerRefused
 from decentrl.net.protocol import CHECKPOINT_SHARD, SHARD_CHUNK_BYTES, ShardChunk, ShardRequest
-from decentrl.release import shards
 from decentrl.release.shards import (
     ShardError,
     ShardManifest,
@@ -40,8 +39,7 @@ from decentrl.swarm.coordinate import SwarmBackend
 
 @pytest.mark.network
 def test_a_shard_on_another_disk_is_fetched_checked_and_refused_when_it_differs(
-        tiny_sharp_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shards, "SHARD_CHUNK_BYTES", 64 * 2**10)  # several chunks
+        tiny_sharp_dir: Path, tmp_path: Path) -> None:
     config = tiny_run_config(tiny_sharp_dir, 1)
     with start_swarm(config, [(0, "training")]) as swarm:
         trainer = swarm.remote_trainer()
@@ -73,7 +71,9 @@ def test_a_shard_on_another_disk_is_fetched_checked_and_refused_when_it_differs(
             reply, tensors = worker.shard_chunk(request)
             fetched.append(tensors["data"].numel())
             return reply, tensors
-        fetch_shard(counted, 1, record, run.stage_file(1, 0))
+        with pytest.raises(ValueError, match="chunk_bytes must be in"):
+            fetch_shard(counted, 1, record, run.stage_file(1, 0), chunk_bytes=0)
+        fetch_shard(counted, 1, record, run.stage_file(1, 0), chunk_bytes=64 * 2**10)  # pieces
         assert run.stage_file(1, 0).read_bytes() == peer_file.read_bytes()
         assert missing_shards(run, manifest) == []
         # Only the weights came over: the learner's and the served copy, and a few KiB around.

@@ -65,7 +65,7 @@ class Circuit:
 
 
 class Circuits:
-    """The circuits of one node, by peer (used on its event loop only)."""
+    """The circuits of one node, by peer (changed on its event loop only)."""
 
     def __init__(self) -> None:
         self._by_peer: OrderedDict[str, Circuit] = OrderedDict()
@@ -103,5 +103,6 @@ class Circuits:
         self._by_peer.pop(peer, None)
 
     def piece_bytes(self, peer: str) -> int | None:
-        """The data a reply from `peer` should carry at most (None: any size, not relayed)."""
+        """The data a reply from `peer` should carry at most (None: any size, not relayed).
+        One lookup, so any thread may ask."""
         return PIECE_BYTES if peer in self._by_peer else None

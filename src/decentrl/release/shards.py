@@ -130,9 +130,13 @@ def check_shard(path: Path, record: ShardRecord) -> str:
 Fetch = Callable[[ShardRequest], tuple[ShardChunk, dict[str, torch.Tensor]]]
 
 
-def fetch_shard(fetch: Fetch, version: int, record: ShardRecord, destination: Path) -> None:
-    """Download `record`'s shard through `fetch` (one `checkpoint_shard` call to its peer) into
-    `destination`, kept only if it hashes to `record.sha256`."""
+def fetch_shard(fetch: Fetch, version: int, record: ShardRecord, destination: Path,
+                chunk_bytes: int = SHARD_CHUNK_BYTES) -> None:
+    """Download `record`'s shard through `fetch` (one `checkpoint_shard` call to its peer, for
+    at most `chunk_bytes`: less where the peer is reached through a relay) into `destination`,
+    kept only if it hashes to `record.sha256`."""
+    if not 0 < chunk_bytes <= SHARD_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in (0, {SHARD_CHUNK_BYTES}], got {chunk_bytes}")
     staging = destination.with_suffix(".part")
     digest = hashlib.sha256()
     offset = 0
@@ -140,7 +144,7 @@ def fetch_shard(fetch: Fetch, version: int, record: ShardRecord, destination: Pa
     try:
         with staging.open("wb") as out:
             while offset < record.bytes:
-                count = min(SHARD_CHUNK_BYTES, record.bytes - offset)
+                count = min(chunk_bytes, record.bytes - offset)
                 reply, tensors = fetch(ShardRequest(version=version, offset=offset, count=count))
                 data = tensors.get("data")
                 if reply.total != record.bytes or data is None or data.dtype != torch.uint8 \

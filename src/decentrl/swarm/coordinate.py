@@ -41,7 +41,7 @@ from decentrl.model.run_stage import stage_shapes
 from decentrl.model.stages import StagePlan
 from decentrl.net.directory import Directory, SwarmUnavailable
 from decentrl.net.node import SwarmNode
-from decentrl.net.protocol import PeerRecord, RosterEntry, RunSizes, layer_span
+from decentrl.net.protocol import SHARD_CHUNK_BYTES, PeerRecord, RosterEntry, RunSizes, layer_span
 from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.net.text import peer_text
 from decentrl.observe.dashboard import DashboardServer
@@ -385,7 +385,8 @@ class SwarmBackend:
             self.console.print(f"fetching stage {record.stage}'s checkpoint shard "
                                f"({record.bytes / 2**20:.0f} MiB) from its training peer")
             fetch_shard(worker.shard_chunk, manifest.version, record,
-                        self.checkpoints.stage_file(manifest.version, record.stage))
+                        self.checkpoints.stage_file(manifest.version, record.stage),
+                        self.node.circuits.piece_bytes(record.peer) or SHARD_CHUNK_BYTES)
 
     def discard_step(self) -> None:
         for worker in self.workers:
