@@ -1,7 +1,8 @@
 """Peers in homes behind NAT, in process (net/netns.py): weight sync between two homes through a
 relay that keeps libp2p's default limits (128 KiB each way, 2 minutes per relayed connection:
 the replica asks for megabyte updates in pieces that fit, on fresh circuits, and the relay never
-cuts a call); and routing that moves new sessions away from a home whose uplink is throttled."""
+cuts a call); a peer behind NAT that dials its coordinator again when their connection is lost;
+and routing that moves new sessions away from a home whose uplink is throttled."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
+from hivemind.p2p import PeerID
 from swarm_helpers import Swarm, publisher_of, tiny_run_config, weights_of
 from test_netns import netns_or_skip
 from test_sync import assert_serves_published, fake_step
@@ -19,11 +22,13 @@ from test_sync import assert_serves_published, fake_step
 from decentrl.config import RunConfig
 from decentrl.model.loading import load_model
 from decentrl.model.tiny import make_tiny_model
+from decentrl.net import node as node_module
 from decentrl.net.circuits import CIRCUIT_BYTES, PIECE_BYTES
 from decentrl.net.dialback import keep_routes_announced
 from decentrl.net.link import LinkProfile
 from decentrl.net.netns import HomeSpec, Internet
-from decentrl.net.node import SwarmNode
+from decentrl.net.node import RemoteError, Reply, Request, SwarmNode
+from decentrl.net.protocol import Empty, Rpc, TensorRule, with_envelope
 from decentrl.net.reach import NetworkOptions, RouteRecord, relay_circuit
 from decentrl.net.wire import TensorLimits
 from decentrl.rollout.generate import generate
@@ -163,3 +168,58 @@ def test_new_sessions_move_away_from_a_home_whose_uplink_is_throttled(
                 peer.stop()
                 peer.node.shutdown()
             owner.shutdown()
+
+
+ECHO = Rpc("echo_bytes", Empty, Empty, "any peer", {"data": TensorRule("float32")},
+           max_bytes=with_envelope(2 * 2**20))
+
+
+def test_large_calls_refused_through_a_relay_go_direct_once_the_peer_behind_nat_dials_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator lost its connection to a peer behind NAT: it reaches the peer through the
+    relay, where a megabyte request cannot go (refused, saying why); the peer dials the
+    coordinator again within seconds, and the same request then goes over that connection."""
+    netns_or_skip()
+    monkeypatch.setattr(node_module, "REDIAL_EVERY_S", 2.0)
+    with Internet.start(["owner"], [HomeSpec(["home"]), HomeSpec(["away"])]) as net:
+        owner = SwarmNode.start("owner", [], LinkProfile(), TensorLimits(), network=NetworkOptions(
+            (f"/ip4/{net.hosts['owner'].address}/tcp/0",), reachability="direct",
+            relay_service=True, netns=net.hosts["owner"].namespace))
+        nodes = [owner]
+        try:
+            relay = owner.addresses()[0]
+            head, _, relay_id = relay.rpartition("/p2p/")
+            for host in ("home", "away"):
+                node = SwarmNode.start(host, [relay], LinkProfile(), TensorLimits(),
+                                       network=NetworkOptions(
+                                           (f"/ip4/{net.hosts[host].address}/tcp/0",),
+                                           relays=(relay,), reachability="relayed",
+                                           netns=net.hosts[host].namespace))
+                nodes.append(node)
+                keep_routes_announced(node, RouteRecord(
+                    [relay_circuit(f"{head}/p2p/{relay_id}")], relayed=True))
+
+                async def echo(request: Request[Empty]) -> Reply:
+                    return Reply(Empty(), {})
+                node.serve(ECHO, echo)
+            home, away = nodes[1], nodes[2]
+            megabyte = {"data": torch.zeros(2**18)}
+            # Two homes: only the relay joins them, and it cannot carry a megabyte.
+            with pytest.raises(RemoteError, match="is more than a relayed connection carries"):
+                away.call_sync(home.peer_id, ECHO, Empty(), megabyte)
+            away.call_sync(home.peer_id, ECHO, Empty(), {"data": torch.zeros(16)})
+            assert away.circuits.get(home.peer_id) is not None
+            # The coordinator and a home: its connection, when lost, is back within seconds.
+            owner.run(owner.p2p._client.disconnect(PeerID.from_base58(home.peer_id)), timeout=10)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    owner.call_sync(home.peer_id, ECHO, Empty(), megabyte, timeout=10)
+                    break
+                except RemoteError:
+                    assert time.monotonic() < deadline, "the home never dialed the owner again"
+                    time.sleep(0.5)
+            assert owner.circuits.get(home.peer_id) is None
+        finally:
+            for node in reversed(nodes):
+                node.shutdown()

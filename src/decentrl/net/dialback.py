@@ -37,6 +37,7 @@ from decentrl.net.reach import (
     dialable,
     host_of,
     multiaddr_protocols,
+    peer_of,
     relay_circuit,
 )
 from decentrl.net.wire import WireError
@@ -321,6 +322,3 @@ def keep_routes_announced(node: SwarmNode, route: RouteRecord) -> None:
     asyncio.run_coroutine_threadsafe(renew(), node.loop)
 
 
-def peer_of(address: str) -> str:
-    """The peer id at the end of a full multiaddr."""
-    return address.rsplit("/p2p/", 1)[1].split("/")[0]

@@ -61,7 +61,14 @@ from decentrl.net.circuits import CIRCUIT_BYTES, REPLY_ROOM, Circuit, Circuits, 
 from decentrl.net.identity import Identity, verify
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
 from decentrl.net.protocol import Rpc, RunSizes, size_limit
-from decentrl.net.reach import NetworkOptions, RouteRecord, check_route_record, dialable, route_key
+from decentrl.net.reach import (
+    NetworkOptions,
+    RouteRecord,
+    check_route_record,
+    dialable,
+    peer_of,
+    route_key,
+)
 from decentrl.net.records import MAX_RECORD_BYTES, SignedRecordValidator
 from decentrl.net.streams import ErrorFrame, FrameReader, StreamStalled, write_frame
 from decentrl.net.text import peer_text
@@ -108,6 +115,10 @@ BLOCK_TABLE_SIZE = 1024
 SIGNATURE_DOMAIN = b"decentrl/1"
 # After every route of a peer failed, how long before they are tried again.
 ROUTES_RETRY_S = 5.0
+# How often a node behind NAT checks that it still holds a connection to each of its initial
+# peers (the coordinator, its relays) and dials again where not: nobody else can open one to it,
+# and the coordinator's large calls cannot take a relay (net/circuits.py).
+REDIAL_EVERY_S = 10.0
 # The longest a request stream may send nothing (before or inside its request), or leave a piece
 # of its reply unread, before it is cut.
 READ_TIMEOUT_S = 10.0
@@ -395,6 +406,27 @@ class SwarmNode:
                                         client_mode=network.dht_client,
                                         record_validator=self.record_validator)
         self.links = LinkEmulator(local=str(self.p2p.peer_id), profile=self.link_profile)
+        if network.reachability == "relayed" and initial_peers:
+            asyncio.ensure_future(self._keep_connected(initial_peers))  # cancelled at shutdown
+
+    async def _keep_connected(self, addresses: list[str]) -> None:
+        assert self.p2p is not None
+        wanted = {peer_of(address): address for address in addresses}
+        while True:
+            await asyncio.sleep(REDIAL_EVERY_S)
+            try:
+                connected = {str(info.peer_id) for info in await self.p2p.list_peers()}
+            except P2PDaemonError as error:
+                log.info("%s: could not list its connections: %s", self.name, error)
+                continue
+            for peer, address in wanted.items():
+                if peer in connected:
+                    continue
+                try:
+                    await self.p2p._client.connect(PeerID.from_base58(peer), [dialable(address)])
+                    log.info("%s: connected again to %s", self.name, address)
+                except (P2PDaemonError, ConnectionError, OSError) as error:
+                    log.info("%s: no connection to %s: %s", self.name, address, error)
 
     @property
     def closed(self) -> bool:
@@ -775,14 +807,30 @@ class SwarmNode:
         """One stream to `peer`'s `method`: the request out, the reply back, never more than
         `reply_limit` bytes of it (FrameRefused, a WireError). ErrorFrame if the peer refused.
         Over a relay, one call at a time, on a connection with room for it (net/circuits.py)."""
-        request_bytes = message_bytes(requests)
         circuit = self.circuits.get(peer)
+        if circuit is not None and await self._connected_directly(peer):
+            self.circuits.forget(peer)  # new streams take the direct connection
+            circuit = None
         if circuit is None:
-            responses = await self._stream(peer, method, requests, reply_limit)
-            # The stream may have needed a route through a relay: its first call counts there.
-            if (circuit := self.circuits.get(peer)) is not None:
-                self._carried(circuit, request_bytes, message_bytes(responses))
-            return responses
+            try:
+                stream = await self._open(peer, method)
+            except P2PDaemonError:
+                # Not connected, and the daemon found no way to dial it: the peer's own routes
+                # (on loopback every peer is dialable, and one that is not is gone).
+                if self.network.reachability == "loopback" \
+                        or not await self._connect_by_routes(peer):
+                    raise
+                circuit = self.circuits.get(peer)
+                stream = None if circuit is not None else await self._open(peer, method)
+            if stream is not None:
+                return await self._talk(stream, method, requests, reply_limit)
+        assert circuit is not None
+        return await self._relayed(peer, circuit, method, requests, reply_limit)
+
+    async def _relayed(self, peer: str, circuit: Circuit, method: str,
+                       requests: list[runtime_pb2.ExpertRequest], reply_limit: int
+                       ) -> list[runtime_pb2.ExpertResponse]:
+        request_bytes = message_bytes(requests)
         if request_bytes > CIRCUIT_BYTES:
             raise CircuitTooSmall(
                 f"{method}: a request of {request_bytes} bytes is more than a relayed connection "
@@ -791,7 +839,12 @@ class SwarmNode:
             if not circuit.has_room(request_bytes, min(reply_limit, REPLY_ROOM)):
                 await self._renew_circuit(peer, circuit)
             try:
-                responses = await self._stream(peer, method, requests, reply_limit)
+                try:
+                    stream = await self._open(peer, method)
+                except P2PDaemonError:  # the relay dropped the connection: a fresh one
+                    await self._renew_circuit(peer, circuit)
+                    stream = await self._open(peer, method)
+                responses = await self._talk(stream, method, requests, reply_limit)
             except ErrorFrame:  # refused: the connection is fine
                 self._carried(circuit, request_bytes, 0)
                 raise
@@ -807,6 +860,18 @@ class SwarmNode:
         circuit.received += reply_bytes
         self.relayed_bytes_sent += request_bytes
 
+    async def _connected_directly(self, peer: str) -> bool:
+        """Whether the daemon holds a connection to `peer` that does not go through a relay (the
+        peer dialed this node since, or its relayed connection was upgraded)."""
+        assert self.p2p is not None
+        try:
+            connections = await self.p2p.list_peers()
+        except P2PDaemonError:
+            return False
+        return any(str(info.peer_id) == peer and any("p2p-circuit" not in str(address)
+                                                    for address in info.addrs)
+                   for info in connections)
+
     async def _renew_circuit(self, peer: str, circuit: Circuit) -> None:
         """Close the relayed connection to `peer` and dial a fresh one (its routes)."""
         assert self.p2p is not None
@@ -820,19 +885,17 @@ class SwarmNode:
         if not circuit.broken:
             self.circuits.renewals += 1
 
-    async def _stream(self, peer: str, method: str, requests: list[runtime_pb2.ExpertRequest],
-                      reply_limit: int) -> list[runtime_pb2.ExpertResponse]:
+    async def _open(self, peer: str, method: str
+                    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         assert self.p2p is not None
-        try:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(
-                PeerID.from_base58(peer), f"decentrl.{method}")
-        except P2PDaemonError:
-            # Not connected, and the daemon found no way to dial it: the peer's own routes (on
-            # loopback every peer is dialable, and one that is not is gone).
-            if self.network.reachability == "loopback" or not await self._connect_by_routes(peer):
-                raise
-            _, reader, writer = await self.p2p.call_binary_stream_handler(
-                PeerID.from_base58(peer), f"decentrl.{method}")
+        _, reader, writer = await self.p2p.call_binary_stream_handler(
+            PeerID.from_base58(peer), f"decentrl.{method}")
+        return reader, writer
+
+    async def _talk(self, stream: tuple[asyncio.StreamReader, asyncio.StreamWriter], method: str,
+                    requests: list[runtime_pb2.ExpertRequest], reply_limit: int
+                    ) -> list[runtime_pb2.ExpertResponse]:
+        reader, writer = stream
         with contextlib.closing(writer):
             sending = asyncio.create_task(_send_requests(writer, requests))
             # A peer that refuses before reading the whole request may reset the stream under

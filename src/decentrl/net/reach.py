@@ -100,6 +100,11 @@ def dialable(address: str) -> Multiaddr:
     return Multiaddr(data)
 
 
+def peer_of(address: str) -> str:
+    """The peer id at the end of a full multiaddr."""
+    return address.rsplit("/p2p/", 1)[1].split("/")[0]
+
+
 def relay_circuit(relay: str) -> str:
     """The circuit address of a relay's full multiaddr (`.../p2p/<relay id>`)."""
     return f"{relay}/p2p-circuit"
