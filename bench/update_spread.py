@@ -54,14 +54,23 @@ torch thread (`WeightFollower` sets it in the apply's worker thread): on 2 share
 2-thread apply of a 1 % delta to 81 M parameters spends most of its time with one OpenMP thread
 waiting for the other (1.3 s instead of 0.1 s measured while another job ran).
 
+With `--netns` (as root; net/netns.py), the same runs across hosts of their own: the publisher
+in one home behind NAT, each replica in a home of its own behind NAT, a relay on the public
+segment; every home's uplink capped at `--uplink-mbps` by a kernel token bucket instead of the
+link emulator (which keeps the RTT). Nobody can dial anyone but the relay: every byte between
+two peers crosses it, on relayed connections that carry 128 KiB each way at most
+(net/circuits.py: chunks come in 40 KiB pieces, on a fresh circuit every 100 KiB). The table
+then also has each update's fresh circuits (`circuits`), and calls a relay cut (`cut`).
+
 Run: decentrl bench update-spread [--replicas 2,4,8] [--updates 3] [--warmup 1] [--scale 1.0]
      [--variants swarm,star] [--uplink-mbps 20] [--rtt-ms 60,120] [--chunks 32]
-     [--parallel-fetches 8] [--threads 1] [--json PATH] [--out PNG|none]
+     [--parallel-fetches 8] [--threads 1] [--netns] [--json PATH] [--out PNG|none]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -78,7 +87,9 @@ import torch  # noqa: E402
 
 from decentrl.config import SyncConfig  # noqa: E402
 from decentrl.net.authority import RunAuthority  # noqa: E402
+from decentrl.net.dialback import keep_routes_announced  # noqa: E402
 from decentrl.net.link import LinkProfile  # noqa: E402
+from decentrl.net.netns import HomeSpec, Internet  # noqa: E402
 from decentrl.net.node import SwarmNode  # noqa: E402
 from decentrl.net.protocol import (  # noqa: E402
     LineageRecord,
@@ -87,6 +98,7 @@ from decentrl.net.protocol import (  # noqa: E402
     lineage_key,
     stage_key,
 )
+from decentrl.net.reach import NetworkOptions, RouteRecord, relay_circuit  # noqa: E402
 from decentrl.net.wire import TensorLimits, encode_struct  # noqa: E402
 from decentrl.sync.delta import PublishedState, TensorChange  # noqa: E402
 from decentrl.sync.distribute import StoredUpdate, WeightFollower, WeightPublisher  # noqa: E402
@@ -124,6 +136,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of this process (the publisher's encoding)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--netns", action="store_true",
+                        help="every node behind NAT in a home of its own, a relay between them "
+                             "(Linux network namespaces; needs root)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--out", default=DEFAULT_OUT, help="plot file (PNG), or 'none'")
     args = parser.parse_args(argv)
@@ -207,21 +222,44 @@ class TimedFollower(WeightFollower):
 
 # ---- one swarm ----------------------------------------------------------------------------------
 
-def start_nodes(count: int, args: argparse.Namespace) -> list[SwarmNode]:
-    """The publisher's node first, then `count` replica nodes bootstrapped from it."""
+def start_nodes(count: int, args: argparse.Namespace, internet: Internet | None
+                ) -> tuple[list[SwarmNode], list[SwarmNode]]:
+    """The publisher's node first, then `count` replica nodes bootstrapped from it; and the
+    relay's node on an internet (bootstrapping everyone there)."""
     def profile(index: int) -> LinkProfile:
         return LinkProfile(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms,
-                           uplink_mbps=args.uplink_mbps, seed=args.seed * 1000 + index)
-    nodes = [SwarmNode.start("publisher", [], profile(0), TensorLimits())]
+                           uplink_mbps=None if internet else args.uplink_mbps,
+                           seed=args.seed * 1000 + index)
+    names = ["publisher", *(f"replica{i}" for i in range(count))]
+    nodes: list[SwarmNode] = []
+    relays: list[SwarmNode] = []
     try:
-        peers = nodes[0].addresses()
-        for i in range(count):
-            nodes.append(SwarmNode.start(f"replica{i}", peers, profile(i + 1), TensorLimits()))
+        if internet is None:
+            nodes.append(SwarmNode.start(names[0], [], profile(0), TensorLimits()))
+            peers = nodes[0].addresses()
+            for index, name in enumerate(names[1:], start=1):
+                nodes.append(SwarmNode.start(name, peers, profile(index), TensorLimits()))
+            return nodes, relays
+        relay_host = internet.hosts["relay"]
+        relays.append(SwarmNode.start("relay", [], LinkProfile(), TensorLimits(),
+                                      network=NetworkOptions(
+                                          (f"/ip4/{relay_host.address}/tcp/0",),
+                                          reachability="direct", relay_service=True,
+                                          netns=relay_host.namespace)))
+        relay = relays[0].addresses()[0]
+        route = RouteRecord([relay_circuit(relay)], relayed=True)
+        for index, name in enumerate(names):
+            host = internet.hosts[name]
+            nodes.append(SwarmNode.start(name, [relay], profile(index), TensorLimits(),
+                                         network=NetworkOptions(
+                                             (f"/ip4/{host.address}/tcp/0",), relays=(relay,),
+                                             reachability="relayed", netns=host.namespace)))
+            keep_routes_announced(nodes[-1], route)
     except BaseException:
-        for node in nodes:
+        for node in nodes + relays:
             node.shutdown()
         raise
-    return nodes
+    return nodes, relays
 
 
 def announce_replicas(replicas: list[SwarmNode], layers: int) -> None:
@@ -285,6 +323,7 @@ def measure_update(publisher: WeightPublisher, followers: list[TimedFollower],
                                                ANNOUNCE_TTL_S), timeout=30)
     size = publisher.updates[("delta", version)].manifest.size
     chunks = len(publisher.updates[("delta", version)].manifest.chunk_hashes)
+    circuits_before = [(f.node.circuits.renewals, f.node.circuits.failures) for f in followers]
     start, retries = sync_all(followers, version, pool)
     for follower in followers:
         if follower.state.hash != publisher.state.hash:
@@ -308,16 +347,21 @@ def measure_update(publisher: WeightPublisher, followers: list[TimedFollower],
             "planned_s": statistics.fmean(planned), "delivered_each_s": delivered,
             "applied_each_s": applied, "apply_cpu_s": apply_cpu, "publisher_sent": publisher_sent,
             "received": received, "sent": sent,
-            "from_publisher": from_publisher / max(1, sum(received)), "retries": retries}
+            "from_publisher": from_publisher / max(1, sum(received)), "retries": retries,
+            "circuits": sum(f.node.circuits.renewals - b for f, (b, _) in
+                            zip(followers, circuits_before)),
+            "cut": sum(f.node.circuits.failures - c for f, (_, c) in
+                       zip(followers, circuits_before))}
 
 
 def run_config(count: int, variant: str, args: argparse.Namespace,
-               weights: dict[str, torch.Tensor], base: PublishedState) -> dict[str, Any]:
+               weights: dict[str, torch.Tensor], base: PublishedState,
+               internet: Internet | None) -> dict[str, Any]:
     sync = SyncConfig(peer_exchange=(variant == "swarm"), chunks_per_update=args.chunks,
                       parallel_fetches=args.parallel_fetches)
     layers = max(1, round(LAYERS * args.scale))
     began = time.perf_counter()
-    nodes = start_nodes(count, args)
+    nodes, relays = start_nodes(count, args, internet)
     servers: list[Any] = []
     try:
         announce_replicas(nodes[1:], layers)
@@ -354,6 +398,8 @@ def run_config(count: int, variant: str, args: argparse.Namespace,
                       f"publisher sent {row['publisher_sent'] / row['bytes']:.2f}x, "
                       f"{row['from_publisher']:.0%} of replica bytes from the publisher, "
                       f"encode {row['encode_s']:.2f}s"
+                      + (f", {row['circuits']} fresh circuits, {row['cut']} calls cut"
+                         if internet else "")
                       + (f", extra syncs {sum(row['retries'])}" if any(row['retries']) else ""),
                       flush=True)
                 if timed:
@@ -365,7 +411,7 @@ def run_config(count: int, variant: str, args: argparse.Namespace,
                 server.close()
             except Exception as error:  # noqa: BLE001 - shutting down anyway
                 print(f"  close: {error}", flush=True)
-        for node in nodes:
+        for node in nodes + relays:
             node.shutdown()
     size = statistics.median(u["bytes"] for u in updates)
     return {
@@ -381,6 +427,8 @@ def run_config(count: int, variant: str, args: argparse.Namespace,
         "sent_ratio": statistics.median(max(u["sent"]) / u["bytes"] for u in updates),
         "apply_cpu_s": statistics.median(statistics.fmean(u["apply_cpu_s"]) for u in updates),
         "encode_s": statistics.median(u["encode_s"] for u in updates),
+        "circuits": statistics.median(u["circuits"] for u in updates),
+        "cut": sum(u["cut"] for u in updates),
     }
 
 
@@ -395,10 +443,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"stage: {len(weights)} tensors, {params:,} parameters "
           f"({4 * params / 2**20:,.0f} MiB float32 per replica)", flush=True)
     results = []
-    for count in args.replicas:
-        for variant in args.variants:
-            results.append(run_config(count, variant, args, weights, base))
-            gc.collect()
+    with contextlib.ExitStack() as stack:
+        internet = stack.enter_context(Internet.start(["relay"], [
+            HomeSpec([name], args.uplink_mbps) for name in
+            ["publisher", *(f"replica{i}" for i in range(max(args.replicas)))]])) \
+            if args.netns else None
+        for count in args.replicas:
+            for variant in args.variants:
+                results.append(run_config(count, variant, args, weights, base, internet))
+                gc.collect()
     report(results, args, params)
 
 
@@ -408,7 +461,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, params: int)
     for r in results:
         rows.append([f"{r['variant']} x{r['replicas']}", float(r["bytes"]), r["publisher_ratio"],
                      r["sent_ratio"], r["planned_s"], r["delivered_s"], r["applied_s"],
-                     r["separate_s"], r["apply_cpu_s"]])
+                     r["separate_s"], r["apply_cpu_s"]]
+                    + ([float(r["circuits"]), float(r["cut"])] if args.netns else []))
         key = f"{r['variant']}_n{r['replicas']}"
         figures[f"{key}_delivered_s"] = r["delivered_s"]
         figures[f"{key}_applied_s"] = r["applied_s"]
@@ -420,7 +474,9 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, params: int)
     caption = (f"median of {args.updates} updates after {args.warmup} warm-up; {params:,} "
                f"float32 parameters; density {SyncConfig().density:g}, {args.chunks} chunks an "
                f"update, {args.parallel_fetches} fetches in flight, one torch "
-               f"thread per apply; every node: {args.uplink_mbps:g} Mbit/s uplink, RTT "
+               f"thread per apply; "
+               f"{'netns: every peer in a home behind NAT, through one relay; ' if args.netns else ''}"
+               f"every node: {args.uplink_mbps:g} Mbit/s uplink, RTT "
                f"{args.rtt_ms[0]:g}-{args.rtt_ms[1]:g} ms + {args.jitter_ms:g} ms jitter. "
                f"pub. sent x: bytes the publisher sent over the update's bytes; sent x: the most "
                f"a replica sent, over the same (every replica received {min(received):.2f}-"
@@ -432,7 +488,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, params: int)
                                                for n, s in dense_s.items()) + f"\n{machine}")
     common.print_table("update spread: time for one update to reach every replica", [
         "variant x N", "update bytes", "pub. sent x", "sent x", "plan s", "delivered s",
-        "applied s", "est. sep. s", "apply CPU s"], rows, caption)
+        "applied s", "est. sep. s", "apply CPU s"]
+        + (["circuits", "cut"] if args.netns else []), rows, caption)
     for variant in args.variants:
         mine = {r["replicas"]: r for r in results if r["variant"] == variant}
         if len(mine) > 1:

@@ -35,6 +35,18 @@ def test_a_connection_has_room_until_either_direction_or_its_age_would_pass_the_
     assert circuit.has_room(0, 0) and circuit.sent == circuit.received == 0
 
 
+def test_calls_in_flight_hold_their_room_until_they_settle_with_what_they_carried() -> None:
+    circuit = Circuits().opened("peer", RELAYED)
+    circuit.reserve(1000, REPLY_ROOM)
+    circuit.reserve(1000, REPLY_ROOM)
+    assert circuit.in_flight == 2 and not circuit.has_room(1000, REPLY_ROOM)
+    circuit.settle(1000, REPLY_ROOM, sent=1000, received=300)
+    assert circuit.in_flight == 1 and circuit.has_room(1000, REPLY_ROOM)
+    circuit.settle(1000, REPLY_ROOM, sent=0, received=0)  # failed before it sent anything
+    assert (circuit.in_flight, circuit.sent, circuit.received) == (0, 1000, 300)
+    assert (circuit.reserved_sent, circuit.reserved_received) == (0, 0)
+
+
 def test_peers_reached_through_a_relay_are_asked_in_pieces_until_they_come_directly() -> None:
     table = Circuits()
     assert table.piece_bytes("peer") is None

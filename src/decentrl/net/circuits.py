@@ -8,9 +8,9 @@ is configured with, and whichever registers last serves (NOTES.md, issue #19).
 
 So a node keeps, for each peer it reaches through a relay (it dialed the peer through one, or
 the peer's requests come in through one), a `Circuit`: when the connection opened and the bytes
-it carried each way. Its calls to that peer go one at a time, each only where the connection has
-room for the request and for `REPLY_ROOM` of reply; otherwise the node closes the connection and
-dials a fresh circuit first (net/node.py). Replies that may be larger are asked for in pieces of
+it carried each way. A call to that peer starts only where the connection has room for the
+request and for `REPLY_ROOM` of reply beside the calls in flight; otherwise it waits for those
+to finish, and the node closes the connection and dials a fresh circuit first (net/node.py). Replies that may be larger are asked for in pieces of
 at most `PIECE_BYTES` (weight-sync chunks, sync/distribute.py); one that still does not fit is
 cut by the relay, and the call fails like any lost reply."""
 
@@ -39,22 +39,41 @@ class CircuitTooSmall(ConnectionError):
 
 @dataclass
 class Circuit:
-    """The relayed connection to one peer: its address, age and traffic. `turn` makes this
-    node's calls over it go one at a time (so each knows the room left); it is kept when the
-    connection is replaced, so that calls queued for the old one wait for the new one."""
+    """The relayed connection to one peer: its address, age, the bytes it carried each way and
+    those that calls in flight on it may still add. A call starts only where the connection has
+    room for it (so a few go at once); one that does not fit waits until the calls in flight
+    are done and then replaces the connection. `changed` is kept when the connection is
+    replaced, so that calls waiting for the old one wait for the new one."""
 
     address: str
     opened: float = field(default_factory=time.monotonic)
     sent: int = 0
     received: int = 0
+    reserved_sent: int = 0
+    reserved_received: int = 0
+    in_flight: int = 0
     # A call over it failed (the relay may have cut it): replaced before the next call.
     broken: bool = False
-    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def has_room(self, request_bytes: int, reply_bytes: int) -> bool:
         return not self.broken and time.monotonic() - self.opened < CIRCUIT_AGE_S \
-            and self.sent + request_bytes <= CIRCUIT_BYTES \
-            and self.received + reply_bytes <= CIRCUIT_BYTES
+            and self.sent + self.reserved_sent + request_bytes <= CIRCUIT_BYTES \
+            and self.received + self.reserved_received + reply_bytes <= CIRCUIT_BYTES
+
+    def reserve(self, request_bytes: int, reply_bytes: int) -> None:
+        self.reserved_sent += request_bytes
+        self.reserved_received += reply_bytes
+        self.in_flight += 1
+
+    def settle(self, request_bytes: int, reply_bytes: int, sent: int, received: int) -> None:
+        """A call that reserved (`request_bytes`, `reply_bytes`) is done: it carried (`sent`,
+        `received`)."""
+        self.reserved_sent -= request_bytes
+        self.reserved_received -= reply_bytes
+        self.in_flight -= 1
+        self.sent += sent
+        self.received += received
 
     def renewed(self, address: str) -> None:
         """A fresh connection (through `address`) took this one's place."""

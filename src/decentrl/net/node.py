@@ -835,30 +835,41 @@ class SwarmNode:
             raise CircuitTooSmall(
                 f"{method}: a request of {request_bytes} bytes is more than a relayed connection "
                 f"carries ({CIRCUIT_BYTES}), and {peer[-8:]} is reached through a relay")
-        async with circuit.turn:
-            if not circuit.has_room(request_bytes, min(reply_limit, REPLY_ROOM)):
-                await self._renew_circuit(peer, circuit)
+        reply_room = min(reply_limit, REPLY_ROOM)
+        retried = False
+        while True:
+            async with circuit.changed:
+                while not circuit.has_room(request_bytes, reply_room):
+                    if circuit.in_flight:
+                        await circuit.changed.wait()  # calls in flight end within their timeout
+                    else:
+                        await self._renew_circuit(peer, circuit)
+                circuit.reserve(request_bytes, reply_room)
+            sent = received = 0
             try:
-                try:
-                    stream = await self._open(peer, method)
-                except P2PDaemonError:  # the relay dropped the connection: a fresh one
-                    await self._renew_circuit(peer, circuit)
-                    stream = await self._open(peer, method)
+                stream = await self._open(peer, method)
+                sent = request_bytes
+                self.relayed_bytes_sent += request_bytes
                 responses = await self._talk(stream, method, requests, reply_limit)
+                received = message_bytes(responses)
+                return responses
+            except P2PDaemonError:
+                # The relay dropped the connection before the stream opened: once more, on a
+                # fresh one.
+                circuit.broken = True
+                if retried:
+                    raise
+                retried = True
             except ErrorFrame:  # refused: the connection is fine
-                self._carried(circuit, request_bytes, 0)
                 raise
             except BaseException:
                 circuit.broken = True
                 self.circuits.failures += 1
                 raise
-            self._carried(circuit, request_bytes, message_bytes(responses))
-            return responses
-
-    def _carried(self, circuit: Circuit, request_bytes: int, reply_bytes: int) -> None:
-        circuit.sent += request_bytes
-        circuit.received += reply_bytes
-        self.relayed_bytes_sent += request_bytes
+            finally:
+                async with circuit.changed:
+                    circuit.settle(request_bytes, reply_room, sent, received)
+                    circuit.changed.notify_all()
 
     async def _connected_directly(self, peer: str) -> bool:
         """Whether the daemon holds a connection to `peer` that does not go through a relay (the
