@@ -61,6 +61,7 @@ max_new_tokens = 6
 steps = {STEPS}
 lr = 1e-2
 micro_batch_size = 8
+zero_variance_groups = "keep"  # a tiny random model's rewards are all 0: train on them anyway
 
 [eval]
 problems = 8
@@ -245,6 +246,7 @@ def test_the_readme_swarm_trains_behind_nat_ends_and_releases_from_the_run_folde
     # training peer that wrote it into its own --checkpoint-dir.
     layout = CheckpointLayout(walk.run_dir / "checkpoints")
     version = layout.latest_version()
+    assert version == STEPS  # a training step makes a version; the last one is checkpointed
     manifest = read_manifest(layout, version, owner_identity(walk.run_dir).peer_id)
     assert manifest is not None and sorted(r.stage for r in manifest.shards) == \
         list(range(NUM_STAGES))
