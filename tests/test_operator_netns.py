@@ -153,7 +153,7 @@ def joined_after(peers: list[Process]) -> dict[str, float]:
 
 @contextmanager
 def operator(folder: Path, num_stages: int) -> Iterator[Operator]:
-    """Two homes behind NAT with a stage's training peer and replica in different homes."""
+    """Two homes behind NAT, a host in each for every stage's training peer and replica."""
     homes = [HomeSpec([f"home{k}-{j}" for j in range(num_stages)], uplink_mbit=50)
              for k in (1, 2)]
     with Internet.start(["coordinator", "relay"], homes) as internet:
@@ -208,7 +208,7 @@ def walk_the_readme(model_dir: Path, folder: Path, num_stages: int) -> Walk:
             with (run_dir / "admitted.txt").open("a") as admitted:  # README: echo ID >> ...
                 admitted.write(peer_id + "\n")
         # Replicas: the printed command as it is (--stage auto), one after another as the
-        # README says; each takes a stage nobody serves yet.
+        # README says, alternating homes; each takes a stage nobody serves yet.
         replicas = []
         for index in range(num_stages):
             host = f"home{2 - index % 2}-{num_stages - 1 - index // 2}"
