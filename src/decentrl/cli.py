@@ -256,8 +256,8 @@ def coordinate(
         joining = join_command(run_config.name, node.peer_id, node.addresses())
         (run_config.path / "join.txt").write_text(joining + "\n")
         console.print("peers join with this command (a training peer adds --role training "
-                      f"--checkpoint-dir DIR; it is also in {run_config.path / 'join.txt'}):",
-                      highlight=False)
+                      "--identity KEY_FILE --checkpoint-dir DIR, and waits to be admitted; it is "
+                      f"also in {run_config.path / 'join.txt'}):", highlight=False)
         # One line, never wrapped: a terminal that wraps it copies a broken address.
         console.print(joining, soft_wrap=True, highlight=False, markup=False)
         summary = coordinator.run(wait_s=wait)

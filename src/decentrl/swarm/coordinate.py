@@ -292,6 +292,7 @@ class SwarmBackend:
     def wait_for_swarm(self, timeout_s: float) -> None:
         """Until every stage has an inference replica and a training peer that is ready."""
         started = time.monotonic()
+        said = ""
         with progress_bar(self.console, "waiting for peers", timeout_s, counted=False) as update:
             while True:
                 self.announce_run()
@@ -304,7 +305,12 @@ class SwarmBackend:
                 if waited > timeout_s:
                     raise SwarmUnavailable(f"after {timeout_s:.0f}s of waiting, "
                                            f"{'; '.join(lacking)}")
-                update(waited, description=f"waiting for peers: {'; '.join(lacking)}")
+                waiting = f"waiting for peers: {'; '.join(lacking)}"
+                update(waited, description=waiting)
+                # Without a terminal (a server's log file) the bar is off: say each change.
+                if not self.console.is_terminal and waiting != said:
+                    self.console.print(waiting, highlight=False)
+                    said = waiting
                 time.sleep(1.0)
 
     def _peer_changed(self, peer: str, record: PeerRecord, joined: bool) -> None:

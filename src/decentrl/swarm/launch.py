@@ -80,8 +80,9 @@ def link_profile(config: RunConfig) -> LinkProfile:
 
 
 def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
-    """`--stage auto`: a training peer takes the first stage without one; an inference peer takes
-    the stage with the least free capacity (fewest free sessions, then fewest replicas)."""
+    """`--stage auto`: a training peer takes a stage without one; an inference peer takes a stage
+    with the least free capacity (fewest free sessions and replicas). Ties are broken at random:
+    peers started together see the same empty swarm, and would all take stage 0 otherwise."""
     capacity = []
     for stage in range(config.num_stages):
         found, skipped = decode_records(node.run(node.lookup(stage_key(config.name, stage)),
@@ -94,7 +95,10 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
         else:
             serving = [r for r in records if r.role != "training"]
             capacity.append((sum(r.free_sessions for r in serving) + len(serving), stage))
-    return min(capacity)[1]
+    least = min(capacity)[0]
+    # Not the module's generator: whatever seeded it would seed every joining peer alike.
+    return random.SystemRandom().choice([stage for served, stage in capacity
+                                         if served == least])
 
 
 def run_ended(node: SwarmNode, config: RunConfig, owner: str, console: Console) -> bool:
