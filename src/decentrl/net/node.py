@@ -119,6 +119,8 @@ ROUTES_RETRY_S = 5.0
 # peers (the coordinator, its relays) and dials again where not: nobody else can open one to it,
 # and the coordinator's large calls cannot take a relay (net/circuits.py).
 REDIAL_EVERY_S = 10.0
+# Off loopback, the longest a stream may take to open before the peer's routes are tried.
+OPEN_TIMEOUT_S = 3.0
 # The longest a request stream may send nothing (before or inside its request), or leave a piece
 # of its reply unread, before it is cut.
 READ_TIMEOUT_S = 10.0
@@ -808,7 +810,7 @@ class SwarmNode:
         `reply_limit` bytes of it (FrameRefused, a WireError). ErrorFrame if the peer refused.
         Over a relay, one call at a time, on a connection with room for it (net/circuits.py)."""
         circuit = self.circuits.get(peer)
-        if circuit is not None and await self._connected_directly(peer):
+        if circuit is not None and (await self._connections(peer))[0]:
             self.circuits.forget(peer)  # new streams take the direct connection
             circuit = None
         if circuit is None:
@@ -844,6 +846,11 @@ class SwarmNode:
                         await circuit.changed.wait()  # calls in flight end within their timeout
                     else:
                         await self._renew_circuit(peer, circuit)
+                if not any(await self._connections(peer)):
+                    # The peer closed it (it renews the connection too, by its own count):
+                    # dial the relay now, before the daemon spends seconds dialing the peer's
+                    # own addresses, which only its LAN can reach.
+                    await self._renew_circuit(peer, circuit)
                 circuit.reserve(request_bytes, reply_room)
             sent = received = 0
             try:
@@ -871,17 +878,18 @@ class SwarmNode:
                     circuit.settle(request_bytes, reply_room, sent, received)
                     circuit.changed.notify_all()
 
-    async def _connected_directly(self, peer: str) -> bool:
+    async def _connections(self, peer: str) -> tuple[bool, bool]:
         """Whether the daemon holds a connection to `peer` that does not go through a relay (the
-        peer dialed this node since, or its relayed connection was upgraded)."""
+        peer dialed this node since, or the connection was upgraded), and one that does."""
         assert self.p2p is not None
         try:
             connections = await self.p2p.list_peers()
         except P2PDaemonError:
-            return False
-        return any(str(info.peer_id) == peer and any("p2p-circuit" not in str(address)
-                                                    for address in info.addrs)
-                   for info in connections)
+            return False, False
+        addresses = [str(address) for info in connections if str(info.peer_id) == peer
+                     for address in info.addrs]
+        return (any("p2p-circuit" not in a for a in addresses),
+                any("p2p-circuit" in a for a in addresses))
 
     async def _renew_circuit(self, peer: str, circuit: Circuit) -> None:
         """Close the relayed connection to `peer` and dial a fresh one (its routes)."""
@@ -898,9 +906,20 @@ class SwarmNode:
 
     async def _open(self, peer: str, method: str
                     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A stream to `peer`'s `method`. Off loopback, P2PDaemonError also when the daemon takes
+        over OPEN_TIMEOUT_S: it is dialing addresses of the peer's that nobody outside its LAN
+        can reach (a peer behind NAT), which fails only after seconds; its routes come next."""
         assert self.p2p is not None
-        _, reader, writer = await self.p2p.call_binary_stream_handler(
-            PeerID.from_base58(peer), f"decentrl.{method}")
+        opening = self.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
+                                                      f"decentrl.{method}")
+        if self.network.reachability == "loopback":
+            _, reader, writer = await opening
+            return reader, writer
+        try:
+            _, reader, writer = await asyncio.wait_for(opening, OPEN_TIMEOUT_S)
+        except TimeoutError:
+            raise P2PDaemonError(f"no stream to {peer[-8:]} within {OPEN_TIMEOUT_S:.0f}s") \
+                from None
         return reader, writer
 
     async def _talk(self, stream: tuple[asyncio.StreamReader, asyncio.StreamWriter], method: str,
