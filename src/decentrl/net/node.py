@@ -341,6 +341,7 @@ class SwarmNode:
         # record may list addresses where nobody answers).
         self.circuits = Circuits()
         self._routes_failed: dict[str, float] = {}
+        self._reached: OrderedDict[str, None] = OrderedDict()  # peers a stream opened to
         # Of what this node sent (requests to peers it reached through a relay, replies to
         # requests that came through one), the bytes that crossed a relay.
         self.relayed_bytes_sent = 0
@@ -906,13 +907,16 @@ class SwarmNode:
 
     async def _open(self, peer: str, method: str
                     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A stream to `peer`'s `method`. Off loopback, P2PDaemonError also when the daemon takes
-        over OPEN_TIMEOUT_S: it is dialing addresses of the peer's that nobody outside its LAN
-        can reach (a peer behind NAT), which fails only after seconds; its routes come next."""
+        """A stream to `peer`'s `method`. Off loopback, to a peer never reached before or
+        reached through a relay, P2PDaemonError also when the daemon takes over OPEN_TIMEOUT_S:
+        it is dialing addresses of the peer's that nobody outside its LAN can reach (a peer
+        behind NAT), which fails only after seconds; the peer's routes come next. (Opening a
+        stream on a live connection is quick, but may wait for a busy daemon: not timed.)"""
         assert self.p2p is not None
         opening = self.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
                                                       f"decentrl.{method}")
-        if self.network.reachability == "loopback":
+        if self.network.reachability == "loopback" \
+                or (peer in self._reached and self.circuits.get(peer) is None):
             _, reader, writer = await opening
             return reader, writer
         try:
@@ -920,6 +924,10 @@ class SwarmNode:
         except TimeoutError:
             raise P2PDaemonError(f"no stream to {peer[-8:]} within {OPEN_TIMEOUT_S:.0f}s") \
                 from None
+        self._reached[peer] = None
+        self._reached.move_to_end(peer)
+        while len(self._reached) > STRIKE_TABLE_SIZE:  # identities are free: bounded
+            self._reached.popitem(last=False)
         return reader, writer
 
     async def _talk(self, stream: tuple[asyncio.StreamReader, asyncio.StreamWriter], method: str,
