@@ -21,6 +21,7 @@ from swarm_helpers import tiny_run_config
 from decentrl.config import SyncConfig
 from decentrl.net import directory as directory_module
 from decentrl.net import node as node_module
+from decentrl.net.circuits import Circuits
 from decentrl.net.directory import PEERS_PER_STAGE, Directory, PeerState
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import BLOCK_TABLE_SIZE, STRIKE_TABLE_SIZE, SwarmNode
@@ -236,9 +237,11 @@ def test_traffic_counters_name_a_bounded_number_of_peers_and_keep_exact_totals()
 
 
 class ChunkNode:
-    """Serves no RPC and answers every chunk request with bytes that match no hash."""
+    """Serves no RPC and answers every chunk request with bytes that match no hash; reaches
+    every peer directly."""
 
     peer_id = "replica"
+    circuits = Circuits()
 
     def serve(self, rpc: Any, handler: Any) -> None:
         pass

@@ -533,7 +533,7 @@ class WeightFollower(UpdateServer):
     async def _fetch_chunk(self, update: StoredUpdate, index: int, source: str) -> bool:
         manifest = update.manifest
         span = update.span(index)
-        for _ in range(2):
+        for attempt in range(2):
             piece = self.node.circuits.piece_bytes(source)
             try:
                 raw = await self._chunk_from(source, manifest, index, span.stop - span.start,
@@ -542,11 +542,10 @@ class WeightFollower(UpdateServer):
             except (RemoteError, MessageLost, WireError) as error:
                 log.debug("chunk %d of v%d from %s: %s", index, manifest.version, source[-8:],
                           error)
-                # Asked whole, then found to be reachable only through a relay: ask in pieces.
-                if piece is not None or self.node.circuits.piece_bytes(source) is None:
+                # Asked whole, then found to be reachable only through a relay: once more, in
+                # pieces.
+                if attempt or piece is not None or self.node.circuits.piece_bytes(source) is None:
                     return False
-        else:
-            return False
         count_bytes(update.received, source, len(raw))
         count_bytes(self.received_total, source, len(raw))
         if hashlib.sha256(raw).digest() != manifest.chunk_hashes[index]:
