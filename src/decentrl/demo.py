@@ -196,7 +196,8 @@ def run_local(config: RunConfig, console: Console) -> None:
 NETNS_PUBLIC = ("coordinator", "relay", "server")
 NETNS_HOMES = (("home1", ("train0", "infer1.0")), ("home2", ("infer0.0", "infer1.1")))
 NETNS_UPLINK_MBIT = 50.0
-# Halfway through training, home2's uplink (a stage-0 and a stage-1 replica) drops to this.
+# Halfway through training, home2's uplink (a stage-0 and a stage-1 replica) drops to this,
+# until training ends.
 NETNS_THROTTLED_HOME = 2
 NETNS_THROTTLE_MBIT = 0.5
 READY_LINE_CHARS = 1000
@@ -267,7 +268,7 @@ def _run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | No
         if internet is not None:
             home = NETNS_HOMES[NETNS_THROTTLED_HOME - 1][1]
             throttle = ThrottleHalfway(
-                internet, NETNS_THROTTLED_HOME, NETNS_THROTTLE_MBIT,
+                internet, NETNS_THROTTLED_HOME, NETNS_THROTTLE_MBIT, NETNS_UPLINK_MBIT,
                 coordinator.backend.directory,
                 {c.info.get("peer_id", "") for c in swarm.children.values() if c.name in home})
             coordinator.hooks.append(throttle)

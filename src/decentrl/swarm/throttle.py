@@ -34,13 +34,16 @@ class RoutingShare:
 
 class ThrottleHalfway(RunHooks):
     """Halfway through training (its time budget, or its steps where it has none), caps home
-    `home`'s uplink at `mbit`; `behind` are the peer ids of that home's peers."""
+    `home`'s uplink at `mbit`, and sets it back to `restore_mbit` when training ends (the final
+    evaluation measures the model, not the throttle); `behind` are the peer ids of that home's
+    peers."""
 
-    def __init__(self, internet: Internet, home: int, mbit: float, directory: Directory,
-                 behind: set[str]) -> None:
+    def __init__(self, internet: Internet, home: int, mbit: float, restore_mbit: float,
+                 directory: Directory, behind: set[str]) -> None:
         if home not in internet.routers:
             raise ValueError(f"no home {home} on this internet (homes: {sorted(internet.routers)})")
         self.internet, self.home, self.mbit, self.directory = internet, home, mbit, directory
+        self.restore_mbit = restore_mbit
         self.behind = behind  # peer ids of the home's hosts
         self.began = 0.0
         self.throttled_at_step: int | None = None
@@ -65,6 +68,9 @@ class ThrottleHalfway(RunHooks):
 
     def training_ended(self, loop: TrainingLoop) -> None:
         self.at_end = self.directory.sessions_opened()
+        if self.throttled_at_step is not None:
+            self.internet.throttle(self.home, self.restore_mbit)
+            loop.console.print(f"home{self.home}'s uplink back to {self.restore_mbit:g} Mbit/s")
 
     def shares(self) -> list[RoutingShare]:
         """Per inference replica still announced at the end, by stage and name."""
