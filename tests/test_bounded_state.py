@@ -268,3 +268,28 @@ def test_a_flood_of_bad_chunk_sources_keeps_the_banned_table_at_its_cap() -> Non
     assert follower._is_banned(sources[-1]) and sources[0] not in follower.banned
     assert len(follower.received_total) == PEERS_COUNTED + 1
     assert sum(update.received.values()) == 8 * len(sources)
+
+
+def test_sessions_given_are_counted_across_a_drop_out_and_the_count_table_is_bounded(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(directory_module, "OPENED_KEPT", 3)
+    config = tiny_run_config(tiny_model_dir, 1)
+    directory = Directory(cast(SwarmNode, None), config.name, 1, config.swarm)
+
+    def announce(peer: str) -> None:
+        directory.peers[peer] = PeerState(PeerRecord(
+            name=peer, stage=0, layers=(0, 1), role="inference", version=0, tokens_per_s=0.0,
+            free_sessions=100, training_ready=False))
+    announce("steady")
+    for _ in range(2):
+        assert directory.choose_inference(0) == "steady"
+    del directory.peers["steady"]  # its announcement was late: it left the directory
+    announce("steady")
+    assert directory.choose_inference(0) == "steady"
+    assert directory.sessions_opened() == {"steady": 3}
+    del directory.peers["steady"]
+    for peer in identities(5, "throwaway"):
+        announce(peer)
+        assert directory.choose_inference(0) == peer
+        del directory.peers[peer]
+    assert len(directory.sessions_opened()) == 3 and "steady" not in directory.sessions_opened()

@@ -5,7 +5,7 @@ after."""
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import pytest
 from rich.console import Console
@@ -16,7 +16,7 @@ from decentrl.swarm.throttle import ThrottleHalfway
 
 
 class Uplinks:
-    routers = {1: "router1", 2: "router2"}
+    routers: ClassVar[dict[int, str]] = {1: "router1", 2: "router2"}
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, float]] = []

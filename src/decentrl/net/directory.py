@@ -10,6 +10,7 @@ import random
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 # decoded and kept with its routing state; a stage of a volunteer swarm has tens of replicas.
 # Peers already in the directory are read first, so a flood of newcomers cannot push them out.
 PEERS_PER_STAGE = 256
+# Peers whose session counts are kept (identities are free: bounded; a swarm has tens).
+OPENED_KEPT = 1024
 
 
 class SwarmUnavailable(RuntimeError):
@@ -36,7 +39,6 @@ class PeerState:
     record: PeerRecord
     latency_s: float = 0.1  # smoothed round trip of this process's calls
     sessions: int = 0  # sessions this process has open on the peer
-    opened: int = 0  # sessions this process has given it, ever
     banned_until: float = 0.0
     failures: int = 0
 
@@ -50,6 +52,7 @@ class Directory:
     num_stages: int
     swarm: SwarmConfig
     peers: dict[str, PeerState] = field(default_factory=dict)
+    opened: OrderedDict[str, int] = field(default_factory=OrderedDict)  # sessions given, by peer
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Peers the run's reputation banned (trust/reputation.py): never chosen, not even as a last
     # resort, unlike peers merely avoided after a failure.
@@ -137,7 +140,11 @@ class Directory:
             peer, state = min(candidates, key=lambda item: (
                 newest - versions[item[0]], item[1].sessions, item[1].latency_s))
             state.sessions += 1
-            state.opened += 1
+            # Kept when the peer drops out of the directory (an announcement late) and returns.
+            self.opened[peer] = self.opened.get(peer, 0) + 1
+            self.opened.move_to_end(peer)
+            while len(self.opened) > OPENED_KEPT:
+                self.opened.popitem(last=False)
             return peer
 
     def verifiers(self, stage: int, exclude: set[str]) -> list[str]:
@@ -195,9 +202,10 @@ class Directory:
             return {peer: s.record for peer, s in self.peers.items()}
 
     def sessions_opened(self) -> dict[str, int]:
-        """By peer id, the sessions this process has given each live peer."""
+        """By peer id, the sessions this process has given each peer so far (the OPENED_KEPT
+        most recently given one)."""
         with self.lock:
-            return {peer: s.opened for peer, s in self.peers.items()}
+            return dict(self.opened)
 
     def stage_peers(self) -> list[list[tuple[str, PeerRecord]]]:
         """Each stage's (peer id, announcement)."""
