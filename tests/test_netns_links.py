@@ -53,9 +53,8 @@ def behind_nat(config: RunConfig, net: Internet, host: str, relay: str, owner: s
         (f"/ip4/{net.hosts[host].address}/tcp/0",), relays=(relay,), reachability="relayed",
         netns=net.hosts[host].namespace))
     try:
-        head, _, relay_id = relay.rpartition("/p2p/")
         keep_routes_announced(node, RouteRecord(
-            [relay_circuit(f"{head}/p2p/{relay_id}")], relayed=True))
+            [relay_circuit(relay)], relayed=True))
         peer = StagePeer(config, 0, role, node, owner,  # type: ignore[arg-type]
                          checkpoint_dir=folder, name=host)
         peer.start()
@@ -188,7 +187,6 @@ def test_large_calls_refused_through_a_relay_go_direct_once_the_peer_behind_nat_
         nodes = [owner]
         try:
             relay = owner.addresses()[0]
-            head, _, relay_id = relay.rpartition("/p2p/")
             for host in ("home", "away"):
                 node = SwarmNode.start(host, [relay], LinkProfile(), TensorLimits(),
                                        network=NetworkOptions(
@@ -197,7 +195,7 @@ def test_large_calls_refused_through_a_relay_go_direct_once_the_peer_behind_nat_
                                            netns=net.hosts[host].namespace))
                 nodes.append(node)
                 keep_routes_announced(node, RouteRecord(
-                    [relay_circuit(f"{head}/p2p/{relay_id}")], relayed=True))
+                    [relay_circuit(relay)], relayed=True))
 
                 async def echo(request: Request[Empty]) -> Reply:
                     return Reply(Empty(), {})
