@@ -17,7 +17,7 @@ from decentrl.net import dialback
 from decentrl.net.dialback import CheckersBusy, DialBackService, check_reachability
 from decentrl.net.identity import Identity
 from decentrl.net.link import LinkProfile
-from decentrl.net.node import PeerRefused, SwarmNode
+from decentrl.net.node import PeerRefused, SwarmNode, SwarmStartError
 from decentrl.net.protocol import DIAL_BACK, DialBackRequest
 from decentrl.net.reach import (
     NetworkOptions,
@@ -199,3 +199,23 @@ def test_a_busy_checker_says_try_again_later_and_the_asker_does(
         release.set()
         for node in crowd:
             node.shutdown()
+
+
+def test_a_node_taking_its_probes_place_starts_once_more_when_no_initial_peer_answers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dialback, "RESTART_PAUSE_S", 0.0)
+    options = NetworkOptions(reachability="relayed", relays=(RELAY,))
+    attempts: list[NetworkOptions] = []
+
+    def flaky(failures: int) -> Any:
+        def start(given: NetworkOptions) -> Any:
+            attempts.append(given)
+            if len(attempts) <= failures:
+                raise SwarmStartError("none of the initial peers answered")
+            return "node"
+        return start
+    assert dialback.start_again(flaky(1), options) == "node" and attempts == [options] * 2
+    attempts.clear()
+    with pytest.raises(SwarmStartError, match="none of the initial peers answered"):
+        dialback.start_again(flaky(2), options)
+    assert len(attempts) == 2
