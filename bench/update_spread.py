@@ -98,7 +98,7 @@ from decentrl.net.protocol import (  # noqa: E402
     lineage_key,
     stage_key,
 )
-from decentrl.net.reach import NetworkOptions, RouteRecord, relay_circuit  # noqa: E402
+from decentrl.net.reach import RouteRecord, relay_circuit  # noqa: E402
 from decentrl.net.wire import TensorLimits, encode_struct  # noqa: E402
 from decentrl.sync.delta import PublishedState, TensorChange  # noqa: E402
 from decentrl.sync.distribute import StoredUpdate, WeightFollower, WeightPublisher  # noqa: E402
@@ -240,20 +240,13 @@ def start_nodes(count: int, args: argparse.Namespace, internet: Internet | None
             for index, name in enumerate(names[1:], start=1):
                 nodes.append(SwarmNode.start(name, peers, profile(index), TensorLimits()))
             return nodes, relays
-        relay_host = internet.hosts["relay"]
         relays.append(SwarmNode.start("relay", [], LinkProfile(), TensorLimits(),
-                                      network=NetworkOptions(
-                                          (f"/ip4/{relay_host.address}/tcp/0",),
-                                          reachability="direct", relay_service=True,
-                                          netns=relay_host.namespace)))
+                                      network=internet.node_options("relay")))
         relay = relays[0].addresses()[0]
         route = RouteRecord([relay_circuit(relay)], relayed=True)
         for index, name in enumerate(names):
-            host = internet.hosts[name]
             nodes.append(SwarmNode.start(name, [relay], profile(index), TensorLimits(),
-                                         network=NetworkOptions(
-                                             (f"/ip4/{host.address}/tcp/0",), relays=(relay,),
-                                             reachability="relayed", netns=host.namespace)))
+                                         network=internet.node_options(name, [relay])))
             keep_routes_announced(nodes[-1], route)
     except BaseException:
         for node in nodes + relays:

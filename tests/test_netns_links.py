@@ -29,7 +29,7 @@ from decentrl.net.link import LinkProfile
 from decentrl.net.netns import HomeSpec, Internet
 from decentrl.net.node import RemoteError, Reply, Request, SwarmNode
 from decentrl.net.protocol import Empty, Rpc, TensorRule, with_envelope
-from decentrl.net.reach import NetworkOptions, RouteRecord, relay_circuit
+from decentrl.net.reach import RouteRecord, relay_circuit, through_relay
 from decentrl.net.wire import TensorLimits
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig
@@ -45,16 +45,26 @@ def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("wide") / "model", seed=3, hidden_size=128)
 
 
+def start_on(net: Internet, host: str, relay: str | None = None) -> SwarmNode:
+    """A node on `host`, bootstrapped from `relay`: on the public segment reached directly;
+    behind NAT only through `relay`, announced as its route (as `start_reachable` leaves one)."""
+    relays = [relay] if relay else []
+    node = SwarmNode.start(host, relays, LinkProfile(), TensorLimits(),
+                           network=net.node_options(host, relays))
+    if relay and net.hosts[host].behind_nat:
+        try:
+            keep_routes_announced(node, RouteRecord([relay_circuit(relay)], relayed=True))
+        except BaseException:
+            node.shutdown()
+            raise
+    return node
+
+
 def behind_nat(config: RunConfig, net: Internet, host: str, relay: str, owner: str,
                role: str, folder: Path) -> StagePeer:
-    """A stage-0 peer on `host` that others reach only through `relay` (announced as its
-    route), as `start_reachable` leaves one."""
-    node = SwarmNode.start(host, [relay], LinkProfile(), TensorLimits(), network=NetworkOptions(
-        (f"/ip4/{net.hosts[host].address}/tcp/0",), relays=(relay,), reachability="relayed",
-        netns=net.hosts[host].namespace))
+    """A stage-0 peer on `host` that others reach only through `relay`."""
+    node = start_on(net, host, relay)
     try:
-        keep_routes_announced(node, RouteRecord(
-            [relay_circuit(relay)], relayed=True))
         peer = StagePeer(config, 0, role, node, owner,  # type: ignore[arg-type]
                          checkpoint_dir=folder, name=host)
         peer.start()
@@ -70,10 +80,7 @@ def two_homes(wide_model_dir: Path) -> Iterator[Swarm]:
     config = tiny_run_config(wide_model_dir, 1, sync={"density": 0.5, "chunks_per_update": 8})
     with Internet.start(["owner"], [HomeSpec(["trainer"]), HomeSpec(["replica"])]) as net, \
             tempfile.TemporaryDirectory(prefix="decentrl-netns-sync-") as folder:
-        owner_host = net.hosts["owner"]
-        owner = SwarmNode.start("owner", [], LinkProfile(), TensorLimits(), network=NetworkOptions(
-            (f"/ip4/{owner_host.address}/tcp/0",), reachability="direct", relay_service=True,
-            netns=owner_host.namespace))
+        owner = start_on(net, "owner")
         peers: list[StagePeer] = []
         swarm = Swarm(config, owner, peers, Path(folder))
         try:
@@ -101,7 +108,7 @@ def test_a_replica_behind_nat_takes_megabyte_updates_from_a_training_peer_behind
         assert_serves_published(replica, trainer)
     circuits = replica.node.circuits
     circuit = circuits.get(trainer.node.peer_id)
-    assert circuit is not None and "p2p-circuit" in circuit.address
+    assert circuit is not None and through_relay(circuit.address)
     manifests = [publisher_of(trainer).updates[("delta", v)].manifest for v in (1, 2)]
     moved = sum(m.size for m in manifests)
     assert moved > 10 * CIRCUIT_BYTES  # megabytes, through a relay that cuts at 128 KiB
@@ -122,20 +129,14 @@ def test_new_sessions_move_away_from_a_home_whose_uplink_is_throttled(
     model = load_model(str(wide_model_dir))
     with Internet.start(["owner", "server"], [HomeSpec(["fast"]), HomeSpec(["slow"])]) as net, \
             tempfile.TemporaryDirectory(prefix="decentrl-netns-routing-") as folder:
-        owner = SwarmNode.start("owner", [], LinkProfile(), TensorLimits(), network=NetworkOptions(
-            (f"/ip4/{net.hosts['owner'].address}/tcp/0",), reachability="direct",
-            relay_service=True, netns=net.hosts["owner"].namespace))
+        owner = start_on(net, "owner")
         peers: list[StagePeer] = []
         try:
             relay = owner.addresses()[0]
             for host in ("fast", "slow"):
                 peers.append(behind_nat(config, net, host, relay, owner.peer_id, "inference",
                                         Path(folder)))
-            server = SwarmNode.start("server", [relay], LinkProfile(), TensorLimits(),
-                                     network=NetworkOptions(
-                                         (f"/ip4/{net.hosts['server'].address}/tcp/0",),
-                                         reachability="direct",
-                                         netns=net.hosts["server"].namespace))
+            server = start_on(net, "server", relay)
             last = StagePeer(config, 1, "inference", server, owner.peer_id,
                              checkpoint_dir=Path(folder), name="server")
             peers.append(last)
@@ -181,21 +182,13 @@ def test_large_calls_refused_through_a_relay_go_direct_once_the_peer_behind_nat_
     netns_or_skip()
     monkeypatch.setattr(node_module, "REDIAL_EVERY_S", 2.0)
     with Internet.start(["owner"], [HomeSpec(["home"]), HomeSpec(["away"])]) as net:
-        owner = SwarmNode.start("owner", [], LinkProfile(), TensorLimits(), network=NetworkOptions(
-            (f"/ip4/{net.hosts['owner'].address}/tcp/0",), reachability="direct",
-            relay_service=True, netns=net.hosts["owner"].namespace))
+        owner = start_on(net, "owner")
         nodes = [owner]
         try:
             relay = owner.addresses()[0]
             for host in ("home", "away"):
-                node = SwarmNode.start(host, [relay], LinkProfile(), TensorLimits(),
-                                       network=NetworkOptions(
-                                           (f"/ip4/{net.hosts[host].address}/tcp/0",),
-                                           relays=(relay,), reachability="relayed",
-                                           netns=net.hosts[host].namespace))
+                node = start_on(net, host, relay)
                 nodes.append(node)
-                keep_routes_announced(node, RouteRecord(
-                    [relay_circuit(relay)], relayed=True))
 
                 async def echo(request: Request[Empty]) -> Reply:
                     return Reply(Empty(), {})

@@ -10,9 +10,10 @@ So a node keeps, for each peer it reaches through a relay (it dialed the peer th
 the peer's requests come in through one), a `Circuit`: when the connection opened and the bytes
 it carried each way. A call to that peer starts only where the connection has room for the
 request and for `REPLY_ROOM` of reply beside the calls in flight; otherwise it waits for those
-to finish, and the node closes the connection and dials a fresh circuit first (net/node.py). Replies that may be larger are asked for in pieces of
-at most `PIECE_BYTES` (weight-sync chunks, sync/distribute.py); one that still does not fit is
-cut by the relay, and the call fails like any lost reply."""
+to finish, and the node closes the connection and dials a fresh circuit first (net/node.py).
+Replies that may be larger are asked for in pieces of at most `PIECE_BYTES` (weight-sync
+chunks, sync/distribute.py, and checkpoint shards); one that still does not fit is cut by the
+relay, and the call fails like any lost reply."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from decentrl.net.reach import through_relay
 
 # Of the relay's 128 KiB and 2 minutes: the rest is left for what is not counted here (stream
 # framing, encryption, identify, DHT requests on the same connection).
@@ -111,7 +114,7 @@ class Circuits:
     def seen(self, peer: str, address: str, received: int, sent: int) -> None:
         """A request of `peer`'s came in over `address` (`received` bytes; `sent` in reply). A
         direct connection ends the circuit's bookkeeping: new streams prefer it."""
-        if "p2p-circuit" not in address:
+        if not through_relay(address):
             self._by_peer.pop(peer, None)
             return
         circuit = self._by_peer.get(peer) or self.opened(peer, address)

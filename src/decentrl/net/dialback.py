@@ -47,6 +47,7 @@ from decentrl.net.reach import (
     multiaddr_protocols,
     peer_of,
     relay_circuit,
+    through_relay,
 )
 from decentrl.net.wire import WireError
 
@@ -132,7 +133,7 @@ class DialBackService:
                     error = await _dial(self.probe, sender, address)
                     if error is not None:
                         errors.append(f"{address}: {error}")
-                    elif "p2p-circuit" in address:
+                    elif through_relay(address):
                         relayed.append(address)
                     elif not direct:
                         direct = address
@@ -148,7 +149,7 @@ class DialBackService:
         left."""
         targets, errors = [], []
         host = host_of(address)
-        if host and "p2p-circuit" not in address:
+        if host and not through_relay(address):
             targets += [f"{host}/tcp/{port}" for port in body.ports]
         elif body.ports:
             errors.append(f"the request came through {address or 'an unknown route'}: no "
@@ -248,7 +249,7 @@ def check_reachability(node: SwarmNode, checkers: Sequence[str], relays: Sequenc
     checker failed otherwise (unreachable, a refusal), once more after `CHECK_EVERY_S`; then the
     report holds why each failed the last time."""
     ports = sorted({int(a.rsplit("/tcp/", 1)[1].split("/")[0]) for a in node.addresses()
-                    if "/tcp/" in a and "p2p-circuit" not in a})[:MAX_PORTS]
+                    if "/tcp/" in a and not through_relay(a)})[:MAX_PORTS]
     request = DialBackRequest(ports=[] if node.network.reachability == "relayed" else ports,
                               relays=list(relays)[:MAX_RELAYS])
     deadline = time.monotonic() + busy_wait_s

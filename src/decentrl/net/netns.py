@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Literal, Self
 
+from decentrl.net.reach import NetworkOptions
+
 PUBLIC_SUBNET = ipaddress.ip_network("10.250.0.0/24")
 ROUTER_WAN_BASE = 100  # home k's router is 10.250.0.(100 + k) on the public segment
 MAX_HOMES = 50
@@ -131,6 +133,17 @@ class Internet:
         if uplink_mbit <= 0:
             raise ValueError(f"uplink_mbit must be > 0, got {uplink_mbit}")
         _tbf(self.routers[home], "wan0", uplink_mbit, "change")
+
+    def node_options(self, host: str, relays: Sequence[str] = ()) -> NetworkOptions:
+        """How an in-process node whose daemon sits on `host` is reached: on the public segment
+        directly (relaying for others), behind NAT through `relays` (full multiaddrs)."""
+        where = self.hosts[host]
+        listen = (f"/ip4/{where.address}/tcp/0",)
+        if where.behind_nat:
+            return NetworkOptions(listen, relays=tuple(relays), reachability="relayed",
+                                  netns=where.namespace)
+        return NetworkOptions(listen, reachability="direct", relay_service=True,
+                              netns=where.namespace)
 
     def public_hosts(self) -> list[Host]:
         return [h for h in self.hosts.values() if not h.behind_nat]

@@ -68,6 +68,7 @@ from decentrl.net.reach import (
     dialable,
     peer_of,
     route_key,
+    through_relay,
 )
 from decentrl.net.records import MAX_RECORD_BYTES, SignedRecordValidator
 from decentrl.net.streams import ErrorFrame, FrameReader, StreamStalled, write_frame
@@ -423,13 +424,19 @@ class SwarmNode:
                 log.info("%s: could not list its connections: %s", self.name, error)
                 continue
             for peer, address in wanted.items():
-                if peer in connected:
-                    continue
-                try:
-                    await self.p2p._client.connect(PeerID.from_base58(peer), [dialable(address)])
+                if peer not in connected and await self._dial(peer, address):
                     log.info("%s: connected again to %s", self.name, address)
-                except (P2PDaemonError, ConnectionError, OSError) as error:
-                    log.info("%s: no connection to %s: %s", self.name, address, error)
+
+    async def _dial(self, peer: str, address: str) -> bool:
+        """Connect to `peer` at `address` (a full or relayed multiaddr); False, logged, if not."""
+        assert self.p2p is not None
+        try:
+            await self.p2p._client.connect(PeerID.from_base58(peer), [dialable(address)])
+        except (P2PDaemonError, ConnectionError, OSError, ValueError) as error:
+            log.info("%s: no connection to %s through %s: %s", self.name, peer[-8:], address,
+                     error)
+            return False
+        return True
 
     @property
     def closed(self) -> bool:
@@ -621,7 +628,7 @@ class SwarmNode:
         responses = await asyncio.shield(cached)
         assert self.links is not None
         await self.links.uplink.send(message_bytes(responses), sender)
-        if "p2p-circuit" in address:
+        if through_relay(address):
             self.relayed_bytes_sent += message_bytes(responses)
         self.circuits.seen(sender, address, message_bytes(messages), message_bytes(responses))
         return responses
@@ -809,50 +816,58 @@ class SwarmNode:
                         reply_limit: int) -> list[runtime_pb2.ExpertResponse]:
         """One stream to `peer`'s `method`: the request out, the reply back, never more than
         `reply_limit` bytes of it (FrameRefused, a WireError). ErrorFrame if the peer refused.
-        Over a relay, one call at a time, on a connection with room for it (net/circuits.py)."""
+        Over a relay, only on a connection with room for it (net/circuits.py)."""
         circuit = self.circuits.get(peer)
-        if circuit is not None and (await self._connections(peer))[0]:
-            self.circuits.forget(peer)  # new streams take the direct connection
-            circuit = None
-        if circuit is None:
-            try:
-                stream = await self._open(peer, method)
-            except P2PDaemonError:
-                # Not connected, and the daemon found no way to dial it: the peer's own routes
-                # (on loopback every peer is dialable, and one that is not is gone).
-                if self.network.reachability == "loopback" \
-                        or not await self._connect_by_routes(peer):
-                    raise
-                circuit = self.circuits.get(peer)
-                stream = None if circuit is not None else await self._open(peer, method)
-            if stream is not None:
-                return await self._talk(stream, method, requests, reply_limit)
-        assert circuit is not None
-        return await self._relayed(peer, circuit, method, requests, reply_limit)
+        if circuit is not None:
+            return await self._relayed(peer, circuit, method, requests, reply_limit)
+        try:
+            stream = await self._open(peer, method)
+        except P2PDaemonError:
+            # Not connected, and the daemon found no way to dial it: the peer's own routes (on
+            # loopback every peer is dialable, and one that is not is gone).
+            if self.network.reachability == "loopback" \
+                    or not await self._connect_by_routes(peer):
+                raise
+            circuit = self.circuits.get(peer)
+            if circuit is not None:  # a route through a relay
+                return await self._relayed(peer, circuit, method, requests, reply_limit)
+            stream = await self._open(peer, method)
+        return await self._talk(stream, method, requests, reply_limit)
 
     async def _relayed(self, peer: str, circuit: Circuit, method: str,
                        requests: list[runtime_pb2.ExpertRequest], reply_limit: int
                        ) -> list[runtime_pb2.ExpertResponse]:
+        """The call over the relayed connection to `peer`, or over a direct one the daemon holds
+        by now (then `circuit` is forgotten: new streams take it)."""
         request_bytes = message_bytes(requests)
-        if request_bytes > CIRCUIT_BYTES:
-            raise CircuitTooSmall(
-                f"{method}: a request of {request_bytes} bytes is more than a relayed connection "
-                f"carries ({CIRCUIT_BYTES}), and {peer[-8:]} is reached through a relay")
         reply_room = min(reply_limit, REPLY_ROOM)
         retried = False
         while True:
+            # What the daemon holds is asked under the lock: a renewal by another call in
+            # between would otherwise be taken for the connection the peer closed, and
+            # replaced again under that call.
             async with circuit.changed:
-                while not circuit.has_room(request_bytes, reply_room):
-                    if circuit.in_flight:
-                        await circuit.changed.wait()  # calls in flight end within their timeout
-                    else:
+                direct, connected = await self._connections(peer)
+                if not direct and request_bytes > CIRCUIT_BYTES:
+                    raise CircuitTooSmall(
+                        f"{method}: a request of {request_bytes} bytes is more than a relayed "
+                        f"connection carries ({CIRCUIT_BYTES}), and {peer[-8:]} is reached "
+                        "through a relay")
+                while not direct and not circuit.has_room(request_bytes, reply_room) \
+                        and circuit.in_flight:
+                    await circuit.changed.wait()  # calls in flight end within their timeout
+                    direct, connected = await self._connections(peer)
+                if not direct:
+                    if not connected or not circuit.has_room(request_bytes, reply_room):
+                        # Full or old; or closed by the peer (it renews it too, by its own
+                        # count): dial the relay now, before the daemon spends seconds dialing
+                        # the peer's own addresses, which only its LAN can reach.
                         await self._renew_circuit(peer, circuit)
-                if not any(await self._connections(peer)):
-                    # The peer closed it (it renews the connection too, by its own count):
-                    # dial the relay now, before the daemon spends seconds dialing the peer's
-                    # own addresses, which only its LAN can reach.
-                    await self._renew_circuit(peer, circuit)
-                circuit.reserve(request_bytes, reply_room)
+                    circuit.reserve(request_bytes, reply_room)
+            if direct:
+                self.circuits.forget(peer)
+                return await self._talk(await self._open(peer, method), method, requests,
+                                        reply_limit)
             sent = received = 0
             try:
                 stream = await self._open(peer, method)
@@ -889,8 +904,8 @@ class SwarmNode:
             return False, False
         addresses = [str(address) for info in connections if str(info.peer_id) == peer
                      for address in info.addrs]
-        return (any("p2p-circuit" not in a for a in addresses),
-                any("p2p-circuit" in a for a in addresses))
+        return (any(not through_relay(a) for a in addresses),
+                any(through_relay(a) for a in addresses))
 
     async def _renew_circuit(self, peer: str, circuit: Circuit) -> None:
         """Close the relayed connection to `peer` and dial a fresh one (its routes)."""
@@ -1002,13 +1017,9 @@ class SwarmNode:
             return False
         record = await self.routes_of(peer)
         for address in record.addresses if record is not None else ():
-            try:
-                await self.p2p._client.connect(PeerID.from_base58(peer), [dialable(address)])
-            except (P2PDaemonError, ConnectionError, OSError, ValueError) as error:
-                log.info("%s: no connection to %s through %s: %s", self.name, peer[-8:],
-                         address, error)
+            if not await self._dial(peer, address):
                 continue
-            if "p2p-circuit" in address:
+            if through_relay(address):
                 self.circuits.opened(peer, address)
             else:
                 self.circuits.forget(peer)

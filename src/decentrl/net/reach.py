@@ -105,6 +105,11 @@ def peer_of(address: str) -> str:
     return address.rsplit("/p2p/", 1)[1].split("/")[0]
 
 
+def through_relay(address: str) -> bool:
+    """Whether a multiaddr (a route, or a connection's remote address) goes through a relay."""
+    return "/p2p-circuit" in address
+
+
 def relay_circuit(relay: str) -> str:
     """The circuit address of a relay's full multiaddr (`.../p2p/<relay id>`)."""
     return f"{relay}/p2p-circuit"

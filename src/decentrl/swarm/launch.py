@@ -384,9 +384,7 @@ class LocalSwarm:
     def _coordinator_network(self) -> NetworkOptions:
         if self.internet is None:
             return LOOPBACK_ONLY
-        host = self.internet.hosts[self._host("coordinator")]
-        return NetworkOptions((self._listen(host.name),), reachability="direct",
-                              relay_service=True, netns=host.namespace)
+        return self.internet.node_options(self._host("coordinator"))
 
     def _spawn(self, child: Child) -> None:
         # On one machine every peer competes for the same cores, which separate machines would
