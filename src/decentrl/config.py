@@ -136,6 +136,19 @@ class SwarmConfig(Section):
     stage_wait_s: float = Field(1800.0, gt=0, description="how long generation and evaluation "
                                 "wait for a stage that has lost every inference replica before "
                                 "the run fails")
+    batching: bool = Field(True, description="a stage peer runs the waiting decoding steps of "
+                           "all its sessions as one forward per tick (off: one request at a time)")
+    batch_max_rows: int = Field(512, ge=1, description="rows one batched forward takes at most; "
+                                "the steps left over wait for the next tick")
+    batch_wait_s: float = Field(0.002, ge=0, le=1, description="longest an idle peer waits for "
+                                "more steps to join the first one's tick")
+    kv_pool_tokens: int = Field(524288, ge=1, description="batch x positions the KV caches of all "
+                                "sessions on a peer may hold together (its KV pool); a session "
+                                "that would pass it is refused and moves to another replica")
+    prefix_cache_tokens: int = Field(8192, ge=0, description="positions of shared prompt prefixes "
+                                     "a peer keeps (keys, values and outputs at the current "
+                                     "weights) so sessions that start with them skip computing "
+                                     "them; 0: off")
     inference_replicas: int = Field(2, ge=1, description="per stage, for the local launcher")
     training_peers_per_stage: int = Field(1, ge=1, description="per stage, for the local "
                                           "launcher: the first trains, the others audit it "
@@ -152,6 +165,10 @@ class SwarmConfig(Section):
                              f"({self.max_cached_tokens_per_sender}) must be at least "
                              f"swarm.max_session_tokens ({self.max_session_tokens}): a session "
                              "a peer accepts must fit in its sender's budget")
+        if self.kv_pool_tokens < self.max_session_tokens:
+            raise ValueError(f"swarm.kv_pool_tokens ({self.kv_pool_tokens}) must be at least "
+                             f"swarm.max_session_tokens ({self.max_session_tokens}): a session a "
+                             "peer accepts must fit in its KV pool")
         return self
 
 
