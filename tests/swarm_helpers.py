@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers import build
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
-from helpers import build
 
 from decentrl.config import RunConfig, parse_config
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
@@ -34,6 +34,7 @@ from decentrl.net.protocol import Role
 from decentrl.net.wire import TensorLimits, TensorManifest, encode_struct, to_messages
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.sampling import sampling_config
+from decentrl.swarm.batching import Outcome, StepRequest
 from decentrl.swarm.inference import InferenceService
 from decentrl.swarm.launch import LocalSwarm
 from decentrl.swarm.lineage import LineageSigner
@@ -357,3 +358,17 @@ def publisher_of(peer: StagePeer) -> WeightPublisher:
 def serving(peer: StagePeer) -> InferenceService:
     assert peer.inference is not None, f"{peer.name} serves no inference"
     return peer.inference
+
+
+def steps_through_infer(service: InferenceService) -> None:
+    """Make the peer's ticks run every step alone through `service.infer`, looked up at each
+    step, so a test can wrap or replace `infer` to watch or alter single steps."""
+    def one_at_a_time(requests: list[StepRequest]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for request in requests:
+            try:
+                outcomes.append(service.infer(request.sender, request.body, request.tensors))
+            except Exception as error:  # noqa: BLE001 - the step's answer, as in run_steps
+                outcomes.append(error)
+        return outcomes
+    service.batcher.run_tick = one_at_a_time

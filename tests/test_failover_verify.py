@@ -24,6 +24,7 @@ from swarm_helpers import (
     serving,
     start_peer,
     start_swarm,
+    steps_through_infer,
     tiny_run_config,
 )
 from test_swarm import make_batch
@@ -232,6 +233,7 @@ def test_a_replica_that_rebuilds_its_own_session_is_re_executed_there(
                 raise PeerBusy("busy, once")
             return real_infer(sender, body, tensors)
         service.infer = refuse_once  # type: ignore[method-assign]
+        steps_through_infer(service)
 
         def after_step(session: RemoteSession, step: int) -> None:
             if step == KILL_AFTER_STEP:

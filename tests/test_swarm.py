@@ -33,6 +33,7 @@ from swarm_helpers import (
     publisher_of,
     serving,
     start_swarm,
+    steps_through_infer,
     tiny_run_config,
     weights_of,
 )
@@ -318,6 +319,7 @@ def test_session_survives_a_timeout_on_its_only_replica(tiny_sharp_dir: Path,
                 late_reply_followed_the_timeout.append(client_gave_up.wait(timeout=120))
             return reply
         service.infer = late_once  # type: ignore[method-assign]
+        steps_through_infer(service)
         chain = ObservedChain(swarm.chain(sharp.spec))
         got = run(chain, max_new_tokens=6)
         assert_same_generations(got, run(local_chain(sharp, 2), max_new_tokens=6))
@@ -636,6 +638,7 @@ def test_generation_completes_over_a_lossy_link(tiny_sharp_dir: Path, sharp: Loa
                 runs[peer.node.peer_id] += 1
                 return reply
             service.infer = counted  # type: ignore[method-assign]
+            steps_through_infer(service)
         stats: dict[str, Any] = {}
         chain = ObservedChain(swarm.chain(sharp.spec),
                               before_close=lambda s: stats.update(swarm.client.links.stats()))

@@ -11,7 +11,16 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from swarm_helpers import (
+    Swarm,
+    publisher_of,
+    serving,
+    start_swarm,
+    tiny_run_config,
+    weights_of,
+)
 
+from decentrl.net.compute import Priority
 from decentrl.net.node import PeerRefused
 from decentrl.net.protocol import SYNC_CHUNK, ChunkRequest
 from decentrl.net.wire import WireError, encode_struct
@@ -31,14 +40,6 @@ from decentrl.sync.delta import (
     state_hash,
 )
 from decentrl.sync.distribute import SyncError, make_update
-from swarm_helpers import (
-    Swarm,
-    publisher_of,
-    serving,
-    start_swarm,
-    tiny_run_config,
-    weights_of,
-)
 
 # ---- the codec --------------------------------------------------------------------------------
 
@@ -178,7 +179,7 @@ def fake_step(swarm: Swarm, trainer_peer: StagePeer, seed: int, sign: bool = Tru
                     param.add_(0.01 * torch.randn(param.shape, generator=g))
         stage.version += 1
         publisher_of(trainer_peer).publish(stage.version, published_tensors(stage))
-    trainer_peer.node.run(trainer_peer.node.compute(step), timeout=30)
+    trainer_peer.node.run(trainer_peer.node.compute(step, priority=Priority.TRAINING), timeout=30)
     publisher_of(trainer_peer).wait(timeout=30)
     if sign:
         swarm.sign(trainer_peer)
@@ -334,7 +335,7 @@ def test_an_update_the_owner_did_not_sign_is_refused_before_it_is_fetched(
         assert trainer_peer.training is not None
         stage = trainer_peer.training.trainer.stage
         trainer_peer.node.run(trainer_peer.node.compute(
-            lambda: setattr(stage, "version", 2)), timeout=30)
+            lambda: setattr(stage, "version", 2), priority=Priority.TRAINING), timeout=30)
         publisher.publish(2, published_tensors(stage))
         publisher.wait(timeout=30)
         assert replica.node.run(weights_of(replica).follow(), timeout=60) is True

@@ -4,6 +4,7 @@ load and export without a translation table."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,16 +155,23 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(spec.hidden_size, kv_size, bias=spec.attention_bias)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                cache: LayerCache | None, cache_start: int) -> torch.Tensor:
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [B, heads, T, head_dim], keys and values [B, kv_heads, T, head_dim] of the new
+        positions, rotated. Row by row: rows batched together get what they would alone."""
         batch, length, _ = x.shape
         spec = self.spec
         q = self.q_proj(x).view(batch, length, spec.num_heads, spec.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if cache is not None:
-            k, v = cache.write(cache_start, k, v)
+        return apply_rotary(q, *rope), apply_rotary(k, *rope), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+               ) -> torch.Tensor:
+        """The attention output [B, T, heads x head_dim] of queries over keys/values (all the
+        positions a query may see), before the output projection."""
+        spec = self.spec
+        batch, _, length, _ = q.shape
         groups = spec.num_heads // spec.num_kv_heads
         if length == 1 and groups > 1:
             # One new position (decoding): the `groups` query heads that share a key/value head
@@ -174,11 +182,18 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q.reshape(batch, spec.num_kv_heads, groups, spec.head_dim), k, v, attn_mask=mask
             )
-            return self.o_proj(out.reshape(batch, 1, -1))
+            return out.reshape(batch, 1, -1)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=spec.num_kv_heads != spec.num_heads
         )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return out.transpose(1, 2).reshape(batch, length, -1)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                cache: LayerCache | None, cache_start: int) -> torch.Tensor:
+        q, k, v = self.project(x, rope)
+        if cache is not None:
+            k, v = cache.write(cache_start, k, v)
+        return self.o_proj(self.attend(q, k, v, mask))
 
 
 class MLP(nn.Module):
@@ -192,6 +207,16 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+@dataclass(frozen=True)
+class SessionRows:
+    """One session's rows in a batch of several sessions' new positions."""
+
+    rows: slice  # its rows in the batch
+    caches: Sequence[LayerCache]  # its KV cache, one per layer of the stage
+    start: int  # positions its cache held before these
+    mask: torch.Tensor  # [rows, 1, T, start + T]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -203,6 +228,20 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
                 cache: LayerCache | None = None, cache_start: int = 0) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, cache_start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_sessions(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                         sessions: Sequence[SessionRows], layer: int) -> torch.Tensor:
+        """The layer over the rows of several sessions stacked in `x` [R, T, H]: projections and
+        the MLP run as one batch; each session attends over its own cache with its own mask,
+        since sessions hold different numbers of positions."""
+        q, k, v = self.self_attn.project(self.input_layernorm(x), rope)
+        attended = []
+        for session in sessions:
+            rows = session.rows
+            keys, values = session.caches[layer].write(session.start, k[rows], v[rows])
+            attended.append(self.self_attn.attend(q[rows], keys, values, session.mask))
+        x = x + self.self_attn.o_proj(torch.cat(attended))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

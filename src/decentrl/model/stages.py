@@ -21,6 +21,7 @@ from decentrl.model.blocks import (
     LayerCache,
     ModelSpec,
     RMSNorm,
+    SessionRows,
     attention_mask,
     kv_capacity,
     rotary_tables,
@@ -147,6 +148,16 @@ def distinct_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first, row_of
 
 
+@dataclass(frozen=True)
+class SessionStep:
+    """One session's step in a batch of several (StageModule.body_sessions)."""
+
+    inputs: torch.Tensor  # [B, T] token ids (stage 0) or hidden states of the new positions
+    positions: torch.Tensor  # [B, T]
+    key_valid: torch.Tensor  # [B, cached + T]
+    cache: StageCache
+
+
 class StageModule(nn.Module):
     """One pipeline stage. Input: token ids (stage 0) or hidden states; output: hidden states, or
     logits at the last stage. `version` counts the optimizer steps behind these weights."""
@@ -187,6 +198,34 @@ class StageModule(nn.Module):
         if cache is not None:
             cache.length = start + inputs.shape[1]
         return x
+
+    def body_sessions(self, steps: Sequence[SessionStep]) -> list[torch.Tensor]:
+        """The body over the steps of several sessions at once (continuous batching on a peer):
+        one batch through the projections and MLPs, each session's attention over its own cache.
+        Every step feeds the same number of new positions; each gets the hidden states it would
+        get alone, and its cache moves on as alone."""
+        new = {step.inputs.shape[1] for step in steps}
+        if len(new) != 1:
+            raise ValueError(f"batched steps must feed the same number of positions, got {new}")
+        (length,) = new
+        sessions, row = [], 0
+        for step in steps:
+            start, batch = step.cache.length, step.inputs.shape[0]
+            if step.key_valid.shape != (batch, start + length):
+                raise ValueError(f"key_valid {tuple(step.key_valid.shape)} for {batch} rows "
+                                 f"holding {start} cached + {length} new positions")
+            sessions.append(SessionRows(slice(row, row + batch), step.cache.layers, start,
+                                        attention_mask(step.key_valid, start, length)))
+            row += batch
+        inputs = torch.cat([step.inputs for step in steps])
+        x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        rope = rotary_tables(torch.cat([step.positions for step in steps]), self.spec.head_dim,
+                             self.spec.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_sessions(x, rope, sessions, i)
+        for step in steps:
+            step.cache.length += length
+        return [x[session.rows] for session in sessions]
 
     def _prefill_distinct(self, inputs: torch.Tensor, positions: torch.Tensor,
                           key_valid: torch.Tensor, cache: StageCache, first: torch.Tensor,

@@ -42,7 +42,6 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
@@ -58,6 +57,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from decentrl.net.circuits import CIRCUIT_BYTES, REPLY_ROOM, Circuit, Circuits, CircuitTooSmall
+from decentrl.net.compute import ComputeThread, Priority
 from decentrl.net.identity import Identity, verify
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
 from decentrl.net.protocol import Rpc, RunSizes, size_limit
@@ -320,13 +320,11 @@ class SwarmNode:
         self._open_streams: dict[str, int] = {}  # sender -> requests open here (loop only)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=f"p2p-{name}", daemon=True)
-        # One compute thread: requests run one at a time and the loop stays free to serve the
-        # DHT, timeouts and other calls meanwhile.
+        # One compute thread: requests run one at a time, the most urgent first, and the loop
+        # stays free to serve the DHT, timeouts and other calls meanwhile.
         # torch's intra-op thread count is per thread under OpenMP: set it where the work runs.
-        self.compute_pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"compute-{name}",
-            initializer=torch.set_num_threads if compute_threads else None,
-            initargs=(compute_threads,) if compute_threads else ())
+        self.compute_thread = ComputeThread(
+            name, (lambda: torch.set_num_threads(compute_threads)) if compute_threads else None)
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
         self.record_validator = SignedRecordValidator(self.identity)
@@ -483,7 +481,7 @@ class SwarmNode:
                 log.warning("%s: shutdown: %s", self.name, error)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
-        self.compute_pool.shutdown(wait=False, cancel_futures=True)
+        self.compute_thread.shutdown()
 
     # ---- running coroutines from other threads ------------------------------------------
 
@@ -505,11 +503,14 @@ class SwarmNode:
         self.link_profile = link_profile
         self.links = LinkEmulator(local=str(self.p2p.peer_id), profile=link_profile)
         if compute_threads:
-            self.compute_pool.submit(torch.set_num_threads, compute_threads).result(timeout=30)
+            self.compute_thread.submit(Priority.TRAINING, torch.set_num_threads,
+                                       compute_threads).result(timeout=30)
 
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run blocking work (a forward pass) on the compute thread."""
-        return await self.loop.run_in_executor(self.compute_pool, fn, *args)
+    async def compute(self, fn: Callable[..., T], *args: Any, priority: Priority) -> T:
+        """Run blocking work (a forward pass) on the compute thread, after any more urgent work
+        that waits (net/compute.py)."""
+        return await asyncio.wrap_future(self.compute_thread.submit(priority, fn, *args),
+                                         loop=self.loop)
 
     # ---- serving ---------------------------------------------------------------------------
 

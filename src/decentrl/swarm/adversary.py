@@ -56,6 +56,7 @@ from decentrl.learn.batch import TrainBatch
 from decentrl.learn.losses import flagged_rows
 from decentrl.learn.trainer import Activations, LossInputs, StageTrainer
 from decentrl.model.loading import load_tokenizer, resolve_model
+from decentrl.net.compute import Priority
 from decentrl.net.link import MessageLost
 from decentrl.net.node import Handler, RemoteError, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
@@ -166,7 +167,7 @@ class HostileInference:
 
     async def _inference_step(self, request: Request[InferenceStep]) -> Reply:
         return await self.service.node.compute(self._infer, request.sender, request.body,
-                                               request.tensors)
+                                               request.tensors, priority=Priority.GENERATION)
 
     def _infer(self, sender: str, body: InferenceStep, tensors: dict[str, torch.Tensor]
                ) -> Reply:
@@ -249,7 +250,7 @@ class LyingJudge:
 
     async def _verify_step(self, request: Request[VerifyStep]) -> Reply:
         return await self.service.node.compute(self._judge, request.sender, request.body,
-                                               request.tensors)
+                                               request.tensors, priority=Priority.VERIFICATION)
 
     def _judge(self, sender: str, body: VerifyStep, tensors: dict[str, torch.Tensor]) -> Reply:
         reply = self.service.verify(sender, body, tensors)

@@ -17,15 +17,16 @@ never leaks into a session."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from decentrl.config import RunConfig
-from decentrl.model.stages import StageCache, StageModule
+from decentrl.model.stages import SessionStep, StageCache, StageModule
 from decentrl.net.node import Handler, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
     CLOSE_SESSION,
@@ -37,9 +38,12 @@ from decentrl.net.protocol import (
     Rpc,
     VerifyStep,
 )
-from decentrl.rollout.chain import last_position, step_generator
+from decentrl.rollout.chain import step_generator
 from decentrl.rollout.sampling import sample
+from decentrl.swarm.batching import Outcome, StepBatcher, StepRequest
 from decentrl.swarm.inbound import InboundChecks, PeerBusy, PeerError
+
+log = logging.getLogger(__name__)
 
 # Sessions idle this long are dropped (their client is gone); a live client steps far more often.
 SESSION_IDLE_S = 300.0
@@ -47,6 +51,23 @@ SESSION_IDLE_S = 300.0
 
 # A session's key: (the peer that opened it, the id it chose).
 SessionKey = tuple[str, str]
+
+
+@dataclass
+class PreparedStep:
+    """A step of a tick, checked, on the compute device."""
+
+    index: int  # its place in the tick
+    body: InferenceStep
+    session: Session
+    inputs: torch.Tensor
+    positions: torch.Tensor
+    key_valid: torch.Tensor
+
+    @property
+    def first(self) -> bool:
+        """Whether it starts its session (or replays it from position 0)."""
+        return self.body.start == 0
 
 
 @dataclass
@@ -77,6 +98,10 @@ class InferenceService:
         self._sessions_lock = threading.Lock()
         self.served_tokens = 0
         self.busy_s = 0.0  # computing inference requests
+        swarm = config.swarm
+        self.batcher = StepBatcher(node, self.run_steps, swarm.batch_max_rows,
+                                   swarm.batch_wait_s if swarm.batching else 0.0,
+                                   max_steps=None if swarm.batching else 1)
 
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
         return [(INFERENCE_STEP, self._inference_step), (CLOSE_SESSION, self._close_session)]
@@ -97,30 +122,100 @@ class InferenceService:
     # ---- sessions ------------------------------------------------------------------------
 
     async def _inference_step(self, request: Request[InferenceStep]) -> Reply:
-        return await self.node.compute(self.infer, request.sender, request.body, request.tensors)
+        return await self.batcher.submit(request.sender, request.body, request.tensors)
 
     def infer(self, sender: str, body: InferenceStep, tensors: dict[str, torch.Tensor]) -> Reply:
-        """One step of `sender`'s session (compute thread)."""
+        """One step of `sender`'s session on its own (compute thread)."""
+        (outcome,) = self.run_steps([StepRequest(sender, body, tensors)])
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def run_steps(self, requests: list[StepRequest]) -> list[Outcome]:
+        """One tick (compute thread): every step's reply, or the error it fails with alone.
+        Steps that continue their sessions by the same number of positions run as one batched
+        forward; a session's first step (or a replay from 0) runs on its own, where
+        StageModule.body computes the rows a group repeats once. Every row gets what it would
+        alone, at this tick's weights: an update is applied between ticks."""
         started = time.perf_counter()
-        inputs, positions, key_valid = self.checks.step(body, tensors)
-        session = self.session(sender, body, inputs.shape[1])
-        device_inputs = inputs.to(self.device, self.dtype if inputs.is_floating_point() else None)
+        outcomes: list[Outcome | None] = [None] * len(requests)
+        prepared: list[PreparedStep] = []
+        in_tick: set[SessionKey] = set()
+        for index, request in enumerate(requests):
+            try:
+                prepared.append(self._prepare(index, request, in_tick))
+            except Exception as refusal:  # noqa: BLE001 - this step's answer, not the tick's
+                outcomes[index] = refusal
+        firsts = [step for step in prepared if step.first]
+        continuing: dict[int, list[PreparedStep]] = {}
+        for step in prepared:
+            if not step.first:
+                continuing.setdefault(step.inputs.shape[1], []).append(step)
+        computed: list[tuple[PreparedStep, torch.Tensor]] = []
         with torch.inference_mode():
-            hidden = self.model.body(device_inputs, positions.to(self.device),
-                                     key_valid.to(self.device), session.cache)
-            if self.model.is_last:
-                assert body.sampling is not None  # checked
-                out = self.model.head(hidden[last_position(inputs)])
-                tokens, logprobs = sample(out, body.sampling, step_generator(body.seed))
-                result = {"tokens": tokens.cpu(), "logprobs": logprobs.float().cpu()}
-            else:
-                result = {"hidden": hidden.cpu()}
-        self.served_tokens += inputs.shape[0] * inputs.shape[1]
+            for group in [[step] for step in firsts] + list(continuing.values()):
+                try:
+                    computed.extend(zip(group, self._forward(group), strict=True))
+                except Exception as error:  # the answer of this group's steps
+                    log.exception("a forward of %d inference steps failed", len(group))
+                    for step in group:
+                        outcomes[step.index] = error
+            for step, reply in zip((step for step, _ in computed), self._replies(computed),
+                                   strict=True):
+                outcomes[step.index] = reply
+        self.served_tokens += sum(step.inputs.numel() for step, _ in computed)
         self.busy_s += time.perf_counter() - started
-        reply = InferenceReply(version=self.model.version, length=session.cache.length)
-        # Log-probs are [B] floats the trainer's importance ratios use: never compressed.
-        codec = "fp32" if self.model.is_last else self.config.swarm.activation_codec
-        return Reply(reply, result, codec)
+        assert all(outcome is not None for outcome in outcomes)
+        return cast(list[Outcome], outcomes)
+
+    def _prepare(self, index: int, request: StepRequest, in_tick: set[SessionKey]
+                 ) -> PreparedStep:
+        """A step checked, with its session and room in its cache for its positions."""
+        body = request.body
+        inputs, positions, key_valid = self.checks.step(body, request.tensors)
+        key = (request.sender, body.session)
+        if key in in_tick:
+            raise PeerBusy(f"session {body.session} already has a step in this tick")
+        session = self.session(request.sender, body, inputs.shape[1])
+        in_tick.add(key)
+        device_inputs = inputs.to(self.device, self.dtype if inputs.is_floating_point() else None)
+        return PreparedStep(index, body, session, device_inputs, positions.to(self.device),
+                            key_valid.to(self.device))
+
+    def _forward(self, group: list[PreparedStep]) -> list[torch.Tensor]:
+        """The hidden states of the new positions of each step of `group` (one step alone, or
+        steps feeding the same number of positions, batched)."""
+        if len(group) == 1:
+            step = group[0]
+            return [self.model.body(step.inputs, step.positions, step.key_valid,
+                                    step.session.cache)]
+        return self.model.body_sessions([
+            SessionStep(step.inputs, step.positions, step.key_valid, step.session.cache)
+            for step in group])
+
+    def _replies(self, computed: list[tuple[PreparedStep, torch.Tensor]]) -> list[Reply]:
+        """The replies of the steps computed: their hidden states, or at the last stage the
+        tokens sampled from every row's last position (one batch through the head, then each
+        step's own sampling and seed)."""
+        version = self.model.version
+        if not self.model.is_last:
+            return [Reply(InferenceReply(version=version, length=step.session.cache.length),
+                          {"hidden": hidden.cpu()}, self.config.swarm.activation_codec)
+                    for step, hidden in computed]
+        if not computed:
+            return []
+        logits = self.model.head(torch.cat([hidden[:, -1] for _, hidden in computed]))
+        replies, row = [], 0
+        for step, _ in computed:
+            rows = logits[row:row + step.body.batch]
+            row += step.body.batch
+            assert step.body.sampling is not None  # checked
+            tokens, logprobs = sample(rows, step.body.sampling, step_generator(step.body.seed))
+            # Log-probs are [B] floats the trainer's importance ratios use: never compressed.
+            replies.append(Reply(
+                InferenceReply(version=version, length=step.session.cache.length),
+                {"tokens": tokens.cpu(), "logprobs": logprobs.float().cpu()}, "fp32"))
+        return replies
 
     def session(self, sender: str, body: InferenceStep | VerifyStep, new: int) -> Session:
         """`sender`'s session that a step of `new` positions continues (opened by its first
@@ -165,15 +260,23 @@ class InferenceService:
                            "allows")
 
     def _check_budget(self, sender: str, key: SessionKey, session: Session, length: int) -> None:
-        """Refuse a step that would grow `sender`'s caches past its budget of cached tokens
-        (under the table's lock)."""
-        budget = self.config.swarm.max_cached_tokens_per_sender
-        others = sum(other.cached_tokens for other_key, other in self.sessions.items()
-                     if other_key[0] == sender and other_key != key)
-        held = others + session.batch * session.cache.capacity_for(length)
-        if held > budget:
-            raise PeerBusy(f"sender {sender[-8:]} would hold {held} cached tokens (batch x "
-                           f"positions) here, over swarm.max_cached_tokens_per_sender ({budget})")
+        """Refuse a step that would grow `sender`'s caches past its budget of cached tokens, or
+        every session's past the peer's KV pool (under the table's lock)."""
+        swarm = self.config.swarm
+        grown = session.batch * session.cache.capacity_for(length)
+        senders = pool = grown
+        for other_key, other in self.sessions.items():
+            if other_key != key:
+                pool += other.cached_tokens
+                senders += other.cached_tokens if other_key[0] == sender else 0
+        if senders > swarm.max_cached_tokens_per_sender:
+            raise PeerBusy(f"sender {sender[-8:]} would hold {senders} cached tokens (batch x "
+                           f"positions) here, over swarm.max_cached_tokens_per_sender "
+                           f"({swarm.max_cached_tokens_per_sender})")
+        if pool > swarm.kv_pool_tokens:
+            raise PeerBusy(f"the KV pool is full: its sessions would hold {pool} cached tokens "
+                           f"(batch x positions), over swarm.kv_pool_tokens "
+                           f"({swarm.kv_pool_tokens})")
 
     async def _close_session(self, request: Request[CloseSession]) -> Reply:
         with self._sessions_lock:

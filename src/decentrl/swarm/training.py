@@ -22,7 +22,7 @@ import copy
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +31,7 @@ from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.learn.trainer import LossInputs, StageTrainer
 from decentrl.model.loading import file_sha256
 from decentrl.model.stages import StageModule
+from decentrl.net.compute import Priority
 from decentrl.net.node import Handler, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
     CHECKPOINT,
@@ -69,6 +70,8 @@ from decentrl.sync.distribute import WeightPublisher
 from decentrl.trust.audit import FlatState, flat_state, load_flat_state, state_layout
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class TrainingService:
@@ -141,8 +144,13 @@ class TrainingService:
 
     # ---- one step, micro-batch by micro-batch ---------------------------------------------
 
+    async def _compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run training work on the compute thread, ahead of spot-checks and generation: the
+        training chain is the critical path of a step."""
+        return await self.node.compute(fn, *args, priority=Priority.TRAINING)
+
     async def _train_forward(self, request: Request[TrainForward]) -> Reply:
-        return await self.node.compute(self._forward, request.body, request.tensors)
+        return await self._compute(self._forward, request.body, request.tensors)
 
     def _forward(self, body: TrainForward, tensors: dict[str, torch.Tensor]) -> Reply:
         self._at_version(body.version, body.audit)
@@ -165,7 +173,7 @@ class TrainingService:
                      self.config.swarm.activation_codec)
 
     async def _train_backward(self, request: Request[TrainBackward]) -> Reply:
-        return await self.node.compute(self._backward, request.body, request.tensors)
+        return await self._compute(self._backward, request.body, request.tensors)
 
     def _backward(self, body: TrainBackward, tensors: dict[str, torch.Tensor]) -> Reply:
         trainer = self._trainer(body.audit)
@@ -182,7 +190,7 @@ class TrainingService:
         return Reply(Empty(), result, self.config.swarm.activation_codec)
 
     async def _train_grad_norm(self, request: Request[Empty]) -> Reply:
-        value = await self.node.compute(self.trainer.grad_square_norm)
+        value = await self._compute(self.trainer.grad_square_norm)
         return Reply(GradNorm(square_norm=value))
 
     async def _train_step(self, request: Request[TrainStep]) -> Reply:
@@ -192,9 +200,9 @@ class TrainingService:
             raise PeerError(f"grad_scale must be in (0, 1], got {body.grad_scale}")
         if body.audit:
             trainer = self._trainer(audit=True)
-            await self.node.compute(trainer.step, body.grad_scale)
+            await self._compute(trainer.step, body.grad_scale)
             return Reply(VersionReply(version=trainer.version))
-        await self.node.compute(self._step, body.grad_scale, body.commit)
+        await self._compute(self._step, body.grad_scale, body.commit)
         await self.announce()
         return Reply(VersionReply(version=self.trainer.version, state_digest=self._digest()))
 
@@ -224,12 +232,12 @@ class TrainingService:
             raise PeerError(f"count must be in [0, {STATE_CHUNK_FLOATS}], got {body.count}")
         if body.audit:
             trainer = self._trainer(audit=True)
-            state = await self.node.compute(flat_state, trainer)
+            state = await self._compute(flat_state, trainer)
             digest = state.digest
         elif body.version in self.states:
             state, digest = self.states[body.version]
         elif body.version == self.trainer.version:  # a commitment to the state as it is now
-            state = await self.node.compute(flat_state, self.trainer)
+            state = await self._compute(flat_state, self.trainer)
             digest = state.digest
             self.states[state.version] = (state, digest)
         else:
@@ -246,7 +254,7 @@ class TrainingService:
                      {"data": data}, "fp32")
 
     async def _audit_load(self, request: Request[AuditLoad]) -> Reply:
-        return await self.node.compute(self._load_audit_chunk, request.body,
+        return await self._compute(self._load_audit_chunk, request.body,
                                        request.tensors["data"])
 
     def _load_audit_chunk(self, body: AuditLoad, data: torch.Tensor) -> Reply:
@@ -282,7 +290,7 @@ class TrainingService:
         return Reply(VersionReply(version=state.version, state_digest=state.digest))
 
     async def _train_discard(self, request: Request[Empty]) -> Reply:
-        await self.node.compute(self.trainer.discard)
+        await self._compute(self.trainer.discard)
         return Reply(VersionReply(version=self.trainer.version))
 
     async def _train_published(self, request: Request[PublishedRequest]) -> Reply:
@@ -301,11 +309,11 @@ class TrainingService:
         body = request.body
         if body.action == "save":
             self._at_version(body.version)
-            digest, size = await self.node.compute(self._save, body.version, body.committed)
+            digest, size = await self._compute(self._save, body.version, body.committed)
             return Reply(CheckpointReply(version=self.trainer.version, shard_sha256=digest,
                                          shard_bytes=size))
-        published = await self.node.compute(self._load, body.version)
-        await self.node.compute(self.publisher.reset, body.version, published)
+        published = await self._compute(self._load, body.version)
+        await self._compute(self.publisher.reset, body.version, published)
         await self.announce()
         return Reply(CheckpointReply(version=self.trainer.version))
 

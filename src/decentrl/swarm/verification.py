@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from decentrl.model.stages import StageModule
+from decentrl.net.compute import Priority
 from decentrl.net.node import Handler, Reply, Request
 from decentrl.net.protocol import CLOSE_SESSION, VERIFY_STEP, Rpc, VerifyReply, VerifyStep
 from decentrl.rollout.chain import step_generator
@@ -59,7 +60,7 @@ class VerifyService:
 
     async def _verify_step(self, request: Request[VerifyStep]) -> Reply:
         return await self.node.compute(self.verify, request.sender, request.body,
-                                       request.tensors)
+                                       request.tensors, priority=Priority.VERIFICATION)
 
     def verify(self, sender: str, body: VerifyStep, tensors: dict[str, torch.Tensor]) -> Reply:
         """One segment of `sender`'s re-execution (compute thread)."""

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decentrl.config import SyncConfig
+from decentrl.net.compute import Priority
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
@@ -492,7 +493,7 @@ class WeightFollower(UpdateServer):
             await self._fetch(update, publisher)
         loop = asyncio.get_running_loop()
         changes = await loop.run_in_executor(None, self._apply, manifest, update.data)
-        await self.node.compute(self.commit, manifest.version, changes)
+        await self.node.compute(self.commit, manifest.version, changes, priority=Priority.WEIGHTS)
         from_publisher = update.received[publisher]
         log.info("stage %d %s v%d applied: %d bytes, %d from the publisher, %d from %d replicas",
                  self.stage, manifest.kind, manifest.version, manifest.size, from_publisher,
