@@ -188,6 +188,34 @@ def test_a_senders_budget_refuses_the_extra_session_and_tokens(
     assert not service.sessions
 
 
+@pytest.mark.network
+def test_the_peers_kv_pool_refuses_a_session_past_it_whoever_sends_it(
+        tiny_sharp_dir: Path) -> None:
+    """The pool bounds every session on the peer together (a sender's budget only its own): at
+    a pool of 4 sessions' first chunks, the fifth is refused (no strike) until one closes."""
+    config = tiny_run_config(tiny_sharp_dir, 2, swarm={
+        "max_session_tokens": 512, "max_cached_tokens_per_sender": 1024,
+        "kv_pool_tokens": 4 * ROWS * KV_GROWTH, "max_sessions_per_sender": 8})
+    with start_swarm(config, [(0, "inference")]) as swarm:
+        caller = Caller(swarm.client, swarm.peer(0).node.peer_id)
+        for session in "abcd":
+            caller.step(session, 0, tokens(ROWS, 3, seed=2))
+        with pytest.raises(PeerRefused, match=r"the KV pool is full: its sessions would hold "
+                                              r"640 cached tokens \(batch x positions\), over "
+                                              r"swarm.kv_pool_tokens \(512\)"):
+            caller.step("e", 0, tokens(ROWS, 3, seed=2))
+        assert (caller.id, "e") not in serving(swarm.peer(0)).sessions
+        assert swarm.peer(0).node.strikes(caller.id) == 0
+        caller.close("a")
+        assert caller.step("e", 0, tokens(ROWS, 3, seed=2))[0] == 3
+
+
+def test_the_kv_pool_must_hold_one_full_session(tiny_sharp_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"swarm.kv_pool_tokens \(100\) must be at least "
+                                          r"swarm.max_session_tokens"):
+        tiny_run_config(tiny_sharp_dir, 2, swarm={"kv_pool_tokens": 100})
+
+
 # ---- memory: sessions opened for many positions hold what they wrote ------------------------
 
 def resident_bytes() -> int:
