@@ -78,10 +78,20 @@ def peer(peer_id: str, name: str, stage: int, role: str, elapsed_s: float,
          megabytes_per_s: float, banned: bool = False, relayed: float = 0.0) -> dict[str, Any]:
     # Bytes grow with time, so only the last snapshot has the final count.
     sent = int(elapsed_s * megabytes_per_s * 1_000_000)
+    # Its compute thread's seconds by kind of work: fixed shares of the time it has been up.
+    shares = COMPUTE_SHARES[role]
+    compute = {f"{kind}_s": share * elapsed_s for kind, share in shares.items()}
     return {"peer_id": peer_id, "name": name, "stage": stage, "role": role, "version": 3,
             "tokens_per_s": 42.5, "bytes_sent": sent, "bytes_relayed": int(relayed * sent),
             "sessions": int(elapsed_s / 60) if role != "training" else 0,
-            "reputation": 0.2 if banned else 0.95, "banned": banned}
+            "reputation": 0.2 if banned else 0.95, "banned": banned,
+            "compute": {**compute, "alive_s": elapsed_s},
+            "rows_per_tick": 24.0 if role != "training" else 0.0}
+
+
+COMPUTE_SHARES = {"inference": {"generation": 0.6, "verification": 0.1, "weights": 0.05},
+                  "training": {"training": 0.7},
+                  "both": {"training": 0.5, "generation": 0.3, "weights": 0.02}}
 
 
 def swarm_record(elapsed_s: float) -> dict[str, Any]:
@@ -260,7 +270,21 @@ def test_bytes_per_peer_come_from_the_last_snapshot(built: tuple[Path, str]) -> 
         "0.20 | yes |" in text
     assert f"Through relays: {human_bytes(495e6)} of the {human_bytes(5412e6)} those peers " \
         "sent (9.1%)" in text
-    assert "infer-c" not in text
+    assert "| infer-c | 1 | inference | 3 |" not in text
+
+
+def test_what_each_peers_compute_thread_did_is_a_share_of_its_time(
+        built: tuple[Path, str]) -> None:
+    _, text = built
+    header = ("| peer | stage | role | generation | training | spot-checks | weight updates | "
+              "idle | rows/tick | over |")
+    assert header in text
+    # Between each peer's first and last snapshot (infer-a: 1 to 11 minutes).
+    assert "| infer-a | 0 | inference | 60% | 0% | 10% | 5% | 25% | 24.0 | 10.0 min |" in text
+    assert "| train-0 | 0 | training | 0% | 70% | 0% | 0% | 30% | 0.0 | 10.0 min |" in text
+    assert "| train-1 | 1 | both | 30% | 50% | 0% | 2% | 18% | 24.0 | 10.0 min |" in text
+    # infer-c left before 7 minutes: its shares cover its snapshots, from 1 to 6 minutes.
+    assert "| infer-c | 1 | inference | 60% | 0% | 10% | 5% | 25% | 24.0 | 5.0 min |" in text
 
 
 def test_trust_counts_say_what_they_count_and_out_of_how_many(

@@ -14,10 +14,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from enum import IntEnum
 from typing import Any, TypeVar
+
+from decentrl.net.protocol import ComputeTime
 
 T = TypeVar("T")
 
@@ -40,6 +43,9 @@ class ComputeThread:
         self._wakeup = threading.Condition()
         self._closed = False
         self._initializer = initializer
+        self.started = time.monotonic()
+        # Seconds spent running work of each priority (read from any thread: a snapshot).
+        self.busy_s = dict.fromkeys(Priority, 0.0)
         self._thread = threading.Thread(target=self._run, name=f"compute-{name}", daemon=True)
         self._thread.start()
 
@@ -51,6 +57,15 @@ class ComputeThread:
             heapq.heappush(self._queue, (priority, next(self._order), lambda: fn(*args), future))
             self._wakeup.notify()
         return future
+
+    def usage(self) -> ComputeTime:
+        """Seconds spent on each kind of work so far, and alive."""
+        busy = dict(self.busy_s)
+        return ComputeTime(training_s=round(busy[Priority.TRAINING], 3),
+                           weights_s=round(busy[Priority.WEIGHTS], 3),
+                           verification_s=round(busy[Priority.VERIFICATION], 3),
+                           generation_s=round(busy[Priority.GENERATION], 3),
+                           alive_s=round(time.monotonic() - self.started, 3))
 
     def shutdown(self) -> None:
         """Stop taking work; cancel what waits (the piece running finishes on its own)."""
@@ -70,12 +85,15 @@ class ComputeThread:
                     self._wakeup.wait()
                 if self._closed:
                     return
-                _, _, work, future = heapq.heappop(self._queue)
+                priority, _, work, future = heapq.heappop(self._queue)
             if not future.set_running_or_notify_cancel():
                 continue
+            began = time.monotonic()
             try:
                 result = work()
             except BaseException as error:  # noqa: BLE001 - handed to whoever awaits the work
                 future.set_exception(error)
             else:
                 future.set_result(result)
+            finally:
+                self.busy_s[Priority(priority)] += time.monotonic() - began

@@ -35,6 +35,17 @@ def coordinator_key(run: str) -> str:
 
 
 
+class ComputeTime(Body):
+    """What a peer's compute thread did since it started (net/compute.py): seconds running each
+    kind of work, and seconds alive (the rest is idle)."""
+
+    training_s: float = 0.0
+    weights_s: float = 0.0
+    verification_s: float = 0.0
+    generation_s: float = 0.0
+    alive_s: float = 0.0
+
+
 class PeerRecord(Body):
     """A peer's announcement under its stage's key (subkey: its peer id); it expires unless
     renewed, so a dead peer drops out of the directory by itself."""
@@ -52,6 +63,8 @@ class PeerRecord(Body):
     # A training peer that re-executes spot-checks of its stage on a copy of the weights its
     # replicas serve (an inference replica always does).
     verifies: bool = False
+    compute: ComputeTime = ComputeTime()
+    rows_per_tick: float = 0.0  # rows its batched inference forwards took on average
 
 
 def layer_span(layers: tuple[int, int]) -> str:

@@ -92,7 +92,8 @@ class SwarmObserver:
         return [PeerSnapshot(peer_id=peer, name=names[peer], stage=r.stage, layers=list(r.layers),
                              role=r.role, version=r.version, tokens_per_s=r.tokens_per_s,
                              bytes_sent=r.bytes_sent, bytes_relayed=r.bytes_relayed,
-                             sessions=sessions.get(peer, 0),
+                             sessions=sessions.get(peer, 0), compute=r.compute,
+                             rows_per_tick=r.rows_per_tick,
                              reputation=round(self.reputation.score(peer), 3),
                              banned=self.reputation.banned(peer))
                 for peer, r in sorted(records.items(), key=lambda item: (item[1].stage,

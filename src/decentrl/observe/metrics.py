@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from decentrl.net.protocol import ComputeTime
+
 
 class Record(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="event"):
     elapsed_s: float = 0.0  # seconds since the run started; the writer stamps it
@@ -98,6 +100,8 @@ class PeerSnapshot(msgspec.Struct, kw_only=True):
     layers: list[int] = []  # [start, stop)
     bytes_relayed: int = 0  # of bytes_sent, through relays
     sessions: int = 0  # generation sessions the coordinator gave it so far (routing)
+    compute: ComputeTime | None = None  # what its compute thread did since it started
+    rows_per_tick: float = 0.0  # rows its batched inference forwards took on average
 
 
 class SwarmRecord(Record, tag="swarm"):

@@ -34,6 +34,7 @@ from decentrl.evaluate.suite import (
 )
 from decentrl.net.text import peer_text
 from decentrl.observe.metrics import (
+    PeerSnapshot,
     RunRecords,
     StepRecord,
     SwarmRecord,
@@ -644,6 +645,44 @@ def peers_table(snapshot: SwarmRecord) -> str:
                   "through relays", "reputation", "banned"], rows)
 
 
+# ComputeTime's kinds of work, as the compute table's columns.
+COMPUTE_KINDS = (("generation_s", "generation"), ("training_s", "training"),
+                 ("verification_s", "spot-checks"), ("weights_s", "weight updates"))
+
+
+def compute_table(snapshots: Sequence[SwarmRecord]) -> str:
+    """What each peer's compute thread did between its first and its last snapshot, as shares
+    of that time (the rest idle: waiting for work)."""
+    first: dict[str, PeerSnapshot] = {}
+    last: dict[str, PeerSnapshot] = {}
+    for snapshot in snapshots:
+        for peer in snapshot.peers:
+            if peer.compute is not None:
+                first.setdefault(peer.peer_id, peer)
+                last[peer.peer_id] = peer
+    rows = []
+    for peer_id, end in last.items():
+        start = first[peer_id]
+        assert start.compute is not None and end.compute is not None
+        alive = end.compute.alive_s - start.compute.alive_s
+        if alive <= 0:  # one snapshot only, or the peer restarted under the same id
+            continue
+        shares = [(getattr(end.compute, kind) - getattr(start.compute, kind)) / alive
+                  for kind, _ in COMPUTE_KINDS]
+        rows.append([markdown_text(peer_name(end.name, peer_id)), str(end.stage),
+                     markdown_text(end.role), *(f"{100 * share:.0f}%" for share in shares),
+                     f"{100 * max(0.0, 1 - sum(shares)):.0f}%", f"{end.rows_per_tick:.1f}",
+                     minutes(alive)])
+    if not rows:
+        return "No peer reported what its compute thread did."
+    return "\n\n".join([
+        "What each peer's compute thread did, as shares of the time between its first and last "
+        "snapshot (idle: no work waiting), and the rows its batched generation forwards took "
+        "on average:",
+        table(["peer", "stage", "role", *(label for _, label in COMPUTE_KINDS), "idle",
+               "rows/tick", "over"], rows)])
+
+
 def swarm_section(records: RunRecords, folder: Path) -> str:
     if not any(s.peers for s in records.snapshots):
         return ("## Swarm\n\nNo swarm snapshots with peers were recorded (a local run, or one "
@@ -658,6 +697,7 @@ def swarm_section(records: RunRecords, folder: Path) -> str:
          f"{last.step}, learner version {last.version}; {peers_seen(records.snapshots)} peers "
          "were seen during the run):"),
         peers_table(last),
+        compute_table(records.snapshots),
         image(folder / "bytes_per_peer.png", "bytes sent per peer"),
         "Bytes each of those peers has uploaded since it started, and the coordinator's own "
         "traffic (sent and received).",

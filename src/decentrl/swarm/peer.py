@@ -209,7 +209,10 @@ class StagePeer:
             training_ready=self.training is not None,
             verifies=self.training is not None and self.verification is not None,
             bytes_sent=self.node.links.uplink.bytes_sent if self.node.links is not None else 0,
-            bytes_relayed=self.node.relayed_bytes_sent)
+            bytes_relayed=self.node.relayed_bytes_sent,
+            compute=self.node.compute_thread.usage(),
+            rows_per_tick=round(inference.batcher.rows_per_tick, 1) if inference is not None
+            else 0.0)
 
     async def announce(self) -> None:
         ttl = 5 * self.config.swarm.announce_every_s
