@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from decentrl.config import RunConfig
+from decentrl.model.prefix_cache import PrefixCache
 from decentrl.model.stages import StageCache, StageModule
 from decentrl.net.node import Handler, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
@@ -77,6 +78,9 @@ class InferenceService:
         self._sessions_lock = threading.Lock()
         self.served_tokens = 0
         self.busy_s = 0.0  # computing inference requests
+        # Sessions' first steps reuse the prompt prefixes earlier sessions ran (not spot-checks:
+        # they run rewound weights, swarm/verification.py).
+        self.prefix_cache = PrefixCache(model, config.swarm.prefix_cache_tokens)
 
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
         return [(INFERENCE_STEP, self._inference_step), (CLOSE_SESSION, self._close_session)]
@@ -84,6 +88,16 @@ class InferenceService:
     @property
     def tokens_per_s(self) -> float:
         return self.served_tokens / self.busy_s if self.busy_s > 0 else 0.0
+
+    @property
+    def prefix_hits_tokens(self) -> int:
+        """Row x positions of first steps taken from the prefix cache."""
+        return self.prefix_cache.reused_tokens
+
+    @property
+    def prefill_tokens_computed(self) -> int:
+        """Row x positions of first steps computed (each distinct row once)."""
+        return self.prefix_cache.computed_tokens
 
     def free_sessions(self) -> int:
         return max(0, self.config.swarm.max_sessions_per_peer - len(self.sessions))
@@ -106,8 +120,9 @@ class InferenceService:
         session = self.session(sender, body, inputs.shape[1])
         device_inputs = inputs.to(self.device, self.dtype if inputs.is_floating_point() else None)
         with torch.inference_mode():
-            hidden = self.model.body(device_inputs, positions.to(self.device),
-                                     key_valid.to(self.device), session.cache)
+            forward = self.prefix_cache.prefill if body.start == 0 else self.model.body
+            hidden = forward(device_inputs, positions.to(self.device), key_valid.to(self.device),
+                             session.cache)
             if self.model.is_last:
                 assert body.sampling is not None  # checked
                 out = self.model.head(hidden[last_position(inputs)])
