@@ -35,12 +35,9 @@ VARIANTS = ("plain", "cached")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from decentrl.config import SwarmConfig
-    from decentrl.demo import AGENTIC_TASK
 
     parser = common.bench_parser("prefix_cache", __doc__, "run")
-    parser.add_argument("--env", default=AGENTIC_TASK["name"], help="an agentic environment")
-    parser.add_argument("--options", default=json.dumps(AGENTIC_TASK["options"]),
-                        help="the environment's options, a JSON object (default: the demo's)")
+    common.add_environment_arguments(parser)
     parser.add_argument("--problems", type=int, default=8, help="problems (groups) in a run")
     parser.add_argument("--group-size", type=int, default=8, help="rows per problem")
     parser.add_argument("--groups-per-session", type=int, default=1,
@@ -56,12 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not args.variants or any(v not in VARIANTS for v in args.variants):
         parser.error(f"--variants must name some of {', '.join(VARIANTS)}")
-    try:
-        args.options = json.loads(args.options)
-    except json.JSONDecodeError as error:
-        parser.error(f"--options is not JSON: {error}")
-    if not isinstance(args.options, dict):
-        parser.error("--options must be a JSON object")
+    common.parse_environment_options(parser, args)
     if (args.steps < 1 or args.warmup < 0 or args.problems < 1 or args.group_size < 1
             or args.groups_per_session < 1 or args.cache_tokens < 1):
         parser.error("--steps, --problems, --group-size, --groups-per-session and --cache-tokens "
