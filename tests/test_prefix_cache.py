@@ -8,6 +8,7 @@ budget, and the inference service's first steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -224,7 +225,8 @@ def test_a_prefill_starts_a_session(tiny_model: LoadedModel) -> None:
         PrefixCache(stage, -1)
 
 
-def test_the_inference_service_serves_first_steps_from_the_cache(tiny_model_dir, tiny_model
+def test_the_inference_service_serves_first_steps_from_the_cache(tiny_model_dir: Path,
+                                                                   tiny_model: LoadedModel
                                                                    ) -> None:
     """Through `InferenceService.infer` (no network): a second session's first step reuses the
     first's prefix, its sampled tokens are the plain prefill's, and the service counts both."""
