@@ -197,6 +197,27 @@ def bench_parser(prog: str, doc: str | None, unit: str,
     return parser
 
 
+def add_environment_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--env` and `--options` of a bench over an agentic environment (default: the agentic
+    demo's); `parse_environment_options` reads `--options` once parsed."""
+    from decentrl.demo import AGENTIC_TASK
+
+    parser.add_argument("--env", default=AGENTIC_TASK["name"], help="an agentic environment")
+    parser.add_argument("--options", default=json.dumps(AGENTIC_TASK["options"]),
+                        help="the environment's options, a JSON object (default: the demo's)")
+
+
+def parse_environment_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Replace `args.options` (JSON text) by the object it holds; a parser error if it is not
+    a JSON object."""
+    try:
+        args.options = json.loads(args.options)
+    except json.JSONDecodeError as error:
+        parser.error(f"--options is not JSON: {error}")
+    if not isinstance(args.options, dict):
+        parser.error("--options must be a JSON object")
+
+
 def run_variants(script: Path, argv: list[str] | None, args: Any,
                  run_variant: Any, report: Any) -> None:
     """A bench's main: as a worker, run the one variant asked for and emit its result; otherwise

@@ -35,13 +35,10 @@ VARIANTS = ("prefill", "episodes")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from decentrl.demo import AGENTIC_TASK
 
     parser = common.bench_parser("episode_generation", __doc__, "run",
                                  {"batch": "episodes per run (the rows of one session)"})
-    parser.add_argument("--env", default=AGENTIC_TASK["name"], help="an agentic environment")
-    parser.add_argument("--options", default=json.dumps(AGENTIC_TASK["options"]),
-                        help="the environment's options, a JSON object (default: the demo's)")
+    common.add_environment_arguments(parser)
     parser.add_argument("--group-size", type=int, default=8,
                         help="episodes per problem (a group's rows share their prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=80)
@@ -52,12 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not args.variants or any(v not in VARIANTS for v in args.variants):
         parser.error(f"--variants must name some of {', '.join(VARIANTS)}")
-    try:
-        args.options = json.loads(args.options)
-    except json.JSONDecodeError as error:
-        parser.error(f"--options is not JSON: {error}")
-    if not isinstance(args.options, dict):
-        parser.error("--options must be a JSON object")
+    common.parse_environment_options(parser, args)
     if (args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.group_size < 1
             or args.max_new_tokens < 1):
         parser.error("--steps, --batch, --group-size and --max-new-tokens must be >= 1, "

@@ -82,6 +82,22 @@ def test_episode_generation_prints_figures(tiny_model_dir: Path,
     assert values["repeated_prompt_share"] == pytest.approx(0.5)
 
 
+def test_prefix_cache_prints_figures(tiny_model_dir: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("prefix_cache")
+    bench.main(["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "bf16",
+                "--problems", "4", "--group-size", "2", "--groups-per-session", "2", "--steps",
+                "1", "--warmup", "0", "--threads", "1", "--in-process"])
+    output = capsys.readouterr().out
+    values = figures(output, "prefix_cache")
+    assert_positive(values, ["prompt_tokens_per_row", "plain_s", "cached_s",
+                             "plain_computed_tokens", "cached_computed_tokens",
+                             "cached_reused_tokens", "reused_share", "speedup"])
+    # The second session's prompts start with the first's system prompt.
+    assert values["cached_computed_tokens"] < values["plain_computed_tokens"]
+    assert "greedy next tokens equal" in output
+
+
 def test_update_bytes_prints_figures(tiny_model_dir: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("update_bytes")

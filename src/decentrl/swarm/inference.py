@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 
 from decentrl.config import RunConfig
+from decentrl.model.prefix_cache import PrefixCache
 from decentrl.model.stages import SessionStep, StageCache, StageModule
 from decentrl.net.node import Handler, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
@@ -102,6 +103,9 @@ class InferenceService:
         self.batcher = StepBatcher(node, self.run_steps, swarm.batch_max_rows,
                                    swarm.batch_wait_s if swarm.batching else 0.0,
                                    max_steps=None if swarm.batching else 1)
+        # Sessions' first steps reuse the prompt prefixes earlier sessions ran (not spot-checks:
+        # they run rewound weights, swarm/verification.py).
+        self.prefix_cache = PrefixCache(model, config.swarm.prefix_cache_tokens)
 
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
         return [(INFERENCE_STEP, self._inference_step), (CLOSE_SESSION, self._close_session)]
@@ -109,6 +113,16 @@ class InferenceService:
     @property
     def tokens_per_s(self) -> float:
         return self.served_tokens / self.busy_s if self.busy_s > 0 else 0.0
+
+    @property
+    def prefix_hits_tokens(self) -> int:
+        """Row x positions of first steps taken from the prefix cache."""
+        return self.prefix_cache.reused_tokens
+
+    @property
+    def prefill_tokens_computed(self) -> int:
+        """Row x positions of first steps computed (each distinct row once)."""
+        return self.prefix_cache.computed_tokens
 
     def free_sessions(self) -> int:
         return max(0, self.config.swarm.max_sessions_per_peer - len(self.sessions))
@@ -134,8 +148,9 @@ class InferenceService:
     def run_steps(self, requests: list[StepRequest]) -> list[Outcome]:
         """One tick (compute thread): every step's reply, or the error it fails with alone.
         Steps that continue their sessions by the same number of positions run as one batched
-        forward; a session's first step (or a replay from 0) runs on its own, where
-        StageModule.body computes the rows a group repeats once. Every row gets what it would
+        forward; a session's first step (or a replay from 0) runs on its own, through the
+        prefix cache (model/prefix_cache.py: what earlier sessions computed of the same prompt
+        prefixes is reused, and the rows a group repeats run once). Every row gets what it would
         alone, at this tick's weights: an update is applied between ticks."""
         started = time.perf_counter()
         outcomes: list[Outcome | None] = [None] * len(requests)
@@ -187,8 +202,8 @@ class InferenceService:
         steps feeding the same number of positions, batched)."""
         if len(group) == 1:
             step = group[0]
-            return [self.model.body(step.inputs, step.positions, step.key_valid,
-                                    step.session.cache)]
+            forward = self.prefix_cache.prefill if step.first else self.model.body
+            return [forward(step.inputs, step.positions, step.key_valid, step.session.cache)]
         return self.model.body_sessions([
             SessionStep(step.inputs, step.positions, step.key_valid, step.session.cache)
             for step in group])
