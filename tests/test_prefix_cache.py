@@ -247,12 +247,12 @@ def test_the_inference_service_serves_first_steps_from_the_cache(tiny_model_dir:
         return reply.tensors["tokens"]
 
     first_step("a", [first] * 2)
-    assert service.prefix_hits_tokens == 0
-    assert service.prefill_tokens_computed == len(first)
+    assert service.prefix_cache.reused_tokens == 0
+    assert service.prefix_cache.computed_tokens == len(first)
     tokens = first_step("b", [second] * 2)
     shared = len(SYSTEM) // BLOCK_SIZE * BLOCK_SIZE
-    assert service.prefix_hits_tokens == shared
-    assert service.prefill_tokens_computed == len(first) + len(second) - shared
+    assert service.prefix_cache.reused_tokens == shared
+    assert service.prefix_cache.computed_tokens == len(first) + len(second) - shared
     plain = prefill([stage], None, tiny_model, [second] * 2)
     with torch.inference_mode():
         expected = stage.head(plain.hidden[0][:, -1]).argmax(-1)

@@ -47,7 +47,6 @@ BLOCK_SIZE = 32
 class PrefixBlock:
     """One block of a prefix at one weight state."""
 
-    parent: bytes | None  # the key of the block before it; None for a row's first block
     keys: torch.Tensor  # [layers, kv_heads, BLOCK_SIZE, head_dim]
     values: torch.Tensor  # [layers, kv_heads, BLOCK_SIZE, head_dim]
     hidden: torch.Tensor  # [BLOCK_SIZE, hidden]: the stage's outputs
@@ -257,7 +256,6 @@ class PrefixCache:
                 columns = slice(row.start + block * self.block_size,
                                 row.start + (block + 1) * self.block_size)
                 self.blocks[row.keys[block]] = PrefixBlock(
-                    parent=row.keys[block - 1] if block else None,
                     keys=torch.stack([keys[index, :, columns] for keys, _ in layers]),
                     values=torch.stack([values[index, :, columns] for _, values in layers]),
                     hidden=hidden[index, columns].clone())

@@ -114,16 +114,6 @@ class InferenceService:
     def tokens_per_s(self) -> float:
         return self.served_tokens / self.busy_s if self.busy_s > 0 else 0.0
 
-    @property
-    def prefix_hits_tokens(self) -> int:
-        """Row x positions of first steps taken from the prefix cache."""
-        return self.prefix_cache.reused_tokens
-
-    @property
-    def prefill_tokens_computed(self) -> int:
-        """Row x positions of first steps computed (each distinct row once)."""
-        return self.prefix_cache.computed_tokens
-
     def free_sessions(self) -> int:
         return max(0, self.config.swarm.max_sessions_per_peer - len(self.sessions))
 
