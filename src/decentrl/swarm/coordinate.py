@@ -3,10 +3,9 @@
 Generation loops route prompts through chains of inference peers, several groups per session,
 with as many rows in flight as the swarm needs to hide the hops' latency: swarm/inflight.py sizes
 them from the round trips and throughput the sessions measure (or `swarm.sessions_in_flight`
-fixes them). The
-stage trainers are the training peers, driven over RPC; they publish their own weights to the
-replicas of their stage and write their own checkpoints (the coordinator moves the `latest`
-pointer). The coordinator holds no weights. Beside the loop it keeps the run's config and inbox
+fixes them). The stage trainers are the training peers, driven over RPC; they publish their own
+weights to the replicas of their stage and write their own checkpoints (the coordinator moves
+the `latest` pointer). The coordinator holds no weights. Beside the loop it keeps the run's config and inbox
 announced, the directory of peers current, spot-checks rollouts (trust/gate.py) and serves the
 dashboard.
 
