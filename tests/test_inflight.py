@@ -20,7 +20,6 @@ from decentrl.rollout.sampling import SamplingConfig
 from decentrl.swarm.inflight import (
     FLOOR_WINDOW,
     HEADROOM,
-    MIN_STEPS_PER_UPDATE,
     RATE_WINDOW,
     UPDATE_EVERY_S,
     RowsInFlight,
@@ -50,12 +49,14 @@ class Clock:
 
 class SimulatedSwarm:
     """Peers that step at most `capacity` rows per second, with a round trip of `floor_s` when
-    nothing queues: with N rows in flight a decoding step takes max(floor, N / capacity)."""
+    nothing queues: with N rows in flight a decoding step takes max(floor, N / capacity). The
+    allowed rows decode a `duty` share of the time (prefills and session turnover the rest)."""
 
     def __init__(self, controller: RowsInFlight, clock: Clock, capacity: float,
-                 floor_s: float, session_length: int = 64) -> None:
+                 floor_s: float, session_length: int = 64, duty: float = 1.0) -> None:
         self.controller, self.clock = controller, clock
         self.capacity, self.floor_s, self.session_length = capacity, floor_s, session_length
+        self.duty = duty
 
     def interval(self) -> None:
         """One update interval of decoding steps at the rows in flight the controller allows."""
@@ -63,7 +64,8 @@ class SimulatedSwarm:
         round_trip = max(self.floor_s, rows / self.capacity)
         # A little over an interval, so that its last step closes it.
         seconds = 1.01 * UPDATE_EVERY_S
-        steps = max(8, round(rows / round_trip * seconds / self.controller.session_rows))
+        steps = max(8, round(rows / round_trip * seconds * self.duty
+                             / self.controller.session_rows))
         began = self.clock.now
         for index in range(steps):
             self.clock.now = began + seconds * (index + 1) / steps
@@ -85,7 +87,10 @@ def controller(config: RunConfig, replicas: list[int] | None = None
     return RowsInFlight(config, lambda: replicas or [2, 2], clock), clock
 
 
-def test_rows_in_flight_grow_while_latency_dominates() -> None:
+@pytest.mark.parametrize("duty", [1.0, 0.5])
+def test_rows_in_flight_grow_while_latency_dominates(duty: float) -> None:
+    """`duty`: half the time, the allowed sessions prefill or wait for the next to start; the
+    rows in flight grow all the same."""
     control, clock = controller(config())
     # One session of two groups to start with; at most two steps' worth (32 groups).
     assert control.state.limited_by == "start" and control.state.rows == 2 * GROUP
@@ -93,11 +98,11 @@ def test_rows_in_flight_grow_while_latency_dominates() -> None:
     # Peers far faster than the network: every step takes the 100 ms floor, so throughput is
     # rows in flight / 100 ms and the target grows by HEADROOM each interval, to the most a step
     # can use before it goes stale.
-    seen = SimulatedSwarm(control, clock, capacity=1e9, floor_s=0.1).run(6)
+    seen = SimulatedSwarm(control, clock, capacity=1e9, floor_s=0.1, duty=duty).run(6)
     assert seen == [32, 64, 128, 256, 256, 256]
     assert control.state.limited_by == "staleness"
     assert control.state.round_trip_s == pytest.approx(0.1)
-    assert control.state.rows_per_s == pytest.approx(256 / 0.1, rel=0.05)
+    assert control.state.rows_per_s == pytest.approx(duty * 256 / 0.1, rel=0.05)
 
 
 def test_rows_in_flight_settle_between_the_bandwidth_delay_product_and_headroom_times_it() -> None:
@@ -139,14 +144,13 @@ def test_rows_in_flight_respect_every_bound() -> None:
                                        max_session_tokens=4096), replicas=[1, 1])
     SimulatedSwarm(control, clock, capacity=1e9, floor_s=0.1, session_length=512).run(3)
     assert control.state.sessions == 1 and control.state.limited_by == "KV budget per replica"
-    # Fast steps, but few of them (the sessions wait elsewhere): the product is under a row,
-    # and one session runs all the same.
+    # Steps a hundred times slower than the floor measured before: never fewer than one session.
     control, clock = controller(many)
-    for _ in range(3 * MIN_STEPS_PER_UPDATE):
-        clock.now += UPDATE_EVERY_S / MIN_STEPS_PER_UPDATE
-        control.observe(control.session_rows, 1, 64, 0.01)
-    assert control.state.limited_by == "measured" and control.state.rows_per_s is not None
-    assert HEADROOM * control.state.rows_per_s * 0.01 < control.session_rows / 2
+    swarm = SimulatedSwarm(control, clock, capacity=1e9, floor_s=0.01)
+    assert swarm.run(1) == [2 * control.session_rows]
+    swarm.floor_s = 1.0
+    swarm.run(RATE_WINDOW + 1)
+    assert control.state.limited_by == "measured" and control.state.round_trip_s == 0.01
     assert control.state.sessions == 1 and control.slots.limit == 1
     # A fixed count is kept whatever the measurements say, and they are still reported.
     control, clock = controller(config(sessions_in_flight=3))

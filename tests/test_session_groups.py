@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from helpers import build, layout_logits
@@ -16,10 +17,11 @@ from test_failover_verify import route, verify
 from decentrl.config import RunConfig
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.net.node import Reply
-from decentrl.net.protocol import InferenceStep
+from decentrl.net.protocol import InferenceStep, VerifyStep
 from decentrl.rollout.chain import LocalChain, step_generator
 from decentrl.rollout.generate import step_seed
 from decentrl.rollout.sampling import (
+    SamplingConfig,
     sampling_config,
     sampling_logprobs,
     sampling_margin,
@@ -27,6 +29,7 @@ from decentrl.rollout.sampling import (
 )
 from decentrl.rollout.types import Rollout, RolloutGroup
 from decentrl.swarm.adversary import FORGED_SHIFT
+from decentrl.swarm.inbound import InboundChecks, PeerError
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.worker import RolloutWorker
 from decentrl.tasks import make_task, render_prompt
@@ -124,6 +127,21 @@ def test_a_groups_share_of_a_session_keeps_its_own_rows() -> None:
     assert shares[2].stages[1].served == [(0, "q0")]
     assert not shares[2].stages[1].sketches[0].rows.numel()
     assert shares[0].peers() == {"p0", "p1", "q0"}
+
+
+@pytest.mark.parametrize("first_row", [-1, 3])
+def test_a_last_stage_refuses_rows_beyond_any_session_it_accepts(
+        first_row: int, tiny_model: LoadedModel) -> None:
+    """`first_row` says how many rows of noise the verifier draws before the group's: bounded
+    like a session (here 4 rows x 8 positions at most)."""
+    checks = InboundChecks(tiny_model.spec, stage=1, num_stages=2, max_session_tokens=32)
+    body = VerifyStep(session="s", start=0, batch=2, max_length=8, version=0, prompt_columns=2,
+                      sampling=SamplingConfig(), sampling_seed=1, first_row=first_row)
+    targets = torch.full((2, 8), -1, dtype=torch.long)
+    with pytest.raises(PeerError, match="first_row"):
+        checks.targets(body, {"targets": targets}, targets.shape)
+    assert checks.targets(msgspec.structs.replace(body, first_row=2), {"targets": targets},
+                          targets.shape) is targets
 
 
 @pytest.mark.network

@@ -8,11 +8,14 @@ chain. Measured at the rows in flight of the moment that product is those rows t
 `RowsInFlight` estimates the swarm's capacity the way BBR estimates a network path's (Cardwell
 et al., 2016): the most rows stepped per second over the last RATE_WINDOW intervals, and the
 shortest round trip of a decoding step (the median of an interval) over the last FLOOR_WINDOW;
-it aims at HEADROOM x their product. While latency dominates, throughput grows with the rows in
-flight and the target grows by HEADROOM each interval; once the peers are saturated,
-throughput stops growing and the target holds where a step's round trip is about HEADROOM x its
-floor: the rows beyond the floor's worth wait at a peer for its next tick, so no peer idles
-while steps cross the network.
+their product is the rows the swarm keeps busy with nothing queued. The allowed rows are not
+all decoding all the time (a session prefills, ends, and the next one starts), so the target is
+the allowed rows times HEADROOM x that product over the rows that were decoding on average
+(Little's L: rows x round trip, summed, over the interval). While latency dominates, the two
+are equal and the target grows by HEADROOM each interval; once the peers are saturated, the
+round trip grows with the rows and the target holds where it is about HEADROOM x its floor: the
+rows beyond the floor's worth wait at a peer for its next tick, so no peer idles while steps
+cross the network.
 
 A floor measured under load is no floor: after FLOOR_WINDOW intervals of saturation the window
 holds only round trips that queueing lengthened, and the target would grow with them, without
@@ -185,6 +188,7 @@ class RowsInFlight:
         # Rows stepped and round trips of the decoding steps of the current interval.
         self.interval_began = clock()
         self.rows_stepped = 0
+        self.row_seconds = 0.0  # rows x round trip, summed: Little's L times the interval
         self.round_trips: list[float] = []
         self.rates: deque[float] = deque(maxlen=RATE_WINDOW)
         self.floors: deque[float] = deque(maxlen=FLOOR_WINDOW)
@@ -210,6 +214,7 @@ class RowsInFlight:
             if positions != 1:
                 return
             self.rows_stepped += rows
+            self.row_seconds += rows * seconds
             self.round_trips.append(seconds)
             now = self.clock()
             if now - self.interval_began < UPDATE_EVERY_S \
@@ -225,16 +230,22 @@ class RowsInFlight:
 
     def _update(self, now: float) -> InflightState:
         """Close the interval and size the rows in flight from the windows (under the lock)."""
-        latest = self.rows_stepped / (now - self.interval_began)
+        elapsed = now - self.interval_began
+        latest = self.rows_stepped / elapsed
+        decoding = self.row_seconds / elapsed  # rows in a decoding step, on average
         self.rates.append(latest)
         self.floors.append(statistics.median(self.round_trips))
-        self.interval_began, self.rows_stepped, self.round_trips = now, 0, []
+        self.interval_began, self.rows_stepped, self.row_seconds = now, 0, 0.0
+        self.round_trips = []
         self.rate_since_growth = max(self.rate_since_growth, latest)
         rate, floor = max(self.rates), min(self.floors)
         if self.fixed_sessions is not None:
             sessions, limited_by = self.fixed_sessions, "fixed"
         else:
-            wanted = HEADROOM * rate * floor
+            # The rows the swarm keeps busy at the floor (rate x floor), over those that were
+            # decoding: the allowed rows were decoding only part of the time (prefills, a
+            # session's turnover), and the allowed rows are what the slots set.
+            wanted = HEADROOM * self.state.rows * rate * floor / decoding
             highest, limited_by = min(self._upper_bounds(), key=lambda bound: bound[0])
             sessions = int(highest // self.session_rows)  # a bound is never passed
             if wanted <= highest:
