@@ -240,6 +240,8 @@ def make_config(args: argparse.Namespace, variant: str, model: str) -> RunConfig
         "swarm": {"link": {"rtt_ms": args.rtt, "jitter_ms": args.jitter_ms},
                   "activation_codec": args.codec, "inference_replicas": args.replicas,
                   "sessions_in_flight": args.sessions_in_flight,
+                  # One group per session: the sync variant's tickets are one group each.
+                  "groups_per_session": 1,
                   "announce_every_s": args.announce_every},
     })
 

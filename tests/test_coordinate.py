@@ -27,7 +27,7 @@ from decentrl.net.directory import SwarmUnavailable
 from decentrl.net.link import LinkProfile, MessageLost
 from decentrl.net.protocol import CHECKPOINT, CheckpointRequest
 from decentrl.net.wire import TensorLimits
-from decentrl.observe.metrics import StepRecord
+from decentrl.observe.metrics import StepRecord, read_metrics
 from decentrl.rollout.types import ScoredGroup
 from decentrl.swarm.coordinate import check_swarm_config, swarm_run
 from decentrl.swarm.launch import READY, Child, LocalSwarm
@@ -36,7 +36,8 @@ from decentrl.swarm.loop import RunHooks, TrainingLoop
 
 def swarm_config(model_dir: Path, run_dir: Path, steps: int) -> RunConfig:
     """Peers as processes over lightly emulated links, announcing often (a restarted peer must
-    be found fast), checkpointing every second step."""
+    be found fast), checkpointing every second step. The rows in flight are sized by the
+    coordinator: 16 groups at most (4 per step, 4 steps stale), two per session."""
     return tiny_run_config(
         model_dir, 2, codec="bf16", name="swarm", run_dir=str(run_dir), threads=1,
         rollout={"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 6},
@@ -44,7 +45,7 @@ def swarm_config(model_dir: Path, run_dir: Path, steps: int) -> RunConfig:
                "zero_variance_groups": "keep", "max_staleness": 4, "lr": 1e-5},
         eval={"problems": 8, "pass_k": 1, "max_new_tokens": 6, "batch_size": 8},
         swarm={"link": {"rtt_ms": [10, 20], "jitter_ms": 2}, "announce_every_s": 0.5,
-               "sessions_in_flight": 2, "request_timeout_s": 20, "ban_s": 5})
+               "request_timeout_s": 20, "ban_s": 5})
 
 
 class Crash(RuntimeError):
@@ -237,6 +238,15 @@ def test_training_peer_death_rolls_back_to_checkpoint(swarm) -> None:  # type: i
 
     assert summary.steps == 6
     assert summary.recoveries == 1
+    # The coordinator sized its rows in flight from what it measured: whole sessions of two
+    # groups, within the staleness bound, and the round trip and throughput it sized them by.
+    records = read_metrics(config.path / "metrics.jsonl").steps
+    session_rows = 2 * config.rollout.group_size
+    assert all(r.rows_in_flight is not None and r.rows_in_flight % session_rows == 0
+               and session_rows <= r.rows_in_flight <= 16 * config.rollout.group_size
+               for r in records), [r.rows_in_flight for r in records]
+    assert records[-1].step_round_trip_s is not None and records[-1].step_round_trip_s > 0
+    assert records[-1].rows_stepped_per_s is not None and records[-1].rows_stepped_per_s > 0
     after = read_store(database)
     assert {after.groups[gid].state for gid in trained_since_checkpoint} == {"trained"}
     assert_nothing_lost(after, steps=6, groups_per_step=config.rollout.prompts_per_step)

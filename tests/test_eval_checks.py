@@ -111,7 +111,7 @@ def test_evaluation_sessions_are_training_groups_and_re_execute(tiny_sharp_dir: 
     shape = TrainingShape(config.rollout.group_size, sampling_config(config.rollout))
     result = evaluate(evaluation, task, model.tokenizer, 3, config.eval.max_new_tokens,
                       config.eval.batch_size, seed=config.seed, shape=shape,
-                      on_group=lambda group, session: groups.append(group))
+                      on_groups=lambda made, session: groups.extend(made))
 
     group_size, budget = config.rollout.group_size, config.rollout.max_new_tokens
     (train_batch, train_length), = training.sessions

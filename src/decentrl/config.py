@@ -116,8 +116,13 @@ class SwarmConfig(Section):
 
     link: LinkConfig = LinkConfig()
     activation_codec: Literal["fp32", "bf16", "int8"] = "bf16"
-    sessions_in_flight: int = Field(8, ge=1, description="generation sessions open at once "
-                                    "(each is one group), so latency is hidden")
+    sessions_in_flight: int | None = Field(None, ge=1, description="generation sessions open "
+                                           "at once; None: sized from the measured round trip "
+                                           "and throughput (swarm/inflight.py)")
+    groups_per_session: int | None = Field(None, ge=1, description="problems (a group of "
+                                           "rollout.group_size rows each) one generation "
+                                           "session carries; None: the fewest that fit a "
+                                           "step's rows into the sessions a peer has room for")
     request_timeout_s: float = Field(60.0, gt=0, description="longest wait for one peer's answer")
     retries: int = Field(4, ge=0, description="attempts after a failed call before giving up")
     ban_s: float = Field(30.0, ge=0, description="how long a failing peer is avoided")
@@ -269,6 +274,15 @@ class RunConfig(Section):
             raise ValueError(f"trust.history_versions ({self.trust.history_versions}) must be at "
                              f"least train.max_staleness ({self.train.max_staleness}): replicas "
                              "must rewind to any version a trainable rollout may carry")
+        groups = self.swarm.groups_per_session
+        if groups is not None and groups * self.rollout.group_size \
+                * (self.rollout.max_new_tokens + 1) > self.swarm.max_session_tokens:
+            raise ValueError(f"swarm.groups_per_session ({groups}) x rollout.group_size "
+                             f"({self.rollout.group_size}) rows of at least "
+                             f"rollout.max_new_tokens + 1 ({self.rollout.max_new_tokens + 1}) "
+                             f"positions exceed swarm.max_session_tokens "
+                             f"({self.swarm.max_session_tokens}): no peer would accept the "
+                             "session")
         return self
 
     @property

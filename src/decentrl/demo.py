@@ -49,8 +49,7 @@ DEMO_CONFIG = {
     "eval": {"task": {"name": "sums", "options": {"min_digits": 2, "max_digits": 2}},
              "problems": 100, "pass_k": 4, "every": 0},
     # Peers on three continents: every hop 60-120 ms round trip, with jitter.
-    "swarm": {"link": {"rtt_ms": [60, 120], "jitter_ms": 10}, "inference_replicas": 2,
-              "sessions_in_flight": 8},
+    "swarm": {"link": {"rtt_ms": [60, 120], "jitter_ms": 10}, "inference_replicas": 2},
     "threads": 1,
 }
 

@@ -104,10 +104,10 @@ EVAL_SEED_OFFSET = 2**31
 class TrainingShape:
     """Evaluation sessions shaped as a run's generation sessions, so that the peers serving a
     swarm run's evaluation cannot tell it from training (and the coordinator can spot-check it
-    like training): `problems_per_session` problems per session (a swarm's: 1), `group_size`
-    samples of each, drawn with the rollout's `sampling` from a seed of the training seeds'
-    form. pass@1 is then the mean of those samples' success (at the rollout's temperature, not
-    greedy)."""
+    like training): `problems_per_session` problems per session (a swarm's: the run's groups
+    per session), `group_size` samples of each, drawn with the rollout's `sampling` from a seed
+    of the training seeds' form. pass@1 is then the mean of those samples' success (at the rollout's temperature, not
+    greedy). A session's rows are its problems' groups one after the other, as in training."""
 
     group_size: int
     sampling: SamplingConfig
@@ -128,8 +128,9 @@ class Job:
     draw: int | None = None  # a training-shaped session: which of each problem's sessions
 
 
-# Called with each group (a problem's samples) of a training-shaped session, and the session.
-OnGroup = Callable[[RolloutGroup, InferenceSession], None]
+# Called with the groups (a problem's samples each, in the session's row order) of a
+# training-shaped session, and the session.
+OnGroups = Callable[[list[RolloutGroup], InferenceSession], None]
 # Called with a session's error and how many times its job failed so far: returns to run the job
 # again (the sessions already done are kept), raises to end the evaluation.
 Retry = Callable[[Exception, int], None]
@@ -162,7 +163,7 @@ def training_shaped_jobs(items: list[Problem], shape: TrainingShape, pass_k: int
 
 
 def _judge(chain: InferenceChain, task: Task | Environment, split: str, job: Job, tokenizer: Any,
-           max_new_tokens: int, on_group: OnGroup | None) -> Outcomes:
+           max_new_tokens: int, on_groups: OnGroups | None) -> Outcomes:
     rows = [p for p in job.problems for _ in range(job.repeats)]
     sessions: list[InferenceSession] = []
     if isinstance(task, Environment):
@@ -188,12 +189,12 @@ def _judge(chain: InferenceChain, task: Task | Environment, split: str, job: Job
             solved=[task.reward(p, text).solved for p, text in zip(rows, texts)], texts=texts,
             lengths=[len(g.tokens) for g in generations], turns=[1] * count,
             tool_calls=[0] * count, invalid_calls=[0] * count, cut=[False] * count)
-    if on_group is not None and job.draw is not None and job.seed is not None:
-        for number, problem in enumerate(job.problems):
-            rows_of = slice(number * job.repeats, (number + 1) * job.repeats)
-            on_group(rollout_group(f"eval/{task.name}/{problem.index}/{job.draw}", task.name,
-                                   problem.index, prompts[rows_of.start], generations[rows_of],
-                                   job.seed), sessions[0])
+    if on_groups is not None and job.draw is not None and job.seed is not None:
+        rows_of = [slice(number * job.repeats, (number + 1) * job.repeats)
+                   for number in range(len(job.problems))]
+        on_groups([rollout_group(f"eval/{task.name}/{problem.index}/{job.draw}", task.name,
+                                 problem.index, prompts[rows.start], generations[rows], job.seed)
+                   for problem, rows in zip(job.problems, rows_of)], sessions[0])
     return outcomes
 
 
@@ -201,11 +202,12 @@ def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, nu
              max_new_tokens: int, batch_size: int, pass_k: int = 1, seed: int = 0,
              split: str = "heldout", progress: Callable[[int, int], None] | None = None,
              concurrency: int = 1, shape: TrainingShape | None = None,
-             on_group: OnGroup | None = None, retry: Retry | None = None) -> EvalResult:
+             on_groups: OnGroups | None = None, retry: Retry | None = None) -> EvalResult:
     """`progress`, if given, is called with (generations done, generations in all).
     Without `shape`: one greedy generation per problem for pass@1, in batches of `batch_size`,
     and `pass_k` sampled ones when pass_k > 1. With `shape`: training-shaped sessions (see
-    `TrainingShape`; `batch_size` is unused), each handed to `on_group` once generated.
+    `TrainingShape`; `batch_size` is unused), each session's groups handed to `on_groups` once
+    generated.
     `concurrency` > 1 runs that many sessions at once (over a swarm, so hop latency is hidden
     and every replica works); the result does not depend on it. A session that fails is run
     again while `retry` returns."""
@@ -223,7 +225,7 @@ def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, nu
         failures = 0
         while True:
             try:
-                out = _judge(chain, task, split, job, tokenizer, max_new_tokens, on_group)
+                out = _judge(chain, task, split, job, tokenizer, max_new_tokens, on_groups)
                 break
             except Exception as error:
                 failures += 1

@@ -179,7 +179,9 @@ class VerifyStep(Body):
     position, -1 where none was). The last stage scores every target under `sampling`: its
     log-prob and its seeded sampling margin (the draw of decoding step k uses
     step_seed(`sampling_seed`, k); position `prompt_columns - 1 + k` of the session predicts
-    completion token k)."""
+    completion token k). The rows are rows [`first_row`, `first_row` + B) of the session that
+    sampled them (a session of several groups is checked a group at a time): the draw of a step
+    is those rows of the noise drawn for `first_row` + B rows."""
 
     session: str
     start: int
@@ -189,6 +191,7 @@ class VerifyStep(Body):
     prompt_columns: int
     sampling: SamplingConfig | None = None
     sampling_seed: int | None = None
+    first_row: int = 0
 
 
 class VerifyReply(Body):

@@ -72,6 +72,12 @@ class StepRecord(Record, tag="step"):
     submissions_refused: int | None = None
     failovers: int | None = None
     wire_bytes: float | None = None
+    # A swarm run's rows in flight at the step (swarm/inflight.py), and what sized them: the
+    # floor of a decoding step's round trip and the most rows stepped per second lately (None
+    # until measured).
+    rows_in_flight: int | None = None
+    step_round_trip_s: float | None = None
+    rows_stepped_per_s: float | None = None
 
 
 class EvalRecord(Record, tag="eval"):

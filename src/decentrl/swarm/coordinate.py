@@ -1,10 +1,11 @@
 """The swarm's backend of the training loop (swarm/loop.py), for `decentrl coordinate`.
 
-Generation loops (`swarm.sessions_in_flight` of them, one group per session) route prompts through
-chains of inference peers, so many sessions are in flight and the hop latency is hidden. The
-stage trainers are the training peers, driven over RPC; they publish their own weights to the
-replicas of their stage and write their own checkpoints (the coordinator moves the `latest`
-pointer). The coordinator holds no weights. Beside the loop it keeps the run's config and inbox
+Generation loops route prompts through chains of inference peers, several groups per session,
+with as many rows in flight as the swarm needs to hide the hops' latency: swarm/inflight.py sizes
+them from the round trips and throughput the sessions measure (or `swarm.sessions_in_flight`
+fixes them). The stage trainers are the training peers, driven over RPC; they publish their own
+weights to the replicas of their stage and write their own checkpoints (the coordinator moves
+the `latest` pointer). The coordinator holds no weights. Beside the loop it keeps the run's config and inbox
 announced, the directory of peers current, spot-checks rollouts (trust/gate.py) and serves the
 dashboard.
 
@@ -61,12 +62,14 @@ from decentrl.release.shards import (
 from decentrl.rollout.chain import InferenceChain, InferenceSession
 from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup
+from decentrl.swarm.inflight import RowsInFlight, SlottedChain, SlottedSession
 from decentrl.swarm.lineage import LineageSigner
 from decentrl.swarm.loop import RunHooks, RunSummary, TrainingLoop, TrainingUnavailable
 from decentrl.swarm.manifest import admitted_peers, publish_manifest, run_manifest
 from decentrl.swarm.sessions import RemoteChain, RemoteSession
 from decentrl.swarm.training_client import RemoteStageWorker, TrainAudit
 from decentrl.trust.gate import Trust
+from decentrl.trust.provenance import Provenance, group_shares
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +190,6 @@ class StageWait:
 
 class SwarmBackend:
     generation_cpu_threads = None  # the peers compute; this process relays
-    problems_per_generation = 1  # one group per session: sessions are the unit of concurrency
     transient_generation_errors: tuple[type[BaseException], ...] = (Exception,)  # a lost group
     recoverable_step_errors: tuple[type[BaseException], ...] = (SwarmUnavailable,)
     checkpoint_at_start = True  # version 0: what a replacement training peer starts from
@@ -242,7 +244,12 @@ class SwarmBackend:
                                            inbox_size=config.rollout.prompts_per_step,
                                            timeout_s=config.swarm.request_timeout_s,
                                            admit=self.trust.admit_submission)
-        self.generation_threads = config.swarm.sessions_in_flight
+        # Sessions of `groups_per_session` groups; how many run at once follows the swarm.
+        self.inflight = RowsInFlight(config, self._usable_replicas)
+        self.chain.on_step = self.inflight.observe
+        self.generation_threads = self.inflight.max_sessions
+        self.session_slots = self.inflight.slots
+        self.problems_per_generation = self.inflight.groups_per_session
         self.closed = threading.Event()
         self.announcing = threading.Thread(target=self._announce_forever, args=(self.closed,),
                                            name="announce", daemon=True)
@@ -312,6 +319,12 @@ class SwarmBackend:
                     self.console.print(waiting, highlight=False)
                     said = waiting
                 time.sleep(1.0)
+
+    def _usable_replicas(self) -> list[int]:
+        """Each stage's inference replicas the run may use now (not banned)."""
+        banned = self.trust.reputation.banned
+        return [sum(record.role in ("inference", "both") and not banned(peer)
+                    for peer, record in peers) for peers in self.directory.stage_peers()]
 
     def _peer_changed(self, peer: str, record: PeerRecord, joined: bool) -> None:
         what = (f"stage {record.stage} layers {layer_span(record.layers)}, {record.role}"
@@ -406,11 +419,16 @@ class SwarmBackend:
 
     # ---- generation and evaluation --------------------------------------------------------
 
-    def generated(self, groups: list[RolloutGroup], sessions: list[InferenceSession]) -> None:
-        session = sessions[0]
+    def _shares(self, groups: list[RolloutGroup], session: InferenceSession) -> list[Provenance]:
+        """Each group's share of the provenance of `session`, which generated them all."""
+        if isinstance(session, SlottedSession):  # an evaluation's
+            session = session.session
         assert isinstance(session, RemoteSession)
-        for group in groups:
-            self.trust.produced(group.group_id, session.provenance)
+        return group_shares(session.provenance, groups, self.config.trust.sketch_dims)
+
+    def generated(self, groups: list[RolloutGroup], sessions: list[InferenceSession]) -> None:
+        for group, provenance in zip(groups, self._shares(groups, sessions[0]), strict=True):
+            self.trust.produced(group.group_id, provenance)
 
     def wait_for_replicas(self, version: int, timeout_s: float) -> None:
         """Until every replica serves `version` (they follow the training peers), so that an
@@ -427,19 +445,23 @@ class SwarmBackend:
     def evaluation(self, version: int) -> tuple[InferenceChain, int]:
         self.await_servers(None)
         self.wait_for_replicas(version, timeout_s=120)
-        return self.chain, self.config.swarm.sessions_in_flight
+        # As many sessions as the run may hold; the slots let as many run as the target allows.
+        return SlottedChain(self.chain, self.session_slots), self.inflight.max_sessions
 
-    def evaluated(self, group: RolloutGroup, session: InferenceSession) -> None:
-        assert isinstance(session, RemoteSession)
-        self.trust.evaluated(group, session.provenance)
+    def evaluated(self, groups: list[RolloutGroup], session: InferenceSession) -> None:
+        for group, provenance in zip(groups, self._shares(groups, session), strict=True):
+            self.trust.evaluated(group, provenance)
 
     def await_servers(self, stop: threading.Event | None) -> None:
         self.stage_wait.until_served(stop)
 
     def step_counters(self) -> dict[str, Any]:
         links = self.node.links
+        inflight = self.inflight.state
         return {**self.trust.counters(), "failovers": self.chain.failovers,
-                "wire_bytes": links.total_bytes() if links is not None else 0}
+                "wire_bytes": links.total_bytes() if links is not None else 0,
+                "rows_in_flight": inflight.rows, "step_round_trip_s": inflight.round_trip_s,
+                "rows_stepped_per_s": inflight.rows_per_s}
 
     def finish(self, summary: RunSummary) -> RunSummary:
         self.console.print(self.peer_table())

@@ -102,6 +102,11 @@ class InboundChecks:
                 or not 1 <= body.prompt_columns <= body.max_length:
             raise PeerError("the last stage verifies with sampling parameters, a sampling seed "
                             "and 1 <= prompt_columns <= max_length")
+        # The rows drawn for are the sampling session's: it fit in a session this peer accepts.
+        if body.first_row < 0 \
+                or (body.first_row + body.batch) * body.max_length > self.max_session_tokens:
+            raise PeerError(f"first_row {body.first_row} out of range (0 <= first_row, "
+                            f"(first_row + batch) x max_length <= {self.max_session_tokens})")
         # Position prompt_columns - 1 predicts completion token 0; earlier ones predict nothing.
         before = max(0, body.prompt_columns - 1 - body.start)
         if bool((targets[:, :before] >= 0).any()):

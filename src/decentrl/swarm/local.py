@@ -33,6 +33,7 @@ from decentrl.release.export import export_hf_folder
 from decentrl.rollout.chain import InferenceChain, InferenceSession, LocalChain
 from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup
+from decentrl.swarm.inflight import SessionSlots, groups_in_flight
 from decentrl.swarm.loop import RunHooks, RunSummary, TrainingLoop, TrustEveryone
 
 
@@ -51,7 +52,7 @@ def with_lora(stages: list[StageModule], train: TrainConfig, seed: int) -> list[
 
 class LocalBackend:
     gate = TrustEveryone()
-    generation_threads = 1
+    generation_threads = 1  # one session of a step's problems at a time
     transient_generation_errors: tuple[type[BaseException], ...] = ()  # here, an error is a bug
     recoverable_step_errors: tuple[type[BaseException], ...] = ()
     checkpoint_at_start = False  # nothing to replace: the learner lives in this process
@@ -87,9 +88,9 @@ class LocalBackend:
 
         self.chain, self.eval_chain = replica(), replica()
         # Room for the batches allowed in flight by the staleness bound, no more.
-        groups_in_flight = config.rollout.prompts_per_step * max(1, config.train.max_staleness)
-        self.transport = LocalTransport(max_queued_groups=groups_in_flight)
+        self.transport = LocalTransport(max_queued_groups=groups_in_flight(config))
         self.problems_per_generation = config.rollout.prompts_per_step
+        self.session_slots = SessionSlots(self.generation_threads)
         # Two compute-bound threads on one CPU pool oversubscribe the cores; split them.
         self.generation_cpu_threads = (max(1, torch.get_num_threads() // 2)
                                        if self.device.type == "cpu" and config.train.mode == "async"
@@ -136,7 +137,7 @@ class LocalBackend:
         copy_weights([t.stage for t in self.trainer.stage_trainers], self.eval_chain)
         return self.eval_chain, 1
 
-    def evaluated(self, group: RolloutGroup, session: InferenceSession) -> None:
+    def evaluated(self, groups: list[RolloutGroup], session: InferenceSession) -> None:
         pass  # generated in this process: nothing to check
 
     def await_servers(self, stop: threading.Event | None) -> None:

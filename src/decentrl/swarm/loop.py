@@ -40,6 +40,7 @@ from decentrl.progress import progress_bar
 from decentrl.rollout.chain import InferenceChain, InferenceSession
 from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup, ScoredGroup
+from decentrl.swarm.inflight import SessionSlots
 from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.store import RunStore
@@ -129,8 +130,9 @@ class Backend(Protocol):
     transport: RolloutTransport  # groups from the generation threads (and any submitter)
     tokenizer: Any
     gate: Gate
-    generation_threads: int  # concurrent generation loops
-    problems_per_generation: int  # problems (one group each) per call of a generation loop
+    generation_threads: int  # generation loops started: the most sessions the run may hold
+    session_slots: SessionSlots  # how many of them may run a session now
+    problems_per_generation: int  # problems (one group each) per session, fixed for the run
     generation_cpu_threads: int | None  # intra-op threads of a generation loop; None: default
     transient_generation_errors: tuple[type[BaseException], ...]  # lost groups, not bugs
     recoverable_step_errors: tuple[type[BaseException], ...]  # a stage lost mid-step
@@ -173,8 +175,8 @@ class Backend(Protocol):
         """A chain that serves the learner's `version`, and how many sessions to run on it."""
         ...
 
-    def evaluated(self, group: RolloutGroup, session: InferenceSession) -> None:
-        """A group an evaluation session produced (shaped as a training group), with its
+    def evaluated(self, groups: list[RolloutGroup], session: InferenceSession) -> None:
+        """The groups an evaluation session produced (shaped as training groups), with the
         session (from evaluation threads)."""
         ...
 
@@ -377,6 +379,9 @@ class TrainingLoop(Generic[AnyBackend]):
                 if not all(hook.before_generation(self, self.stop) for hook in self.hooks):
                     continue
                 backend.await_servers(self.stop)
+                if not backend.session_slots.acquire(self.stop):
+                    break
+                groups: list[RolloutGroup] | None = None
                 try:
                     groups = self._generate(backend.problems_per_generation)
                     attempt = 0
@@ -385,6 +390,9 @@ class TrainingLoop(Generic[AnyBackend]):
                     log.warning("generation failed: %s", error)
                     for hook in self.hooks:
                         hook.after_generation(self, succeeded=False)
+                finally:  # the session is over: its slot is free before any wait below
+                    backend.session_slots.release()
+                if groups is None:
                     attempt += 1
                     self.stop.wait(min(10.0, 0.5 * 2 ** attempt))
                     continue
@@ -549,7 +557,7 @@ class TrainingLoop(Generic[AnyBackend]):
                               ev.max_new_tokens, ev.batch_size, pass_k=pass_k,
                               seed=self.config.seed, concurrency=concurrency,
                               progress=lambda done, total: update(done, total=total),
-                              shape=shape, on_group=self.backend.evaluated,
+                              shape=shape, on_groups=self.backend.evaluated,
                               retry=self._retry_evaluation)
         self.metrics.write(EvalRecord(
             label=label, step=self.step, version=self.trainer.version, task=result.task,

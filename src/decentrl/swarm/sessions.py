@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,7 @@ class RemoteSession:
         that a spot-check rebuilds the same cache at the same version."""
         if self.closed:
             raise RuntimeError("session is closed")
+        started = time.monotonic()
         x = tokens.cpu()
         tokens_fed = x.shape[1]
         positions, key_valid = positions.cpu(), key_valid.cpu()
@@ -90,6 +92,9 @@ class RemoteSession:
         (tokens, logprobs), version = self._hop(self.chain.num_stages - 1, x, positions,
                                                 key_valid, sampling, seed)
         self.length += tokens_fed
+        if self.chain.on_step is not None:
+            self.chain.on_step(self.batch, tokens_fed, self.max_length,
+                               time.monotonic() - started)
         return StepResult(tokens, logprobs, (*versions, version))
 
     def _hop(self, stage: int, inputs: torch.Tensor, positions: torch.Tensor,
@@ -214,6 +219,9 @@ class RemoteChain:
         self.vocab_size, self.hidden_size = spec.vocab_size, spec.hidden_size
         self.reputation = reputation
         self.failovers = 0
+        # Told of every step of its sessions: (rows, positions fed per row, the session's
+        # max_length, seconds through the whole chain); the rows in flight are sized from it.
+        self.on_step: Callable[[int, int, int, float], None] | None = None
 
     @property
     def device(self) -> torch.device:

@@ -111,8 +111,9 @@ class VerifyService:
             step = body.start + column - (body.prompt_columns - 1)
             logits = model.head(hidden[:, column]).float()
             wanted = targets[:, column].clamp(min=0).to(logits.device)
-            noise = sampling_noise(step_generator(step_seed(seed, step)), batch,
-                                   logits.shape[-1])
+            # The session's rows before these drew first: CPU noise is one serial stream.
+            noise = sampling_noise(step_generator(step_seed(seed, step)),
+                                   body.first_row + batch, logits.shape[-1])[body.first_row:]
             scored = transformed_logits(logits, sampling).log_softmax(-1)
             picked = scored.gather(-1, wanted[:, None]).squeeze(-1).cpu()
             margin = sampling_margin(logits, wanted, sampling, noise).cpu()

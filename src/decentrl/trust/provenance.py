@@ -3,7 +3,13 @@ peer that lied. Per stage: which replica served which columns of the session (a 
 the rest to another replica), where a replica rebuilt the stage's KV cache by a replay from
 position 0, and the coordinator's secret sketches of what they delivered (commit.py), with the
 seed of the sketch matrix. It never leaves the coordinator: a stage that knew the seed could lie
-where the sketch does not look."""
+where the sketch does not look.
+
+A session may carry several groups, its rows their rows one group after the other, left-padded
+to the session's longest prompt. A group is checked on its own (trust/verify.py): its share of
+the session (`group_shares`) keeps the sketches of its rows, renumbered from 0, and says where
+the rows sat (`first_row`, for the seeded draw of the session's rows) and how many prompt
+columns the session had (its columns, those `served` and `rebuilt` name, are the session's)."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decentrl.rollout.types import RolloutGroup
 from decentrl.trust.commit import Sketches, sketch_matrix
 
 
@@ -49,10 +56,25 @@ class StageProvenance:
         """The stage's secret sketch matrix, regenerated from its seed."""
         return sketch_matrix(self.seed, dims, hidden_size)
 
+    def of_rows(self, first: int, count: int, dims: int) -> StageProvenance:
+        """This stage's record for rows [first, first + count) of the session alone, renumbered
+        from 0."""
+        sketches = Sketches.concat(self.sketches, dims)
+        kept = (sketches.rows >= first) & (sketches.rows < first + count)
+        return StageProvenance(
+            list(self.served),
+            [Sketches(sketches.rows[kept] - first, sketches.positions[kept],
+                      sketches.values[kept])],
+            self.seed, list(self.rebuilt))
+
 
 @dataclass
 class Provenance:
     stages: list[StageProvenance]
+    # Where a group's rows sat in the session that generated it (a session of several groups):
+    # its first row there, and the session's prompt columns (None: the group's own prompt).
+    first_row: int = 0
+    prompt_columns: int | None = None
 
     @classmethod
     def empty(cls, num_stages: int) -> Provenance:
@@ -63,3 +85,16 @@ class Provenance:
 
     def peers(self) -> set[str]:
         return {peer for stage in range(len(self.stages)) for peer in self.stage_peers(stage)}
+
+
+def group_shares(session: Provenance, groups: list[RolloutGroup], dims: int) -> list[Provenance]:
+    """Each of `groups`' share of the `session` that generated them all, their rows in that order
+    (`dims`: the sketches' dimensions)."""
+    prompt_columns = max(len(r.prompt_tokens) for group in groups for r in group.rollouts)
+    shares, first = [], 0
+    for group in groups:
+        count = len(group.rollouts)
+        shares.append(Provenance([stage.of_rows(first, count, dims) for stage in session.stages],
+                                 first, prompt_columns))
+        first += count
+    return shares

@@ -10,6 +10,14 @@ earlier column with its weights of the moment, the version that step recorded, n
 earlier steps: the verifier of that stage replays from position 0 at the same column too, at
 that version (`StageProvenance.rebuilt`), so the re-execution is the computation the rollout got.
 
+A session of several groups is checked a group at a time: the group's rows alone, in the
+session's columns (left-padded to the session's prompt columns, so every column the provenance
+names is the same one), against the sketches of those rows (trust/provenance.py `group_shares`);
+the last stage draws the seeded noise of the session's rows and scores the group's
+(`Provenance.first_row`). A row attends to its own keys only, so its hidden states depend on the
+other rows of its batch by rounding alone, which the tolerances cover as they cover a peer's
+batching of many sessions into one forward.
+
 What is compared:
 - every stage but the last: the coordinator's secret sketches of the hidden states the original
   replicas delivered, against the same sketches of the verifier's, at every (row, position)
@@ -72,8 +80,12 @@ class Layout:
         return self.ids.shape[1]
 
 
-def session_layout(group: RolloutGroup, pad_id: int) -> Layout:
-    """Step 0 fed the left-padded prompts [B, P] and sampled completion token 0 from column P-1;
+def session_layout(group: RolloutGroup, pad_id: int, prompt_columns: int | None = None
+                   ) -> Layout:
+    """The group's rows in its session's columns: `prompt_columns`, the session's longest prompt
+    (None: the group's own, the session of a group alone).
+
+    Step 0 fed the left-padded prompts [B, P] and sampled completion token 0 from column P-1;
     step k >= 1 fed completion token k-1 at column P+k-1 (padding for rows already finished) and
     sampled token k there. The last token sampled is never fed.
 
@@ -84,6 +96,13 @@ def session_layout(group: RolloutGroup, pad_id: int) -> Layout:
     rows = group.rollouts
     ids, prompt_valid = left_pad([r.prompt_tokens for r in rows], pad_id, torch.device("cpu"))
     batch, prompt = ids.shape
+    if prompt_columns is not None:
+        if prompt_columns < prompt:
+            raise ValueError(f"the session's {prompt_columns} prompt columns cannot hold the "
+                             f"group's prompt of {prompt} tokens")
+        ids = torch.nn.functional.pad(ids, (prompt_columns - prompt, 0), value=pad_id)
+        prompt_valid = torch.nn.functional.pad(prompt_valid, (prompt_columns - prompt, 0))
+        prompt = prompt_columns
     steps = max(len(r.completion_tokens) for r in rows)
     width = prompt + steps - 1
     full = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -181,7 +200,7 @@ class Verifier:
         """Re-execute `group` on `panel` (one peer per stage, from `panel()`) and judge every
         stage whose re-executing peer did not serve the group."""
         started = time.monotonic()
-        layout = session_layout(group, self.pad_id)
+        layout = session_layout(group, self.pad_id, provenance.prompt_columns)
         checked = tuple(s for s, peer in enumerate(panel)
                         if peer not in provenance.stage_peers(s))
         if not checked:
@@ -236,7 +255,9 @@ class Verifier:
                 body = VerifyStep(
                     session=session, start=start, batch=batch, max_length=layout.width,
                     version=versions[stage], prompt_columns=layout.prompt_columns,
-                    sampling=sampling_config(rollout) if last else None, sampling_seed=group.sampling_seed if last else None)
+                    sampling=sampling_config(rollout) if last else None,
+                    sampling_seed=group.sampling_seed if last else None,
+                    first_row=provenance.first_row if last else 0)
                 tensors = {"inputs": x, "positions": layout.positions[:, start:end],
                            "key_valid": layout.valid[:, :end]}
                 if last:
