@@ -82,6 +82,55 @@ def test_episode_generation_prints_figures(tiny_model_dir: Path,
     assert values["repeated_prompt_share"] == pytest.approx(0.5)
 
 
+def test_swarm_generation_baselines_print_figures(tiny_model_dir: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The two single-process baselines: all rows as one HF batch, and one session per thread."""
+    bench = load_bench("swarm_generation")
+    bench.main(["--model", str(tiny_model_dir), "--device", "cpu", "--batch", "2",
+                "--max-new-tokens", "3", "--concurrency", "1,2", "--warmup", "0",
+                "--threads", "1", "--variants", "local,batched", "--plot", "none",
+                "--in-process"])
+    values = figures(capsys.readouterr().out, "swarm_generation")
+    assert_positive(values, [f"{variant}_tokens_per_s_c{c}" for variant in ("local", "batched")
+                             for c in (1, 2)])
+
+
+def test_swarm_generation_reports_swarm_against_both_baselines(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("swarm_generation")
+    args = bench.parse_args(["--concurrency", "1,16", "--plot", "none"])
+    assert args.variants == ["local", "batched", "swarm-off", "swarm-on"]
+
+    def result(variant: str, tokens_per_s: list[float]) -> dict[str, object]:
+        levels = [{"tokens_per_s": t, "generation_s_mean": 1.0} for t in tokens_per_s]
+        return {"variant": variant, "device": "cpu", "dtype": "bfloat16", "machine": "test",
+                "prompt_lengths": [40, 42], "failovers": 0, "levels": levels}
+
+    bench.report([result("local", [80.0, 85.0]), result("batched", [90.0, 250.0]),
+                  result("swarm-off", [20.0, 100.0]), result("swarm-on", [22.0, 230.0])], args)
+    output = capsys.readouterr().out
+    values = figures(output, "swarm_generation")
+    assert values["swarm_on_vs_batched_c16"] == pytest.approx(0.92)
+    assert values["swarm_off_vs_batched_c16"] == pytest.approx(0.4)
+    assert values["swarm_off_vs_local_c1"] == pytest.approx(0.25)
+    assert values["swarm_on_vs_off_c16"] == pytest.approx(2.3)
+    assert "swarm-on / batched at 16 sessions: 0.92; target >= 0.90 reached" in output
+    assert "swarm-off / batched at 16 sessions: 0.40; target >= 0.90 not reached" in output
+
+
+@pytest.mark.network
+def test_peer_batching_prints_figures(tiny_model_dir: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """One peer per batching setting, sessions stepping through the real inference RPC."""
+    bench = load_bench("peer_batching")
+    bench.main(["--model", str(tiny_model_dir), "--batch", "2", "--max-new-tokens", "3",
+                "--concurrency", "1,2", "--warmup", "0", "--threads", "1", "--in-process"])
+    values = figures(capsys.readouterr().out, "peer_batching")
+    assert_positive(values, [f"batching_{setting}_tokens_per_s_c{c}" for setting in ("off", "on")
+                             for c in (1, 2)] + ["ratio_c1", "ratio_c2"])
+    assert values["batching_off_failovers"] == values["batching_on_failovers"] == 0
+
+
 def test_update_bytes_prints_figures(tiny_model_dir: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("update_bytes")
