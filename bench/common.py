@@ -75,6 +75,22 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def processes_cpu_seconds(pids: Sequence[int]) -> float | None:
+    """CPU time (user + system, all threads) the processes `pids` (this machine's, e.g. a bench's
+    peers) have used so far, from /proc; None where /proc has no such process (not Linux)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        # After "pid (command)" come the fields from the third on; utime and stime are the
+        # 14th and 15th (proc(5)). The command may hold spaces, hence the split at its ")".
+        fields = stat.rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int
                ) -> dict[str, list[float]]:
     """Wall-clock and CPU seconds of `repeats` calls of `fn` after `warmup` untimed ones:
@@ -383,12 +399,14 @@ def hf_generate(model: Any, prompts: list[list[int]], pad_id: int, max_new_token
 
 
 def drive_sessions(pool: ThreadPoolExecutor, chain: Any, prompt_sets: list[list[list[int]]],
-                   steps: int, max_new_tokens: int, pad_id: int, seed: int) -> dict[str, float]:
+                   steps: int, max_new_tokens: int, pad_id: int, seed: int,
+                   peer_pids: Sequence[int] = ()) -> dict[str, float]:
     """One concurrency level: len(prompt_sets) sessions on as many threads of `pool`, each calling
     `generate` `steps` times on its own prompts (sampled at temperature 1, no stop ids, so every
-    row decodes exactly `max_new_tokens`); returns the level's wall and CPU time, new tokens and
-    per-generation times. The pool's threads live for the whole sweep: a thread's first parallel
-    torch call sets up its own CPU thread team, which the warm-up pays once for every thread."""
+    row decodes exactly `max_new_tokens`); returns the level's wall and CPU time (and the CPU time
+    of the `peer_pids` processes, where /proc tells), new tokens and per-generation times. The
+    pool's threads live for the whole sweep: a thread's first parallel torch call sets up its own
+    CPU thread team, which the warm-up pays once for every thread."""
     from decentrl.rollout.generate import generate
     from decentrl.rollout.sampling import SamplingConfig
 
@@ -412,18 +430,23 @@ def drive_sessions(pool: ThreadPoolExecutor, chain: Any, prompt_sets: list[list[
     futures = [pool.submit(session, i) for i in range(concurrency)]
     start.wait(timeout=600)
     began, began_cpu = time.perf_counter(), cpu_seconds()
+    began_peers = processes_cpu_seconds(peer_pids)
     new_tokens = sum(future.result() for future in futures)
     wall, cpu = time.perf_counter() - began, cpu_seconds() - began_cpu
+    ended_peers = processes_cpu_seconds(peer_pids)
     expected = concurrency * steps * len(prompt_sets[0]) * max_new_tokens
     if new_tokens != expected:
         raise RuntimeError(f"{new_tokens} new tokens, expected {expected}")
-    return {"concurrency": concurrency, "new_tokens": new_tokens, "wall_s": wall, "cpu_s": cpu,
-            "tokens_per_s": new_tokens / wall,
-            "generation_s_mean": sum(seconds) / len(seconds), "generation_s_max": max(seconds)}
+    level = {"concurrency": concurrency, "new_tokens": new_tokens, "wall_s": wall, "cpu_s": cpu,
+             "tokens_per_s": new_tokens / wall,
+             "generation_s_mean": sum(seconds) / len(seconds), "generation_s_max": max(seconds)}
+    if peer_pids and began_peers is not None and ended_peers is not None:
+        level["peer_cpu_s"] = ended_peers - began_peers
+    return level
 
 
 def sweep_sessions(chain: Any, prompts: list[list[int]], args: Any, pad_id: int,
-                   label: str) -> list[dict[str, float]]:
+                   label: str, peer_pids: Sequence[int] = ()) -> list[dict[str, float]]:
     """`drive_sessions` at every level of `args.concurrency`, each session `args.batch` prompts,
     after `args.warmup` untimed rounds at the largest level (every session thread, and in a swarm
     every replica, runs once)."""
@@ -435,10 +458,11 @@ def sweep_sessions(chain: Any, prompts: list[list[int]], args: Any, pad_id: int,
             drive_sessions(pool, chain, sets, 1, args.max_new_tokens, pad_id, args.seed + 1)
         for concurrency in args.concurrency:
             level = drive_sessions(pool, chain, sets[:concurrency], args.steps,
-                                   args.max_new_tokens, pad_id, args.seed)
+                                   args.max_new_tokens, pad_id, args.seed, peer_pids)
+            peers = f", peers' CPU {level['peer_cpu_s']:.2f} s" if "peer_cpu_s" in level else ""
             print(f"  {label} concurrency {concurrency:3d}: {level['tokens_per_s']:8.1f} new "
                   f"tok/s ({level['wall_s']:.2f} s, {level['generation_s_mean']:.2f} s per "
-                  f"generation)", flush=True)
+                  f"generation{peers})", flush=True)
             levels.append(level)
     return levels
 
@@ -485,6 +509,10 @@ def inference_swarm(config: RunConfig, spec: ModelSpec
         yield swarm, RemoteChain(swarm.bootstrap, directory, config.swarm, config.trust, spec)
     finally:
         swarm.shutdown()
+
+
+def peer_pids(swarm: LocalSwarm) -> list[int]:
+    return [child.process.pid for child in swarm.children.values() if child.process is not None]
 
 
 def wait_for_peers(directory: Directory, replicas: int, timeout_s: float = 60.0) -> None:

@@ -19,7 +19,11 @@ Fair amount of work: no stop ids, so every row decodes exactly `--max-new-tokens
 time from releasing the C session threads to the last one finishing, after `--warmup` untimed
 rounds in which every session thread generates once. Each setting runs in its own bench process
 with its own peer (`--in-process`: both from this one, still one peer process per setting).
-Figure: after / before new tokens/s per level; issue #20's target is >= 3 at 16 sessions.
+Figure: after / before new tokens/s per level; issue #20's target is >= 3 at 16 sessions. The
+peer's CPU time per level (from /proc, Linux) gives new tokens per peer CPU second too, the
+steadier figure on a shared machine (it counts threads spinning while they wait, though). The
+launcher runs inference peers at a lower priority (`nice`), so on a busy machine other processes
+slow the peer down more than they would the bench itself.
 
 Run: decentrl bench peer-batching [--model smollm2-135m-instruct|tiny|PATH] [--threads 2]
      [--batch 8] [--max-new-tokens 32] [--concurrency 1,2,4,8,16,32] [--batching both|off|on]
@@ -79,6 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     loaded, device, dtype = common.variant_setup(args)
     loaded.tensors.clear()  # the peer loads its own weights
+    machine = common.machine(device)  # while torch threads are still --threads, the peer's
     torch.set_num_threads(1)  # the client only relays; the peer computes
     batching = variant == "on"
     with tempfile.TemporaryDirectory(prefix="decentrl-bench-") as folder:
@@ -88,11 +93,11 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
             prompts = common.sums_prompts(loaded.tokenizer, max(args.concurrency) * args.batch)
             label = f"batching {variant}"
             levels = common.sweep_sessions(chain, prompts, args, loaded.tokenizer.pad_token_id,
-                                           label)
+                                           label, common.peer_pids(swarm))
             peers, failovers = swarm.layout(), chain.failovers
     # The peer runs on this machine and picks its dtype as variant_setup did (compute_dtype).
     return {"variant": variant, "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."), "machine": common.machine(device),
+            "dtype": str(dtype).removeprefix("torch."), "machine": machine,
             "model": str(loaded.path), "layers": loaded.spec.num_layers, "peers": peers,
             "failovers": failovers, "prompt_lengths": [len(p) for p in prompts[:args.batch]],
             "levels": levels}
@@ -110,19 +115,26 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     ratios: dict[int, float] = {}
     for i, concurrency in enumerate(args.concurrency):
         row: list[Any] = [concurrency, concurrency * args.batch]
+        per_cpu: dict[str, float] = {}
         for name, result in (("off", before), ("on", after)):
             if result is None:
                 row += ["-", "-"]
                 continue
             level = result["levels"][i]
-            row += [level["tokens_per_s"], level["generation_s_mean"]]
             figures[f"batching_{name}_tokens_per_s_c{concurrency}"] = level["tokens_per_s"]
+            if level.get("peer_cpu_s"):
+                per_cpu[name] = level["new_tokens"] / level["peer_cpu_s"]
+                figures[f"batching_{name}_tokens_per_peer_cpu_s_c{concurrency}"] = per_cpu[name]
+            row += [level["tokens_per_s"], per_cpu.get(name, "-")]
+        cpu_ratio: float | str = "-"
         if before is not None and after is not None:
             ratios[concurrency] = (after["levels"][i]["tokens_per_s"]
                                    / before["levels"][i]["tokens_per_s"])
             figures[f"ratio_c{concurrency}"] = ratios[concurrency]
-        row.append(ratios.get(concurrency, "-"))
-        rows.append(row)
+            if len(per_cpu) == 2:
+                cpu_ratio = per_cpu["on"] / per_cpu["off"]
+                figures[f"cpu_ratio_c{concurrency}"] = cpu_ratio
+        rows.append([*row, ratios.get(concurrency, "-"), cpu_ratio])
     first = results[0]
     lengths = first["prompt_lengths"]
     caption = (f"model {Path(first['model']).name} ({first['layers']} layers), {first['device']}, "
@@ -131,10 +143,12 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                f"session {args.batch} sums prompts of {min(lengths)}-{max(lengths)} tokens, "
                f"exactly {args.max_new_tokens} new tokens per row (no stop ids), {args.steps} "
                f"generation(s) per session per level; off = swarm.batching false (one request "
-               f"at a time), on = true\n{first['machine']}")
+               f"at a time), on = true; tok/peer CPU s = new tokens per second of the peer "
+               f"process's CPU time (steadier than wall time on a shared machine)\n"
+               f"{first['machine']}")
     common.print_table("peer batching: new tokens/s by concurrent sessions",
-                       ["sessions", "rows", "off tok/s", "off s/gen", "on tok/s", "on s/gen",
-                        "on / off"], rows, caption)
+                       ["sessions", "rows", "off tok/s", "off tok/peer CPU s", "on tok/s",
+                        "on tok/peer CPU s", "on / off", "on / off per CPU s"], rows, caption)
     if TARGET_SESSIONS in ratios:
         reached = ratios[TARGET_SESSIONS] >= TARGET_RATIO
         print(f"on / off at {TARGET_SESSIONS} sessions: {ratios[TARGET_SESSIONS]:.2f}; target >= "

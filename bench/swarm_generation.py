@@ -179,7 +179,7 @@ def run_swarm(args: argparse.Namespace, loaded: Any, folder: Path,
         prompts = common.sums_prompts(loaded.tokenizer, max(args.concurrency) * args.batch)
         label = f"swarm ({'batching' if batching else 'one request at a time'})"
         levels = common.sweep_sessions(chain, prompts, args, loaded.tokenizer.pad_token_id,
-                                       label)
+                                       label, common.peer_pids(swarm))
         return {"threads": args.threads, "batching": batching, "peers": swarm.layout(),
                 "failovers": chain.failovers, "levels": levels}
 

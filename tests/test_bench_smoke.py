@@ -121,14 +121,33 @@ def test_swarm_generation_reports_swarm_against_both_baselines(
 @pytest.mark.network
 def test_peer_batching_prints_figures(tiny_model_dir: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """One peer per batching setting, sessions stepping through the real inference RPC."""
+    """Sessions stepping through one peer's real inference RPC (one setting: one peer start)."""
     bench = load_bench("peer_batching")
     bench.main(["--model", str(tiny_model_dir), "--batch", "2", "--max-new-tokens", "3",
-                "--concurrency", "1,2", "--warmup", "0", "--threads", "1", "--in-process"])
+                "--concurrency", "1,2", "--warmup", "0", "--threads", "1", "--batching", "on",
+                "--in-process"])
     values = figures(capsys.readouterr().out, "peer_batching")
-    assert_positive(values, [f"batching_{setting}_tokens_per_s_c{c}" for setting in ("off", "on")
-                             for c in (1, 2)] + ["ratio_c1", "ratio_c2"])
-    assert values["batching_off_failovers"] == values["batching_on_failovers"] == 0
+    assert_positive(values, ["batching_on_tokens_per_s_c1", "batching_on_tokens_per_s_c2"])
+    assert values["batching_on_failovers"] == 0
+
+
+def test_peer_batching_reports_after_over_before(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("peer_batching")
+    args = bench.parse_args(["--concurrency", "1,16"])
+    assert args.variants == ["off", "on"] and args.stages == 1
+
+    def result(variant: str, tokens_per_s: list[float]) -> dict[str, object]:
+        levels = [{"tokens_per_s": t, "generation_s_mean": 1.0} for t in tokens_per_s]
+        return {"variant": variant, "device": "cpu", "dtype": "bfloat16", "machine": "test",
+                "model": "/cache/smollm2", "layers": 30, "prompt_lengths": [40, 42],
+                "failovers": 0, "levels": levels}
+
+    bench.report([result("off", [50.0, 60.0]), result("on", [55.0, 200.0])], args)
+    output = capsys.readouterr().out
+    values = figures(output, "peer_batching")
+    assert values["ratio_c1"] == pytest.approx(1.1)
+    assert values["ratio_c16"] == pytest.approx(200 / 60, rel=1e-5)  # printed to 6 digits
+    assert "on / off at 16 sessions: 3.33; target >= 3 reached" in output
 
 
 def test_update_bytes_prints_figures(tiny_model_dir: Path,
