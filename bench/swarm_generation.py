@@ -210,7 +210,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     swarms = [name for name in names if name.startswith("swarm-")]
     figures: dict[str, float] = {}
     rows, ratio_rows = [], []
-    ratios: dict[str, dict[int, float]] = {}  # "swarm-on / batched" -> {sessions: ratio}
+    # (numerator, denominator) variants -> {sessions: ratio of their tokens/s}
+    ratios: dict[tuple[str, str], dict[int, float]] = {}
     for i, concurrency in enumerate(args.concurrency):
         bound = concurrency * args.batch / (args.stages * args.rtt_ms / 1000) \
             if args.rtt_ms > 0 else float("inf")
@@ -219,20 +220,18 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             figures[f"{name.replace('-', '_')}_tokens_per_s_c{concurrency}"] = value
         rows.append([concurrency, concurrency * args.batch,
                      *(speed.get(name, "-") for name in LABELS), bound])
-        ratio_row: list[Any] = [concurrency]
         for swarm in swarms:
             for baseline in ("batched", "local"):
-                key = f"{swarm} / {baseline}"
+                key = (swarm, baseline)
                 if baseline in speed:
                     ratio = speed[swarm] / speed[baseline]
                     ratios.setdefault(key, {})[concurrency] = ratio
                     figures[f"{swarm.replace('-', '_')}_vs_{baseline}_c{concurrency}"] = ratio
         if len(swarms) == 2:
-            ratios.setdefault("swarm-on / swarm-off", {})[concurrency] = \
+            ratios.setdefault(("swarm-on", "swarm-off"), {})[concurrency] = \
                 speed["swarm-on"] / speed["swarm-off"]
             figures[f"swarm_on_vs_off_c{concurrency}"] = speed["swarm-on"] / speed["swarm-off"]
-        ratio_row += [ratios[key][concurrency] for key in ratios]
-        ratio_rows.append(ratio_row)
+        ratio_rows.append([concurrency, *(by_level[concurrency] for by_level in ratios.values())])
     first = results[0]
     lengths = first["prompt_lengths"]
     caption = (f"{first['device']}, {first['dtype']}; {args.stages} stages x {args.replicas} "
@@ -250,18 +249,18 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                         "latency bound tok/s"], rows, caption)
     if ratios:
         common.print_table("swarm generation: ratios of new tokens/s",
-                           ["sessions", *ratios], ratio_rows,
+                           ["sessions", *(ratio_label(key) for key in ratios)], ratio_rows,
                            f"targets: swarm / one batch >= {TARGET_VS_BATCHED:.2f} at "
                            f"{TARGET_SESSIONS} sessions (issue #20); swarm / per-session local "
                            f">= {TARGET_VS_LOCAL:.2f} at enough concurrency")
     for key, by_level in ratios.items():
-        if " / batched" in key and TARGET_SESSIONS in by_level:
+        if key[1] == "batched" and TARGET_SESSIONS in by_level:
             reached = by_level[TARGET_SESSIONS] >= TARGET_VS_BATCHED
-            print(f"{key} at {TARGET_SESSIONS} sessions: {by_level[TARGET_SESSIONS]:.2f}; target "
+            print(f"{ratio_label(key)} at {TARGET_SESSIONS} sessions: {by_level[TARGET_SESSIONS]:.2f}; target "
                   f">= {TARGET_VS_BATCHED:.2f} " + ("reached" if reached else "not reached"))
-        if " / local" in key:
+        if key[1] == "local":
             best = max(by_level, key=lambda c: by_level[c])
-            print(f"{key}: best {by_level[best]:.2f} at {best} sessions; target >= "
+            print(f"{ratio_label(key)}: best {by_level[best]:.2f} at {best} sessions; target >= "
                   f"{TARGET_VS_LOCAL:.2f} " + ("reached" if by_level[best] >= TARGET_VS_LOCAL
                                                else "not reached"))
     for swarm in swarms:
@@ -273,8 +272,12 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                                   "results": results, "figures": figures})
 
 
+def ratio_label(key: tuple[str, str]) -> str:
+    return f"{LABELS[key[0]]} / {LABELS[key[1]]}"
+
+
 def plot(results: list[dict[str, Any]], args: argparse.Namespace,
-         ratios: dict[str, dict[int, float]], path: Path) -> None:
+         ratios: dict[tuple[str, str], dict[int, float]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -289,12 +292,12 @@ def plot(results: list[dict[str, Any]], args: argparse.Namespace,
     axes.set_xlabel(f"concurrent sessions (each {args.batch} sequences)")
     axes.set_ylabel("new tokens/s")
     axes.grid(alpha=0.3)
-    headline = {key: by_level for key, by_level in ratios.items() if key.endswith(" / batched")}
+    headline = {key: by_level for key, by_level in ratios.items() if key[1] == "batched"}
     if headline:
         twin = axes.twinx()
         for key, by_level in headline.items():
             twin.plot(list(by_level), list(by_level.values()), linestyle="--", marker=".",
-                      label=key.replace("batched", "one batch"))
+                      label=ratio_label(key))
         twin.axhline(TARGET_VS_BATCHED, color="gray", linewidth=0.8, linestyle=":")
         twin.set_ylabel("swarm / one batch")
         twin.set_ylim(0, max(1.05, *(r for by in headline.values() for r in by.values())))

@@ -82,6 +82,16 @@ def test_episode_generation_prints_figures(tiny_model_dir: Path,
     assert values["repeated_prompt_share"] == pytest.approx(0.5)
 
 
+def sweep_result(variant: str, tokens_per_s: list[float]) -> dict[str, object]:
+    """A made-up result of one variant of a concurrency sweep (swarm-generation, peer-batching):
+    `tokens_per_s` at each level, the rest fixed."""
+    levels = [{"tokens_per_s": t, "new_tokens": 256, "generation_s_mean": 1.0}
+              for t in tokens_per_s]
+    return {"variant": variant, "device": "cpu", "dtype": "bfloat16", "machine": "test",
+            "model": "/cache/smollm2", "layers": 30, "prompt_lengths": [40, 42], "failovers": 0,
+            "levels": levels}
+
+
 def test_swarm_generation_baselines_print_figures(tiny_model_dir: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """The two single-process baselines: all rows as one HF batch, and one session per thread."""
@@ -100,22 +110,17 @@ def test_swarm_generation_reports_swarm_against_both_baselines(
     bench = load_bench("swarm_generation")
     args = bench.parse_args(["--concurrency", "1,16", "--plot", "none"])
     assert args.variants == ["local", "batched", "swarm-off", "swarm-on"]
-
-    def result(variant: str, tokens_per_s: list[float]) -> dict[str, object]:
-        levels = [{"tokens_per_s": t, "generation_s_mean": 1.0} for t in tokens_per_s]
-        return {"variant": variant, "device": "cpu", "dtype": "bfloat16", "machine": "test",
-                "prompt_lengths": [40, 42], "failovers": 0, "levels": levels}
-
-    bench.report([result("local", [80.0, 85.0]), result("batched", [90.0, 250.0]),
-                  result("swarm-off", [20.0, 100.0]), result("swarm-on", [22.0, 230.0])], args)
+    bench.report([sweep_result("local", [80.0, 85.0]), sweep_result("batched", [90.0, 250.0]),
+                  sweep_result("swarm-off", [20.0, 100.0]),
+                  sweep_result("swarm-on", [22.0, 230.0])], args)
     output = capsys.readouterr().out
     values = figures(output, "swarm_generation")
     assert values["swarm_on_vs_batched_c16"] == pytest.approx(0.92)
     assert values["swarm_off_vs_batched_c16"] == pytest.approx(0.4)
     assert values["swarm_off_vs_local_c1"] == pytest.approx(0.25)
     assert values["swarm_on_vs_off_c16"] == pytest.approx(2.3)
-    assert "swarm-on / batched at 16 sessions: 0.92; target >= 0.90 reached" in output
-    assert "swarm-off / batched at 16 sessions: 0.40; target >= 0.90 not reached" in output
+    assert "swarm on / one batch (HF) at 16 sessions: 0.92; target >= 0.90 reached" in output
+    assert "swarm off / one batch (HF) at 16 sessions: 0.40; target >= 0.90 not reached" in output
 
 
 @pytest.mark.network
@@ -135,14 +140,7 @@ def test_peer_batching_reports_after_over_before(capsys: pytest.CaptureFixture[s
     bench = load_bench("peer_batching")
     args = bench.parse_args(["--concurrency", "1,16"])
     assert args.variants == ["off", "on"] and args.stages == 1
-
-    def result(variant: str, tokens_per_s: list[float]) -> dict[str, object]:
-        levels = [{"tokens_per_s": t, "generation_s_mean": 1.0} for t in tokens_per_s]
-        return {"variant": variant, "device": "cpu", "dtype": "bfloat16", "machine": "test",
-                "model": "/cache/smollm2", "layers": 30, "prompt_lengths": [40, 42],
-                "failovers": 0, "levels": levels}
-
-    bench.report([result("off", [50.0, 60.0]), result("on", [55.0, 200.0])], args)
+    bench.report([sweep_result("off", [50.0, 60.0]), sweep_result("on", [55.0, 200.0])], args)
     output = capsys.readouterr().out
     values = figures(output, "peer_batching")
     assert values["ratio_c1"] == pytest.approx(1.1)
