@@ -20,14 +20,23 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from decentrl.evaluate.runner import EvalResult
 from decentrl.swarm.loop import POLL_S, RunHooks, TrainingLoop
+
+if TYPE_CHECKING:
+    from decentrl.config import RunConfig
+    from decentrl.model.blocks import ModelSpec
+    from decentrl.net.directory import Directory
+    from decentrl.swarm.launch import LocalSwarm
+    from decentrl.swarm.sessions import RemoteChain
 
 RESULT_PREFIX = "BENCH_RESULT "
 
@@ -64,6 +73,22 @@ def cpu_seconds() -> float:
     machine (it does include threads spinning while they wait for work)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def processes_cpu_seconds(pids: Sequence[int]) -> float | None:
+    """CPU time (user + system, all threads) the processes `pids` (this machine's, e.g. a bench's
+    peers) have used so far, from /proc; None where /proc has no such process (not Linux)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        # After "pid (command)" come the fields from the third on; utime and stime are the
+        # 14th and 15th (proc(5)). The command may hold spaces, hence the split at its ")".
+        fields = stat.rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int
@@ -350,3 +375,175 @@ class GenerationHeldDuringEvaluation(RunHooks):
 
     def after_evaluation(self, loop: TrainingLoop, label: str, result: EvalResult) -> None:
         self.generation_open.set()
+
+
+def sums_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    """The first `count` training prompts of the sums task, as token ids."""
+    from decentrl.tasks import make_task, problems, render_prompt
+
+    task = make_task("sums")
+    return [render_prompt(task, p, tokenizer) for p in problems(task, "train", count)]
+
+
+def hf_generation_model(folder: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    """Hugging Face's `AutoModelForCausalLM` from a model folder, in `dtype`, made to ignore
+    end-of-sequence: `generate()` fills every unset (None) field of its config from
+    `model.generation_config`, eos included, so eos_token_id=None in `hf_generate` only sticks
+    once the model's own default is gone too."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_generate(model: Any, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
+                sample: bool, seed: int) -> list[list[int]]:
+    """Exactly `max_new_tokens` new tokens per prompt (left-padded, one batch) from a
+    `hf_generation_model`: sampled at temperature 1 with no top-k/top-p cut, seeded by `seed`,
+    or greedy."""
+    from transformers import GenerationConfig
+
+    from decentrl.rollout.generate import left_pad
+
+    ids, valid = left_pad(prompts, pad_id, model.device)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, temperature=1.0,
+                              top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=pad_id)
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=valid.long(), generation_config=config)
+    new = out[:, ids.shape[1]:]
+    if new.shape[1] != max_new_tokens:
+        raise RuntimeError(f"HF generated {new.shape[1]} tokens per row, expected "
+                           f"{max_new_tokens}: it stopped early")
+    return new.cpu().tolist()
+
+
+def drive_sessions(pool: ThreadPoolExecutor, chain: Any, prompt_sets: list[list[list[int]]],
+                   steps: int, max_new_tokens: int, pad_id: int, seed: int,
+                   peer_pids: Sequence[int] = ()) -> dict[str, float]:
+    """One concurrency level: len(prompt_sets) sessions on as many threads of `pool`, each calling
+    `generate` `steps` times on its own prompts (sampled at temperature 1, no stop ids, so every
+    row decodes exactly `max_new_tokens`); returns the level's wall and CPU time (and the CPU time
+    of the `peer_pids` processes, where /proc tells), new tokens and per-generation times. The
+    pool's threads live for the whole sweep: a thread's first parallel torch call sets up its own
+    CPU thread team, which the warm-up pays once for every thread."""
+    from decentrl.rollout.generate import generate
+    from decentrl.rollout.sampling import SamplingConfig
+
+    sampling = SamplingConfig(temperature=1.0)
+    concurrency = len(prompt_sets)
+    # Every session waits here until all have started: `concurrency` distinct threads, one start.
+    start = threading.Barrier(concurrency + 1)
+    seconds: list[float] = []
+
+    def session(index: int) -> int:
+        start.wait()
+        tokens = 0
+        for step in range(steps):
+            began = time.perf_counter()
+            out = generate(chain, prompt_sets[index], max_new_tokens, sampling, set(), pad_id,
+                           seed * 1_000_003 + index * 1_009 + step)
+            seconds.append(time.perf_counter() - began)
+            tokens += sum(len(g.tokens) for g in out)
+        return tokens
+
+    futures = [pool.submit(session, i) for i in range(concurrency)]
+    start.wait(timeout=600)
+    began, began_cpu = time.perf_counter(), cpu_seconds()
+    began_peers = processes_cpu_seconds(peer_pids)
+    new_tokens = sum(future.result() for future in futures)
+    wall, cpu = time.perf_counter() - began, cpu_seconds() - began_cpu
+    ended_peers = processes_cpu_seconds(peer_pids)
+    expected = concurrency * steps * len(prompt_sets[0]) * max_new_tokens
+    if new_tokens != expected:
+        raise RuntimeError(f"{new_tokens} new tokens, expected {expected}")
+    level = {"concurrency": concurrency, "new_tokens": new_tokens, "wall_s": wall, "cpu_s": cpu,
+             "tokens_per_s": new_tokens / wall,
+             "generation_s_mean": sum(seconds) / len(seconds), "generation_s_max": max(seconds)}
+    if peer_pids and began_peers is not None and ended_peers is not None:
+        level["peer_cpu_s"] = ended_peers - began_peers
+    return level
+
+
+def sweep_sessions(chain: Any, prompts: list[list[int]], args: Any, pad_id: int,
+                   label: str, peer_pids: Sequence[int] = ()) -> list[dict[str, float]]:
+    """`drive_sessions` at every level of `args.concurrency`, each session `args.batch` prompts,
+    after `args.warmup` untimed rounds at the largest level (every session thread, and in a swarm
+    every replica, runs once)."""
+    batch, most = args.batch, max(args.concurrency)
+    sets = [prompts[i * batch:(i + 1) * batch] for i in range(most)]
+    levels = []
+    with ThreadPoolExecutor(max_workers=most, thread_name_prefix="session") as pool:
+        for _ in range(args.warmup):
+            drive_sessions(pool, chain, sets, 1, args.max_new_tokens, pad_id, args.seed + 1)
+        for concurrency in args.concurrency:
+            level = drive_sessions(pool, chain, sets[:concurrency], args.steps,
+                                   args.max_new_tokens, pad_id, args.seed, peer_pids)
+            peers = f", peers' CPU {level['peer_cpu_s']:.2f} s" if "peer_cpu_s" in level else ""
+            print(f"  {label} concurrency {concurrency:3d}: {level['tokens_per_s']:8.1f} new "
+                  f"tok/s ({level['wall_s']:.2f} s, {level['generation_s_mean']:.2f} s per "
+                  f"generation{peers})", flush=True)
+            levels.append(level)
+    return levels
+
+
+def inference_swarm_config(name: str, folder: Path, model: Path, args: Any,
+                           swarm: dict[str, Any]) -> RunConfig:
+    """The run config of a generation bench's swarm, in `folder`: `args`' stages, device, dtype,
+    threads (per peer) and seed, `swarm` (more `swarm.*` settings), and session caps that let the
+    bench's one client hold all of `args.concurrency`'s sessions on a peer at once."""
+    from decentrl.config import parse_config
+
+    sessions = max(32, 2 * max(args.concurrency))
+    return parse_config({
+        "name": name, "run_dir": str(folder / "runs"), "model": str(model),
+        "num_stages": args.stages, "device": args.device, "dtype": args.dtype,
+        "threads": args.threads, "seed": args.seed,
+        "swarm": {"announce_every_s": 60.0, "request_timeout_s": 120.0,
+                  "max_sessions_per_peer": sessions, "max_sessions_per_sender": sessions,
+                  **swarm},
+    })
+
+
+@contextmanager
+def inference_swarm(config: RunConfig, spec: ModelSpec
+                    ) -> Iterator[tuple[LocalSwarm, RemoteChain]]:
+    """`config.swarm.inference_replicas` inference peers per stage, each a `decentrl join`
+    process on loopback joining with `config`, and a `RemoteChain` through them whose client is
+    this process's bootstrap node (it carries `config.swarm.link`); shut down on the way out."""
+    from decentrl.net.directory import Directory
+    from decentrl.swarm.launch import LocalSwarm
+    from decentrl.swarm.sessions import RemoteChain
+
+    config_path = fresh_swarm_folder(config)
+    replicas = config.swarm.inference_replicas
+    swarm = LocalSwarm(config, config_path, replicas, training=False)
+    try:
+        started = time.perf_counter()
+        swarm.start()
+        assert swarm.bootstrap is not None
+        print(f"  {len(swarm.children)} peers up in {time.perf_counter() - started:.0f}s: "
+              + "; ".join(swarm.layout()), flush=True)
+        directory = Directory(swarm.bootstrap, config.name, config.num_stages, config.swarm)
+        wait_for_peers(directory, replicas)
+        yield swarm, RemoteChain(swarm.bootstrap, directory, config.swarm, config.trust, spec)
+    finally:
+        swarm.shutdown()
+
+
+def peer_pids(swarm: LocalSwarm) -> list[int]:
+    return [child.process.pid for child in swarm.children.values() if child.process is not None]
+
+
+def wait_for_peers(directory: Directory, replicas: int, timeout_s: float = 60.0) -> None:
+    """Until every stage has announced `replicas` peers (TimeoutError after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        directory.refresh()
+        if all(len(records) >= replicas for records in directory.stage_summary()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every stage announced {replicas} replicas within "
+                               f"{timeout_s:.0f}s")
+        time.sleep(0.5)

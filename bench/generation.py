@@ -29,7 +29,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-import torch  # noqa: E402
 
 VARIANTS = ("decentrl", "hf")
 MODES = ("sample", "greedy")
@@ -53,13 +52,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def make_prompts(tokenizer: Any, batch: int) -> list[list[int]]:
-    from decentrl.tasks import make_task, problems, render_prompt
-
-    task = make_task("sums")
-    return [render_prompt(task, p, tokenizer) for p in problems(task, "train", batch)]
-
-
 def decentrl_generator(loaded, prompts, args, device, dtype):
     """A function mode -> generated token rows ([B, max_new_tokens] lists)."""
     from decentrl.model.stages import StagePlan, build_stages
@@ -81,37 +73,19 @@ def decentrl_generator(loaded, prompts, args, device, dtype):
 
 
 def hf_generator(loaded, prompts, args, device, dtype):
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from decentrl.rollout.generate import left_pad
-
-    model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).to(device).eval()
-    # generate() fills every unset (None) field from model.generation_config, eos included, so
-    # eos_token_id=None below only sticks once the model's own default is gone too.
-    model.generation_config.eos_token_id = None
+    model = common.hf_generation_model(loaded.path, device, dtype)
     pad_id = loaded.tokenizer.pad_token_id
-    ids, valid = left_pad(prompts, pad_id, device)
 
     def run(mode: str) -> list[list[int]]:
-        config = GenerationConfig(
-            max_new_tokens=args.max_new_tokens, do_sample=mode == "sample", temperature=1.0,
-            top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=pad_id,
-        )
-        torch.manual_seed(args.seed)
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=valid.long(), generation_config=config)
-        new = out[:, ids.shape[1]:]
-        if new.shape[1] != args.max_new_tokens:
-            raise RuntimeError(f"HF generated {new.shape[1]} tokens per row, expected "
-                               f"{args.max_new_tokens}: it stopped early")
-        return new.cpu().tolist()
+        return common.hf_generate(model, prompts, pad_id, args.max_new_tokens,
+                                  mode == "sample", args.seed)
 
     return run
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     loaded, device, dtype = common.variant_setup(args)
-    prompts = make_prompts(loaded.tokenizer, args.batch)
+    prompts = common.sums_prompts(loaded.tokenizer, args.batch)
     make = decentrl_generator if variant == "decentrl" else hf_generator
     run = make(loaded, prompts, args, device, dtype)
     loaded.tensors.clear()

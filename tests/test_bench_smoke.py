@@ -98,6 +98,72 @@ def test_prefix_cache_prints_figures(tiny_model_dir: Path,
     assert "greedy next tokens equal" in output
 
 
+def sweep_result(variant: str, tokens_per_s: list[float]) -> dict[str, object]:
+    """A made-up result of one variant of a concurrency sweep (swarm-generation, peer-batching):
+    `tokens_per_s` at each level, the rest fixed."""
+    levels = [{"tokens_per_s": t, "new_tokens": 256, "generation_s_mean": 1.0}
+              for t in tokens_per_s]
+    return {"variant": variant, "device": "cpu", "dtype": "bfloat16", "machine": "test",
+            "model": "/cache/smollm2", "layers": 30, "prompt_lengths": [40, 42], "failovers": 0,
+            "levels": levels}
+
+
+def test_swarm_generation_baselines_print_figures(tiny_model_dir: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The two single-process baselines: all rows as one HF batch, and one session per thread."""
+    bench = load_bench("swarm_generation")
+    bench.main(["--model", str(tiny_model_dir), "--device", "cpu", "--batch", "2",
+                "--max-new-tokens", "3", "--concurrency", "1,2", "--warmup", "0",
+                "--threads", "1", "--variants", "local,batched", "--plot", "none",
+                "--in-process"])
+    values = figures(capsys.readouterr().out, "swarm_generation")
+    assert_positive(values, [f"{variant}_tokens_per_s_c{c}" for variant in ("local", "batched")
+                             for c in (1, 2)])
+
+
+def test_swarm_generation_reports_swarm_against_both_baselines(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("swarm_generation")
+    args = bench.parse_args(["--concurrency", "1,16", "--plot", "none"])
+    assert args.variants == ["local", "batched", "swarm-off", "swarm-on"]
+    bench.report([sweep_result("local", [80.0, 85.0]), sweep_result("batched", [90.0, 250.0]),
+                  sweep_result("swarm-off", [20.0, 100.0]),
+                  sweep_result("swarm-on", [22.0, 230.0])], args)
+    output = capsys.readouterr().out
+    values = figures(output, "swarm_generation")
+    assert values["swarm_on_vs_batched_c16"] == pytest.approx(0.92)
+    assert values["swarm_off_vs_batched_c16"] == pytest.approx(0.4)
+    assert values["swarm_off_vs_local_c1"] == pytest.approx(0.25)
+    assert values["swarm_on_vs_off_c16"] == pytest.approx(2.3)
+    assert "swarm on / one batch (HF) at 16 sessions: 0.92; target >= 0.90 reached" in output
+    assert "swarm off / one batch (HF) at 16 sessions: 0.40; target >= 0.90 not reached" in output
+
+
+@pytest.mark.network
+def test_peer_batching_prints_figures(tiny_model_dir: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Sessions stepping through one peer's real inference RPC (one setting: one peer start)."""
+    bench = load_bench("peer_batching")
+    bench.main(["--model", str(tiny_model_dir), "--batch", "2", "--max-new-tokens", "3",
+                "--concurrency", "1,2", "--warmup", "0", "--threads", "1", "--batching", "on",
+                "--in-process"])
+    values = figures(capsys.readouterr().out, "peer_batching")
+    assert_positive(values, ["batching_on_tokens_per_s_c1", "batching_on_tokens_per_s_c2"])
+    assert values["batching_on_failovers"] == 0
+
+
+def test_peer_batching_reports_after_over_before(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("peer_batching")
+    args = bench.parse_args(["--concurrency", "1,16"])
+    assert args.variants == ["off", "on"] and args.stages == 1
+    bench.report([sweep_result("off", [50.0, 60.0]), sweep_result("on", [55.0, 200.0])], args)
+    output = capsys.readouterr().out
+    values = figures(output, "peer_batching")
+    assert values["ratio_c1"] == pytest.approx(1.1)
+    assert values["ratio_c16"] == pytest.approx(200 / 60, rel=1e-5)  # printed to 6 digits
+    assert "on / off at 16 sessions: 3.33; target >= 3 reached" in output
+
+
 def test_update_bytes_prints_figures(tiny_model_dir: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("update_bytes")
