@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 from helpers import build, layout_logits
-from swarm_helpers import ObservedChain, serving, start_swarm, tiny_run_config
+from swarm_helpers import ObservedChain, serving, start_swarm, steps_through_infer, tiny_run_config
 from test_failover_verify import route, verify
 
 from decentrl.config import RunConfig
@@ -167,6 +167,7 @@ def test_in_a_two_group_session_the_honest_group_passes_and_the_forged_one_fails
             out["logprobs"][:GROUP] -= FORGED_SHIFT
             return Reply(reply.body, out, reply.codec)
         service.infer = forge_first_group  # type: ignore[method-assign]
+        steps_through_infer(service)
         remote = swarm.chain(model.spec)
         remote.directory.refresh()
         route(remote, 1, [liar.node.peer_id], [])
