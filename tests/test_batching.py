@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -172,21 +173,35 @@ def test_without_batching_a_tick_takes_one_step(node: LoopNode) -> None:
     assert recorder.ticks == [["a"], ["b"], ["c"]]
 
 
-def test_a_tick_waits_for_as_many_rows_as_the_last_one_took(node: LoopNode) -> None:
-    """After a tick of 3 sessions, the next tick waits (up to wait_s) for 3 sessions' rows: steps
-    arriving one by one join the same tick instead of each running alone."""
+def test_a_tick_waits_for_the_sessions_due_back_and_no_longer(node: LoopNode) -> None:
+    """Sessions a, b and c step together twice (their turnaround is measured: milliseconds);
+    then their steps come one by one, 50 ms apart: the tick that a's step starts waits for b and
+    c, due back well within the bound, instead of running a alone."""
     recorder = Recorder()
     batcher = StepBatcher(node, recorder, max_rows=64, wait_s=30.0)  # type: ignore[arg-type]
-    submit_together(node, batcher, [step("a"), step("b"), step("c")], threading.Event())
+    for _ in range(2):
+        submit_together(node, batcher, [step("a"), step("b"), step("c")], threading.Event())
 
-    async def one_by_one() -> None:
+    async def one_by_one(batcher: StepBatcher, names: str) -> None:
         pending = []
-        for name in "xyz":
+        for name in names:
             pending.append(asyncio.ensure_future(batcher.submit("caller", step(name), {})))
             await asyncio.sleep(0.05)
         await asyncio.gather(*pending)
-    asyncio.run_coroutine_threadsafe(one_by_one(), node.loop).result(30)
-    assert recorder.ticks == [["a", "b", "c"], ["x", "y", "z"]]
+    asyncio.run_coroutine_threadsafe(one_by_one(batcher, "abc"), node.loop).result(30)
+    assert recorder.ticks[2:] == [["a", "b", "c"]]
+    # A closed session is not waited for; one that is due never makes a tick wait past the bound.
+    deadline = time.monotonic() + 10
+    assert batcher._due_before(deadline)
+    for name in "abc":
+        batcher.forget("caller", name)
+    assert not batcher._due_before(deadline)
+    bounded = StepBatcher(node, recorder, max_rows=64, wait_s=0.2)  # type: ignore[arg-type]
+    submit_together(node, bounded, [step("x"), step("y")], threading.Event())
+    submit_together(node, bounded, [step("x"), step("y")], threading.Event())
+    assert bounded._due_before(time.monotonic() + 0.2)
+    asyncio.run_coroutine_threadsafe(one_by_one(bounded, "x"), node.loop).result(30)  # y never comes
+    assert recorder.ticks[-1] == ["x"]
 
 
 def test_bad_batcher_settings_are_refused(node: LoopNode) -> None:

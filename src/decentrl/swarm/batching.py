@@ -6,10 +6,15 @@ steps waiting at that moment, up to `max_rows` rows, and hands them to the infer
 which runs them as one batched forward (swarm/inference.py). Sessions join and leave between
 ticks; a step that arrives while a tick runs goes in the next one.
 
-The wait is bounded: a tick that finds fewer rows waiting than the previous tick took waits for
-the others at most `wait_s` after its oldest step arrived, then runs with what it has. One
-session is never held back for long by others, and a peer that serves one session runs it at
-once (the previous tick had no more rows to wait for)."""
+The wait is bounded and only for steps about to arrive. Each session's turnaround (from the
+peer's answer to the session's next step: the client's work, and in a pipeline the other
+stages and the network) is measured. A tick starting waits, at most `wait_s`, for the sessions
+answered earlier whose next step is due within that time, and no longer than until they are
+all in. Without it, a session whose step came a few milliseconds late falls out of phase with
+the others and runs in a tick of its own every time, which on a CPU costs most of a full tick
+(the weights are read once per tick whatever the rows). A session that is not expected soon
+(its step is crossing the network to another stage) is not waited for, so a peer in a pipeline
+never idles for it, and a lone session runs at once."""
 
 from __future__ import annotations
 
@@ -46,16 +51,30 @@ class QueuedStep:
     request: StepRequest
     reply: asyncio.Future[Reply]
     arrived: float = field(default_factory=time.monotonic)
+    turnaround: float | None = None  # its session's, a moving average (None: not measured yet)
+
+    @property
+    def session(self) -> SessionKey:
+        return self.request.sender, self.request.body.session
 
     @property
     def rows(self) -> int:
         return self.request.body.batch
 
 
+# A session's key: (the peer that opened it, the id it chose).
+SessionKey = tuple[str, str]
+
 # What a tick's runner returns for each step, in order: its reply or the error it fails with.
 Outcome = Reply | BaseException
 TickRunner = Callable[[list[StepRequest]], list[Outcome]]
 
+
+# A session answered this long ago that never came back (its client crashed, or left without
+# closing it) is no longer expected.
+FORGET_AFTER_S = 30.0
+# Weight of a new measurement in a session's turnaround average.
+TURNAROUND_WEIGHT = 0.3
 
 class StepBatcher:
     """The queue of a peer's inference steps and its ticks."""
@@ -68,10 +87,13 @@ class StepBatcher:
                              f"{max_rows}, {wait_s}, {max_steps}")
         self.node, self.run_tick = node, run_tick
         self.max_rows, self.wait_s, self.max_steps = max_rows, wait_s, max_steps
+        # Guards everything below but the counters (compute thread only).
+        self._arrivals = threading.Condition()
         self._waiting: deque[QueuedStep] = deque()
-        self._arrivals = threading.Condition()  # guards _waiting, _tick_queued, _last_rows
         self._tick_queued = False
-        self._last_rows = 0
+        # Sessions answered and not back yet: when, and their turnaround (seconds, a moving
+        # average; None until measured).
+        self._out: dict[SessionKey, tuple[float, float | None]] = {}
         self.ticks = 0
         self.rows = 0  # rows run by all ticks
 
@@ -80,6 +102,12 @@ class StepBatcher:
         """Queue one step (on the node's loop) and wait for its tick to answer it."""
         step = QueuedStep(StepRequest(sender, body, tensors), self.node.loop.create_future())
         with self._arrivals:
+            out = self._out.pop(step.session, None)
+            if out is not None:
+                answered, before = out
+                took = step.arrived - answered
+                step.turnaround = took if before is None \
+                    else before + TURNAROUND_WEIGHT * (took - before)
             self._waiting.append(step)
             self._arrivals.notify()
             start_tick = not self._tick_queued
@@ -87,6 +115,11 @@ class StepBatcher:
         if start_tick:
             self._queue_tick()
         return await step.reply
+
+    def forget(self, sender: str, session: str) -> None:
+        """A closed session: none of its steps will come."""
+        with self._arrivals:
+            self._out.pop((sender, session), None)
 
     @property
     def rows_per_tick(self) -> float:
@@ -108,21 +141,21 @@ class StepBatcher:
             outcomes = [error] * len(batch)
         self.ticks += 1
         self.rows += sum(step.rows for step in batch)
+        answered = time.monotonic()
+        with self._arrivals:
+            for step, outcome in zip(batch, outcomes, strict=True):
+                if not isinstance(outcome, BaseException):  # the session moved on
+                    self._out[step.session] = (answered, step.turnaround)
         for step, outcome in zip(batch, outcomes, strict=True):
             self.node.loop.call_soon_threadsafe(_answer, step.reply, outcome)
 
     def _take(self) -> list[QueuedStep]:
-        """The steps of this tick, after the bounded wait; queues the next tick if steps are
-        left over."""
+        """The steps of this tick, after waiting for those due within `wait_s`; queues the next
+        tick if steps are left over."""
         with self._arrivals:
-            if self._waiting:
-                wanted = min(self.max_rows, self._last_rows)
-                deadline = self._waiting[0].arrived + self.wait_s
-                while sum(step.rows for step in self._waiting) < wanted:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or self._limit_reached():
-                        break
-                    self._arrivals.wait(left)
+            deadline = time.monotonic() + self.wait_s
+            while self._waiting and not self._full() and self._due_before(deadline):
+                self._arrivals.wait(deadline - time.monotonic())
             batch: list[QueuedStep] = []
             rows = 0
             while self._waiting and (not batch or rows + self._waiting[0].rows <= self.max_rows):
@@ -133,14 +166,30 @@ class StepBatcher:
                     continue
                 batch.append(step)
                 rows += step.rows
-            self._last_rows = rows
             self._tick_queued = bool(self._waiting)
         if self._tick_queued:
             self._queue_tick()
         return batch
 
-    def _limit_reached(self) -> bool:
-        return self.max_steps is not None and len(self._waiting) >= self.max_steps
+    def _full(self) -> bool:
+        """Whether the waiting steps fill a tick (under the lock)."""
+        if self.max_steps is not None and len(self._waiting) >= self.max_steps:
+            return True
+        return sum(step.rows for step in self._waiting) >= self.max_rows
+
+    def _due_before(self, deadline: float) -> bool:
+        """Whether a session answered earlier is expected back before `deadline` (under the
+        lock); forgets sessions gone for good."""
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        due = False
+        for key, (answered, turnaround) in list(self._out.items()):
+            if now - answered > FORGET_AFTER_S:
+                del self._out[key]
+            elif turnaround is not None and answered + turnaround < deadline:
+                due = True
+        return due
 
 
 def _answer(reply: asyncio.Future[Reply], outcome: Outcome) -> None:

@@ -41,7 +41,7 @@ from decentrl.net.protocol import (
 )
 from decentrl.rollout.chain import step_generator
 from decentrl.rollout.sampling import sample
-from decentrl.swarm.batching import Outcome, StepBatcher, StepRequest
+from decentrl.swarm.batching import Outcome, SessionKey, StepBatcher, StepRequest
 from decentrl.swarm.inbound import InboundChecks, PeerBusy, PeerError
 
 log = logging.getLogger(__name__)
@@ -49,9 +49,6 @@ log = logging.getLogger(__name__)
 # Sessions idle this long are dropped (their client is gone); a live client steps far more often.
 SESSION_IDLE_S = 300.0
 
-
-# A session's key: (the peer that opened it, the id it chose).
-SessionKey = tuple[str, str]
 
 
 @dataclass
@@ -286,4 +283,5 @@ class InferenceService:
     async def _close_session(self, request: Request[CloseSession]) -> Reply:
         with self._sessions_lock:
             self.sessions.pop((request.sender, request.body.session), None)
+        self.batcher.forget(request.sender, request.body.session)
         return Reply(Empty())
