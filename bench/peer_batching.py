@@ -11,8 +11,11 @@ samples the tokens; `--stages N` splits the model over N peers instead, all on t
 whose `swarm.batching` is the setting. The bench process is the client (1 torch thread: it only
 relays): it drives C concurrent sessions (`--concurrency`, default 1,2,4,8,16,32), each a Python
 thread calling `generate` on one shared `RemoteChain`, so every decoding step is a real
-`inference_step` RPC; each session is a batch of `--batch` B rows (default 8, one group) of sums
-prompts, sampled at temperature 1 with a fixed seed per session.
+`inference_step` RPC; each session is a batch of `--batch` B rows (default 8), sampled at
+temperature 1 with a fixed seed per session: by default one sums problem's prompt on every row,
+as the swarm's generation sessions are rollout groups (`--sessions groups`; the peer prefills a
+repeated prompt once), or B different problems (`--sessions distinct`: the prefill is B times
+larger, and it is the same work with batching off and on).
 
 Fair amount of work: no stop ids, so every row decodes exactly `--max-new-tokens` T tokens (default
 32); one concurrency level decodes C x `--steps` x B x T new tokens; tokens/s is that over the wall
@@ -27,6 +30,7 @@ slow the peer down more than they would the bench itself.
 
 Run: decentrl bench peer-batching [--model smollm2-135m-instruct|tiny|PATH] [--threads 2]
      [--batch 8] [--max-new-tokens 32] [--concurrency 1,2,4,8,16,32] [--batching both|off|on]
+     [--sessions groups|distinct]
      [--steps 1] [--warmup 1] [--json PATH]
 """
 
@@ -61,6 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--concurrency", default="1,2,4,8,16,32",
                         help="comma-separated numbers of concurrent sessions")
+    parser.add_argument("--sessions", default="groups", choices=("groups", "distinct"),
+                        help="groups: each session is one problem's prompt on every row, the "
+                             "shape of the swarm's generation sessions (a rollout group); "
+                             "distinct: every row its own problem")
     parser.add_argument("--batching", default="both", choices=tuple(BATCHING),
                         help="the peer's swarm.batching (both: one peer with each)")
     args = parser.parse_args(argv)
@@ -90,7 +98,12 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         config = common.inference_swarm_config("peer-batching", Path(folder), loaded.path, args,
                                                {"inference_replicas": 1, "batching": batching})
         with common.inference_swarm(config, loaded.spec) as (swarm, chain):
-            prompts = common.sums_prompts(loaded.tokenizer, max(args.concurrency) * args.batch)
+            sessions = max(args.concurrency)
+            if args.sessions == "groups":  # one problem's prompt on every row of a session
+                prompts = [prompt for prompt in common.sums_prompts(loaded.tokenizer, sessions)
+                           for _ in range(args.batch)]
+            else:
+                prompts = common.sums_prompts(loaded.tokenizer, sessions * args.batch)
             label = f"batching {variant}"
             levels = common.sweep_sessions(chain, prompts, args, loaded.tokenizer.pad_token_id,
                                            label, common.peer_pids(swarm))
@@ -140,7 +153,9 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     caption = (f"model {Path(first['model']).name} ({first['layers']} layers), {first['device']}, "
                f"{first['dtype']} (the peer's compute_dtype); {args.stages} stage peer(s), "
                f"{args.threads} torch thread(s) each, client 1 thread; no emulated latency; each "
-               f"session {args.batch} sums prompts of {min(lengths)}-{max(lengths)} tokens, "
+               f"session {args.batch} rows of "
+               f"{'one sums prompt (a group)' if args.sessions == 'groups' else 'sums prompts'} "
+               f"of {min(lengths)}-{max(lengths)} tokens, "
                f"exactly {args.max_new_tokens} new tokens per row (no stop ids), {args.steps} "
                f"generation(s) per session per level; off = swarm.batching false (one request "
                f"at a time), on = true; tok/peer CPU s = new tokens per second of the peer "
