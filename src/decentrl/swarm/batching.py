@@ -6,11 +6,12 @@ steps waiting at that moment, up to `max_rows` rows, and hands them to the infer
 which runs them as one batched forward (swarm/inference.py). Sessions join and leave between
 ticks; a step that arrives while a tick runs goes in the next one.
 
-The wait is bounded and only for steps about to arrive. Each session's turnaround (from the
-peer's answer to the session's next step: the client's work, and in a pipeline the other
-stages and the network) is measured. A tick starting waits, at most `wait_s`, for the sessions
-answered earlier whose next step is due within that time, and no longer than until they are
-all in. Without it, a session whose step came a few milliseconds late falls out of phase with
+The wait is bounded and only for steps about to arrive, on a peer kept busy. Each session's
+turnaround (from the peer's answer to the session's next step: the client's work, and in a
+pipeline the other stages and the network) is measured. A tick that starts within `wait_s` of
+the previous one's end waits, at most `wait_s`, for the sessions answered earlier whose next
+step is due within that time, and no longer than until they are all in; a tick on a peer that
+was idle longer runs at once (it has time to spare, and waiting would only add latency). Without it, a session whose step came a few milliseconds late falls out of phase with
 the others and runs in a tick of its own every time, which on a CPU costs most of a full tick
 (the weights are read once per tick whatever the rows). A session that is not expected soon
 (its step is crossing the network to another stage) is not waited for, so a peer in a pipeline
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -94,6 +96,7 @@ class StepBatcher:
         # Sessions answered and not back yet: when, and their turnaround (seconds, a moving
         # average; None until measured).
         self._out: dict[SessionKey, tuple[float, float | None]] = {}
+        self._last_tick_end = -math.inf
         self.ticks = 0
         self.rows = 0  # rows run by all ticks
 
@@ -143,6 +146,7 @@ class StepBatcher:
         self.rows += sum(step.rows for step in batch)
         answered = time.monotonic()
         with self._arrivals:
+            self._last_tick_end = answered
             for step, outcome in zip(batch, outcomes, strict=True):
                 if not isinstance(outcome, BaseException):  # the session moved on
                     self._out[step.session] = (answered, step.turnaround)
@@ -153,8 +157,12 @@ class StepBatcher:
         """The steps of this tick, after waiting for those due within `wait_s`; queues the next
         tick if steps are left over."""
         with self._arrivals:
-            deadline = time.monotonic() + self.wait_s
-            while self._waiting and not self._full() and self._due_before(deadline):
+            now = time.monotonic()
+            deadline = now + self.wait_s
+            # Only a peer that is kept busy waits: one that was idle has time to spare for the
+            # steps to come, and a wait would only add to this step's latency.
+            busy = now - self._last_tick_end <= self.wait_s
+            while busy and self._waiting and not self._full() and self._due_before(deadline):
                 self._arrivals.wait(deadline - time.monotonic())
             batch: list[QueuedStep] = []
             rows = 0
