@@ -145,7 +145,7 @@ class SwarmConfig(Section):
                            "all its sessions as one forward per tick (off: one request at a time)")
     batch_max_rows: int = Field(512, ge=1, description="rows one batched forward takes at most; "
                                 "the steps left over wait for the next tick")
-    batch_wait_s: float = Field(0.05, ge=0, le=1, description="longest a tick waits for the "
+    batch_wait_s: float = Field(0.01, ge=0, le=1, description="longest a tick waits for the "
                                 "steps of sessions it answered before that are due back by then "
                                 "(their measured turnaround); none other is waited for")
     kv_pool_tokens: int = Field(524288, ge=1, description="batch x positions the KV caches of all "
