@@ -313,6 +313,9 @@ def test_sessions_batched_on_the_peers_match_each_session_alone(tiny_sharp_dir: 
                 expected = generate(local, PROMPTS, 8, sampling, set(), 0, seed=100 + index)
                 assert [g.tokens for g in generations] == [g.tokens for g in expected]
                 assert [g.logprobs for g in generations] == [g.logprobs for g in expected]
+        # Rows x positions served, the same count on both stages (hidden states are not tokens):
+        # 6 sessions x 2 samplings x 4 rows x (a prompt padded to 6 + 7 more steps).
+        assert [serving(peer).served_tokens for peer in swarm.peers] == [6 * 2 * 4 * 13] * 2
         batchers = [serving(peer).batcher for peer in swarm.peers]
         # Some ticks ran several sessions at once (each session is 4 rows).
         assert all(batcher.rows_per_tick > len(PROMPTS) for batcher in batchers)

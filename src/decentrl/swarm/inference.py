@@ -165,7 +165,8 @@ class InferenceService:
             for step, reply in zip((step for step, _ in computed), self._replies(computed),
                                    strict=True):
                 outcomes[step.index] = reply
-        self.served_tokens += sum(step.inputs.numel() for step, _ in computed)
+        self.served_tokens += sum(step.inputs.shape[0] * step.inputs.shape[1]
+                                  for step, _ in computed)
         self.busy_s += time.perf_counter() - started
         assert all(outcome is not None for outcome in outcomes)
         return cast(list[Outcome], outcomes)
