@@ -131,6 +131,21 @@ def test_rows_in_flight_shrink_when_the_swarm_loses_throughput() -> None:
     assert after == 2 * control.session_rows >= HEADROOM * 100.0 * 0.1
 
 
+def test_rows_in_flight_grow_again_after_the_swarm_recovers() -> None:
+    """Generation alone fills the staleness bound; training then takes the CPU (the swarm steps
+    far fewer rows) and the rows shrink; once it eases, they grow again: the throughput of the
+    first growth, which the swarm no longer reaches, does not hold them down."""
+    control, clock = controller(config(), replicas=[4, 4])
+    swarm = SimulatedSwarm(control, clock, capacity=1e9, floor_s=0.1)
+    assert swarm.run(5)[-1] == 256
+    swarm.capacity = 100.0
+    shrunk = swarm.run(RATE_WINDOW + 2)[-1]
+    assert shrunk <= 2 * control.session_rows
+    swarm.capacity = 1000.0
+    recovered = swarm.run(10)[-1]
+    assert recovered >= 1000.0 * 0.1  # at least the bandwidth-delay product again
+
+
 def test_rows_in_flight_respect_every_bound() -> None:
     # Sessions per replica: one replica at stage 1 takes 14 sessions of 16 rows.
     many = config(max_sessions_per_peer=100)

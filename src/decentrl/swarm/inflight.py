@@ -24,7 +24,9 @@ draining would be slow and costly. Instead the rows in flight grow only while gr
 once they grew, they grow again only after at least PAYOFF of the rows added turned into
 throughput (latency-bound, all of them do; saturated, none), and hold otherwise (`limited_by`
 "throughput flat"). So they settle between the swarm's bandwidth-delay product, where the peers
-are full, and HEADROOM times it. Shrinking is always allowed, and a floor that rose for good (a
+are full, and HEADROOM times it. Shrinking is always allowed, and it resets that judgement (the
+throughput of the last growth came from a swarm that no longer is: training took the CPU, a
+replica left; held to it, the rows would never grow again), and a floor that rose for good (a
 slower network) replaces the old one within FLOOR_WINDOW intervals.
 
 The target stays within bounds: at least one session; at most the rows a training step can use
@@ -252,7 +254,11 @@ class RowsInFlight:
                 # The nearest count: HEADROOM is the margin, not a rounding up.
                 sessions, limited_by = min(sessions, round(wanted / self.session_rows)), "measured"
             sessions = min(self.max_sessions, max(1, sessions))
-            if sessions > self.state.sessions:
+            if sessions < self.state.sessions:
+                # What the swarm can do changed (training took the CPU, a replica left): the
+                # throughput the last growth was judged by no longer says what growth pays.
+                self.last_growth, self.rate_since_growth = None, latest
+            elif sessions > self.state.sessions:
                 if self._growth_paid():
                     self.last_growth = (self.rate_since_growth, self.state.sessions, sessions)
                     self.rate_since_growth = 0.0
