@@ -238,9 +238,10 @@ def test_the_watchdog_kills_the_child_at_its_deadline_and_not_before(
 
 
 def test_memory_limit_is_reported() -> None:
-    # Forty separate 8 MB lists: every step is legal, the total is past 256 MB.
+    # Forty separate 8 MB lists: every step is legal, the total is past 256 MB. The time limit
+    # is generous: on a loaded machine the allocations alone can take over a second.
     forty_lists = "[" + "[0]*10**6," * 40 + "]"
-    result = run_expression(forty_lists, memory_mb=256, clock=ScriptedClock(0.0))
+    result = run_expression(forty_lists, timeout_s=30.0, memory_mb=256, clock=ScriptedClock(0.0))
     assert result == ToolResult(ok=False, output="", error=MEMORY_LIMIT_ERROR)
     # The same with room to spare.
     assert run_expression("len([" + "[0]*10**6," * 4 + "])").output == "4"

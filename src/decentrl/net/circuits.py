@@ -49,7 +49,7 @@ class Circuit:
     replaced, so that calls waiting for the old one wait for the new one."""
 
     address: str
-    opened: float = field(default_factory=time.monotonic)
+    opened: float
     sent: int = 0
     received: int = 0
     reserved_sent: int = 0
@@ -103,7 +103,7 @@ class Circuits:
         `peer`'s first request came through it)."""
         circuit = self._by_peer.get(peer)
         if circuit is None:
-            circuit = self._by_peer[peer] = Circuit(address)
+            circuit = self._by_peer[peer] = Circuit(address, time.monotonic())
             while len(self._by_peer) > MAX_CIRCUITS:
                 self._by_peer.popitem(last=False)
         else:
