@@ -14,9 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from decentrl.config import ConfigError, RunConfig, load_config, parse_config
-from decentrl.rollout.types import RolloutGroup
+from decentrl.rollout.types import RolloutGroup, ScoredGroup
 from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.local import local_run
+from decentrl.swarm.loop import DYNAMIC_SAMPLING_LIMIT
 from swarm_helpers import tiny_run_config
 
 
@@ -80,6 +81,28 @@ def test_async_run_learner_drops_groups_past_the_staleness_bound(
         trainer.stage.version = 2
     assert run.ingestion.ingest(group, run.trainer.version) is None
     assert run.ingestion.stats.stale == 1
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_dynamic_sampling_fills_a_batch_with_groups_whose_rewards_vary(
+        tiny_model_dir: Path, tmp_path: Path, dynamic: bool) -> None:
+    run = local_run(tiny_config(tiny_model_dir, tmp_path, mode="sync", dynamic_sampling=dynamic,
+                                zero_variance_groups="drop"))
+    groups = run.worker.generate_groups(run.scheduler.next(9))
+    flat, varied = [0.0] * 4, [1.0, 0.0, 0.0, 0.0]
+
+    def scored(group: RolloutGroup, rewards: list[float]) -> tuple[ScoredGroup, int]:
+        return ScoredGroup(group=group, rewards=rewards, correct=rewards), 0
+
+    run.pending = [scored(groups[0], flat), scored(groups[1], varied), scored(groups[2], flat),
+                   scored(groups[3], varied), scored(groups[4], varied)]
+    taken = [s.group.group_id for s, _ in run._collect(2)]
+    expected = groups[:4] if dynamic else groups[:2]
+    assert taken == [g.group_id for g in expected]
+    assert len(run.pending) == 5 - len(expected)
+    # Where nothing varies a step still comes, after a bounded number of groups.
+    run.pending = [scored(g, flat) for g in groups]
+    assert len(run._collect(2)) == (2 * DYNAMIC_SAMPLING_LIMIT if dynamic else 2)
 
 
 def refusal_reason(ingestion: Ingestion, group: RolloutGroup,
@@ -158,6 +181,8 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         parse_config({"rollout": {"group_sizes": 4}})
     with pytest.raises(ConfigError, match="mis_low must be below"):
         parse_config({"train": {"mis_low": 0.9, "mis_high": 0.5}})
+    with pytest.raises(ConfigError, match="dynamic_sampling skips groups without reward spread"):
+        parse_config({"train": {"dynamic_sampling": True, "zero_variance_groups": "keep"}})
     with pytest.raises(ConfigError, match=r"swarm\.link.*rtt_ms"):
         parse_config({"swarm": {"link": {"rtt_ms": [120, 60]}}})
     with pytest.raises(ConfigError, match=r"swarm\.activation_codec"):

@@ -60,6 +60,10 @@ class TrainConfig(Section):
     updates_per_batch: int = Field(1, ge=1, description="optimizer steps per batch (PPO epochs)")
     scale_advantages_by_std: bool = True
     zero_variance_groups: Literal["drop", "keep"] = "drop"
+    dynamic_sampling: bool = Field(False, description="fill every batch with "
+                                   "rollout.prompts_per_step groups whose rewards vary (DAPO's "
+                                   "dynamic sampling): groups without spread are recorded and "
+                                   "skipped, at most 4 x prompts_per_step groups a step")
     clip_low: float = Field(0.2, gt=0, lt=1)
     clip_high: float = Field(0.28, gt=0)
     kl_coef: float = Field(0.0, ge=0)
@@ -271,6 +275,9 @@ class RunConfig(Section):
         if self.train.mis_low is not None and self.train.mis_high is not None \
                 and self.train.mis_low >= self.train.mis_high:
             raise ValueError("train.mis_low must be below train.mis_high")
+        if self.train.dynamic_sampling and self.train.zero_variance_groups == "keep":
+            raise ValueError("train.dynamic_sampling skips groups without reward spread, which "
+                             "train.zero_variance_groups = \"keep\" asks to train on: choose one")
         if self.trust.verify_fraction > 0 and self.trust.history_versions < self.train.max_staleness:
             raise ValueError(f"trust.history_versions ({self.trust.history_versions}) must be at "
                              f"least train.max_staleness ({self.train.max_staleness}): replicas "

@@ -30,6 +30,7 @@ from rich.console import Console
 from decentrl.config import RunConfig
 from decentrl.envs import Environment, make_task_or_environment
 from decentrl.evaluate.runner import EvalResult, TrainingShape, evaluate
+from decentrl.learn.advantages import zero_variance_groups
 from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.learn.trainer import PipelineTrainer
 from decentrl.net.text import REMOTE_ERROR_CHARS
@@ -60,6 +61,9 @@ RECOVERY_WAIT_S = 600.0
 # Times one evaluation session may fail (after waiting for its stages' servers each time) before
 # the evaluation gives up: a session that fails with every stage served is a bug, not a fault.
 EVALUATION_ATTEMPTS = 5
+# Dynamic sampling reads at most this many groups per group a batch asks for: when the policy
+# solves (or fails) nearly every problem, a step still comes, with the few groups that vary.
+DYNAMIC_SAMPLING_LIMIT = 4
 
 
 class TrainingUnavailable(RuntimeError):
@@ -444,17 +448,32 @@ class TrainingLoop(Generic[AnyBackend]):
             self.ingestion.stats.stale += isinstance(error, StaleRolloutError)
             return None
 
+    def _teaches(self, scored: ScoredGroup) -> bool:
+        """Whether a group counts towards a batch: every group does, except under dynamic
+        sampling, where only a group whose rewards vary does (the others carry no gradient)."""
+        if not self.config.train.dynamic_sampling:
+            return True
+        rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+        return not bool(zero_variance_groups(rewards, rewards.numel())[0])
+
+    def _batch_limit(self, needed: int) -> int:
+        return needed * DYNAMIC_SAMPLING_LIMIT if self.config.train.dynamic_sampling else needed
+
     def _collect(self, needed: int) -> list[tuple[ScoredGroup, int]]:
         """Accepted groups within the staleness bound for one batch: first those accepted earlier
-        and not yet trained (re-checked, they may have gone stale), then new arrivals."""
+        and not yet trained (re-checked, they may have gone stale), then new arrivals. Under
+        dynamic sampling `needed` counts groups whose rewards vary; the others come along (they
+        are recorded as trained) until the batch holds `_batch_limit` groups."""
         batch: list[tuple[ScoredGroup, int]] = []
-        while len(batch) < needed:
+        teaching = 0
+        while teaching < needed and len(batch) < self._batch_limit(needed):
             self._hold_unjudged()
             if self.pending:
                 scored, _ = self.pending.pop(0)
                 staleness = self._still_trainable(scored)
                 if staleness is not None:
                     batch.append((scored, staleness))
+                    teaching += self._teaches(scored)
                 continue
             if self.generation_error is not None:
                 raise RuntimeError("generation failed") from self.generation_error
@@ -477,12 +496,18 @@ class TrainingLoop(Generic[AnyBackend]):
         self.pending = [item for item, held in zip(waiting, awaiting) if not held]
 
     def _generate_batch(self, needed: int) -> list[tuple[ScoredGroup, int]]:
-        """Synchronous mode: generate one batch with the learner's current weights."""
-        batch = []
-        for group in self._generate(needed):
-            accepted = self._accept(group)
-            if accepted is not None:
-                batch.append(accepted)
+        """Synchronous mode: generate one batch with the learner's current weights (under
+        dynamic sampling, rounds until `needed` groups vary or `_batch_limit` were generated)."""
+        batch: list[tuple[ScoredGroup, int]] = []
+        teaching = 0
+        while teaching < needed and len(batch) < self._batch_limit(needed):
+            count = min(needed - teaching, self._batch_limit(needed) - len(batch))
+            accepted = [a for a in map(self._accept, self._generate(count)) if a is not None]
+            batch += accepted
+            teaching += sum(self._teaches(scored) for scored, _ in accepted)
+            # A round that brought nothing back (every group refused) ends the batch as it is.
+            if not self.config.train.dynamic_sampling or not accepted:
+                break
         return batch
 
     # ---- one step -------------------------------------------------------------------------
