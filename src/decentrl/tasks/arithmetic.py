@@ -12,6 +12,7 @@ import random
 import re
 
 from decentrl.tasks.base import (
+    DIFFICULTY,
     Problem,
     Reward,
     SplitDrawn,
@@ -54,6 +55,12 @@ def last_number(text: str) -> str | None:
     return str(int(integer_part))
 
 
+def sums_difficulty(operands: list[int]) -> str:
+    """The operands' digit counts, smallest first ("1+2 digits"): with a fixed digit range the
+    model still finds some combinations much harder than others."""
+    return "+".join(str(len(str(n))) for n in sorted(operands)) + " digits"
+
+
 class SumsTask(SplitDrawn):
     name = "sums"
 
@@ -89,7 +96,7 @@ class SumsTask(SplitDrawn):
             question=f"What is {' + '.join(map(str, operands))}? Answer with just the number.",
             answer=str(sum(operands)),
             key="+".join(map(str, sorted(operands))),
-            metadata={"operands": operands},
+            metadata={"operands": operands, DIFFICULTY: sums_difficulty(operands)},
         )
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
