@@ -10,9 +10,10 @@ gives each measured problem its group's rewards as the base would produce them.
 Simulate: `--groups` groups are scheduled from the demo task's seeded train stream, as the
 coordinator schedules them (swarm/scheduler.py `PromptScheduler`), once without the curriculum
 and once with it (swarm/curriculum.py `Curriculum`, the demo's `[curriculum]` settings). Each
-scheduled problem's group is the measured group of a measured problem of its bucket, drawn at
-random (the base model does not learn here, so the estimates settle on the base's pass rates),
-and the curriculum is told its rewards as the loop would tell it. Figures: the share of scheduled
+scheduled problem behaves as one measured problem of its bucket (the same one whenever its key
+comes back): its group is `--group-size` rows drawn with replacement from that problem's measured
+rows. The base model does not learn here, so the estimates settle on the base's pass rates; the
+curriculum is told every group's rewards as the loop would tell it. Figures: the share of scheduled
 groups without reward spread, each variant, and the buckets' share of scheduled groups.
 
 The measured groups are written to `--outcomes` (JSON) and read from there when it exists, so
@@ -36,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-# Measured groups per bucket above this are enough; candidates beyond this many per measured
-# problem mean the task hardly ever draws the bucket.
-MAX_CANDIDATES_PER_PROBLEM = 200
+# Candidates of the train stream scanned per measured problem of a bucket: a bucket the task
+# draws at least 1 time in 20 gets its problems (the demo's: 1 in 4 or 2).
+SCANNED_PER_PROBLEM = 20
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,14 +90,11 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     task = make_task_or_environment(config.task.name, config.task.options)
     assert not isinstance(task, Environment), "the measurement runs a single-turn task"
     problems: dict[str, list[Any]] = {}
-    index = 0
-    while (len(problems) < 1 or min(len(p) for p in problems.values()) < args.problems) \
-            and index < MAX_CANDIDATES_PER_PROBLEM * args.problems:
+    for index in range(SCANNED_PER_PROBLEM * args.problems):
         problem = task.problem("train", index)
         found = problems.setdefault(bucket_of(problem), [])
         if len(found) < args.problems:
             found.append(problem)
-        index += 1
     device = pick_device(args.device)
     _, stages = load_stages(config.model, 1, device, compute_dtype(device, args.dtype))
     chain = LocalChain(stages)
@@ -122,3 +120,98 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
         print(f"measured {bucket}: {len(bucket_problems)} problems "
               f"({time.time() - started:.0f} s so far)", flush=True)
     return measured
+
+
+def simulate(args: argparse.Namespace, measured: dict[str, list[dict[str, Any]]],
+             enabled: bool) -> dict[str, Any]:
+    """`args.groups` groups scheduled as the coordinator schedules them, each given the rewards
+    of a measured group of its bucket; the curriculum observes every one."""
+    from decentrl.envs import make_task_or_environment
+    from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, VersionSpan
+    from decentrl.swarm.curriculum import Curriculum, bucket_of, has_spread
+    from decentrl.swarm.scheduler import PromptScheduler
+
+    config = demo_task_config(args)
+    task = make_task_or_environment(config.task.name, config.task.options)
+    settings = config.curriculum.model_copy(update={"enabled": enabled})
+    curriculum = Curriculum(settings, task, args.group_size, args.seed)
+    scheduler = PromptScheduler(args.seed, admits=curriculum.admits)
+    draw = random.Random(args.seed)
+    row = Rollout(prompt_tokens=[0], completion_tokens=[0], behaviour_logprobs=[0.0],
+                  finished=True)
+    flat = 0
+    mix: dict[str, int] = {}
+    # A step's worth at a time: what the loop schedules before those groups come back.
+    per_round = config.rollout.prompts_per_step
+    scheduled = 0
+    while scheduled < args.groups:
+        for index in scheduler.next(min(per_round, args.groups - scheduled)):
+            problem = task.problem("train", index)
+            bucket = bucket_of(problem)
+            if bucket not in measured:
+                raise SystemExit(f"no measured problem of bucket {bucket!r}: measure more "
+                                 "problems (--problems)")
+            # A problem behaves as one measured problem of its bucket, the same each time its
+            # key comes back: its group, rows drawn with replacement from that problem's
+            # measured rows.
+            measured_rows = random.Random(problem.key).choice(measured[bucket])["rewards"]
+            rewards = [draw.choice(measured_rows) for _ in range(args.group_size)]
+            group = RolloutGroup(group_id=str(index), task=task.name, problem_index=index,
+                                 stage_versions=[0],
+                                 version_spans=[VersionSpan(start=0, versions=[0])],
+                                 sampling_seed=0, rollouts=[row] * args.group_size)
+            # The demo's task has no partial credit: a reward of 1 is a solved row.
+            curriculum.observe(ScoredGroup(group=group, rewards=rewards,
+                                           correct=[float(r >= 1.0) for r in rewards]))
+            flat += not has_spread(rewards)
+            mix[bucket] = mix.get(bucket, 0) + 1
+            scheduled += 1
+    return {"zero_spread_share": flat / args.groups, "mix": mix,
+            "candidates_per_group": scheduler.position / args.groups,
+            "estimates": curriculum.counters()}
+
+
+def measured_outcomes(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    if args.outcomes and Path(args.outcomes).is_file():
+        return json.loads(Path(args.outcomes).read_text())
+    measured = measure(args)
+    if args.outcomes:
+        Path(args.outcomes).write_text(json.dumps(measured))
+    return measured
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    measured = measured_outcomes(args)
+    buckets = sorted(measured)
+    rows = []
+    for bucket in buckets:
+        groups = measured[bucket]
+        rewards = [r for g in groups for r in g["rewards"]]
+        flat = sum(max(g["rewards"]) == min(g["rewards"]) for g in groups)
+        rows.append([bucket, len(groups), sum(rewards) / len(rewards), flat / len(groups)])
+    common.print_table("the base model's groups per difficulty bucket",
+                       ["bucket", "problems", "mean reward", "groups without spread"], rows,
+                       f"{args.model}, {args.group_size} rows per problem at the demo's rollout "
+                       "sampling")
+    results = {name: simulate(args, measured, enabled)
+               for name, enabled in (("without", False), ("with", True))}
+    figures: dict[str, float] = {}
+    rows = []
+    for name, result in results.items():
+        share = {b: result["mix"].get(b, 0) / args.groups for b in buckets}
+        rows.append([f"{name} curriculum", result["zero_spread_share"],
+                     result["candidates_per_group"], *share.values()])
+        figures[f"{name}_zero_spread_share"] = result["zero_spread_share"]
+        figures[f"{name}_candidates_per_group"] = result["candidates_per_group"]
+    common.print_table("groups without reward spread, scheduled as the coordinator does",
+                       ["", "without spread", "candidates per group",
+                        *(f"share {b}" for b in buckets)], rows,
+                       f"{args.groups} groups per run, each the rewards of a measured group of "
+                       f"its bucket; the demo's curriculum settings, seed {args.seed}")
+    common.print_figures("curriculum", figures)
+    common.write_json(args.json, {"measured": measured, "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -20,11 +20,12 @@ from decentrl.swarm.local import local_run
 from swarm_helpers import tiny_run_config
 
 
-def tiny_config(model_dir: Path, run_dir: Path, **train: object) -> RunConfig:
+def tiny_config(model_dir: Path, run_dir: Path, curriculum: bool = False,
+                **train: object) -> RunConfig:
     """A two-stage local run of three steps; a fixed name, so that a second call resumes it."""
     return tiny_run_config(
         model_dir, 2, name="tiny", run_dir=str(run_dir), threads=1,
-        task={"name": "sums", "options": {"max_digits": 1}},
+        task={"name": "sums", "options": {"max_digits": 1}}, curriculum={"enabled": curriculum},
         rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6},
         train={"steps": 3, "micro_batch_size": 4, "checkpoint_every": 2,
                "zero_variance_groups": "keep", **train},
@@ -57,14 +58,27 @@ def test_run_writes_a_complete_run_folder(tiny_model_dir: Path, tmp_path: Path, 
     assert checkpoint["step"] == 3 and checkpoint["version"] == 3
 
 
-def test_sync_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
-    straight = local_run(tiny_config(tiny_model_dir, tmp_path / "a", mode="sync", steps=4))
+@pytest.mark.parametrize("curriculum", [False, True])
+def test_sync_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path, curriculum: bool) -> None:
+    """With the curriculum too: the resumed run gets its estimates back from the stored groups,
+    so it passes over and hands out the same problems as the straight run."""
+    straight = local_run(tiny_config(tiny_model_dir, tmp_path / "a", curriculum, mode="sync",
+                                     steps=4))
     straight.run()
-    first = local_run(tiny_config(tiny_model_dir, tmp_path / "b", mode="sync", steps=2))
+    first = local_run(tiny_config(tiny_model_dir, tmp_path / "b", curriculum, mode="sync",
+                                  steps=2))
     first.run()
-    resumed = local_run(tiny_config(tiny_model_dir, tmp_path / "b", mode="sync", steps=4))
+    resumed = local_run(tiny_config(tiny_model_dir, tmp_path / "b", curriculum, mode="sync",
+                                    steps=4))
     assert resumed.step == 2 and resumed.trainer.version == 2
+    assert resumed.curriculum.estimates() == first.curriculum.estimates()
     resumed.run()
+    issued = straight.ingestion.stats.accepted
+    # Off, every candidate is handed out; on, the tiny model's groups (no spread) make it pass
+    # over some.
+    assert (straight.scheduler.position > issued) == curriculum
+    assert resumed.scheduler.position == straight.scheduler.position
+    assert resumed.curriculum.estimates() == straight.curriculum.estimates()
     for a, b in zip(straight.trainer.stage_trainers, resumed.trainer.stage_trainers):
         for (name, x), y in zip(a.stage.state_dict().items(), b.stage.state_dict().values()):
             assert torch.equal(x, y), name
