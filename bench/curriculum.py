@@ -3,7 +3,7 @@
 Two parts. Measure: the base model (`--model`, default SmolLM2-135M-Instruct) samples
 `--group-size` rows (the demo's 8, at the demo's rollout sampling and `max_new_tokens`) for
 `--problems` train problems of every difficulty bucket of the demo's task (sums of one- and
-two-digit numbers: buckets 1+1, 1+2 and 2+2 digits, swarm/curriculum.py `bucket_of`), with
+two-digit numbers: buckets by digit counts and carries, swarm/curriculum.py `bucket_of`), with
 decentrl's own generation (rollout/generate.py) in this process, and the task's rewards. That
 gives each measured problem its group's rewards as the base would produce them.
 
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 # Candidates of the train stream scanned per measured problem of a bucket: a bucket the task
-# draws at least 1 time in 20 gets its problems (the demo's: 1 in 4 or 2).
-SCANNED_PER_PROBLEM = 20
+# draws at least 1 time in 50 gets its problems (the demo's rarest: 1 in 40).
+SCANNED_PER_PROBLEM = 100
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,6 +50,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=8, help="rows per problem (the demo's)")
     parser.add_argument("--groups", type=int, default=4000,
                         help="groups scheduled in each simulated run")
+    parser.add_argument("--floor", type=float, default=None,
+                        help="curriculum.floor of the run with it (default: the demo's)")
+    parser.add_argument("--sharpness", type=float, default=None,
+                        help="curriculum.sharpness of the run with it (default: the demo's)")
     parser.add_argument("--outcomes", default=None,
                         help="JSON file of measured groups: read if it exists, else written")
     args = parser.parse_args(argv)
@@ -126,6 +130,7 @@ def simulate(args: argparse.Namespace, measured: dict[str, list[dict[str, Any]]]
              enabled: bool) -> dict[str, Any]:
     """`args.groups` groups scheduled as the coordinator schedules them, each given the rewards
     of a measured group of its bucket; the curriculum observes every one."""
+    from decentrl.config import CurriculumConfig
     from decentrl.envs import make_task_or_environment
     from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, VersionSpan
     from decentrl.swarm.curriculum import Curriculum, bucket_of, has_spread
@@ -133,7 +138,9 @@ def simulate(args: argparse.Namespace, measured: dict[str, list[dict[str, Any]]]
 
     config = demo_task_config(args)
     task = make_task_or_environment(config.task.name, config.task.options)
-    settings = config.curriculum.model_copy(update={"enabled": enabled})
+    changes = {"enabled": enabled, "floor": args.floor, "sharpness": args.sharpness}
+    settings = CurriculumConfig(**{**config.curriculum.model_dump(),
+                                   **{k: v for k, v in changes.items() if v is not None}})
     curriculum = Curriculum(settings, task, args.group_size, args.seed)
     scheduler = PromptScheduler(args.seed, admits=curriculum.admits)
     draw = random.Random(args.seed)
@@ -168,7 +175,7 @@ def simulate(args: argparse.Namespace, measured: dict[str, list[dict[str, Any]]]
             scheduled += 1
     return {"zero_spread_share": flat / args.groups, "mix": mix,
             "candidates_per_group": scheduler.position / args.groups,
-            "estimates": curriculum.counters()}
+            "estimates": curriculum.counters(), "settings": settings.model_dump()}
 
 
 def measured_outcomes(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
@@ -183,32 +190,33 @@ def measured_outcomes(args: argparse.Namespace) -> dict[str, list[dict[str, Any]
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     measured = measured_outcomes(args)
-    buckets = sorted(measured)
+    results = {name: simulate(args, measured, enabled)
+               for name, enabled in (("without", False), ("with", True))}
     rows = []
-    for bucket in buckets:
+    for bucket in sorted(measured):
         groups = measured[bucket]
         rewards = [r for g in groups for r in g["rewards"]]
         flat = sum(max(g["rewards"]) == min(g["rewards"]) for g in groups)
-        rows.append([bucket, len(groups), sum(rewards) / len(rewards), flat / len(groups)])
-    common.print_table("the base model's groups per difficulty bucket",
-                       ["bucket", "problems", "mean reward", "groups without spread"], rows,
+        rows.append([bucket, len(groups), sum(rewards) / len(rewards), flat / len(groups),
+                     *(result["mix"].get(bucket, 0) / args.groups
+                       for result in results.values())])
+    common.print_table("the base model's groups per difficulty bucket, and the buckets' shares "
+                       "of the groups scheduled",
+                       ["bucket", "problems", "mean reward", "groups without spread",
+                        "share without", "share with"], rows,
                        f"{args.model}, {args.group_size} rows per problem at the demo's rollout "
                        "sampling")
-    results = {name: simulate(args, measured, enabled)
-               for name, enabled in (("without", False), ("with", True))}
     figures: dict[str, float] = {}
     rows = []
     for name, result in results.items():
-        share = {b: result["mix"].get(b, 0) / args.groups for b in buckets}
         rows.append([f"{name} curriculum", result["zero_spread_share"],
-                     result["candidates_per_group"], *share.values()])
+                     result["candidates_per_group"]])
         figures[f"{name}_zero_spread_share"] = result["zero_spread_share"]
         figures[f"{name}_candidates_per_group"] = result["candidates_per_group"]
     common.print_table("groups without reward spread, scheduled as the coordinator does",
-                       ["", "without spread", "candidates per group",
-                        *(f"share {b}" for b in buckets)], rows,
+                       ["", "without spread", "candidates per group"], rows,
                        f"{args.groups} groups per run, each the rewards of a measured group of "
-                       f"its bucket; the demo's curriculum settings, seed {args.seed}")
+                       f"its bucket; curriculum {results['with']['settings']}, seed {args.seed}")
     common.print_figures("curriculum", figures)
     common.write_json(args.json, {"measured": measured, "results": results})
 

@@ -17,6 +17,7 @@ from decentrl.swarm.curriculum import Curriculum, DecayedCounts, bucket_of, spre
 from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.swarm.store import RunStore
 from decentrl.tasks import SumsTask, split_of
+from decentrl.tasks.arithmetic import sums_difficulty
 from decentrl.tasks.base import Problem, difficulty_of
 
 GROUP_SIZE = 8
@@ -38,22 +39,27 @@ def scored(index: int, solved: int, group_id: str | None = None) -> ScoredGroup:
 
 
 def indices_by_bucket(count: int, start: int = 10**6) -> dict[str, list[int]]:
-    """`count` train problem indices of every bucket of TASK, from `start` on."""
+    """Up to `count` train problem indices of every bucket of TASK, from `start` on."""
     found: dict[str, list[int]] = {}
-    index = start
-    while len(found) < 3 or min(len(v) for v in found.values()) < count:
-        found.setdefault(bucket_of(TASK.problem("train", index)), []).append(index)
-        index += 1
+    for index in range(start, start + 4000):
+        bucket = found.setdefault(bucket_of(TASK.problem("train", index)), [])
+        if len(bucket) < count:
+            bucket.append(index)
     return found
 
 
 def taught(curriculum: Curriculum, groups: int = 40) -> None:
-    """The policy always solves one-digit sums, never two-digit ones, and half the mixed ones."""
+    """The policy always solves sums of one-digit numbers, never of two-digit ones, and half of
+    those that mix the two."""
     for bucket, indices in indices_by_bucket(groups).items():
-        solved = {"sums 1+1 digits": GROUP_SIZE, "sums 1+2 digits": GROUP_SIZE // 2,
-                  "sums 2+2 digits": 0}[bucket]
-        for index in indices[:groups]:
+        solved = {"1+1": GROUP_SIZE, "1+2": GROUP_SIZE // 2, "2+2": 0}[digits(bucket)]
+        for index in indices:
             curriculum.observe(scored(index, solved))
+
+
+def digits(bucket: str) -> str:
+    """"1+2" of "sums 1+2 digits, 1 carry"."""
+    return bucket.split()[1]
 
 
 def test_spread_chance_under_a_beta_pass_rate() -> None:
@@ -79,21 +85,23 @@ def test_bucket_estimates_follow_the_observed_groups() -> None:
     curriculum = Curriculum(ON, TASK, GROUP_SIZE, SEED)
     taught(curriculum, groups=10)
     estimates = {e.bucket: e for e in curriculum.estimates()}
-    assert set(estimates) == {"sums 1+1 digits", "sums 1+2 digits", "sums 2+2 digits"}
-    easy, mixed, hard = (estimates[f"sums {d} digits"] for d in ("1+1", "1+2", "2+2"))
+    # Digit counts and carries: 1+1 carries 0 or 1 times, the others 0, 1 or 2 times.
+    assert len(estimates) == 8
+    easy = estimates["sums 1+1 digits, 1 carry"]
+    mixed = estimates["sums 1+2 digits, 0 carries"]
+    hard = estimates["sums 2+2 digits, 2 carries"]
     assert easy.pass_rate == pytest.approx(81 / 82)
     assert hard.pass_rate == pytest.approx(1 / 82)
     assert mixed.pass_rate == pytest.approx(0.5)
     assert easy.spread_chance == pytest.approx(1 / 12)
     assert mixed.spread_chance == pytest.approx(11 / 12)
-    counters = curriculum.counters()
-    assert counters["zero_spread_share_total"] == pytest.approx(20 / 30)
+    assert curriculum.counters()["zero_spread_share_total"] == pytest.approx(50 / 80)
 
 
 def test_old_observations_fade_so_the_estimate_follows_the_policy() -> None:
     curriculum = Curriculum(CurriculumConfig(enabled=True, half_life_groups=8.0), TASK,
                             GROUP_SIZE, SEED)
-    hard = indices_by_bucket(40)["sums 2+2 digits"]
+    hard = indices_by_bucket(40)["sums 2+2 digits, 1 carry"]
     for index in hard[:20]:
         curriculum.observe(scored(index, 0))  # never solved: no spread
     assert curriculum.chance(TASK.problem("train", hard[-1])) < 0.1
@@ -105,13 +113,13 @@ def test_old_observations_fade_so_the_estimate_follows_the_policy() -> None:
 
 def test_a_problem_seen_before_is_judged_by_its_own_rows() -> None:
     curriculum = Curriculum(ON, TASK, GROUP_SIZE, SEED)
-    mixed = indices_by_bucket(20)["sums 1+2 digits"]
+    mixed = indices_by_bucket(20)["sums 1+2 digits, 0 carries"]
     for index in mixed[:10]:
         curriculum.observe(scored(index, GROUP_SIZE // 2))
     seen = TASK.problem("train", mixed[10])
     assert curriculum.chance(seen) == pytest.approx(11 / 12)  # the bucket's: 10 of 10 had spread
     curriculum.observe(scored(mixed[10], GROUP_SIZE, group_id="sums/again"))
-    bucket = curriculum.buckets["sums 1+2 digits"]
+    bucket = curriculum.buckets["sums 1+2 digits, 0 carries"]
     # Its own 8 solved rows and 2 rows' worth of the bucket's pass rate.
     assert curriculum.chance(seen) == pytest.approx(spread_chance(
         8 + 2 * bucket.pass_rate, 2 * (1 - bucket.pass_rate), GROUP_SIZE))
@@ -122,15 +130,34 @@ def test_scheduling_prefers_the_buckets_likely_to_have_spread() -> None:
     curriculum = Curriculum(ON, TASK, GROUP_SIZE, SEED)
     taught(curriculum)
     scheduler = PromptScheduler(SEED, admits=curriculum.admits)
-    handed = Counter(bucket_of(TASK.problem("train", i)) for i in scheduler.next(2000))
-    natural = Counter(bucket_of(TASK.problem("train", SEED * 1_000_003 + p))
+    handed = Counter(digits(bucket_of(TASK.problem("train", i))) for i in scheduler.next(2000))
+    natural = Counter(digits(bucket_of(TASK.problem("train", SEED * 1_000_003 + p)))
                       for p in range(scheduler.position))
     # The stream draws each operand's digit count uniformly: half the sums mix 1 and 2 digits.
-    assert natural["sums 1+2 digits"] / scheduler.position == pytest.approx(0.5, abs=0.03)
-    # Admitted at ~0.93 against the floor, 0.1: 0.5 x 0.93 / (0.5 x 0.93 + 0.5 x 0.1) = ~0.9.
-    assert handed["sums 1+2 digits"] / 2000 == pytest.approx(0.9, abs=0.03)
+    assert natural["1+2"] / scheduler.position == pytest.approx(0.5, abs=0.03)
+    # Handed out at ~0.98 against the floor, 0.1: 0.5 x 0.98 / (0.5 x 0.98 + 0.5 x 0.1) = ~0.9.
+    assert handed["1+2"] / 2000 == pytest.approx(0.9, abs=0.03)
     # The floor keeps the others in the stream, so their estimates keep moving.
     assert min(handed.values()) > 50
+
+
+def test_a_sharper_curriculum_keeps_closer_to_the_best_bucket() -> None:
+    """Buckets with a middling chance of spread are handed out less, the sharper it is."""
+    shares = []
+    for sharpness in (1.0, 4.0):
+        curriculum = Curriculum(ON.model_copy(update={"sharpness": sharpness}), TASK,
+                                GROUP_SIZE, SEED)
+        for bucket, indices in indices_by_bucket(40).items():
+            # Spread in every 1+2 group, in every other 2+2 group, in no 1+1 group.
+            for n, index in enumerate(indices):
+                solved = {"1+1": GROUP_SIZE, "1+2": 4, "2+2": 4 * (n % 2)}[digits(bucket)]
+                curriculum.observe(scored(index, solved))
+        indices = PromptScheduler(SEED, admits=curriculum.admits).next(2000)
+        shares.append(sum(digits(bucket_of(TASK.problem("train", i))) == "2+2"
+                          for i in indices) / 2000)
+    # 2+2 handed out at ~0.5 / ~0.06 of 1+2's rate: ~0.25 / 0.5 x 0.98 + ... = ~0.2, then ~0.05.
+    assert shares[0] == pytest.approx(0.2, abs=0.04)
+    assert shares[1] == pytest.approx(0.07, abs=0.04)
 
 
 def test_off_hands_out_the_whole_stream_and_still_estimates() -> None:
@@ -204,10 +231,14 @@ def test_the_choice_is_the_coordinators_alone() -> None:
 
 
 def test_difficulty_buckets_of_the_tasks_and_environments() -> None:
+    assert sums_difficulty([3, 4]) == "1+1 digits, 0 carries"
+    assert sums_difficulty([8, 7]) == "1+1 digits, 1 carry"
+    assert sums_difficulty([95, 5]) == "1+2 digits, 2 carries"  # 5 + 5, then 9 + 1
+    assert sums_difficulty([57, 68]) == "2+2 digits, 2 carries"
+    assert sums_difficulty([9, 9, 9]) == "1+1+1 digits, 1 carry"  # 27: the ones carry 2
     problem = TASK.problem("train", 0)
-    digits = sorted(len(str(n)) for n in problem.metadata["operands"])
-    assert difficulty_of(problem) == f"{digits[0]}+{digits[1]} digits"
-    assert bucket_of(problem) == f"sums {digits[0]}+{digits[1]} digits"
+    assert difficulty_of(problem) == sums_difficulty(problem.metadata["operands"])
+    assert bucket_of(problem) == f"sums {difficulty_of(problem)}"
     calculator = make_environment("agentic-calculator").problem("train", 0)
     assert difficulty_of(calculator) == calculator.metadata["story"]
     countdown = make_environment("agentic-countdown").problem("train", 0)
@@ -223,6 +254,7 @@ def test_difficulty_buckets_of_the_tasks_and_environments() -> None:
     ({"floor": 0}, "floor"), ({"floor": 1.5}, "floor"),
     ({"half_life_groups": 0}, "half_life_groups"),
     ({"half_life_groups": float("inf")}, "half_life_groups"),
+    ({"sharpness": 0}, "sharpness"), ({"sharpness": 100}, "sharpness"),
     ({"enabled": "maybe"}, "enabled"), ({"warmup": 3}, "warmup"),
 ])
 def test_bad_curriculum_settings_are_refused(section: dict[str, object], field: str) -> None:

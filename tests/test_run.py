@@ -73,10 +73,6 @@ def test_sync_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path, curricul
     assert resumed.step == 2 and resumed.trainer.version == 2
     assert resumed.curriculum.estimates() == first.curriculum.estimates()
     resumed.run()
-    issued = straight.ingestion.stats.accepted
-    # Off, every candidate is handed out; on, the tiny model's groups (no spread) make it pass
-    # over some.
-    assert (straight.scheduler.position > issued) == curriculum
     assert resumed.scheduler.position == straight.scheduler.position
     assert resumed.curriculum.estimates() == straight.curriculum.estimates()
     for a, b in zip(straight.trainer.stage_trainers, resumed.trainer.stage_trainers):

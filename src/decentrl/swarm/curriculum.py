@@ -3,8 +3,8 @@
 A group whose rows all earn the same reward has no advantage and trains nothing (swarm/ingest.py
 drops it). The coordinator keeps, from every scored group it accepts, online estimates per
 difficulty bucket (the task's name and `tasks.base.difficulty_of`: for sums the operands' digit
-counts, for the agentic environments the story kind or the count of numbers) and per problem key
-where a key comes back:
+counts and carries, for the agentic environments the story kind or the count of numbers) and per
+problem key where a key comes back:
 
 - per bucket, decayed counts of groups with and without reward spread, and of solved and unsolved
   rows. The chance that the bucket's next group has spread is estimated directly from the groups
@@ -20,13 +20,15 @@ estimates follow the policy as it improves: a bucket it masters loses its spread
 out less, a bucket it starts to solve gains it.
 
 Scheduling (`admits`): the seeded stream of problem indices stays as it was (swarm/scheduler.py);
-each candidate is handed out with probability max(`curriculum.floor`, its chance of spread),
-decided by a draw seeded by the run's seed and the index, so a run is reproducible given its
-accepted groups. The floor keeps every bucket in the stream, so its estimate keeps following the
-policy. Peers play no part in the choice: the estimates come from the rewards the coordinator
-computed itself on groups it accepted, for problems it handed out (a rollout's tokens are those
-of the seeded sampling, which spot-checks hold peers to), and problems come from the train split
-only.
+each candidate is handed out with probability max(`curriculum.floor`, (c / b) ^
+`curriculum.sharpness`), c its chance of spread and b the best bucket's, decided by a draw seeded
+by the run's seed and the index, so a run is reproducible given its accepted groups. Measured on
+the demo's base model, most groups of every bucket lack spread (bench/README.md, curriculum), so
+the shares have to lean to the best buckets to matter: sharpness above 1. The floor keeps every
+bucket in the stream, so its estimate keeps following the policy. Peers play no part in the
+choice: the estimates come from the rewards the coordinator computed itself on groups it
+accepted, for problems it handed out (a rollout's tokens are those of the seeded sampling, which
+spot-checks hold peers to), and problems come from the train split only.
 
 A restarted coordinator replays the stored accepted groups in acceptance order (`replay`) and so
 gets the same estimates back."""
@@ -168,12 +170,21 @@ class Curriculum:
 
     def admits(self, index: int) -> bool:
         """Whether train problem `index` of the seeded stream is handed out: always when the
-        curriculum is off, else with its chance of spread, at least the floor."""
+        curriculum is off, else with its chance of spread relative to the best bucket's, to the
+        power `sharpness`, at least the floor."""
         if not self.config.enabled:
             return True
-        chance = max(self.config.floor, self.chance(self.task.problem("train", index)))
+        relative = min(1.0, self.chance(self.task.problem("train", index)) / self.best_chance())
+        chance = max(self.config.floor, relative ** self.config.sharpness)
         # Seeded by the run and the index alone: the same estimates give the same choice.
         return random.Random(f"curriculum:{self.seed}:{index}").random() < chance
+
+    def best_chance(self) -> float:
+        """The highest chance of spread among the buckets (that of a bucket not seen yet, 0.5,
+        before any)."""
+        with self._lock:
+            return max((counts.at(self.clock, self.keep_per_group).spread_rate
+                        for counts in self.buckets.values()), default=0.5)
 
     def estimates(self) -> list[BucketEstimate]:
         """The most observed buckets' estimates, most observed first."""
