@@ -48,6 +48,8 @@ def test_run_writes_a_complete_run_folder(tiny_model_dir: Path, tmp_path: Path, 
     # "keep" leaves every group in the batch, so every step is an optimizer step.
     assert [r["version"] for r in steps] == [1, 2, 3]
     assert all(0 <= r["staleness_max"] <= config.train.max_staleness for r in steps)
+    # The curriculum's estimates are kept and logged even while it schedules nothing.
+    assert all(0 <= r["zero_spread_share_total"] <= 1 and r["bucket_pass_rates"] for r in steps)
     assert [e["label"] for e in evals] == ["before", "after"]
     assert json.loads((summary.path / "config.json").read_text())["train"]["mode"] == mode
     for name in ("eval_before.json", "eval_after.json"):
@@ -128,6 +130,20 @@ def test_coordinator_rejects_unscheduled_replayed_and_malformed_groups(
     assert re.search(rf"problem {index} was not scheduled, or its result was already accepted",
                      refusal_reason(run.ingestion, group, caplog))
     assert run.ingestion.stats.rejected == 3
+
+
+def test_only_groups_the_coordinator_accepts_move_the_curriculum(
+        tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run = local_run(tiny_config(tiny_model_dir, tmp_path, curriculum=True, mode="sync"))
+    [index] = run._schedule(1)
+    group = run.worker.generate_groups([index])[0]
+    with caplog.at_level(logging.WARNING, logger="decentrl.swarm.ingest"):
+        assert run._accept(msgspec.structs.replace(group, problem_index=index + 1000)) is None
+    assert run.curriculum.clock == 0 and not run.curriculum.estimates()
+    assert run._accept(group) is not None
+    assert run.curriculum.clock == 1
+    [estimate] = run.curriculum.estimates()
+    assert estimate.bucket.startswith("sums 1+1 digits") and estimate.groups == 1
 
 
 def test_coordinator_rewards_what_the_completion_tokens_say(
