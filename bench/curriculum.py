@@ -31,11 +31,14 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+
+if TYPE_CHECKING:
+    from decentrl.config import RunConfig
 
 # Candidates of the train stream scanned per measured problem of a bucket: a bucket the task
 # draws at least 1 time in 50 gets its problems (the demo's rarest: 1 in 40).
@@ -62,7 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def demo_task_config(args: argparse.Namespace) -> Any:
+def demo_task_config(args: argparse.Namespace) -> RunConfig:
+    """The demo's sums run, with this bench's group size, model and seed."""
     from decentrl.config import parse_config
     from decentrl.demo import demo_config
 

@@ -40,6 +40,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from decentrl.config import CurriculumConfig
 from decentrl.envs import Environment
@@ -196,7 +197,7 @@ class Curriculum:
                                counts.spread_rate)
                 for name, counts in buckets[:REPORTED_BUCKETS]]
 
-    def counters(self) -> dict[str, object]:
+    def counters(self) -> dict[str, Any]:
         """StepRecord fields: the share of accepted groups without spread so far, and each
         reported bucket's estimated pass rate and chance of spread."""
         estimates = self.estimates()
