@@ -207,6 +207,20 @@ def test_update_spread_prints_figures(capsys: pytest.CaptureFixture[str]) -> Non
     assert values["star_n2_publisher_ratio"] == pytest.approx(2.0, abs=0.1)
 
 
+def test_curriculum_prints_figures(tiny_model_dir: Path, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("curriculum")
+    outcomes = tmp_path / "outcomes.json"
+    bench.main(["--model", str(tiny_model_dir), "--device", "cpu", "--threads", "1",
+                "--problems", "1", "--batch", "2", "--groups", "40", "--outcomes", str(outcomes)])
+    values = figures(capsys.readouterr().out, "curriculum")
+    assert values["without_candidates_per_group"] == 1  # every candidate handed out
+    assert values["with_candidates_per_group"] >= 1
+    for variant in ("without", "with"):
+        assert 0 <= values[f"{variant}_zero_spread_share"] <= 1
+    assert outcomes.is_file()  # measured once, read back by the next run
+
+
 def test_record_signing_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("record_signing")
     bench.main(["--records", "20", "--repeats", "1"])

@@ -65,7 +65,12 @@ def step_record(step: int) -> dict[str, Any]:
         "wire_bytes": 1_000_000 * step, "verified": 4 * step, "verify_failed": 1,
         "verify_skipped": 0, "flagged": 1, "banned": 1, "submissions_refused": 0,
         "staleness_counts": EVEN_COUNTS if step % 2 == 0 else ODD_COUNTS,
-        "generated_tokens": 768.0}
+        "generated_tokens": 768.0,
+        # The curriculum's estimates: the hard bucket's chance of spread grows as it learns.
+        "bucket_pass_rates": {"sums 1+1 digits, 0 carries": 0.95,
+                              "sums 2+2 digits, 2 carries|x": 0.01 * step},
+        "bucket_spread_chances": {"sums 1+1 digits, 0 carries": 0.2,
+                                  "sums 2+2 digits, 2 carries|x": 0.02 * step}}
     if step != NO_SIGNAL_STEP:
         record.update({"policy_loss": -0.01 * (step % 4), "entropy": 1.0 - 0.01 * step,
                        "grad_norm": 2.0 + step % 5, "behaviour_kl": 0.001 * (step % 6),
@@ -250,6 +255,16 @@ def test_staleness_counts_sum_the_steps_or_fall_back_on_the_store(tmp_path: Path
         record.staleness_counts = None
     assert staleness_counts(steps, store) == {0: 3, 2: 4}
     assert staleness_counts(steps, tmp_path / "absent.sqlite") == {}
+
+
+def test_the_groups_without_spread_and_the_last_estimates_per_bucket(
+        built: tuple[Path, str]) -> None:
+    _, text = built
+    assert f"{2 * STEPS} of the {8 * STEPS} groups of the training batches (25%)" in text
+    assert "| sums 1+1 digits, 0 carries | 0.95 | 0.20 |" in text
+    # The last step's, and a bucket name is escaped in Markdown like any text.
+    assert f"| sums 2+2 digits, 2 carries\\|x | {0.01 * STEPS:.2f} | {0.02 * STEPS:.2f} |" \
+        in text
 
 
 def test_bytes_per_peer_come_from_the_last_snapshot(built: tuple[Path, str]) -> None:

@@ -21,11 +21,12 @@ from decentrl.swarm.loop import DYNAMIC_SAMPLING_LIMIT
 from swarm_helpers import tiny_run_config
 
 
-def tiny_config(model_dir: Path, run_dir: Path, **train: object) -> RunConfig:
+def tiny_config(model_dir: Path, run_dir: Path, curriculum: bool = False,
+                **train: object) -> RunConfig:
     """A two-stage local run of three steps; a fixed name, so that a second call resumes it."""
     return tiny_run_config(
         model_dir, 2, name="tiny", run_dir=str(run_dir), threads=1,
-        task={"name": "sums", "options": {"max_digits": 1}},
+        task={"name": "sums", "options": {"max_digits": 1}}, curriculum={"enabled": curriculum},
         rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6},
         train={"steps": 3, "micro_batch_size": 4, "checkpoint_every": 2,
                "zero_variance_groups": "keep", **train},
@@ -48,6 +49,8 @@ def test_run_writes_a_complete_run_folder(tiny_model_dir: Path, tmp_path: Path, 
     # "keep" leaves every group in the batch, so every step is an optimizer step.
     assert [r["version"] for r in steps] == [1, 2, 3]
     assert all(0 <= r["staleness_max"] <= config.train.max_staleness for r in steps)
+    # The curriculum's estimates are kept and logged even while it schedules nothing.
+    assert all(0 <= r["zero_spread_share_total"] <= 1 and r["bucket_pass_rates"] for r in steps)
     assert [e["label"] for e in evals] == ["before", "after"]
     assert json.loads((summary.path / "config.json").read_text())["train"]["mode"] == mode
     for name in ("eval_before.json", "eval_after.json"):
@@ -58,14 +61,23 @@ def test_run_writes_a_complete_run_folder(tiny_model_dir: Path, tmp_path: Path, 
     assert checkpoint["step"] == 3 and checkpoint["version"] == 3
 
 
-def test_sync_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
-    straight = local_run(tiny_config(tiny_model_dir, tmp_path / "a", mode="sync", steps=4))
+@pytest.mark.parametrize("curriculum", [False, True])
+def test_sync_run_resumes_exactly(tiny_model_dir: Path, tmp_path: Path, curriculum: bool) -> None:
+    """With the curriculum too: the resumed run gets its estimates back from the stored groups,
+    so it passes over and hands out the same problems as the straight run."""
+    straight = local_run(tiny_config(tiny_model_dir, tmp_path / "a", curriculum, mode="sync",
+                                     steps=4))
     straight.run()
-    first = local_run(tiny_config(tiny_model_dir, tmp_path / "b", mode="sync", steps=2))
+    first = local_run(tiny_config(tiny_model_dir, tmp_path / "b", curriculum, mode="sync",
+                                  steps=2))
     first.run()
-    resumed = local_run(tiny_config(tiny_model_dir, tmp_path / "b", mode="sync", steps=4))
+    resumed = local_run(tiny_config(tiny_model_dir, tmp_path / "b", curriculum, mode="sync",
+                                    steps=4))
     assert resumed.step == 2 and resumed.trainer.version == 2
+    assert resumed.curriculum.estimates() == first.curriculum.estimates()
     resumed.run()
+    assert resumed.scheduler.position == straight.scheduler.position
+    assert resumed.curriculum.estimates() == straight.curriculum.estimates()
     for a, b in zip(straight.trainer.stage_trainers, resumed.trainer.stage_trainers):
         for (name, x), y in zip(a.stage.state_dict().items(), b.stage.state_dict().values()):
             assert torch.equal(x, y), name
@@ -141,6 +153,20 @@ def test_coordinator_rejects_unscheduled_replayed_and_malformed_groups(
     assert re.search(rf"problem {index} was not scheduled, or its result was already accepted",
                      refusal_reason(run.ingestion, group, caplog))
     assert run.ingestion.stats.rejected == 3
+
+
+def test_only_groups_the_coordinator_accepts_move_the_curriculum(
+        tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run = local_run(tiny_config(tiny_model_dir, tmp_path, curriculum=True, mode="sync"))
+    [index] = run._schedule(1)
+    group = run.worker.generate_groups([index])[0]
+    with caplog.at_level(logging.WARNING, logger="decentrl.swarm.ingest"):
+        assert run._accept(msgspec.structs.replace(group, problem_index=index + 1000)) is None
+    assert run.curriculum.clock == 0 and not run.curriculum.estimates()
+    assert run._accept(group) is not None
+    assert run.curriculum.clock == 1
+    [estimate] = run.curriculum.estimates()
+    assert estimate.bucket.startswith("sums 1+1 digits") and estimate.groups == 1
 
 
 def test_coordinator_rewards_what_the_completion_tokens_say(

@@ -39,6 +39,9 @@ DEMO_CONFIG = {
     # (3-token answers, training accuracy stuck near 0.1); without it, 0.4-0.5 within 10 steps.
     "task": {"name": "sums", "options": {"min_digits": 1, "max_digits": 2, "format_weight": 0.0}},
     "rollout": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 20},
+    # Problems likely to have reward spread first: on the base model 49% of groups without spread
+    # against 74% (bench/README.md, curriculum).
+    "curriculum": {"enabled": True},
     # 12 minutes of training, then two evaluations of about 3 minutes each (8 sampled rows per
     # problem, in sessions shaped like training groups): `make demo` takes about 20 minutes.
     "train": {"mode": "async", "steps": 1000, "time_budget_s": 720, "loss": "grpo", "lr": 3e-5,

@@ -32,7 +32,14 @@ from decentrl.envs.tool_calls import (
     tools_system_prompt,
 )
 from decentrl.tasks.arithmetic import last_number
-from decentrl.tasks.base import Problem, Reward, Split, SplitDrawn, check_heldout_fraction
+from decentrl.tasks.base import (
+    DIFFICULTY,
+    Problem,
+    Reward,
+    Split,
+    SplitDrawn,
+    check_heldout_fraction,
+)
 
 NAMES = ("Maya", "Tom", "Aisha", "Lukas", "Sofia", "Kenji", "Priya", "Omar")
 
@@ -209,7 +216,8 @@ class CalculatorEnvironment(SplitDrawn):
             question=question,
             answer=str(answer),
             key=f"{story}:{','.join(map(str, numbers))}",
-            metadata={"story": story, "numbers": list(numbers)},
+            # A story's kind fixes its number of steps.
+            metadata={"story": story, "numbers": list(numbers), DIFFICULTY: story},
         )
 
     def episode(self, split: Split, index: int) -> CalculatorEpisode:

@@ -29,7 +29,7 @@ from reasoning_gym.utils import extract_answer as extract_tagged_answer
 from decentrl.envs.budget import CALL_TIMEOUT_S, DEFAULT_TOOL_BUDGET_S
 from decentrl.envs.sandbox import ToolResult, run_expression
 from decentrl.envs.tool_calls import Tool, ToolEpisode, check_tool_limits, tools_system_prompt
-from decentrl.tasks.base import Problem, Reward, Split, check_heldout_fraction
+from decentrl.tasks.base import DIFFICULTY, Problem, Reward, Split, check_heldout_fraction
 from decentrl.tasks.reasoning_gym import ReasoningGymTask
 
 # Smaller than reasoning-gym's default (4-6 numbers up to 100, targets 100-999) so that a 135M
@@ -202,7 +202,8 @@ class CountdownEnvironment:
             question=f"Numbers: {', '.join(map(str, numbers))}\nTarget: {target}",
             answer=puzzle.answer,  # one solution; others count as well
             key=puzzle.key,
-            metadata={"numbers": numbers, "target": target, "seed": puzzle.metadata["seed"]},
+            metadata={"numbers": numbers, "target": target, "seed": puzzle.metadata["seed"],
+                      DIFFICULTY: f"{len(numbers)} numbers"},
         )
 
     def episode(self, split: Split, index: int) -> CountdownEpisode:

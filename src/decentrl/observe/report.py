@@ -567,6 +567,26 @@ def training_table(steps: Sequence[StepRecord], points: Sequence[ThroughputPoint
     return table(["mean over", f"first {shown} steps", f"last {shown} steps"], rows)
 
 
+def spread_parts(steps: Sequence[StepRecord]) -> list[str]:
+    """The share of trained groups without reward spread, and the curriculum's last estimates
+    per difficulty bucket (swarm/curriculum.py)."""
+    groups = sum(r.groups for r in steps)
+    if not groups:
+        return []
+    flat = sum(r.zero_variance_groups for r in steps)
+    parts = [f"Groups without reward spread (all rows rewarded alike: no advantage, dropped): "
+             f"{flat:.0f} of the {groups:.0f} groups of the training batches "
+             f"({100 * flat / groups:.0f}%)."]
+    last = steps[-1]
+    if last.bucket_pass_rates and last.bucket_spread_chances:
+        rows = [[markdown_text(bucket), f"{rate:.2f}",
+                 f"{last.bucket_spread_chances.get(bucket, float('nan')):.2f}"]
+                for bucket, rate in last.bucket_pass_rates.items()]
+        parts += ["The coordinator's estimates per difficulty bucket at the last step:",
+                  table(["bucket", "pass rate", "chance of spread"], rows)]
+    return parts
+
+
 def reward_caption(config: RunConfig, steps: Sequence[StepRecord]) -> str:
     if len(reward_accuracy_series(steps)) == 1:
         lead = ("Reward and accuracy are one series in this run (a rollout's reward is 1 when "
@@ -614,7 +634,8 @@ def training_section(run_dir: Path, config: RunConfig, records: RunRecords, fold
     plot_reward_accuracy(records, folder / "reward_accuracy.png")
     points = throughput(records.steps, config.rollout.group_size)
     parts += [image(folder / "reward_accuracy.png", "reward and accuracy"),
-              reward_caption(config, records.steps), training_table(records.steps, points)]
+              reward_caption(config, records.steps), training_table(records.steps, points),
+              *spread_parts(records.steps)]
     counts = staleness_counts(records.steps, run_dir / "run.sqlite")
     if counts:
         plot_staleness(counts, folder / "staleness.png")

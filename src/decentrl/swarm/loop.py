@@ -41,6 +41,7 @@ from decentrl.progress import progress_bar
 from decentrl.rollout.chain import InferenceChain, InferenceSession
 from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup, ScoredGroup
+from decentrl.swarm.curriculum import Curriculum
 from decentrl.swarm.inflight import SessionSlots
 from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.scheduler import PromptScheduler
@@ -249,7 +250,11 @@ class TrainingLoop(Generic[AnyBackend]):
         self.path.mkdir(parents=True, exist_ok=True)
         self.store = RunStore(self.path / "run.sqlite")
         self.store.check_or_set_config(config.model_dump_json(), may_change=RESUMABLE_CHANGES)
-        self.scheduler = PromptScheduler(config.seed, start=self.store.problem_position())
+        self.curriculum = Curriculum(config.curriculum, self.task, config.rollout.group_size,
+                                     config.seed)
+        self.curriculum.replay(self.store.accepted_groups())  # a restart's estimates
+        self.scheduler = PromptScheduler(config.seed, start=self.store.problem_position(),
+                                         admits=self.curriculum.admits)
         self.ingestion = Ingestion(config, self.task, backend.tokenizer, self.scheduler)
         self.worker = RolloutWorker(backend.chain, backend.transport, self.task,
                                     backend.tokenizer, config.rollout, self.scheduler, config.seed)
@@ -345,8 +350,7 @@ class TrainingLoop(Generic[AnyBackend]):
 
     def _schedule(self, count: int) -> list[int]:
         with self.problems_lock:  # durable first: a restart never hands a problem out twice
-            self.store.reserve_problems(count)
-            return self.scheduler.next(count)
+            return self.scheduler.next(count, reserve=self.store.reserve_problems)
 
     def _generate(self, count: int) -> list[RolloutGroup]:
         sessions: list[InferenceSession] = []
@@ -428,6 +432,7 @@ class TrainingLoop(Generic[AnyBackend]):
             gate.forget(group.group_id)
             return None
         self.store.add_group(accepted[0], accepted[1], self.trainer.version)
+        self.curriculum.observe(accepted[0])
         gate.accepted(group)
         return accepted
 
@@ -558,7 +563,7 @@ class TrainingLoop(Generic[AnyBackend]):
             sequences=0 if batch is None else batch.num_sequences,
             stale_dropped=self.ingestion.stats.stale, rejected=self.ingestion.stats.rejected,
             held_for_verdict=len(self.held),
-            **stats, **losses, **self.backend.step_counters()))
+            **stats, **losses, **self.curriculum.counters(), **self.backend.step_counters()))
         self.store.record_step(self.step, self.trainer.version,
                                {k: float(v) for k, v in msgspec.structs.asdict(record).items()
                                 if isinstance(v, (int, float)) and not isinstance(v, bool)})

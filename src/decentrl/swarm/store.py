@@ -225,6 +225,12 @@ class RunStore:
                             learner_version=version)
                 for gid, payload, staleness, version in rows]
 
+    def accepted_groups(self) -> list[ScoredGroup]:
+        """Every accepted group, whatever became of it, in acceptance order."""
+        with self._transaction(write=False) as db:
+            rows = db.execute("SELECT group_id, payload FROM groups ORDER BY seq").fetchall()
+        return [self._decode(gid, payload) for gid, payload in rows]
+
     def _decode(self, group_id: str, payload: bytes) -> ScoredGroup:
         try:
             scored = _decoder.decode(payload)

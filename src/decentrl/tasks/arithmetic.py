@@ -12,6 +12,7 @@ import random
 import re
 
 from decentrl.tasks.base import (
+    DIFFICULTY,
     Problem,
     Reward,
     SplitDrawn,
@@ -54,6 +55,19 @@ def last_number(text: str) -> str | None:
     return str(int(integer_part))
 
 
+def sums_difficulty(operands: list[int]) -> str:
+    """The operands' digit counts, smallest first, and the columns that carry ("1+2 digits,
+    1 carry"): within one digit range the base model solves sums without carries several times
+    as often as sums with them (bench/curriculum.py)."""
+    digits = "+".join(str(len(str(n))) for n in sorted(operands))
+    carries, carry, rest = 0, 0, list(operands)
+    while any(rest) or carry:
+        carry = (sum(n % 10 for n in rest) + carry) // 10
+        carries += carry > 0
+        rest = [n // 10 for n in rest]
+    return f"{digits} digits, {carries} carr{'y' if carries == 1 else 'ies'}"
+
+
 class SumsTask(SplitDrawn):
     name = "sums"
 
@@ -89,7 +103,7 @@ class SumsTask(SplitDrawn):
             question=f"What is {' + '.join(map(str, operands))}? Answer with just the number.",
             answer=str(sum(operands)),
             key="+".join(map(str, sorted(operands))),
-            metadata={"operands": operands},
+            metadata={"operands": operands, DIFFICULTY: sums_difficulty(operands)},
         )
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:

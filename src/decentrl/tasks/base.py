@@ -23,6 +23,8 @@ SPLITS: tuple[str, ...] = get_args(Split)
 # really do fall in it with the configured fraction; reaching it means the task's problem space
 # holds (almost) no key of that split.
 SPLIT_MISS_BUDGET = 50
+# The metadata entry in which a task names a problem's difficulty bucket (`difficulty_of`).
+DIFFICULTY = "difficulty"
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,8 @@ class Problem:
     question: str  # user message text
     answer: str  # reference answer (canonical string)
     key: str  # canonical identity of the problem; its hash decides the split
-    metadata: dict[str, Any] = field(default_factory=dict)  # task specific, JSON-serialisable
+    # Task specific, JSON-serialisable; "difficulty" names the problem's bucket (`difficulty_of`).
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,18 @@ class SplitDrawn(ABC):
     @abstractmethod
     def _candidate(self, index: int, seed: int) -> Problem:
         """Problem `index`'s candidate for `seed`: a pure function of both."""
+
+
+def difficulty_of(problem: Problem) -> str:
+    """The problem's difficulty bucket within its task (the coordinator's pass-rate estimates are
+    kept per bucket, swarm/curriculum.py): what the task wrote in `metadata["difficulty"]`, else
+    the question's length in words rounded to a power of two, since longer questions tend to be
+    harder."""
+    stated = problem.metadata.get(DIFFICULTY)
+    if isinstance(stated, str):
+        return stated
+    words = max(1, len(problem.question.split()))
+    return f"~{2 ** round(math.log2(words))} words"
 
 
 def problems(task: Task, split: Split, count: int, start: int = 0) -> list[Problem]:

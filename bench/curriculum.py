@@ -1,0 +1,229 @@
+"""Share of rollout groups without reward spread, with and without difficulty-aware scheduling.
+
+Two parts. Measure: the base model (`--model`, default SmolLM2-135M-Instruct) samples
+`--group-size` rows (the demo's 8, at the demo's rollout sampling and `max_new_tokens`) for
+`--problems` train problems of every difficulty bucket of the demo's task (sums of one- and
+two-digit numbers: buckets by digit counts and carries, swarm/curriculum.py `bucket_of`), with
+decentrl's own generation (rollout/generate.py) in this process, and the task's rewards. That
+gives each measured problem its group's rewards as the base would produce them.
+
+Simulate: `--groups` groups are scheduled from the demo task's seeded train stream, as the
+coordinator schedules them (swarm/scheduler.py `PromptScheduler`), once without the curriculum
+and once with it (swarm/curriculum.py `Curriculum`, the demo's `[curriculum]` settings). Each
+scheduled problem behaves as one measured problem of its bucket (the same one whenever its key
+comes back): its group is `--group-size` rows drawn with replacement from that problem's measured
+rows. The base model does not learn here, so the estimates settle on the base's pass rates; the
+curriculum is told every group's rewards as the loop would tell it. Figures: the share of scheduled
+groups without reward spread, each variant, and the buckets' share of scheduled groups.
+
+The measured groups are written to `--outcomes` (JSON) and read from there when it exists, so
+the simulation can be rerun without the model.
+
+Run: python bench/curriculum.py [--problems 40] [--groups 4000] [--threads 2]
+Smoke: python bench/curriculum.py --model tiny --problems 2 --groups 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+if TYPE_CHECKING:
+    from decentrl.config import RunConfig
+
+# Candidates of the train stream scanned per measured problem of a bucket: a bucket the task
+# draws at least 1 time in 50 gets its problems (the demo's rarest: 1 in 40).
+SCANNED_PER_PROBLEM = 100
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = common.bench_parser("curriculum", __doc__, "simulated run",
+                                 {"batch": "problems per generation session"})
+    parser.add_argument("--problems", type=int, default=40,
+                        help="measured train problems per difficulty bucket")
+    parser.add_argument("--group-size", type=int, default=8, help="rows per problem (the demo's)")
+    parser.add_argument("--groups", type=int, default=4000,
+                        help="groups scheduled in each simulated run")
+    parser.add_argument("--floor", type=float, default=None,
+                        help="curriculum.floor of the run with it (default: the demo's)")
+    parser.add_argument("--sharpness", type=float, default=None,
+                        help="curriculum.sharpness of the run with it (default: the demo's)")
+    parser.add_argument("--outcomes", default=None,
+                        help="JSON file of measured groups: read if it exists, else written")
+    args = parser.parse_args(argv)
+    if args.problems < 1 or args.group_size < 2 or args.groups < 1 or args.batch < 1:
+        parser.error("--problems, --groups and --batch must be >= 1, --group-size >= 2")
+    return args
+
+
+def demo_task_config(args: argparse.Namespace) -> RunConfig:
+    """The demo's sums run, with this bench's group size, model and seed."""
+    from decentrl.config import parse_config
+    from decentrl.demo import demo_config
+
+    data = demo_config("sums")
+    data["rollout"]["group_size"] = args.group_size
+    data["model"] = common.bench_model(args.model)
+    data["seed"] = args.seed
+    return parse_config(data)
+
+
+def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """Every bucket's measured groups: each problem's key and the rewards of its `group_size`
+    sampled rows."""
+    import torch
+
+    from decentrl.device import compute_dtype, pick_device
+    from decentrl.envs import Environment, make_task_or_environment
+    from decentrl.evaluate.suite import load_stages
+    from decentrl.model.loading import load_tokenizer, resolve_model
+    from decentrl.rollout.chain import LocalChain
+    from decentrl.rollout.generate import generate
+    from decentrl.rollout.sampling import sampling_config
+    from decentrl.swarm.curriculum import bucket_of
+    from decentrl.tasks import render_prompt
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = demo_task_config(args)
+    task = make_task_or_environment(config.task.name, config.task.options)
+    assert not isinstance(task, Environment), "the measurement runs a single-turn task"
+    problems: dict[str, list[Any]] = {}
+    for index in range(SCANNED_PER_PROBLEM * args.problems):
+        problem = task.problem("train", index)
+        found = problems.setdefault(bucket_of(problem), [])
+        if len(found) < args.problems:
+            found.append(problem)
+    device = pick_device(args.device)
+    _, stages = load_stages(config.model, 1, device, compute_dtype(device, args.dtype))
+    chain = LocalChain(stages)
+    tokenizer = load_tokenizer(resolve_model(config.model))
+    sampling = sampling_config(config.rollout)
+    size = config.rollout.group_size
+    measured: dict[str, list[dict[str, Any]]] = {}
+    started = time.time()
+    for bucket, bucket_problems in sorted(problems.items()):
+        for first in range(0, len(bucket_problems), args.batch):
+            batch = bucket_problems[first:first + args.batch]
+            prompts = [render_prompt(task, p, tokenizer) for p in batch]
+            generations = generate(chain, [p for p in prompts for _ in range(size)],
+                                   config.rollout.max_new_tokens, sampling,
+                                   {tokenizer.eos_token_id}, tokenizer.pad_token_id,
+                                   seed=args.seed * 2**32 + batch[0].index)
+            for i, problem in enumerate(batch):
+                rows = generations[i * size:(i + 1) * size]
+                rewards = [task.reward(problem, tokenizer.decode(g.tokens,
+                                                                 skip_special_tokens=True)).total
+                           for g in rows]
+                measured.setdefault(bucket, []).append({"key": problem.key, "rewards": rewards})
+        print(f"measured {bucket}: {len(bucket_problems)} problems "
+              f"({time.time() - started:.0f} s so far)", flush=True)
+    return measured
+
+
+def simulate(args: argparse.Namespace, measured: dict[str, list[dict[str, Any]]],
+             enabled: bool) -> dict[str, Any]:
+    """`args.groups` groups scheduled as the coordinator schedules them, each given the rewards
+    of a measured group of its bucket; the curriculum observes every one."""
+    from decentrl.config import CurriculumConfig
+    from decentrl.envs import make_task_or_environment
+    from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, VersionSpan
+    from decentrl.swarm.curriculum import Curriculum, bucket_of, has_spread
+    from decentrl.swarm.scheduler import PromptScheduler
+
+    config = demo_task_config(args)
+    task = make_task_or_environment(config.task.name, config.task.options)
+    changes = {"enabled": enabled, "floor": args.floor, "sharpness": args.sharpness}
+    settings = CurriculumConfig(**{**config.curriculum.model_dump(),
+                                   **{k: v for k, v in changes.items() if v is not None}})
+    curriculum = Curriculum(settings, task, args.group_size, args.seed)
+    scheduler = PromptScheduler(args.seed, admits=curriculum.admits)
+    draw = random.Random(args.seed)
+    row = Rollout(prompt_tokens=[0], completion_tokens=[0], behaviour_logprobs=[0.0],
+                  finished=True)
+    flat = 0
+    mix: dict[str, int] = {}
+    # A step's worth at a time: what the loop schedules before those groups come back.
+    per_round = config.rollout.prompts_per_step
+    scheduled = 0
+    while scheduled < args.groups:
+        for index in scheduler.next(min(per_round, args.groups - scheduled)):
+            problem = task.problem("train", index)
+            bucket = bucket_of(problem)
+            if bucket not in measured:
+                raise SystemExit(f"no measured problem of bucket {bucket!r}: measure more "
+                                 "problems (--problems)")
+            # A problem behaves as one measured problem of its bucket, the same each time its
+            # key comes back: its group, rows drawn with replacement from that problem's
+            # measured rows.
+            measured_rows = random.Random(problem.key).choice(measured[bucket])["rewards"]
+            rewards = [draw.choice(measured_rows) for _ in range(args.group_size)]
+            group = RolloutGroup(group_id=str(index), task=task.name, problem_index=index,
+                                 stage_versions=[0],
+                                 version_spans=[VersionSpan(start=0, versions=[0])],
+                                 sampling_seed=0, rollouts=[row] * args.group_size)
+            # The demo's task has no partial credit: a reward of 1 is a solved row.
+            curriculum.observe(ScoredGroup(group=group, rewards=rewards,
+                                           correct=[float(r >= 1.0) for r in rewards]))
+            flat += not has_spread(rewards)
+            mix[bucket] = mix.get(bucket, 0) + 1
+            scheduled += 1
+    return {"zero_spread_share": flat / args.groups, "mix": mix,
+            "candidates_per_group": scheduler.position / args.groups,
+            "estimates": curriculum.counters(), "settings": settings.model_dump()}
+
+
+def measured_outcomes(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    if args.outcomes and Path(args.outcomes).is_file():
+        return json.loads(Path(args.outcomes).read_text())
+    measured = measure(args)
+    if args.outcomes:
+        Path(args.outcomes).write_text(json.dumps(measured))
+    return measured
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    measured = measured_outcomes(args)
+    results = {name: simulate(args, measured, enabled)
+               for name, enabled in (("without", False), ("with", True))}
+    rows = []
+    for bucket in sorted(measured):
+        groups = measured[bucket]
+        rewards = [r for g in groups for r in g["rewards"]]
+        flat = sum(max(g["rewards"]) == min(g["rewards"]) for g in groups)
+        rows.append([bucket, len(groups), sum(rewards) / len(rewards), flat / len(groups),
+                     *(result["mix"].get(bucket, 0) / args.groups
+                       for result in results.values())])
+    common.print_table("the base model's groups per difficulty bucket, and the buckets' shares "
+                       "of the groups scheduled",
+                       ["bucket", "problems", "mean reward", "groups without spread",
+                        "share without", "share with"], rows,
+                       f"{args.model}, {args.group_size} rows per problem at the demo's rollout "
+                       "sampling")
+    figures: dict[str, float] = {}
+    rows = []
+    for name, result in results.items():
+        rows.append([f"{name} curriculum", result["zero_spread_share"],
+                     result["candidates_per_group"]])
+        figures[f"{name}_zero_spread_share"] = result["zero_spread_share"]
+        figures[f"{name}_candidates_per_group"] = result["candidates_per_group"]
+    common.print_table("groups without reward spread, scheduled as the coordinator does",
+                       ["", "without spread", "candidates per group"], rows,
+                       f"{args.groups} groups per run, each the rewards of a measured group of "
+                       f"its bucket; curriculum {results['with']['settings']}, seed {args.seed}")
+    common.print_figures("curriculum", figures)
+    common.write_json(args.json, {"measured": measured, "results": results})
+
+
+if __name__ == "__main__":
+    main()
