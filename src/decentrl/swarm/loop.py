@@ -30,7 +30,6 @@ from rich.console import Console
 from decentrl.config import RunConfig
 from decentrl.envs import Environment, make_task_or_environment
 from decentrl.evaluate.runner import EvalResult, TrainingShape, evaluate
-from decentrl.learn.advantages import zero_variance_groups
 from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.learn.trainer import PipelineTrainer
 from decentrl.net.text import REMOTE_ERROR_CHARS
@@ -41,7 +40,7 @@ from decentrl.progress import progress_bar
 from decentrl.rollout.chain import InferenceChain, InferenceSession
 from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup, ScoredGroup
-from decentrl.swarm.curriculum import Curriculum
+from decentrl.swarm.curriculum import Curriculum, has_spread
 from decentrl.swarm.inflight import SessionSlots
 from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.scheduler import PromptScheduler
@@ -456,10 +455,7 @@ class TrainingLoop(Generic[AnyBackend]):
     def _teaches(self, scored: ScoredGroup) -> bool:
         """Whether a group counts towards a batch: every group does, except under dynamic
         sampling, where only a group whose rewards vary does (the others carry no gradient)."""
-        if not self.config.train.dynamic_sampling:
-            return True
-        rewards = torch.tensor(scored.rewards, dtype=torch.float32)
-        return not bool(zero_variance_groups(rewards, rewards.numel())[0])
+        return not self.config.train.dynamic_sampling or has_spread(scored.rewards)
 
     def _batch_limit(self, needed: int) -> int:
         return needed * DYNAMIC_SAMPLING_LIMIT if self.config.train.dynamic_sampling else needed
