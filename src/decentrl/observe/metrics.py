@@ -78,6 +78,12 @@ class StepRecord(Record, tag="step"):
     rows_in_flight: int | None = None
     step_round_trip_s: float | None = None
     rows_stepped_per_s: float | None = None
+    # A swarm run's replica fidelity, per stage, as its training peer measured it at the newest
+    # version the coordinator signed (sync/delta.py `served_fidelity`): the share of the
+    # learner's movement (L2) its replicas do not serve yet, and the fraction of entries whose
+    # served bf16 value differs from the learner's.
+    served_gap: dict[int, float] | None = None
+    served_bf16_differing: dict[int, float] | None = None
 
 
 class EvalRecord(Record, tag="eval"):
