@@ -304,8 +304,10 @@ def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
             assert publisher.fidelity[step] == fidelity
             assert 0 < fidelity.unserved_share < 1 and 0 < fidelity.differing_fraction < 1
             assert swarm.lineage is not None and swarm.lineage.fidelity_fields() == {
-                "served_gap": {0: fidelity.unserved_share},
-                "served_bf16_differing": {0: fidelity.differing_fraction}}
+                "served_gap": fidelity.unserved_share,
+                "served_bf16_differing": fidelity.differing_fraction,
+                "served_gap_by_stage": {0: fidelity.unserved_share},
+                "served_bf16_differing_by_stage": {0: fidelity.differing_fraction}}
             rows = [r for r in publisher_of(trainer_peer).traffic() if r.version == step
                     and r.kind == "delta"]
             size = publisher_of(trainer_peer).updates[("delta", step)].manifest.size

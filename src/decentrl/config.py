@@ -190,7 +190,7 @@ class SyncConfig(Section):
         "that moved most; served_changes, only those whose served bf16 value differs from the "
         "learner's, those that moved most first (bench update-bytes)")
     values: Literal["int8_delta", "bf16_value"] = Field(
-        "bf16_value", description="how a sparse update's entries are sent: int8_delta, the "
+        "int8_delta", description="how a sparse update's entries are sent: int8_delta, the "
         "difference quantized to int8 in blocks of 256; bf16_value, the learner's bf16 value "
         "itself (2 bytes), which replicas then serve exactly")
     keyframe_every: int = Field(50, ge=1, description="versions between dense keyframes (late "

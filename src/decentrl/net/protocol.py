@@ -277,9 +277,10 @@ class PublishedRequest(Body):
 
 class ServedFidelity(Body):
     """How far what a stage's replicas serve at a version is from its learner's weights, measured
-    by the training peer when it publishes (sync/delta.py `served_fidelity`): squared L2 norms of
-    learner - published and of learner - the state it started from (its first or rolled-back
-    state), and the entries whose served bf16 value differs from the learner's bf16 value."""
+    by the training peer when it publishes (sync/delta.py `served_fidelity`), in bf16 (what
+    replicas serve): squared L2 norms of learner - served and of learner - the state it started
+    from (its first or rolled-back state), and the entries whose served value differs from the
+    learner's."""
 
     unserved_square: float
     moved_square: float

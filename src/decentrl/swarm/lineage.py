@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from decentrl.config import RunConfig
 from decentrl.net.link import MessageLost
@@ -68,16 +69,24 @@ class LineageSigner:
     def published(self, stage: int, peer: str, version: int, restart: bool = False) -> None:
         self._events.put(Published(stage, peer, version, restart))
 
-    def fidelity_fields(self) -> dict[str, dict[int, float]]:
-        """StepRecord's fidelity fields: per stage, the newest signed version's share of the
-        learner's movement not yet served and fraction of bf16 entries served differently."""
+    def fidelity_fields(self) -> dict[str, Any]:
+        """StepRecord's fidelity fields, from each stage's newest signed version: the share of
+        the learner's movement not yet served and the fraction of bf16 entries served
+        differently, over every stage and per stage."""
         with self._lock:
             fidelity = dict(sorted(self.fidelity.items()))
         if not fidelity:
             return {}
-        return {"served_gap": {stage: f.unserved_share for stage, f in fidelity.items()},
-                "served_bf16_differing": {stage: f.differing_fraction
-                                          for stage, f in fidelity.items()}}
+        every = ServedFidelity(
+            unserved_square=sum(f.unserved_square for f in fidelity.values()),
+            moved_square=sum(f.moved_square for f in fidelity.values()),
+            differing=sum(f.differing for f in fidelity.values()),
+            entries=sum(f.entries for f in fidelity.values()))
+        return {"served_gap": every.unserved_share,
+                "served_bf16_differing": every.differing_fraction,
+                "served_gap_by_stage": {stage: f.unserved_share for stage, f in fidelity.items()},
+                "served_bf16_differing_by_stage": {stage: f.differing_fraction
+                                                   for stage, f in fidelity.items()}}
 
     def wait(self) -> None:
         """Until every event so far is signed (or failed)."""

@@ -125,14 +125,17 @@ class PublishedState:
 def served_fidelity(learner: Mapping[str, torch.Tensor], published: PublishedState,
                     start: Mapping[str, torch.Tensor]) -> ServedFidelity:
     """How far the served weights (the bf16 cast of `published`) are from the `learner`'s
-    (float32, CPU), against the learner's movement since `start`."""
+    (float32, CPU) bf16 cast, against the learner's movement since `start`, all in bf16: a
+    replica serves bf16, so the learner's float32 bits below a bf16 step are not movement it
+    could serve (and a bf16 value sent exactly leaves no gap)."""
     unserved = moved = 0.0
     differing = entries = 0
     for name, value in learner.items():
-        served = published.tensors[name]
-        unserved += float((value - served).pow(2).sum())
-        moved += float((value - start[name]).pow(2).sum())
-        differing += int((value.to(SERVED_DTYPE) != served.to(SERVED_DTYPE)).sum())
+        target = value.to(SERVED_DTYPE).float()
+        served = published.tensors[name].to(SERVED_DTYPE).float()
+        unserved += float((target - served).pow(2).sum())
+        moved += float((target - start[name].to(SERVED_DTYPE).float()).pow(2).sum())
+        differing += int((target != served).sum())
         entries += value.numel()
     return ServedFidelity(unserved_square=unserved, moved_square=moved, differing=differing,
                           entries=entries)
