@@ -331,8 +331,12 @@ def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
 
 
 @pytest.mark.network
-def test_late_joiner_catches_up_from_keyframe_and_deltas(tiny_sharp_dir: Path) -> None:
-    config = sync_config(tiny_sharp_dir, keyframe_every=3)
+@pytest.mark.parametrize(("selection", "values"), [("served_changes", "int8_delta"),
+                                                   ("served_changes", "bf16_value"),
+                                                   ("magnitude", "int8_delta")])
+def test_late_joiner_catches_up_from_keyframe_and_deltas(tiny_sharp_dir: Path, selection: str,
+                                                         values: str) -> None:
+    config = sync_config(tiny_sharp_dir, keyframe_every=3, selection=selection, values=values)
     with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
         trainer_peer = swarm.peer(0, "training")
         for step in range(1, 6):
