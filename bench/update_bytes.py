@@ -16,8 +16,8 @@ Figures per step, encoding, and stage-summed:
   float32 scale per 256 values);
 - vs dense bf16: two bytes per parameter of the whole stage (what the swarm sent before), divided
   by the update bytes; targets: >= 50x (full fine-tuning), >= 500x (LoRA);
-- gap: the share of the learner's movement not yet served, |trainer - published| / |trainer -
-  start| over every published tensor (error feedback keeps it bounded; 0 is exact);
+- gap: the share of the learner's movement not yet served, |learner - served| / |learner -
+  start| over every published tensor, in bf16, what a replica serves (`served_fidelity`);
 - bf16 differ: the fraction of entries whose served bf16 value differs from the learner's;
 - KL: per token, KL(served || learner) of the full next-token distributions on the first
   `--kl-rows` rows of the step's batch, the served model (bf16 weights from the published state,
@@ -25,7 +25,8 @@ Figures per step, encoding, and stage-summed:
   `dense bf16` is the floor: the learner's weights cast to bf16, what a dense bf16 update serves;
 - flagged: of those rows, the fraction whose mean per-token |log pi_learner - log pi_served| of
   the batch's tokens exceeds trust.flag_log_ratio: honest rows the trainer would flag from
-  fidelity alone, without staleness;- encode s: the publisher's CPU time to make the update (it runs on its own thread).
+  fidelity alone, without staleness;
+- encode s: the publisher's CPU time to make the update (it runs on its own thread).
 
 `full` trains every weight (lr 3e-5, the demo's); `lora` trains rank-`--lora-rank` adapters on
 every projection (lr `--lora-lr`) and publishes only them.
@@ -43,7 +44,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -100,7 +101,7 @@ def parse_encoding(text: str, density: float) -> Encoding:
     chosen = float(given) if given else density
     if not 0 < chosen <= 1:
         raise ValueError(f"encoding {text!r}: density must be in (0, 1]")
-    return Encoding(selection, values, chosen)  # type: ignore[arg-type]
+    return Encoding(cast(Selection, selection), cast(ValueFormat, values), chosen)
 
 
 def completion_logprobs(stages: list[StageModule], batch: TrainBatch) -> torch.Tensor:
