@@ -10,16 +10,16 @@ difference: error feedback, and nothing is lost over time.
 
 Replicas serve bf16 (each entry the cast of its published float32 value), and at RL learning
 rates most entries move by far less than a bf16 step: a change that leaves an entry's bf16 value
-where it was changes nothing the replicas serve. So there are two ways to pick and send entries
-(`sync.selection`, `sync.values`): by magnitude, as int8 deltas (above); or only the entries whose
-served bf16 value differs from the learner's, those that moved most first, each sent as the
-learner's bf16 value itself, which the published state takes exactly (the replicas then serve
-exactly the learner's bf16 value there). `served_fidelity` measures how far what is served is from
-the learner.
+where it was changes nothing the replicas serve. So entries are picked (`sync.selection`) by
+magnitude, or only among those whose served bf16 value differs from the learner's, those that
+moved most first; and sent (`sync.values`) as int8 deltas (above), or as the learner's bf16 value
+itself, which the published state takes exactly (the replicas then serve exactly the learner's
+bf16 value there). `served_fidelity` measures how far what is served is from the learner.
 
 Bit-exactness: a replica and its publisher hold the published state in float32 on the CPU and
 apply a payload with the same elementwise float32 operations (int8 times scale, then one add at
-unique indices), which IEEE 754 rounds the same way on every machine. `state_hash` over the
+unique indices; or, for bf16 values, one exact assignment), which IEEE 754 rounds the same way on
+every machine. `state_hash` over the
 tensors' bytes then proves two peers hold the same state.
 
 A keyframe is the dense published state itself: late joiners and peers that fell off the chain
@@ -207,7 +207,7 @@ def select_top(delta: torch.Tensor, density: float) -> torch.Tensor:
 def select_served_changes(published: torch.Tensor, current: torch.Tensor, density: float
                           ) -> torch.Tensor:
     """Sorted flat indices of the entries whose served (bf16) value would change if the published
-    value became the learner's, at most the `density` fraction of the tensor (at least one): those
+    value became the learner's, at most the `density` fraction of the tensor (rounded up): those
     that moved most. An entry whose movement stays within its bf16 step is never picked: sending
     it would change nothing the replicas serve, and error feedback keeps it until it does."""
     published, current = published.reshape(-1), current.reshape(-1)
