@@ -46,7 +46,8 @@ def make_config(args: Any, variant: str, model: str) -> RunConfig:
     data.update(name=variant, run_dir=args.out, seed=args.seed, model=model, device=args.device,
                 dtype=args.dtype)
     data["train"].update(steps=args.steps, time_budget_s=None, checkpoint_every=1_000_000,
-                         zero_variance_groups="keep" if args.model == "tiny" else "drop")
+                         zero_variance_groups="keep" if args.model == "tiny" else "drop",
+                         dynamic_sampling=args.model != "tiny")
     data["eval"].update(problems=args.eval_problems, pass_k=1, every=0)
     data["swarm"]["inference_replicas"] = args.replicas
     data["sync"] = {"mode": variant}

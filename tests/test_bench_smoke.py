@@ -168,10 +168,17 @@ def test_update_bytes_prints_figures(tiny_model_dir: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("update_bytes")
     bench.main(["--model", str(tiny_model_dir), "--device", "cpu", "--batch", "4", "--steps", "1",
-                "--threads", "1", "--lora-rank", "2", "--in-process"])
+                "--threads", "1", "--lora-rank", "2", "--in-process", "--encodings",
+                "magnitude/int8_delta,served_changes/bf16_value@0.02"])
     values = figures(capsys.readouterr().out, "update-bytes")
-    assert_positive(values, ["full_bytes", "full_vs_dense_bf16", "lora_bytes",
-                             "lora_vs_dense_bf16"])
+    encodings = ["magnitude/int8_delta@0.01", "served_changes/bf16_value@0.02"]
+    assert_positive(values, [f"{variant}_{encoding}_{figure}" for variant in ("full", "lora")
+                             for encoding in encodings
+                             for figure in ("bytes", "vs_dense_bf16", "gap_last", "kl_mean")])
+    for variant in ("full", "lora"):
+        for encoding in encodings:
+            assert 0 < values[f"{variant}_{encoding}_bf16_differing_mean"] <= 1
+            assert 0 <= values[f"{variant}_{encoding}_flagged_mean"] <= 1
 
 
 def test_update_learning_reports_the_difference_with_its_interval(

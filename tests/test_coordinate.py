@@ -247,6 +247,16 @@ def test_training_peer_death_rolls_back_to_checkpoint(swarm) -> None:  # type: i
                for r in records), [r.rows_in_flight for r in records]
     assert records[-1].step_round_trip_s is not None and records[-1].step_round_trip_s > 0
     assert records[-1].rows_stepped_per_s is not None and records[-1].rows_stepped_per_s > 0
+    # The training peers measured their replicas' fidelity when they published, and the steps
+    # recorded it per stage and over every stage.
+    measured = [r for r in records if r.served_gap_by_stage is not None]
+    assert measured, "no step recorded the replicas' fidelity"
+    for record in measured:
+        assert record.served_bf16_differing_by_stage is not None
+        assert set(record.served_gap_by_stage) <= set(range(config.num_stages))
+        assert record.served_gap is not None and record.served_gap >= 0
+        assert record.served_bf16_differing is not None \
+            and 0 <= record.served_bf16_differing <= 1
     after = read_store(database)
     assert {after.groups[gid].state for gid in trained_since_checkpoint} == {"trained"}
     assert_nothing_lost(after, steps=6, groups_per_step=config.rollout.prompts_per_step)

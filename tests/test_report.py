@@ -65,7 +65,9 @@ def step_record(step: int) -> dict[str, Any]:
         "wire_bytes": 1_000_000 * step, "verified": 4 * step, "verify_failed": 1,
         "verify_skipped": 0, "flagged": 1, "banned": 1, "submissions_refused": 0,
         "staleness_counts": EVEN_COUNTS if step % 2 == 0 else ODD_COUNTS,
-        "generated_tokens": 768.0,
+        "generated_tokens": 768.0, "served_gap": 0.5 - 0.01 * step,
+        "served_bf16_differing": 0.002, "served_gap_by_stage": {"0": 0.4, "1": 0.6},
+        "served_bf16_differing_by_stage": {"0": 0.001, "1": 0.003},
         # The curriculum's estimates: the hard bucket's chance of spread grows as it learns.
         "bucket_pass_rates": {"sums 1+1 digits, 0 carries": 0.95,
                               "sums 2+2 digits, 2 carries|x": 0.01 * step},
@@ -347,7 +349,7 @@ def test_missing_data_degrades_to_a_line(tmp_path: Path) -> None:
     record = step_record(1)
     for key in ("staleness_counts", "generated_tokens", "wire_bytes", "verified",
                 "verify_failed", "verify_skipped", "flagged", "banned", "submissions_refused",
-                "wait_s", "train_s", *TRAINER_KEYS):
+                "wait_s", "train_s", "served_gap", "served_bf16_differing", *TRAINER_KEYS):
         del record[key]
     write_lines(run_dir / "metrics.jsonl", [record])
     text = build_report(run_dir).read_text()

@@ -22,21 +22,27 @@ from swarm_helpers import (
 
 from decentrl.net.compute import Priority
 from decentrl.net.node import PeerRefused
-from decentrl.net.protocol import SYNC_CHUNK, ChunkRequest
+from decentrl.config import parse_config
+from decentrl.net.protocol import SYNC_CHUNK, ChunkRequest, ServedFidelity
 from decentrl.net.wire import WireError, encode_struct
 from decentrl.swarm.peer import StagePeer
 from decentrl.swarm.replica import published_tensors
 from decentrl.sync.delta import (
     PublishedState,
+    Selection,
     SparseTensor,
     UpdatePayload,
+    ValueFormat,
     apply_payload,
+    bf16_bits,
     decode_payload,
     decode_varints,
     encode_delta,
     encode_keyframe,
     encode_varints,
     payload_bytes,
+    select_served_changes,
+    served_fidelity,
     state_hash,
 )
 from decentrl.sync.distribute import SyncError, make_update
@@ -68,9 +74,10 @@ def shapes_of(state: PublishedState) -> dict[str, torch.Size]:
 
 
 def send(publisher: PublishedState, replica: PublishedState, weights: dict[str, torch.Tensor],
-         version: int, density: float) -> int:
+         version: int, density: float, selection: Selection = "magnitude",
+         values: ValueFormat = "int8_delta") -> int:
     """One update from publisher to replica through bytes, as the swarm does; returns its size."""
-    payload = encode_delta(publisher, weights, density)
+    payload = encode_delta(publisher, weights, density, selection, values)
     apply_payload(publisher, payload, version)
     publisher.hash = state_hash(publisher.tensors)
     data = payload_bytes(payload)
@@ -146,12 +153,18 @@ def bad_sparse(**fields: object) -> bytes:
     (b"\x00garbage", "bad UpdatePayload message"),
     (bad_sparse(name="nope"), "unknown or repeated tensor 'nope'"),
     (bad_sparse(count=0), "0 entries"),
-    (bad_sparse(values=bytes([1])), "2 entries with 1 values"),
+    (bad_sparse(values=bytes([1])), "2 entries with 1 value bytes"),
     (bad_sparse(scales=b""), "0 scale bytes"),
     (bad_sparse(index_gaps=encode_varints(np.array([3, 2**40]))), "index out of range"),
     (bad_sparse(index_gaps=encode_varints(np.array([298, 5]))), "index out of range"),
     (bad_sparse(scales=np.float32([np.nan]).tobytes()), "scales must be finite"),
     (encode_struct(UpdatePayload(kind="keyframe")), "do not match the stage's"),
+    (bad_sparse(format="bf16_value", values=bytes(4)), "4 value bytes and 4 scale bytes, "
+                                                       "expected 4 and 0"),
+    (bad_sparse(format="bf16_value", values=bytes(3), scales=b""), "expected 4 and 0"),
+    (bad_sparse(format="bf16_value", values=bf16_bits(torch.tensor([1.0, float("inf")])),
+                scales=b""), "makes non-finite weights"),
+    (bad_sparse(format="float64"), "bad UpdatePayload message"),
 ])
 def test_bad_payloads_are_refused_and_change_nothing(data: bytes, error: str) -> None:
     state = PublishedState.of(0, random_state(3))
@@ -160,6 +173,70 @@ def test_bad_payloads_are_refused_and_change_nothing(data: bytes, error: str) ->
         apply_payload(state, decode_payload(data, shapes_of(state)), 1)
     assert state.version == 0
     assert all(torch.equal(before[n], state.tensors[n]) for n in before)
+
+
+def bf16_differs(weights: dict[str, torch.Tensor], state: PublishedState) -> int:
+    return sum(int((t.bfloat16() != state.tensors[n].bfloat16()).sum())
+               for n, t in weights.items())
+
+
+def test_served_changes_selection_picks_only_entries_whose_bf16_value_changes() -> None:
+    published = torch.tensor([1.0, 1.0, 1.0, 1.0, -0.5, 0.25])
+    # bf16 has 8 bits of mantissa: a step of 2**-7 at 1.0 and 2**-9 at 0.25.
+    current = published + torch.tensor([2**-10, 2**-6, -2**-7, 2**-12, 2**-8, 2**-9])
+    assert select_served_changes(published, current, 1.0).tolist() == [1, 2, 4, 5]
+    # The density cap keeps those that moved most.
+    assert select_served_changes(published, current, 0.3).tolist() == [1, 2]
+    # Nothing served would change: nothing to send.
+    assert select_served_changes(published, published + 2**-12, 1.0).numel() == 0
+
+
+def test_bf16_values_land_on_the_learners_bf16_values_bit_identically() -> None:
+    weights = random_state(4)
+    publisher, replica = PublishedState.of(0, weights), PublishedState.of(0, weights)
+    g = torch.Generator().manual_seed(5)
+    for version in range(1, 31):
+        weights = {n: t + 1e-3 * torch.randn(t.shape, generator=g) for n, t in weights.items()}
+        before = {n: t.clone() for n, t in publisher.tensors.items()}
+        send(publisher, replica, weights, version, 0.05, "served_changes", "bf16_value")
+        assert replica.hash == publisher.hash and replica.version == version
+        for name, value in weights.items():
+            sent = publisher.tensors[name] != before[name]
+            # Every entry sent is served exactly as the learner's bf16 value, and was one whose
+            # served value changed.
+            assert torch.equal(publisher.tensors[name][sent], value[sent].bfloat16().float())
+            assert bool((before[name][sent].bfloat16() != value[sent].bfloat16()).all())
+    # Error feedback: once the weights stop, every served value reaches the learner's.
+    assert bf16_differs(weights, publisher) > 0
+    for version in range(31, 61):
+        send(publisher, replica, weights, version, 0.05, "served_changes", "bf16_value")
+    assert bf16_differs(weights, publisher) == 0
+    assert replica.hash == publisher.hash
+
+
+def test_served_fidelity_measures_the_unserved_movement_and_differing_entries() -> None:
+    start = {"w": torch.zeros(4)}
+    learner = {"w": torch.tensor([3.0, 4.0, 2**-8, 0.0])}
+    published = PublishedState.of(1, {"w": torch.tensor([3.0, 0.0, 0.0, 0.0])})
+    fidelity = served_fidelity(learner, published, start)
+    assert fidelity == ServedFidelity(unserved_square=16.0 + 2**-16, moved_square=25.0 + 2**-16,
+                                      differing=2, entries=4)
+    assert fidelity.unserved_share == pytest.approx(0.8, rel=1e-4)
+    assert fidelity.differing_fraction == 0.5
+    fidelity.check()
+    with pytest.raises(ValueError, match="3 differing entries out of 2"):
+        ServedFidelity(unserved_square=0.0, moved_square=0.0, differing=3, entries=2).check()
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        ServedFidelity(unserved_square=-1.0, moved_square=0.0, differing=0, entries=2).check()
+
+
+@pytest.mark.parametrize(("field", "value"), [("selection", "random"), ("values", "fp8")])
+def test_sync_encoding_options_are_validated(tiny_sharp_dir: Path, field: str,
+                                             value: str) -> None:
+    data = tiny_run_config(tiny_sharp_dir, 1).model_dump()
+    data["sync"][field] = value
+    with pytest.raises(ValueError, match=f"sync.{field}"):
+        parse_config(data)
 
 
 # ---- over the swarm ---------------------------------------------------------------------------
@@ -218,6 +295,19 @@ def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
             follow_all(replicas)
             for replica in replicas:
                 assert_serves_published(replica, trainer_peer)
+            # The training peer measured what its replicas serve against its learner, and the
+            # coordinator's signer took it into the step metrics.
+            publisher = publisher_of(trainer_peer)
+            learner = {n: t.detach().float() for n, t in
+                       published_tensors(trainer_peer.training.trainer.stage).items()}
+            fidelity = served_fidelity(learner, publisher.state, publisher.start)
+            assert publisher.fidelity[step] == fidelity
+            assert 0 < fidelity.unserved_share < 1 and 0 < fidelity.differing_fraction < 1
+            assert swarm.lineage is not None and swarm.lineage.fidelity_fields() == {
+                "served_gap": fidelity.unserved_share,
+                "served_bf16_differing": fidelity.differing_fraction,
+                "served_gap_by_stage": {0: fidelity.unserved_share},
+                "served_bf16_differing_by_stage": {0: fidelity.differing_fraction}}
             rows = [r for r in publisher_of(trainer_peer).traffic() if r.version == step
                     and r.kind == "delta"]
             size = publisher_of(trainer_peer).updates[("delta", step)].manifest.size
@@ -241,8 +331,12 @@ def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
 
 
 @pytest.mark.network
-def test_late_joiner_catches_up_from_keyframe_and_deltas(tiny_sharp_dir: Path) -> None:
-    config = sync_config(tiny_sharp_dir, keyframe_every=3)
+@pytest.mark.parametrize(("selection", "values"), [("served_changes", "int8_delta"),
+                                                   ("served_changes", "bf16_value"),
+                                                   ("magnitude", "int8_delta")])
+def test_late_joiner_catches_up_from_keyframe_and_deltas(tiny_sharp_dir: Path, selection: str,
+                                                         values: str) -> None:
+    config = sync_config(tiny_sharp_dir, keyframe_every=3, selection=selection, values=values)
     with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
         trainer_peer = swarm.peer(0, "training")
         for step in range(1, 6):

@@ -235,7 +235,7 @@ def test_a_restarted_or_rolled_back_training_peer_publishes_what_its_replicas_se
 
         assert worker.checkpoint("load", 2).version == 2  # a rollback
         first = swarm.peer(0, "training")
-        assert publisher_of(first).published(2).result(timeout=30) == at_two
+        assert publisher_of(first).published(2).result(timeout=30) == (at_two, None)
         follow()
         assert (replica.version, weights_of(replica).follower.state.hash) == (2, at_two)
 
@@ -244,7 +244,7 @@ def test_a_restarted_or_rolled_back_training_peer_publishes_what_its_replicas_se
         assert worker.connect() == 2
         follow()
         assert (replica.version, weights_of(replica).follower.state.hash) == (2, at_two)
-        assert publisher_of(second).published(2).result(timeout=30) == at_two
+        assert publisher_of(second).published(2).result(timeout=30) == (at_two, None)
         learner = PublishedState.of(2, published_tensors(second.training.trainer.stage))
         assert learner.hash != at_two  # the sparse updates left some of the learner's change out
         for name, tensor in serving(replica).model.state_dict().items():

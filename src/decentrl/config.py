@@ -211,6 +211,14 @@ class SyncConfig(Section):
                                              "with error feedback; dense: a keyframe every version")
     density: float = Field(0.01, gt=0, le=1, description="fraction of each tensor's entries an "
                            "update carries")
+    selection: Literal["magnitude", "served_changes"] = Field(
+        "served_changes", description="which entries a sparse update carries: magnitude, those "
+        "that moved most; served_changes, only those whose served bf16 value differs from the "
+        "learner's, those that moved most first (bench update-bytes)")
+    values: Literal["int8_delta", "bf16_value"] = Field(
+        "int8_delta", description="how a sparse update's entries are sent: int8_delta, the "
+        "difference quantized to int8 in blocks of 256; bf16_value, the learner's bf16 value "
+        "itself (2 bytes), which replicas then serve exactly")
     keyframe_every: int = Field(50, ge=1, description="versions between dense keyframes (late "
                                 "joiners and recovery start from the latest)")
     chunks_per_update: int = Field(32, ge=1, description="an update is cut into about this many "

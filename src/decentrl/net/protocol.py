@@ -4,6 +4,7 @@ tensors travel beside them (net/node.py) and are checked where they are used."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
@@ -274,11 +275,46 @@ class PublishedRequest(Body):
     version: int
 
 
+class ServedFidelity(Body):
+    """How far what a stage's replicas serve at a version is from its learner's weights, measured
+    by the training peer when it publishes (sync/delta.py `served_fidelity`), in bf16 (what
+    replicas serve): squared L2 norms of learner - served and of learner - the state it started
+    from (its first or rolled-back state), and the entries whose served value differs from the
+    learner's."""
+
+    unserved_square: float
+    moved_square: float
+    differing: int
+    entries: int
+
+    @property
+    def unserved_share(self) -> float:
+        """The share of the learner's movement (in L2) the replicas do not serve yet."""
+        return math.sqrt(self.unserved_square / self.moved_square) if self.moved_square > 0 \
+            else 0.0
+
+    @property
+    def differing_fraction(self) -> float:
+        return self.differing / self.entries if self.entries else 0.0
+
+    def check(self) -> None:
+        """ValueError naming the field if the figures cannot be true."""
+        if not (math.isfinite(self.unserved_square) and self.unserved_square >= 0
+                and math.isfinite(self.moved_square) and self.moved_square >= 0):
+            raise ValueError(f"fidelity norms must be finite and >= 0, got "
+                             f"{self.unserved_square} and {self.moved_square}")
+        if not 0 <= self.differing <= self.entries:
+            raise ValueError(f"fidelity: {self.differing} differing entries out of "
+                             f"{self.entries}")
+
+
 class PublishedHash(Body):
-    """What a training peer's replicas are brought to at `version`: the hash of that state."""
+    """What a training peer's replicas are brought to at `version`: the hash of that state, and
+    how far it is from the learner (None: not measured, a state restored whole)."""
 
     version: int
     state_hash: str
+    fidelity: ServedFidelity | None = None
 
 
 class CheckpointRequest(Body):

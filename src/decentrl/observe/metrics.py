@@ -83,6 +83,14 @@ class StepRecord(Record, tag="step"):
     rows_in_flight: int | None = None
     step_round_trip_s: float | None = None
     rows_stepped_per_s: float | None = None
+    # A swarm run's replica fidelity, as the training peers measured it at the newest version
+    # the coordinator signed of each stage (sync/delta.py `served_fidelity`): the share of the
+    # learner's movement (L2) the replicas do not serve yet, and the fraction of entries whose
+    # served bf16 value differs from the learner's; over every stage, and per stage.
+    served_gap: float | None = None
+    served_bf16_differing: float | None = None
+    served_gap_by_stage: dict[int, float] | None = None
+    served_bf16_differing_by_stage: dict[int, float] | None = None
 
 
 class EvalRecord(Record, tag="eval"):

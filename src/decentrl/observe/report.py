@@ -79,8 +79,8 @@ DPI = 120
 # links, emphasis, code spans, raw HTML and (on GitHub) math.
 MARKDOWN_SPECIALS = set("\\`*_[]<>|~&#!$")
 PLOT_NAMES = ("reward_accuracy.png", "staleness.png", "throughput.png", "loss.png",
-              "grad_norm.png", "kl.png", "entropy.png", "importance_weights.png", "step_time.png",
-              "bytes_per_peer.png", "peers.png", "verification.png")
+              "grad_norm.png", "kl.png", "entropy.png", "importance_weights.png", "fidelity.png",
+              "step_time.png", "bytes_per_peer.png", "peers.png", "verification.png")
 
 
 # ---------------------------------------------------------------------------------- records
@@ -419,6 +419,14 @@ STEP_PLOTS = (
              (Panel("mean weight", (("tis_weight_mean", "mean truncated weight"),)),
               Panel("fraction", (("tis_truncated_fraction", "tokens truncated at the cap"),
                                  ("mis_masked_fraction", "sequences masked"))))),
+    StepPlot("fidelity.png", "Replica fidelity",
+             "How far what the replicas serve is from the learner's weights, apart from "
+             "staleness, as the training peers measured it when they published (a swarm run, "
+             "every stage together): the share of the learner's movement since the start (L2) "
+             "the replicas do not serve yet, and the fraction of weights whose served bf16 value "
+             "differs from the learner's.",
+             (Panel("fraction", (("served_gap", "movement not yet served"),
+                                 ("served_bf16_differing", "bf16 weights served differently"))),)),
 )
 
 

@@ -461,7 +461,7 @@ class SwarmBackend:
         return {**self.trust.counters(), "failovers": self.chain.failovers,
                 "wire_bytes": links.total_bytes() if links is not None else 0,
                 "rows_in_flight": inflight.rows, "step_round_trip_s": inflight.round_trip_s,
-                "rows_stepped_per_s": inflight.rows_per_s}
+                "rows_stepped_per_s": inflight.rows_per_s, **self.lineage.fidelity_fields()}
 
     def finish(self, summary: RunSummary) -> RunSummary:
         self.console.print(self.peer_table())

@@ -8,7 +8,10 @@ see it make, moves no replica.
 
 The queries run on one background thread, in order: the training loop does not wait for the
 publisher's encoding, and a version is signed only after every earlier event of its stage. A
-query that fails is retried; a version still unsigned is signed with its stage's next one."""
+query that fails is retried; a version still unsigned is signed with its stage's next one.
+
+Each answer also says how far the published state is from the training peer's learner
+(`ServedFidelity`); the newest of each stage goes into the step metrics (`fidelity_fields`)."""
 
 from __future__ import annotations
 
@@ -17,11 +20,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from decentrl.config import RunConfig
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, SwarmNode
-from decentrl.net.protocol import TRAIN_PUBLISHED, LineageRecord, PublishedRequest, lineage_key
+from decentrl.net.protocol import (
+    TRAIN_PUBLISHED,
+    LineageRecord,
+    PublishedRequest,
+    ServedFidelity,
+    lineage_key,
+)
 from decentrl.net.wire import WireError, encode_struct
 
 log = logging.getLogger(__name__)
@@ -50,6 +60,7 @@ class LineageSigner:
         self.timeout_s = config.swarm.request_timeout_s
         self.retry_pause_s = config.swarm.announce_every_s
         self.records: dict[int, LineageRecord] = {}
+        self.fidelity: dict[int, ServedFidelity] = {}  # by stage, of its newest signed version
         self._lock = threading.Lock()
         self._events: queue.Queue[Published | None] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="lineage", daemon=True)
@@ -57,6 +68,25 @@ class LineageSigner:
 
     def published(self, stage: int, peer: str, version: int, restart: bool = False) -> None:
         self._events.put(Published(stage, peer, version, restart))
+
+    def fidelity_fields(self) -> dict[str, Any]:
+        """StepRecord's fidelity fields, from each stage's newest signed version: the share of
+        the learner's movement not yet served and the fraction of bf16 entries served
+        differently, over every stage and per stage."""
+        with self._lock:
+            fidelity = dict(sorted(self.fidelity.items()))
+        if not fidelity:
+            return {}
+        every = ServedFidelity(
+            unserved_square=sum(f.unserved_square for f in fidelity.values()),
+            moved_square=sum(f.moved_square for f in fidelity.values()),
+            differing=sum(f.differing for f in fidelity.values()),
+            entries=sum(f.entries for f in fidelity.values()))
+        return {"served_gap": every.unserved_share,
+                "served_bf16_differing": every.differing_fraction,
+                "served_gap_by_stage": {stage: f.unserved_share for stage, f in fidelity.items()},
+                "served_bf16_differing_by_stage": {stage: f.differing_fraction
+                                                   for stage, f in fidelity.items()}}
 
     def wait(self) -> None:
         """Until every event so far is signed (or failed)."""
@@ -110,7 +140,7 @@ class LineageSigner:
                 except (RemoteError, MessageLost, WireError, TimeoutError) as error:
                     log.warning("lineage of stage %d v%d left unsigned: %s", event.stage,
                                 version, error)
-        signed[event.version] = self._published_hash(event.peer, event.version)
+        signed[event.version], fidelity = self._published(event.peer, event.version)
         with self._lock:
             old = self.records.get(event.stage)
             if old is not None and old.hashes.get(event.version, signed[event.version]) \
@@ -128,12 +158,28 @@ class LineageSigner:
             record = LineageRecord(stage=event.stage, publisher=event.peer,
                                    hashes={version: hashes[version] for version in kept})
             self.records[event.stage] = record
+            if fidelity is not None:
+                self.fidelity[event.stage] = fidelity
+            elif event.restart:  # a state restored whole: what was measured before is void
+                self.fidelity.pop(event.stage, None)
         self._announce(record)
 
     def _published_hash(self, peer: str, version: int) -> str:
+        return self._published(peer, version)[0]
+
+    def _published(self, peer: str, version: int) -> tuple[str, ServedFidelity | None]:
+        """The state hash `peer` published at `version`, and its fidelity if it measured one
+        that can be true (one that cannot is logged and left out: it is only a metric)."""
         reply, _ = self.node.call_sync(peer, TRAIN_PUBLISHED, PublishedRequest(version=version),
                                        timeout=self.timeout_s)
-        return reply.state_hash
+        fidelity = reply.fidelity
+        if fidelity is not None:
+            try:
+                fidelity.check()
+            except ValueError as error:
+                log.warning("stage publisher %s v%d: %s", peer[-8:], version, error)
+                fidelity = None
+        return reply.state_hash, fidelity
 
     def _announce(self, record: LineageRecord) -> None:
         self.node.run(self.node.announce(lineage_key(self.run, record.stage),

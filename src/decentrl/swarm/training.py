@@ -295,13 +295,15 @@ class TrainingService:
 
     async def _train_published(self, request: Request[PublishedRequest]) -> Reply:
         """The hash of what the replicas are brought to at a version, once it is encoded: the
-        coordinator signs it into the stage's lineage (swarm/lineage.py)."""
+        coordinator signs it into the stage's lineage (swarm/lineage.py), with how far it is from
+        the learner's weights (its step metrics)."""
         version = request.body.version
-        state_hash = await asyncio.wrap_future(self.publisher.published(version))
-        if state_hash is None:
+        published = await asyncio.wrap_future(self.publisher.published(version))
+        if published is None:
             raise PeerBusy(f"stage {self.stage} keeps no published state at version {version} "
                            f"(it publishes version {self.trainer.version})")
-        return Reply(PublishedHash(version=version, state_hash=state_hash))
+        state_hash, fidelity = published
+        return Reply(PublishedHash(version=version, state_hash=state_hash, fidelity=fidelity))
 
     # ---- checkpoints ---------------------------------------------------------------------
 

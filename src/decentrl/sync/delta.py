@@ -8,9 +8,18 @@ exactly what was sent (the publisher applies its own payload with the same code 
 so whatever was not sent, the entries left out and the quantization error, stays in the next
 difference: error feedback, and nothing is lost over time.
 
+Replicas serve bf16 (each entry the cast of its published float32 value), and at RL learning
+rates most entries move by far less than a bf16 step: a change that leaves an entry's bf16 value
+where it was changes nothing the replicas serve. So entries are picked (`sync.selection`) by
+magnitude, or only among those whose served bf16 value differs from the learner's, those that
+moved most first; and sent (`sync.values`) as int8 deltas (above), or as the learner's bf16 value
+itself, which the published state takes exactly (the replicas then serve exactly the learner's
+bf16 value there). `served_fidelity` measures how far what is served is from the learner.
+
 Bit-exactness: a replica and its publisher hold the published state in float32 on the CPU and
 apply a payload with the same elementwise float32 operations (int8 times scale, then one add at
-unique indices), which IEEE 754 rounds the same way on every machine. `state_hash` over the
+unique indices; or, for bf16 values, one exact assignment), which IEEE 754 rounds the same way on
+every machine. `state_hash` over the
 tensors' bytes then proves two peers hold the same state.
 
 A keyframe is the dense published state itself: late joiners and peers that fell off the chain
@@ -31,24 +40,30 @@ import msgspec
 import numpy as np
 import torch
 
+from decentrl.net.protocol import ServedFidelity
 from decentrl.net.wire import WireError, decode_struct, encode_struct
 
 QUANT_BLOCK = 256  # selected values per int8 scale: 4 bytes of scale per 256 values
 QUANT_LEVELS = 127
+SERVED_DTYPE = torch.bfloat16  # what `selection="served_changes"` and the fidelity measure cast to
 # Entries sampled to find a large tensor's top-k cut-off.
 THRESHOLD_SAMPLE = 2**16
 UpdateKind = Literal["delta", "keyframe"]
+Selection = Literal["magnitude", "served_changes"]
+ValueFormat = Literal["int8_delta", "bf16_value"]
 
 
 class SparseTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The sent part of one tensor's delta: sorted flat indices (as LEB128 varints of the gaps),
-    int8 values, float32 scales (one per block of values)."""
+    """The sent part of one tensor's delta: sorted flat indices (as LEB128 varints of the gaps)
+    and, by `format`, int8 deltas with float32 scales (one per block of values), or the new
+    values as bf16 bits (little-endian uint16, no scales)."""
 
     name: str
     count: int
     index_gaps: bytes
     values: bytes
     scales: bytes
+    format: ValueFormat = "int8_delta"
 
 
 class DenseTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -105,6 +120,25 @@ class PublishedState:
 
     def numel(self) -> int:
         return sum(t.numel() for t in self.tensors.values())
+
+
+def served_fidelity(learner: Mapping[str, torch.Tensor], published: PublishedState,
+                    start: Mapping[str, torch.Tensor]) -> ServedFidelity:
+    """How far the served weights (the bf16 cast of `published`) are from the `learner`'s
+    (float32, CPU) bf16 cast, against the learner's movement since `start`, all in bf16: a
+    replica serves bf16, so the learner's float32 bits below a bf16 step are not movement it
+    could serve (and a bf16 value sent exactly leaves no gap)."""
+    unserved = moved = 0.0
+    differing = entries = 0
+    for name, value in learner.items():
+        target = value.to(SERVED_DTYPE).float()
+        served = published.tensors[name].to(SERVED_DTYPE).float()
+        unserved += float((target - served).pow(2).sum())
+        moved += float((target - start[name].to(SERVED_DTYPE).float()).pow(2).sum())
+        differing += int((target != served).sum())
+        entries += value.numel()
+    return ServedFidelity(unserved_square=unserved, moved_square=moved, differing=differing,
+                          entries=entries)
 
 
 # ---- varints ------------------------------------------------------------------------------------
@@ -170,6 +204,34 @@ def select_top(delta: torch.Tensor, density: float) -> torch.Tensor:
     return torch.sort(indices[magnitude[indices] != 0]).values
 
 
+def select_served_changes(published: torch.Tensor, current: torch.Tensor, density: float
+                          ) -> torch.Tensor:
+    """Sorted flat indices of the entries whose served (bf16) value would change if the published
+    value became the learner's, at most the `density` fraction of the tensor (rounded up): those
+    that moved most. An entry whose movement stays within its bf16 step is never picked: sending
+    it would change nothing the replicas serve, and error feedback keeps it until it does."""
+    published, current = published.reshape(-1), current.reshape(-1)
+    candidates = torch.nonzero(current.to(SERVED_DTYPE) != published.to(SERVED_DTYPE)).reshape(-1)
+    k = max(1, math.ceil(density * current.numel()))
+    if candidates.numel() > k:
+        movement = (current[candidates] - published[candidates]).abs()
+        candidates = candidates[torch.topk(movement, k, sorted=False).indices]
+    return torch.sort(candidates).values
+
+
+def bf16_bits(values: torch.Tensor) -> bytes:
+    """float32 values rounded to bf16 (to nearest even, as a cast is), as little-endian uint16."""
+    bits = values.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2")
+    return bits.tobytes()
+
+
+def bf16_values(data: bytes) -> torch.Tensor:
+    """The float32 values of bf16 bits (little-endian uint16): exact, a bf16 is a float32 with
+    the low 16 bits zero."""
+    bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << np.uint32(16)
+    return torch.from_numpy(bits.view(np.float32).copy())
+
+
 def quantize(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes and one float32 scale per block of QUANT_BLOCK values (absmax / 127)."""
     blocks = math.ceil(values.numel() / QUANT_BLOCK)
@@ -188,8 +250,10 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def encode_delta(published: PublishedState, current: Mapping[str, torch.Tensor],
-                 density: float) -> UpdatePayload:
-    """The compressed difference `current - published` (the published state is not changed)."""
+                 density: float, selection: Selection = "magnitude",
+                 values: ValueFormat = "int8_delta") -> UpdatePayload:
+    """The compressed difference `current - published` (the published state is not changed):
+    entries picked by `selection`, sent as `values`."""
     if not 0 < density <= 1:
         raise ValueError(f"density must be in (0, 1], got {density}")
     if set(current) != set(published.tensors):
@@ -203,13 +267,18 @@ def encode_delta(published: PublishedState, current: Mapping[str, torch.Tensor],
             raise ValueError(f"{name} has shape {tuple(value.shape)}, published "
                              f"{tuple(base.shape)}")
         delta = (value - base).reshape(-1)
-        indices = select_top(delta, density)
+        indices = select_top(delta, density) if selection == "magnitude" \
+            else select_served_changes(base, value, density)
         if indices.numel() == 0:
             continue
+        gaps = encode_varints(np.diff(indices.numpy(), prepend=-1) - 1)
+        if values == "bf16_value":
+            sparse.append(SparseTensor(name=name, count=indices.numel(), index_gaps=gaps,
+                                       values=bf16_bits(value.reshape(-1)[indices]), scales=b"",
+                                       format="bf16_value"))
+            continue
         codes, scales = quantize(delta[indices])
-        gaps = np.diff(indices.numpy(), prepend=-1) - 1
-        sparse.append(SparseTensor(name=name, count=indices.numel(),
-                                   index_gaps=encode_varints(gaps),
+        sparse.append(SparseTensor(name=name, count=indices.numel(), index_gaps=gaps,
                                    values=codes.numpy().tobytes(),
                                    scales=scales.numpy().astype("<f4").tobytes()))
     return UpdatePayload(kind="delta", sparse=sparse)
@@ -271,12 +340,15 @@ def decode_payload(data: bytes | bytearray, shapes: Mapping[str, torch.Size]
             raise WireError(f"delta for unknown or repeated tensor {tensor.name!r}")
         seen.add(tensor.name)
         numel = math.prod(shapes[tensor.name])
-        blocks = math.ceil(tensor.count / QUANT_BLOCK)
-        if not 0 < tensor.count <= numel or len(tensor.values) != tensor.count \
-                or len(tensor.scales) != 4 * blocks:
-            raise WireError(f"delta for {tensor.name}: {tensor.count} entries with "
-                            f"{len(tensor.values)} values and {len(tensor.scales)} scale bytes "
-                            f"(the tensor has {numel} entries)")
+        # int8 deltas: a byte a value and a float32 scale a block; bf16 values: two bytes each.
+        value_bytes, scale_bytes = (tensor.count, 4 * math.ceil(tensor.count / QUANT_BLOCK)) \
+            if tensor.format == "int8_delta" else (2 * tensor.count, 0)
+        if not 0 < tensor.count <= numel or len(tensor.values) != value_bytes \
+                or len(tensor.scales) != scale_bytes:
+            raise WireError(f"delta for {tensor.name} ({tensor.format}): {tensor.count} entries "
+                            f"with {len(tensor.values)} value bytes and {len(tensor.scales)} "
+                            f"scale bytes, expected {value_bytes} and {scale_bytes} (the tensor "
+                            f"has {numel} entries)")
     return payload
 
 
@@ -291,12 +363,14 @@ def _sparse_change(tensor: SparseTensor, state: torch.Tensor) -> TensorChange:
     if positions[-1] >= state.numel():
         raise out_of_range
     indices = torch.from_numpy(positions.astype(np.int64))
+    flat = state.view(-1)
+    old = flat[indices].clone()
+    if tensor.format == "bf16_value":
+        return TensorChange(indices, bf16_values(tensor.values), old)
     scales = torch.from_numpy(np.frombuffer(tensor.scales, dtype="<f4").astype(np.float32))
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
         raise WireError(f"delta for {tensor.name}: scales must be finite and >= 0")
     codes = torch.from_numpy(np.frombuffer(tensor.values, dtype=np.int8).copy())
-    flat = state.view(-1)
-    old = flat[indices].clone()
     return TensorChange(indices, old + dequantize(codes, scales), old)
 
 

@@ -54,6 +54,7 @@ from decentrl.net.protocol import (
     Empty,
     LineageRecord,
     PeerRecord,
+    ServedFidelity,
     SyncPlan,
     SyncPlanRequest,
     UpdateManifest,
@@ -72,6 +73,7 @@ from decentrl.sync.delta import (
     encode_delta,
     encode_keyframe,
     payload_bytes,
+    served_fidelity,
     state_hash,
     undo_changes,
 )
@@ -259,6 +261,10 @@ class WeightPublisher(UpdateServer):
         super().__init__(node, run, stage, sync)
         self.timeout_s = timeout_s
         self.state = PublishedState.of(version, tensors)
+        # What the learner's movement is measured from (its first state, or the one it rolled
+        # back to), and the fidelity of each recent version (`served_fidelity`).
+        self.start = cpu_float32_copy(self.state.tensors)
+        self.fidelity: OrderedDict[int, ServedFidelity] = OrderedDict()
         self.keyframe: StoredUpdate | None = None
         # Encoding runs on its own thread, one update after another (each builds on the last),
         # so the compute thread goes back to training at once.
@@ -286,22 +292,29 @@ class WeightPublisher(UpdateServer):
             self.state.version, {k: v.clone() for k, v in self.state.tensors.items()},
             self.state.hash))
 
-    def published(self, version: int) -> Future[str | None]:
+    def published(self, version: int) -> Future[tuple[str, ServedFidelity | None] | None]:
         """The hash of the published state at `version` once every update submitted before this
         call is encoded: the current state's, or that of an update still kept (a signing that
-        failed is retried after later versions are out); None if neither is at `version`."""
-        def hash_at() -> str | None:
+        failed is retried after later versions are out); None if neither is at `version`. With
+        it, the fidelity measured when that version was published (None if not kept)."""
+        def hash_at() -> tuple[str, ServedFidelity | None] | None:
+            fidelity = self.fidelity.get(version)
             with self._lock:
                 if self.state.version == version:
-                    return self.state.hash
+                    return self.state.hash, fidelity
             kept = [u.manifest for u in list(self.updates.values())
                     if u.manifest.version == version]
-            return kept[0].state_hash if kept else None
+            return (kept[0].state_hash, fidelity) if kept else None
         return self._encoder.submit(hash_at)
 
     def reset(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Future[None]:
         """Start over from these weights (a rollback to a checkpoint): a new keyframe, no deltas."""
-        return self._encoder.submit(self._restart, version, cpu_float32_copy(tensors))
+        return self._encoder.submit(self._rollback, version, cpu_float32_copy(tensors))
+
+    def _rollback(self, version: int, snapshot: dict[str, torch.Tensor]) -> None:
+        self.start = cpu_float32_copy(snapshot)
+        self.fidelity.clear()
+        self._restart(version, snapshot)
 
     def _restart(self, version: int, snapshot: dict[str, torch.Tensor]) -> None:
         with self._lock:
@@ -317,14 +330,17 @@ class WeightPublisher(UpdateServer):
         started = time.perf_counter()
         if self.sync.mode == "dense":
             self._restart(version, snapshot)
+            self._measure(version, snapshot)
             return
         base = (self.state.version, self.state.hash)
-        payload = encode_delta(self.state, snapshot, self.sync.density)
+        payload = encode_delta(self.state, snapshot, self.sync.density, self.sync.selection,
+                               self.sync.values)
         with self._lock:
             # The same code a replica runs on the same payload: both sides stay bit-identical.
             changes = apply_payload(self.state, payload, version)
             self.state.hash = state_hash(self.state.tensors)
         self.on_published(self.state, changes)
+        self._measure(version, snapshot)
         update = make_update(self.stage, version, "delta", base, self.state.hash,
                              payload_bytes(payload), self.sync.chunks_per_update)
         self.node.run(self._add_delta(update), timeout=self.timeout_s)
@@ -332,6 +348,13 @@ class WeightPublisher(UpdateServer):
             self._store_keyframe()
         log.info("stage %d v%d: delta of %d bytes in %.2fs", self.stage, version,
                  update.manifest.size, time.perf_counter() - started)
+
+    def _measure(self, version: int, learner: dict[str, torch.Tensor]) -> None:
+        """Keep the fidelity of the state just published, for the coordinator (encoding thread,
+        which alone writes the published state)."""
+        self.fidelity[version] = served_fidelity(learner, self.state, self.start)
+        while len(self.fidelity) > self.sync.keyframe_every:
+            self.fidelity.popitem(last=False)
 
     async def _add_delta(self, update: StoredUpdate) -> None:
         await self.add(update)
