@@ -241,3 +241,35 @@ def test_trust_prints_figures(tiny_model_dir: Path, capsys: pytest.CaptureFixtur
     assert liar["caught"] == liar["checked"] and liar["reached_training"] == 0
     assert honest["wrongful"] == liar["wrongful"] == 0
     assert honest["honest_bans"] == liar["honest_bans"] == 0
+
+
+def test_staleness_forces_exactly_k_and_staleness_shows_in_the_behaviour_kl(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The tiny model solves nothing, so its groups keep zero advantages and weight decay is
+    what moves its weights from version to version."""
+    import json
+
+    bench = load_bench("staleness")
+    out = tmp_path / "staleness"
+    bench.main(["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "fp32",
+                "--threads", "1", "--ks", "0,2", "--mixed", "2", "--methods", "tis",
+                "--steps", "4", "--eval-problems", "2", "--out", str(out),
+                "--set", "train.zero_variance_groups=keep", "--set", "train.weight_decay=1.0",
+                "--set", "train.lr=0.01"])
+    results = json.loads((out / "staleness.json").read_text())
+    runs = {tuple(run["lags"]): run for run in results["runs"]}
+    assert set(runs) == {(0, 0), (2, 2), (0, 2), (2, 0)}
+    for lags, run in runs.items():
+        assert run["steps"] == 4
+        # Every group was sampled by each stage exactly its lag behind (less only while the
+        # learner had fewer versions), as the groups' own records say.
+        assert [[learner - version for version in versions] for learner, versions in
+                run["sampled"]] == [[min(learner, lag) for lag in lags]
+                                    for learner, _ in run["sampled"]]
+        assert len(run["sampled"]) == 4 * 8  # 4 steps of 8 prompts
+    kl = {lags: bench.statistics.fmean(run["curves"]["behaviour_kl"])
+          for lags, run in runs.items()}
+    assert kl[(2, 2)] > 1e-4 and kl[(2, 2)] > 100 * kl[(0, 0)]
+    assert kl[(0, 2)] > 100 * kl[(0, 0)] and kl[(2, 0)] > 100 * kl[(0, 0)]
+    for plot in ("staleness_accuracy.png", "staleness_curves.png"):
+        assert (out / plot).read_bytes().startswith(b"\x89PNG")
