@@ -58,7 +58,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import bench_model, machine, print_table, quiet_transformers, save_figure  # noqa: E402
+from common import (  # noqa: E402
+    bench_model,
+    cpu_seconds,
+    machine,
+    print_table,
+    quiet_transformers,
+    save_figure,
+)
 from rich.console import Console  # noqa: E402
 
 from decentrl.config import RunConfig, parse_config  # noqa: E402
@@ -87,9 +94,9 @@ CURVE_FIELDS = ("accuracy", "reward", "staleness_mean", "behaviour_kl", "behavio
                 "clip_fraction", "tis_weight_mean", "tis_truncated_fraction",
                 "mis_masked_fraction", "m2_masked_fraction", "entropy", "grad_norm")
 # Columns of the table: (curve field, header), each averaged over a run's steps.
-MEAN_COLUMNS = (("behaviour_kl", "behaviour KL"), ("behaviour_m2", "(log w)^2"),
-                ("tis_truncated_fraction", "truncated"), ("mis_masked_fraction", "MIS masked"),
-                ("m2_masked_fraction", "M2 masked"), ("clip_fraction", "clipped"))
+MEAN_COLUMNS = (("behaviour_kl", "KL(mu)"), ("behaviour_m2", "(log w)^2"),
+                ("tis_truncated_fraction", "trunc."), ("mis_masked_fraction", "MIS"),
+                ("m2_masked_fraction", "M2"), ("clip_fraction", "clip"))
 
 
 @dataclass(frozen=True)
@@ -124,7 +131,8 @@ class LaggedBackend(LocalBackend):
             raise ValueError(f"{len(lags)} lags for {config.num_stages} stages")
         super().__init__(config, console, model)
         self.lags = lags
-        # Per stage: version -> its weights as the replica holds them, the last lag + 1.
+        # Per stage: version -> its weights as the replica holds them, for the versions it
+        # will still serve (the last `lag`; the one it serves now sits in the transport).
         self.snapshots: list[dict[int, dict[str, torch.Tensor]]] = [{} for _ in lags]
         self.served: list[int | None] = [None] * len(lags)
         # Per generated group: the learner's version then, and the group's stage_versions.
@@ -162,10 +170,6 @@ class Evaluation:
     successes: int
     problems: int
 
-    @property
-    def accuracy(self) -> Accuracy:
-        return Accuracy.from_counts(self.successes, self.problems)
-
 
 @dataclass
 class StudyHooks(RunHooks):
@@ -179,15 +183,22 @@ class StudyHooks(RunHooks):
     evaluations: list[Evaluation] = field(default_factory=list)
     base: Evaluation | None = None
     seconds_per_step: list[float] = field(default_factory=list)
+    cpu_seconds_per_step: list[float] = field(default_factory=list)
+    step_began_cpu: float = 0.0
 
     def training_started(self, loop: TrainingLoop) -> None:
         if self.evaluate_base:
             self.base = greedy_evaluation(loop, self.eval_problems)
 
+    def before_step(self, loop: TrainingLoop) -> None:
+        # Here, not at the last step's end: an evaluation in between is not the step's.
+        self.step_began_cpu = cpu_seconds()
+
     def after_step(self, loop: TrainingLoop, record: StepRecord) -> None:
         for name in CURVE_FIELDS:
             self.curves.setdefault(name, []).append(getattr(record, name))
         self.seconds_per_step.append((record.wait_s or 0.0) + (record.train_s or 0.0))
+        self.cpu_seconds_per_step.append(cpu_seconds() - self.step_began_cpu)
         if self.eval_every and record.step % self.eval_every == 0:
             self.evaluations.append(greedy_evaluation(loop, self.eval_problems))
 
@@ -234,6 +245,10 @@ def run_config(args: argparse.Namespace, variant: Variant, model: str) -> RunCon
                          # the batch, as in the paper.
                          micro_batch_size=rollout["group_size"] * rollout["prompts_per_step"],
                          **METHODS[variant.method])
+    if args.model == "tiny":
+        # The tiny model solves nothing: its groups keep their zero advantages, and weight decay
+        # moves its weights from version to version, so that staleness shows in a smoke run.
+        data["train"].update(zero_variance_groups="keep", weight_decay=1.0, lr=0.01)
     data["eval"].update(problems=1, pass_k=1, every=0)
     data["trust"] = {"verify_fraction": 0.0, "flag_log_ratio": None, "flag_surprise": None}
     for assignment in args.set:
@@ -256,7 +271,8 @@ def run_variant(args: argparse.Namespace, variant: Variant, model: LoadedModel,
         loop.close()
     return {"label": variant.label, "lags": list(variant.lags), "method": variant.method,
             "seed": variant.seed, "steps": loop.step, "wall_s": time.perf_counter() - started,
-            "seconds_per_step": hooks.seconds_per_step, "curves": hooks.curves,
+            "seconds_per_step": hooks.seconds_per_step,
+            "cpu_seconds_per_step": hooks.cpu_seconds_per_step, "curves": hooks.curves,
             "evaluations": [vars(e) for e in hooks.evaluations],
             "base": None if hooks.base is None else vars(hooks.base),
             # Per generated group: the learner's version and each stage's sampling version.
@@ -292,7 +308,8 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         successes, problems = pooled(runs)
         row: dict[str, Any] = {"label": label, "method": method, "seeds": len(runs),
                                "successes": successes, "problems": problems,
-                               "s_per_step": mean_of_steps(runs)}
+                               "s_per_step": mean_of_steps(runs, "seconds_per_step"),
+                               "cpu_s_per_step": mean_of_steps(runs, "cpu_seconds_per_step")}
         baseline = groups.get(("0", method))
         if baseline is not None and label != "0":
             base_successes, base_problems = pooled(baseline)
@@ -302,15 +319,16 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for name, _ in MEAN_COLUMNS:
             row[name] = mean_of(runs, name)
         # The entropy over the last quarter of the steps: where the policy ended up.
-        last = [v for run in runs for v in run["curves"]["entropy"][-max(1, run["steps"] // 4):]
+        last = [v for run in runs
+                for v in run["curves"].get("entropy", [])[-max(1, run["steps"] // 4):]
                 if v is not None]
         row["entropy_end"] = statistics.fmean(last) if last else None
         rows.append(row)
     return rows
 
 
-def mean_of_steps(runs: list[dict[str, Any]]) -> float:
-    return statistics.fmean(s for run in runs for s in run["seconds_per_step"])
+def mean_of_steps(runs: list[dict[str, Any]], name: str) -> float:
+    return statistics.fmean(s for run in runs for s in run[name])
 
 
 def report(rows: list[dict[str, Any]], results: list[dict[str, Any]],
@@ -332,11 +350,11 @@ def report(rows: list[dict[str, Any]], results: list[dict[str, Any]],
         table.append([row["label"], row["method"],
                       Accuracy.from_counts(row["successes"], row["problems"]).as_percent(),
                       shown, *("-" if value is None else value for value in measured),
-                      row["s_per_step"]])
+                      row["s_per_step"], row["cpu_s_per_step"]])
     print_table(f"held-out pass@1 after {args.steps} steps at forced staleness (lag: versions "
                 "behind, per stage when they differ)",
                 ["lag", "method", "pass@1", "vs lag 0 (points)",
-                 *(header for _, header in MEAN_COLUMNS), "entropy", "s/step"],
+                 *(header for _, header in MEAN_COLUMNS), "entropy", "s/step", "CPU s/step"],
                 table, caption)
 
 
@@ -351,9 +369,10 @@ def plot(rows: list[dict[str, Any]], results: list[dict[str, Any]], out: Path) -
         uniform = [row for row in rows if row["method"] == method and "/" not in row["label"]]
         accuracy = [Accuracy.from_counts(row["successes"], row["problems"]) for row in uniform]
         lags = [int(row["label"]) for row in uniform]
-        axes.errorbar(lags, [a.mean for a in accuracy],
-                      yerr=[[a.mean - a.low for a in accuracy], [a.high - a.mean for a in accuracy]],
-                      fmt="o-", capsize=3, label=method)
+        below = [a.mean - a.low for a in accuracy]
+        above = [a.high - a.mean for a in accuracy]
+        axes.errorbar(lags, [a.mean for a in accuracy], yerr=[below, above], fmt="o-", capsize=3,
+                      label=method)
     axes.set_xscale("symlog", linthresh=1)
     axes.set_xlabel("staleness k (versions behind the learner)")
     axes.set_ylabel("held-out pass@1 (greedy, 95% CI)")
@@ -428,20 +447,28 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--mixed needs a run of 2 stages or more")
     print(f"{len(runs)} runs of {args.steps} steps on {machine(pick_device(args.device))}",
           flush=True)
-    results = []
+    results: list[dict[str, Any]] = []
     for index, variant in enumerate(runs):
         print(f"run {index + 1}/{len(runs)}: {variant.name}", flush=True)
         results.append(run_variant(args, variant, model, model_name, evaluate_base=index == 0))
         print(f"  {results[-1]['wall_s']:.0f} s, "
-              f"{statistics.fmean(results[-1]['seconds_per_step']):.2f} s per step", flush=True)
+              f"{statistics.fmean(results[-1]['seconds_per_step']):.2f} s "
+              f"({statistics.fmean(results[-1]['cpu_seconds_per_step']):.1f} CPU s) per step",
+              flush=True)
+        # After every run: a grid of hours keeps what it measured if it stops early.
+        write_results(args, summarise(results), results)
     rows = summarise(results)
     report(rows, results, args)
+    plot(rows, results, args.out)
+
+
+def write_results(args: argparse.Namespace, rows: list[dict[str, Any]],
+                  results: list[dict[str, Any]]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "rows": rows, "runs": results}
     for path in {args.out / "staleness.json", *([Path(args.json)] if args.json else [])}:
         path.write_text(json.dumps(payload, indent=2) + "\n")
-    plot(rows, results, args.out)
 
 
 if __name__ == "__main__":

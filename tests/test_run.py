@@ -158,7 +158,7 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         parse_config({"rollout": {"group_sizes": 4}})
     with pytest.raises(ConfigError, match="mis_low must be below"):
         parse_config({"train": {"mis_low": 0.9, "mis_high": 0.5}})
-    with pytest.raises(ConfigError, match=r"train\.m2_threshold needs train\.off_policy_correction"):
+    with pytest.raises(ConfigError, match=r"m2_threshold needs train\.off_policy_correction"):
         parse_config({"train": {"m2_threshold": 0.04, "off_policy_correction": False}})
     with pytest.raises(ConfigError, match=r"train\.m2_threshold"):
         parse_config({"train": {"m2_threshold": 0}})
