@@ -26,7 +26,8 @@ the mean of (log r)^2 over the tokens left is at most the threshold (0.04 in the
 paper writes r = pi_theta / pi_behav; at the start of an update pi_theta is pi_prox, and fixing
 the mask there for the whole batch is what AReaL's implementation does too. In either mode it
 only removes tokens: with `decoupled=True` and `tis_cap=None` the kept tokens get the paper's
-objective, the masked ratio pi / mu.
+objective, the masked ratio pi / mu. The bound holds over the tokens one call sees, a
+micro-batch: a `micro_batch_size` of the whole batch makes it the paper's per-batch bound.
 
 `off_policy_correction=False` ignores mu (mu := pi_prox): no weight, no mask, stale tokens count
 as if the learner had sampled them. It is the staleness bench's "no correction" baseline.
