@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -262,3 +263,31 @@ def test_trust_prints_figures(tiny_model_dir: Path, capsys: pytest.CaptureFixtur
     assert liar["caught"] == liar["checked"] and liar["reached_training"] == 0
     assert honest["wrongful"] == liar["wrongful"] == 0
     assert honest["honest_bans"] == liar["honest_bans"] == 0
+
+
+def test_staleness_forces_exactly_k_and_staleness_shows_in_the_behaviour_kl(
+        tmp_path: Path) -> None:
+    """With `--model tiny` the bench keeps zero-advantage groups and lets weight decay move the
+    weights from version to version (the tiny model solves nothing)."""
+    bench = load_bench("staleness")
+    out = tmp_path / "staleness"
+    bench.main(["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--threads", "1",
+                "--ks", "0,2", "--mixed", "2", "--methods", "tis", "--steps", "4",
+                "--eval-problems", "2", "--out", str(out)])
+    results = json.loads((out / "staleness.json").read_text())
+    runs = {tuple(run["lags"]): run for run in results["runs"]}
+    assert set(runs) == {(0, 0), (2, 2), (0, 2), (2, 0)}
+    for lags, run in runs.items():
+        assert run["steps"] == 4
+        # Every group was sampled by each stage exactly its lag behind (less only while the
+        # learner had fewer versions), as the groups' own records say.
+        assert [[learner - version for version in versions] for learner, versions in
+                run["sampled"]] == [[min(learner, lag) for lag in lags]
+                                    for learner, _ in run["sampled"]]
+        assert len(run["sampled"]) == 4 * 8  # 4 steps of 8 prompts
+    kl = {lags: bench.statistics.fmean(run["curves"]["behaviour_kl"])
+          for lags, run in runs.items()}
+    assert kl[(2, 2)] > 1e-4 and kl[(2, 2)] > 100 * kl[(0, 0)]
+    assert kl[(0, 2)] > 100 * kl[(0, 0)] and kl[(2, 0)] > 100 * kl[(0, 0)]
+    for plot in ("staleness_accuracy.png", "staleness_curves.png"):
+        assert (out / plot).read_bytes().startswith(b"\x89PNG")

@@ -171,6 +171,64 @@ def test_mis_masks_whole_sequences_but_keeps_the_batch_normaliser():
     assert grad_low[0].eq(0).all() and grad_low[1].ne(0).all()
 
 
+# M2PO batch: per token log r = log pi_prox / mu, so (log r)^2 is
+#   sequence 0 (3 tokens, then padding whose huge ratio must not count): 0.01, 1.0, 0.01
+#   sequence 1 (4 tokens):                                               0.25, 0.01, 0, 0.01
+# Sorted: 1.0, 0.25, 0.01 x 3, 0. Mean of all 1.29 / 7; without the 1.0: 0.29 / 6 = 0.048, still
+# above tau = 0.04; without the 0.25 too: 0.04 / 5 = 0.008. So exactly those two tokens go.
+M2_LOG_RATIOS = torch.tensor([[0.1, -1.0, 0.1, 9.0], [0.5, -0.1, 0.0, 0.1]], dtype=F64)
+M2_MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+M2_PROXIMAL = log([[0.5, 0.2, 0.1, 0.3], [0.4, 0.5, 0.3, 0.2]])
+
+
+def test_m2po_masks_exactly_the_largest_second_moments():
+    behaviour = M2_PROXIMAL - M2_LOG_RATIOS
+    config = LossConfig(name="grpo", tis_cap=None, m2_threshold=0.04)
+    loss, grad, metrics = run(config, M2_PROXIMAL, M2_PROXIMAL, behaviour, [1.0, 1.0], M2_MASK)
+    # r = 1, A = 1, untruncated weights w = exp(log r): each kept token's loss is -w, divided by
+    # its sequence's length and the 2 sequences; the two outliers get no gradient at all.
+    weights = M2_LOG_RATIOS.exp()
+    kept = torch.tensor([[1, 0, 1, 0], [0, 1, 1, 1]], dtype=F64)
+    lengths = torch.tensor([[3.0], [4.0]], dtype=F64)
+    expected_grad = -weights * kept / lengths / 2
+    torch.testing.assert_close(grad, expected_grad)
+    assert loss == pytest.approx(float(expected_grad.sum()))
+    assert metrics["m2_masked_fraction"] == pytest.approx(2 / 7)
+    assert metrics["behaviour_m2"] == pytest.approx(1.29 / 7)
+
+
+def test_m2po_changes_nothing_within_the_bound():
+    # On-policy data (mu = pi_prox) has second moment 0; slightly stale data under tau too.
+    for behaviour in (PROXIMAL, PROXIMAL - 0.1 * MASK):
+        plain = run(LossConfig(name="grpo"), LOGPROBS, PROXIMAL, behaviour, ADVANTAGES, MASK)
+        masked = run(LossConfig(name="grpo", m2_threshold=0.04), LOGPROBS, PROXIMAL, behaviour,
+                     ADVANTAGES, MASK)
+        assert masked[0] == pytest.approx(plain[0])
+        torch.testing.assert_close(masked[1], plain[1])
+        assert masked[2]["m2_masked_fraction"] == 0.0
+
+
+def test_m2po_keeps_no_token_when_every_one_is_over_the_bound():
+    behaviour = M2_PROXIMAL - 0.5 * M2_MASK  # (log r)^2 = 0.25 > 0.1 everywhere
+    config = LossConfig(name="grpo", m2_threshold=0.1)
+    loss, grad, metrics = run(config, M2_PROXIMAL, M2_PROXIMAL, behaviour, [1.0, 1.0], M2_MASK)
+    assert loss == 0.0 and grad.eq(0).all()
+    assert metrics["m2_masked_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_without_off_policy_correction_stale_tokens_count_as_on_policy(decoupled):
+    stale = PROXIMAL - log([[3.0, 0.5, 1.0], [2.0, 1.0, 0.25]])
+    config = LossConfig(name="grpo", decoupled=decoupled, off_policy_correction=False)
+    loss, grad, metrics = run(config, LOGPROBS, PROXIMAL, stale, ADVANTAGES, MASK)
+    on_policy = run(LossConfig(name="grpo"), LOGPROBS, PROXIMAL, PROXIMAL, ADVANTAGES, MASK)
+    assert loss == pytest.approx(on_policy[0])
+    torch.testing.assert_close(grad, on_policy[1])
+    assert metrics["tis_weight_mean"] == 1.0
+    # What the loss ignored is still measured.
+    assert metrics["behaviour_kl"] > 0.05 and metrics["behaviour_m2"] > 0.3
+
+
 def test_k3_kl_value_and_gradient():
     # d = log pi_ref - log pi: token 0: log(0.25 / 0.5) = -ln 2 -> 0.5 + ln 2 - 1 = ln 2 - 0.5
     #                          token 1: log(1.0 / 0.5)  = +ln 2 -> 2 - ln 2 - 1  = 1 - ln 2
@@ -305,6 +363,12 @@ def test_rollout_from_the_future_and_bad_arguments_are_value_errors():
         ({"name": "grpo", "mis_high": 0.9}, "mis_high"),
         ({"name": "grpo", "mis_high": 2.0, "decoupled": False}, "need decoupled=True"),
         ({"name": "dr_grpo", "dr_grpo_max_tokens": 0}, "dr_grpo_max_tokens"),
+        ({"name": "grpo", "m2_threshold": 0.0}, "m2_threshold"),
+        ({"name": "grpo", "m2_threshold": math.inf}, "m2_threshold"),
+        ({"name": "grpo", "m2_threshold": 0.04, "off_policy_correction": False},
+         "need off_policy_correction=True"),
+        ({"name": "grpo", "mis_low": 0.5, "off_policy_correction": False},
+         "need off_policy_correction=True"),
     ],
 )
 def test_bad_config_fields_are_named(fields, message):

@@ -209,6 +209,10 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
         parse_config({"train": {"mis_low": 0.9, "mis_high": 0.5}})
     with pytest.raises(ConfigError, match="dynamic_sampling skips groups without reward spread"):
         parse_config({"train": {"dynamic_sampling": True, "zero_variance_groups": "keep"}})
+    with pytest.raises(ConfigError, match=r"m2_threshold needs train\.off_policy_correction"):
+        parse_config({"train": {"m2_threshold": 0.04, "off_policy_correction": False}})
+    with pytest.raises(ConfigError, match=r"train\.m2_threshold"):
+        parse_config({"train": {"m2_threshold": 0}})
     with pytest.raises(ConfigError, match=r"swarm\.link.*rtt_ms"):
         parse_config({"swarm": {"link": {"rtt_ms": [120, 60]}}})
     with pytest.raises(ConfigError, match=r"swarm\.activation_codec"):

@@ -18,6 +18,7 @@ from swarm_helpers import ObservedChain, Swarm, start_swarm, tiny_run_config
 
 from decentrl.config import RunConfig
 from decentrl.learn.batch import build_batch
+from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.stages import StageModule
@@ -167,6 +168,57 @@ class ScriptedVersionsSession:
 
     def close(self) -> None:
         pass
+
+
+# ---- a rollout whose stages ran at different versions -----------------------------------------
+
+def test_a_mixed_version_rollout_is_bounded_by_its_oldest_stage_and_corrected_as_recorded(
+        sharp: LoadedModel, tiny_sharp_dir: Path) -> None:
+    """Stage 0 at the learner's version 3, stage 1 three versions behind (other weights): the
+    staleness the bound sees is the oldest stage's, and the loss weighs the tokens with the
+    log-probs the mixed chain that sampled them recorded, which neither version alone gives."""
+    config = tiny_run_config(tiny_sharp_dir, 2, rollout={
+        "group_size": 4, "prompts_per_step": 1, "max_new_tokens": 8, "temperature": 0.9,
+        "top_k": 30}, train={"micro_batch_size": 4, "max_staleness": 3})
+    learner = build(sharp, 2)
+    for stage in learner:
+        stage.version = 3
+    stale = fresh_weights(learner[1], seed=7)
+    chain = LocalChain(build(sharp, 2))
+    chain.load_stage(0, 3, learner[0].state_dict())
+    chain.load_stage(1, 0, stale)
+    scheduler = PromptScheduler(config.seed)
+    worker = rollout_worker(chain, config, sharp, scheduler)
+    [group] = worker.generate_groups(scheduler.next(1))
+    assert group.stage_versions == [3, 0]
+
+    # Ingestion and the loop's re-check before a batch both take the oldest stage.
+    assert Ingestion(config, worker.task, sharp.tokenizer, scheduler).check(group, 3) == 3
+    assert check_staleness(3, group.stage_versions, max_staleness=3) == 3
+    with pytest.raises(StaleRolloutError):
+        check_staleness(3, group.stage_versions, max_staleness=2)
+    tighter = tiny_run_config(tiny_sharp_dir, 2, rollout=config.rollout.model_dump(),
+                              train={"max_staleness": 2})
+    with pytest.raises(StaleRolloutError):
+        Ingestion(tighter, worker.task, sharp.tokenizer, scheduler).check(group, 3)
+
+    mixed = build(sharp, 2)
+    mixed[1].load_state_dict(stale)
+    behaviour, under_mixed, valid = teacher_forced(mixed, group, config)
+    _, under_learner, _ = teacher_forced(learner, group, config)
+    torch.testing.assert_close(behaviour[valid], under_mixed[valid], atol=1e-4, rtol=0)
+    assert (behaviour[valid] - under_learner[valid]).abs().max() > 0.1
+
+    trainer = PipelineTrainer.local(learner, config.train,
+                                    loss_config_from(config.train, config.rollout.max_new_tokens),
+                                    sampling_config(config.rollout), torch.float32)
+    batch = build_batch(group.rollouts, [1.0, -1.0, 0.5, -0.5], [3] * 4, 0)
+    metrics = trainer.train_step(batch)
+    # The loss's behaviour KL is KL(recorded mu || learner): k3 over the real tokens.
+    log_ratio = (under_learner - behaviour)[valid]
+    expected = (log_ratio.exp() - 1 - log_ratio).mean()
+    assert metrics["behaviour_kl"] == pytest.approx(float(expected), rel=1e-3)
+    assert metrics["behaviour_kl"] > 0.01
 
 
 # ---- ingestion refuses spans that are malformed or disagree with stage_versions ---------------

@@ -93,6 +93,13 @@ class TrainConfig(Section):
     mis_low: float | None = Field(None, gt=0)
     mis_high: float | None = Field(None, gt=0)
     decoupled: bool = True
+    m2_threshold: float | None = Field(None, gt=0, description="M2PO (learn/losses.py): the "
+                                       "tokens with the largest (log learner / behaviour "
+                                       "probability)^2 leave the loss until the mean over the "
+                                       "rest is at most this (the paper's 0.04); None: off")
+    off_policy_correction: bool = Field(True, description="False: the loss ignores the behaviour "
+                                        "log-probs, stale tokens count as the learner's own (the "
+                                        "staleness bench's baseline)")
     max_staleness: int = Field(2, ge=0, description="drop rollouts more versions behind than this")
     checkpoint_every: int = Field(25, ge=1)
     lora_rank: int = Field(0, ge=0, description="0: full fine-tuning; >0: train only rank-r "
@@ -309,6 +316,11 @@ class RunConfig(Section):
         if self.train.dynamic_sampling and self.train.zero_variance_groups == "keep":
             raise ValueError("train.dynamic_sampling skips groups without reward spread, which "
                              "train.zero_variance_groups = \"keep\" asks to train on: choose one")
+        uncorrected = [name for name in ("mis_low", "mis_high", "m2_threshold")
+                       if getattr(self.train, name) is not None]
+        if not self.train.off_policy_correction and uncorrected:
+            raise ValueError(f"train.{uncorrected[0]} needs train.off_policy_correction: without "
+                             "it the loss never looks at the behaviour log-probs it acts on")
         if self.trust.verify_fraction > 0 and self.trust.history_versions < self.train.max_staleness:
             raise ValueError(f"trust.history_versions ({self.trust.history_versions}) must be at "
                              f"least train.max_staleness ({self.train.max_staleness}): replicas "

@@ -19,6 +19,19 @@ makes the bound independent of length. Coupled (`decoupled=False`) is classic PP
 pi_old := mu: the ratio is pi / mu, clipped, and there is no separate weight, so `tis_cap` is
 ignored and the MIS bounds must be unset.
 
+For large staleness, `m2_threshold` adds M2PO's second-moment mask (Zheng et al. 2025,
+"Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?",
+arXiv:2510.01161): the tokens with the largest (log r)^2, r = pi_prox / mu, leave the loss until
+the mean of (log r)^2 over the tokens left is at most the threshold (0.04 in the paper). The
+paper writes r = pi_theta / pi_behav; at the start of an update pi_theta is pi_prox, and fixing
+the mask there for the whole batch is what AReaL's implementation does too. In either mode it
+only removes tokens: with `decoupled=True` and `tis_cap=None` the kept tokens get the paper's
+objective, the masked ratio pi / mu. The bound holds over the tokens one call sees, a
+micro-batch: a `micro_batch_size` of the whole batch makes it the paper's per-batch bound.
+
+`off_policy_correction=False` ignores mu (mu := pi_prox): no weight, no mask, stale tokens count
+as if the learner had sampled them. It is the staleness bench's "no correction" baseline.
+
 Normalisers: the loss of a micro-batch is divided by counts of the *whole* batch
 (`total_sequences`, `total_tokens`), so summing the micro-batch losses gives exactly the loss, and
 so the gradient, of the whole batch. Sequences masked by MIS leave the numerator only (of the
@@ -77,6 +90,9 @@ class LossConfig:
         padded length T of the tensors, which differs between micro-batches padded to different
         lengths: set it whenever accumulating gradients with dr_grpo.
     decoupled: see the module docstring.
+    m2_threshold: M2PO's bound tau on the mean (log pi_prox / mu)^2 of the tokens kept; None: off.
+    off_policy_correction: False ignores the behaviour log-probs in the loss (see the module
+        docstring); `behaviour_kl` and `behaviour_m2` still measure them.
     flag_log_ratio / flag_surprise: rollouts the trainer's own log-probs expose as off-policy
         poison are left out of the loss and reported (`flagged_rows`): mean per-token
         |log pi - log mu| above flag_log_ratio (forged behaviour log-probs), or mean per-token
@@ -96,6 +112,8 @@ class LossConfig:
     mis_high: float | None = None
     dr_grpo_max_tokens: int | None = None
     decoupled: bool = True
+    m2_threshold: float | None = None
+    off_policy_correction: bool = True
     flag_log_ratio: float | None = None
     flag_surprise: float | None = None
 
@@ -133,6 +151,23 @@ class LossConfig:
             )
         if not isinstance(self.decoupled, bool):
             raise ValueError(f"decoupled must be a bool, got {self.decoupled!r}")
+        if self.m2_threshold is not None and not (
+            math.isfinite(self.m2_threshold) and self.m2_threshold > 0
+        ):
+            raise ValueError(
+                f"m2_threshold must be None or a finite number > 0, got {self.m2_threshold}"
+            )
+        if not isinstance(self.off_policy_correction, bool):
+            raise ValueError(
+                f"off_policy_correction must be a bool, got {self.off_policy_correction!r}"
+            )
+        if not self.off_policy_correction and (
+            self.mis_low is not None or self.mis_high is not None or self.m2_threshold is not None
+        ):
+            raise ValueError(
+                "mis_low/mis_high/m2_threshold need off_policy_correction=True: without it the "
+                "loss never looks at the behaviour log-probs they act on"
+            )
         if self.flag_log_ratio is not None and not self.flag_log_ratio > 0:
             raise ValueError(f"flag_log_ratio must be None or > 0, got {self.flag_log_ratio}")
         if self.flag_surprise is not None and not self.flag_surprise > 0:
@@ -195,8 +230,9 @@ def policy_loss(
     Metrics (means over counted tokens of this micro-batch): policy_loss, clip_fraction (share of
     tokens whose gradient the clip removed, or whose CISPO weight was capped), ratio_mean,
     tis_weight_mean, tis_truncated_fraction, mis_masked_fraction (share of sequences),
-    behaviour_kl (k3 estimate of KL(mu || pi_prox), how off-policy the batch is), and kl (k3 to
-    the reference) when reference_logprobs is given.
+    m2_masked_fraction (share of tokens), behaviour_kl (k3 estimate of KL(mu || pi_prox), how
+    off-policy the batch is), behaviour_m2 (mean (log pi_prox / mu)^2, M2PO's second moment,
+    before its mask), and kl (k3 to the reference) when reference_logprobs is given.
     """
     _check_inputs(
         logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask, config,
@@ -215,6 +251,11 @@ def policy_loss(
     behaviour_log_ratio = (proximal_logprobs - behaviour_logprobs) * mask
     behaviour_ratio = behaviour_log_ratio.exp()
     behaviour_kl = behaviour_ratio - 1 - behaviour_log_ratio  # k3 of KL(mu || pi_prox), zero-masked
+    behaviour_m2 = _masked_mean(behaviour_log_ratio.square(), mask)
+    if not config.off_policy_correction:
+        behaviour_logprobs = proximal_logprobs
+        behaviour_log_ratio = torch.zeros_like(behaviour_log_ratio)
+        behaviour_ratio = torch.ones_like(behaviour_ratio)
     if config.decoupled:
         anchor_logprobs = proximal_logprobs
         sequence_behaviour_ratio = _sequence_mean(behaviour_log_ratio, sequence_lengths).exp()
@@ -231,7 +272,10 @@ def policy_loss(
         untruncated_weight = torch.ones_like(mask)
         behaviour_weight = untruncated_weight
         keep_sequence = torch.ones_like(sequence_lengths, dtype=torch.bool)
-    loss_mask = mask * keep_sequence[:, None].to(mask.dtype)
+    sequence_mask = mask * keep_sequence[:, None].to(mask.dtype)
+    loss_mask = sequence_mask * _m2_keep(
+        behaviour_log_ratio, sequence_mask, config.m2_threshold
+    ).to(mask.dtype)
 
     log_ratio = (logprobs - anchor_logprobs) * mask
     if config.name in ("grpo", "dr_grpo"):
@@ -274,7 +318,9 @@ def policy_loss(
             (untruncated_weight > behaviour_weight).to(mask.dtype), loss_mask
         ),
         "mis_masked_fraction": (~keep_sequence).to(mask.dtype).mean().item(),
+        "m2_masked_fraction": _masked_mean(sequence_mask - loss_mask, mask),
         "behaviour_kl": _masked_mean(behaviour_kl, mask),
+        "behaviour_m2": behaviour_m2,
     }
     if reference_logprobs is not None:
         # k3 estimator (Schulman 2020, "Approximating KL divergence") of KL(pi || pi_ref):
@@ -310,6 +356,31 @@ def _mis_keep(sequence_ratio: torch.Tensor, config: LossConfig) -> torch.Tensor:
         keep &= sequence_ratio >= config.mis_low
     if config.mis_high is not None:
         keep &= sequence_ratio <= config.mis_high
+    return keep
+
+
+def _m2_keep(log_ratio: torch.Tensor, counted: torch.Tensor,
+             threshold: float | None) -> torch.Tensor:
+    """[B, T] bool: the `counted` tokens M2PO keeps, dropping those with the largest squared
+    `log_ratio` (zero-masked) until the mean over the rest is at most `threshold`. When even the
+    smallest one is above it, none is kept: the bound holds for no token but the empty set."""
+    keep = counted.bool()
+    if threshold is None or not keep.any():
+        return keep
+    # float64: a long batch's suffix sums must not drift across the threshold.
+    second_moments = log_ratio.detach().to(torch.float64).square()[keep]
+    ordered, order = second_moments.sort(descending=True)
+    count = ordered.numel()
+    # remaining_mean[i]: the mean over the tokens left after dropping the i largest (i < count).
+    remaining_mean = ordered.flip(0).cumsum(0).flip(0) / torch.arange(
+        count, 0, -1, dtype=torch.float64, device=ordered.device
+    )
+    within = (remaining_mean <= threshold).nonzero()
+    dropped = int(within[0]) if within.numel() else count
+    kept_counted = torch.ones(count, dtype=torch.bool, device=keep.device)
+    kept_counted[order[:dropped]] = False
+    keep = keep.clone()
+    keep[counted.bool()] = kept_counted
     return keep
 
 

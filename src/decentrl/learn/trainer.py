@@ -37,6 +37,7 @@ def loss_config_from(train: TrainConfig, max_new_tokens: int,
         name=train.loss, clip_low=train.clip_low, clip_high=train.clip_high,
         kl_coef=train.kl_coef, tis_cap=train.tis_cap, mis_low=train.mis_low,
         mis_high=train.mis_high, dr_grpo_max_tokens=max_new_tokens, decoupled=train.decoupled,
+        m2_threshold=train.m2_threshold, off_policy_correction=train.off_policy_correction,
         flag_log_ratio=trust.flag_log_ratio if trust else None,
         flag_surprise=trust.flag_surprise if trust else None,
     )

@@ -63,6 +63,8 @@ class StepRecord(Record, tag="step"):
     tis_weight_mean: float | None = None
     tis_truncated_fraction: float | None = None
     mis_masked_fraction: float | None = None
+    m2_masked_fraction: float | None = None  # tokens M2PO's second-moment mask left out
+    behaviour_m2: float | None = None  # mean (log learner / behaviour probability)^2 per token
     # A swarm run's cumulative counters (trust/gate.py `Trust.counters`, the chain's failovers,
     # the coordinator's link bytes in both directions).
     verified: int | None = None

@@ -414,11 +414,13 @@ STEP_PLOTS = (
     StepPlot("importance_weights.png", "Importance weights",
              "The off-policy correction: the mean over the batch's tokens of the importance "
              "weights (learner / behaviour probability, truncated at `train.tis_cap`), the share "
-             "of tokens whose weight was truncated, and the share of sequences the sequence-level "
-             "mask (`train.mis_low`, `train.mis_high`) left out of the loss.",
+             "of tokens whose weight was truncated, the share of sequences the sequence-level "
+             "mask (`train.mis_low`, `train.mis_high`) left out of the loss, and the share of "
+             "tokens M2PO's second-moment mask (`train.m2_threshold`) left out.",
              (Panel("mean weight", (("tis_weight_mean", "mean truncated weight"),)),
               Panel("fraction", (("tis_truncated_fraction", "tokens truncated at the cap"),
-                                 ("mis_masked_fraction", "sequences masked"))))),
+                                 ("mis_masked_fraction", "sequences masked"),
+                                 ("m2_masked_fraction", "tokens masked (M2PO)"))))),
     StepPlot("fidelity.png", "Replica fidelity",
              "How far what the replicas serve is from the learner's weights, apart from "
              "staleness, as the training peers measured it when they published (a swarm run, "
