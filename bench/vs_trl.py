@@ -5,9 +5,9 @@ model, task, prompts and hyperparameters, each side given the same training-time
 
     decentrl bench vs-trl [--budget 900] [--eval-every 10] [--eval-problems 200] [--out runs/vs-trl]
 
-Both sides train with the demo's config (decentrl.demo.DEMO_CONFIG): sums of 1-2 digit numbers,
-the same train problems in the same order, 8 prompts x 8 samples = 64 completions per optimizer
-step in micro-batches of the same size, the same max new tokens, temperature 1, learning rate,
+Both sides train with the demo's config (decentrl.demo.DEMO_CONFIG): sums of 1-2 digit numbers
+from the same seeded stream of train problems, 8 prompts x 8 samples = 64 completions per
+optimizer step in micro-batches of the same size, the same max new tokens, temperature 1, learning rate,
 AdamW betas, clipping range and gradient clipping, the GRPO loss (each sequence's token mean, then
 the mean over sequences), no KL term, bf16 autocast where decentrl's compute dtype is bf16, no
 vLLM. Both are evaluated by decentrl's `evaluate` (greedy pass@1 on held-out two-digit sums) every
@@ -22,8 +22,11 @@ busy cores); run on a quiet machine, or compare with --threads 1 as well.
 
 Differences that remain, by design of each library: decentrl generates asynchronously (a rollout
 worker runs ahead of the learner, within the staleness bound) over a 2-stage pipeline with an
-untied head, and drops groups whose rewards do not vary; TRL generates then trains, in one
-process, with Hugging Face `generate` and the checkpoint's tied embedding.
+untied head; it drops groups whose rewards do not vary and fills each batch with groups that
+do (dynamic sampling), and its curriculum passes over problems of the stream unlikely to teach
+and hands out again problems whose group varied. TRL takes the stream's problems in order,
+generates then trains, in one process, with Hugging Face `generate` and the checkpoint's tied
+embedding. The demo's recipe is what is compared, not the loss alone.
 
 TRL is a bench extra (`make bench-trl`, or `pip install -e '.[bench]'`), never a runtime
 dependency; this file imports it only when the TRL side runs. Writes vs_trl.json (every point),

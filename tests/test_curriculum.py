@@ -14,7 +14,13 @@ from decentrl.config import ConfigError, CurriculumConfig, parse_config
 from decentrl.envs import make_environment
 from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, VersionSpan
 from decentrl.swarm.curriculum import Curriculum, DecayedCounts, bucket_of, spread_chance
-from decentrl.swarm.scheduler import PromptScheduler
+from decentrl.swarm.scheduler import (
+    REPLAY_STRIDE,
+    PromptScheduler,
+    replay_attempt,
+    replay_index,
+    source_index,
+)
 from decentrl.swarm.store import RunStore
 from decentrl.tasks import SumsTask, split_of
 from decentrl.tasks.arithmetic import sums_difficulty
@@ -230,6 +236,89 @@ def test_the_choice_is_the_coordinators_alone() -> None:
     assert shifted != [first.admits(i) for i in range(SEED * 1_000_003, SEED * 1_000_003 + 300)]
 
 
+REPLAYING = CurriculumConfig(enabled=True, floor=0.1, half_life_groups=1e12, replay_share=0.5,
+                             max_replays=2)
+
+
+def test_replay_indices_stand_for_their_source_problem() -> None:
+    first = SEED * 1_000_003 + 12
+    again = replay_index(first, 2)
+    assert again != first and again >= REPLAY_STRIDE
+    assert (source_index(again), replay_attempt(again)) == (first, 2)
+    assert (source_index(first), replay_attempt(first)) == (first, 0)
+    for source, attempt in ((first, 0), (-1, 1), (REPLAY_STRIDE, 1)):
+        with pytest.raises(ValueError, match="no replay index"):
+            replay_index(source, attempt)
+
+
+def teaches(index: int) -> bool:
+    """Whether a problem's groups have spread in the replay tests: by its key (keys repeat among
+    the stream's sums), those whose smallest operand is odd."""
+    return int(TASK.problem("train", source_index(index)).key.split("+")[0]) % 2 == 1
+
+
+def test_problems_likely_to_teach_are_handed_out_again_for_a_share_of_the_slots() -> None:
+    curriculum = Curriculum(REPLAYING, TASK, GROUP_SIZE, SEED)
+    scheduler = PromptScheduler(SEED, admits=curriculum.admits, replay=curriculum.next_replay)
+    handed: list[int] = []
+    for _ in range(60):
+        indices = scheduler.next(4)
+        handed += indices
+        for index in indices:
+            solved = 3 if teaches(index) else 0  # 3 of 8: spread
+            assert scheduler.take(index)
+            curriculum.observe(scored(index, solved, group_id=f"sums/{index}"))
+    replays = [i for i in handed if replay_attempt(i) > 0]
+    assert len(set(handed)) == len(handed)  # every hand-out has an index of its own
+    assert len(replays) / len(handed) == pytest.approx(0.5, abs=0.05)
+    assert curriculum.counters()["replays_handed_out"] == len(replays)
+    # Only problems whose own groups had spread come back, each at most max_replays times, as
+    # attempts 1, 2 in order.
+    assert all(teaches(i) for i in replays)
+    attempts: dict[int, list[int]] = {}
+    for index in replays:
+        attempts.setdefault(source_index(index), []).append(replay_attempt(index))
+    assert all(seen == list(range(1, len(seen) + 1)) and len(seen) <= 2
+               for seen in attempts.values())
+    assert any(len(seen) == 2 for seen in attempts.values())
+    # Each replay was handed out after its source's first group: none from the held-out split.
+    assert all(split_of(TASK.problem("train", source_index(i)).key, TASK.heldout_fraction)
+               == "train" for i in handed)
+
+
+def test_a_problem_that_stopped_teaching_is_not_handed_out_again() -> None:
+    curriculum = Curriculum(REPLAYING, TASK, GROUP_SIZE, SEED)
+    index = SEED * 1_000_003 + 5
+    curriculum.observe(scored(index, 4))
+    again = curriculum.next_replay() or curriculum.next_replay()  # half the slots
+    assert again == replay_index(index, 1)
+    curriculum.observe(scored(again, GROUP_SIZE, group_id=f"sums/{again}"))  # all solved now
+    assert not curriculum.replays
+    other = SEED * 1_000_003 + 6
+    curriculum.observe(scored(replay_index(other, REPLAYING.max_replays), 4, group_id="last"))
+    assert [curriculum.next_replay() for _ in range(6)] == [None] * 6  # no more than max
+    off = Curriculum(ON, TASK, GROUP_SIZE, SEED)
+    off.observe(scored(index, 4))
+    assert [off.next_replay() for _ in range(6)] == [None] * 6
+
+
+def test_a_restart_gets_the_same_problems_to_hand_out_again(tmp_path: Path) -> None:
+    store = RunStore(tmp_path / "run.sqlite")
+    curriculum = Curriculum(REPLAYING, TASK, GROUP_SIZE, SEED)
+    scheduler = PromptScheduler(SEED, store.problem_position(), admits=curriculum.admits,
+                                replay=curriculum.next_replay)
+    for _ in range(20):
+        for index in scheduler.next(4, reserve=store.reserve_problems):
+            group = scored(index, 2 if source_index(index) % 3 else 8, group_id=f"sums/{index}")
+            store.add_group(group, 0, 0)
+            curriculum.observe(group)
+    store.close()
+    store = RunStore(tmp_path / "run.sqlite")
+    restarted = Curriculum(REPLAYING, TASK, GROUP_SIZE, SEED)
+    restarted.replay(store.accepted_groups())
+    assert restarted.replays == curriculum.replays and restarted.replays
+
+
 def test_difficulty_buckets_of_the_tasks_and_environments() -> None:
     assert sums_difficulty([3, 4]) == "1+1 digits, 0 carries"
     assert sums_difficulty([8, 7]) == "1+1 digits, 1 carry"
@@ -256,6 +345,8 @@ def test_difficulty_buckets_of_the_tasks_and_environments() -> None:
     ({"half_life_groups": float("inf")}, "half_life_groups"),
     ({"sharpness": 0}, "sharpness"), ({"sharpness": 100}, "sharpness"),
     ({"enabled": "maybe"}, "enabled"), ({"warmup": 3}, "warmup"),
+    ({"replay_share": 1.0}, "replay_share"), ({"replay_share": -0.1}, "replay_share"),
+    ({"max_replays": 0}, "max_replays"),
 ])
 def test_bad_curriculum_settings_are_refused(section: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=f"curriculum.{field}"):

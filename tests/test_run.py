@@ -18,6 +18,7 @@ from decentrl.rollout.types import RolloutGroup, ScoredGroup
 from decentrl.swarm.ingest import Ingestion
 from decentrl.swarm.local import local_run
 from decentrl.swarm.loop import DYNAMIC_SAMPLING_LIMIT
+from decentrl.swarm.scheduler import replay_attempt, replay_index
 from swarm_helpers import tiny_run_config
 
 
@@ -167,6 +168,32 @@ def test_only_groups_the_coordinator_accepts_move_the_curriculum(
     assert run.curriculum.clock == 1
     [estimate] = run.curriculum.estimates()
     assert estimate.bucket.startswith("sums 1+1 digits") and estimate.groups == 1
+
+
+def test_a_problem_handed_out_again_is_its_source_problem_with_samples_of_its_own(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(tiny_model_dir, tmp_path, mode="sync")
+    config = config.model_copy(update={"curriculum": config.curriculum.model_copy(
+        update={"enabled": True, "replay_share": 0.5})})
+    run = local_run(config)
+    [index] = run._schedule(1)
+    [first] = run.worker.generate_groups([index])
+    taught = ScoredGroup(group=first, rewards=[1.0, 0.0, 0.0, 1.0], correct=[1.0, 0.0, 0.0, 1.0])
+    run.curriculum.observe(taught)  # as if its group had reward spread
+    handed = run._schedule(2)
+    assert replay_index(index, 1) in handed
+    [again] = run.worker.generate_groups([replay_index(index, 1)])
+    assert again.rollouts[0].prompt_tokens == first.rollouts[0].prompt_tokens
+    assert again.sampling_seed != first.sampling_seed and again.group_id != first.group_id
+    # Scored against the source problem's answer, and accepted once.
+    answer = run.task.problem("train", index).answer
+    tokens = run.backend.tokenizer.encode(answer, add_special_tokens=False)
+    right = msgspec.structs.replace(again.rollouts[0], completion_tokens=tokens,
+                                    behaviour_logprobs=[-1.0] * len(tokens))
+    accepted = run._accept(msgspec.structs.replace(again, rollouts=[right, *again.rollouts[1:]]))
+    assert accepted is not None and accepted[0].correct[0] == 1.0
+    assert replay_attempt(accepted[0].group.problem_index) == 1
+    assert run._accept(again) is None  # its result was already taken
 
 
 def test_coordinator_rewards_what_the_completion_tokens_say(

@@ -66,6 +66,12 @@ class CurriculumConfig(Section):
     half_life_groups: float = Field(128.0, gt=0, allow_inf_nan=False, description="accepted "
                                     "groups after which an observation counts half: the "
                                     "estimates follow the policy as it improves")
+    replay_share: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False, description="the share of "
+                                "scheduled problems that may be problems handed out before whose "
+                                "own groups say the next one will likely have reward spread "
+                                "(0: none); the rest come from the seeded stream")
+    max_replays: int = Field(3, ge=1, le=64, description="how many times a problem may be handed "
+                             "out again after its first group")
 
 
 class TrainConfig(Section):

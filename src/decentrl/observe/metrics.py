@@ -47,8 +47,10 @@ class StepRecord(Record, tag="step"):
     generated_tokens: float | None = None
     staleness_counts: dict[int, int] | None = None  # groups of the batch per staleness
     # The curriculum (swarm/curriculum.py): the share of every group accepted so far that had no
-    # reward spread, and per difficulty bucket the estimated pass rate and chance of spread.
+    # reward spread, the problems handed out again so far, and per difficulty bucket the
+    # estimated pass rate and chance of spread.
     zero_spread_share_total: float | None = None
+    replays_handed_out: int | None = None
     bucket_pass_rates: dict[str, float] | None = None
     bucket_spread_chances: dict[str, float] | None = None
     # The trainer's metrics.

@@ -30,7 +30,7 @@ from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.net.text import SHOWN_ID_CHARS, peer_text
 from decentrl.rollout.episodes import replay_episode
 from decentrl.rollout.types import RolloutGroup, ScoredGroup, check_version_spans
-from decentrl.swarm.scheduler import PromptScheduler
+from decentrl.swarm.scheduler import PromptScheduler, source_index
 from decentrl.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class Ingestion:
         environment tokens are not the environment's."""
         if isinstance(self.task, Environment):
             return self.score_episodes(group, self.task)
-        problem = self.task.problem("train", group.problem_index)
+        problem = self.task.problem("train", source_index(group.problem_index))
         rewards, correct = [], []
         for r in group.rollouts:
             # Decode the tokens ourselves: the text a peer sends along is not trusted.
@@ -118,7 +118,7 @@ class Ingestion:
         rewards, correct = [], []
         for row, r in enumerate(group.rollouts):
             try:
-                replayed = replay_episode(environment.episode("train", group.problem_index),
+                replayed = replay_episode(environment.episode("train", source_index(group.problem_index)),
                                           self.tokenizer, r)
             except ValueError as error:
                 raise RejectedGroup(f"group {group.group_id}, rollout {row}: {error}") from None

@@ -253,7 +253,8 @@ class TrainingLoop(Generic[AnyBackend]):
                                      config.seed)
         self.curriculum.replay(self.store.accepted_groups())  # a restart's estimates
         self.scheduler = PromptScheduler(config.seed, start=self.store.problem_position(),
-                                         admits=self.curriculum.admits)
+                                         admits=self.curriculum.admits,
+                                         replay=self.curriculum.next_replay)
         self.ingestion = Ingestion(config, self.task, backend.tokenizer, self.scheduler)
         self.worker = RolloutWorker(backend.chain, backend.transport, self.task,
                                     backend.tokenizer, config.rollout, self.scheduler, config.seed)

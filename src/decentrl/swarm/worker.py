@@ -17,7 +17,7 @@ from decentrl.rollout.episodes import generate_episodes
 from decentrl.rollout.generate import Generation, generate, rollout_group
 from decentrl.rollout.sampling import sampling_config
 from decentrl.rollout.types import RolloutGroup
-from decentrl.swarm.scheduler import PromptScheduler
+from decentrl.swarm.scheduler import PromptScheduler, source_index
 from decentrl.tasks import Task, render_prompt
 
 
@@ -62,12 +62,12 @@ class RolloutWorker:
         """G generations per problem (problem-major) and each problem's prompt."""
         size, max_new_tokens = self.rollout.group_size, self.rollout.max_new_tokens
         if isinstance(self.task, Environment):
-            episodes = [self.task.episode("train", i) for i in problem_indices for _ in range(size)]
+            episodes = [self.task.episode("train", source_index(i)) for i in problem_indices for _ in range(size)]
             played = generate_episodes(self.chain, episodes, self.tokenizer, max_new_tokens,
                                        self.sampling, sampling_seed, on_session)
             return [p.generation for p in played], [p.prompt for p in played[::size]]
         task = self.task
-        prompts = [render_prompt(task, task.problem("train", i), self.tokenizer)
+        prompts = [render_prompt(task, task.problem("train", source_index(i)), self.tokenizer)
                    for i in problem_indices]
         generations = generate(
             self.chain, [p for p in prompts for _ in range(size)], max_new_tokens, self.sampling,
