@@ -52,8 +52,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from decentrl.config import CurriculumConfig
 from decentrl.envs import Environment
+from decentrl.learn.advantages import zero_variance_groups
 from decentrl.rollout.types import ScoredGroup
 from decentrl.swarm.scheduler import replay_attempt, replay_index, source_index
 from decentrl.tasks import Task
@@ -85,8 +88,8 @@ def bucket_of(problem: Problem) -> str:
 
 
 def has_spread(rewards: list[float]) -> bool:
-    """Whether a group's rewards differ, exactly as the batch's zero-variance filter decides."""
-    return max(rewards) != min(rewards)
+    """Whether a group's rewards differ: the batch's zero-variance filter's own rule."""
+    return not bool(zero_variance_groups(torch.tensor(rewards), len(rewards))[0])
 
 
 def spread_chance(solved: float, unsolved: float, group_size: int) -> float:
