@@ -38,6 +38,9 @@ and training accuracy.
 Run: decentrl bench staleness [--ks 0,1,2,4,8,16,32] [--methods none,tis,mis,decoupled,m2po]
      [--mixed 8] [--steps 100] [--seeds 0] [--eval-problems 200] [--eval-every 0]
      [--threads 2] [--set train.lr=3e-5] [--out runs/bench/staleness] [--json PATH]
+     decentrl bench staleness --combine A/staleness.json B/staleness.json --out DIR
+     (a grid run in pieces, reported and plotted together; rows of different step counts
+     apart)
 Smoke: decentrl bench staleness --model tiny --ks 0,2 --methods tis --steps 4 --eval-problems 4
 Writes --out/staleness.json, --out/staleness_accuracy.png and --out/staleness_curves.png; the
 run folders (metrics.jsonl) under --out/runs. Memory: k + 1 copies of the model in the compute
@@ -302,18 +305,19 @@ def mean_of(runs: list[dict[str, Any]], name: str) -> float | None:
 
 
 def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (lags, method), seeds pooled, in the order the runs ran."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    """One row per (steps, lags, method), seeds pooled, in the order the runs ran."""
+    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     for run in results:
-        groups.setdefault((run["label"], run["method"]), []).append(run)
+        groups.setdefault((run["steps"], run["label"], run["method"]), []).append(run)
     rows = []
-    for (label, method), runs in groups.items():
+    for (steps, label, method), runs in groups.items():
         successes, problems = pooled(runs)
-        row: dict[str, Any] = {"label": label, "method": method, "seeds": len(runs),
+        row: dict[str, Any] = {"steps": steps, "label": label, "method": method,
+                               "seeds": len(runs),
                                "successes": successes, "problems": problems,
                                "s_per_step": mean_of_steps(runs, "seconds_per_step"),
                                "cpu_s_per_step": mean_of_steps(runs, "cpu_seconds_per_step")}
-        baseline = groups.get(("0", method))
+        baseline = groups.get((steps, "0", method))
         if baseline is not None and label != "0":
             base_successes, base_problems = pooled(baseline)
             row["difference"] = (successes / problems - base_successes / base_problems,
@@ -334,11 +338,11 @@ def mean_of_steps(runs: list[dict[str, Any]], name: str) -> float:
     return statistics.fmean(s for run in runs for s in run[name])
 
 
-def report(rows: list[dict[str, Any]], results: list[dict[str, Any]],
-           args: argparse.Namespace) -> None:
+def report(rows: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
     base = next((run["base"] for run in results if run["base"] is not None), None)
     caption = ("pass@1: greedy on held-out two-digit sums, 95% Wilson interval, seeds pooled; "
-               "vs lag 0: the difference to lag 0 under the same method, 95% Newcombe interval; "
+               "vs lag 0: the difference to lag 0 under the same method and steps, 95% Newcombe "
+               "interval; "
                "the other columns are means over the steps (entropy: the last quarter).")
     if base is not None:
         caption += (f" Before training: "
@@ -350,13 +354,13 @@ def report(rows: list[dict[str, Any]], results: list[dict[str, Any]],
                  f"{100 * difference[0]:+.1f} [{100 * difference[1]:+.1f}, "
                  f"{100 * difference[2]:+.1f}]")
         measured = [row[name] for name, _ in MEAN_COLUMNS] + [row["entropy_end"]]
-        table.append([row["label"], row["method"],
+        table.append([row["steps"], row["label"], row["method"],
                       Accuracy.from_counts(row["successes"], row["problems"]).as_percent(),
                       shown, *("-" if value is None else value for value in measured),
                       row["s_per_step"], row["cpu_s_per_step"]])
-    print_table(f"held-out pass@1 after {args.steps} steps at forced staleness (lag: versions "
-                "behind, per stage when they differ)",
-                ["lag", "method", "pass@1", "vs lag 0 (points)",
+    print_table("held-out pass@1 at forced staleness (lag: versions behind, per stage when they "
+                "differ)",
+                ["steps", "lag", "method", "pass@1", "vs lag 0 (points)",
                  *(header for _, header in MEAN_COLUMNS), "entropy", "s/step", "CPU s/step"],
                 table, caption)
 
@@ -368,14 +372,17 @@ def plot(rows: list[dict[str, Any]], results: list[dict[str, Any]], out: Path) -
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(8, 5))
-    for method in dict.fromkeys(row["method"] for row in rows):
-        uniform = [row for row in rows if row["method"] == method and "/" not in row["label"]]
+    for steps, method in dict.fromkeys((row["steps"], row["method"]) for row in rows):
+        uniform = [row for row in rows if (row["steps"], row["method"]) == (steps, method)
+                   and "/" not in row["label"]]
+        if not uniform:
+            continue
         accuracy = [Accuracy.from_counts(row["successes"], row["problems"]) for row in uniform]
         lags = [int(row["label"]) for row in uniform]
         below = [a.mean - a.low for a in accuracy]
         above = [a.high - a.mean for a in accuracy]
         axes.errorbar(lags, [a.mean for a in accuracy], yerr=[below, above], fmt="o-", capsize=3,
-                      label=method)
+                      label=f"{method}, {steps} steps")
     axes.set_xscale("symlog", linthresh=1)
     axes.set_xlabel("staleness k (versions behind the learner)")
     axes.set_ylabel("held-out pass@1 (greedy, 95% CI)")
@@ -429,7 +436,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/staleness"))
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--verbose", action="store_true", help="the runs' own console output")
+    parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="run nothing: report the runs of these staleness.json files "
+                             "together (a grid run in pieces) into --out")
     args = parser.parse_args(argv)
+    if args.combine:
+        combine(args)
+        return
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         parser.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
@@ -461,17 +474,29 @@ def main(argv: list[str] | None = None) -> None:
         # After every run: a grid of hours keeps what it measured if it stops early.
         write_results(args, summarise(results), results)
     rows = summarise(results)
-    report(rows, results, args)
+    report(rows, results)
+    plot(rows, results, args.out)
+
+
+def combine(args: argparse.Namespace) -> None:
+    results: list[dict[str, Any]] = []
+    for path in args.combine:
+        try:
+            results += json.loads(path.read_text())["runs"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise SystemExit(f"--combine {path}: not a staleness.json ({error})") from None
+    rows = summarise(results)
+    write_results(args, rows, results)
+    report(rows, results)
     plot(rows, results, args.out)
 
 
 def write_results(args: argparse.Namespace, rows: list[dict[str, Any]],
                   results: list[dict[str, Any]]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "rows": rows, "runs": results}
+    payload = {"args": vars(args), "rows": rows, "runs": results}
     for path in {args.out / "staleness.json", *([Path(args.json)] if args.json else [])}:
-        path.write_text(json.dumps(payload, indent=2) + "\n")
+        path.write_text(json.dumps(payload, indent=2, default=str) + "\n")  # str: the paths
 
 
 if __name__ == "__main__":

@@ -291,3 +291,13 @@ def test_staleness_forces_exactly_k_and_staleness_shows_in_the_behaviour_kl(
     assert kl[(0, 2)] > 100 * kl[(0, 0)] and kl[(2, 0)] > 100 * kl[(0, 0)]
     for plot in ("staleness_accuracy.png", "staleness_curves.png"):
         assert (out / plot).read_bytes().startswith(b"\x89PNG")
+    # A grid run in pieces reads back as one: each row compared with lag 0 of its own steps.
+    combined = tmp_path / "combined"
+    bench.main(["--combine", str(out / "staleness.json"), str(out / "staleness.json"),
+                "--out", str(combined)])
+    rows = json.loads((combined / "staleness.json").read_text())["rows"]
+    assert {(row["label"], row["seeds"], row["steps"]) for row in rows} == {
+        ("0", 2, 4), ("2", 2, 4), ("0/2", 2, 4), ("2/0", 2, 4)}
+    assert all(("difference" in row) == (row["label"] != "0") for row in rows)
+    with pytest.raises(SystemExit, match="not a staleness.json"):
+        bench.main(["--combine", str(out / "staleness_accuracy.png"), "--out", str(combined)])
