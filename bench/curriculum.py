@@ -8,11 +8,12 @@ decentrl's own generation (rollout/generate.py) in this process, and the task's 
 gives each measured problem its group's rewards as the base would produce them.
 
 Simulate: `--groups` groups are scheduled from the demo task's seeded train stream, as the
-coordinator schedules them (swarm/scheduler.py `PromptScheduler`), once without the curriculum
-and once with it (swarm/curriculum.py `Curriculum`, the demo's `[curriculum]` settings). Each
-scheduled problem behaves as one measured problem of its bucket (the same one whenever its key
-comes back): its group is `--group-size` rows drawn with replacement from that problem's measured
-rows. The base model does not learn here, so the estimates settle on the base's pass rates; the
+coordinator schedules them (swarm/scheduler.py `PromptScheduler`), three times: without the
+curriculum, with it but no problem handed out again (`replay_share` 0), and with the demo's
+`[curriculum]` settings, replays included (swarm/curriculum.py `Curriculum`). Each scheduled
+problem behaves as one measured problem of its bucket (the same one whenever its key comes back,
+or it is handed out again): its group is `--group-size` rows drawn with replacement from that
+problem's measured rows. The base model does not learn here, so the estimates settle on the base's pass rates; the
 curriculum is told every group's rewards as the loop would tell it. Figures: the share of scheduled
 groups without reward spread, each variant, and the buckets' share of scheduled groups.
 
@@ -130,23 +131,30 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     return measured
 
 
+# The simulated runs: name -> changes to the demo's [curriculum].
+VARIANTS: dict[str, dict[str, Any]] = {"without": {"enabled": False},
+                                       "with": {"enabled": True, "replay_share": 0.0},
+                                       "replays": {"enabled": True}}
+
+
 def simulate(args: argparse.Namespace, measured: dict[str, list[dict[str, Any]]],
-             enabled: bool) -> dict[str, Any]:
+             variant: dict[str, Any]) -> dict[str, Any]:
     """`args.groups` groups scheduled as the coordinator schedules them, each given the rewards
     of a measured group of its bucket; the curriculum observes every one."""
     from decentrl.config import CurriculumConfig
     from decentrl.envs import make_task_or_environment
     from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, VersionSpan
     from decentrl.swarm.curriculum import Curriculum, bucket_of, has_spread
-    from decentrl.swarm.scheduler import PromptScheduler
+    from decentrl.swarm.scheduler import PromptScheduler, source_index
 
     config = demo_task_config(args)
     task = make_task_or_environment(config.task.name, config.task.options)
-    changes = {"enabled": enabled, "floor": args.floor, "sharpness": args.sharpness}
+    changes = {**variant, "floor": args.floor, "sharpness": args.sharpness}
     settings = CurriculumConfig(**{**config.curriculum.model_dump(),
                                    **{k: v for k, v in changes.items() if v is not None}})
     curriculum = Curriculum(settings, task, args.group_size, args.seed)
-    scheduler = PromptScheduler(args.seed, admits=curriculum.admits)
+    scheduler = PromptScheduler(args.seed, admits=curriculum.admits,
+                                replay=curriculum.next_replay)
     draw = random.Random(args.seed)
     row = Rollout(prompt_tokens=[0], completion_tokens=[0], behaviour_logprobs=[0.0],
                   finished=True)
@@ -157,7 +165,7 @@ def simulate(args: argparse.Namespace, measured: dict[str, list[dict[str, Any]]]
     scheduled = 0
     while scheduled < args.groups:
         for index in scheduler.next(min(per_round, args.groups - scheduled)):
-            problem = task.problem("train", index)
+            problem = task.problem("train", source_index(index))
             bucket = bucket_of(problem)
             if bucket not in measured:
                 raise SystemExit(f"no measured problem of bucket {bucket!r}: measure more "
@@ -194,8 +202,7 @@ def measured_outcomes(args: argparse.Namespace) -> dict[str, list[dict[str, Any]
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     measured = measured_outcomes(args)
-    results = {name: simulate(args, measured, enabled)
-               for name, enabled in (("without", False), ("with", True))}
+    results = {name: simulate(args, measured, variant) for name, variant in VARIANTS.items()}
     rows = []
     for bucket in sorted(measured):
         groups = measured[bucket]
@@ -207,20 +214,21 @@ def main(argv: list[str] | None = None) -> None:
     common.print_table("the base model's groups per difficulty bucket, and the buckets' shares "
                        "of the groups scheduled",
                        ["bucket", "problems", "mean reward", "groups without spread",
-                        "share without", "share with"], rows,
+                        "share without", "share with", "share with replays"], rows,
                        f"{args.model}, {args.group_size} rows per problem at the demo's rollout "
                        "sampling")
     figures: dict[str, float] = {}
     rows = []
     for name, result in results.items():
-        rows.append([f"{name} curriculum", result["zero_spread_share"],
-                     result["candidates_per_group"]])
+        rows.append([name, result["zero_spread_share"], result["candidates_per_group"],
+                     result["estimates"]["replays_handed_out"] / args.groups])
         figures[f"{name}_zero_spread_share"] = result["zero_spread_share"]
         figures[f"{name}_candidates_per_group"] = result["candidates_per_group"]
     common.print_table("groups without reward spread, scheduled as the coordinator does",
-                       ["", "without spread", "candidates per group"], rows,
-                       f"{args.groups} groups per run, each the rewards of a measured group of "
-                       f"its bucket; curriculum {results['with']['settings']}, seed {args.seed}")
+                       ["curriculum", "without spread", "candidates per group", "replays"],
+                       rows, f"{args.groups} groups per run, each the rewards of a measured "
+                       f"group of its bucket; curriculum {results['replays']['settings']}, seed "
+                       f"{args.seed}")
     common.print_figures("curriculum", figures)
     common.write_json(args.json, {"measured": measured, "results": results})
 

@@ -224,7 +224,7 @@ def test_curriculum_prints_figures(tiny_model_dir: Path, tmp_path: Path,
     values = figures(capsys.readouterr().out, "curriculum")
     assert values["without_candidates_per_group"] == 1  # every candidate handed out
     assert values["with_candidates_per_group"] >= 1
-    for variant in ("without", "with"):
+    for variant in ("without", "with", "replays"):
         assert 0 <= values[f"{variant}_zero_spread_share"] <= 1
     assert outcomes.is_file()  # measured once, read back by the next run
 
