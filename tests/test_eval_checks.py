@@ -443,6 +443,9 @@ def test_a_replica_that_lies_only_in_evaluation_is_caught_by_an_evaluation_check
                     reputation.counts(peer.node.peer_id)
         # Honest evaluation groups checked out too.
         assert any(v.outcome == "passed" and reason == "evaluation" for v, reason in verdicts)
+        # The greedy sessions' groups (eval.greedy) were checked too, greedy: an honest replica's
+        # argmax tokens failed none (no honest peer is banned above).
+        assert any(v.group_id.endswith("/greedy") for v, _ in verdicts)
 
 
 def coordinate_and_run(config: RunConfig, swarm: Swarm, hooks: list[RunHooks],
