@@ -177,7 +177,7 @@ def training_shaped_jobs(items: list[Problem], shape: TrainingShape, pass_k: int
                 str(draw))
             for draw in range(draws) for first in range(0, len(items), size)]
     if shape.greedy:
-        # The seed changes no greedy token, but a session without one would stand out more.
+        # No greedy token depends on the seed, but a spot-check re-executes a seeded session.
         rows = size * shape.group_size
         jobs += [Job(first, items[first:first + rows], 1, SamplingConfig(temperature=0.0),
                      seed * 2**32 + GREEDY_SEED_OFFSET + items[first].index, False, GREEDY_TAG)
