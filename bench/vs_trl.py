@@ -154,8 +154,10 @@ class StepBudget:
 
 
 def point(result: EvalResult, seconds: float, step: int, label: str) -> EvalPoint:
-    return EvalPoint(round(seconds, 3), step, result.pass1.mean, result.pass1.low,
-                     result.pass1.high, label)
+    """Greedy pass@1 on both sides: decentrl's own evaluation samples its pass@1 at the rollout's
+    temperature (training-shaped) and reports the greedy one beside it (eval.greedy)."""
+    greedy = result.pass1 if result.greedy_pass1 is None else result.greedy_pass1
+    return EvalPoint(round(seconds, 3), step, greedy.mean, greedy.low, greedy.high, label)
 
 
 def bench_config(model: str, eval_every: int, eval_problems: int, out: Path,

@@ -11,6 +11,9 @@ from types import ModuleType
 
 import pytest
 
+from decentrl.evaluate.runner import EvalResult
+from decentrl.evaluate.stats import Accuracy
+
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -72,6 +75,21 @@ def test_at_checkpoints_takes_the_last_eval_at_or_before_each_time() -> None:
     chosen = vs_trl.at_checkpoints([late, before, end, early], [0.0, 25.0, 40.0, 75.0, 100.0])
     assert chosen == [before, before, early, early, end]
     assert vs_trl.at_checkpoints([early], [10.0]) == [None]
+
+
+def test_vs_trl_compares_greedy_pass1_on_both_sides() -> None:
+    """decentrl's own evaluation samples pass@1 (training-shaped) and reports greedy beside it;
+    TRL's is greedy: a point takes the greedy one wherever there is one."""
+    vs_trl = load_bench("vs_trl")
+    sampled, greedy = Accuracy.from_counts(30, 100), Accuracy.from_counts(60, 100)
+    own = EvalResult(task="sums", split="heldout", problems=100, pass1=sampled, pass_k=None, k=1,
+                     mean_completion_tokens=9.0, samples=[], pass1_temperature=1.0,
+                     greedy_pass1=greedy)
+    trl = EvalResult(task="sums", split="heldout", problems=100, pass1=greedy, pass_k=None, k=1,
+                     mean_completion_tokens=9.0, samples=[])
+    for result in (own, trl):
+        assert vs_trl.point(result, 12.0, 3, "during") == vs_trl.EvalPoint(
+            12.0, 3, greedy.mean, greedy.low, greedy.high, "during")
 
 
 def test_training_clock_excludes_pauses_after_start_only(monkeypatch: pytest.MonkeyPatch) -> None:

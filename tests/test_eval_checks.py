@@ -152,6 +152,72 @@ def test_evaluation_sessions_are_training_groups_and_re_execute(tiny_sharp_dir: 
             assert margins[rows].abs().max() < 1e-4
 
 
+def test_greedy_sessions_give_the_plain_greedy_evaluations_pass1(tiny_sharp_dir: Path) -> None:
+    """`TrainingShape.greedy`: one greedy row per problem, a training session's rows per session
+    (here 2 problems x 2 samples = 4, the plain evaluation's batch too, so both compute alike),
+    seeded apart from the sampled sessions, counted in the progress, handed to `on_groups` as
+    groups of one row that re-execute greedy."""
+    model = load_model(str(tiny_sharp_dir))
+    config = eval_config(tiny_sharp_dir)
+    stages = build(model, 2)
+    task = make_task(config.task.name, **config.task.options)
+    budget, count = config.eval.max_new_tokens, 6
+    shape = TrainingShape(2, sampling_config(config.rollout), problems_per_session=2, greedy=True)
+    chain = RecordingChain(LocalChain(stages))
+    groups: list[RolloutGroup] = []
+    progress: list[tuple[int, int]] = []
+    result = evaluate(chain, task, model.tokenizer, count, budget, 4, seed=config.seed,
+                      shape=shape, on_groups=lambda made, session: groups.extend(made),
+                      progress=lambda done, total: progress.append((done, total)))
+    plain = evaluate(LocalChain(stages), task, model.tokenizer, count, budget, 4,
+                     seed=config.seed)
+
+    assert result.greedy_pass1 == plain.pass1 and plain.pass1_temperature is None
+    assert result.pass1_temperature == config.rollout.temperature
+    greedy = [g for g in groups if g.group_id.endswith("/greedy")]
+    assert [g.problem_index for g in greedy] == list(range(count))
+    assert all(len(g.rollouts) == 1 for g in greedy)
+    # Token for token the plain greedy evaluation's completions.
+    assert [{"question": task.problem("heldout", g.problem_index).question,
+             "completion": model.tokenizer.decode(g.rollouts[0].completion_tokens,
+                                                  skip_special_tokens=True),
+             "correct": plain.samples[i]["correct"]} for i, g in enumerate(greedy)] \
+        == plain.samples[:count]
+    # 6 problems x 2 sampled rows, and 6 greedy rows.
+    assert progress[-1] == (18, 18) and {total for _, total in progress} == {18}
+    # Sessions of 4 rows (the last greedy one holds the 2 problems left), greedy steps seeded
+    # apart from the sampled ones.
+    assert sorted(batch for batch, _ in chain.sessions) == [2, 4, 4, 4, 4]
+    greedy_seeds = {seed for _, sampling, seed in chain.steps if sampling.greedy}
+    sampled_seeds = {seed for _, sampling, seed in chain.steps if not sampling.greedy}
+    assert greedy_seeds and None not in greedy_seeds
+    assert not greedy_seeds & sampled_seeds
+    # A spot-check of a greedy group judges it greedy: every token is the top one (margin 0).
+    argmax = SamplingConfig(temperature=0.0)
+    for group in greedy:
+        layout = session_layout(group, model.tokenizer.pad_token_id)
+        logits = layout_logits(stages, layout)
+        scored = layout.targets >= 0
+        margins = sampling_margin(logits[scored], layout.targets[scored], argmax,
+                                  torch.ones_like(logits[scored]))
+        assert margins.abs().max() < 1e-4
+
+
+def test_without_greedy_a_training_shaped_evaluation_has_no_greedy_pass1(
+        tiny_sharp_dir: Path) -> None:
+    model = load_model(str(tiny_sharp_dir))
+    config = eval_config(tiny_sharp_dir)
+    task = make_task(config.task.name, **config.task.options)
+    chain = RecordingChain(LocalChain(build(model, 2)))
+    progress: list[tuple[int, int]] = []
+    result = evaluate(chain, task, model.tokenizer, 3, config.eval.max_new_tokens, 4,
+                      seed=config.seed, shape=TrainingShape(2, sampling_config(config.rollout)),
+                      progress=lambda done, total: progress.append((done, total)))
+    assert result.greedy_pass1 is None
+    assert progress[-1] == (6, 6)
+    assert not any(sampling.greedy for _, sampling, _ in chain.steps)
+
+
 # ---- a failed evaluation session runs again --------------------------------------------------
 
 def test_a_failed_evaluation_session_runs_again_and_the_others_are_kept(
@@ -377,6 +443,9 @@ def test_a_replica_that_lies_only_in_evaluation_is_caught_by_an_evaluation_check
                     reputation.counts(peer.node.peer_id)
         # Honest evaluation groups checked out too.
         assert any(v.outcome == "passed" and reason == "evaluation" for v, reason in verdicts)
+        # The greedy sessions' groups (eval.greedy) were checked too, greedy: an honest replica's
+        # argmax tokens failed none (no honest peer is banned above).
+        assert any(v.group_id.endswith("/greedy") for v, _ in verdicts)
 
 
 def coordinate_and_run(config: RunConfig, swarm: Swarm, hooks: list[RunHooks],

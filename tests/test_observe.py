@@ -10,7 +10,7 @@ from pathlib import Path
 
 from decentrl.observe.live import dashboard_steps
 from decentrl.observe.logs import configure_logging
-from decentrl.observe.metrics import StepRecord
+from decentrl.observe.metrics import EvalRecord, MetricsLog, StepRecord, read_metrics
 
 
 def test_logs_are_json_lines_with_their_extra_fields(tmp_path: Path,
@@ -47,3 +47,20 @@ def test_throughput_is_tokens_over_the_time_since_the_step_before() -> None:
     assert "tokens_per_s" not in out[2] and "tokens_per_s" not in out[3]
     assert [row["step"] for row in out] == [1, 2, 3, 4]
     assert "generated_tokens" not in out[1]  # the dashboard draws only STEP_KEYS
+
+
+def test_an_eval_record_reads_back_with_or_without_greedy_pass1(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path, started=0.0)
+    greedy = log.write(EvalRecord(label="after", step=3, pass1=0.4, pass1_low=0.3,
+                                  pass1_high=0.5, greedy_pass1=0.6, greedy_pass1_low=0.45,
+                                  greedy_pass1_high=0.73))
+    # A line written before greedy pass@1 existed.
+    with path.open("a") as f:
+        f.write(json.dumps({"event": "eval", "elapsed_s": 1.0, "label": "before", "step": 0,
+                            "pass1": 0.1, "pass1_low": 0.05, "pass1_high": 0.2}) + "\n")
+    read, older = read_metrics(path).evals
+    assert read == greedy
+    assert (read.greedy_pass1, read.greedy_pass1_low, read.greedy_pass1_high) == (0.6, 0.45, 0.73)
+    assert older.pass1 == 0.1
+    assert (older.greedy_pass1, older.greedy_pass1_low, older.greedy_pass1_high) == (None,) * 3

@@ -388,6 +388,33 @@ def test_the_evaluation_suite_supplies_the_table_when_the_run_has_one(tmp_path: 
         build_report(run_dir)
 
 
+def test_a_sampled_evaluation_shows_its_greedy_pass1_beside_it(tmp_path: Path) -> None:
+    """A run's own evaluation (training-shaped: pass@1 sampled) with eval.greedy: a greedy row
+    in the table, with the change's interval, and greedy points in the accuracy plot."""
+    run_dir = write_run(tmp_path / "run")
+    for name, greedy in (("eval_before.json", BEFORE), ("eval_after.json", AFTER)):
+        result = EvalResult(task="sums", split="heldout", problems=200,
+                            pass1=Accuracy(0.1, 0.08, 0.12, 200), pass_k=None, k=1,
+                            mean_completion_tokens=11.5, samples=[], pass1_temperature=1.0,
+                            greedy_pass1=greedy)
+        (run_dir / name).write_text(json.dumps(result.to_json()))
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for record in records:
+        if record["event"] == "eval":
+            greedy = BEFORE if record["label"] == "before" else AFTER
+            record.update(greedy_pass1=greedy.mean, greedy_pass1_low=greedy.low,
+                          greedy_pass1_high=greedy.high)
+    write_lines(metrics, records)
+    text = build_report(run_dir).read_text()
+    low, high = difference_interval(136, 200, 29, 200)
+    assert "| pass@1 (sampled at T=1) | 10.0% [8.0, 12.0] | 10.0% [8.0, 12.0] |" in text
+    assert (f"| pass@1 (greedy) | 14.5% [10.3, 20.0] | 68.0% [61.2, 74.1] | +53.5 pts "
+            f"[{100 * low:+.1f}, {100 * high:+.1f}] |") in text
+    with Image.open(run_dir / "report" / "reward_accuracy.png") as plot:
+        assert plot.size[0] > 100
+
+
 @pytest.mark.parametrize("line, problem", [
     ("{not json", "malformed metrics record"),
     ('{"event": "step", "elapsed_s": "soon", "step": 3}', "elapsed_s"),

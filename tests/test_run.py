@@ -53,9 +53,14 @@ def test_run_writes_a_complete_run_folder(tiny_model_dir: Path, tmp_path: Path, 
     # The curriculum's estimates are kept and logged even while it schedules nothing.
     assert all(0 <= r["zero_spread_share_total"] <= 1 and r["bucket_pass_rates"] for r in steps)
     assert [e["label"] for e in evals] == ["before", "after"]
+    # eval.greedy (the default): greedy pass@1 beside the sampled one, with its interval.
+    assert all(0 <= e["greedy_pass1_low"] <= e["greedy_pass1"] <= e["greedy_pass1_high"] <= 1
+               for e in evals)
     assert json.loads((summary.path / "config.json").read_text())["train"]["mode"] == mode
-    for name in ("eval_before.json", "eval_after.json"):
-        assert json.loads((summary.path / name).read_text())["problems"] == 4
+    for name, record in zip(("eval_before.json", "eval_after.json"), evals):
+        result = json.loads((summary.path / name).read_text())
+        assert result["problems"] == 4 and result["greedy_pass1"]["n"] == 4
+        assert result["greedy_pass1"]["mean"] == record["greedy_pass1"]
     model = AutoModelForCausalLM.from_pretrained(summary.path / "final")
     assert model.config.tie_word_embeddings is False
     checkpoint = json.loads((summary.path / "checkpoints" / "v3" / "trainer.json").read_text())

@@ -4,6 +4,7 @@ seeded draw of its own rows (trust/provenance.py `group_shares`, trust/verify.py
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from swarm_helpers import ObservedChain, serving, start_swarm, steps_through_inf
 from test_failover_verify import route, verify
 
 from decentrl.config import RunConfig
+from decentrl.evaluate.runner import TrainingShape, evaluate
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.net.node import Reply
 from decentrl.net.protocol import InferenceStep, VerifyStep
@@ -109,8 +111,9 @@ def test_a_group_re_executes_alone_in_its_sessions_columns(tiny_sharp_dir: Path)
 def test_a_groups_share_of_a_session_keeps_its_own_rows() -> None:
     """Three groups of 2, 2 and 4 rows in one session with stage 0's sketches at every row."""
     sketches = Sketches(torch.arange(8), torch.arange(8) + 100, torch.arange(8.0)[:, None])
+    greedy = SamplingConfig(temperature=0.0)  # an evaluation's greedy session
     session = Provenance([StageProvenance([(0, "p0"), (9, "p1")], [sketches], 7, [9]),
-                          StageProvenance([(0, "q0")])])
+                          StageProvenance([(0, "q0")])], sampling=greedy)
     rollouts = [Rollout(prompt_tokens=prompt, completion_tokens=[9], behaviour_logprobs=[-1.0],
                         finished=True)
                 for prompt in ([1], [1], [1, 2, 3], [1, 2, 3], [4, 5], [4, 5], [4, 5], [4, 5])]
@@ -127,6 +130,7 @@ def test_a_groups_share_of_a_session_keeps_its_own_rows() -> None:
     assert shares[2].stages[1].served == [(0, "q0")]
     assert not shares[2].stages[1].sketches[0].rows.numel()
     assert shares[0].peers() == {"p0", "p1", "q0"}
+    assert all(share.sampling == greedy for share in shares)  # what its check draws with
 
 
 @pytest.mark.parametrize("first_row", [-1, 3])
@@ -187,3 +191,40 @@ def test_in_a_two_group_session_the_honest_group_passes_and_the_forged_one_fails
         failed = verify(swarm, config, model, remote, groups[0], forged)
         assert failed.outcome == "failed", failed
         assert (failed.stage, failed.peer) == (1, liar.node.peer_id), failed
+
+
+@pytest.mark.network
+def test_a_greedy_evaluation_group_is_judged_greedy(tiny_sharp_dir: Path) -> None:
+    """An evaluation's greedy session (a row per problem, temperature 0): each group of one row
+    re-executes under the sampling its session used (`Provenance.sampling`) and passes; judged
+    as the run's sampled rollouts are, its argmax tokens would not be the seeded draws; and a
+    forged log-prob still fails, blamed on the last stage's replica."""
+    config = groups_config(tiny_sharp_dir)
+    model = load_model(str(tiny_sharp_dir))
+    layout = [(0, "training"), (1, "training")] + [(s, "inference") for s in (0, 1)]
+    task = make_task(config.task.name, **config.task.options)
+    with start_swarm(config, layout) as swarm:
+        remote = swarm.chain(model.spec)
+        made: list[tuple[list[RolloutGroup], Any]] = []
+        evaluate(remote, task, model.tokenizer, GROUP, config.rollout.max_new_tokens, GROUP,
+                 seed=config.seed, shape=TrainingShape(GROUP, sampling_config(config.rollout),
+                                                       greedy=True),
+                 on_groups=lambda groups, session: made.append((groups, session)))
+        [(groups, session)] = [(g, s) for g, s in made if g[0].group_id.endswith("/greedy")]
+        assert len(groups) == GROUP and all(len(g.rollouts) == 1 for g in groups)
+        assert session.provenance.sampling == SamplingConfig(temperature=0.0)
+        shares = group_shares(session.provenance, groups, config.trust.sketch_dims)
+        group, share = groups[-1], shares[-1]
+        passed = verify(swarm, config, model, remote, group, share)
+        assert passed.outcome == "passed" and passed.checked == (0, 1), passed
+        assert passed.token_margins is not None
+        assert float(passed.token_margins.max()) < 1e-3
+        as_sampled = verify(swarm, config, model, remote, group,
+                            dataclasses.replace(share, sampling=None))
+        assert as_sampled.outcome == "failed" and as_sampled.stage == 1, as_sampled
+        [row] = group.rollouts
+        forged = msgspec.structs.replace(group, rollouts=[msgspec.structs.replace(
+            row, behaviour_logprobs=[v - FORGED_SHIFT for v in row.behaviour_logprobs])])
+        failed = verify(swarm, config, model, remote, forged, share)
+        assert failed.outcome == "failed", failed
+        assert (failed.stage, failed.peer) == (1, swarm.peer(1, "inference").node.peer_id)

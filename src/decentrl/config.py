@@ -128,6 +128,10 @@ class EvalConfig(Section):
                                               "before and after)")
     max_new_tokens: int = Field(24, ge=1, le=4096)
     batch_size: int = Field(64, ge=1)
+    greedy: bool = Field(True, description="a run's own evaluation adds greedy pass@1 beside the "
+                         "sampled one: one greedy generation per problem, about 1/group_size "
+                         "more generation; its sessions (temperature 0) tell the peers they are "
+                         "evaluation, so they are spot-checked like the rest")
 
 
 class LinkConfig(Section):

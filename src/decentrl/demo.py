@@ -136,6 +136,9 @@ def before_after_table(summary: RunSummary) -> Table:
     table.add_column("after")
     table.add_row(pass1_label(summary.before), summary.before.pass1.as_percent(),
                   summary.after.pass1.as_percent())
+    if summary.before.greedy_pass1 is not None and summary.after.greedy_pass1 is not None:
+        table.add_row("pass@1 (greedy)", summary.before.greedy_pass1.as_percent(),
+                      summary.after.greedy_pass1.as_percent())
     if summary.before.pass_k is not None and summary.after.pass_k is not None:
         table.add_row(f"pass@{summary.before.k} (T=1)", summary.before.pass_k.as_percent(),
                       summary.after.pass_k.as_percent())
@@ -365,6 +368,10 @@ def demo_summary(summary: RunSummary, wall_s: float, names: dict[str, str],
         gain = summary.after.pass1.mean - summary.before.pass1.mean
         lines.append(f"held-out {summary.after.task} pass@1 {summary.before.pass1.as_percent()} "
                      f"-> {summary.after.pass1.as_percent()} ({100 * gain:+.1f} points)")
+        before, after = summary.before.greedy_pass1, summary.after.greedy_pass1
+        if before is not None and after is not None:
+            lines.append(f"held-out {summary.after.task} greedy pass@1 {before.as_percent()} -> "
+                         f"{after.as_percent()} ({100 * (after.mean - before.mean):+.1f} points)")
     trust = summary.trust
     lines.append(f"trust: {trust['verified']} groups spot-checked and passed, "
                  f"{trust['verify_failed']} failed (confirmed), {trust['verify_unconfirmed']} "

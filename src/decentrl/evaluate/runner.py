@@ -7,6 +7,9 @@ coordinator's own machine, evaluate/suite.py). A run's own evaluation, local or 
 prompt, the rollout's sampling, a training-like seed), so that in a swarm the peers cannot tell
 evaluation from training and the coordinator can spot-check it; pass@1 is then the mean success
 of samples at the rollout's temperature (`EvalResult.pass1_temperature`), usually below greedy.
+`TrainingShape.greedy` adds one greedy generation per problem (`EvalResult.greedy_pass1`), in
+sessions of a training session's rows: a problem a row. Their temperature (0) tells a peer they
+are evaluation, so their groups (one row each) go to `on_groups` for spot-checks too.
 
 An environment is evaluated the same way, a whole episode per sample: pass@1 is the episode
 success rate, and `episodes` adds the pass@1 episodes' mean turns, tool calls per episode and
@@ -66,6 +69,8 @@ class EvalResult:
     samples: list[dict[str, Any]]  # a few (question, completion, correct) for the report
     episodes: EpisodeStats | None = None  # for an environment
     pass1_temperature: float | None = None  # None: greedy pass@1
+    # A training-shaped evaluation's greedy pass@1 beside its sampled one (TrainingShape.greedy).
+    greedy_pass1: Accuracy | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,6 +103,11 @@ def episode_rows(before: EvalResult | None, after: EvalResult | None) -> list[li
 
 # Where a training-shaped evaluation's seed indices start (see `training_shaped_jobs`).
 EVAL_SEED_OFFSET = 2**31
+# Where its greedy sessions' seed indices start: past the sampled sessions' (problem index x
+# draws, far below 2^30), still below 2^32 so that the seed keeps the training seeds' form.
+GREEDY_SEED_OFFSET = EVAL_SEED_OFFSET + 2**30
+# The id tail of a greedy session's groups, and how its jobs are told apart.
+GREEDY_TAG = "greedy"
 
 
 @dataclass(frozen=True)
@@ -107,11 +117,14 @@ class TrainingShape:
     like training): `problems_per_session` problems per session (a swarm's: the run's groups
     per session), `group_size` samples of each, drawn with the rollout's `sampling` from a seed
     of the training seeds' form. pass@1 is then the mean of those samples' success (at the rollout's temperature, not
-    greedy). A session's rows are its problems' groups one after the other, as in training."""
+    greedy). A session's rows are its problems' groups one after the other, as in training.
+    `greedy`: also one greedy generation per problem, `problems_per_session * group_size`
+    problems per session (a training session's rows), for `EvalResult.greedy_pass1`."""
 
     group_size: int
     sampling: SamplingConfig
     problems_per_session: int = 1
+    greedy: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,7 +138,9 @@ class Job:
     sampling: SamplingConfig
     seed: int | None
     for_pass1: bool
-    draw: int | None = None  # a training-shaped session: which of each problem's sessions
+    # A training-shaped session: its groups' id tail (which of each problem's sampled sessions,
+    # or "greedy"); None: not training-shaped, no groups.
+    tag: str | None = None
 
 
 # Called with the groups (a problem's samples each, in the session's row order) of a
@@ -157,9 +172,17 @@ def training_shaped_jobs(items: list[Problem], shape: TrainingShape, pass_k: int
     seed does not recur in an evaluation. Each
     evaluation of a run draws the same seeds: the before and after compare on the same noise."""
     draws, size = -(-pass_k // shape.group_size), shape.problems_per_session
-    return [Job(first, items[first:first + size], shape.group_size, shape.sampling,
-                seed * 2**32 + EVAL_SEED_OFFSET + items[first].index * draws + draw, True, draw)
+    jobs = [Job(first, items[first:first + size], shape.group_size, shape.sampling,
+                seed * 2**32 + EVAL_SEED_OFFSET + items[first].index * draws + draw, True,
+                str(draw))
             for draw in range(draws) for first in range(0, len(items), size)]
+    if shape.greedy:
+        # No greedy token depends on the seed, but a spot-check re-executes a seeded session.
+        rows = size * shape.group_size
+        jobs += [Job(first, items[first:first + rows], 1, SamplingConfig(temperature=0.0),
+                     seed * 2**32 + GREEDY_SEED_OFFSET + items[first].index, False, GREEDY_TAG)
+                 for first in range(0, len(items), rows)]
+    return jobs
 
 
 def _judge(chain: InferenceChain, task: Task | Environment, split: str, job: Job, tokenizer: Any,
@@ -189,10 +212,10 @@ def _judge(chain: InferenceChain, task: Task | Environment, split: str, job: Job
             solved=[task.reward(p, text).solved for p, text in zip(rows, texts)], texts=texts,
             lengths=[len(g.tokens) for g in generations], turns=[1] * count,
             tool_calls=[0] * count, invalid_calls=[0] * count, cut=[False] * count)
-    if on_groups is not None and job.draw is not None and job.seed is not None:
+    if on_groups is not None and job.tag is not None and job.seed is not None:
         rows_of = [slice(number * job.repeats, (number + 1) * job.repeats)
                    for number in range(len(job.problems))]
-        on_groups([rollout_group(f"eval/{task.name}/{problem.index}/{job.draw}", task.name,
+        on_groups([rollout_group(f"eval/{task.name}/{problem.index}/{job.tag}", task.name,
                                  problem.index, prompts[rows.start], generations[rows], job.seed)
                    for problem, rows in zip(job.problems, rows_of)], sessions[0])
     return outcomes
@@ -207,7 +230,7 @@ def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, nu
     Without `shape`: one greedy generation per problem for pass@1, in batches of `batch_size`,
     and `pass_k` sampled ones when pass_k > 1. With `shape`: training-shaped sessions (see
     `TrainingShape`; `batch_size` is unused), each session's groups handed to `on_groups` once
-    generated.
+    generated (a greedy session's too: a group of one row per problem).
     `concurrency` > 1 runs that many sessions at once (over a swarm, so hop latency is hidden
     and every replica works); the result does not depend on it. A session that fails is run
     again while `retry` returns."""
@@ -243,8 +266,12 @@ def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, nu
     pass1 = Outcomes([], [], [], [], [], [], [])
     pass1_solved: list[list[bool]] = [[] for _ in items]
     sampled_solved: list[list[bool]] = [[] for _ in items]
+    greedy_solved: list[bool] = []
     samples: list[dict[str, Any]] = []
     for job, out in zip(jobs, results):
+        if job.tag == GREEDY_TAG:
+            greedy_solved += out.solved
+            continue
         for row, solved in enumerate(out.solved):
             problem = job.first + row // job.repeats
             (pass1_solved if job.for_pass1 else sampled_solved)[problem].append(solved)
@@ -276,4 +303,6 @@ def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, nu
         pass_k=pass_k_accuracy, k=pass_k,
         mean_completion_tokens=sum(pass1.lengths) / len(pass1.lengths), samples=samples,
         episodes=episodes,
-        pass1_temperature=None if shape is None else shape.sampling.temperature)
+        pass1_temperature=None if shape is None else shape.sampling.temperature,
+        greedy_pass1=(Accuracy.from_counts(sum(greedy_solved), len(greedy_solved))
+                      if greedy_solved else None))

@@ -108,6 +108,10 @@ class EvalRecord(Record, tag="eval"):
     problems: int = 0
     pass_k: float | None = None
     k: int | None = None
+    # Greedy pass@1 beside the sampled pass1 (eval.greedy), with its Wilson interval.
+    greedy_pass1: float | None = None
+    greedy_pass1_low: float | None = None
+    greedy_pass1_high: float | None = None
 
 
 class PeerSnapshot(msgspec.Struct, kw_only=True):

@@ -275,6 +275,9 @@ def held_out_table(before: EvalResult | None, after: EvalResult | None) -> str:
         return "No held-out evaluation was recorded for this run."
     rows = [accuracy_row(pass1_label(shown), before.pass1 if before else None,
                          after.pass1 if after else None, pass1_change)]
+    if shown.greedy_pass1 is not None:
+        rows.append(accuracy_row("pass@1 (greedy)", before.greedy_pass1 if before else None,
+                                 after.greedy_pass1 if after else None, pass1_change))
     if shown.pass_k is not None:
         rows.append(accuracy_row(f"pass@{shown.k} (sampled, T=1)",
                                  before.pass_k if before else None,
@@ -336,6 +339,15 @@ def plot_reward_accuracy(records: RunRecords, path: Path) -> None:
         for record in records.evals:
             ax.annotate(plot_label(record.label), (record.elapsed_s / 60, record.pass1),
                         textcoords="offset points", xytext=(6, 6), parse_math=False)
+    greedy = [(e.elapsed_s / 60, e.greedy_pass1, e.greedy_pass1_low, e.greedy_pass1_high)
+              for e in records.evals if e.greedy_pass1 is not None
+              and e.greedy_pass1_low is not None and e.greedy_pass1_high is not None]
+    if greedy:
+        ax.errorbar([at for at, *_ in greedy], [mean for _, mean, _, _ in greedy],
+                    yerr=[[mean - low for _, mean, low, _ in greedy],
+                          [high - mean for _, mean, _, high in greedy]],
+                    fmt="s", color="tab:purple", capsize=4,
+                    label="held-out greedy pass@1 (95% CI)")
     ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
     ax.set_xlim(left=0)
     title = "Reward = accuracy" if len(lines) == 1 else "Reward and accuracy"

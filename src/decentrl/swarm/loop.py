@@ -180,8 +180,8 @@ class Backend(Protocol):
         ...
 
     def evaluated(self, groups: list[RolloutGroup], session: InferenceSession) -> None:
-        """The groups an evaluation session produced (shaped as training groups), with the
-        session (from evaluation threads)."""
+        """The groups an evaluation session produced (shaped as training groups; a greedy
+        session's, one row per problem), with the session (from evaluation threads)."""
         ...
 
     def await_servers(self, stop: threading.Event | None) -> None:
@@ -576,9 +576,10 @@ class TrainingLoop(Generic[AnyBackend]):
             hook.before_evaluation(self, label)
         chain, concurrency = self.backend.evaluation(self.trainer.version)
         ev = self.config.eval
-        # Sessions as the backend's generation makes them: a peer cannot tell which it serves.
+        # Sessions as the backend's generation makes them: a peer cannot tell which it serves
+        # (but for the greedy ones, at temperature 0, which are spot-checked like the rest).
         shape = TrainingShape(self.config.rollout.group_size, sampling_config(self.config.rollout),
-                              self.backend.problems_per_generation)
+                              self.backend.problems_per_generation, ev.greedy)
         with progress_bar(self.console, f"evaluating ({label})", None) as update:
             result = evaluate(chain, self.eval_task, self.backend.tokenizer, ev.problems,
                               ev.max_new_tokens, ev.batch_size, pass_k=pass_k,
@@ -586,14 +587,20 @@ class TrainingLoop(Generic[AnyBackend]):
                               progress=lambda done, total: update(done, total=total),
                               shape=shape, on_groups=self.backend.evaluated,
                               retry=self._retry_evaluation)
+        greedy = result.greedy_pass1
         self.metrics.write(EvalRecord(
             label=label, step=self.step, version=self.trainer.version, task=result.task,
             problems=result.problems, pass1=result.pass1.mean, pass1_low=result.pass1.low,
             pass1_high=result.pass1.high,
-            pass_k=result.pass_k.mean if result.pass_k else None, k=pass_k))
+            pass_k=result.pass_k.mean if result.pass_k else None, k=pass_k,
+            greedy_pass1=greedy.mean if greedy else None,
+            greedy_pass1_low=greedy.low if greedy else None,
+            greedy_pass1_high=greedy.high if greedy else None))
         text = f"eval ({label}) step {self.step}: pass@1 {result.pass1.as_percent()}"
         if result.pass_k is not None:
             text += f"  pass@{pass_k} {result.pass_k.as_percent()}"
+        if result.greedy_pass1 is not None:
+            text += f"  greedy pass@1 {result.greedy_pass1.as_percent()}"
         self.console.print(text)
         for hook in self.hooks:
             hook.after_evaluation(self, label, result)

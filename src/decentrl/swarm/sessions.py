@@ -81,6 +81,7 @@ class RemoteSession:
         that a spot-check rebuilds the same cache at the same version."""
         if self.closed:
             raise RuntimeError("session is closed")
+        self.provenance.sampling = sampling  # a spot-check draws as the last stage was asked to
         started = time.monotonic()
         x = tokens.cpu()
         tokens_fed = x.shape[1]

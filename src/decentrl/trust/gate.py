@@ -150,7 +150,8 @@ class Trust:
 
     def evaluated(self, group: RolloutGroup, provenance: Provenance) -> None:
         """A group an evaluation session made (shaped as a training group, so its replicas could
-        not tell): spot-checked at the same rate as training groups. A failed check counts
+        not tell; or one greedy row, which they can): spot-checked at the same rate as training
+        groups, under the sampling its session used (`Provenance.sampling`). A failed check counts
         against its replica as any other; the evaluation's result is not revised (the release
         comparison on this machine is the final word)."""
         if self.random.random() < self.config.trust.verify_fraction:

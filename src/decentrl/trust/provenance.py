@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import RolloutGroup
 from decentrl.trust.commit import Sketches, sketch_matrix
 
@@ -75,6 +76,9 @@ class Provenance:
     # its first row there, and the session's prompt columns (None: the group's own prompt).
     first_row: int = 0
     prompt_columns: int | None = None
+    # How the session's last stage was asked to sample (None: the run's rollout sampling); an
+    # evaluation's greedy sessions sample at temperature 0.
+    sampling: SamplingConfig | None = None
 
     @classmethod
     def empty(cls, num_stages: int) -> Provenance:
@@ -95,6 +99,6 @@ def group_shares(session: Provenance, groups: list[RolloutGroup], dims: int) -> 
     for group in groups:
         count = len(group.rollouts)
         shares.append(Provenance([stage.of_rows(first, count, dims) for stage in session.stages],
-                                 first, prompt_columns))
+                                 first, prompt_columns, session.sampling))
         first += count
     return shares

@@ -24,7 +24,9 @@ What is compared:
   (trust/commit.py);
 - the last stage: each sampled completion token's claimed behaviour log-prob against the
   re-executed one, and its seeded sampling margin (0 when the token is what the seeded draw gives;
-  a token that was not drawn, such as a random or injected one, has a large margin). Tokens an
+  a token that was not drawn, such as a random or injected one, has a large margin), both under
+  the sampling the session asked for (`Provenance.sampling`: an evaluation's greedy session is
+  judged greedy, its margin the top log-prob minus the token's). Tokens an
   environment forced into a multi-turn episode are fed but not judged here (nothing sampled them).
 
 Blame: among the stages whose sketches fail, the one with the earliest failing position (ties:
@@ -241,6 +243,8 @@ class Verifier:
         hidden_states = torch.zeros((stages - 1, batch, layout.width, self.hidden_size))
         scores = torch.zeros((2, batch, layout.width))
         rebuilt = [set(provenance.stages[stage].rebuilt) for stage in range(stages)]
+        sampling = (sampling_config(rollout) if provenance.sampling is None
+                    else provenance.sampling)
         for first, end, versions in segments(group, layout, set().union(*rebuilt)):
             x: torch.Tensor = layout.ids[:, first:end]
             for stage, peer in enumerate(verifiers):
@@ -255,7 +259,7 @@ class Verifier:
                 body = VerifyStep(
                     session=session, start=start, batch=batch, max_length=layout.width,
                     version=versions[stage], prompt_columns=layout.prompt_columns,
-                    sampling=sampling_config(rollout) if last else None,
+                    sampling=sampling if last else None,
                     sampling_seed=group.sampling_seed if last else None,
                     first_row=provenance.first_row if last else 0)
                 tensors = {"inputs": x, "positions": layout.positions[:, start:end],
