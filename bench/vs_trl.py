@@ -3,7 +3,8 @@
 decentrl against TRL's GRPOTrainer: held-out accuracy against training wall-clock, on the same
 model, task, prompts and hyperparameters, each side given the same training-time budget.
 
-    decentrl bench vs-trl [--budget 900] [--eval-every 10] [--eval-problems 200] [--out runs/vs-trl]
+    decentrl bench vs-trl [--budget 900] [--eval-every 10] [--trl-eval-every N]
+                          [--eval-problems 200] [--out runs/vs-trl]
 
 Both sides train with the demo's config (decentrl.demo.DEMO_CONFIG): sums of 1-2 digit numbers
 from the same seeded stream of train problems, 8 prompts x 8 samples = 64 completions per
@@ -424,6 +425,9 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=float, default=900, help="training seconds per side")
     parser.add_argument("--eval-every", type=int, default=10, help="optimizer steps")
+    parser.add_argument("--trl-eval-every", type=int, default=None,
+                        help="optimizer steps between TRL's evaluations (default: --eval-every; "
+                             "TRL takes several times longer per step)")
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="smollm2-135m-instruct or a Hugging Face folder")
@@ -435,9 +439,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-decentrl", action="store_true",
                         help="keep the decentrl results of an earlier run in --out")
     args = parser.parse_args(argv)
-    if args.budget <= 0 or args.eval_every < 1 or args.eval_problems < 1 \
+    if args.trl_eval_every is None:
+        args.trl_eval_every = args.eval_every
+    if args.budget <= 0 or min(args.eval_every, args.trl_eval_every, args.eval_problems) < 1 \
             or (args.threads is not None and args.threads < 1):
-        parser.error("--budget, --eval-every, --eval-problems and --threads must be positive")
+        parser.error("--budget, --eval-every, --trl-eval-every, --eval-problems and --threads "
+                     "must be positive")
     if args.skip_trl and args.skip_decentrl:
         parser.error("--skip-trl and --skip-decentrl together leave nothing to run")
     if not args.skip_trl:
@@ -451,6 +458,7 @@ def main(argv: list[str] | None = None) -> None:
                           args.threads)
     device = pick_device(config.device)
     setup = {"budget_s": args.budget, "eval_every": args.eval_every,
+             "trl_eval_every": args.trl_eval_every,
              "eval_problems": args.eval_problems, "model": args.model, "threads": args.threads,
              "config": config.model_dump(mode="json")}
     results: dict[str, Any] = {**setup, "compute_dtype": str(compute_dtype(device, config.dtype))}
@@ -464,7 +472,10 @@ def main(argv: list[str] | None = None) -> None:
                              "rerun both sides")
         results.update({side: earlier[side] for side in kept})
     if not args.skip_trl:
-        results["trl"] = {**run_trl(config, args.budget, args.out), "machine": machine(device)}
+        trl_config = config.model_copy(update={"eval": config.eval.model_copy(
+            update={"every": args.trl_eval_every})})
+        results["trl"] = {**run_trl(trl_config, args.budget, args.out),
+                          "machine": machine(device)}
     if not args.skip_decentrl:
         results["decentrl"] = {**run_decentrl(config, args.budget), "machine": machine(device)}
     path.write_text(json.dumps(results, indent=2))
