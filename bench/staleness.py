@@ -373,8 +373,8 @@ def plot(rows: list[dict[str, Any]], results: list[dict[str, Any]], out: Path) -
 
     figure, axes = plt.subplots(figsize=(8, 5))
     for steps, method in dict.fromkeys((row["steps"], row["method"]) for row in rows):
-        uniform = [row for row in rows if (row["steps"], row["method"]) == (steps, method)
-                   and "/" not in row["label"]]
+        uniform = sorted((row for row in rows if (row["steps"], row["method"]) == (steps, method)
+                          and "/" not in row["label"]), key=lambda row: int(row["label"]))
         if not uniform:
             continue
         accuracy = [Accuracy.from_counts(row["successes"], row["problems"]) for row in uniform]
