@@ -35,8 +35,9 @@ problems it never does, so even the best bucket's groups lack spread a third to 
 (the #21 demo: 57% of groups without spread, best bucket's chance 0.64). A problem whose newest
 group had spread, and whose rows so far say the next one will likely have it too (chance >=
 REPLAY_MIN_CHANCE from its key's estimate: 0.5 to 0.96 after one group of 1 to 7 solved rows
-out of 8), is queued to be handed out again, up to `curriculum.max_replays` times, newest evidence first; `next_replay` hands out
-queued problems for about `replay_share` of the scheduled slots. The coordinator alone decides,
+out of 8), is queued to be handed out again, up to `curriculum.max_replays` times, newest
+evidence first; `next_replay` hands out queued problems for about `replay_share` of the
+scheduled slots. The coordinator alone decides,
 from its own scoring of groups it accepted; a replay is a train problem the seeded stream handed
 out before, under an index of its own (swarm/scheduler.py), so it gets fresh samples.
 
