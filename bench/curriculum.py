@@ -13,9 +13,10 @@ curriculum, with it but no problem handed out again (`replay_share` 0), and with
 `[curriculum]` settings, replays included (swarm/curriculum.py `Curriculum`). Each scheduled
 problem behaves as one measured problem of its bucket (the same one whenever its key comes back,
 or it is handed out again): its group is `--group-size` rows drawn with replacement from that
-problem's measured rows. The base model does not learn here, so the estimates settle on the base's pass rates; the
-curriculum is told every group's rewards as the loop would tell it. Figures: the share of scheduled
-groups without reward spread, each variant, and the buckets' share of scheduled groups.
+problem's measured rows. The base model does not learn here, so the estimates settle on the
+base's pass rates; the curriculum is told every group's rewards as the loop would tell it.
+Figures: the share of scheduled groups without reward spread, each variant, and the buckets'
+share of scheduled groups.
 
 The measured groups are written to `--outcomes` (JSON) and read from there when it exists, so
 the simulation can be rerun without the model.
