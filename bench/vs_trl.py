@@ -8,8 +8,8 @@ model, task, prompts and hyperparameters, each side given the same training-time
 
 Both sides train with the demo's config (decentrl.demo.DEMO_CONFIG): sums of 1-2 digit numbers
 from the same seeded stream of train problems, 8 prompts x 8 samples = 64 completions per
-optimizer step in micro-batches of the same size, the same max new tokens, temperature 1, learning rate,
-AdamW betas, clipping range and gradient clipping, the GRPO loss (each sequence's token mean, then
+optimizer step in micro-batches of the same size, the same max new tokens, temperature 1,
+learning rate, AdamW betas, clipping range and gradient clipping, the GRPO loss (each sequence's token mean, then
 the mean over sequences), no KL term, bf16 autocast where decentrl's compute dtype is bf16, no
 vLLM. Both are evaluated by decentrl's `evaluate` (greedy pass@1 on held-out two-digit sums) every
 --eval-every optimizer steps, and at the start and the end. Evaluations pause the budget clock:

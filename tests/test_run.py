@@ -199,6 +199,11 @@ def test_a_problem_handed_out_again_is_its_source_problem_with_samples_of_its_ow
     assert accepted is not None and accepted[0].correct[0] == 1.0
     assert replay_attempt(accepted[0].group.problem_index) == 1
     assert run._accept(again) is None  # its result was already taken
+    # A replay the coordinator never handed out is refused like any unscheduled problem.
+    [forged] = run.worker.generate_groups([replay_index(index, 2)])
+    rejected = run.ingestion.stats.rejected
+    assert run._accept(forged) is None
+    assert run.ingestion.stats.rejected == rejected + 1
 
 
 def test_coordinator_rewards_what_the_completion_tokens_say(

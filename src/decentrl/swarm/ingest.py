@@ -118,8 +118,8 @@ class Ingestion:
         rewards, correct = [], []
         for row, r in enumerate(group.rollouts):
             try:
-                replayed = replay_episode(environment.episode("train", source_index(group.problem_index)),
-                                          self.tokenizer, r)
+                episode = environment.episode("train", source_index(group.problem_index))
+                replayed = replay_episode(episode, self.tokenizer, r)
             except ValueError as error:
                 raise RejectedGroup(f"group {group.group_id}, rollout {row}: {error}") from None
             final = replayed.episode.reward

@@ -599,8 +599,8 @@ class TrainingLoop(Generic[AnyBackend]):
         text = f"eval ({label}) step {self.step}: pass@1 {result.pass1.as_percent()}"
         if result.pass_k is not None:
             text += f"  pass@{pass_k} {result.pass_k.as_percent()}"
-        if result.greedy_pass1 is not None:
-            text += f"  greedy pass@1 {result.greedy_pass1.as_percent()}"
+        if greedy is not None:
+            text += f"  greedy pass@1 {greedy.as_percent()}"
         self.console.print(text)
         for hook in self.hooks:
             hook.after_evaluation(self, label, result)

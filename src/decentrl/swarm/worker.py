@@ -62,7 +62,8 @@ class RolloutWorker:
         """G generations per problem (problem-major) and each problem's prompt."""
         size, max_new_tokens = self.rollout.group_size, self.rollout.max_new_tokens
         if isinstance(self.task, Environment):
-            episodes = [self.task.episode("train", source_index(i)) for i in problem_indices for _ in range(size)]
+            episodes = [self.task.episode("train", source_index(i))
+                        for i in problem_indices for _ in range(size)]
             played = generate_episodes(self.chain, episodes, self.tokenizer, max_new_tokens,
                                        self.sampling, sampling_seed, on_session)
             return [p.generation for p in played], [p.prompt for p in played[::size]]
