@@ -223,13 +223,19 @@ def test_bad_state_requests_are_refused_and_counted(tiny_model_dir: Path) -> Non
              {"data": torch.zeros(4)}, "not of stage 0's parameters"),
             (TRAIN_AUDIT_LOAD, msgspec.structs.replace(load, offset=4), {"data": torch.zeros(4)},
              "must be sent from offset 0"),
-            (TRAIN_AUDIT_LOAD, load, {"data": torch.zeros(2 * STATE_CHUNK_FLOATS)},
-             "exceeds|too large|over"),
         ]
         for rpc, body, tensors, why in refusals:
             with pytest.raises((PeerRefused, WireError, RemoteError), match=why):
                 swarm.client.call_sync(target, rpc, body, exact=tensors or None, timeout=20)
-        assert len(strikes) >= 4
+        assert len(strikes) == len(refusals)
+        # A request far over the limit is refused from its header and left unread: the reset of
+        # the stream can overtake the refusal written first (net/streams.py, discard_rest), so
+        # the caller sees one or the other; the peer's strike names the size either way.
+        with pytest.raises((PeerRefused, WireError, RemoteError),
+                           match="request over|Connection reset|closed"):
+            swarm.client.call_sync(target, TRAIN_AUDIT_LOAD, load,
+                                   exact={"data": torch.zeros(2 * STATE_CHUNK_FLOATS)}, timeout=20)
+        assert len(strikes) == len(refusals) + 1 and "request over" in strikes[-1], strikes
         # Nothing was loaded: the peer has no audit state to step.
         assert peer.training is not None and peer.training.audit_trainer is None
 
