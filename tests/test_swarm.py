@@ -543,6 +543,12 @@ BAD_REQUESTS: dict[str, tuple[Any, str]] = {
         lambda c: c.call(c.p1, "train_forward", TrainForward(
             micro=0, version=0, last=True, total_sequences=0, total_tokens=0),
             c.train_tensors(1)), "total_sequences must be an int >= this micro-batch's 2"),
+    "train_forward supervised shape": (
+        lambda c: c.forward(0, supervised=torch.ones(3, dtype=torch.bool)),
+        r"batch tensor supervised must be \(2,\), got \(3,\)"),
+    "train_forward supervised tokens over the count": (
+        lambda c: c.forward(1, supervised=torch.ones(2, dtype=torch.bool)),
+        r"total_supervised_tokens 0 is below the micro-batch's \d+ supervised tokens"),
     "train_forward wrong hidden": (
         lambda c: c.forward(1, completion_in=torch.randn(2, 6, 16)),
         r"completion_in must be hidden states \(2, \d+, 32\)"),

@@ -74,6 +74,26 @@ class CurriculumConfig(Section):
                              "out again after its first group")
 
 
+class SupervisedConfig(Section):
+    """Supervised learning on the environment's own demonstrations (envs/base.py
+    `Demonstrating`: a scripted solver plays train problems and writes the ideal transcript),
+    through the same training chain as RL: a supervised row's loss is the negative
+    log-likelihood of its assistant tokens, the environment's tokens carry none."""
+
+    warmup_steps: int = Field(0, ge=0, le=100_000, description="supervised steps before RL (0: "
+                              "none); they are the run's first versions and count in "
+                              "train.steps")
+    rows_per_step: int = Field(16, ge=1, le=4096, description="demonstrations per warm-up step")
+    interleave_rows: int = Field(0, ge=0, le=4096, description="demonstrations added to every "
+                                 "RL step after the warm-up, trained beside the rollouts (0: "
+                                 "none)")
+    lr: float | None = Field(None, gt=0, lt=1, description="the learning rate of the warm-up "
+                             "steps (None: train.lr); RL steps use train.lr")
+    coef: float = Field(1.0, ge=0, le=100, allow_inf_nan=False, description="the weight of a "
+                        "demonstration's mean token negative log-likelihood beside the policy "
+                        "loss")
+
+
 class TrainConfig(Section):
     mode: Literal["async", "sync"] = "async"
     steps: int = Field(100, ge=1)
@@ -312,6 +332,7 @@ class RunConfig(Section):
     task: TaskConfig = TaskConfig()
     rollout: RolloutConfig = RolloutConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
+    supervised: SupervisedConfig = SupervisedConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     swarm: SwarmConfig = SwarmConfig()
@@ -335,6 +356,10 @@ class RunConfig(Section):
             raise ValueError(f"trust.history_versions ({self.trust.history_versions}) must be at "
                              f"least train.max_staleness ({self.train.max_staleness}): replicas "
                              "must rewind to any version a trainable rollout may carry")
+        if self.supervised.warmup_steps >= self.train.steps:
+            raise ValueError(f"supervised.warmup_steps ({self.supervised.warmup_steps}) must be "
+                             f"fewer than train.steps ({self.train.steps}), which counts them: "
+                             "no RL step would be left")
         groups = self.swarm.groups_per_session
         if groups is not None and groups * self.rollout.group_size \
                 * (self.rollout.max_new_tokens + 1) > self.swarm.max_session_tokens:

@@ -4,11 +4,15 @@ Layout: each distinct prompt once ([Np, P], left-padded), every completion once 
 right-padded) with `prompt_of` naming its prompt. The G samples of a group share one prompt, so
 the trainer runs it once per group (see model/prefix.py). Completion token j is predicted by the
 last prompt position (j = 0) or by completion position j - 1; every real completion token is a
-target."""
+target.
+
+A supervised row (`supervised`) is a demonstration, not a sample: its loss is the negative
+log-likelihood of its generated-mask tokens (the assistant's), and it has no behaviour log-probs,
+advantage or staleness (zeros)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -30,6 +34,7 @@ class TrainBatch:
     behaviour_logprobs: torch.Tensor  # [B, C] float
     advantages: torch.Tensor  # [B] float
     staleness: torch.Tensor  # [B] long: learner version minus the oldest stage version
+    supervised: torch.Tensor  # [B] bool: a demonstration, trained by likelihood (see above)
 
     @property
     def num_sequences(self) -> int:
@@ -37,7 +42,16 @@ class TrainBatch:
 
     @property
     def num_target_tokens(self) -> int:
-        return int(self.completion_generated.sum())
+        """The policy loss's tokens: the sampled ones of the rows that are not supervised."""
+        return int((self.completion_generated & ~self.supervised[:, None]).sum())
+
+    @property
+    def num_policy_sequences(self) -> int:
+        return int((~self.supervised).sum())
+
+    @property
+    def num_supervised_tokens(self) -> int:
+        return int((self.completion_generated & self.supervised[:, None]).sum())
 
     def select(self, rows: slice) -> TrainBatch:
         """Completion rows `rows` and just the prompts they use."""
@@ -59,13 +73,18 @@ class TrainBatch:
 
 
 def build_batch(rollouts: list[Rollout], advantages: list[float], staleness: list[int],
-                pad_id: int) -> TrainBatch:
-    """A training batch of checked rollouts (Rollout.check_lengths: ingestion ran it)."""
-    if not rollouts:
+                pad_id: int, demonstrations: Sequence[Rollout] = ()) -> TrainBatch:
+    """A training batch of checked rollouts (Rollout.check_lengths: ingestion ran it), followed
+    by `demonstrations` as supervised rows."""
+    if not rollouts and not demonstrations:
         raise ValueError("cannot build a training batch from no rollouts")
     if not len(rollouts) == len(advantages) == len(staleness):
         raise ValueError(f"{len(rollouts)} rollouts but {len(advantages)} advantages and "
                          f"{len(staleness)} staleness values")
+    supervised = [False] * len(rollouts) + [True] * len(demonstrations)
+    advantages = [*advantages, *[0.0] * len(demonstrations)]
+    staleness = [*staleness, *[0] * len(demonstrations)]
+    rollouts = [*rollouts, *demonstrations]
     prompt_rows: dict[tuple[int, ...], int] = {}
     prompt_of = []
     for rollout in rollouts:
@@ -99,4 +118,5 @@ def build_batch(rollouts: list[Rollout], advantages: list[float], staleness: lis
         behaviour_logprobs=behaviour,
         advantages=torch.tensor(advantages, dtype=torch.float32),
         staleness=torch.tensor(staleness, dtype=torch.long),
+        supervised=torch.tensor(supervised, dtype=torch.bool),
     )

@@ -93,6 +93,8 @@ class LossConfig:
     m2_threshold: M2PO's bound tau on the mean (log pi_prox / mu)^2 of the tokens kept; None: off.
     off_policy_correction: False ignores the behaviour log-probs in the loss (see the module
         docstring); `behaviour_kl` and `behaviour_m2` still measure them.
+    supervised_coef: the weight of a supervised row's negative log-likelihood beside the policy
+        loss (learn/trainer.py `micro_batch_loss`); policy_loss itself never sees those rows.
     flag_log_ratio / flag_surprise: rollouts the trainer's own log-probs expose as off-policy
         poison are left out of the loss and reported (`flagged_rows`): mean per-token
         |log pi - log mu| above flag_log_ratio (forged behaviour log-probs), or mean per-token
@@ -114,6 +116,7 @@ class LossConfig:
     decoupled: bool = True
     m2_threshold: float | None = None
     off_policy_correction: bool = True
+    supervised_coef: float = 1.0
     flag_log_ratio: float | None = None
     flag_surprise: float | None = None
 
@@ -129,8 +132,10 @@ class LossConfig:
             value = getattr(self, field_name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{field_name} must be a finite number > 0, got {value}")
-        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
-            raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef}")
+        for field_name in ("kl_coef", "supervised_coef"):
+            value = getattr(self, field_name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{field_name} must be a finite number >= 0, got {value}")
         if self.tis_cap is not None and not (math.isfinite(self.tis_cap) and self.tis_cap >= 1):
             raise ValueError(f"tis_cap must be None or a finite number >= 1, got {self.tis_cap}")
         if self.mis_low is not None and not 0 < self.mis_low <= 1:

@@ -11,13 +11,13 @@ import contextlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from decentrl.config import TrainConfig, TrustConfig
+from decentrl.config import SupervisedConfig, TrainConfig, TrustConfig
 from decentrl.learn.batch import TrainBatch
 from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.learn.losses import LossConfig, flagged_rows, policy_loss
@@ -31,8 +31,10 @@ from decentrl.rollout.sampling import (
 
 
 def loss_config_from(train: TrainConfig, max_new_tokens: int,
-                     trust: TrustConfig | None = None) -> LossConfig:
-    """The loss of a run; with `trust`, rollouts its flags catch stay out of the loss."""
+                     trust: TrustConfig | None = None,
+                     supervised: SupervisedConfig | None = None) -> LossConfig:
+    """The loss of a run; with `trust`, rollouts its flags catch stay out of the loss; with
+    `supervised`, demonstrations weigh its `coef`."""
     return LossConfig(
         name=train.loss, clip_low=train.clip_low, clip_high=train.clip_high,
         kl_coef=train.kl_coef, tis_cap=train.tis_cap, mis_low=train.mis_low,
@@ -40,6 +42,7 @@ def loss_config_from(train: TrainConfig, max_new_tokens: int,
         m2_threshold=train.m2_threshold, off_policy_correction=train.off_policy_correction,
         flag_log_ratio=trust.flag_log_ratio if trust else None,
         flag_surprise=trust.flag_surprise if trust else None,
+        supervised_coef=supervised.coef if supervised else 1.0,
     )
 
 
@@ -56,38 +59,65 @@ class LossInputs:
 
     proximal: torch.Tensor | None  # [B, C] fixed proximal log-probs, None: the current policy's
     reference: torch.Tensor | None  # [B, C] reference log-probs for the KL term
-    total_sequences: int  # of the minibatch the micro-batch belongs to (loss normalisation)
+    # Counts of the minibatch the micro-batch belongs to (loss normalisation): the policy
+    # loss's sequences and tokens (TrainBatch.num_policy_sequences, num_target_tokens), and the
+    # supervised rows' tokens.
+    total_sequences: int
     total_tokens: int
+    total_supervised_tokens: int = 0
 
 
 def micro_batch_loss(logits: torch.Tensor, batch: TrainBatch, inputs: LossInputs,
                      loss: LossConfig, sampling: SamplingConfig
                      ) -> tuple[torch.Tensor, dict[str, float], RowStats]:
-    """The policy loss of one micro-batch from the last stage's logits [N, vocab] of its targets,
-    its metrics, and every row's statistics. Rows `flagged_rows` catches do not count in the loss
-    (the normalisers keep the batch's totals, so the other rows' weights do not change)."""
+    """The loss of one micro-batch from the last stage's logits [N, vocab] of its targets, its
+    metrics, and every row's statistics. Sampled rows get the policy loss, except those
+    `flagged_rows` catches (the normalisers keep the batch's totals, so the other rows' weights
+    do not change); supervised rows get `loss.supervised_coef` x their tokens' negative
+    log-likelihood, summed over the minibatch's supervised tokens and divided by their count
+    (`sft_nll` is the micro-batch's mean per token). A supervised row's statistics are zeros
+    and it is never flagged: it is the coordinator's own demonstration."""
     valid = batch.completion_valid
     picked, entropy = sampling_logprobs_and_entropy(logits, batch.completions[valid], sampling)
     logprobs = torch.zeros(valid.shape, dtype=torch.float32, device=logits.device)
     logprobs = logprobs.masked_scatter(valid, picked)
     # Only the tokens the model sampled count: an environment's tokens are context (they were
     # scored above with the rest, one forward pass) with no behaviour log-prob to compare with.
+    supervised = batch.supervised
     mask = batch.completion_generated
+    policy_mask = mask & ~supervised[:, None]
     with torch.no_grad():
         lengths = mask.sum(1).clamp(min=1)
         surprise = torch.zeros(valid.shape, device=logits.device).masked_scatter(
             valid, picked + entropy)
-        row_surprise = (surprise * mask).sum(1) / lengths
-        row_log_ratio = ((logprobs - batch.behaviour_logprobs) * mask).sum(1) / lengths
-        flagged = flagged_rows(row_surprise, row_log_ratio, loss)
-    counted = mask & ~flagged[:, None]
-    value, metrics = policy_loss(
-        logprobs, inputs.proximal if inputs.proximal is not None else logprobs.detach(),
-        batch.behaviour_logprobs, batch.advantages, counted, loss,
-        reference_logprobs=inputs.reference, total_sequences=inputs.total_sequences,
-        total_tokens=inputs.total_tokens)
-    metrics["entropy"] = float(entropy[mask[valid]].mean())
-    metrics["flagged_fraction"] = float(flagged.float().mean())
+        row_surprise = (surprise * policy_mask).sum(1) / lengths
+        row_log_ratio = ((logprobs - batch.behaviour_logprobs) * policy_mask).sum(1) / lengths
+        flagged = flagged_rows(row_surprise, row_log_ratio, loss) & ~supervised
+    value = logprobs.new_zeros(())
+    metrics: dict[str, float] = {}
+    policy = ~supervised
+    if bool(policy.any()):
+        counted = (policy_mask & ~flagged[:, None])[policy]
+        value, metrics = policy_loss(
+            logprobs[policy],
+            (inputs.proximal if inputs.proximal is not None else logprobs.detach())[policy],
+            batch.behaviour_logprobs[policy], batch.advantages[policy], counted, loss,
+            reference_logprobs=None if inputs.reference is None else inputs.reference[policy],
+            total_sequences=inputs.total_sequences, total_tokens=inputs.total_tokens)
+        metrics["entropy"] = float(entropy[policy_mask[valid]].mean())
+        metrics["flagged_fraction"] = float(flagged[policy].float().mean())
+    if bool(supervised.any()):
+        supervised_mask = mask & supervised[:, None]
+        tokens = int(supervised_mask.sum())
+        if not tokens <= inputs.total_supervised_tokens:
+            raise ValueError(f"total_supervised_tokens must be at least this micro-batch's "
+                             f"{tokens} supervised tokens, got {inputs.total_supervised_tokens}")
+        nll = -(logprobs * supervised_mask).sum()
+        value = value + loss.supervised_coef * nll / inputs.total_supervised_tokens
+        metrics["sft_nll"] = float(nll.detach()) / max(tokens, 1)
+        metrics["sft_token_accuracy"] = float(
+            (logits.detach().argmax(-1) == batch.completions[valid])[supervised_mask[valid]]
+            .float().mean())
     return value, metrics, (row_surprise, row_log_ratio)
 
 
@@ -130,13 +160,17 @@ class StageTrainer:
     """One stage's optimizer and the activations it keeps between forward and backward."""
 
     def __init__(self, stage: StageModule, train: TrainConfig, loss: LossConfig,
-                 sampling: SamplingConfig, autocast_dtype: torch.dtype) -> None:
+                 sampling: SamplingConfig, autocast_dtype: torch.dtype,
+                 supervised: SupervisedConfig | None = None) -> None:
+        """With `supervised`, the versions up to its warm-up steps step at its `lr`."""
         self.stage = stage
         self.loss, self.sampling = loss, sampling
         self.device = next(stage.parameters()).device
         self.autocast_dtype = autocast_dtype
         self.base_lr = train.lr
         self.warmup_steps = train.warmup_steps
+        self.supervised_steps = supervised.warmup_steps if supervised else 0
+        self.supervised_lr = supervised.lr if supervised and supervised.lr else train.lr
         # Only what trains: with LoRA the frozen base weights get neither gradients nor Adam state.
         self.params = [p for p in stage.parameters() if p.requires_grad]
         if not self.params:
@@ -172,10 +206,10 @@ class StageTrainer:
         if loss_inputs is not None:
             if not isinstance(out, torch.Tensor):
                 raise RuntimeError(f"stage {self.stage.index} is not the last stage; no loss here")
-            loss_inputs = LossInputs(
-                *(None if t is None else t.to(self.device)
-                  for t in (loss_inputs.proximal, loss_inputs.reference)),
-                loss_inputs.total_sequences, loss_inputs.total_tokens)
+            loss_inputs = replace(loss_inputs, **{
+                name: None if tensor is None else tensor.to(self.device)
+                for name, tensor in (("proximal", loss_inputs.proximal),
+                                     ("reference", loss_inputs.reference))})
             loss, metrics, rows = micro_batch_loss(out, batch, loss_inputs, self.loss,
                                                    self.sampling)
             self.saved[micro] = (leaves, [loss])
@@ -214,9 +248,11 @@ class StageTrainer:
             raise RuntimeError(f"stage {self.stage.index} steps with {len(self.saved)} micro-batches "
                                "still waiting for backward")
         step = self.stage.version + 1
+        lr = self.supervised_lr if step <= self.supervised_steps else self.base_lr
         if self.warmup_steps:
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.base_lr * min(1.0, step / self.warmup_steps)
+            lr *= min(1.0, step / self.warmup_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         if grad_scale != 1.0:
             for p in self.params:
                 if p.grad is not None:
@@ -262,9 +298,11 @@ class PipelineTrainer:
     @classmethod
     def local(cls, stages: list[StageModule], train: TrainConfig, loss: LossConfig,
               sampling: SamplingConfig, autocast_dtype: torch.dtype,
-              reference_stages: list[StageModule] | None = None) -> PipelineTrainer:
+              reference_stages: list[StageModule] | None = None,
+              supervised: SupervisedConfig | None = None) -> PipelineTrainer:
         """Every stage trained in this process."""
-        workers = [StageTrainer(stage, train, loss, sampling, autocast_dtype) for stage in stages]
+        workers = [StageTrainer(stage, train, loss, sampling, autocast_dtype, supervised)
+                   for stage in stages]
         return cls(workers, train, loss, sampling, workers[0].device, reference_stages)
 
     @property
@@ -306,34 +344,38 @@ class PipelineTrainer:
                     if self.train.updates_per_batch > 1 else None)
         minibatch_size = math.ceil(batch.num_sequences / self.train.updates_per_batch)
         totals: dict[str, float] = {}
+        reported: dict[str, int] = {}
+        grad_norm = 0.0
         micro_count = 0
         rows_seen: list[RowStats] = []
         for start in range(0, batch.num_sequences, minibatch_size):
             rows = slice(start, start + minibatch_size)
             minibatch = batch.select(rows)
-            sequences, tokens = minibatch.num_sequences, minibatch.num_target_tokens
-            for micro_start in range(0, sequences, self.train.micro_batch_size):
+            counts = LossInputs(None, None, minibatch.num_policy_sequences,
+                                minibatch.num_target_tokens, minibatch.num_supervised_tokens)
+            for micro_start in range(0, minibatch.num_sequences, self.train.micro_batch_size):
                 micro_slice = slice(micro_start, micro_start + self.train.micro_batch_size)
                 metrics, row_stats = self._micro_step(
-                    micro_count, minibatch.select(micro_slice),
-                    _rows(proximal, rows, micro_slice), _rows(reference, rows, micro_slice),
-                    sequences, tokens)
+                    micro_count, minibatch.select(micro_slice), replace(
+                        counts, proximal=_rows(proximal, rows, micro_slice),
+                        reference=_rows(reference, rows, micro_slice)))
                 rows_seen.append(row_stats)
+                # A metric is the mean over the micro-batches that report it (sft_* only come
+                # from micro-batches with supervised rows, the policy's from the others).
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
+                    reported[key] = reported.get(key, 0) + 1
                 micro_count += 1
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._step()
+            grad_norm += self._step()
         # Minibatches are disjoint slices in order: their micro-batches' rows are the batch's.
         self.row_stats = (torch.cat([r[0].float().cpu() for r in rows_seen]),
                           torch.cat([r[1].float().cpu() for r in rows_seen]))
-        result = {key: value / micro_count for key, value in totals.items() if key != "grad_norm"}
-        result["grad_norm"] = totals["grad_norm"] / self.train.updates_per_batch
+        result = {key: value / reported[key] for key, value in totals.items()}
+        result["grad_norm"] = grad_norm / self.train.updates_per_batch
         return result
 
-    def _micro_step(self, micro_id: int, micro: TrainBatch, proximal: torch.Tensor | None,
-                    reference: torch.Tensor | None, total_sequences: int,
-                    total_tokens: int) -> tuple[dict[str, float], RowStats]:
-        loss_inputs = LossInputs(proximal, reference, total_sequences, total_tokens)
+    def _micro_step(self, micro_id: int, micro: TrainBatch, loss_inputs: LossInputs
+                    ) -> tuple[dict[str, float], RowStats]:
         x: Activations = (micro.prompts, micro.completions)
         metrics: dict[str, float] = {}
         last = len(self.workers) - 1

@@ -212,9 +212,11 @@ class TrainForward(Body):
     micro: int
     version: int  # the learner version this step starts from; a peer at another version refuses
     last: bool  # compute the loss here (the coordinator's view of the chain)
-    total_sequences: int
-    total_tokens: int
+    total_sequences: int  # the minibatch's sampled rows, whose policy loss it normalises
+    total_tokens: int  # their sampled tokens
     audit: bool = False  # on the audit's state (TRAIN_AUDIT_LOAD), not the peer's own
+    # The minibatch's supervised rows' tokens (the coordinator's demonstrations, learn/batch.py).
+    total_supervised_tokens: int = 0
 
 
 class TrainForwardReply(Body):
@@ -439,7 +441,7 @@ BATCH_TENSORS: dict[str, DtypeKind] = {
     "prompts": "int64", "prompt_valid": "bool", "prompt_positions": "int64",
     "completions": "int64", "completion_valid": "bool", "completion_generated": "bool",
     "completion_positions": "int64", "prompt_of": "int64", "behaviour_logprobs": "float32",
-    "advantages": "float32", "staleness": "int64"}
+    "advantages": "float32", "staleness": "int64", "supervised": "bool"}
 _EXACT_DTYPES = {"int64": torch.long, "bool": torch.bool, "float32": torch.float32,
                  "uint8": torch.uint8}
 
@@ -518,10 +520,10 @@ def forward_request_bytes(sizes: RunSizes) -> int:
     """A training micro-batch (learn/batch.py TrainBatch) and the stage's inputs: per prompt
     position its id, position and mask; per completion position its id, position, two masks and
     three log-probs (behaviour, proximal, reference); each with its input; per row three
-    numbers."""
+    numbers and a flag."""
     prompt = 2 * ID_BYTES + FLAG_BYTES + sizes.activation_bytes
     completion = 2 * ID_BYTES + 2 * FLAG_BYTES + 3 * FLOAT_BYTES + sizes.activation_bytes
-    row = 2 * ID_BYTES + FLOAT_BYTES
+    row = 2 * ID_BYTES + FLOAT_BYTES + FLAG_BYTES
     return with_envelope(sizes.batch_positions * (prompt + completion)
                          + sizes.micro_batch_size * row)
 

@@ -1,5 +1,5 @@
 """The schema of metrics.jsonl, its writer and its reader: one JSON object a line, tagged by
-`event` ("step", "eval", "swarm", "trust"), with `elapsed_s` since the run's start. The training
+`event` ("step", "supervised", "eval", "swarm", "trust"), with `elapsed_s` since the run's start. The training
 loop, the swarm observer, the dashboard, the report and the benchmarks all go through these types,
 so a field is added, renamed or read in one place.
 
@@ -95,6 +95,25 @@ class StepRecord(Record, tag="step"):
     served_bf16_differing: float | None = None
     served_gap_by_stage: dict[int, float] | None = None
     served_bf16_differing_by_stage: dict[int, float] | None = None
+    # Demonstrations trained beside the rollouts (supervised.interleave_rows), and their mean
+    # negative log-likelihood and next-token accuracy per assistant token.
+    supervised_rows: int = 0
+    sft_nll: float | None = None
+    sft_token_accuracy: float | None = None
+
+
+class SupervisedRecord(Record, tag="supervised"):
+    """One supervised warm-up step (supervised.warmup_steps): demonstrations only, through the
+    same training chain as an RL step."""
+
+    step: int
+    version: int  # the learner's version after the step
+    rows: int
+    tokens: int  # the assistant tokens in the loss
+    sft_nll: float  # their mean negative log-likelihood
+    sft_token_accuracy: float  # the share the model already predicts (argmax)
+    grad_norm: float
+    train_s: float
 
 
 class EvalRecord(Record, tag="eval"):
@@ -149,9 +168,9 @@ class TrustRecord(Record, tag="trust"):
     time: float = 0.0  # wall clock of the event
 
 
-AnyRecord = StepRecord | EvalRecord | SwarmRecord | TrustRecord
-KINDS: dict[str, type[Record]] = {"step": StepRecord, "eval": EvalRecord, "swarm": SwarmRecord,
-                                  "trust": TrustRecord}
+AnyRecord = StepRecord | SupervisedRecord | EvalRecord | SwarmRecord | TrustRecord
+KINDS: dict[str, type[Record]] = {"step": StepRecord, "supervised": SupervisedRecord,
+                                  "eval": EvalRecord, "swarm": SwarmRecord, "trust": TrustRecord}
 R = TypeVar("R", bound=Record)
 
 
@@ -169,11 +188,12 @@ class RunRecords:
     evals: list[EvalRecord]
     snapshots: list[SwarmRecord]
     trust: list[TrustRecord]
+    supervised: list[SupervisedRecord]
 
     @property
     def wall_s(self) -> float:
-        times = [r.elapsed_s for kind in (self.steps, self.evals, self.snapshots, self.trust)
-                 for r in kind]
+        times = [r.elapsed_s for kind in (self.steps, self.supervised, self.evals,
+                                          self.snapshots, self.trust) for r in kind]
         return max(times, default=0.0)
 
 
@@ -193,7 +213,8 @@ def read_metrics(path: Path) -> RunRecords:
                 found[kind].append(msgspec.convert(raw, KINDS[kind], strict=False))
         except msgspec.DecodeError as error:  # a ValidationError too
             raise ValueError(f"{path}, line {number}: malformed metrics record: {error}") from None
-    return RunRecords(found["step"], found["eval"], found["swarm"], found["trust"])
+    return RunRecords(found["step"], found["eval"], found["swarm"], found["trust"],
+                      found["supervised"])
 
 
 # The verification events the dashboard lists, newest last.
@@ -202,8 +223,9 @@ EVENTS_SHOWN = 200
 # and evaluations grow with the run's own progress; swarm snapshots and verification events grow
 # with time and with what peers do, and the dashboard shows the live directory and only the
 # newest events, so only those are held. Every record is in the file.
-RECORDS_HELD: dict[type[Record], int | None] = {StepRecord: None, EvalRecord: None,
-                                                SwarmRecord: 1, TrustRecord: EVENTS_SHOWN}
+RECORDS_HELD: dict[type[Record], int | None] = {StepRecord: None, SupervisedRecord: None,
+                                                EvalRecord: None, SwarmRecord: 1,
+                                                TrustRecord: EVENTS_SHOWN}
 
 
 class MetricsLog:
@@ -231,6 +253,13 @@ class MetricsLog:
         """The records of `kind` held in memory (RECORDS_HELD), oldest first."""
         with self.lock:
             return list(self.held[kind])
+
+
+def supervised_line(record: SupervisedRecord) -> str:
+    """The console line of a supervised warm-up step."""
+    return (f"step {record.step:4d}  v{record.version}  supervised: {record.rows} rows  "
+            f"nll {record.sft_nll:.3f}  token acc {record.sft_token_accuracy:.3f}  "
+            f"train {record.train_s:.1f}s  t={record.elapsed_s:.0f}s")
 
 
 def step_line(record: StepRecord) -> str:

@@ -234,7 +234,8 @@ class SwarmBackend:
                       if config.trust.train_audit_fraction > 0 else None)
         for worker in self.workers:
             worker.audit = self.audit
-        loss = loss_config_from(config.train, config.rollout.max_new_tokens, config.trust)
+        loss = loss_config_from(config.train, config.rollout.max_new_tokens, config.trust,
+                                config.supervised)
         self.trainer = PipelineTrainer(self.workers, config.train, loss,
                                        sampling_config(config.rollout), torch.device("cpu"))
         # Rollouts arrive through the transport, from this process's generation loops or from

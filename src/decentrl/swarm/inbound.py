@@ -127,7 +127,8 @@ class InboundChecks:
                   "completion_generated": completions.shape,
                   "completion_positions": completions.shape,
                   "prompt_of": completions.shape[:1], "behaviour_logprobs": completions.shape,
-                  "advantages": completions.shape[:1], "staleness": completions.shape[:1]}
+                  "advantages": completions.shape[:1], "staleness": completions.shape[:1],
+                  "supervised": completions.shape[:1]}
         for name, shape in shapes.items():
             tensor = getattr(batch, name)
             if tensor.shape != shape:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.net.text import SHOWN_ID_CHARS, peer_text
 from decentrl.rollout.episodes import replay_episode
-from decentrl.rollout.types import RolloutGroup, ScoredGroup, check_version_spans
+from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, check_version_spans
 from decentrl.swarm.scheduler import PromptScheduler, source_index
 from decentrl.tasks import Task
 
@@ -149,10 +150,12 @@ class Ingestion:
         self.stats.accepted += 1
         return scored, staleness
 
-    def make_batch(self, scored: list[tuple[ScoredGroup, int]]
+    def make_batch(self, scored: list[tuple[ScoredGroup, int]],
+                   demonstrations: Sequence[Rollout] = ()
                    ) -> tuple[TrainBatch | None, dict[str, Any], list[str]]:
-        """A training batch from scored groups (None when no group carries signal), stats (numbers,
-        and the groups per staleness), and the group id of every batch row."""
+        """A training batch from scored groups and, after their rows, `demonstrations` as
+        supervised rows (None when neither carries signal), stats (numbers, and the groups per
+        staleness), and the group id of every rollout row."""
         size = self.config.rollout.group_size
         train = self.config.train
         rewards = torch.tensor([r for s, _ in scored for r in s.rewards], dtype=torch.float32)
@@ -177,9 +180,10 @@ class Ingestion:
             "staleness_counts": {str(k): n for k, n in
                                  sorted(Counter(st for _, st in scored).items())},
         }
-        if not kept:
+        if not kept and not demonstrations:
             return None, stats, []
         batch = build_batch([rollouts[i] for i in kept], [float(advantages[i]) for i in kept],
-                            [staleness[i] for i in kept], self.tokenizer.pad_token_id)
+                            [staleness[i] for i in kept], self.tokenizer.pad_token_id,
+                            demonstrations)
         group_ids = [s.group.group_id for s, _ in scored for _ in s.group.rollouts]
         return batch, stats, [group_ids[i] for i in kept]

@@ -79,8 +79,9 @@ class LocalBackend:
                      if config.train.kl_coef > 0 else None)
         self.trainer = PipelineTrainer.local(
             learner, config.train,
-            loss_config_from(config.train, config.rollout.max_new_tokens, config.trust),
-            sampling_config(config.rollout), self.dtype, reference)
+            loss_config_from(config.train, config.rollout.max_new_tokens, config.trust,
+                             config.supervised),
+            sampling_config(config.rollout), self.dtype, reference, config.supervised)
 
         def replica() -> LocalChain:
             stages = build_stages(spec, self.plan, tensors, self.device, self.dtype)

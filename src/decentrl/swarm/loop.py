@@ -29,17 +29,27 @@ from rich.console import Console
 
 from decentrl.config import RunConfig
 from decentrl.envs import Environment, make_task_or_environment
+from decentrl.envs.base import Demonstrating
 from decentrl.evaluate.runner import EvalResult, TrainingShape, evaluate
 from decentrl.learn.losses import StaleRolloutError, check_staleness
+from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.trainer import PipelineTrainer
 from decentrl.net.text import REMOTE_ERROR_CHARS
 from decentrl.net.transport import RolloutTransport
-from decentrl.observe.metrics import EvalRecord, MetricsLog, StepRecord, step_line
+from decentrl.observe.metrics import (
+    EvalRecord,
+    MetricsLog,
+    StepRecord,
+    SupervisedRecord,
+    step_line,
+    supervised_line,
+)
 from decentrl.observe.terminal import terminal_text
 from decentrl.progress import progress_bar
 from decentrl.rollout.chain import InferenceChain, InferenceSession
+from decentrl.rollout.demonstrations import demonstrations
 from decentrl.rollout.sampling import sampling_config
-from decentrl.rollout.types import RolloutGroup, ScoredGroup
+from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup
 from decentrl.swarm.curriculum import Curriculum, has_spread
 from decentrl.swarm.inflight import SessionSlots
 from decentrl.swarm.ingest import Ingestion
@@ -245,6 +255,13 @@ class TrainingLoop(Generic[AnyBackend]):
         self.task: Task | Environment = make_task_or_environment(config.task.name,
                                                                  config.task.options)
         self.eval_task = make_task_or_environment(config.eval.task.name, config.eval.task.options)
+        supervised = config.supervised
+        if (supervised.warmup_steps or supervised.interleave_rows) \
+                and not isinstance(self.task, Demonstrating):
+            raise ValueError(f"supervised.warmup_steps and supervised.interleave_rows need "
+                             f"demonstrations, which task {config.task.name!r} cannot write "
+                             "(an environment with a scripted solver can: envs/base.py "
+                             "Demonstrating)")
         self.path = config.path
         self.path.mkdir(parents=True, exist_ok=True)
         self.store = RunStore(self.path / "run.sqlite")
@@ -269,6 +286,7 @@ class TrainingLoop(Generic[AnyBackend]):
         self.failed_steps = 0
         self.generation_errors = 0
         self.generation_error: BaseException | None = None
+        self.training_started = time.time()  # again when `run` starts training
 
     @property
     def trainer(self) -> PipelineTrainer:
@@ -514,9 +532,64 @@ class TrainingLoop(Generic[AnyBackend]):
 
     # ---- one step -------------------------------------------------------------------------
 
+    def _demonstrations(self, count: int) -> list[Rollout]:
+        """`count` demonstrations for the next step (a pure function of the run's seed and the
+        step, so a resumed or retried step trains on the same ones)."""
+        assert isinstance(self.task, Demonstrating)  # checked when the loop was made
+        return demonstrations(self.task, self.backend.tokenizer, self.config.seed,
+                              self.step + 1, count)
+
+    def _train_batch(self, batch: TrainBatch) -> dict[str, float] | None:
+        """One optimizer step on `batch` and the new weights published; None when the step
+        failed and the stages were recovered instead."""
+        try:
+            losses = self.trainer.train_step(batch)
+        except self.backend.recoverable_step_errors as error:
+            self.failed_steps += 1
+            if self.failed_steps > MAX_FAILED_STEPS:
+                raise RuntimeError(f"{self.failed_steps} training steps in a row failed; "
+                                   f"the last: {error}") from error
+            # The error may quote a training peer's refusal.
+            self.console.print(f"[yellow]training step failed: "
+                               f"{terminal_text(error, REMOTE_ERROR_CHARS)}[/]")
+            self._recover()
+            return None
+        self.backend.publish()
+        self.failed_steps = 0
+        return losses
+
+    def _stepped(self, metrics: dict[str, Any]) -> None:
+        """A step is done: the store records it, and every `checkpoint_every` steps a
+        checkpoint."""
+        self.store.record_step(self.step, self.trainer.version,
+                               {k: float(v) for k, v in metrics.items()
+                                if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        if self.step % self.config.train.checkpoint_every == 0:
+            self.checkpoint(required=False)
+
+    def supervised_step(self) -> SupervisedRecord | None:
+        """One warm-up step on `supervised.rows_per_step` demonstrations; None when it failed
+        and the stages were recovered instead."""
+        rows = self._demonstrations(self.config.supervised.rows_per_step)
+        batch = build_batch([], [], [], self.backend.tokenizer.pad_token_id, rows)
+        train_started = time.time()
+        losses = self._train_batch(batch)
+        if losses is None:
+            return None
+        self.step += 1
+        record = self.metrics.write(SupervisedRecord(
+            step=self.step, version=self.trainer.version, rows=batch.num_sequences,
+            tokens=batch.num_supervised_tokens, sft_nll=losses["sft_nll"],
+            sft_token_accuracy=losses["sft_token_accuracy"], grad_norm=losses["grad_norm"],
+            train_s=round(time.time() - train_started, 3)))
+        self._stepped(msgspec.structs.asdict(record))
+        self.console.print(supervised_line(record))
+        return record
+
     def train_one_step(self) -> StepRecord | None:
-        """Collect a batch, train on it, record the step; None when the step failed and the
-        stages were recovered instead (its groups wait for the next step)."""
+        """Collect a batch, train on it (with `supervised.interleave_rows` demonstrations
+        beside it), record the step; None when the step failed and the stages were recovered
+        instead (its groups wait for the next step)."""
         config = self.config
         wait_started = time.time()
         needed = config.rollout.prompts_per_step
@@ -525,31 +598,24 @@ class TrainingLoop(Generic[AnyBackend]):
         waited = time.time() - wait_started
         if not scored:
             return None
-        batch, stats, row_groups = self.ingestion.make_batch(scored)
+        demonstrated = (self._demonstrations(config.supervised.interleave_rows)
+                        if config.supervised.interleave_rows else [])
+        batch, stats, row_groups = self.ingestion.make_batch(scored, demonstrated)
         ids = [s.group.group_id for s, _ in scored]
         train_started = time.time()
         losses: dict[str, float] = {}
         if batch is not None:
-            try:
-                losses = self.trainer.train_step(batch)
-            except self.backend.recoverable_step_errors as error:
-                self.failed_steps += 1
-                if self.failed_steps > MAX_FAILED_STEPS:
-                    raise RuntimeError(f"{self.failed_steps} training steps in a row failed; "
-                                       f"the last: {error}") from error
-                # The error may quote a training peer's refusal.
-                self.console.print(f"[yellow]training step failed: "
-                                   f"{terminal_text(error, REMOTE_ERROR_CHARS)}[/]")
+            trained = self._train_batch(batch)
+            if trained is None:
                 self.pending[:0] = scored  # still pending in the store; retried after recovery
-                self._recover()
                 return None
-            self.backend.publish()
-        self.failed_steps = 0
+            losses = trained
         self.step += 1
         self.store.mark_trained(ids, self.step)
         gate = self.backend.gate
         if batch is not None and self.trainer.flagged is not None:
             groups = {s.group.group_id: s.group for s, _ in scored}
+            # Demonstrations come after the rollouts' rows and are never flagged.
             gate.flagged([groups[row_groups[i]]
                           for i in self.trainer.flagged.nonzero()[:, 0].tolist()])
         for group_id in ids:
@@ -557,15 +623,12 @@ class TrainingLoop(Generic[AnyBackend]):
         record = self.metrics.write(StepRecord(
             step=self.step, version=self.trainer.version, wait_s=round(waited, 3),
             train_s=round(time.time() - train_started, 3),
-            sequences=0 if batch is None else batch.num_sequences,
+            sequences=0 if batch is None else batch.num_policy_sequences,
+            supervised_rows=len(demonstrated) if batch is not None else 0,
             stale_dropped=self.ingestion.stats.stale, rejected=self.ingestion.stats.rejected,
             held_for_verdict=len(self.held),
             **stats, **losses, **self.curriculum.counters(), **self.backend.step_counters()))
-        self.store.record_step(self.step, self.trainer.version,
-                               {k: float(v) for k, v in msgspec.structs.asdict(record).items()
-                                if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        if self.step % config.train.checkpoint_every == 0:
-            self.checkpoint(required=False)
+        self._stepped(msgspec.structs.asdict(record))
         self.console.print(step_line(record))
         return record
 
@@ -643,6 +706,8 @@ class TrainingLoop(Generic[AnyBackend]):
         else:
             self.console.print(f"resumed at step {self.step} (version {self.trainer.version}); "
                                f"{len(self.pending)} accepted groups pending")
+        self.training_started = time.time()
+        self._warm_up()
         cores = torch.get_num_threads()
         if config.train.mode == "async":
             threads += [threading.Thread(target=self._generate_forever, name=f"generate-{i}",
@@ -672,9 +737,29 @@ class TrainingLoop(Generic[AnyBackend]):
         summary = RunSummary(self.path, self.step, wall, before, after, self.recoveries)
         return self.backend.finish(summary)
 
+    def _budget_spent(self) -> bool:
+        budget = self.config.train.time_budget_s
+        return budget is not None and time.time() - self.training_started > budget
+
+    def _warm_up(self) -> None:
+        """Supervised steps until `supervised.warmup_steps` (a resumed run goes on where it
+        stopped; they count in the time budget), before any generation starts; then, once this
+        process has finished them, the evaluation after the warm-up (eval_warmup.json)."""
+        steps = self.config.supervised.warmup_steps
+        if self.step >= steps:
+            return
+        with progress_bar(self.console, "supervised warm-up", steps) as update:
+            while self.step < steps and not self.stop.is_set() and not self._budget_spent():
+                self.supervised_step()
+                update(self.step, description=f"supervised warm-up: step {self.step}")
+        if self.step < steps:  # the budget ran out first: no RL step will run either
+            return
+        result = self.evaluate("after warm-up", self.config.eval.pass_k)
+        self._write_evaluation("eval_warmup.json", result)
+
     def _train(self) -> None:
         config = self.config
-        train_started = time.time()
+        train_started = self.training_started
         for hook in self.hooks:
             hook.training_started(self)
         budget = config.train.time_budget_s
@@ -684,7 +769,7 @@ class TrainingLoop(Generic[AnyBackend]):
                           counted=not by_time) as update:
             try:
                 while self.step < config.train.steps:
-                    if budget is not None and time.time() - train_started > budget:
+                    if self._budget_spent():
                         self.console.print(f"time budget of {budget:.0f}s reached after "
                                            f"{self.step} steps")
                         return

@@ -91,8 +91,8 @@ class StagePeer:
             checks = self._checks(master)
             trainer = StageTrainer(
                 master, config.train, loss_config_from(config.train, config.rollout.max_new_tokens,
-                                                       config.trust),
-                sampling_config(config.rollout), dtype)
+                                                       config.trust, config.supervised),
+                sampling_config(config.rollout), dtype, config.supervised)
             self.training = TrainingService(config, trainer, node, checks, checkpoint_dir,
                                             self.announce, name)
         if role in ("inference", "both"):

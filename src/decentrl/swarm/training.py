@@ -162,8 +162,13 @@ class TrainingService:
         inputs = self.checks.activations(tensors, batch)
         loss_inputs = None
         if body.last:
+            if body.total_supervised_tokens < batch.num_supervised_tokens:
+                raise PeerError(f"total_supervised_tokens {body.total_supervised_tokens} is below "
+                                f"the micro-batch's {batch.num_supervised_tokens} supervised "
+                                "tokens")
             loss_inputs = LossInputs(tensors.get("proximal"), tensors.get("reference"),
-                                     body.total_sequences, body.total_tokens)
+                                     body.total_sequences, body.total_tokens,
+                                     body.total_supervised_tokens)
         out, metrics = trainer.forward(body.micro, inputs, batch, loss_inputs)
         if body.last:  # per-row statistics, in full precision: the coordinator flags from them
             return Reply(TrainForwardReply(metrics=metrics),

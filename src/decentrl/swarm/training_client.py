@@ -183,7 +183,9 @@ class RemoteStageWorker:
         tensors = {"prompt_in": inputs[0].cpu(), "completion_in": inputs[1].cpu()}
         body = TrainForward(micro=micro, version=self._version, last=self.last,
                             total_sequences=loss_inputs.total_sequences if loss_inputs else 0,
-                            total_tokens=loss_inputs.total_tokens if loss_inputs else 0)
+                            total_tokens=loss_inputs.total_tokens if loss_inputs else 0,
+                            total_supervised_tokens=(loss_inputs.total_supervised_tokens
+                                                     if loss_inputs else 0))
         if loss_inputs is not None:
             for name in ("proximal", "reference"):
                 value = getattr(loss_inputs, name)
