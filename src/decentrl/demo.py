@@ -27,6 +27,7 @@ from decentrl.observe.terminal import terminal_text
 # The heavy modules (torch, the swarm, matplotlib) are imported where they are used: `decentrl
 # --help` reads this module's constants and should not wait for them.
 if TYPE_CHECKING:
+    from decentrl.evaluate.runner import EvalResult
     from decentrl.evaluate.suite import Family, SuiteResult
     from decentrl.net.netns import Internet
     from decentrl.swarm.loop import RunSummary
@@ -150,6 +151,31 @@ def before_after_table(summary: RunSummary) -> Table:
     return table
 
 
+def levels_table(before: EvalResult | None, after: EvalResult) -> Table | None:
+    """The held-out results per difficulty level, before and after training; None for an
+    evaluation without levels."""
+    from decentrl.evaluate.suite import level_rows
+
+    rows = level_rows(before, after)
+    if not rows:
+        return None
+    table = Table(title=f"held-out {after.task} per difficulty level (95% CI)")
+    for column in ("level", "", "before", "after", "change"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*map(escape, row))
+    return table
+
+
+def print_evaluation(console: Console, summary: RunSummary) -> None:
+    """The run's own held-out evaluation: before and after, then per difficulty level."""
+    if summary.before is not None:
+        console.print(before_after_table(summary))
+    levels = levels_table(summary.before, summary.after)
+    if levels is not None:
+        console.print(levels)
+
+
 def suite_table(result: SuiteResult) -> Table:
     from decentrl.evaluate.suite import suite_table_rows
 
@@ -201,8 +227,8 @@ def run_local(config: RunConfig, console: Console) -> None:
         summary = loop.run()
     finally:
         loop.close()
+    print_evaluation(console, summary)
     if summary.before is not None:
-        console.print(before_after_table(summary))
         gain = summary.after.pass1.mean - summary.before.pass1.mean
         console.print(f"pass@1 change: {gain * 100:+.1f} points")
     else:
@@ -304,8 +330,7 @@ def _run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | No
         if coordinator is not None:
             coordinator.close()
         swarm.shutdown()
-    if summary.before is not None:
-        console.print(before_after_table(summary))
+    print_evaluation(console, summary)
     if throttle is not None and throttle.throttled_at_step is not None:
         console.print(routing_table(throttle))
         (config.path / "routing_under_throttle.json").write_text(json.dumps(

@@ -13,17 +13,24 @@ are evaluation, so their groups (one row each) go to `on_groups` for spot-checks
 
 An environment is evaluated the same way, a whole episode per sample: pass@1 is the episode
 success rate, and `episodes` adds the pass@1 episodes' mean turns, tool calls per episode and
-the share of calls that were malformed. An episode the token budget cut short is a failure."""
+the share of calls that were malformed. An episode the token budget cut short is a failure.
+
+`EvalResult.levels` splits all of it by difficulty level (`tasks.base.difficulty_of`), and for
+problems that carry an ideal chain of intermediate results (the calculator's multi-step stories)
+tallies how many leading steps of it each pass@1 episode reached: where a chain breaks."""
 
 from __future__ import annotations
 
+import re
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from decentrl.envs import Environment
+from decentrl.envs.base import Message
 from decentrl.evaluate.stats import Accuracy, pass_at_k
 from decentrl.rollout.chain import InferenceChain, InferenceSession
 from decentrl.rollout.episodes import generate_episodes
@@ -31,6 +38,12 @@ from decentrl.rollout.generate import generate, rollout_group
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import RolloutGroup
 from decentrl.tasks import Problem, Task, problems, render_prompt
+from decentrl.tasks.base import difficulty_of
+
+# How many leading steps of a problem's ideal chain (its intermediate results) a finished
+# conversation reached, or None for a problem without one (envs/calculator.py
+# `chain_steps_reached`).
+ChainProgress = Callable[[Problem, list[Message]], int | None]
 
 
 @dataclass
@@ -55,6 +68,21 @@ class Outcomes:
     tool_calls: list[int]
     invalid_calls: list[int]
     cut: list[bool]  # an episode the budget ended (False for a single-turn task)
+    chain_steps: list[int | None]  # leading chain steps reached; None: no chain, or a task
+
+
+@dataclass
+class LevelStats:
+    """One difficulty level's share of an evaluation: its problems, and what its pass@1 samples
+    (and greedy rows) did."""
+
+    problems: int
+    pass1: Accuracy  # over the level's pass@1 samples, with EvalResult.pass1's interval
+    greedy_pass1: Accuracy | None = None  # with a training shape's greedy rows
+    episodes: EpisodeStats | None = None  # for an environment
+    # Pass@1 episodes by the number of leading chain steps they reached ("0", "1", ... up to
+    # the most any reached); None where no problem of the level has a chain.
+    chain_steps: dict[str, int] | None = None
 
 
 @dataclass
@@ -71,6 +99,8 @@ class EvalResult:
     pass1_temperature: float | None = None  # None: greedy pass@1
     # A training-shaped evaluation's greedy pass@1 beside its sampled one (TrainingShape.greedy).
     greedy_pass1: Accuracy | None = None
+    # Per difficulty level, in `level_order`; empty in files from before levels.
+    levels: dict[str, LevelStats] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +129,14 @@ def episode_rows(before: EvalResult | None, after: EvalResult | None) -> list[li
         ["cut by the token budget", *cells(
             lambda r, e: f"{e.cut_by_budget} of {e.played or r.problems}")],
     ]
+
+
+def level_order(level: str) -> list[str | int]:
+    """Sort key of a level's name with its numbers compared as numbers: "2 steps" before
+    "10 steps" (tasks.base.difficulty_of's buckets name their size)."""
+    # Split on a capture group: text at even places, numbers at odd ones, so keys compare.
+    return [int(part) if place % 2 else part
+            for place, part in enumerate(re.split(r"(\d+)", level))]
 
 
 # Where a training-shaped evaluation's seed indices start (see `training_shaped_jobs`).
@@ -186,7 +224,8 @@ def training_shaped_jobs(items: list[Problem], shape: TrainingShape, pass_k: int
 
 
 def _judge(chain: InferenceChain, task: Task | Environment, split: str, job: Job, tokenizer: Any,
-           max_new_tokens: int, on_groups: OnGroups | None) -> Outcomes:
+           max_new_tokens: int, on_groups: OnGroups | None,
+           chain_progress: ChainProgress | None) -> Outcomes:
     rows = [p for p in job.problems for _ in range(job.repeats)]
     sessions: list[InferenceSession] = []
     if isinstance(task, Environment):
@@ -200,7 +239,9 @@ def _judge(chain: InferenceChain, task: Task | Environment, split: str, job: Job
             lengths=[len(g.tokens) for g in generations],
             turns=[e.turns for e in episodes], tool_calls=[e.tool_calls for e in episodes],
             invalid_calls=[e.invalid_calls for e in episodes],
-            cut=[p.reward is None for p in played])
+            cut=[p.reward is None for p in played],
+            chain_steps=[chain_progress(e.problem, e.messages()) if chain_progress is not None
+                         else None for e in episodes])
     else:
         prompts = [render_prompt(task, p, tokenizer) for p in rows]
         generations = generate(chain, prompts, max_new_tokens, job.sampling,
@@ -211,7 +252,8 @@ def _judge(chain: InferenceChain, task: Task | Environment, split: str, job: Job
         outcomes = Outcomes(
             solved=[task.reward(p, text).solved for p, text in zip(rows, texts)], texts=texts,
             lengths=[len(g.tokens) for g in generations], turns=[1] * count,
-            tool_calls=[0] * count, invalid_calls=[0] * count, cut=[False] * count)
+            tool_calls=[0] * count, invalid_calls=[0] * count, cut=[False] * count,
+            chain_steps=[None] * count)
     if on_groups is not None and job.tag is not None and job.seed is not None:
         rows_of = [slice(number * job.repeats, (number + 1) * job.repeats)
                    for number in range(len(job.problems))]
@@ -221,11 +263,50 @@ def _judge(chain: InferenceChain, task: Task | Environment, split: str, job: Job
     return outcomes
 
 
+def calculator_chain_progress() -> ChainProgress | None:
+    """envs/calculator.py's `chain_steps_reached`, or None where this checkout's calculator has
+    none (its stories then carry no chain)."""
+    try:
+        from decentrl.envs.calculator import chain_steps_reached
+    except ImportError:
+        return None
+    return chain_steps_reached
+
+
+def pass1_accuracy(solved: list[list[bool]], sampled: bool) -> Accuracy:
+    """pass@1 over problems' pass@1 samples: greedy (one sample each), the share solved with its
+    Wilson interval; sampled, the mean of each problem's success rate with its normal one."""
+    if sampled:
+        return Accuracy.from_values([sum(samples) / len(samples) for samples in solved])
+    flat = [sample for samples in solved for sample in samples]
+    return Accuracy.from_counts(sum(flat), len(flat))
+
+
+def episode_stats(outcomes: Outcomes, rows: list[int]) -> EpisodeStats:
+    """What the agent did in these rows of `outcomes`."""
+    calls = sum(outcomes.tool_calls[row] for row in rows)
+    return EpisodeStats(
+        mean_turns=sum(outcomes.turns[row] for row in rows) / len(rows),
+        mean_tool_calls=calls / len(rows),
+        invalid_call_rate=(sum(outcomes.invalid_calls[row] for row in rows) / calls if calls
+                           else None),
+        cut_by_budget=sum(outcomes.cut[row] for row in rows), played=len(rows))
+
+
+def chain_step_counts(steps: list[int | None]) -> dict[str, int] | None:
+    """Episodes per number of chain steps reached, every count from 0 to the most reached."""
+    reached = Counter(step for step in steps if step is not None)
+    if not reached:
+        return None
+    return {str(step): reached[step] for step in range(max(reached) + 1)}
+
+
 def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, num_problems: int,
              max_new_tokens: int, batch_size: int, pass_k: int = 1, seed: int = 0,
              split: str = "heldout", progress: Callable[[int, int], None] | None = None,
              concurrency: int = 1, shape: TrainingShape | None = None,
-             on_groups: OnGroups | None = None, retry: Retry | None = None) -> EvalResult:
+             on_groups: OnGroups | None = None, retry: Retry | None = None,
+             chain_progress: ChainProgress | None = None) -> EvalResult:
     """`progress`, if given, is called with (generations done, generations in all).
     Without `shape`: one greedy generation per problem for pass@1, in batches of `batch_size`,
     and `pass_k` sampled ones when pass_k > 1. With `shape`: training-shaped sessions (see
@@ -233,13 +314,17 @@ def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, nu
     generated (a greedy session's too: a group of one row per problem).
     `concurrency` > 1 runs that many sessions at once (over a swarm, so hop latency is hidden
     and every replica works); the result does not depend on it. A session that fails is run
-    again while `retry` returns."""
+    again while `retry` returns. `chain_progress` reads each finished episode's chain steps
+    (default: the calculator's, `calculator_chain_progress`)."""
     if num_problems < 1 or batch_size < 1:
         raise ValueError(f"num_problems and batch_size must be >= 1, got {num_problems} and "
                          f"{batch_size}")
     items = problems(task, split, num_problems)  # type: ignore[arg-type]
     jobs = (greedy_jobs(items, batch_size, pass_k, seed) if shape is None
             else training_shaped_jobs(items, shape, pass_k, seed))
+    environment = isinstance(task, Environment)
+    if environment and chain_progress is None:
+        chain_progress = calculator_chain_progress()
     done, total = 0, sum(len(job.problems) * job.repeats for job in jobs)
     lock = threading.Lock()
 
@@ -248,7 +333,8 @@ def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, nu
         failures = 0
         while True:
             try:
-                out = _judge(chain, task, split, job, tokenizer, max_new_tokens, on_groups)
+                out = _judge(chain, task, split, job, tokenizer, max_new_tokens, on_groups,
+                             chain_progress)
                 break
             except Exception as error:
                 failures += 1
@@ -263,23 +349,27 @@ def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, nu
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         results = list(pool.map(run, jobs))
-    pass1 = Outcomes([], [], [], [], [], [], [])
+    pass1 = Outcomes([], [], [], [], [], [], [], [])
+    pass1_problem: list[int] = []  # which problem each row of `pass1` is
     pass1_solved: list[list[bool]] = [[] for _ in items]
     sampled_solved: list[list[bool]] = [[] for _ in items]
-    greedy_solved: list[bool] = []
+    greedy_solved: list[list[bool]] = [[] for _ in items]
     samples: list[dict[str, Any]] = []
     for job, out in zip(jobs, results):
-        if job.tag == GREEDY_TAG:
-            greedy_solved += out.solved
-            continue
         for row, solved in enumerate(out.solved):
             problem = job.first + row // job.repeats
-            (pass1_solved if job.for_pass1 else sampled_solved)[problem].append(solved)
-            if shape is not None:
+            if job.tag == GREEDY_TAG:
+                greedy_solved[problem].append(solved)
+            elif job.for_pass1:
+                pass1_solved[problem].append(solved)
+                pass1_problem.append(problem)
+                if shape is not None:  # a training shape's samples make pass@k too
+                    sampled_solved[problem].append(solved)
+            else:
                 sampled_solved[problem].append(solved)
         if job.for_pass1:
-            for field in vars(pass1):
-                getattr(pass1, field).extend(getattr(out, field))
+            for name in vars(pass1):
+                getattr(pass1, name).extend(getattr(out, name))
             # The first sample of each problem, for the report.
             samples += [{"question": p.question, "completion": out.texts[i * job.repeats],
                          "correct": out.solved[i * job.repeats]}
@@ -288,21 +378,25 @@ def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, nu
     if pass_k > 1:
         pass_k_accuracy = Accuracy.from_values(
             [pass_at_k(len(s), sum(s), pass_k) for s in sampled_solved])
-    episodes = None
-    if isinstance(task, Environment):
-        calls = sum(pass1.tool_calls)
-        episodes = EpisodeStats(
-            mean_turns=sum(pass1.turns) / len(pass1.turns),
-            mean_tool_calls=calls / len(pass1.turns),
-            invalid_call_rate=sum(pass1.invalid_calls) / calls if calls else None,
-            cut_by_budget=sum(pass1.cut), played=len(pass1.cut))
+    greedy = shape is not None and shape.greedy
+    level_of = [difficulty_of(problem) for problem in items]
+    levels: dict[str, LevelStats] = {}
+    for level in sorted(set(level_of), key=level_order):
+        members = [i for i, name in enumerate(level_of) if name == level]
+        rows = [row for row, problem in enumerate(pass1_problem) if level_of[problem] == level]
+        levels[level] = LevelStats(
+            problems=len(members),
+            pass1=pass1_accuracy([pass1_solved[i] for i in members], shape is not None),
+            greedy_pass1=(pass1_accuracy([greedy_solved[i] for i in members], False) if greedy
+                          else None),
+            episodes=episode_stats(pass1, rows) if environment else None,
+            chain_steps=chain_step_counts([pass1.chain_steps[row] for row in rows]))
     return EvalResult(
         task=task.name, split=split, problems=len(items),
-        pass1=(Accuracy.from_counts(sum(pass1.solved), len(pass1.solved)) if shape is None
-               else Accuracy.from_values([sum(s) / len(s) for s in pass1_solved])),
+        pass1=pass1_accuracy(pass1_solved, shape is not None),
         pass_k=pass_k_accuracy, k=pass_k,
         mean_completion_tokens=sum(pass1.lengths) / len(pass1.lengths), samples=samples,
-        episodes=episodes,
+        episodes=episode_stats(pass1, list(range(len(pass1.solved)))) if environment else None,
         pass1_temperature=None if shape is None else shape.sampling.temperature,
-        greedy_pass1=(Accuracy.from_counts(sum(greedy_solved), len(greedy_solved))
-                      if greedy_solved else None))
+        greedy_pass1=pass1_accuracy(greedy_solved, False) if greedy else None,
+        levels=levels)

@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from decentrl.device import compute_dtype, pick_device
@@ -36,6 +37,7 @@ from decentrl.evaluate.runner import (
     EvalResult,
     episode_rows,
     evaluate,
+    level_order,
     pass1_label,
 )
 from decentrl.evaluate.stats import Z_95, Accuracy, difference_interval
@@ -115,10 +117,9 @@ class SuiteResult:
 
 
 def eval_result_from_json(data: dict[str, Any]) -> EvalResult:
-    episodes = data.get("episodes")
-    return EvalResult(**{**data, "pass1": Accuracy(**data["pass1"]),
-                         "pass_k": Accuracy(**data["pass_k"]) if data["pass_k"] else None,
-                         "episodes": EpisodeStats(**episodes) if episodes else None})
+    """An EvalResult's `to_json`, nested results included; a field newer than the file takes its
+    default."""
+    return msgspec.convert(data, EvalResult)
 
 
 def interval_from_json(data: dict[str, Any] | None) -> Interval | None:
@@ -251,6 +252,68 @@ def percent_change(change: Interval) -> str:
             f"{100 * change.high:+.1f}]")
 
 
+def accuracy_row(label: str, before: Accuracy | None, after: Accuracy | None,
+                 change_of: Callable[[Accuracy, Accuracy], Interval]) -> list[str]:
+    """[label, before, after, change]; `change_of(after, before)` is the change's interval."""
+    change = percent_change(change_of(after, before)) if before and after else "-"
+    return [label, before.as_percent() if before else "-", after.as_percent() if after else "-",
+            change]
+
+
+def episodes_text(episodes: EpisodeStats) -> str:
+    """"2.10 · 1.30 · 12.0%": turns and tool calls per episode, the share of calls invalid."""
+    invalid = ("-" if episodes.invalid_call_rate is None
+               else f"{100 * episodes.invalid_call_rate:.1f}%")
+    return f"{episodes.mean_turns:.2f} · {episodes.mean_tool_calls:.2f} · {invalid}"
+
+
+def chain_steps_text(counts: dict[str, int]) -> str:
+    """"step 1 60%, step 2 10% (of 40)": the share of episodes that reached at least each step
+    of the chain."""
+    total = sum(counts.values())
+
+    def share(step: int) -> str:
+        reached = sum(episodes for steps, episodes in counts.items() if int(steps) >= step)
+        return f"step {step} {100 * reached / total:.0f}%"
+
+    shares = ", ".join(share(step) for step in range(1, max(map(int, counts)) + 1))
+    return f"{shares or 'no step'} (of {total})"
+
+
+def level_rows(before: EvalResult | None, after: EvalResult | None) -> list[list[str]]:
+    """Rows [level, metric, before, after, change] per difficulty level of either result (none
+    for files from before levels): pass@1, greedy pass@1 beside a sampled one, and for an
+    environment what its episodes did and how far along their chain they got. A level's name
+    and problem count are on its first row only."""
+    shown = after or before
+    if shown is None:
+        return []
+    change_of = pass1_change if shown.pass1_temperature is None else mean_change
+    rows: list[list[str]] = []
+    for name in sorted({*(before.levels if before else ()), *(after.levels if after else ())},
+                       key=level_order):
+        old = before.levels.get(name) if before else None
+        new = after.levels.get(name) if after else None
+        level = new or old
+        assert level is not None  # the name is one of theirs
+        label = f"{name} ({level.problems} problems)"
+        rows.append([label, *accuracy_row(pass1_label(shown), old.pass1 if old else None,
+                                          new.pass1 if new else None, change_of)])
+        if level.greedy_pass1 is not None:
+            rows.append(["", *accuracy_row("pass@1 (greedy)", old.greedy_pass1 if old else None,
+                                           new.greedy_pass1 if new else None,
+                                           pass1_change)])
+        if level.episodes is not None:
+            rows.append(["", "turns · tool calls · invalid-call rate",
+                         *(episodes_text(stats.episodes) if stats and stats.episodes else "-"
+                           for stats in (old, new)), "-"])
+        if any(stats and stats.chain_steps for stats in (old, new)):
+            rows.append(["", "episodes that reached chain step",
+                         *(chain_steps_text(stats.chain_steps) if stats and stats.chain_steps
+                           else "-" for stats in (old, new)), "-"])
+    return rows
+
+
 def suite_table_rows(result: SuiteResult) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the result table: per family pass@1 and pass@k, then the general set.
     With a base the columns are base, model and change; without one, only the model."""
@@ -276,6 +339,12 @@ def suite_table_rows(result: SuiteResult) -> tuple[list[str], list[list[str]]]:
         for metric, before_cell, after_cell in episode_rows(item.base, item.model):
             rows.append(["", metric, *([before_cell, after_cell, ""] if with_base
                                        else [after_cell])])
+        level = ""
+        for label, metric, before_cell, after_cell, change_cell in level_rows(item.base,
+                                                                               item.model):
+            level = label or level
+            rows.append(["", f"{level}: {metric}", *([before_cell, after_cell, change_cell]
+                                                     if with_base else [after_cell])])
     general = result.general
     name = f"general set ({general.prompts} prompts, {general.tokens} tokens)"
     if general.base_perplexity is not None and general.kl is not None:

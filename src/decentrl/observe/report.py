@@ -11,7 +11,7 @@ import json
 import math
 import sqlite3
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +22,13 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from decentrl.config import RunConfig, load_config
-from decentrl.evaluate.divergence import Interval
 from decentrl.evaluate.runner import EvalResult, episode_rows, pass1_label
-from decentrl.evaluate.stats import Accuracy
 from decentrl.evaluate.suite import (
     SuiteResult,
+    accuracy_row,
+    level_rows,
     mean_change,
     pass1_change,
-    percent_change,
     suite_table_markdown,
 )
 from decentrl.net.text import peer_text
@@ -260,14 +259,6 @@ def image(path: Path, alt: str) -> str:
 # ------------------------------------------------------------------------ before/after table
 
 
-def accuracy_row(label: str, before: Accuracy | None, after: Accuracy | None,
-                 change_of: Callable[[Accuracy, Accuracy], Interval]) -> list[str]:
-    """`change_of(after, before)`: the suite's interval of the change, the one its table shows."""
-    change = percent_change(change_of(after, before)) if before and after else "-"
-    return [label, before.as_percent() if before else "-", after.as_percent() if after else "-",
-            change]
-
-
 def held_out_table(before: EvalResult | None, after: EvalResult | None) -> str:
     """pass@1 and pass@k of the run's own held-out evaluation, before and after training."""
     shown = after or before
@@ -286,8 +277,14 @@ def held_out_table(before: EvalResult | None, after: EvalResult | None) -> str:
                  *(number(r.mean_completion_tokens, 1) if r else "-" for r in (before, after)),
                  "-"])
     rows += [[*row, "-"] for row in episode_rows(before, after)]
-    return (f"Held-out `{shown.task}`, {shown.problems} problems, 95% confidence intervals "
+    text = (f"Held-out `{shown.task}`, {shown.problems} problems, 95% confidence intervals "
             "(change: after - before).\n\n" + table(["", "before", "after", "change"], rows))
+    levels = [[markdown_text(level), *cells] for level, *cells in level_rows(before, after)]
+    if levels:
+        text += ("\n\nPer difficulty level (turns and tool calls per episode; the share of "
+                 "episodes whose tool results reached each step of the ideal chain):\n\n"
+                 + table(["level", "", "before", "after", "change"], levels))
+    return text
 
 
 def evaluation_section(run_dir: Path, before: EvalResult | None,
@@ -300,7 +297,7 @@ def evaluation_section(run_dir: Path, before: EvalResult | None,
         return "## Before and after\n\n" + own
     try:
         result = SuiteResult.from_json(json.loads(suite.read_text()))
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
+    except (json.JSONDecodeError, KeyError, TypeError, msgspec.ValidationError) as error:
         raise ValueError(f"{suite}: not an evaluation suite result: {error!r}") from None
     base = markdown_text(result.base or "")
     return (f"## Before and after\n\nThe exported model against `{base}`, held-out problems, "
