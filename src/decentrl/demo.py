@@ -73,28 +73,45 @@ DEMO_CONFIG = {
 }
 
 
-# The agentic demo: arithmetic word problems with the python tool, in episodes of up to three
-# turns. SmolLM2-135M never calls a tool unaided (0 of 32 episodes); with the first call's opening
-# prefilled and one worked example as real turns it solves about half of the one-step stories
-# greedily, and the tool's format is there for RL to sharpen. Episodes are long (about 450 prompt
-# tokens with the tool schema and the example), so fewer, smaller groups make a step.
+# The agentic demos: word problems with the python tool (one, two and three chained calls), and
+# countdown with the check tool. SmolLM2-135M never calls a tool unaided (0 of 32 episodes); with
+# the first call's opening prefilled and one worked example as real turns it solves about half of
+# the one-step stories greedily, and none of the chained ones: neither it nor RL alone ever
+# chained two calls (issue #7). So a run first learns from the environment's own demonstrations
+# (a scripted solver's transcripts of train problems, `supervised`), then RL takes over with a
+# few demonstrations in every step; the curriculum hands out the levels whose groups vary.
+# Episodes are long (about 450 prompt tokens with the tool schema and the example, up to ~170
+# completion tokens for three calls), so fewer, smaller groups make a step.
 AGENTIC_TASK = {"name": "agentic-calculator",
-                "options": {"stories": ["purchase", "distance"], "prefill_first_call": True,
-                            "worked_example": True, "max_turns": 3}}
+                "options": {"stories": ["purchase", "distance", "shopping", "travel", "saving",
+                                        "baking", "ages"],
+                            "prefill_first_call": True, "worked_example": True, "max_turns": 4,
+                            # Per call whose result a later call or the answer uses, up to 0.1
+                            # an episode: the path is paid, never as much as the answer.
+                            "used_result_bonus": 0.05, "max_shaping": 0.1}}
+COUNTDOWN_TASK = {"name": "agentic-countdown",
+                  "options": {"prefill_first_call": True, "max_turns": 6, "max_tool_calls": 6,
+                              "used_result_bonus": 0.0}}
 AGENTIC_DEMO_CHANGES: dict[str, Any] = {
     "task": AGENTIC_TASK,
-    # Sampled at T=1, 3-19% of episodes succeed per step where greedy decoding solves 50%, yet
-    # the greedy success rose more than at T=0.7 (+20 against +11 points, one run each): T=1
-    # samples the long, rambling turns that RL then removes (16 of 64 cut by the budget -> 0).
-    "rollout": {"group_size": 8, "prompts_per_step": 4, "max_new_tokens": 80},
-    # Most groups of sampled episodes fail entirely, and a step already takes about 85 s: filling
-    # batches with varied groups could cost up to 4x that per step (not measured), so not here.
-    # The learning rate and staleness bound its runs were measured with (issue #7).
-    "train": {"micro_batch_size": 8, "dynamic_sampling": False, "lr": 3e-5, "max_staleness": 2},
-    "eval": {"task": AGENTIC_TASK, "problems": 64, "pass_k": 1, "max_new_tokens": 80,
+    # Sampled at T=1: T=1 samples the long, rambling turns that RL then removes (issue #7: +20
+    # against +11 points at T=0.7, one run each).
+    "rollout": {"group_size": 8, "prompts_per_step": 4, "max_new_tokens": 192},
+    "curriculum": {"enabled": True, "replay_share": 0.5, "max_replays": 6},
+    # Demonstrations at 5x the RL learning rate for the warm-up, then 4 beside every RL batch so
+    # that RL cannot forget the format while it sharpens the solutions.
+    "supervised": {"warmup_steps": 24, "rows_per_step": 16, "lr": 5e-5, "interleave_rows": 4},
+    # Longer than the sums demo: warm-up steps take ~20 s and RL steps minutes on 2 cores.
+    "train": {"micro_batch_size": 8, "dynamic_sampling": False, "time_budget_s": 1800},
+    "eval": {"task": AGENTIC_TASK, "problems": 70, "pass_k": 1, "max_new_tokens": 192,
              "batch_size": 16},
 }
-DEMO_TASKS = ("sums", AGENTIC_TASK["name"])
+COUNTDOWN_DEMO_CHANGES: dict[str, Any] = {
+    **AGENTIC_DEMO_CHANGES,
+    "task": COUNTDOWN_TASK,
+    "eval": {**AGENTIC_DEMO_CHANGES["eval"], "task": COUNTDOWN_TASK, "problems": 64},
+}
+DEMO_TASKS = ("sums", AGENTIC_TASK["name"], COUNTDOWN_TASK["name"])
 # With the hostile peers beside the honest ones, about 20 processes share this machine's cores
 # and a peer's 2-second announcement round can slip past its 10-second lifetime: honest peers
 # then "leave" and "join" over and over. Announcing every 5 s gives each entry 25 s.
@@ -104,9 +121,12 @@ ADVERSARIES_ANNOUNCE_EVERY_S = 5.0
 def demo_config(task: str) -> dict[str, Any]:
     """The demo's config for `task` (one of DEMO_TASKS)."""
     data = json.loads(json.dumps(DEMO_CONFIG))
-    if task == AGENTIC_TASK["name"]:
-        for section, changes in AGENTIC_DEMO_CHANGES.items():
-            data[section] = {**data[section], **changes} if section != "task" else changes
+    agentic = {AGENTIC_TASK["name"]: AGENTIC_DEMO_CHANGES,
+               COUNTDOWN_TASK["name"]: COUNTDOWN_DEMO_CHANGES}
+    if task in agentic:
+        for section, changes in agentic[task].items():
+            data[section] = {**data.get(section, {}), **changes} if section != "task" \
+                else changes
     elif task != "sums":
         raise ValueError(f"the demo runs one of {', '.join(DEMO_TASKS)}, not {task!r}")
     return data
@@ -151,16 +171,18 @@ def before_after_table(summary: RunSummary) -> Table:
     return table
 
 
-def levels_table(before: EvalResult | None, after: EvalResult) -> Table | None:
-    """The held-out results per difficulty level, before and after training; None for an
-    evaluation without levels."""
+def levels_table(before: EvalResult | None, after: EvalResult,
+                 names: tuple[str, str] = ("before", "after")) -> Table | None:
+    """The held-out results per difficulty level, before and after training (or the two
+    evaluations `names` says); None for an evaluation without levels."""
     from decentrl.evaluate.suite import level_rows
 
     rows = level_rows(before, after)
     if not rows:
         return None
-    table = Table(title=f"held-out {after.task} per difficulty level (95% CI)")
-    for column in ("level", "", "before", "after", "change"):
+    table = Table(title=f"held-out {after.task} per difficulty level, {names[0]} -> {names[1]} "
+                        "(95% CI)")
+    for column in ("level", "", *names, "change"):
         table.add_column(column)
     for row in rows:
         table.add_row(*map(escape, row))
@@ -168,12 +190,19 @@ def levels_table(before: EvalResult | None, after: EvalResult) -> Table | None:
 
 
 def print_evaluation(console: Console, summary: RunSummary) -> None:
-    """The run's own held-out evaluation: before and after, then per difficulty level."""
+    """The run's own held-out evaluation: before and after, then per difficulty level (with a
+    supervised warm-up: before -> after it, and after it -> after RL)."""
     if summary.before is not None:
         console.print(before_after_table(summary))
-    levels = levels_table(summary.before, summary.after)
-    if levels is not None:
-        console.print(levels)
+    stages = ([(summary.before, summary.warmup, ("before", "after warm-up")),
+               (summary.warmup, summary.after, ("after warm-up", "after RL"))]
+              if summary.warmup is not None else [(summary.before, summary.after,
+                                                   ("before", "after"))])
+    for before, after, names in stages:
+        assert after is not None  # the warm-up's when there is one, else the run's last
+        levels = levels_table(before, after, names)
+        if levels is not None:
+            console.print(levels)
 
 
 def suite_table(result: SuiteResult) -> Table:

@@ -98,6 +98,8 @@ class RunSummary:
     trust: dict[str, int] = field(default_factory=dict)  # spot-checks, flags, bans, refusals
     banned: dict[str, str] = field(default_factory=dict)  # peer id -> the event that tipped it
     dashboard_url: str | None = None
+    # After the supervised warm-up, when this process finished it (supervised.warmup_steps).
+    warmup: EvalResult | None = None
 
 
 class Gate(Protocol):
@@ -287,6 +289,7 @@ class TrainingLoop(Generic[AnyBackend]):
         self.generation_errors = 0
         self.generation_error: BaseException | None = None
         self.training_started = time.time()  # again when `run` starts training
+        self.warmup_result: EvalResult | None = None
 
     @property
     def trainer(self) -> PipelineTrainer:
@@ -734,7 +737,8 @@ class TrainingLoop(Generic[AnyBackend]):
         wall = time.time() - started
         after = self.evaluate("after", config.eval.pass_k)
         self._write_evaluation("eval_after.json", after)
-        summary = RunSummary(self.path, self.step, wall, before, after, self.recoveries)
+        summary = RunSummary(self.path, self.step, wall, before, after, self.recoveries,
+                             warmup=self.warmup_result)
         return self.backend.finish(summary)
 
     def _budget_spent(self) -> bool:
@@ -754,8 +758,8 @@ class TrainingLoop(Generic[AnyBackend]):
                 update(self.step, description=f"supervised warm-up: step {self.step}")
         if self.step < steps:  # the budget ran out first: no RL step will run either
             return
-        result = self.evaluate("after warm-up", self.config.eval.pass_k)
-        self._write_evaluation("eval_warmup.json", result)
+        self.warmup_result = self.evaluate("after warm-up", self.config.eval.pass_k)
+        self._write_evaluation("eval_warmup.json", self.warmup_result)
 
     def _train(self) -> None:
         config = self.config
