@@ -13,7 +13,8 @@ the last is the answer) and its difficulty is the chain's length ("1 step", "2 s
 `stories` picks the kinds of story: by default the multi-step ones, ALL_STORIES mixes every level
 (a curriculum then picks levels by measured success). With `prefill_first_call` the first turn
 starts with the opening of a python call (see ToolEpisode). The environment is `Demonstrating`:
-its demonstrations make the chain's calls, then answer.
+its demonstrations make the chain's calls, then answer. `valid_call_bonus`, `used_result_bonus`
+and `max_shaping` set the reward shaping of tool_calls.py (off by default).
 
 The split key is the story's template and numbers ("shopping:3,45,2,18,200"), not the names or
 items in it: two stories that differ only in who buys what share a split.

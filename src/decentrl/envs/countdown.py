@@ -18,7 +18,8 @@ mixes three levels in one environment for a curriculum to pick from.
 
 The environment is `Demonstrating`: `solve_countdown` finds an expression by brute force (exact
 fractions, integer intermediate results first); a demonstration checks it, now and then after one
-wrong candidate, and answers with it.
+wrong candidate, and answers with it. `valid_call_bonus`, `used_result_bonus` and `max_shaping`
+set the reward shaping of tool_calls.py (off by default; a check's result is its value).
 
 reasoning-gym's own countdown scorer is not used: it parses answers with sympy's parse_expr,
 which evaluates model text in this process, and it demands every number be used.
