@@ -76,6 +76,7 @@ INSTRUCTIONS = (
 )
 
 
+CHECK_TOOL_NAME = "check"
 # How often a demonstration first checks a wrong candidate, to show the model how to revise.
 REVISION_SHARE = 0.3
 CHECK_PHRASES = ("Let me check {expression}.", "I'll try {expression}.",
@@ -96,6 +97,10 @@ class Term:
     value: Fraction
     expression: str
     top: str  # the expression's outermost operator, or "number"
+
+
+def number_term(number: int) -> Term:
+    return Term(Fraction(number), str(number), "number")
 
 
 def joined(left: Term, operator: str, right: Term) -> Term:
@@ -150,7 +155,7 @@ def solve_countdown(numbers: list[int], target: int) -> str | None:
     """An expression of some of `numbers` (each at most once), + - * / and parentheses, whose
     exact value is `target`; one whose every intermediate result is a natural number if there
     is one. None when there is none."""
-    terms = [Term(Fraction(number), str(number), "number") for number in numbers]
+    terms = [number_term(number) for number in numbers]
     for naturals_only in (True, False):
         found = search(terms, target, naturals_only, set())
         if found is not None:
@@ -225,7 +230,7 @@ class CountdownEpisode(ToolEpisode):
         self.require_check = require_check
         self.confirmed: set[str] = set()  # normalized expressions the tool found to solve it
         tool = Tool(
-            name="check",
+            name=CHECK_TOOL_NAME,
             description="Evaluate a candidate countdown expression; report its value, whether "
             "it uses only the given numbers (each at most once) and whether it reaches the "
             "target.",
@@ -342,15 +347,14 @@ class CountdownEnvironment:
         solution = solve_countdown(numbers, target) or problem.answer
         candidates = []
         if self.max_turns >= 3 and self.max_tool_calls >= 2 and rng.random() < REVISION_SHARE:
-            wrong = [joined(Term(Fraction(a), str(a), "number"), operator,
-                            Term(Fraction(b), str(b), "number"))
+            pairs = [joined(number_term(a), operator, number_term(b))
                      for a, b in combinations(numbers, 2) for operator in "+*"]
-            wrong = [term for term in wrong if term.value != target]
+            wrong = [term for term in pairs if term.value != target]
             if wrong:
                 candidates.append(rng.choice(wrong))
         turns = []
         for position, expression in enumerate([*(t.expression for t in candidates), solution]):
-            call = written_call("check", {"expression": expression})
+            call = written_call(CHECK_TOOL_NAME, {"expression": expression})
             if position == 0 and self.prefill_first_call:
                 turns.append(call)  # the prefill is the call's opening: no prose before it
             elif position == 0:

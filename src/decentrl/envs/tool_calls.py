@@ -355,19 +355,19 @@ class ToolEpisode(ABC):
         invalid = sum(1 for attempt in parsed if attempt.error is not None)
         self.tool_calls += len(parsed)
         self.invalid_calls += invalid
-        penalty = -self.invalid_call_penalty * invalid if invalid else 0.0  # not -0.0
+        penalty_signal = -self.invalid_call_penalty * invalid if invalid else 0.0  # not -0.0
         if not parsed:  # the final answer: no call, so no penalty
             earned = self.shaping.used_result_bonus if self._uses_result(assistant_text) else 0.0
             return self._finish("answer", assistant_text, self._paid(earned))
         if self.tool_calls > self.max_tool_calls:
-            return self._finish("tool_call_limit", strip_tool_calls(assistant_text), penalty)
+            return self._finish("tool_call_limit", strip_tool_calls(assistant_text), penalty_signal)
         if self.turns >= self.max_turns:
-            return self._finish("turn_limit", strip_tool_calls(assistant_text), penalty)
+            return self._finish("turn_limit", strip_tool_calls(assistant_text), penalty_signal)
         observations, succeeded = self._observe(parsed, recorded)
         appended = self._answer(observations)
         self._messages.extend(appended)
         return EnvStep(messages=[dict(m) for m in appended], done=False, reward=None,
-                       turn_signal=self._call_shaping(succeeded) + penalty)
+                       turn_signal=self._call_shaping(succeeded) + penalty_signal)
 
     def result_text(self, output: str) -> str:
         """The part of a successful call's output whose numbers are its results (shaping)."""
