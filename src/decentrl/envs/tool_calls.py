@@ -360,7 +360,8 @@ class ToolEpisode(ABC):
             earned = self.shaping.used_result_bonus if self._uses_result(assistant_text) else 0.0
             return self._finish("answer", assistant_text, self._paid(earned))
         if self.tool_calls > self.max_tool_calls:
-            return self._finish("tool_call_limit", strip_tool_calls(assistant_text), penalty_signal)
+            return self._finish("tool_call_limit", strip_tool_calls(assistant_text),
+                                penalty_signal)
         if self.turns >= self.max_turns:
             return self._finish("turn_limit", strip_tool_calls(assistant_text), penalty_signal)
         observations, succeeded = self._observe(parsed, recorded)
