@@ -66,6 +66,11 @@ def assert_ideal(result: EpisodeResult, episode: Episode) -> None:
     assert parse_tool_calls(turns[-1], tools) == [] and "<answer>" in turns[-1]
 
 
+def scripted_turns(turns: list[str]) -> Callable[[list[Message]], str]:
+    remaining = list(turns)
+    return lambda messages: remaining.pop(0)
+
+
 # --- the calculator's chains ---------------------------------------------------------------------
 
 
@@ -180,11 +185,6 @@ def test_chain_steps_reached_says_which_step_breaks() -> None:
     assert chain_steps_reached(episode.problem, messages) == 1
     countdown = CountdownEnvironment().problem("train", 0)
     assert chain_steps_reached(countdown, messages) is None
-
-
-def scripted_turns(turns: list[str]) -> Callable[[list[Message]], str]:
-    remaining = list(turns)
-    return lambda messages: remaining.pop(0)
 
 
 # --- countdown -----------------------------------------------------------------------------------
