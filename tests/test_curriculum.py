@@ -329,7 +329,7 @@ def test_difficulty_buckets_of_the_tasks_and_environments() -> None:
     assert difficulty_of(problem) == sums_difficulty(problem.metadata["operands"])
     assert bucket_of(problem) == f"sums {difficulty_of(problem)}"
     calculator = make_environment("agentic-calculator").problem("train", 0)
-    assert difficulty_of(calculator) == calculator.metadata["story"]
+    assert difficulty_of(calculator) == f"{len(calculator.metadata['chain'])} steps"
     countdown = make_environment("agentic-countdown").problem("train", 0)
     assert difficulty_of(countdown) == f"{len(countdown.metadata['numbers'])} numbers"
     assert difficulty_of(make_environment("task:sums").problem("train", 0)) \

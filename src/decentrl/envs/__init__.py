@@ -3,7 +3,9 @@
 `make_environment("agentic-calculator")` builds the word problems with a Python calculator tool,
 `make_environment("agentic-countdown")` countdown with a checking tool, and
 `make_environment("task:sums", max_digits=3)` any task of `decentrl.tasks` as one turn.
-ENVIRONMENT_NAMES lists the environments we use and test.
+ENVIRONMENT_NAMES lists the environments we use and test. The two agentic ones are
+`Demonstrating`: `play_demonstration(episode, environment.demonstration(problem, rng))` plays a
+scripted ideal episode, for supervised warm-up.
 
 A run trains on either: `make_task_or_environment` builds a Task for a task's name and an
 Environment for an agentic one; rollout workers, ingestion and evaluation take both.
@@ -15,12 +17,14 @@ import inspect
 from typing import Any
 
 from decentrl.envs.base import (
+    Demonstrating,
     Environment,
     EnvStep,
     Episode,
     EpisodeResult,
     Message,
     StopReason,
+    play_demonstration,
     run_episode,
 )
 from decentrl.envs.single_turn import TASK_ENVIRONMENT_PREFIX, TaskEnvironment
@@ -84,6 +88,7 @@ def make_task_or_environment(name: str, options: dict[str, Any]) -> Task | Envir
 __all__ = [
     "AGENTIC_ENVIRONMENTS",
     "ENVIRONMENT_NAMES",
+    "Demonstrating",
     "EnvStep",
     "Environment",
     "Episode",
@@ -92,5 +97,6 @@ __all__ = [
     "StopReason",
     "make_environment",
     "make_task_or_environment",
+    "play_demonstration",
     "run_episode",
 ]

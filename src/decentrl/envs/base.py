@@ -10,6 +10,10 @@ final reward once it is, and an optional per-turn signal.
 
 Every episode ends within `max_turns` assistant turns, so `run_episode` always terminates.
 
+An environment that is also `Demonstrating` can play its own problems: `demonstration` writes the
+assistant turns of an ideal episode (scripted, with varied wording), and `play_demonstration` runs
+them through an episode to give the whole transcript, for supervised warm-up data.
+
 The coordinator scores an episode by replaying it: a fresh episode hears the rollout's assistant
 turns and must answer exactly what the rollout recorded. An answer that depends on the machine (a
 tool call's CPU budget, envs/budget.py) is resolved at replay with `RecordedAnswer`: the episode
@@ -18,7 +22,8 @@ may ask whether an answer it could equally give is the recorded one, and give th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -80,6 +85,17 @@ class Environment(Protocol):
         ...
 
 
+@runtime_checkable
+class Demonstrating(Environment, Protocol):
+    """An environment that can play its own problems."""
+
+    def demonstration(self, problem: Problem, rng: random.Random) -> list[str]:
+        """The assistant turns of an ideal episode of `problem`, wording drawn from `rng`: each
+        turn's full text, the episode's `turn_prefix` included; each turn but the last ends with
+        one tool call, the last answers. `play_demonstration` plays them."""
+        ...
+
+
 @dataclass(frozen=True)
 class EpisodeResult:
     problem: Problem
@@ -113,3 +129,26 @@ def run_episode(episode: Episode, policy: Callable[[list[Message]], str]) -> Epi
         turn_signals=turn_signals,
         stop_reason=episode.stop_reason,
     )
+
+
+def play_demonstration(episode: Episode, turns: Sequence[str]) -> EpisodeResult:
+    """Play scripted `turns` (each a turn's full text, its prefix included) through `episode`,
+    which must end exactly at the last one."""
+    remaining = list(turns)
+
+    def scripted(messages: list[Message]) -> str:
+        if not remaining:
+            raise ValueError(f"the episode of problem {episode.problem.index} goes on after the "
+                             f"{len(turns)} turns of its demonstration")
+        turn, prefix = remaining.pop(0), episode.turn_prefix()
+        if not turn.startswith(prefix):
+            raise ValueError(f"turn {episode.turns + 1} of the demonstration does not start with "
+                             f"the episode's prefill {prefix!r}")
+        return turn[len(prefix):]
+
+    result = run_episode(episode, scripted)
+    if remaining:
+        raise ValueError(f"the episode of problem {episode.problem.index} ended "
+                         f"({result.stop_reason}) after {result.turns} of the {len(turns)} "
+                         "turns of its demonstration")
+    return result

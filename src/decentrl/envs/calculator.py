@@ -6,9 +6,15 @@ on numbers large enough that a small model gains from computing them with the to
 limits). The final answer is the reply without a tool call: the number inside <answer></answer>
 if the reply has the tags, else its last number, read the way the "sums" task reads answers.
 
-`stories` picks the kinds of story: the default five take two to four operations; "purchase" and
-"distance" take one, for models that cannot yet chain calls. With `prefill_first_call` the first
-turn starts with the opening of a python call (see ToolEpisode).
+Each story has an ideal chain of calls (`story_chain`): one for "purchase" and "distance", two
+for "shopping", "travel" and "saving", three for "baking" and "ages", each later call writing the
+result of the one before it as a number. A problem's metadata holds the chain's results ("chain",
+the last is the answer) and its difficulty is the chain's length ("1 step", "2 steps", "3 steps").
+`stories` picks the kinds of story: by default the multi-step ones, ALL_STORIES mixes every level
+(a curriculum then picks levels by measured success). With `prefill_first_call` the first turn
+starts with the opening of a python call (see ToolEpisode). The environment is `Demonstrating`:
+its demonstrations make the chain's calls, then answer. `valid_call_bonus`, `used_result_bonus`
+and `max_shaping` set the reward shaping of tool_calls.py (off by default).
 
 The split key is the story's template and numbers ("shopping:3,45,2,18,200"), not the names or
 items in it: two stories that differ only in who buys what share a split.
@@ -18,18 +24,23 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from reasoning_gym.utils import extract_answer as extract_tagged_answer
 
+from decentrl.envs.base import Message
 from decentrl.envs.budget import DEFAULT_TOOL_BUDGET_S
 from decentrl.envs.sandbox import ToolResult, run_expression
 from decentrl.envs.tool_calls import (
+    Shaping,
     Tool,
     ToolEpisode,
     call_opening,
+    canonical_numbers,
     check_tool_limits,
     tools_system_prompt,
+    written_call,
 )
 from decentrl.tasks.arithmetic import last_number
 from decentrl.tasks.base import (
@@ -71,8 +82,8 @@ WORKED_EXAMPLE: list[dict[str, str]] = [
     {"role": "assistant", "content": "Sam pays $756.\n<answer>756</answer>"},
 ]
 
-# A story: (question, answer, the numbers that define it) from a seeded generator.
-Story = tuple[str, int, tuple[int, ...]]
+# A story: (question, the numbers that define it) from a seeded generator; `story_chain` solves it.
+Story = tuple[str, tuple[int, ...]]
 
 
 def shopping(rng: random.Random, name: str) -> Story:
@@ -87,7 +98,7 @@ def shopping(rng: random.Random, name: str) -> Story:
         f"{name} buys {count_a} {first} at ${price_a} each and {count_b} {second} at ${price_b} "
         f"each, and pays with ${paid}. How many dollars of change does {name} get back?"
     )
-    return question, paid - total, (count_a, price_a, count_b, price_b, paid)
+    return question, (count_a, price_a, count_b, price_b, paid)
 
 
 def ages(rng: random.Random, name: str) -> Story:
@@ -98,7 +109,7 @@ def ages(rng: random.Random, name: str) -> Story:
         f"{name}'s grandfather is {gap} years older than the aunt. How old will the grandfather "
         f"be in {years} years?"
     )
-    return question, age * times + gap + years, (age, times, gap, years)
+    return question, (age, times, gap, years)
 
 
 def travel(rng: random.Random, name: str) -> Story:
@@ -108,7 +119,7 @@ def travel(rng: random.Random, name: str) -> Story:
         f"{name} drives at {speed_a} km per hour for {hours_a} hours, then at {speed_b} km per "
         f"hour for {hours_b} hours. How many kilometres does {name} drive in total?"
     )
-    return question, speed_a * hours_a + speed_b * hours_b, (speed_a, hours_a, speed_b, hours_b)
+    return question, (speed_a, hours_a, speed_b, hours_b)
 
 
 def baking(rng: random.Random, name: str) -> Story:
@@ -121,7 +132,7 @@ def baking(rng: random.Random, name: str) -> Story:
         f"{name} bakes {trays} trays of {per_tray} cookies, sells {sold} of them, and packs the "
         f"rest into boxes of {per_box}. How many boxes does {name} fill?"
     )
-    return question, boxes, (trays, per_tray, sold, per_box)
+    return question, (trays, per_tray, sold, per_box)
 
 
 def saving(rng: random.Random, name: str) -> Story:
@@ -132,14 +143,14 @@ def saving(rng: random.Random, name: str) -> Story:
         f"{name} earns ${earned} a week and spends ${spent} a week on bus fares. After {weeks} "
         f"weeks {name} buys a bike for ${bike}. How many dollars does {name} have left?"
     )
-    return question, saved - bike, (weeks, earned, spent, bike)
+    return question, (weeks, earned, spent, bike)
 
 
 def purchase(rng: random.Random, name: str) -> Story:
     item = rng.choice(["notebooks", "apples", "tickets", "shirts", "lamps", "books"])
     count, price = rng.randint(3, 19), rng.randint(12, 95)
     question = f"{name} buys {count} {item} at ${price} each. How many dollars does {name} pay?"
-    return question, count * price, (count, price)
+    return question, (count, price)
 
 
 def distance(rng: random.Random, name: str) -> Story:
@@ -148,7 +159,7 @@ def distance(rng: random.Random, name: str) -> Story:
         f"{name} drives at {speed} km per hour for {hours} hours. How many kilometres does "
         f"{name} drive?"
     )
-    return question, speed * hours, (speed, hours)
+    return question, (speed, hours)
 
 
 STORIES: dict[str, Callable[[random.Random, str], Story]] = {
@@ -163,6 +174,87 @@ STORIES: dict[str, Callable[[random.Random, str], Story]] = {
 # Stories with one multiplication: the level at which a 135M model starts to solve episodes.
 ONE_STEP_STORIES = ("purchase", "distance")
 MULTI_STEP_STORIES = ("shopping", "ages", "travel", "baking", "saving")
+ALL_STORIES = ONE_STEP_STORIES + MULTI_STEP_STORIES
+
+
+@dataclass(frozen=True)
+class Step:
+    """One call of a story's ideal chain."""
+
+    what: str  # what it computes, for the demonstration's prose
+    expression: str  # earlier results written as numbers
+    value: int
+
+
+def story_chain(story: str, numbers: list[int] | tuple[int, ...]) -> list[Step]:
+    """The ideal calls that solve a story, in order; the last value is the answer."""
+    if story == "purchase":
+        count, price = numbers
+        return [Step("the price", f"{count} * {price}", count * price)]
+    if story == "distance":
+        speed, hours = numbers
+        return [Step("the distance", f"{speed} * {hours}", speed * hours)]
+    if story == "shopping":
+        count_a, price_a, count_b, price_b, paid = numbers
+        total = count_a * price_a + count_b * price_b
+        return [Step("the total price", f"{count_a} * {price_a} + {count_b} * {price_b}", total),
+                Step("the change", f"{paid} - {total}", paid - total)]
+    if story == "travel":
+        speed_a, hours_a, speed_b, hours_b = numbers
+        first = speed_a * hours_a
+        return [Step("the first distance", f"{speed_a} * {hours_a}", first),
+                Step("the total distance", f"{first} + {speed_b} * {hours_b}",
+                     first + speed_b * hours_b)]
+    if story == "saving":
+        weeks, earned, spent, bike = numbers
+        saved = weeks * (earned - spent)
+        return [Step("the savings", f"{weeks} * ({earned} - {spent})", saved),
+                Step("what is left after the bike", f"{saved} - {bike}", saved - bike)]
+    if story == "baking":
+        trays, per_tray, sold, per_box = numbers
+        baked = trays * per_tray
+        return [Step("the cookies baked", f"{trays} * {per_tray}", baked),
+                Step("the cookies left", f"{baked} - {sold}", baked - sold),
+                Step("the boxes", f"{baked - sold} // {per_box}", (baked - sold) // per_box)]
+    if story == "ages":
+        age, times, gap, years = numbers
+        aunt = age * times
+        grandfather = aunt + gap
+        return [Step("the aunt's age", f"{age} * {times}", aunt),
+                Step("the grandfather's age", f"{aunt} + {gap}", grandfather),
+                Step("the grandfather's age then", f"{grandfather} + {years}",
+                     grandfather + years)]
+    raise ValueError(f"unknown story {story!r}; stories: {', '.join(STORIES)}")
+
+
+def steps_difficulty(steps: int) -> str:
+    return f"{steps} step" if steps == 1 else f"{steps} steps"
+
+
+# The demonstrations' wording: the prose before a step's call, and the final answer's sentence.
+FIRST_STEP_PHRASES = ("Let me compute {what} with the python tool.", "First, {what}.",
+                      "I start with {what}.", "I need {what}.")
+NEXT_STEP_PHRASES = ("Next, {what}, using {previous}.", "Now {what}, from {previous}.",
+                     "With {previous}, I compute {what}.", "Then {what}.")
+ANSWER_PHRASES = ("The answer is {answer}.", "So the result is {answer}.", "That gives {answer}.",
+                  "The tool says {answer}, which answers the question.")
+
+
+def chain_steps_reached(problem: Problem, messages: list[Message]) -> int | None:
+    """How many leading results of the problem's chain appear, in order, as numbers in the tool
+    messages after the question: the step at which a chain broke. None without a chain."""
+    chain = problem.metadata.get("chain")
+    if chain is None:
+        return None
+    question_at = max(i for i, message in enumerate(messages) if message["role"] == "user")
+    reached = 0
+    for message in messages[question_at + 1:]:
+        if message["role"] != "tool":
+            continue
+        for number in canonical_numbers(message["content"]):
+            if reached < len(chain) and number == str(chain[reached]):
+                reached += 1
+    return reached
 
 
 class CalculatorEpisode(ToolEpisode):
@@ -186,6 +278,9 @@ class CalculatorEnvironment(SplitDrawn):
         prefill_first_call: bool = False,
         worked_example: bool = False,
         tool_budget_s: float = DEFAULT_TOOL_BUDGET_S,
+        valid_call_bonus: float = 0.0,
+        used_result_bonus: float = 0.0,
+        max_shaping: float = 0.2,
     ) -> None:
         check_heldout_fraction(heldout_fraction)
         check_tool_limits(max_turns, max_tool_calls, invalid_call_penalty, tool_budget_s)
@@ -205,20 +300,44 @@ class CalculatorEnvironment(SplitDrawn):
         self.max_tool_calls = max_tool_calls
         self.invalid_call_penalty = invalid_call_penalty
         self.tool_budget_s = tool_budget_s
+        self.shaping = Shaping(valid_call_bonus, used_result_bonus, max_shaping)
 
     def _candidate(self, index: int, seed: int) -> Problem:
         rng = random.Random(seed)
         story = rng.choice(self.stories)
-        question, answer, numbers = STORIES[story](rng, rng.choice(NAMES))
+        question, numbers = STORIES[story](rng, rng.choice(NAMES))
+        chain = [step.value for step in story_chain(story, numbers)]
         return Problem(
             task=self.name,
             index=index,
             question=question,
-            answer=str(answer),
+            answer=str(chain[-1]),
             key=f"{story}:{','.join(map(str, numbers))}",
-            # A story's kind fixes its number of steps.
-            metadata={"story": story, "numbers": list(numbers), DIFFICULTY: story},
+            metadata={"story": story, "numbers": list(numbers), "chain": chain,
+                      DIFFICULTY: steps_difficulty(len(chain))},
         )
+
+    def demonstration(self, problem: Problem, rng: random.Random) -> list[str]:
+        """The story's chain of python calls, then the answer (base.Demonstrating)."""
+        steps = story_chain(problem.metadata["story"], problem.metadata["numbers"])
+        if len(steps) >= self.max_turns or len(steps) > self.max_tool_calls:
+            raise ValueError(f"a {steps_difficulty(len(steps))} story needs max_turns >= "
+                             f"{len(steps) + 1} and max_tool_calls >= {len(steps)}; this "
+                             f"environment has {self.max_turns} and {self.max_tool_calls}")
+        turns = []
+        for position, step in enumerate(steps):
+            call = written_call(PYTHON_TOOL.name, {"expression": step.expression})
+            if position == 0 and self.prefill_first_call:
+                turns.append(call)  # the prefill is the call's opening: no prose before it
+                continue
+            phrases = NEXT_STEP_PHRASES if position else FIRST_STEP_PHRASES
+            previous = steps[position - 1].value if position else None
+            prose = rng.choice(phrases).format(what=step.what, previous=previous)
+            turns.append(f"{prose}\n{call}")
+        answer = problem.answer
+        turns.append(f"{rng.choice(ANSWER_PHRASES).format(answer=answer)}\n"
+                     f"<answer>{answer}</answer>")
+        return turns
 
     def episode(self, split: Split, index: int) -> CalculatorEpisode:
         return CalculatorEpisode(
@@ -231,4 +350,5 @@ class CalculatorEnvironment(SplitDrawn):
             prefill_first_call=self.prefill_first_call,
             example=WORKED_EXAMPLE if self.worked_example else (),
             tool_budget_s=self.tool_budget_s,
+            shaping=self.shaping,
         )

@@ -12,6 +12,15 @@ is solved only by an answer the tool has confirmed in this episode (whitespace a
 cannot be reached without the tool's results, which is what the environment is for. Without it,
 any answer that reaches the target with the given numbers solves it.
 
+The numbers per problem come from `config`'s "min_numbers" and "max_numbers" (reasoning-gym
+accepts 2 and up; the difficulty bucket is "N numbers"), so {"min_numbers": 2, "max_numbers": 4}
+mixes three levels in one environment for a curriculum to pick from.
+
+The environment is `Demonstrating`: `solve_countdown` finds an expression by brute force (exact
+fractions, integer intermediate results first); a demonstration checks it, now and then after one
+wrong candidate, and answers with it. `valid_call_bonus`, `used_result_bonus` and `max_shaping`
+set the reward shaping of tool_calls.py (off by default; a check's result is its value).
+
 reasoning-gym's own countdown scorer is not used: it parses answers with sympy's parse_expr,
 which evaluates model text in this process, and it demands every number be used.
 """
@@ -19,16 +28,27 @@ which evaluates model text in this process, and it demands every number be used.
 from __future__ import annotations
 
 import math
+import random
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+from fractions import Fraction
+from itertools import combinations
 from typing import Any
 
 from reasoning_gym.utils import extract_answer as extract_tagged_answer
 
 from decentrl.envs.budget import CALL_TIMEOUT_S, DEFAULT_TOOL_BUDGET_S
 from decentrl.envs.sandbox import ToolResult, run_expression
-from decentrl.envs.tool_calls import Tool, ToolEpisode, check_tool_limits, tools_system_prompt
+from decentrl.envs.tool_calls import (
+    Shaping,
+    Tool,
+    ToolEpisode,
+    check_tool_limits,
+    tools_system_prompt,
+    written_call,
+)
 from decentrl.tasks.base import DIFFICULTY, Problem, Reward, Split, check_heldout_fraction
 from decentrl.tasks.reasoning_gym import ReasoningGymTask
 
@@ -54,6 +74,93 @@ INSTRUCTIONS = (
     "the target, reply without a tool call and give that expression inside <answer></answer> "
     "tags."
 )
+
+
+CHECK_TOOL_NAME = "check"
+# How often a demonstration first checks a wrong candidate, to show the model how to revise.
+REVISION_SHARE = 0.3
+CHECK_PHRASES = ("Let me check {expression}.", "I'll try {expression}.",
+                 "Maybe {expression} works.", "Checking {expression}.")
+REVISE_PHRASES = ("That is {value}, not {target}. Let me try {expression}.",
+                  "{value} misses {target}; next, {expression}.",
+                  "Not {target} yet. Another try: {expression}.")
+ANSWER_PHRASES = ("The tool confirms that {expression} makes {target}.",
+                  "{expression} reaches {target}.", "Confirmed: {expression} = {target}.")
+# Precedence of what an expression is at its top: a number binds tightest.
+PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2, "number": 3}
+
+
+@dataclass(frozen=True)
+class Term:
+    """A value made from some of the numbers, and the expression that makes it."""
+
+    value: Fraction
+    expression: str
+    top: str  # the expression's outermost operator, or "number"
+
+
+def number_term(number: int) -> Term:
+    return Term(Fraction(number), str(number), "number")
+
+
+def joined(left: Term, operator: str, right: Term) -> Term:
+    """`left operator right`, parenthesised only where Python needs it."""
+    precedence = PRECEDENCE[operator]
+    left_text = f"({left.expression})" if PRECEDENCE[left.top] < precedence else left.expression
+    # a - (b - c) and a / (b * c): a right operand of the same level needs them after - and /.
+    right_bracketed = PRECEDENCE[right.top] < precedence or (
+        PRECEDENCE[right.top] == precedence and operator in "-/")
+    right_text = f"({right.expression})" if right_bracketed else right.expression
+    if operator == "+":
+        value = left.value + right.value
+    elif operator == "-":
+        value = left.value - right.value
+    elif operator == "*":
+        value = left.value * right.value
+    else:
+        value = left.value / right.value
+    return Term(value, f"{left_text} {operator} {right_text}", operator)
+
+
+def combined(a: Term, b: Term, naturals_only: bool) -> Iterator[Term]:
+    """Every term one operation makes of a and b (either order)."""
+    yield joined(a, "+", b)
+    yield joined(a, "*", b)
+    for left, right in ((a, b), (b, a)):
+        if not naturals_only or left.value >= right.value:
+            yield joined(left, "-", right)
+        if right.value != 0 and (not naturals_only or left.value % right.value == 0):
+            yield joined(left, "/", right)
+
+
+def search(terms: list[Term], target: int, naturals_only: bool,
+           seen: set[tuple[Fraction, ...]]) -> str | None:
+    for term in terms:
+        if term.value == target:
+            return term.expression
+    values = tuple(sorted(term.value for term in terms))
+    if len(terms) < 2 or values in seen:  # the same values reach the same targets
+        return None
+    seen.add(values)
+    for i, j in combinations(range(len(terms)), 2):
+        rest = [term for k, term in enumerate(terms) if k not in (i, j)]
+        for term in combined(terms[i], terms[j], naturals_only):
+            found = search([*rest, term], target, naturals_only, seen)
+            if found is not None:
+                return found
+    return None
+
+
+def solve_countdown(numbers: list[int], target: int) -> str | None:
+    """An expression of some of `numbers` (each at most once), + - * / and parentheses, whose
+    exact value is `target`; one whose every intermediate result is a natural number if there
+    is one. None when there is none."""
+    terms = [number_term(number) for number in numbers]
+    for naturals_only in (True, False):
+        found = search(terms, target, naturals_only, set())
+        if found is not None:
+            return found
+    return None
 
 
 @dataclass(frozen=True)
@@ -116,13 +223,14 @@ class CountdownEpisode(ToolEpisode):
         invalid_call_penalty: float,
         prefill_first_call: bool = False,
         tool_budget_s: float = DEFAULT_TOOL_BUDGET_S,
+        shaping: Shaping = Shaping(),
     ) -> None:
         self.numbers: list[int] = problem.metadata["numbers"]
         self.target: int = problem.metadata["target"]
         self.require_check = require_check
         self.confirmed: set[str] = set()  # normalized expressions the tool found to solve it
         tool = Tool(
-            name="check",
+            name=CHECK_TOOL_NAME,
             description="Evaluate a candidate countdown expression; report its value, whether "
             "it uses only the given numbers (each at most once) and whether it reaches the "
             "target.",
@@ -138,7 +246,12 @@ class CountdownEpisode(ToolEpisode):
             invalid_call_penalty=invalid_call_penalty,
             prefill_first_call=prefill_first_call,
             tool_budget_s=tool_budget_s,
+            shaping=shaping,
         )
+
+    def result_text(self, output: str) -> str:
+        """A check's result is its value line; the rest restates the target and counts."""
+        return output.split("\n", 1)[0]
 
     def run_check(self, arguments: dict[str, Any], timeout_s: float) -> ToolResult:
         check = check_expression(arguments["expression"], self.numbers, self.target, timeout_s)
@@ -172,6 +285,9 @@ class CountdownEnvironment:
         invalid_call_penalty: float = 0.1,
         prefill_first_call: bool = False,
         tool_budget_s: float = DEFAULT_TOOL_BUDGET_S,
+        valid_call_bonus: float = 0.0,
+        used_result_bonus: float = 0.0,
+        max_shaping: float = 0.2,
     ) -> None:
         check_heldout_fraction(heldout_fraction)
         check_tool_limits(max_turns, max_tool_calls, invalid_call_penalty, tool_budget_s)
@@ -191,6 +307,7 @@ class CountdownEnvironment:
         self.max_tool_calls = max_tool_calls
         self.invalid_call_penalty = invalid_call_penalty
         self.tool_budget_s = tool_budget_s
+        self.shaping = Shaping(valid_call_bonus, used_result_bonus, max_shaping)
 
     def problem(self, split: Split, index: int) -> Problem:
         puzzle = self.puzzles.problem(split, index)
@@ -215,4 +332,37 @@ class CountdownEnvironment:
             invalid_call_penalty=self.invalid_call_penalty,
             prefill_first_call=self.prefill_first_call,
             tool_budget_s=self.tool_budget_s,
+            shaping=self.shaping,
         )
+
+    def demonstration(self, problem: Problem, rng: random.Random) -> list[str]:
+        """Check a solution, now and then after a wrong candidate, then answer with it
+        (base.Demonstrating)."""
+        if self.max_turns < 2 or self.max_tool_calls < 1:
+            raise ValueError(f"a countdown demonstration needs max_turns >= 2 and "
+                             f"max_tool_calls >= 1; this environment has {self.max_turns} "
+                             f"and {self.max_tool_calls}")
+        numbers, target = problem.metadata["numbers"], problem.metadata["target"]
+        # reasoning-gym builds every problem from a solution, so the fallback is one.
+        solution = solve_countdown(numbers, target) or problem.answer
+        candidates = []
+        if self.max_turns >= 3 and self.max_tool_calls >= 2 and rng.random() < REVISION_SHARE:
+            pairs = [joined(number_term(a), operator, number_term(b))
+                     for a, b in combinations(numbers, 2) for operator in "+*"]
+            wrong = [term for term in pairs if term.value != target]
+            if wrong:
+                candidates.append(rng.choice(wrong))
+        turns = []
+        for position, expression in enumerate([*(t.expression for t in candidates), solution]):
+            call = written_call(CHECK_TOOL_NAME, {"expression": expression})
+            if position == 0 and self.prefill_first_call:
+                turns.append(call)  # the prefill is the call's opening: no prose before it
+            elif position == 0:
+                turns.append(f"{rng.choice(CHECK_PHRASES).format(expression=expression)}\n{call}")
+            else:
+                prose = rng.choice(REVISE_PHRASES).format(
+                    value=candidates[position - 1].value, target=target, expression=expression)
+                turns.append(f"{prose}\n{call}")
+        answer = rng.choice(ANSWER_PHRASES).format(expression=solution, target=target)
+        turns.append(f"{answer}\n<answer>{solution}</answer>")
+        return turns

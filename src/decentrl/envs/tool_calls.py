@@ -11,6 +11,16 @@ call with an error result.
 A reply without any tool call is the final answer and ends the episode. Parsing reads any text,
 however hostile, without raising. The calls of an episode share a CPU budget (envs/budget.py): once
 it is spent, a call answers "error: tool budget of X s for this episode is spent" without running.
+
+Shaping (`Shaping`, off by default) pays small positive turn signals for the path to an answer: a
+call that ran without error and was not made before in the episode earns `valid_call_bonus`; such
+a call, or the final answer, earns `used_result_bonus` too when it uses a result of an earlier
+turn's call. "Uses a result" is read from the text alone, so a replay pays exactly the same: a
+result is a number in a successful call's output (`ToolEpisode.result_text`), sign ignored, other
+than 0, 1 and the numbers of the question; a call uses one when that number appears as a number
+token in its arguments, the answer when it appears in the answer's text. An episode earns at most
+`max_shaping` (< 1) in all, so calling tools never rivals a correct answer: a policy that makes
+valid calls and never answers correctly returns at most `max_shaping`.
 """
 
 from __future__ import annotations
@@ -42,6 +52,10 @@ JSON_TYPES: dict[str, type | tuple[type, ...]] = {
     "number": (int, float),
 }
 LAST_TURN_NOTE = "note: no more tool calls; your next reply is your final answer."
+# A number token as shaping reads it: digits with an optional decimal part, no sign.
+NUMBER_TOKEN_RE = re.compile(r"\d+(?:\.\d+)?", re.ASCII)
+# Results too common to show that a later call builds on an earlier one.
+TRIVIAL_RESULTS = frozenset({"0", "1"})
 # A call block, closed or running to the end of the reply.
 TOOL_CALL_BLOCK_RE = re.compile(
     re.escape(OPEN_TAG) + r".*?(?:" + re.escape(CLOSE_TAG) + r"|\Z)", re.DOTALL
@@ -215,6 +229,11 @@ def defanged(text: str) -> str:
     return text.replace("<|", "< |")
 
 
+def written_call(name: str, arguments: dict[str, Any]) -> str:
+    """A call as a turn writes it, in the layout `call_opening` prefills."""
+    return f"{OPEN_TAG}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CLOSE_TAG}"
+
+
 def call_opening(tool: Tool) -> str:
     """A call of `tool` written up to the opening quote of its first (string) argument's value."""
     argument = next(iter(tool.arguments), None)
@@ -233,15 +252,44 @@ def check_tool_limits(max_turns: int, max_tool_calls: int, invalid_call_penalty:
     check_tool_budget(tool_budget_s)
 
 
+@dataclass(frozen=True)
+class Shaping:
+    """The positive turn signals of an episode (see the module docstring); all 0 pays none."""
+
+    valid_call_bonus: float = 0.0  # per new call that ran without error
+    used_result_bonus: float = 0.0  # per such call, or final answer, that uses an earlier result
+    max_shaping: float = 0.2  # the most an episode earns in all
+
+    def __post_init__(self) -> None:
+        for option in ("valid_call_bonus", "used_result_bonus"):
+            value = getattr(self, option)
+            if not (is_real(value) and 0.0 <= value <= 1.0):
+                raise ValueError(f"{option} must be in [0, 1], got {value!r}")
+        if not (is_real(self.max_shaping) and 0.0 <= self.max_shaping < 1.0):
+            raise ValueError(f"max_shaping must be in [0, 1) so that shaping never rivals a "
+                             f"correct answer, got {self.max_shaping!r}")
+
+
+def canonical_numbers(text: str) -> list[str]:
+    """The number tokens of `text` in order, canonical ("007" and "7.0" are "7"). Strings, not
+    ints: a model may write digits by the thousand, which int() refuses."""
+    numbers = []
+    for token in NUMBER_TOKEN_RE.findall(text):
+        integer, _, decimal = token.partition(".")
+        integer, decimal = integer.lstrip("0") or "0", decimal.rstrip("0")
+        numbers.append(f"{integer}.{decimal}" if decimal else integer)
+    return numbers
+
+
 class ToolEpisode(ABC):
     """A conversation in which the assistant may call tools until it replies without a call.
 
     The reply without a call is the final answer, which `score` turns into the reward. When the
     episode hits a limit instead (`max_turns` replies, or more than `max_tool_calls` calls), the
     calls of the last reply are not run and the reward scores that reply's prose, if any. Each
-    turn's signal is -invalid_call_penalty per malformed call (0.0 for a clean turn). The calls
-    share `tool_budget` (`tool_budget_s` CPU seconds, envs/budget.py); a call it refuses is a
-    valid call whose tool failed.
+    turn's signal is -invalid_call_penalty per malformed call plus the turn's `shaping` (0.0 for a
+    clean turn without shaping). The calls share `tool_budget` (`tool_budget_s` CPU seconds,
+    envs/budget.py); a call it refuses is a valid call whose tool failed.
 
     With `prefill_first_call` the first assistant turn starts with the opening of a call to the
     first tool, up to the value of its first argument (`call_opening`): a small model that never
@@ -262,8 +310,14 @@ class ToolEpisode(ABC):
         prefill_first_call: bool = False,
         example: Sequence[Message] = (),
         tool_budget_s: float = DEFAULT_TOOL_BUDGET_S,
+        shaping: Shaping = Shaping(),
     ) -> None:
         self.problem = problem
+        self.shaping = shaping
+        self.shaping_paid = 0.0
+        self.shaped_calls: set[str] = set()  # calls already paid: repeating one earns nothing
+        self.results: set[str] = set()  # the non-trivial numbers earlier turns' calls returned
+        self.given_numbers = set(canonical_numbers(problem.question))
         self.tools = {tool.name: tool for tool in tools}
         self.tool_budget = ToolBudget(tool_budget_s)
         self.max_turns = max_turns
@@ -301,17 +355,51 @@ class ToolEpisode(ABC):
         invalid = sum(1 for attempt in parsed if attempt.error is not None)
         self.tool_calls += len(parsed)
         self.invalid_calls += invalid
-        turn_signal = -self.invalid_call_penalty * invalid if invalid else 0.0  # not -0.0
-        if not parsed:
-            return self._finish("answer", assistant_text, turn_signal)
+        penalty_signal = -self.invalid_call_penalty * invalid if invalid else 0.0  # not -0.0
+        if not parsed:  # the final answer: no call, so no penalty
+            earned = self.shaping.used_result_bonus if self._uses_result(assistant_text) else 0.0
+            return self._finish("answer", assistant_text, self._paid(earned))
         if self.tool_calls > self.max_tool_calls:
-            return self._finish("tool_call_limit", strip_tool_calls(assistant_text), turn_signal)
+            return self._finish("tool_call_limit", strip_tool_calls(assistant_text),
+                                penalty_signal)
         if self.turns >= self.max_turns:
-            return self._finish("turn_limit", strip_tool_calls(assistant_text), turn_signal)
-        appended = self._answer(self._observe(parsed, recorded))
+            return self._finish("turn_limit", strip_tool_calls(assistant_text), penalty_signal)
+        observations, succeeded = self._observe(parsed, recorded)
+        appended = self._answer(observations)
         self._messages.extend(appended)
         return EnvStep(messages=[dict(m) for m in appended], done=False, reward=None,
-                       turn_signal=turn_signal)
+                       turn_signal=self._call_shaping(succeeded) + penalty_signal)
+
+    def result_text(self, output: str) -> str:
+        """The part of a successful call's output whose numbers are its results (shaping)."""
+        return output
+
+    def _uses_result(self, text: str) -> bool:
+        return not self.results.isdisjoint(canonical_numbers(text))
+
+    def _call_shaping(self, succeeded: list[tuple[ToolCall, str]]) -> float:
+        """The shaping a turn's calls earn; their results count from the next turn on (a call
+        cannot use what it has not seen)."""
+        earned = 0.0
+        for call, _ in succeeded:
+            identity = json.dumps([call.name, call.arguments], sort_keys=True)
+            if identity in self.shaped_calls:
+                continue
+            self.shaped_calls.add(identity)
+            earned += self.shaping.valid_call_bonus
+            arguments = " ".join(str(value) for value in call.arguments.values())
+            if self._uses_result(arguments):
+                earned += self.shaping.used_result_bonus
+        for _, output in succeeded:
+            self.results |= set(canonical_numbers(self.result_text(output))) - TRIVIAL_RESULTS \
+                - self.given_numbers
+        return self._paid(earned)
+
+    def _paid(self, earned: float) -> float:
+        """`earned`, cut so that the episode's shaping stays within max_shaping."""
+        paid = max(0.0, min(earned, self.shaping.max_shaping - self.shaping_paid))
+        self.shaping_paid += paid
+        return paid
 
     def _answer(self, observations: list[str]) -> list[Message]:
         """The tool messages that answer a turn's calls, one per observation."""
@@ -322,12 +410,15 @@ class ToolEpisode(ABC):
             texts[-1] = f"{texts[-1]}\n{LAST_TURN_NOTE}"
         return [{"role": "tool", "content": defanged(text)} for text in texts]
 
-    def _observe(self, parsed: list[ParsedCall], recorded: RecordedAnswer | None) -> list[str]:
-        """What each attempted call answers, running the well-formed ones within the budget. At
-        replay (`recorded`), before each call while the budget lasts: if the rollout recorded
-        this call and the rest as refused by the budget, the replay refuses them too
-        (envs/budget.py says why that keeps the replay identical and cheap)."""
+    def _observe(self, parsed: list[ParsedCall], recorded: RecordedAnswer | None
+                 ) -> tuple[list[str], list[tuple[ToolCall, str]]]:
+        """What each attempted call answers, running the well-formed ones within the budget, and
+        the calls that ran without error with their outputs. At replay (`recorded`), before each
+        call while the budget lasts: if the rollout recorded this call and the rest as refused by
+        the budget, the replay refuses them too (envs/budget.py says why that keeps the replay
+        identical and cheap)."""
         observations: list[str] = []
+        succeeded: list[tuple[ToolCall, str]] = []
         for position, attempt in enumerate(parsed):
             if attempt.call is None:
                 observations.append(rejection(attempt))
@@ -339,7 +430,9 @@ class ToolEpisode(ABC):
                 partial(self.tools[attempt.call.name].run, attempt.call.arguments),
                 replaying=recorded is not None)
             observations.append(result.output if result.ok else f"{ERROR_PREFIX}{result.error}")
-        return observations
+            if result.ok:
+                succeeded.append((attempt.call, result.output))
+        return observations, succeeded
 
     def _refused(self, attempts: list[ParsedCall]) -> list[str]:
         """The observations of `attempts` once the budget is spent."""
