@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import string
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,6 +82,15 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             tensors[name] = 0.5 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
     save_file(tensors, path, metadata={"format": "pt"})
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_printable_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make_tiny_model` whose tokenizer has every printable ASCII character: tool calls' JSON
+    (braces, quotes, underscores) survives it, so demonstrations can be written in it."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "printable", seed=3,
+                           characters=string.printable.replace("\r", "").replace("\x0b", "")
+                           .replace("\x0c", ""))
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ tests/test_swarm.py's BAD_REQUESTS.)"""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,13 @@ from swarm_helpers import tiny_run_config
 from test_trainer import ADVANTAGES, MAX_NEW, SAMPLING, max_difference, rollouts, weights
 
 from decentrl.config import RunConfig, SupervisedConfig, TrainConfig
+from decentrl.envs import make_environment
+from decentrl.envs.calculator import ALL_STORIES
 from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
-from decentrl.model.loading import LoadedModel
+from decentrl.model.loading import LoadedModel, load_tokenizer
 from decentrl.observe.metrics import read_metrics
+from decentrl.rollout.demonstrations import demonstration_rollout, demonstrations
 from decentrl.rollout.types import Rollout
 from decentrl.swarm.local import local_run
 
@@ -145,13 +149,13 @@ def warm_up_config(model_dir: Path, run_dir: Path, **train: object) -> RunConfig
         eval={"task": MULTI_STEP, "problems": 2, "max_new_tokens": 16, "pass_k": 1})
 
 
-def test_a_run_warms_up_on_demonstrations_then_interleaves_them(tiny_model_dir: Path,
+def test_a_run_warms_up_on_demonstrations_then_interleaves_them(tiny_printable_dir: Path,
                                                                  tmp_path: Path) -> None:
     # A budget spent before the first step: no warm-up step, no evaluation after it.
-    stopped = local_run(warm_up_config(tiny_model_dir, tmp_path, time_budget_s=1e-6)).run()
+    stopped = local_run(warm_up_config(tiny_printable_dir, tmp_path, time_budget_s=1e-6)).run()
     assert stopped.steps == 0 and not (stopped.path / "eval_warmup.json").exists()
     # Resumed with time to spare: the warm-up, its evaluation, then RL with a demonstration.
-    summary = local_run(warm_up_config(tiny_model_dir, tmp_path, time_budget_s=600)).run()
+    summary = local_run(warm_up_config(tiny_printable_dir, tmp_path, time_budget_s=600)).run()
     assert summary.steps == 3
     records = read_metrics(summary.path / "metrics.jsonl")
     assert [(r.step, r.version, r.rows) for r in records.supervised] == [(1, 1, 2), (2, 2, 2)]
@@ -175,3 +179,39 @@ def test_warm_up_must_leave_rl_steps(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"supervised.warmup_steps \(5\) must be fewer than "
                                          r"train.steps \(5\)"):
         tiny_run_config(tiny_model_dir, 2, supervised={"warmup_steps": 5}, train={"steps": 5})
+
+
+def test_demonstrations_are_train_problems_fixed_by_seed_and_step(tiny_printable_dir: Path
+                                                                   ) -> None:
+    environment = make_environment("agentic-calculator", stories=list(ALL_STORIES),
+                                   heldout_fraction=0.5)
+    tokenizer = load_tokenizer(tiny_printable_dir)
+    splits: list[str] = []
+    problem, episode = environment.problem, environment.episode
+    environment.problem = lambda split, index: splits.append(split) or problem(split, index)
+    environment.episode = lambda split, index: splits.append(split) or episode(split, index)
+    rows = demonstrations(environment, tokenizer, seed=0, step=1, count=12)
+    assert len(rows) == 12 and set(splits) == {"train"}
+    assert demonstrations(environment, tokenizer, seed=0, step=1, count=12) == rows
+    assert demonstrations(environment, tokenizer, seed=0, step=2, count=12) != rows
+    for row in rows:
+        # The environment's tokens (its replies) are context; the assistant's the loss.
+        assert any(row.generated) and not all(row.generated)
+        assert row.completion_tokens[-1] == tokenizer.eos_token_id and row.generated[-1]
+
+
+def test_a_demonstration_that_does_not_solve_its_problem_is_refused(tiny_printable_dir: Path
+                                                                    ) -> None:
+    environment = make_environment("agentic-calculator", stories=["purchase"])
+    tokenizer = load_tokenizer(tiny_printable_dir)
+    problem = environment.problem("train", 0)
+    turns = environment.demonstration(problem, random.Random(0))
+    wrong = [*turns[:-1], "It is <answer>1</answer>"]
+    with pytest.raises(ValueError, match="does not solve problem 0"):
+        demonstration_rollout(environment.episode("train", 0), wrong, tokenizer)
+    # A call turn that runs on past its closing tag would be cut there by generation.
+    with pytest.raises(ValueError, match="turn 1 would not end where its text ends"):
+        demonstration_rollout(environment.episode("train", 0),
+                              [turns[0] + " and more", *turns[1:]], tokenizer)
+    with pytest.raises(ValueError, match="not over after the demonstration's 1 turns"):
+        demonstration_rollout(environment.episode("train", 0), turns[:1], tokenizer)

@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from helpers import build
@@ -113,14 +114,20 @@ def assert_same_generations(remote: list[Generation], local: list[Generation],
                                    atol=atol, rtol=0)
 
 
-def make_batch(seed: int = 0, rows: int = 6) -> TrainBatch:
+def make_batch(seed: int = 0, rows: int = 6, demonstrations: int = 0) -> TrainBatch:
+    """`rows` made-up rollouts, then `demonstrations` made-up supervised rows whose last two
+    completion tokens are an environment's."""
     g = torch.Generator().manual_seed(seed)
     rollouts = [Rollout(prompt_tokens=[1, 2, 3, i % 3 + 1],
                         completion_tokens=torch.randint(1, 30, (5 + i,), generator=g).tolist(),
                         behaviour_logprobs=[-1.0] * (5 + i), finished=True)
-                for i in range(rows)]
+                for i in range(rows + demonstrations)]
+    supervised = [msgspec.structs.replace(r, behaviour_logprobs=[0.0] * len(r.behaviour_logprobs),
+                                          generated=[True] * (len(r.completion_tokens) - 2)
+                                          + [False, False])
+                  for r in rollouts[rows:]]
     advantages = [1.0, -1.0, 0.5, -0.5, 0.2, -0.2, 0.7, -0.7][:rows]
-    return build_batch(rollouts, advantages, [0] * rows, 0)
+    return build_batch(rollouts[:rows], advantages, [0] * rows, 0, supervised)
 
 
 # ---- 1. generation through a chain of peers equals the local chain -------------------------
@@ -202,12 +209,16 @@ def test_remote_training_step_matches_local_trainer(tiny_model_dir: Path,
         local = local_trainer(plain, config)
         before = [{k: v.clone() for k, v in t.stage.state_dict().items()}
                   for t in local.stage_trainers]
-        for step, seed in enumerate((0, 1), start=1):
-            batch = make_batch(seed)
+        # The second step has demonstrations beside the rollouts (supervised rows), in
+        # micro-batches of both kinds.
+        for step, (seed, demonstrations) in enumerate(((0, 0), (1, 3)), start=1):
+            batch = make_batch(seed, demonstrations=demonstrations)
             got, expected = remote.train_step(batch), local.train_step(batch)
             assert set(got) == set(expected)
             assert got["grad_norm"] > config.train.max_grad_norm  # the clip is in play
-            for key in ("policy_loss", "grad_norm", "entropy", "behaviour_kl"):
+            keys = ("policy_loss", "grad_norm", "entropy", "behaviour_kl",
+                    *(("sft_nll", "sft_token_accuracy") if demonstrations else ()))
+            for key in keys:
                 assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
             assert [w.version for w in remote.workers] == [step, step]
             moved = 0.0

@@ -106,8 +106,10 @@ def fail(message: str, code: int = 2) -> None:
 @command()
 def demo(
     name: Annotated[str, typer.Option(help="The run's name: its folder under runs/.")] = "demo",
-    budget: Annotated[float, typer.Option(help="Seconds of training, after which the run "
-                                               "evaluates and exports.")] = 720,
+    budget: Annotated[Optional[float], typer.Option(  # noqa: UP007
+        help="Seconds of training, after which the run evaluates and exports (default: the "
+             "task's demo budget, 720 for sums, 1800 for the agentic tasks, whose budget holds "
+             "a supervised warm-up too).")] = None,
     chaos: Annotated[bool, typer.Option(
         "--chaos", help="Kill a random peer and restart it every few minutes while the run "
                         "goes on.")] = False,
@@ -157,7 +159,8 @@ def demo(
             fail(f"--netns: {error}")
     data = demo_config(task)
     data["name"] = name
-    data["train"]["time_budget_s"] = budget
+    if budget is not None:
+        data["train"]["time_budget_s"] = budget
     if verify_fraction is not None:
         data.setdefault("trust", {})["verify_fraction"] = verify_fraction
     if adversaries:

@@ -38,11 +38,12 @@ def tiny_tokenizer(characters: str = CHARACTERS):
 
 
 def make_tiny_model(out_dir: Path, seed: int = 0, num_layers: int = 4, hidden_size: int = 32,
-                    model_type: str = "llama") -> Path:
-    """Write a random model + tokenizer as a Hugging Face folder and return its path."""
+                    model_type: str = "llama", characters: str = CHARACTERS) -> Path:
+    """Write a random model + tokenizer (of `characters`) as a Hugging Face folder and return
+    its path."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tokenizer = tiny_tokenizer()
+    tokenizer = tiny_tokenizer(characters)
     config = AutoConfig.for_model(
         model_type, vocab_size=len(tokenizer), hidden_size=hidden_size,
         intermediate_size=2 * hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,

@@ -38,6 +38,9 @@ def demonstration_rollout(episode: Episode, turns: list[str], tokenizer: Any) ->
             raise ValueError(f"turn {number} does not start with the episode's prefill "
                              f"{driver.prefix!r}")
         own = tokenizer.encode(text[len(driver.prefix):], add_special_tokens=False)
+        if tokenizer.decode(own, skip_special_tokens=True) != text[len(driver.prefix):]:
+            raise ValueError(f"turn {number} does not survive the tokenizer (encoded and "
+                             "decoded, its text changes): the model would learn other text")
         if not text.endswith(CLOSE_TAG):
             own.append(tokenizer.eos_token_id)  # a final answer: the model closes its turn
         ends = [ends_turn(own[:end], [True] * end, stop_ids, stops)

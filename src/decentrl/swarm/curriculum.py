@@ -3,7 +3,7 @@
 A group whose rows all earn the same reward has no advantage and trains nothing (swarm/ingest.py
 drops it). The coordinator keeps, from every scored group it accepts, online estimates per
 difficulty bucket (the task's name and `tasks.base.difficulty_of`: for sums the operands' digit
-counts and carries, for the agentic environments the story kind or the count of numbers) and per
+counts and carries, for the calculator the length of its ideal chain of calls, for countdown the count of numbers) and per
 problem key where a key comes back:
 
 - per bucket, decayed counts of groups with and without reward spread, and of solved and unsolved
