@@ -203,6 +203,12 @@ def test_the_agentic_demo_config_trains_and_evaluates_the_environment() -> None:
     # The rest is the sums demo's swarm: the same stages, replicas and emulated links.
     sums = parse_config(demo_config("sums"))
     assert (config.num_stages, config.swarm) == (sums.num_stages, sums.swarm)
-    assert sums.task.name == "sums"
+    assert sums.task.name == "sums" and sums.supervised.warmup_steps == 0
+    # Every level of the calculator, learned first from demonstrations; countdown likewise.
+    assert len(config.task.options["stories"]) == 7 and config.supervised.warmup_steps > 0
+    assert config.supervised.interleave_rows > 0 and config.curriculum.enabled
+    countdown = parse_config(demo_config("agentic-countdown"))
+    assert countdown.task.name == countdown.eval.task.name == "agentic-countdown"
+    assert countdown.supervised == config.supervised
     with pytest.raises(ValueError, match="the demo runs one of sums, agentic-calculator"):
-        demo_config("agentic-countdown")
+        demo_config("task:sums")

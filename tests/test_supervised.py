@@ -25,6 +25,7 @@ from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.loading import LoadedModel, load_tokenizer
 from decentrl.observe.metrics import read_metrics
+from decentrl.observe.report import build_report
 from decentrl.rollout.demonstrations import demonstration_rollout, demonstrations
 from decentrl.rollout.types import Rollout
 from decentrl.swarm.local import local_run
@@ -165,6 +166,10 @@ def test_a_run_warms_up_on_demonstrations_then_interleaves_them(tiny_printable_d
     assert [e.label for e in records.evals] == ["before", "after warm-up", "after"]
     warmed = json.loads((summary.path / "eval_warmup.json").read_text())
     assert warmed["task"] == "agentic-calculator"
+    assert summary.warmup is not None and summary.warmup.problems == 2
+    report = build_report(summary.path).read_text()
+    assert "2 supervised warm-up steps, then 1 steps" in report
+    assert "## Supervised warm-up" in report and "Before -> after the warm-up." in report
 
 
 def test_warm_up_needs_an_environment_that_demonstrates(tiny_model_dir: Path,

@@ -89,9 +89,10 @@ AGENTIC_TASK = {"name": "agentic-calculator",
                             # Per call whose result a later call or the answer uses, up to 0.1
                             # an episode: the path is paid, never as much as the answer.
                             "used_result_bonus": 0.05, "max_shaping": 0.1}}
+# Two to four numbers: the curriculum starts where a target is one operation away.
 COUNTDOWN_TASK = {"name": "agentic-countdown",
-                  "options": {"prefill_first_call": True, "max_turns": 6, "max_tool_calls": 6,
-                              "used_result_bonus": 0.0}}
+                  "options": {"config": {"min_numbers": 2, "max_numbers": 4},
+                              "prefill_first_call": True, "max_turns": 6, "max_tool_calls": 6}}
 AGENTIC_DEMO_CHANGES: dict[str, Any] = {
     "task": AGENTIC_TASK,
     # Sampled at T=1: T=1 samples the long, rambling turns that RL then removes (issue #7: +20
@@ -102,14 +103,21 @@ AGENTIC_DEMO_CHANGES: dict[str, Any] = {
     # that RL cannot forget the format while it sharpens the solutions.
     "supervised": {"warmup_steps": 24, "rows_per_step": 16, "lr": 5e-5, "interleave_rows": 4},
     # Longer than the sums demo: warm-up steps take ~20 s and RL steps minutes on 2 cores.
-    "train": {"micro_batch_size": 8, "dynamic_sampling": False, "time_budget_s": 1800},
-    "eval": {"task": AGENTIC_TASK, "problems": 70, "pass_k": 1, "max_new_tokens": 192,
+    # Micro-batches of 4: a demonstration row is ~540 tokens, and 8 of them held ~11 GB of
+    # activations in one process.
+    "train": {"micro_batch_size": 4, "dynamic_sampling": False, "time_budget_s": 1800},
+    # The run's own evaluation samples a group per problem (about 4 minutes for 21 problems on
+    # one process): few problems, wide intervals per level. The release comparison, greedy on
+    # the exported folder, takes AGENTIC_RELEASE_PROBLEMS.
+    "eval": {"task": AGENTIC_TASK, "problems": 35, "pass_k": 1, "max_new_tokens": 192,
              "batch_size": 16},
 }
+# A check's report is longer than a calculator result, and a revision adds a turn.
 COUNTDOWN_DEMO_CHANGES: dict[str, Any] = {
     **AGENTIC_DEMO_CHANGES,
     "task": COUNTDOWN_TASK,
-    "eval": {**AGENTIC_DEMO_CHANGES["eval"], "task": COUNTDOWN_TASK, "problems": 64},
+    "rollout": {**AGENTIC_DEMO_CHANGES["rollout"], "max_new_tokens": 256},
+    "eval": {**AGENTIC_DEMO_CHANGES["eval"], "task": COUNTDOWN_TASK, "max_new_tokens": 256},
 }
 DEMO_TASKS = ("sums", AGENTIC_TASK["name"], COUNTDOWN_TASK["name"])
 # With the hostile peers beside the honest ones, about 20 processes share this machine's cores
@@ -135,6 +143,8 @@ def demo_config(task: str) -> dict[str, Any]:
 # The release comparison at the demo's end: greedy pass@1 on every family of the default suite
 # (the swarm's own evaluation has pass@k), about two minutes for base and model on 2 cores.
 DEMO_SUITE_PROBLEMS = 100
+# The release comparison of an agentic run: greedy episodes, about 50 per level of three.
+AGENTIC_RELEASE_PROBLEMS = 140
 # A ban's cause (a peer's own error text, often) in the summary.
 BAN_CAUSE_CHARS = 160
 
@@ -401,7 +411,7 @@ def release(config: RunConfig, console: Console) -> tuple[Path, Path]:
     families = (with_overrides(DEFAULT_SUITE, problems=DEMO_SUITE_PROBLEMS)
                 if config.task.name not in AGENTIC_ENVIRONMENTS else
                 [Family(config.eval.task.name, dict(config.eval.task.options),
-                        problems=config.eval.problems,
+                        problems=AGENTIC_RELEASE_PROBLEMS,
                         max_new_tokens=config.eval.max_new_tokens)])
     console.print(f"exported to {model_dir}; comparing it with {config.model} "
                   f"({families[0].problems} held-out problems per family, and the general set)")

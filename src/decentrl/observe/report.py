@@ -569,9 +569,32 @@ def header(config: RunConfig, records: RunRecords) -> str:
     steps = records.steps
     trained = (f"{len(steps)} steps to weight version {steps[-1].version}" if steps
                else "no training steps")
+    if records.supervised:
+        trained = f"{len(records.supervised)} supervised warm-up steps, then {trained}"
     return (f"# Run report: {config.name}\n\n`{config.model}` post-trained on "
             f"`{config.task.name}` ({config.train.mode}, {config.num_stages} stages): {trained}, "
             f"wall time {minutes(records.wall_s)}.")
+
+
+def warmup_section(run_dir: Path, records: RunRecords, before: EvalResult | None) -> str:
+    """The supervised warm-up: its steps' loss on the demonstrations and the run's own held-out
+    evaluation before and after it; "" for a run without one."""
+    steps = records.supervised
+    if not steps:
+        return ""
+    shown = sorted({0, len(steps) // 2, len(steps) - 1})
+    rows = [[str(steps[i].step), str(steps[i].rows), str(steps[i].tokens),
+             number(steps[i].sft_nll), number(steps[i].sft_token_accuracy),
+             number(steps[i].train_s, 1)] for i in shown]
+    text = ("## Supervised warm-up\n\nDemonstrations of train problems, through the same "
+            "training chain as RL (loss: the assistant tokens' mean negative "
+            "log-likelihood).\n\n"
+            + table(["step", "rows", "assistant tokens", "nll per token", "token accuracy",
+                     "train s"], rows))
+    warmed = read_evaluation(run_dir / "eval_warmup.json")
+    if warmed is not None:
+        text += "\n\nBefore -> after the warm-up. " + held_out_table(before, warmed)
+    return text
 
 
 def training_table(steps: Sequence[StepRecord], points: Sequence[ThroughputPoint]) -> str:
@@ -877,10 +900,11 @@ def build_report(run_dir: Path) -> Path:
     for name in PLOT_NAMES:  # a rebuild must not show plots whose data is gone
         (folder / name).unlink(missing_ok=True)
     sections = [header(config, records), evaluation_section(run_dir, before, after),
+                warmup_section(run_dir, records, before),
                 training_section(run_dir, config, records, folder),
                 swarm_section(records, folder),
                 verification_section(run_dir, config, records, folder),
                 samples_section(after), model_section(run_dir)]
     path = folder / "report.md"
-    path.write_text("\n\n".join(sections) + "\n")
+    path.write_text("\n\n".join(section for section in sections if section) + "\n")
     return path
