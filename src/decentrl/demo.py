@@ -107,9 +107,10 @@ AGENTIC_DEMO_CHANGES: dict[str, Any] = {
     # activations in one process.
     "train": {"micro_batch_size": 4, "dynamic_sampling": False, "time_budget_s": 1800},
     # The run's own evaluation samples a group per problem (about 4 minutes for 21 problems on
-    # one process): few problems, wide intervals per level. The release comparison, greedy on
-    # the exported folder, takes AGENTIC_RELEASE_PROBLEMS.
-    "eval": {"task": AGENTIC_TASK, "problems": 35, "pass_k": 1, "max_new_tokens": 192,
+    # one process), three times (before, after the warm-up, after RL): few problems, wide
+    # intervals per level. The release comparison, greedy on the exported folder, takes
+    # AGENTIC_RELEASE_PROBLEMS.
+    "eval": {"task": AGENTIC_TASK, "problems": 21, "pass_k": 1, "max_new_tokens": 192,
              "batch_size": 16},
 }
 # A check's report is longer than a calculator result, and a revision adds a turn.
