@@ -322,6 +322,13 @@ def new_figure(rows: int = 1, height: float = FIGURE_SIZE[1]) -> tuple[Figure, l
     return figure, axes
 
 
+def error_bars(points: Sequence[tuple[float, float, float]]) -> list[list[float]]:
+    """matplotlib's yerr of (mean, low, high) points: never negative, though an interval's
+    bound computed in floating point may sit a rounding error inside its mean (Wilson at 100%)."""
+    return [[max(0.0, mean - low) for mean, low, _ in points],
+            [max(0.0, high - mean) for mean, _, high in points]]
+
+
 def plot_reward_accuracy(records: RunRecords, path: Path) -> None:
     figure, (ax,) = new_figure()
     elapsed = [r.elapsed_s / 60 for r in records.steps]
@@ -330,8 +337,8 @@ def plot_reward_accuracy(records: RunRecords, path: Path) -> None:
         ax.plot(elapsed, values, label=f"{label} (training batch)")
     if records.evals:
         ax.errorbar([e.elapsed_s / 60 for e in records.evals], [e.pass1 for e in records.evals],
-                    yerr=[[e.pass1 - e.pass1_low for e in records.evals],
-                          [e.pass1_high - e.pass1 for e in records.evals]],
+                    yerr=error_bars([(e.pass1, e.pass1_low, e.pass1_high)
+                                     for e in records.evals]),
                     fmt="o", color="black", capsize=4, label="held-out pass@1 (95% CI)")
         for record in records.evals:
             ax.annotate(plot_label(record.label), (record.elapsed_s / 60, record.pass1),
@@ -341,8 +348,7 @@ def plot_reward_accuracy(records: RunRecords, path: Path) -> None:
               and e.greedy_pass1_low is not None and e.greedy_pass1_high is not None]
     if greedy:
         ax.errorbar([at for at, *_ in greedy], [mean for _, mean, _, _ in greedy],
-                    yerr=[[mean - low for _, mean, low, _ in greedy],
-                          [high - mean for _, mean, _, high in greedy]],
+                    yerr=error_bars([(mean, low, high) for _, mean, low, high in greedy]),
                     fmt="s", color="tab:purple", capsize=4,
                     label="held-out greedy pass@1 (95% CI)")
     ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
