@@ -139,6 +139,9 @@ def test_mean_change_adds_standard_errors_in_quadrature() -> None:
     # and 0.22 - 0.1 = 0.12 give 0.12, against a base with no spread.
     change = mean_change(Accuracy(0.1, 0.0, 0.22, 8), Accuracy(0.0, 0.0, 0.0, 8))
     assert change.low == pytest.approx(-0.02) and change.high == pytest.approx(0.22)
+    # From none to nearly all: the bound stays a difference two shares can have (1.0, not 1.05).
+    change = mean_change(Accuracy(0.95, 0.85, 1.0, 5), Accuracy(0.0, 0.0, 0.0, 5))
+    assert change.high == 1.0 and change.low == pytest.approx(0.85)
 
 
 def test_families_validate_and_take_overrides() -> None:

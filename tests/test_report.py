@@ -31,6 +31,7 @@ from decentrl.observe.report import (
     StepRecord,
     build_report,
     bytes_sent_by_peer,
+    error_bars,
     human_bytes,
     read_metrics,
     reward_accuracy_series,
@@ -439,3 +440,10 @@ def test_the_report_command(built: tuple[Path, str], tmp_path: Path) -> None:
     refused = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert refused.exit_code == 2
     assert "is not a run folder: it has no config.json" in " ".join(refused.output.split())
+
+
+def test_error_bars_are_never_negative() -> None:
+    # A Wilson bound computed a rounding error inside its mean of 100% once crashed the plot.
+    below, above = error_bars([(1.0, 0.8, 1.0 - 1e-16), (0.5, 0.4, 0.7)])
+    assert below == pytest.approx([0.2, 0.1]) and above == pytest.approx([0.0, 0.2])
+    assert min(above) == 0.0

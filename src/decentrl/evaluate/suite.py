@@ -153,11 +153,12 @@ def mean_change(model: Accuracy, base: Accuracy) -> Interval:
     """model - base of two means with normal intervals: the standard errors, read back from the
     intervals, add in quadrature. An interval is symmetric before it is clipped to [0, 1], so its
     wider side is Z_95 standard errors (an interval clipped on both sides, possible with a handful
-    of problems, gives less)."""
+    of problems, gives less). The bounds are clipped to [-1, 1], the differences two shares can
+    have."""
     standard_error = math.hypot(half_width(model), half_width(base)) / Z_95
     difference = model.mean - base.mean
-    return Interval(difference, difference - Z_95 * standard_error,
-                    difference + Z_95 * standard_error)
+    return Interval(difference, max(-1.0, difference - Z_95 * standard_error),
+                    min(1.0, difference + Z_95 * standard_error))
 
 
 def load_stages(source: str, num_stages: int, device: torch.device, dtype: torch.dtype
