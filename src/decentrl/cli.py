@@ -108,7 +108,7 @@ def demo(
     name: Annotated[str, typer.Option(help="The run's name: its folder under runs/.")] = "demo",
     budget: Annotated[Optional[float], typer.Option(  # noqa: UP007
         help="Seconds of training, after which the run evaluates and exports (default: the "
-             "task's demo budget, 720 for sums, 1800 for the agentic tasks, whose budget holds "
+             "task's demo budget, 720 for sums, 2700 for the agentic tasks, whose budget holds "
              "a supervised warm-up too).")] = None,
     chaos: Annotated[bool, typer.Option(
         "--chaos", help="Kill a random peer and restart it every few minutes while the run "

@@ -102,10 +102,11 @@ AGENTIC_DEMO_CHANGES: dict[str, Any] = {
     # Demonstrations at 5x the RL learning rate for the warm-up, then 4 beside every RL batch so
     # that RL cannot forget the format while it sharpens the solutions.
     "supervised": {"warmup_steps": 24, "rows_per_step": 16, "lr": 5e-5, "interleave_rows": 4},
-    # Longer than the sums demo: warm-up steps take ~20 s and RL steps minutes on 2 cores.
-    # Micro-batches of 4: a demonstration row is ~540 tokens, and 8 of them held ~11 GB of
-    # activations in one process.
-    "train": {"micro_batch_size": 4, "dynamic_sampling": False, "time_budget_s": 1800},
+    # Longer than the sums demo: on 2 cores a warm-up step takes ~75 s through the swarm (37 s
+    # in one process), so the 24 take ~30 minutes of the budget and RL (~2-3 minutes a step)
+    # the rest. Micro-batches of 4: a demonstration row is ~540 tokens, and 8 of them held
+    # ~11 GB of activations in one process.
+    "train": {"micro_batch_size": 4, "dynamic_sampling": False, "time_budget_s": 2700},
     # The run's own evaluation samples a group per problem (about 4 minutes for 21 problems on
     # one process), three times (before, after the warm-up, after RL): few problems, wide
     # intervals per level. The release comparison, greedy on the exported folder, takes

@@ -31,8 +31,8 @@ from decentrl.config import RunConfig
 from decentrl.envs import Environment, make_task_or_environment
 from decentrl.envs.base import Demonstrating
 from decentrl.evaluate.runner import EvalResult, TrainingShape, evaluate
-from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.learn.batch import TrainBatch, build_batch
+from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.learn.trainer import PipelineTrainer
 from decentrl.net.text import REMOTE_ERROR_CHARS
 from decentrl.net.transport import RolloutTransport
