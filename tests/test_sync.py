@@ -282,6 +282,25 @@ def sync_config(model_dir: Path, **sync: object) -> object:
 
 
 @pytest.mark.network
+def test_the_end_of_a_warm_up_reaches_replicas_whole(tiny_sharp_dir: Path) -> None:
+    # Sparse updates of 1% carry a small share of a supervised step's movement; generation
+    # starts after the warm-up, so its last version is published whole.
+    config = tiny_run_config(tiny_sharp_dir, 1, sync={"density": 0.01},
+                             supervised={"warmup_steps": 2}, train={"steps": 4})
+    with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
+        trainer_peer, replica = swarm.peer(0, "training"), swarm.peer(0, "inference")
+        learner = trainer_peer.training.trainer.stage  # type: ignore[union-attr]
+        for step in (1, 2, 3):
+            fake_step(swarm, trainer_peer, step)
+            follow_all([replica])
+            assert_serves_published(replica, trainer_peer)
+            published = publisher_of(trainer_peer).state.tensors
+            exact = all(torch.equal(published[name], value.float())
+                        for name, value in published_tensors(learner).items())
+            assert exact == (step == 2), step
+
+
+@pytest.mark.network
 def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
     config = sync_config(tiny_sharp_dir)
     layout = [(0, "training"), (0, "inference"), (0, "inference"), (0, "inference")]

@@ -97,7 +97,10 @@ class TrainingService:
         self.publisher = WeightPublisher(
             node, config.name, self.stage, config.sync, trainer.version,
             published_tensors(trainer.stage) if resumed is None else resumed,
-            config.swarm.request_timeout_s)
+            config.swarm.request_timeout_s,
+            # Generation starts after the warm-up: from the learner's own weights.
+            exact_versions=(config.supervised.warmup_steps,) if config.supervised.warmup_steps
+            else ())
 
     @property
     def version(self) -> int:

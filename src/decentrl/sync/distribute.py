@@ -37,7 +37,7 @@ import math
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -257,9 +257,14 @@ class WeightPublisher(UpdateServer):
     """A training peer's side: one stage's published state, its deltas and latest keyframe."""
 
     def __init__(self, node: SwarmNode, run: str, stage: int, sync: SyncConfig, version: int,
-                 tensors: Mapping[str, torch.Tensor], timeout_s: float = 60.0) -> None:
+                 tensors: Mapping[str, torch.Tensor], timeout_s: float = 60.0,
+                 exact_versions: Collection[int] = ()) -> None:
+        """`exact_versions` are published whole (a keyframe of the learner's weights, as in
+        dense mode) even in sparse mode: the end of a supervised warm-up, after which the
+        replicas generate and the learner has moved far more than sparse updates carried."""
         super().__init__(node, run, stage, sync)
         self.timeout_s = timeout_s
+        self.exact_versions = frozenset(exact_versions)
         self.state = PublishedState.of(version, tensors)
         # What the learner's movement is measured from (its first state, or the one it rolled
         # back to), and the fidelity of each recent version (`served_fidelity`).
@@ -328,7 +333,7 @@ class WeightPublisher(UpdateServer):
 
     def _encode(self, version: int, snapshot: dict[str, torch.Tensor]) -> None:
         started = time.perf_counter()
-        if self.sync.mode == "dense":
+        if self.sync.mode == "dense" or version in self.exact_versions:
             self._restart(version, snapshot)
             self._measure(version, snapshot)
             return
