@@ -501,7 +501,17 @@ def test_the_card_says_how_an_agentic_model_is_prompted(exported: Path, tiny_sha
     run_usage_snippet(card, exported)
     assert capsys.readouterr().out.startswith("<tool_call>")  # the prefill, then the model's
     single_turn = tiny_run_config(tiny_sharp_dir, 2)
-    assert "<tool_call>" not in model_card(single_turn, base, size, 3, 3, ["ab" * 32], None, None)
+    plain_card = model_card(single_turn, base, size, 3, 3, ["ab" * 32], None, None)
+    assert "<tool_call>" not in plain_card and "Demonstrations" not in plain_card
+    # A warm-up on demonstrations is said, with what it was.
+    warmed = tiny_run_config(tiny_sharp_dir, 2, task=task, train={"steps": 9},
+                             supervised={"warmup_steps": 5, "rows_per_step": 8, "lr": 5e-5,
+                                         "interleave_rows": 2})
+    card = model_card(warmed, base, size, 9, 9, ["ab" * 32], None, None)
+    assert "after a supervised warm-up on the environment's own demonstrations" in card
+    assert "The first 5 steps, before any RL, were supervised: 8 demonstrations each, at " \
+        "learning rate 5e-05." in card
+    assert "Every RL step also learned 2 demonstrations." in card
 
 
 @pytest.mark.slow

@@ -163,12 +163,28 @@ def training_section(config: RunConfig, version: int, steps: int, weights: str) 
         "**Learning.** An answer that scored above its group's average was made more likely, one "
         f"below less, in proportion to the difference{scaled}.{dropped} The objective was "
         f"{LOSS_TEXT[train.loss]}. Learning rate {train.lr}. {adapters}",
+        *([supervised_text(config)] if config.supervised.warmup_steps
+          or config.supervised.interleave_rows else []),
         f"**Stale answers.** {staleness_text(train)}",
         f"**Trust.** {trust_text(config)}",
         f"**Length.** {steps} optimizer steps; this is weight version {version} of every stage, "
         f"{WEIGHTS_TEXT[weights]}.",
     ]
     return "".join(f"- {bullet}\n" for bullet in bullets)
+
+
+def supervised_text(config: RunConfig) -> str:
+    supervised = config.supervised
+    parts = []
+    if supervised.warmup_steps:
+        parts.append(f"The first {supervised.warmup_steps} steps, before any RL, were supervised: "
+                     f"{supervised.rows_per_step} demonstrations each, at learning rate "
+                     f"{supervised.lr or config.train.lr}.")
+    if supervised.interleave_rows:
+        parts.append(f"Every RL step also learned {supervised.interleave_rows} demonstrations.")
+    return (f"**Demonstrations.** {' '.join(parts)} A demonstration is the environment's own "
+            "scripted solution of a training problem (no teacher model, no downloaded data); "
+            "the model learned its assistant turns by likelihood, the tool replies were context.")
 
 
 def trust_text(config: RunConfig) -> str:
@@ -245,7 +261,9 @@ def model_card(config: RunConfig, base: BaseOrigin, size: ModelSize, version: in
                weights: str = "learner") -> str:
     stages = "\n".join(f"| {index} | `{digest}` |" for index, digest in enumerate(stage_hashes))
     name = base_name(config, base)
-    summary = (f"Post-trained from `{name}` with reinforcement learning on verifiable "
+    warm_up = (" (after a supervised warm-up on the environment's own demonstrations)"
+               if config.supervised.warmup_steps else "")
+    summary = (f"Post-trained from `{name}` with reinforcement learning{warm_up} on verifiable "
                f"`{config.task.name}` problems, by a decentrl swarm: the model was cut into "
                f"{config.num_stages} pipeline stages, each trained by its own peer, while "
                "inference replicas of each stage generated the answers it learned from.")
