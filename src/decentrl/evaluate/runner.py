@@ -263,16 +263,6 @@ def _judge(chain: InferenceChain, task: Task | Environment, split: str, job: Job
     return outcomes
 
 
-def calculator_chain_progress() -> ChainProgress | None:
-    """envs/calculator.py's `chain_steps_reached`, or None where this checkout's calculator has
-    none (its stories then carry no chain)."""
-    try:
-        from decentrl.envs.calculator import chain_steps_reached
-    except ImportError:
-        return None
-    return chain_steps_reached
-
-
 def pass1_accuracy(solved: list[list[bool]], sampled: bool) -> Accuracy:
     """pass@1 over problems' pass@1 samples: greedy (one sample each), the share solved with its
     Wilson interval; sampled, the mean of each problem's success rate with its normal one."""
@@ -315,7 +305,7 @@ def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, nu
     `concurrency` > 1 runs that many sessions at once (over a swarm, so hop latency is hidden
     and every replica works); the result does not depend on it. A session that fails is run
     again while `retry` returns. `chain_progress` reads each finished episode's chain steps
-    (default: the calculator's, `calculator_chain_progress`)."""
+    (default: envs/calculator.py's `chain_steps_reached`, None for problems without a chain)."""
     if num_problems < 1 or batch_size < 1:
         raise ValueError(f"num_problems and batch_size must be >= 1, got {num_problems} and "
                          f"{batch_size}")
@@ -324,7 +314,9 @@ def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, nu
             else training_shaped_jobs(items, shape, pass_k, seed))
     environment = isinstance(task, Environment)
     if environment and chain_progress is None:
-        chain_progress = calculator_chain_progress()
+        # Here, not at the top: the calculator imports reasoning-gym (about two seconds).
+        from decentrl.envs.calculator import chain_steps_reached
+        chain_progress = chain_steps_reached
     done, total = 0, sum(len(job.problems) * job.repeats for job in jobs)
     lock = threading.Lock()
 
