@@ -19,6 +19,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -542,9 +543,11 @@ class TrainingLoop(Generic[AnyBackend]):
         return demonstrations(self.task, self.backend.tokenizer, self.config.seed,
                               self.step + 1, count)
 
-    def _train_batch(self, batch: TrainBatch) -> dict[str, float] | None:
-        """One optimizer step on `batch` and the new weights published; None when the step
-        failed and the stages were recovered instead."""
+    def _train_batch(self, batch: TrainBatch,
+                     scored: Sequence[tuple[ScoredGroup, int]] = ()) -> dict[str, float] | None:
+        """One optimizer step on `batch` (of `scored`'s groups) and the new weights published;
+        None when the step failed and the stages were recovered instead (`scored` go back to
+        the pending pool first: still pending in the store, the recovery keeps them once)."""
         try:
             losses = self.trainer.train_step(batch)
         except self.backend.recoverable_step_errors as error:
@@ -555,6 +558,7 @@ class TrainingLoop(Generic[AnyBackend]):
             # The error may quote a training peer's refusal.
             self.console.print(f"[yellow]training step failed: "
                                f"{terminal_text(error, REMOTE_ERROR_CHARS)}[/]")
+            self.pending[:0] = scored  # retried after recovery
             self._recover()
             return None
         self.backend.publish()
@@ -608,9 +612,8 @@ class TrainingLoop(Generic[AnyBackend]):
         train_started = time.time()
         losses: dict[str, float] = {}
         if batch is not None:
-            trained = self._train_batch(batch)
+            trained = self._train_batch(batch, scored)
             if trained is None:
-                self.pending[:0] = scored  # still pending in the store; retried after recovery
                 return None
             losses = trained
         self.step += 1
