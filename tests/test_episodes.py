@@ -23,7 +23,8 @@ class LookupEpisode:
     """Asks a question; the first assistant turn is a lookup the environment answers with
     TOOL_REPLY; the second is the final answer, right if it is TOOL_REPLY."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
+        self.problem = LookupEnvironment().problem("heldout", index)
         self.conversation: list[Message] = [{"role": "user", "content": "what is x?"}]
         self.turns = self.tool_calls = self.invalid_calls = 0
         self.reward: Reward | None = None
@@ -140,7 +141,7 @@ class LookupEnvironment:
                        key=str(index))
 
     def episode(self, split: str, index: int) -> LookupEpisode:
-        return LookupEpisode()
+        return LookupEpisode(index)
 
 
 def test_episode_evaluation_counts_success_turns_and_calls() -> None:

@@ -44,7 +44,8 @@ from decentrl.rollout.sampling import SamplingConfig
 from decentrl.tasks.arithmetic import SumsTask
 from decentrl.tasks.base import Problem, Reward, difficulty_of
 
-CALCULATOR = {"stories": ["purchase", "distance"], "prefill_first_call": True, "max_turns": 3}
+# One-step and two-step stories: two levels.
+CALCULATOR = {"stories": ["purchase", "shopping"], "prefill_first_call": True, "max_turns": 3}
 
 
 class ParitySums(SumsTask):
