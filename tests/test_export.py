@@ -512,6 +512,9 @@ def test_the_card_says_how_an_agentic_model_is_prompted(exported: Path, tiny_sha
     assert "The first 5 steps, before any RL, were supervised: 8 demonstrations each, at " \
         "learning rate 5e-05." in card
     assert "Every RL step also learned 2 demonstrations." in card
+    # A budget that ended inside the warm-up: the steps it made.
+    assert "The first 3 steps, before any RL" in model_card(warmed, base, size, 3, 3,
+                                                            ["ab" * 32], None, None)
 
 
 @pytest.mark.slow

@@ -163,7 +163,7 @@ def training_section(config: RunConfig, version: int, steps: int, weights: str) 
         "**Learning.** An answer that scored above its group's average was made more likely, one "
         f"below less, in proportion to the difference{scaled}.{dropped} The objective was "
         f"{LOSS_TEXT[train.loss]}. Learning rate {train.lr}. {adapters}",
-        *([supervised_text(config)] if config.supervised.warmup_steps
+        *([supervised_text(config, steps)] if config.supervised.warmup_steps
           or config.supervised.interleave_rows else []),
         f"**Stale answers.** {staleness_text(train)}",
         f"**Trust.** {trust_text(config)}",
@@ -173,11 +173,13 @@ def training_section(config: RunConfig, version: int, steps: int, weights: str) 
     return "".join(f"- {bullet}\n" for bullet in bullets)
 
 
-def supervised_text(config: RunConfig) -> str:
+def supervised_text(config: RunConfig, steps: int) -> str:
+    """The warm-up as it ran: a run whose budget ended inside it made fewer of its steps."""
     supervised = config.supervised
     parts = []
     if supervised.warmup_steps:
-        parts.append(f"The first {supervised.warmup_steps} steps, before any RL, were supervised: "
+        parts.append(f"The first {min(supervised.warmup_steps, steps)} steps, before any RL, were "
+                     f"supervised: "
                      f"{supervised.rows_per_step} demonstrations each, at learning rate "
                      f"{supervised.lr or config.train.lr}.")
     if supervised.interleave_rows:
