@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from fuzzing import FuzzTally, Outcomes
+from helpers import sampled_rollouts
 from hypothesis import settings
 from safetensors.torch import load_file, save_file
 
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.tiny import make_tiny_model
+from decentrl.rollout.types import Rollout
 
 # ---- fuzzing ------------------------------------------------------------------------------------
 # `make test` runs each fuzz test of tests/test_fuzz.py on 150 examples (seconds in all).
@@ -110,3 +112,9 @@ def tiny_sharp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model(tiny_model_dir: Path) -> LoadedModel:
     """`tiny_model_dir` loaded once. Tests must not modify its tensors; build_stages copies."""
     return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_model: LoadedModel) -> list[Rollout]:
+    """`helpers.sampled_rollouts` of the tiny model, once per test module."""
+    return sampled_rollouts(tiny_model)

@@ -511,10 +511,10 @@ def test_the_card_says_how_an_agentic_model_is_prompted(exported: Path, tiny_sha
     assert "after a supervised warm-up on the environment's own demonstrations" in card
     assert "The first 5 steps, before any RL, were supervised: 8 demonstrations each, at " \
         "learning rate 5e-05." in card
-    assert "Every RL step also learned 2 demonstrations." in card
-    # A budget that ended inside the warm-up: the steps it made.
-    assert "The first 3 steps, before any RL" in model_card(warmed, base, size, 3, 3,
-                                                            ["ab" * 32], None, None)
+    assert "Each of the 4 RL steps also learned 2 demonstrations." in card
+    # A budget that ended inside the warm-up: the steps it made, and no RL step to speak of.
+    cut_short = model_card(warmed, base, size, 3, 3, ["ab" * 32], None, None)
+    assert "The first 3 steps, before any RL" in cut_short and "RL steps also" not in cut_short
 
 
 @pytest.mark.slow

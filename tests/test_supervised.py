@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build
+from helpers import ADVANTAGES, MAX_NEW, SAMPLING, build, max_difference, weights
 from swarm_helpers import tiny_run_config
-from test_trainer import ADVANTAGES, MAX_NEW, SAMPLING, max_difference, rollouts, weights
 
 from decentrl.config import RunConfig, SupervisedConfig, TrainConfig
 from decentrl.envs import make_environment
@@ -29,8 +28,6 @@ from decentrl.observe.report import build_report
 from decentrl.rollout.demonstrations import demonstration_rollout, demonstrations
 from decentrl.rollout.types import Rollout
 from decentrl.swarm.local import local_run
-
-__all__ = ["rollouts"]  # the fixture, shared with test_trainer
 
 
 def trainer_for(model: LoadedModel, num_stages: int = 2, supervised: SupervisedConfig | None = None,

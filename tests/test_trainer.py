@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import build
+from helpers import ADVANTAGES, MAX_NEW, SAMPLING, build, max_difference, weights
 
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import TrainBatch, build_batch
@@ -16,17 +16,7 @@ from decentrl.learn.losses import LOSS_NAMES
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from, stage_forward
 from decentrl.model.loading import LoadedModel
 from decentrl.model.stages import StageModule
-from decentrl.rollout.chain import LocalChain
-from decentrl.rollout.generate import generate
-from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import Rollout
-
-SAMPLING = SamplingConfig(temperature=1.0)
-MAX_NEW = 12
-QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 * 34.", "2+2=?"]
-ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 1.5, -1.5, 0.3, -0.3]
-
-
 
 def make_trainer(model: LoadedModel, num_stages: int = 2, *,
                  reference: list[StageModule] | None = None, **train: object) -> PipelineTrainer:
@@ -34,30 +24,6 @@ def make_trainer(model: LoadedModel, num_stages: int = 2, *,
     return PipelineTrainer.local(build(model, num_stages), config,
                                  loss_config_from(config, MAX_NEW), SAMPLING, torch.float32,
                                  reference_stages=reference)
-
-
-def weights(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
-    """The whole model under Hugging Face names (copies)."""
-    return {name: tensor.clone() for t in trainer.stage_trainers
-            for name, tensor in t.stage.hf_state_dict().items()}
-
-
-def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-@pytest.fixture(scope="module")
-def rollouts(tiny_model: LoadedModel) -> list[Rollout]:
-    """Two sampled completions for each of four prompts of different lengths."""
-    tokenizer = tiny_model.tokenizer
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                             add_generation_prompt=True)["input_ids"]
-               for q in QUESTIONS for _ in range(2)]
-    generations = generate(LocalChain(build(tiny_model, 2)), prompts, MAX_NEW, SAMPLING,
-                           {tokenizer.eos_token_id}, tokenizer.pad_token_id, 0)
-    return [Rollout(prompt_tokens=p, completion_tokens=g.tokens, behaviour_logprobs=g.logprobs,
-                    finished=g.finished) for p, g in zip(prompts, generations)]
 
 
 @pytest.fixture(scope="module")

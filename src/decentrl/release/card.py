@@ -182,8 +182,10 @@ def supervised_text(config: RunConfig, steps: int) -> str:
                      f"supervised: "
                      f"{supervised.rows_per_step} demonstrations each, at learning rate "
                      f"{supervised.lr or config.train.lr}.")
-    if supervised.interleave_rows:
-        parts.append(f"Every RL step also learned {supervised.interleave_rows} demonstrations.")
+    rl_steps = steps - supervised.warmup_steps
+    if supervised.interleave_rows and rl_steps > 0:
+        parts.append(f"Each of the {rl_steps} RL steps also learned "
+                     f"{supervised.interleave_rows} demonstrations.")
     return (f"**Demonstrations.** {' '.join(parts)} A demonstration is the environment's own "
             "scripted solution of a training problem (no teacher model, no downloaded data); "
             "the model learned its assistant turns by likelihood, the tool replies were context.")
