@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from decentrl.observe.report import build_report
 from decentrl.rollout.demonstrations import demonstration_rollout, demonstrations
 from decentrl.rollout.types import Rollout
 from decentrl.swarm.local import local_run
+from decentrl.swarm.loop import RunHooks, TrainingLoop
 
 
 def trainer_for(model: LoadedModel, num_stages: int = 2, supervised: SupervisedConfig | None = None,
@@ -167,6 +169,25 @@ def test_a_run_warms_up_on_demonstrations_then_interleaves_them(tiny_printable_d
     report = build_report(summary.path).read_text()
     assert "2 supervised warm-up steps, then 1 steps" in report
     assert "## Supervised warm-up" in report and "Before -> after the warm-up." in report
+
+
+WARM_UP_EVALUATION_S = 6.0
+
+
+class SlowWarmUpEvaluation(RunHooks):
+    def before_evaluation(self, loop: TrainingLoop, label: str) -> None:
+        if label == "after warm-up":
+            time.sleep(WARM_UP_EVALUATION_S)
+
+
+def test_the_evaluation_after_the_warm_up_is_not_counted_in_the_budget(
+        tiny_printable_dir: Path, tmp_path: Path) -> None:
+    # The warm-up's two tiny steps take well under the 5 s budget; its evaluation takes longer
+    # than the whole budget, and RL still gets its step.
+    config = warm_up_config(tiny_printable_dir, tmp_path, time_budget_s=5.0)
+    summary = local_run(config, hooks=[SlowWarmUpEvaluation()]).run()
+    assert summary.steps == 3 and summary.warmup is not None
+    assert [r.step for r in read_metrics(summary.path / "metrics.jsonl").steps] == [3]
 
 
 def test_warm_up_needs_an_environment_that_demonstrates(tiny_model_dir: Path,

@@ -97,6 +97,8 @@ class SupervisedConfig(Section):
 class TrainConfig(Section):
     mode: Literal["async", "sync"] = "async"
     steps: int = Field(100, ge=1)
+    # The warm-up's steps count; the evaluations before training, after the warm-up and after
+    # training do not (evaluations every `eval.every` steps do).
     time_budget_s: float | None = Field(None, gt=0, description="stop training after this long")
     loss: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] = "grpo"
     lr: float = Field(1e-5, gt=0, lt=1)

@@ -751,7 +751,8 @@ class TrainingLoop(Generic[AnyBackend]):
     def _warm_up(self) -> None:
         """Supervised steps until `supervised.warmup_steps` (a resumed run goes on where it
         stopped; they count in the time budget), before any generation starts; then, once this
-        process has finished them, the evaluation after the warm-up (eval_warmup.json)."""
+        process has finished them, the evaluation after the warm-up (eval_warmup.json), which
+        like the evaluations before and after training does not count in the budget."""
         steps = self.config.supervised.warmup_steps
         if self.step >= steps:
             return
@@ -761,8 +762,10 @@ class TrainingLoop(Generic[AnyBackend]):
                 update(self.step, description=f"supervised warm-up: step {self.step}")
         if self.step < steps:  # the budget ran out first: no RL step will run either
             return
+        evaluation_started = time.time()
         self.warmup_result = self.evaluate("after warm-up", self.config.eval.pass_k)
         self._write_evaluation("eval_warmup.json", self.warmup_result)
+        self.training_started += time.time() - evaluation_started
 
     def _train(self) -> None:
         config = self.config
