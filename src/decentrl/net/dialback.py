@@ -35,7 +35,7 @@ from decentrl.net.node import (
     Request,
     SwarmNode,
     SwarmStartError,
-    daemon_class,
+    start_daemon,
 )
 from decentrl.net.protocol import DIAL_BACK, DialBackReply, DialBackRequest
 from decentrl.net.reach import (
@@ -98,7 +98,8 @@ class DialBackService:
         self._busy = asyncio.Lock()
         # A second daemon on this host, connected to nobody: a connection it makes is a fresh
         # dial. Relays on, to dial through them.
-        self.probe: P2P = node.run(daemon_class({}, node.network.netns).create(
+        self.probe: P2P = node.run(start_daemon(
+            {}, node.network.netns,
             host_maddrs=[_probe_listen(node.network)], use_ipfs=False, nat_port_map=False,
             auto_nat=False, use_relay=True, use_auto_relay=False, dht_mode="client",
             conn_manager=False), timeout=60)

@@ -150,17 +150,28 @@ def check_peer_addresses(addresses: Sequence[str]) -> None:
                              f"address the peer printed, like {EXAMPLE_ADDRESS}")
 
 
-def daemon_class(flags: Mapping[str, Any], netns: str | None = None) -> type[P2P]:
-    """hivemind's daemon wrapper, also passing p2pd flags that `P2P.create` does not take, and
-    starting the daemon inside network namespace `netns` if one is given."""
-    if not flags and netns is None:
-        return P2P
+async def start_daemon(flags: Mapping[str, Any], netns: str | None = None,
+                       **options: Any) -> P2P:
+    """hivemind's `P2P.create(**options)`, also passing p2pd flags that it does not take, and
+    starting the daemon inside network namespace `netns` if one is given. A daemon that exits
+    while it starts leaves its control socket behind (p2pd listens on it before it dials the
+    initial peers, and exits without removing it when none answers; hivemind removes it only
+    for a daemon it stops itself): that socket is removed here."""
     prefix = ["ip", "netns", "exec", netns] if netns is not None else []
+    control_sockets: list[str] = []
 
-    class FlaggedP2P(P2P):
+    class Daemon(P2P):
         def _make_process_args(self, *args: Any, **kwargs: Any) -> list[str]:
+            control_sockets.append(kwargs["listen"]["unix"])
             return [*prefix, *P2P._make_process_args(*args, **kwargs, **flags)]
-    return FlaggedP2P
+
+    try:
+        return await Daemon.create(**options)
+    except BaseException:
+        for path in control_sockets:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        raise
 
 
 class RemoteError(RuntimeError):
@@ -388,7 +399,8 @@ class SwarmNode:
             key_path = os.path.join(key_dir, "identity.key")
             self.identity.write_libp2p_key(key_path)
             # Never the IPFS bootstrap: the only peers are the ones we are told about.
-            self.p2p = await daemon_class(flags, network.netns).create(
+            self.p2p = await start_daemon(
+                flags, network.netns,
                 initial_peers=initial_peers or None, use_ipfs=False, **options,
                 # libp2p's connection manager trims connections past its water marks, which can
                 # cut a stream mid-reply; a swarm's peers keep few connections, so keep them all.
