@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+from collections.abc import Iterator
+
 import torch
 
 from decentrl.learn.trainer import PipelineTrainer
@@ -61,3 +65,11 @@ def weights(trainer: PipelineTrainer) -> dict[str, torch.Tensor]:
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@contextlib.contextmanager
+def unanswered_peer_address(peer_id: str) -> Iterator[str]:
+    """A full peer address on a loopback port that nothing listens on, held for the block."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        yield f"/ip4/127.0.0.1/tcp/{unused.getsockname()[1]}/p2p/{peer_id}"

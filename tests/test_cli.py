@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 import typer
+from helpers import unanswered_peer_address
 from swarm_helpers import tiny_run_config
 from typer.testing import CliRunner, Result
 
@@ -107,9 +107,7 @@ def test_a_training_peer_needs_a_key_file_to_be_admitted(monkeypatch: pytest.Mon
 
 @pytest.mark.network
 def test_join_says_when_no_initial_peer_answers() -> None:
-    with socket.socket() as probe:  # a loopback port that nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        address = f"/ip4/127.0.0.1/tcp/{probe.getsockname()[1]}/p2p/{UNUSED_PEER_ID}"
+    with unanswered_peer_address(UNUSED_PEER_ID) as address:
         assert_refused(invoke("join", "--initial-peers", address, "--run", "demo", "--owner",
                               UNUSED_PEER_ID),
                        f"none of the initial peers answered ({address})",

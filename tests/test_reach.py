@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 from hivemind.utils.multiaddr import Multiaddr
+from helpers import unanswered_peer_address
 
 from decentrl.net import dialback
 from decentrl.net.dialback import CheckersBusy, DialBackService, check_reachability
@@ -227,9 +227,7 @@ def test_a_node_taking_its_probes_place_starts_once_more_when_no_initial_peer_an
 def test_a_node_whose_initial_peers_do_not_answer_leaves_no_daemon_socket_behind() -> None:
     """p2pd listens on its control socket before it dials the initial peers, and exits without
     removing it when none answers."""
-    with socket.socket() as unused:  # a loopback port that nothing listens on
-        unused.bind(("127.0.0.1", 0))
-        address = f"/ip4/127.0.0.1/tcp/{unused.getsockname()[1]}/p2p/{RELAY.rsplit('/', 1)[1]}"
+    with unanswered_peer_address(RELAY.rsplit("/", 1)[1]) as address:
         sockets_before = set(glob.glob("/tmp/hivemind-*.sock"))
         with pytest.raises(SwarmStartError, match="none of the initial peers answered"):
             SwarmNode.start("lonely", [address], LinkProfile(), TensorLimits())
