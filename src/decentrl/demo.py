@@ -160,11 +160,17 @@ def peak_memory_gib() -> float:
 def before_after_table(summary: RunSummary) -> Table:
     """Held-out results before and after training (a resumed run has no "before": see
     after_table)."""
-    from decentrl.evaluate.runner import episode_rows, pass1_label
+    from decentrl.evaluate.runner import (
+        SAMPLED_INTERVALS_NOTE,
+        episode_rows,
+        has_sampled_rows,
+        pass1_label,
+    )
 
     assert summary.before is not None
     table = Table(title=f"held-out {summary.before.task} ({summary.before.problems} problems, "
-                        "95% CI)")
+                        "95% CI)",
+                  caption=SAMPLED_INTERVALS_NOTE if has_sampled_rows(summary.before) else None)
     table.add_column("")
     table.add_column("before")
     table.add_column("after")
@@ -187,13 +193,15 @@ def levels_table(before: EvalResult | None, after: EvalResult,
                  names: tuple[str, str] = ("before", "after")) -> Table | None:
     """The held-out results per difficulty level, before and after training (or the two
     evaluations `names` says); None for an evaluation without levels."""
+    from decentrl.evaluate.runner import SAMPLED_INTERVALS_NOTE, has_sampled_rows
     from decentrl.evaluate.suite import level_rows
 
     rows = level_rows(before, after)
     if not rows:
         return None
     table = Table(title=f"held-out {after.task} per difficulty level, {names[0]} -> {names[1]} "
-                        "(95% CI)")
+                        "(95% CI)",
+                  caption=SAMPLED_INTERVALS_NOTE if has_sampled_rows(after) else None)
     for column in ("level", "", *names, "change"):
         table.add_column(column)
     for row in rows:

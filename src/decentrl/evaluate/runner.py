@@ -1,5 +1,6 @@
 """Held-out evaluation over an inference chain: pass@1 and sampled pass@k, each with a 95%
-confidence interval (Wilson for greedy pass@1; normal approximation over problems otherwise).
+confidence interval (Wilson for greedy pass@1; for sampled ones, Wilson on the effective number
+of trials, a problem's samples being a cluster: stats.effective_trials).
 
 Two shapes. By default pass@1 is greedy, in batches of problems (the release comparison on the
 coordinator's own machine, evaluate/suite.py). A run's own evaluation, local or swarm
@@ -104,6 +105,15 @@ class EvalResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# Under a table with sampled rows: what their intervals are (stats.Accuracy.from_scores).
+SAMPLED_INTERVALS_NOTE = ("sampled rows: Wilson interval on the effective number of trials, a "
+                          "problem's samples counted as one cluster")
+
+
+def has_sampled_rows(result: EvalResult) -> bool:
+    return result.pass1_temperature is not None or result.pass_k is not None
 
 
 def pass1_label(result: EvalResult) -> str:
@@ -265,9 +275,11 @@ def _judge(chain: InferenceChain, task: Task | Environment, split: str, job: Job
 
 def pass1_accuracy(solved: list[list[bool]], sampled: bool) -> Accuracy:
     """pass@1 over problems' pass@1 samples: greedy (one sample each), the share solved with its
-    Wilson interval; sampled, the mean of each problem's success rate with its normal one."""
+    Wilson interval; sampled, the mean of each problem's success rate with Wilson's interval on
+    the samples' effective number of trials (at most one per sample, at least one per problem)."""
     if sampled:
-        return Accuracy.from_values([sum(samples) / len(samples) for samples in solved])
+        return Accuracy.from_scores([sum(samples) / len(samples) for samples in solved],
+                                    max_trials=sum(map(len, solved)))
     flat = [sample for samples in solved for sample in samples]
     return Accuracy.from_counts(sum(flat), len(flat))
 
@@ -368,8 +380,10 @@ def evaluate(chain: InferenceChain, task: Task | Environment, tokenizer: Any, nu
                         for i, p in enumerate(job.problems)][: max(0, 8 - len(samples))]
     pass_k_accuracy = None
     if pass_k > 1:
-        pass_k_accuracy = Accuracy.from_values(
-            [pass_at_k(len(s), sum(s), pass_k) for s in sampled_solved])
+        # The samples make at most len(s) // pass_k independent pass@k trials: disjoint k-sets.
+        pass_k_accuracy = Accuracy.from_scores(
+            [pass_at_k(len(s), sum(s), pass_k) for s in sampled_solved],
+            max_trials=sum(len(s) // pass_k for s in sampled_solved))
     greedy = shape is not None and shape.greedy
     level_of = [difficulty_of(problem) for problem in items]
     levels: dict[str, LevelStats] = {}

@@ -4,7 +4,7 @@ the drift from the base on general text (divergence.py). `decentrl eval`, the ru
 model card read its result; `suite_table_markdown` is the table they embed.
 
 Intervals are 95%. The change of pass@1 is Newcombe's interval for two independent proportions
-and the change of pass@k the normal interval of a difference of two independent means. Model and
+and the change of a sampled pass@k the normal interval of a difference of two independent means. Model and
 base answer the same problems (and draw their samples with the same seeds), so the real
 differences are paired and these intervals err on the wide side.
 """
@@ -150,11 +150,12 @@ def half_width(estimate: Accuracy) -> float:
 
 
 def mean_change(model: Accuracy, base: Accuracy) -> Interval:
-    """model - base of two means with normal intervals: the standard errors, read back from the
-    intervals, add in quadrature. An interval is symmetric before it is clipped to [0, 1], so its
-    wider side is Z_95 standard errors (an interval clipped on both sides, possible with a handful
-    of problems, gives less). The bounds are clipped to [-1, 1], the differences two shares can
-    have."""
+    """model - base of two means of sampled scores: the standard errors, read back from the
+    intervals as their wider side / Z_95, add in quadrature. A sampled interval is Wilson's on the
+    effective number of trials (stats.Accuracy.from_scores): its wider side is about Z_95 standard
+    errors, a little less near 1/2 (by 1/sqrt(1 + Z_95^2 / n_eff)) and more near 0 and 1, where a
+    share that did not move still has a spread. The bounds are clipped to [-1, 1], the
+    differences two shares can have."""
     standard_error = math.hypot(half_width(model), half_width(base)) / Z_95
     difference = model.mean - base.mean
     return Interval(difference, max(-1.0, difference - Z_95 * standard_error),

@@ -22,7 +22,13 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from decentrl.config import RunConfig, load_config
-from decentrl.evaluate.runner import EvalResult, episode_rows, pass1_label
+from decentrl.evaluate.runner import (
+    SAMPLED_INTERVALS_NOTE,
+    EvalResult,
+    episode_rows,
+    has_sampled_rows,
+    pass1_label,
+)
 from decentrl.evaluate.suite import (
     SuiteResult,
     accuracy_row,
@@ -277,8 +283,10 @@ def held_out_table(before: EvalResult | None, after: EvalResult | None) -> str:
                  *(number(r.mean_completion_tokens, 1) if r else "-" for r in (before, after)),
                  "-"])
     rows += [[*row, "-"] for row in episode_rows(before, after)]
+    note = f"; {SAMPLED_INTERVALS_NOTE}" if has_sampled_rows(shown) else ""
     text = (f"Held-out `{shown.task}`, {shown.problems} problems, 95% confidence intervals "
-            "(change: after - before).\n\n" + table(["", "before", "after", "change"], rows))
+            f"(change: after - before{note}).\n\n"
+            + table(["", "before", "after", "change"], rows))
     levels = [[markdown_text(level), *cells] for level, *cells in level_rows(before, after)]
     if levels:
         text += ("\n\nPer difficulty level (turns and tool calls per episode; the share of "
