@@ -11,17 +11,26 @@ Simulate: `--groups` groups are scheduled from the demo task's seeded train stre
 coordinator schedules them (swarm/scheduler.py `PromptScheduler`), three times: without the
 curriculum, with it but no problem handed out again (`replay_share` 0), and with the demo's
 `[curriculum]` settings, replays included (swarm/curriculum.py `Curriculum`). Each scheduled
-problem behaves as one measured problem of its bucket (the same one whenever its key comes back,
-or it is handed out again): its group is `--group-size` rows drawn with replacement from that
-problem's measured rows. The base model does not learn here, so the estimates settle on the
-base's pass rates; the curriculum is told every group's rewards as the loop would tell it.
-Figures: the share of scheduled groups without reward spread, each variant, and the buckets'
-share of scheduled groups.
+problem starts as one measured problem of its bucket (the same one whenever its key comes back,
+or it is handed out again): its success chance is that problem's measured pass rate, and its
+group is `--group-size` rows each solved with that chance (the demo's task rewards 0 or 1). The
+policy moves: every group of a problem with reward spread (the only ones that carry an
+advantage, so a gradient) moves that problem's chance `--learning-rate` of the way to 1, so a
+replay sees the outcomes of a policy trained on its earlier groups, and a problem the policy
+has learned loses its spread. A group without spread teaches nothing (its advantages are 0), so
+a problem the base never solves stays at 0; nothing transfers between problems. The model is
+deliberately simple: the rate is one number, not fitted to a run (0.1: a problem solved 1 time
+in 8 is solved half the time after 5 groups with spread, 3 times in 4 after 12). Each variant
+runs twice, with the policy fixed (rate 0: the base's rates throughout, the start of a run) and
+moving. The curriculum is told every group's rewards as the loop would tell it. Figures: the
+share of scheduled groups without reward spread and the share of rows solved, each variant and
+policy, and the buckets' share of scheduled groups.
 
 The measured groups are written to `--outcomes` (JSON) and read from there when it exists, so
 the simulation can be rerun without the model.
 
-Run: python bench/curriculum.py [--problems 40] [--groups 4000] [--threads 2]
+Run: python bench/curriculum.py [--problems 40] [--groups 4000] [--learning-rate 0.1]
+     [--threads 2]
 Smoke: python bench/curriculum.py --model tiny --problems 2 --groups 50
 """
 
@@ -59,11 +68,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="curriculum.floor of the run with it (default: the demo's)")
     parser.add_argument("--sharpness", type=float, default=None,
                         help="curriculum.sharpness of the run with it (default: the demo's)")
+    parser.add_argument("--learning-rate", type=float, default=0.1,
+                        help="per group with reward spread, the share of the way to 1 its "
+                             "problem's success chance moves (the moving policy's runs)")
     parser.add_argument("--outcomes", default=None,
                         help="JSON file of measured groups: read if it exists, else written")
     args = parser.parse_args(argv)
     if args.problems < 1 or args.group_size < 2 or args.groups < 1 or args.batch < 1:
         parser.error("--problems, --groups and --batch must be >= 1, --group-size >= 2")
+    if not 0 < args.learning_rate <= 1:
+        parser.error("--learning-rate must be in (0, 1]")
     return args
 
 
@@ -139,9 +153,10 @@ VARIANTS: dict[str, dict[str, Any]] = {"without": {"enabled": False},
 
 
 def simulate(args: argparse.Namespace, measured: dict[str, list[dict[str, Any]]],
-             variant: dict[str, Any]) -> dict[str, Any]:
-    """`args.groups` groups scheduled as the coordinator schedules them, each given the rewards
-    of a measured group of its bucket; the curriculum observes every one."""
+             variant: dict[str, Any], learning_rate: float) -> dict[str, Any]:
+    """`args.groups` groups scheduled as the coordinator schedules them, each problem's rows
+    solved with its current chance (from a measured problem of its bucket, moved toward 1 by
+    `learning_rate` per group with spread); the curriculum observes every one."""
     from decentrl.config import CurriculumConfig
     from decentrl.envs import make_task_or_environment
     from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, VersionSpan
@@ -159,8 +174,9 @@ def simulate(args: argparse.Namespace, measured: dict[str, list[dict[str, Any]]]
     draw = random.Random(args.seed)
     row = Rollout(prompt_tokens=[0], completion_tokens=[0], behaviour_logprobs=[0.0],
                   finished=True)
-    flat = 0
+    flat = solved = 0
     mix: dict[str, int] = {}
+    chance: dict[str, float] = {}  # per problem key: the policy's success chance now
     # A step's worth at a time: what the loop schedules before those groups come back.
     per_round = config.rollout.prompts_per_step
     scheduled = 0
@@ -171,11 +187,13 @@ def simulate(args: argparse.Namespace, measured: dict[str, list[dict[str, Any]]]
             if bucket not in measured:
                 raise SystemExit(f"no measured problem of bucket {bucket!r}: measure more "
                                  "problems (--problems)")
-            # A problem behaves as one measured problem of its bucket, the same each time its
-            # key comes back: its group, rows drawn with replacement from that problem's
-            # measured rows.
-            measured_rows = random.Random(problem.key).choice(measured[bucket])["rewards"]
-            rewards = [draw.choice(measured_rows) for _ in range(args.group_size)]
+            # A problem starts as one measured problem of its bucket, the same each time its
+            # key comes back: the base's pass rate on it.
+            if problem.key not in chance:
+                measured_rows = random.Random(problem.key).choice(measured[bucket])["rewards"]
+                chance[problem.key] = sum(measured_rows) / len(measured_rows)
+            rewards = [float(draw.random() < chance[problem.key])
+                       for _ in range(args.group_size)]
             group = RolloutGroup(group_id=str(index), task=task.name, problem_index=index,
                                  stage_versions=[0],
                                  version_spans=[VersionSpan(start=0, versions=[0])],
@@ -183,10 +201,15 @@ def simulate(args: argparse.Namespace, measured: dict[str, list[dict[str, Any]]]
             # The demo's task has no partial credit: a reward of 1 is a solved row.
             curriculum.observe(ScoredGroup(group=group, rewards=rewards,
                                            correct=[float(r >= 1.0) for r in rewards]))
-            flat += not has_spread(rewards)
+            if has_spread(rewards):  # an advantage, so a gradient: the policy learns it
+                chance[problem.key] += learning_rate * (1.0 - chance[problem.key])
+            else:
+                flat += 1
+            solved += sum(rewards)
             mix[bucket] = mix.get(bucket, 0) + 1
             scheduled += 1
-    return {"zero_spread_share": flat / args.groups, "mix": mix,
+    return {"zero_spread_share": flat / args.groups,
+            "solved_share": solved / (args.groups * args.group_size), "mix": mix,
             "candidates_per_group": scheduler.position / args.groups,
             "estimates": curriculum.counters(), "settings": settings.model_dump()}
 
@@ -203,7 +226,11 @@ def measured_outcomes(args: argparse.Namespace) -> dict[str, list[dict[str, Any]
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     measured = measured_outcomes(args)
-    results = {name: simulate(args, measured, variant) for name, variant in VARIANTS.items()}
+    # Each variant with the policy fixed (the base throughout) and moving.
+    policies = {"fixed": 0.0, "moving": args.learning_rate}
+    runs = {(name, policy): simulate(args, measured, variant, rate)
+            for name, variant in VARIANTS.items() for policy, rate in policies.items()}
+    results = {name: runs[name, "fixed"] for name in VARIANTS}
     rows = []
     for bucket in sorted(measured):
         groups = measured[bucket]
@@ -220,18 +247,25 @@ def main(argv: list[str] | None = None) -> None:
                        "sampling")
     figures: dict[str, float] = {}
     rows = []
-    for name, result in results.items():
-        rows.append([name, result["zero_spread_share"], result["candidates_per_group"],
+    for (name, policy), result in runs.items():
+        rows.append([name, policy, result["zero_spread_share"], result["solved_share"],
+                     result["candidates_per_group"],
                      result["estimates"]["replays_handed_out"] / args.groups])
-        figures[f"{name}_zero_spread_share"] = result["zero_spread_share"]
-        figures[f"{name}_candidates_per_group"] = result["candidates_per_group"]
+        prefix = name if policy == "fixed" else f"{name}_{policy}"
+        figures[f"{prefix}_zero_spread_share"] = result["zero_spread_share"]
+        figures[f"{prefix}_solved_share"] = result["solved_share"]
+        figures[f"{prefix}_candidates_per_group"] = result["candidates_per_group"]
     common.print_table("groups without reward spread, scheduled as the coordinator does",
-                       ["curriculum", "without spread", "candidates per group", "replays"],
-                       rows, f"{args.groups} groups per run, each the rewards of a measured "
-                       f"group of its bucket; curriculum {results['replays']['settings']}, seed "
-                       f"{args.seed}")
+                       ["curriculum", "policy", "without spread", "rows solved",
+                        "candidates per group", "replays"],
+                       rows, f"{args.groups} groups per run; a problem starts at a measured "
+                       f"problem's pass rate of its bucket; moving: +{args.learning_rate:g} of "
+                       f"the way to 1 per group with spread; curriculum "
+                       f"{results['replays']['settings']}, seed {args.seed}")
     common.print_figures("curriculum", figures)
-    common.write_json(args.json, {"measured": measured, "results": results})
+    common.write_json(args.json, {"measured": measured,
+                                  "results": {f"{name}/{policy}": result
+                                              for (name, policy), result in runs.items()}})
 
 
 if __name__ == "__main__":

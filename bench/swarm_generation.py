@@ -30,9 +30,9 @@ every variant; one concurrency level decodes C x `--steps` x B x T new tokens; t
 over the wall time of the level: for the session variants from releasing the C threads to the
 last one finishing, after `--warmup` untimed rounds in which every session thread generates once
 (the threads are reused across levels); for `batched`, its `--steps` generate calls after
-`--warmup` untimed ones at the first level. A decoding step of one swarm session cannot take less
-than stages x R (its hops are sequential), so one session is bounded by B / (stages x R) tokens/s
-whatever the compute ("latency bound" column); concurrency is what hides the latency: while one
+`--warmup` untimed ones of the same rows at every level (a batch shape's first call is slower).
+A decoding step of one swarm session cannot take less than stages x R (its hops are
+sequential), so one session is bounded by B / (stages x R) tokens/s whatever the compute ("latency bound" column); concurrency is what hides the latency: while one
 session waits on the network, the peers compute the others.
 
 On a CPU-only machine the peers and the baselines share the same cores, so the ratios do not
@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = common.bench_parser("swarm-generation", __doc__, "generation", {
         "threads": "torch CPU threads per peer (each baseline gets the total)",
         "steps": "generate calls per session (batched: per level) at each concurrency level",
-        "warmup": "untimed rounds before the sweep (every session thread generates once)"})
+        "warmup": "untimed rounds before the sweep (every session thread generates once; "
+                  "batched: untimed calls of the same rows at every level)"})
     parser.set_defaults(batch=8, steps=1, threads=1)
     parser.add_argument("--replicas", type=int, default=1, help="inference peers per stage")
     parser.add_argument("--rtt-ms", type=float, default=100.0,
@@ -135,18 +136,23 @@ def run_local(args: argparse.Namespace, loaded: Any, device: torch.device,
 def run_batched(args: argparse.Namespace, loaded: Any, device: torch.device,
                 dtype: torch.dtype) -> dict[str, Any]:
     """Every level's C x B rows as one HF `generate` batch, `--steps` times after `--warmup`
-    untimed calls at the first level."""
+    untimed calls of the same rows at that level. Warmed at every level, not only the first: the
+    first call of a new batch shape pays the allocator for its larger tensors (the 128-row call
+    ran cold before), which the swarm's sessions, warmed at the largest level, do not."""
     torch.set_num_threads(baseline_threads(args))
     model = common.hf_generation_model(loaded.path, device, dtype)
     loaded.tensors.clear()  # HF loaded its own copy
     pad_id = loaded.tokenizer.pad_token_id
     prompts = common.sums_prompts(loaded.tokenizer, max(args.concurrency) * args.batch)
-    for _ in range(args.warmup):
-        common.hf_generate(model, prompts[:args.concurrency[0] * args.batch], pad_id,
-                           args.max_new_tokens, True, args.seed + 1)
     levels = []
     for concurrency in args.concurrency:
         rows = prompts[:concurrency * args.batch]
+        warmup_seconds = []
+        for _ in range(args.warmup):
+            started = time.perf_counter()
+            common.hf_generate(model, rows, pad_id, args.max_new_tokens, True, args.seed + 1)
+            common.sync(device)
+            warmup_seconds.append(time.perf_counter() - started)
         seconds = []
         new_tokens = 0
         began, began_cpu = time.perf_counter(), common.cpu_seconds()
@@ -161,9 +167,11 @@ def run_batched(args: argparse.Namespace, loaded: Any, device: torch.device,
         level = {"concurrency": concurrency, "new_tokens": new_tokens, "wall_s": wall,
                  "cpu_s": cpu, "tokens_per_s": new_tokens / wall,
                  "generation_s_mean": sum(seconds) / len(seconds),
-                 "generation_s_max": max(seconds)}
+                 "generation_s_max": max(seconds), "warmup_s": warmup_seconds}
+        warm = (f", after {len(warmup_seconds)} warm-up call(s) of "
+                f"{', '.join(f'{w:.2f}' for w in warmup_seconds)} s" if warmup_seconds else "")
         print(f"  batched concurrency {concurrency:3d}: {level['tokens_per_s']:8.1f} new tok/s "
-              f"({len(rows)} rows in one batch, {wall:.2f} s)", flush=True)
+              f"({len(rows)} rows in one batch, {wall:.2f} s{warm})", flush=True)
         levels.append(level)
     return {"threads": baseline_threads(args), "levels": levels}
 

@@ -28,8 +28,10 @@ Run: decentrl bench train_audit [--model smollm2-135m-instruct|tiny] [--steps 4]
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,6 +56,8 @@ from decentrl.trust.audit import (
 )
 
 AUDITORS = {"threads": torch.float32, "bf16": torch.bfloat16}
+SCALES = (1.25, 1.5, 2.0, 4.0)
+Poison = Callable[[TrainBatch], TrainBatch]
 
 
 def random_batch(seed: int, rows: int, prompt: int, completion: int, vocab: int) -> TrainBatch:
@@ -67,8 +71,36 @@ def random_batch(seed: int, rows: int, prompt: int, completion: int, vocab: int)
     return build_batch(rollouts, advantages, [0] * rows, 0)
 
 
+def with_advantages(batch: TrainBatch, advantages: torch.Tensor) -> TrainBatch:
+    return TrainBatch(**{**batch.__dict__, "advantages": advantages})
+
+
 def negated(batch: TrainBatch) -> TrainBatch:
-    return TrainBatch(**{**batch.__dict__, "advantages": -batch.advantages})
+    """Every advantage negated: gradient ascent on the reward, the easiest poison to see."""
+    return with_advantages(batch, -batch.advantages)
+
+
+def rows_negated(rows: int) -> Poison:
+    """The first `rows` rows' advantages negated: a poisoner that hides a few rows of ascent in
+    an otherwise honest step."""
+    def poison(batch: TrainBatch) -> TrainBatch:
+        advantages = batch.advantages.clone()
+        advantages[:rows] = -advantages[:rows]
+        return with_advantages(batch, advantages)
+    return poison
+
+
+def scaled(factor: float) -> Poison:
+    """Every advantage times `factor`: the honest direction with a larger step."""
+    return lambda batch: with_advantages(batch, factor * batch.advantages)
+
+
+def poisons(rows: int) -> dict[str, Poison]:
+    """The poisons tried, each family from the subtlest up: a few rows negated (1, 2, 4, ...,
+    every row: the full ascent), and the advantages scaled (x1.25 ... x4)."""
+    counts = [2 ** i for i in range(rows.bit_length()) if 2 ** i < rows] + [rows]
+    return {**{f"{count} of {rows} rows negated": rows_negated(count) for count in counts},
+            **{f"advantages x{factor:g}": scaled(factor) for factor in SCALES}}
 
 
 def chain(model, stages: int, train: TrainConfig, dtype: torch.dtype) -> PipelineTrainer:
@@ -109,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     errors: dict[str, list[float]] = {name: [] for name in [*AUDITORS, "poisoned"]}
     timings: dict[str, list[float]] = {"step": [], "snapshot": [], "replay": [], "check": []}
     reversed_caught: list[bool] = []
+    tried = poisons(args.rows)
+    detection: dict[str, list[list[float]]] = {label: [] for label in tried}  # [step][stage]
     worst: dict[str, tuple[float, str]] = {}  # per auditor: its largest disagreement, and where
     for step in range(args.steps):
         batch = random_batch(step, args.rows, args.prompt_length, args.completion_length,
@@ -145,6 +179,13 @@ def main(argv: list[str] | None = None) -> None:
         errors["poisoned"] += [gradient_error(before, ours, theirs, train.betas[0])[0]
                                for before, ours, theirs in zip(pre, poisoned, post)]
         del poisoned
+        # Each poison's claimed step against the honest one, stage by stage: what an auditor
+        # replaying that stage would see.
+        for label, poison in tried.items():
+            claimed = replay(other, pre, poison(batch))
+            detection[label].append([gradient_error(before, ours, theirs, train.betas[0])[0]
+                                     for before, ours, theirs in zip(pre, claimed, post)])
+            del claimed
         # The poison-update adversary: the honest step, reversed, with honest moments.
         for before, ours in zip(pre, post):
             weights = ours.flat.clone()
@@ -172,9 +213,38 @@ def main(argv: list[str] | None = None) -> None:
                 f"4 x {state_mib:.1f} MiB through the coordinator")
     for name, (error, where) in worst.items():
         print(f"{name}: largest honest disagreement {error:.3g} at {where}")
+    figures |= report_detection(detection, tolerance, args.rows)
     common.print_figures("train_audit", figures)
     if args.plot:
         plot(Path(args.plot), errors, tolerance, figures, fraction)
+
+
+def report_detection(detection: dict[str, list[list[float]]], tolerance: float,
+                     rows: int) -> dict[str, float]:
+    """Print each poison's disagreement with the honest step and the share of stage audits that
+    catch it (disagreement above the tolerance); return the smallest poison of each family
+    caught by every audit (inf: none is)."""
+    table = []
+    caught_always: dict[str, bool] = {}
+    for label, steps in detection.items():
+        audits = [error for stages in steps for error in stages]
+        caught = sum(error > tolerance for error in audits) / len(audits)
+        caught_always[label] = caught == 1.0
+        table.append([label, min(audits), max(audits), f"{caught:.0%}"])
+    common.print_table(
+        "training-peer audits: which poisons an audit catches",
+        ["poison", "smallest disagreement", "largest", "stage audits caught"], table,
+        caption=f"caught: the replay's disagreement (relative L2 of the step's gradient, worst "
+                f"tensor) above the tolerance {tolerance}; every stage of every step audited")
+    smallest_rows = min((count for count in range(1, rows + 1)
+                         if caught_always.get(f"{count} of {rows} rows negated")),
+                        default=math.inf)
+    smallest_scale = min((factor for factor in SCALES
+                          if caught_always[f"advantages x{factor:g}"]), default=math.inf)
+    print(f"smallest poison every audit catches: {smallest_rows} of {rows} rows negated; "
+          f"advantages x{smallest_scale:g}")
+    return {"smallest_rows_negated_caught": float(smallest_rows),
+            "smallest_scale_caught": smallest_scale}
 
 
 def plot(path: Path, errors: dict[str, list[float]], tolerance: float,
