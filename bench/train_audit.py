@@ -11,6 +11,13 @@ tensor) is recorded, and the primary's step must pass `check_step`. A swarm audi
 stage from the primary's recorded inputs; replaying the chain lets differences grow from stage to
 stage, so the honest figures here are an upper bound of what an audit sees.
 
+Subtler poisons, each replayed the same way and compared with the primary's honest step at every
+stage: the advantages of 1, 2, 4, ... of the rows negated (a few rows of ascent hidden in an
+honest step), and every advantage scaled (x1.25, x1.5, x2, x4: the honest direction, a longer
+step). A table gives each one's disagreement and the share of stage audits above the tolerance;
+`smallest_rows_negated_caught` and `smallest_scale_caught` are the smallest of each family that
+every audit catches (inf: none).
+
 Figures: `honest_max_threads`, `honest_max_bf16` (worst over stages and steps), `poisoned_min`
 (the smallest a poisoner reaches), `tolerance` (trust.train_audit_tolerance); `reversed_caught`
 (the share of reversed updates, the poison-update adversary's, that check_step refuses, with its

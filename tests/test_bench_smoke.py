@@ -122,6 +122,20 @@ def test_swarm_generation_baselines_print_figures(tiny_model_dir: Path,
                              for c in (1, 2)])
 
 
+def test_swarm_generation_warms_its_one_batch_baseline_at_every_level(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Each level's one-batch call is timed after a warm-up call of its own rows, not only the
+    first level's: a new batch shape's first call is slower."""
+    bench = load_bench("swarm_generation")
+    output = tmp_path / "result.json"
+    bench.main(["--model", str(tiny_model_dir), "--device", "cpu", "--batch", "2",
+                "--max-new-tokens", "2", "--concurrency", "1,2,4", "--warmup", "1",
+                "--threads", "1", "--variants", "batched", "--plot", "none", "--in-process",
+                "--json", str(output)])
+    [batched] = json.loads(output.read_text())["results"]
+    assert [len(level["warmup_s"]) for level in batched["levels"]] == [1, 1, 1]
+
+
 def test_swarm_generation_reports_swarm_against_both_baselines(
         capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("swarm_generation")
@@ -227,6 +241,56 @@ def test_curriculum_prints_figures(tiny_model_dir: Path, tmp_path: Path,
     for variant in ("without", "with", "replays"):
         assert 0 <= values[f"{variant}_zero_spread_share"] <= 1
     assert outcomes.is_file()  # measured once, read back by the next run
+
+
+def test_curriculum_replays_see_a_policy_that_learns(tiny_model_dir: Path) -> None:
+    """With a learning rate, a problem's groups with spread raise its success chance, so the
+    rows solved grow over the run; with none, every problem keeps its measured pass rate."""
+    from decentrl.envs import make_task_or_environment
+    from decentrl.swarm.curriculum import bucket_of
+
+    bench = load_bench("curriculum")
+    args = bench.parse_args(["--model", str(tiny_model_dir), "--groups", "400"])
+    config = bench.demo_task_config(args)
+    task = make_task_or_environment(config.task.name, config.task.options)
+    buckets = {bucket_of(task.problem("train", index)) for index in range(2000)}
+    # Every problem solved 2 times in 8 by the base.
+    measured = {bucket: [{"key": bucket, "rewards": [1.0, 1.0] + [0.0] * 6}]
+                for bucket in buckets}
+    fixed = bench.simulate(args, measured, bench.VARIANTS["replays"], learning_rate=0.0)
+    moving = bench.simulate(args, measured, bench.VARIANTS["replays"], learning_rate=0.3)
+    assert fixed["solved_share"] == pytest.approx(0.25, abs=0.03)
+    assert moving["solved_share"] > fixed["solved_share"] + 0.1
+    # Learned problems lose their spread: more groups without it than the base's 1 - P(spread).
+    assert moving["zero_spread_share"] > fixed["zero_spread_share"]
+
+
+def test_train_audit_reports_the_smallest_poison_it_catches(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("train_audit")
+    detection = {**{f"{count} of 4 rows negated": [[error, 2.0]]
+                    for count, error in ((1, 0.3), (2, 0.7), (4, 2.0))},
+                 **{f"advantages x{factor:g}": [[factor - 1, factor - 1]]
+                    for factor in bench.SCALES}}
+    detection["1 of 4 rows negated"].append([0.9, 0.9])  # caught at one step: not every audit
+    found = bench.report_detection(detection, tolerance=0.5, rows=4)
+    assert found == {"smallest_rows_negated_caught": 2.0, "smallest_scale_caught": 2.0}
+    output = capsys.readouterr().out
+    assert "smallest poison every audit catches: 2 of 4 rows negated; advantages x2" in output
+
+
+def test_train_audit_poisons_on_the_tiny_model(tiny_model_dir: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A scaled step disagrees with the honest one by exactly (factor - 1), and the full ascent
+    by 2: the poisons do what their names say."""
+    bench = load_bench("train_audit")
+    bench.main(["--model", str(tiny_model_dir), "--steps", "1", "--rows", "4"])
+    output = capsys.readouterr().out
+    values = figures(output, "train_audit")
+    assert values["poisoned_min"] == pytest.approx(2.0, rel=1e-3)
+    assert values["smallest_scale_caught"] in (1.5, 2.0)  # x1.5 sits on the tolerance, 0.5
+    assert 1 <= values["smallest_rows_negated_caught"] <= 4
+    assert "advantages x1.25" in output and "4 of 4 rows negated" in output
 
 
 def test_record_signing_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
