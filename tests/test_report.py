@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from decentrl.cli import app
 from decentrl.config import parse_config
 from decentrl.evaluate.divergence import GeneralResult, Interval
-from decentrl.evaluate.runner import EvalResult
+from decentrl.evaluate.runner import SAMPLED_INTERVALS_NOTE, EvalResult
 from decentrl.evaluate.stats import Accuracy, difference_interval
 from decentrl.evaluate.suite import (
     Family,
@@ -197,6 +197,8 @@ def test_the_before_after_table_comes_first_with_the_evaluations_numbers(
     assert (f"| pass@1 (greedy) | 14.5% [10.3, 20.0] | 68.0% [61.2, 74.1] | +53.5 pts "
             f"[{100 * low:+.1f}, {100 * high:+.1f}] |") in text
     assert "| pass@4 (sampled, T=1) | 11.5% [7.0, 16.0] | 78.0% [72.0, 84.0] |" in text
+    # The sampled row's interval says what it is.
+    assert f"(change: after - before; {SAMPLED_INTERVALS_NOTE})" in text
     assert f"{STEPS} steps to weight version {STEPS}" in text
     assert "[model/](../model/) ([README.md](../model/README.md))" in text
 
@@ -383,6 +385,8 @@ def test_the_evaluation_suite_supplies_the_table_when_the_run_has_one(tmp_path: 
     # The comparison with the base first, then the run's own evaluation through the swarm.
     assert top < text.index(suite_table_markdown(suite)) < text.index("Held-out `sums`") \
         < text.index("## Training")
+    # Greedy pass@1 only (k = 1): no sampled interval to explain above the suite's table.
+    assert "held-out problems, 95% confidence intervals:\n" in text
 
     (run_dir / "evaluation.json").write_text('{"model": "m"}')
     with pytest.raises(ValueError, match="evaluation.json: not an evaluation suite result"):

@@ -226,12 +226,15 @@ def print_evaluation(console: Console, summary: RunSummary) -> None:
 
 
 def suite_table(result: SuiteResult) -> Table:
+    from decentrl.evaluate.runner import SAMPLED_INTERVALS_NOTE
     from decentrl.evaluate.suite import suite_table_rows
 
     header, rows = suite_table_rows(result)
     table = Table(title=f"{escape(result.model)}"
                         + (f" against {escape(result.base)}" if result.base else "")
-                        + " (held-out, 95% CI)")
+                        + " (held-out, 95% CI)",
+                  caption=f"pass@{result.pass_k}: {SAMPLED_INTERVALS_NOTE}"
+                  if result.pass_k > 1 else None)
     for column in header:
         table.add_column(column)
     for row in rows:

@@ -308,8 +308,9 @@ def evaluation_section(run_dir: Path, before: EvalResult | None,
     except (json.JSONDecodeError, KeyError, TypeError, msgspec.ValidationError) as error:
         raise ValueError(f"{suite}: not an evaluation suite result: {error!r}") from None
     base = markdown_text(result.base or "")
+    note = f" ({SAMPLED_INTERVALS_NOTE})" if result.pass_k > 1 else ""
     return (f"## Before and after\n\nThe exported model against `{base}`, held-out problems, "
-            f"95% confidence intervals:\n\n{suite_table_markdown(result)}"
+            f"95% confidence intervals{note}:\n\n{suite_table_markdown(result)}"
             f"\nThe run's own evaluation, through the swarm's replicas.\n\n{own}")
 
 
