@@ -4,9 +4,9 @@ the drift from the base on general text (divergence.py). `decentrl eval`, the ru
 model card read its result; `suite_table_markdown` is the table they embed.
 
 Intervals are 95%. The change of pass@1 is Newcombe's interval for two independent proportions
-and the change of a sampled pass@k the normal interval of a difference of two independent means. Model and
-base answer the same problems (and draw their samples with the same seeds), so the real
-differences are paired and these intervals err on the wide side.
+and the change of a sampled pass@k the normal interval of a difference of two independent means.
+Model and base answer the same problems (and draw their samples with the same seeds), so the
+real differences are paired and these intervals err on the wide side.
 """
 
 from __future__ import annotations
