@@ -32,8 +32,9 @@ last one finishing, after `--warmup` untimed rounds in which every session threa
 (the threads are reused across levels); for `batched`, its `--steps` generate calls after
 `--warmup` untimed ones of the same rows at every level (a batch shape's first call is slower).
 A decoding step of one swarm session cannot take less than stages x R (its hops are
-sequential), so one session is bounded by B / (stages x R) tokens/s whatever the compute ("latency bound" column); concurrency is what hides the latency: while one
-session waits on the network, the peers compute the others.
+sequential), so one session is bounded by B / (stages x R) tokens/s whatever the compute
+("latency bound" column); concurrency is what hides the latency: while one session waits on the
+network, the peers compute the others.
 
 On a CPU-only machine the peers and the baselines share the same cores, so the ratios do not
 measure added hardware: they measure whether the swarm hides its latency and RPC overhead with
