@@ -148,12 +148,14 @@ def run_batched(args: argparse.Namespace, loaded: Any, device: torch.device,
     levels = []
     for concurrency in args.concurrency:
         rows = prompts[:concurrency * args.batch]
-        warmup_seconds = []
+        # CPU time too: on a shared machine wall time is the load's as much as the call's.
+        warmup_seconds, warmup_cpu = [], []
         for _ in range(args.warmup):
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), common.cpu_seconds()
             common.hf_generate(model, rows, pad_id, args.max_new_tokens, True, args.seed + 1)
             common.sync(device)
             warmup_seconds.append(time.perf_counter() - started)
+            warmup_cpu.append(common.cpu_seconds() - started_cpu)
         seconds = []
         new_tokens = 0
         began, began_cpu = time.perf_counter(), common.cpu_seconds()
@@ -168,11 +170,14 @@ def run_batched(args: argparse.Namespace, loaded: Any, device: torch.device,
         level = {"concurrency": concurrency, "new_tokens": new_tokens, "wall_s": wall,
                  "cpu_s": cpu, "tokens_per_s": new_tokens / wall,
                  "generation_s_mean": sum(seconds) / len(seconds),
-                 "generation_s_max": max(seconds), "warmup_s": warmup_seconds}
+                 "generation_s_max": max(seconds), "warmup_s": warmup_seconds,
+                 "warmup_cpu_s": warmup_cpu}
         warm = (f", after {len(warmup_seconds)} warm-up call(s) of "
-                f"{', '.join(f'{w:.2f}' for w in warmup_seconds)} s" if warmup_seconds else "")
+                f"{', '.join(f'{w:.2f}' for w in warmup_seconds)} s, CPU "
+                f"{', '.join(f'{c:.2f}' for c in warmup_cpu)} s" if warmup_seconds else "")
         print(f"  batched concurrency {concurrency:3d}: {level['tokens_per_s']:8.1f} new tok/s "
-              f"({len(rows)} rows in one batch, {wall:.2f} s{warm})", flush=True)
+              f"({len(rows)} rows in one batch, {wall:.2f} s, CPU {cpu / args.steps:.2f} s per "
+              f"call{warm})", flush=True)
         levels.append(level)
     return {"threads": baseline_threads(args), "levels": levels}
 
