@@ -105,7 +105,8 @@ class OldVerifier(Verifier):
     sessions that did not serve the group."""
 
     def panel(self, provenance: Provenance, avoid: frozenset[str] = frozenset(),
-              contested: int | None = None) -> tuple[str, ...] | None:
+              contested: int | None = None, established_only: bool = False
+              ) -> tuple[str, ...] | None:
         records = self.directory.records()
         chosen = []
         for stage in range(self.config.num_stages):
