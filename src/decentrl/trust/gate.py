@@ -9,9 +9,9 @@ spot-checks, what it does with rulings, flags and malformed messages, and whom i
   the trainer's log-probs flagged are re-executed after their step, to find out who lied.
 - A ruling is the tribunal's (trust/tribunal.py): no single verifier's opinion blames anyone,
   and no opinion of a peer on probation decides anything (a check only newcomers could weigh is
-  counted as `verify_no_established`). Rulings, flags and malformed messages feed the reputation. A banned peer is never chosen again
-  for the ban's length, and groups it helped produce that were not verified are dropped wherever
-  they wait (inbox or pending buffer).
+  counted as `verify_no_established`). Rulings, flags and malformed messages feed the
+  reputation. A banned peer is never chosen again for the ban's length, and groups it helped
+  produce that were not verified are dropped wherever they wait (inbox or pending buffer).
 - A group submitted by another peer is admitted only for a problem leased to that peer; this
   coordinator generates its own groups and leases none, so a remote submission is refused (a
   replay of a group already accepted is named as such).
@@ -99,6 +99,8 @@ class Trust:
         directory.distrusted = self.reputation.banned
         directory.on_probation = self.reputation.on_probation
         directory.probation = ProbationBudget.of(config.trust)
+        # Asked only with a per-address limit (the daemon is asked, at most every few seconds).
+        directory.probation.hosts = lambda: node.peer_hosts()
         self.directory = directory
         self.reputation.on_ban.append(self._shrink_probation_budget)
         node.strikes_to_block, node.block_s = config.trust.strikes_to_block, config.trust.block_s

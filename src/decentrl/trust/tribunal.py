@@ -26,10 +26,11 @@ never a word at all:
   confirms a failure alone, and it decides a disagreement with another established verifier.
   That is what judges a stage served by a single replica.
 - The producer blamed by the upheld opinion is charged, only where the ruling is confirmed. A
-  standing verifier whose opinion was overruled is charged at the stage where it parted from the
-  upheld one; so is a verifier on probation, but only where two standing opinions or a vouched
-  one upheld the other finding (one established verifier's word does not ban a newcomer). The
-  verifiers of upheld opinions pass. A failure that no second standing verifier could confirm,
+  verifier whose opinion was overruled is charged at the stage where it parted from the upheld
+  one, unless a peer on probation fed it (judged or re-executed an earlier stage of its panel:
+  the difference may be the newcomer's doing); a verifier on probation only where two standing
+  opinions or a vouched one upheld the other finding (one established verifier's word does not
+  ban a newcomer). The verifiers of upheld opinions pass. A failure that no second standing verifier could confirm,
   or three opinions that all differ, charges nobody: the group is dropped all the same, since
   training on it is the one thing that cannot be undone.
 - `Ruling.lacked_established` marks a check that an advisory opinion could not get weighed (no
@@ -190,6 +191,8 @@ def _ruling(upheld: Verdict, opinions: list[Verdict], confirmed: bool,
         judge = opinion.panel[stage]
         if stage not in opinion.checked or judge == upheld.panel[stage]:
             continue
+        if any(on_probation(peer) for peer in opinion.panel[:stage]):
+            continue  # a newcomer fed the judge: what it judged may be the newcomer's doing
         corroborated = len(agreeing) >= 2 or any(vouched(o.panel[stage]) for o in agreeing)
         if on_probation(judge) and not corroborated:
             continue  # one established verifier's word does not ban a newcomer
