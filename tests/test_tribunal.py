@@ -6,8 +6,12 @@ answered by a scripted court in which each verifier answers as its character say
   partner is caught when its pass is repeated, a failure nobody else can confirm charges nobody.
 - Verifiers are drawn at random among the eligible, never the group's producers, never a peer on
   probation while an established one exists, whatever they announce.
-- A new identity is checked at a high rate, cannot verify, and is banned at its first confirmed
-  lie; an admitted peer starts with a record.
+- A new identity is checked at a high rate and is banned at its first confirmed lie; an admitted
+  peer starts with a record.
+- Newcomers never decide (issue 32): two new identities lying as verifiers against an established
+  replica and an admitted training peer charge nobody; where only newcomers could judge, the
+  check is skipped or its group dropped, counted, never decided; a newcomer's pass clears nobody;
+  a newcomer's failure makes the tribunal ask established verifiers, who may charge it.
 - Verdict before influence: a group picked for a check does not train before its ruling."""
 
 from __future__ import annotations
@@ -171,7 +175,8 @@ def test_verifiers_are_drawn_at_random_never_producers_never_new_while_establish
     assert set(drawn) == {"v0a", "v0b", "v1a", "v1b", "v1c"}  # not p0, p1, nor the newcomer
     for peer in ("v1a", "v1b", "v1c"):
         assert 150 < drawn[peer] < 250, drawn  # uniform: 200 each
-    # With nobody established at a stage, the newcomers verify: the run must go on.
+    # With nobody established at a stage, a newcomer is drawn: its opinion is advisory (it may
+    # make the tribunal ask an established verifier; trust/tribunal.py).
     for peer in ("v1a", "v1b", "v1c"):
         trust.reputation.record(peer, "proved")  # banned
     panel = verifier.panel(served_by("p0", "p1"))
