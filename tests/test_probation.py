@@ -5,7 +5,8 @@ source and clock.
 - One probation budget per stage: ten identities on probation get together what one gets, and a
   liar that takes a new key at each ban gets less at each ban, not a share per key.
 - The operator's limits: an allowlist of replicas (unlisted ones get nothing, counted and
-  logged), and a number of replicas on probation per observed address."""
+  logged), and a number of replicas on probation per observed address (the host this node's
+  daemon saw the connection come from, on a loopback pair of nodes)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from test_trust_claims import NUM_STAGES, announce, offline_gate, replica_record
 
 from decentrl.config import RunConfig
 from decentrl.net.directory import Directory
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import SwarmNode
+from decentrl.net.wire import TensorLimits
 from decentrl.swarm.manifest import ADMITTED_REPLICAS_FILE, admitted_peers
 from decentrl.trust.gate import Trust
 
@@ -200,3 +204,17 @@ def test_newcomers_past_their_addresss_limit_get_nothing_until_a_place_frees(
     # The first seen keep their place; a banned one frees it for the next.
     gate.reputation.record("sybil-1", "failed", "tokens do not re-execute", STAGE)
     assert "sybil-3" in sessions_to(directory, 12, held=True)
+
+
+@pytest.mark.network
+def test_a_peers_host_is_the_one_its_connection_came_from() -> None:
+    coordinator = SwarmNode.start("coordinator", [], LinkProfile(), TensorLimits())
+    try:
+        joiner = SwarmNode.start("joiner", coordinator.addresses(), LinkProfile(), TensorLimits())
+        try:
+            # The joiner dialed in: its daemon's connection, whatever it may announce.
+            assert coordinator.peer_hosts() == {joiner.peer_id: "/ip4/127.0.0.1"}
+        finally:
+            joiner.shutdown()
+    finally:
+        coordinator.shutdown()

@@ -121,6 +121,7 @@ class Directory:
         new identities nor one liar renewing its key can take over generation; a replica the
         operator did not admit (`replica_admitted`), or one on probation past its address's
         limit, gets nothing."""
+        self.probation.observe_hosts()
         with self.lock:
             replicas = [(p, s) for p, s in self.peers.items()
                         if s.record.stage == stage and s.record.role in ("inference", "both")

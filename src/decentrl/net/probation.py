@@ -117,14 +117,18 @@ class ProbationBudget:
         log.warning("replica %s gets no session: not admitted (trust.admit_replicas: only peers "
                     "listed in RUN/admitted_replicas.txt serve)", peer[-8:])
 
+    def observe_hosts(self) -> None:
+        """Ask where peers are connected from, if there is a limit and the last answer is old
+        (outside the directory's lock: it is a round trip to the daemon)."""
+        now = self.clock()
+        if self.per_address and now - self._hosts_at > HOSTS_FRESH_S:
+            self._hosts, self._hosts_at = dict(self.hosts()), now
+
     def over_address_limit(self, newcomers: Iterable[str]) -> set[str]:
         """Of `newcomers` (peers on probation, oldest first), those past `per_address` at their
-        observed host."""
+        observed host (as `observe_hosts` last saw them)."""
         if not self.per_address:
             return set()
-        now = self.clock()
-        if now - self._hosts_at > HOSTS_FRESH_S:
-            self._hosts, self._hosts_at = dict(self.hosts()), now
         seen: Counter[str] = Counter()
         over = set()
         for peer in newcomers:
