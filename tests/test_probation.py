@@ -18,7 +18,7 @@ import pytest
 from swarm_helpers import tiny_run_config
 from test_trust_claims import NUM_STAGES, announce, offline_gate, replica_record
 
-from decentrl.config import RunConfig
+from decentrl.config import ConfigError, RunConfig, parse_config
 from decentrl.net.directory import Directory
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
@@ -218,3 +218,11 @@ def test_a_peers_host_is_the_one_its_connection_came_from() -> None:
             joiner.shutdown()
     finally:
         coordinator.shutdown()
+
+
+def test_a_config_where_nobody_could_ever_earn_a_record_is_refused() -> None:
+    with pytest.raises(ConfigError, match="no established verifier"):
+        parse_config({"trust": {"training_peer_verifies": False}})
+    parse_config({"trust": {"training_peer_verifies": False, "admit_replicas": True}})
+    with pytest.raises(ConfigError, match="probation_burst"):
+        parse_config({"trust": {"probation_burst": 0.5}})  # not even one session saved up

@@ -343,6 +343,17 @@ class TrustConfig(Section):
                                   "before a peer refuses the sender")
     block_s: float = Field(300.0, ge=0, description="how long a peer refuses such a sender")
 
+    @model_validator(mode="after")
+    def _someone_established_judges(self) -> TrustConfig:
+        if self.probation_checks > 0 and not self.training_peer_verifies \
+                and not self.admit_replicas:
+            raise ValueError("trust.training_peer_verifies = false leaves a swarm of new replicas "
+                             "no established verifier, and a newcomer's opinion decides nothing "
+                             "(trust/tribunal.py): no replica could earn its record. Keep training "
+                             "peers verifying, admit replicas (trust.admit_replicas), or set "
+                             "trust.probation_checks = 0")
+        return self
+
 
 class RunConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
