@@ -66,14 +66,16 @@ class Court(Verifier):
             self.restarted |= restarting
             return Verdict(group.group_id, "skipped", None, None,
                            "re-execution failed: verify_step: Connect failed", (), 0.0, panel)
-        for stage, judge in enumerate(panel):
-            character = self.characters.get(judge, "honest")
+        # A producer re-executing its own stage feeds the next one and judges nothing.
+        judged = tuple(s for s in stages if panel[s] not in provenance.stage_peers(s))
+        for stage in judged:
+            character = self.characters.get(panel[stage], "honest")
             lie = any(p in self.liars for p in provenance.stage_peers(stage))
             if character == "framer" or (character == "honest" and lie):
                 culprit = provenance.stages[stage].peer_at(0)
                 return Verdict(group.group_id, "failed", stage, culprit, "does not re-execute",
-                               stages[:stage + 1], 0.0, panel)
-        return Verdict(group.group_id, "passed", None, None, "", stages, 0.0, panel)
+                               tuple(s for s in judged if s <= stage), 0.0, panel)
+        return Verdict(group.group_id, "passed", None, None, "", judged, 0.0, panel)
 
 
 def court_gate(config: RunConfig, replicas: dict[str, int], characters: dict[str, Character],
@@ -397,3 +399,23 @@ def test_a_newcomers_failure_is_weighed_by_established_verifiers_and_charges_it_
     assert trust.reputation.banned("framer")
     assert trust.reputation.counts("p1").get("failed", 0) == 0
     assert not trust.reputation.banned("p1") and not trust.reputation.banned("v1a")
+
+
+def test_an_opinion_a_newcomer_fed_is_weighed_again_with_established_peers_feeding(
+        tiny_model_dir: Path) -> None:
+    # Stage 0's only verifier besides its producer is a newcomer: the first panel's opinion on
+    # the liar at stage 1 is advisory (the newcomer fed its judge). The tribunal asks again with
+    # the established producer feeding stage 0: two established opinions confirm the lie.
+    replicas = {"p0": 0, "n0": 0, "p1": 1, "v1a": 1, "v1b": 1}
+    trust, court = court_gate(config_for(tiny_model_dir, probation_checks=2), replicas, {},
+                              {"p1"})
+    establish(trust, "p0", "p1", "v1a", "v1b")
+    provenance = served_by("p0", "p1")
+    ruling = convene(court, made_up_group("g"), provenance, False)
+    trust.judge(ruling, provenance, "sampled")
+    assert [panel[0] for panel in court.panels] == ["n0", "p0", "p0"]
+    assert {panel[1] for panel in court.panels[1:]} == {"v1a", "v1b"}
+    assert ruling.confirmed and ruling.verdict.peer == "p1" and not ruling.lacked_established
+    assert not trust.reputation.banned("p1")  # established: one confirmed lie, score 3/4
+    assert trust.reputation.counts("p1")["failed"] == 1
+    assert ruling.overruled == ()

@@ -164,10 +164,13 @@ def _decide(verifier: Verifier, group: RolloutGroup, provenance: Provenance,
 
 def _another_opinion(verifier: Verifier, group: RolloutGroup, provenance: Provenance,
                      opinions: list[Verdict], contested: int | None) -> Verdict | None:
-    """A standing opinion from an established panel that avoids the earlier panels' verifiers
-    (at the `contested` stage it must); None when there is no such panel or its re-execution
-    failed."""
-    avoid = frozenset(peer for opinion in opinions for peer in opinion.panel)
+    """A standing opinion from an established panel that avoids the verifiers of the earlier
+    standing opinions (at the `contested` stage it must; an advisory opinion's established
+    judge may be asked again, fed by established peers this time); None when there is no such
+    panel or its re-execution failed."""
+    on_probation = verifier.directory.on_probation
+    avoid = frozenset(peer for opinion in opinions if stands(opinion, on_probation)
+                      for peer in opinion.panel)
     panel = verifier.panel(provenance, avoid, contested, established_only=True)
     if panel is None:
         return None
