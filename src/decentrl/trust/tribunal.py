@@ -14,7 +14,8 @@ never a word at all:
   wherever a stage has one. Every later panel is established throughout, or is not convened.
 - A first opinion that does not stand is advisory. A pass from it verifies nothing: the check is
   skipped (the group trains as if never sampled, unless a peer on probation produced it, then it
-  is dropped unchecked). A failure from it only asks for a standing opinion at that stage; where
+  is dropped unchecked). A failure from it only asks for a standing opinion at that stage (its
+  judge there may be asked again if established, fed by established peers this time); where
   none can be had, the group is dropped unconfirmed and nobody is charged.
 - A failed standing opinion is repeated by a second standing panel whose verifier at the failing
   stage is another peer; a random `second_opinion_fraction` of passes is too (that is what
@@ -30,9 +31,9 @@ never a word at all:
   one, unless a peer on probation fed it (judged or re-executed an earlier stage of its panel:
   the difference may be the newcomer's doing); a verifier on probation only where two standing
   opinions or a vouched one upheld the other finding (one established verifier's word does not
-  ban a newcomer). The verifiers of upheld opinions pass. A failure that no second standing verifier could confirm,
-  or three opinions that all differ, charges nobody: the group is dropped all the same, since
-  training on it is the one thing that cannot be undone.
+  ban a newcomer). The verifiers of upheld opinions pass. A failure that no second standing
+  verifier could confirm, or three opinions that all differ, charges nobody: the group is
+  dropped all the same, since training on it is the one thing that cannot be undone.
 - `Ruling.lacked_established` marks a check that an advisory opinion could not get weighed (no
   established verifier was left at its stage): the gate counts those (`verify_no_established`).
 
