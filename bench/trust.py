@@ -105,7 +105,8 @@ class OldVerifier(Verifier):
     sessions that did not serve the group."""
 
     def panel(self, provenance: Provenance, avoid: frozenset[str] = frozenset(),
-              contested: int | None = None) -> tuple[str, ...] | None:
+              contested: int | None = None, established_only: bool = False
+              ) -> tuple[str, ...] | None:
         records = self.directory.records()
         chosen = []
         for stage in range(self.config.num_stages):
@@ -217,6 +218,13 @@ def run_scenario(scenario: str, config: RunConfig, groups: int, loaded: Any, fol
         honest = {p.node.peer_id for p in swarm.peers if p not in hostile}
         trust, worker, scheduler = swarm.coordinator(loaded)
         directory = trust.verifier.directory
+        if policy == "new":
+            # The honest replicas stand for a swarm whose peers have earned their record: since
+            # issue 32 the opinion of a peer on probation decides nothing, so a swarm of
+            # newcomers alone would judge nobody.
+            for peer in honest:
+                for _ in range(config.trust.probation_checks):
+                    trust.reputation.record(peer, "passed")
         if policy == "old":
             trust.verifier = OldVerifier(swarm.client, directory, config,
                                          loaded.spec.hidden_size, loaded.tokenizer.pad_token_id)

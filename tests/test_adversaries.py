@@ -176,6 +176,34 @@ def test_a_colluding_judge_neither_saves_its_partner_nor_gets_an_honest_replica_
             assert summary.steps == config.train.steps
 
 
+def test_two_newcomers_lying_as_verifiers_frame_nobody(tiny_sharp_dir: Path,
+                                                       tmp_path: Path) -> None:
+    # Issue 32's attack: two new identities that serve honestly and lie only as verifiers, at the
+    # stage of an honest replica judged by its admitted training peer. Every group checked,
+    # every pass repeated; they stay on probation all run. Before, the admitted peer's pass was
+    # repeated by one of them and the other decided: the honest replica was banned, the admitted
+    # peer charged. Now a second opinion comes from established peers only.
+    config = trust_config(tiny_sharp_dir, steps=4, run_dir=str(tmp_path / "runs"),
+                          swarm={"sessions_in_flight": 4, "announce_every_s": 1.0, "ban_s": 2.0},
+                          trust={"verify_fraction": 1.0, "second_opinion_fraction": 1.0,
+                                 "probation_checks": 1000, "ban_s": 600.0,
+                                 "flag_log_ratio": 1.0, "flag_surprise": 3.0})
+    with start_swarm(config, LAYOUT) as swarm:
+        framers = [add_replica(swarm, config, 1, f"framer{i}", "collude-verify")
+                   for i in range(2)]
+        with coordinated(config, swarm) as coordinator:
+            summary = coordinator.run(wait_s=60)
+            trust = coordinator.backend.trust
+            reputation = trust.reputation
+            for peer in honest_ids(swarm, framers):
+                assert reputation.counts(peer).get("failed", 0) == 0, reputation.counts(peer)
+                assert not reputation.banned(peer)
+            assert trust.count["verify_failed"] == 0 and trust.count["verifiers_overruled"] == 0
+            assert trust.count["verified"] > 0  # honest groups checked out
+            assert all(reputation.on_probation(f.node.peer_id) for f in framers)
+            assert summary.steps == config.train.steps
+
+
 def test_replayed_submissions_are_refused_and_their_sender_banned(
         tiny_sharp_dir: Path, tmp_path: Path) -> None:
     config = trust_config(tiny_sharp_dir, steps=3, run_dir=str(tmp_path / "runs"))

@@ -74,7 +74,8 @@ class ScriptedVerifier(Verifier):
         self.drained = threading.Event()
 
     def panel(self, provenance: Provenance, avoid: frozenset[str] = frozenset(),
-              contested: int | None = None) -> tuple[str, ...]:
+              contested: int | None = None, established_only: bool = False
+              ) -> tuple[str, ...]:
         """Verifiers no opinion on the group has used yet."""
         return tuple(f"verifier-{len(avoid)}-{stage}" for stage in range(NUM_STAGES))
 

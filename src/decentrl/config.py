@@ -281,12 +281,34 @@ class TrustConfig(Section):
     second_opinion_fraction: float = Field(0.1, ge=0, le=1, description="fraction of passed "
                                            "checks repeated by a second verifier (a failed check "
                                            "always is): catches a verifier that covers a liar")
-    probation_checks: int = Field(3, ge=0, description="checks a new identity must pass before it "
-                                  "may verify others; until then one confirmed lie bans it")
+    probation_checks: int = Field(3, ge=0, description="checks a new identity must pass before its "
+                                  "opinion as a verifier counts (trust/tribunal.py); until then "
+                                  "one confirmed lie bans it")
     probation_verify_fraction: float = Field(1.0, ge=0, le=1, description="fraction of the "
                                              "groups of a peer on probation that are checked")
-    probation_share: float = Field(0.25, ge=0, le=1, description="chance that a new session goes "
-                                   "to a replica on probation while an established one has room")
+    probation_share: float = Field(0.25, ge=0, le=1, description="share of a stage's new "
+                                   "sessions that all its replicas on probation together may get "
+                                   "while an established replica has room: each session goes to "
+                                   "them with this chance, from a budget per stage that every "
+                                   "session of the stage refills by this much (net/probation.py)")
+    probation_burst: float = Field(2.0, ge=1, le=64, description="sessions a stage's probation "
+                                   "budget saves up while nobody on probation uses it (what a "
+                                   "burst of new identities gets before the share holds)")
+    probation_ban_memory_s: float = Field(3600.0, ge=0, le=7 * 86400, description="for how long "
+                                          "a replica banned on probation halves its stage's "
+                                          "probation refill (and empties the budget): a liar "
+                                          "renewing its key at each ban waits twice as long for "
+                                          "each next session")
+    probation_per_address: int = Field(0, ge=0, le=1024, description="replicas on probation "
+                                       "that get sessions per host, as this coordinator observed "
+                                       "their connection (never a claimed address; a relayed peer "
+                                       "counts at its relay); the first seen keep their place. "
+                                       "0: no limit (a swarm on one machine, or behind one NAT)")
+    admit_replicas: bool = Field(False, description="only inference replicas listed in "
+                                 "RUN/admitted_replicas.txt (one peer id a line, like "
+                                 "admitted.txt for training peers) get sessions or verify; "
+                                 "listed ones start with a record (no probation), as admitted "
+                                 "training peers do")
     history_versions: int = Field(4, ge=0, description="updates a replica can rewind, so it can "
                                   "re-execute at the versions a rollout recorded")
     training_peer_verifies: bool = Field(True, description="a training peer keeps a copy of the "
@@ -320,6 +342,17 @@ class TrustConfig(Section):
     strikes_to_block: int = Field(20, ge=1, description="malformed requests within a minute "
                                   "before a peer refuses the sender")
     block_s: float = Field(300.0, ge=0, description="how long a peer refuses such a sender")
+
+    @model_validator(mode="after")
+    def _someone_established_judges(self) -> TrustConfig:
+        if self.probation_checks > 0 and not self.training_peer_verifies \
+                and not self.admit_replicas:
+            raise ValueError("trust.training_peer_verifies = false leaves a swarm of new replicas "
+                             "no established verifier, and a newcomer's opinion decides nothing "
+                             "(trust/tribunal.py): no replica could earn its record. Keep training "
+                             "peers verifying, admit replicas (trust.admit_replicas), or set "
+                             "trust.probation_checks = 0")
+        return self
 
 
 class RunConfig(Section):

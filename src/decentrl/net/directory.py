@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from decentrl.config import SwarmConfig
 from decentrl.net.node import SwarmNode
+from decentrl.net.probation import ProbationBudget
 from decentrl.net.protocol import PeerRecord, stage_key
 from decentrl.net.records import decode_records
 from decentrl.net.text import peer_text
@@ -57,10 +58,12 @@ class Directory:
     # Peers the run's reputation banned (trust/reputation.py): never chosen, not even as a last
     # resort, unlike peers merely avoided after a failure.
     distrusted: Callable[[str], bool] = lambda peer: False
-    # Peers still earning a record (trust/reputation.py), and how often one gets a new session
-    # while an established replica has room (trust.probation_share).
+    # Peers still earning a record (trust/reputation.py), and what all of a stage's get while
+    # an established replica has room (net/probation.py; no limit by default).
     on_probation: Callable[[str], bool] = lambda peer: False
-    probation_share: float = 1.0
+    probation: ProbationBudget = field(default_factory=lambda: ProbationBudget(1.0, 1.0, 0.0))
+    # Replicas the operator lets serve (trust.admit_replicas); any other gets no session.
+    replica_admitted: Callable[[str], bool] = lambda peer: True
     random: random.Random = field(default_factory=lambda: random.Random(secrets.randbits(64)))
     # The newest version a replica of a stage can serve (its trainer's), where the caller knows
     # it; None: unknown.
@@ -113,14 +116,18 @@ class Directory:
         What a peer announces of itself only limits it: its free sessions cap what it gets (a
         peer that claims a huge capacity gets no bigger share), and a version over
         `version_ceiling` (the newest the stage's trainer has made) is a lie, ranked below every
-        other. A peer
-        on probation (`on_probation`) gets a new session only with chance `probation_share`
-        while an established replica has room, so a burst of new identities cannot take over
-        generation."""
+        other. Peers on probation (`on_probation`) share one budget per stage while an
+        established replica has room (`probation`: net/probation.py), so neither a burst of
+        new identities nor one liar renewing its key can take over generation; a replica the
+        operator did not admit (`replica_admitted`), or one on probation past its address's
+        limit, gets nothing."""
+        self.probation.observe_hosts()
         with self.lock:
             replicas = [(p, s) for p, s in self.peers.items()
                         if s.record.stage == stage and s.record.role in ("inference", "both")
-                        and s.record.free_sessions - s.sessions > 0 and not self.distrusted(p)]
+                        and s.record.free_sessions - s.sessions > 0 and not self.distrusted(p)
+                        and self._admitted(p)]
+            replicas = self._within_address_limit(replicas)
             if not replicas:
                 return None
             now = time.monotonic()
@@ -131,8 +138,10 @@ class Directory:
                 candidates = [min(replicas, key=lambda item: item[1].banned_until)]
             new = {p for p, _ in candidates if self.on_probation(p)}
             if 0 < len(new) < len(candidates):
-                chose_new = self.random.random() < self.probation_share
+                chose_new = self.probation.grant(stage, self.random.random())
                 candidates = [(p, s) for p, s in candidates if (p in new) == chose_new]
+            else:
+                self.probation.served(stage)
             ceiling = self.version_ceiling(stage)
             versions = {p: -1 if ceiling is not None and s.record.version > ceiling
                         else s.record.version for p, s in candidates}
@@ -157,7 +166,37 @@ class Directory:
             return [p for p, s in self.peers.items()
                     if s.record.stage == stage
                     and (s.record.role == "inference" or s.record.verifies)
-                    and p not in exclude and s.banned_until <= now and not self.distrusted(p)]
+                    and p not in exclude and s.banned_until <= now and not self.distrusted(p)
+                    and (s.record.role != "inference" or self.replica_admitted(p))]
+
+    def probation_banned(self, peer: str) -> None:
+        """`peer` was banned while on probation: its stage's newcomers wait longer
+        (net/probation.py)."""
+        with self.lock:
+            state = self.peers.get(peer)
+            if state is not None:
+                self.probation.banned(state.record.stage)
+
+    def _admitted(self, peer: str) -> bool:
+        """Whether the operator lets `peer` serve; a refusal is counted and logged once."""
+        if self.replica_admitted(peer):
+            return True
+        self.probation.not_admitted(peer)
+        return False
+
+    def _within_address_limit(self, replicas: list[tuple[str, PeerState]]
+                              ) -> list[tuple[str, PeerState]]:
+        """`replicas` less the peers on probation past their observed address's limit, counted
+        over every stage's live newcomers, the first seen first (under the lock)."""
+        newcomers = (p for p, s in self.peers.items()
+                     if s.record.role != "training" and not self.distrusted(p)
+                     and self.on_probation(p))
+        over = self.probation.over_address_limit(newcomers)
+        if not over:
+            return replicas
+        kept = [(p, s) for p, s in replicas if p not in over]
+        self.probation.counts["probation_address_limited"] += len(replicas) - len(kept)
+        return kept
 
     def release(self, peer: str) -> None:
         with self.lock:

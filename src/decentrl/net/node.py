@@ -66,6 +66,7 @@ from decentrl.net.reach import (
     RouteRecord,
     check_route_record,
     dialable,
+    host_of,
     peer_of,
     route_key,
     through_relay,
@@ -460,6 +461,22 @@ class SwarmNode:
     def addresses(self) -> list[str]:
         assert self.p2p is not None
         return [str(a) for a in self.run(self.p2p.get_visible_maddrs(), timeout=30)]
+
+    def peer_hosts(self) -> dict[str, str]:
+        """Each connected peer's host as this node's daemon observed the connection, not as the
+        peer claims it: a direct connection's, else its relay's (net/probation.py)."""
+        assert self.p2p is not None
+        try:
+            connections = self.run(self.p2p.list_peers(), timeout=10)
+        except (P2PDaemonError, TimeoutError):
+            return {}
+        hosts = {}
+        for info in connections:
+            addresses = sorted(map(str, info.addrs), key=through_relay)  # direct first
+            host = next((host_of(a) for a in addresses if host_of(a)), None)
+            if host is not None:
+                hosts[str(info.peer_id)] = host
+        return hosts
 
     def socket_paths(self) -> list[str]:
         """The daemon's unix sockets (removed on shutdown; a killed process leaves them)."""

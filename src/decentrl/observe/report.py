@@ -61,8 +61,15 @@ TRUST_COUNTERS: dict[str, tuple[str, Total | None]] = {
     "verify_opinions": ("re-executions run (a failure, and some passes, get a second opinion; "
                         "a disagreement a third)", "accepted"),
     "verifiers_overruled": ("verifiers charged for an opinion the tribunal rejected", None),
-    "verify_skipped": ("spot-checks skipped (backlog full, no other replica to redo the work, or "
-                       "the re-execution failed)", "accepted"),
+    "verify_no_established": ("checks only verifiers on probation could weigh: skipped, or the "
+                              "group dropped, nobody charged", "accepted"),
+    "probation_sessions_withheld": ("sessions a replica on probation was drawn for but its "
+                                    "stage's probation budget was spent", None),
+    "probation_address_limited": ("replicas on probation passed over: past their address's "
+                                  "limit (trust.probation_per_address)", None),
+    "replicas_not_admitted": ("replicas passed over: not admitted (trust.admit_replicas)", None),
+    "verify_skipped": ("spot-checks skipped (backlog full, no other replica to redo the work, "
+                       "only newcomers to judge it, or the re-execution failed)", "accepted"),
     "flagged": ("groups with rows the trainer's log-probs flagged (left out of the loss, then "
                 "re-checked)", "trained"),
     "banned": ("bans (a peer banned again counts again)", "peers"),

@@ -65,7 +65,12 @@ from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.inflight import RowsInFlight, SlottedChain, SlottedSession
 from decentrl.swarm.lineage import LineageSigner
 from decentrl.swarm.loop import RunHooks, RunSummary, TrainingLoop, TrainingUnavailable
-from decentrl.swarm.manifest import admitted_peers, publish_manifest, run_manifest
+from decentrl.swarm.manifest import (
+    ADMITTED_REPLICAS_FILE,
+    admitted_peers,
+    publish_manifest,
+    run_manifest,
+)
 from decentrl.swarm.sessions import RemoteChain, RemoteSession
 from decentrl.swarm.training_client import RemoteStageWorker, TrainAudit
 from decentrl.trust.gate import Trust
@@ -221,6 +226,13 @@ class SwarmBackend:
         # every announce round, so admitting one mid-run takes effect within a round.
         self.vouched = admitted_peers(config.path)
         self.trust.reputation.vouched = lambda peer: peer in self.vouched
+        # trust.admit_replicas: only listed replicas serve (an admitted training peer serving as
+        # "both" too), read again at every announce round as well.
+        self.admitted_replicas = admitted_peers(config.path, ADMITTED_REPLICAS_FILE)
+        if config.trust.admit_replicas:
+            self.directory.replica_admitted = \
+                lambda peer: peer in self.admitted_replicas or peer in self.vouched
+            self.trust.reputation.admitted = lambda peer: peer in self.admitted_replicas
         self.chain = RemoteChain(node, self.directory, config.swarm, config.trust, self.spec,
                                  self.trust.reputation)
         self.lineage = LineageSigner(node, config)
@@ -355,6 +367,7 @@ class SwarmBackend:
             try:
                 self.announce_run()
                 self.vouched = admitted_peers(self.config.path)
+                self.admitted_replicas = admitted_peers(self.config.path, ADMITTED_REPLICAS_FILE)
                 self.lineage.renew()
                 self.directory.refresh()
                 if self.observer is not None and \

@@ -12,7 +12,9 @@ the peer ids allowed to train, one per line (`decentrl coordinate --admit ID` ap
 training peer prints its id when it starts, and keeps it across restarts with `--identity
 FILE`). The coordinator reads the file each time it looks for a training peer, then checks the
 candidate before it drives it: listed, announced for that stage, ready (swarm/training_client.py).
-Anyone may join as an inference replica; what a replica serves is checked (trust/)."""
+Anyone may join as an inference replica, and what a replica serves is checked (trust/); with
+`trust.admit_replicas` only the replicas listed in `RUN/admitted_replicas.txt` (same format, read
+at each announce round) get sessions, and they start with a record (no probation)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from decentrl.progress import progress_bar
 
 LOOKUP_TIMEOUT_S = 30.0
 ADMITTED_FILE = "admitted.txt"
+ADMITTED_REPLICAS_FILE = "admitted_replicas.txt"
 
 
 class ManifestMismatch(ValueError):
@@ -58,11 +61,11 @@ def check_peer_id(peer_id: str, where: str) -> str:
     return peer_id
 
 
-def admitted_peers(run_path: Path) -> frozenset[str]:
-    """The peer ids `RUN/admitted.txt` admits as training peers (none if there is no file).
-    Blank lines and `#` comments are skipped; anything else that is not a peer id is an error
-    naming its line."""
-    path = run_path / ADMITTED_FILE
+def admitted_peers(run_path: Path, file: str = ADMITTED_FILE) -> frozenset[str]:
+    """The peer ids `RUN/admitted.txt` admits as training peers (none if there is no file), or
+    another list of the same format in the run's folder (`file`). Blank lines and `#` comments
+    are skipped; anything else that is not a peer id is an error naming its line."""
+    path = run_path / file
     if not path.is_file():
         return frozenset()
     admitted = set()

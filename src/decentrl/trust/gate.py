@@ -7,10 +7,11 @@ spot-checks, what it does with rulings, flags and malformed messages, and whom i
   picked for a check does not train until its ruling (`awaiting_verdict`): whether a group is
   checked is decided here, from an unpredictable source, and never told to its producers. Groups
   the trainer's log-probs flagged are re-executed after their step, to find out who lied.
-- A ruling is the tribunal's (trust/tribunal.py): no single verifier's opinion blames anyone.
-  Rulings, flags and malformed messages feed the reputation. A banned peer is never chosen again
-  for the ban's length, and groups it helped produce that were not verified are dropped wherever
-  they wait (inbox or pending buffer).
+- A ruling is the tribunal's (trust/tribunal.py): no single verifier's opinion blames anyone,
+  and no opinion of a peer on probation decides anything (a check only newcomers could weigh is
+  counted as `verify_no_established`). Rulings, flags and malformed messages feed the
+  reputation. A banned peer is never chosen again for the ban's length, and groups it helped
+  produce that were not verified are dropped wherever they wait (inbox or pending buffer).
 - A group submitted by another peer is admitted only for a problem leased to that peer; this
   coordinator generates its own groups and leases none, so a remote submission is refused (a
   replay of a group already accepted is named as such).
@@ -19,8 +20,12 @@ spot-checks, what it does with rulings, flags and malformed messages, and whom i
 
 A run stays live through a burst of new identities: their groups are checked, but only as fast as
 the checks run (VERIFY_BACKLOG; a probation group that finds the backlog full is dropped, never
-trained unchecked), and new sessions go to them only at `probation_share` while established
-replicas have room (net/directory.py), so established peers keep the run's generation going."""
+trained unchecked), and while established replicas have room, all newcomers of a stage together
+get at most `probation_share` of its new sessions, from a budget that each ban of a newcomer of
+the stage shrinks (net/probation.py), so established peers keep the run's generation going and a
+liar renewing its key gets less each time. The budget's refusals are counted
+(`probation_sessions_withheld`), as are the sessions refused to replicas the operator did not
+admit (`replicas_not_admitted`) or past their address's limit (`probation_address_limited`)."""
 
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from rich.console import Console
 from decentrl.config import RunConfig
 from decentrl.net.directory import Directory
 from decentrl.net.node import SwarmNode
+from decentrl.net.probation import ProbationBudget
 from decentrl.net.text import SHOWN_ID_CHARS, peer_text
 from decentrl.rollout.types import RolloutGroup
 from decentrl.trust.provenance import Provenance
@@ -92,7 +98,11 @@ class Trust:
         self.reputation.on_ban.append(self._banned)
         directory.distrusted = self.reputation.banned
         directory.on_probation = self.reputation.on_probation
-        directory.probation_share = config.trust.probation_share
+        directory.probation = ProbationBudget.of(config.trust)
+        # Asked only with a per-address limit (the daemon is asked, at most every few seconds).
+        directory.probation.hosts = lambda: node.peer_hosts()
+        self.directory = directory
+        self.reputation.on_ban.append(self._shrink_probation_budget)
         node.strikes_to_block, node.block_s = config.trust.strikes_to_block, config.trust.block_s
         node.on_strike = lambda peer, reason: self.reputation.record(peer, "malformed", reason)
         self.verifier = Verifier(node, directory, config, hidden_size, pad_id)
@@ -222,9 +232,14 @@ class Trust:
             return dict(self.reputation.ban_causes)
 
     def counters(self) -> dict[str, int]:
-        return {key: self.count[key] for key in (
+        probation = self.directory.probation.counts
+        return {**{key: self.count[key] for key in (
             "verified", "verify_failed", "verify_unconfirmed", "verify_skipped", "verify_opinions",
-            "verifiers_overruled", "flagged", "banned", "submissions_refused")}
+            "verifiers_overruled", "verify_no_established", "flagged", "banned",
+            "submissions_refused")},
+            **{key: probation[key] for key in (
+                "probation_sessions_withheld", "probation_address_limited",
+                "replicas_not_admitted")}}
 
     # ---- spot-checks ---------------------------------------------------------------------
 
@@ -262,6 +277,9 @@ class Trust:
         charged for what nobody could check, nor for a failure nobody confirmed."""
         verdict = ruling.verdict
         self.count["verify_opinions"] += len(ruling.opinions)
+        if ruling.lacked_established:
+            # Never decided by newcomers: skipped, or its group dropped with nobody charged.
+            self.count["verify_no_established"] += 1
         for judge, stage in set(ruling.upheld):
             self.reputation.record(judge, "passed", stage=stage, as_verifier=True)
         for overruled in ruling.overruled:
@@ -300,6 +318,12 @@ class Trust:
                            highlight=False)
         if ruling.confirmed:
             self.reputation.record(verdict.peer, "failed", verdict.detail, verdict.stage)
+
+    def _shrink_probation_budget(self, peer: str, seconds: float) -> None:
+        """A peer banned while on probation makes its stage's newcomers wait longer: the next
+        key of the same liar is one of them."""
+        if self.reputation.on_probation(peer):
+            self.directory.probation_banned(peer)
 
     def _banned(self, peer: str, seconds: float) -> None:
         self.count["banned"] += 1

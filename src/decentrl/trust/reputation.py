@@ -9,14 +9,20 @@ Below `ban_score` the peer is banned for `ban_s`, doubled at each later ban; whe
 peer starts over (score 1): the next ban is longer.
 
 Identities are free, so a score that starts at 1 would let a liar that rotates its key serve at
-full trust forever. A peer is on probation until it has passed `probation_checks` checks: while
-it is, its groups are checked at a higher rate (trust/gate.py), it is not chosen to verify anyone
-(trust/tribunal.py), and a single confirmed lie (`failed` or `proved`) bans it. Peers the operator
-admitted (training peers listed in RUN/admitted.txt) start with a record.
-
-Verifiers earn and lose reputation like producers: a verifier whose opinion the tribunal upheld
-passed, one whose opinion it overruled failed. The two records are kept apart and the score is
-the worse of the two: a liar must not buy back its lies as a producer with honest verdicts.
+full trust forever. A peer is on probation until it has passed `probation_checks` checks as a
+producer. While it is:
+- its groups are checked at a higher rate, each with a second opinion (trust/gate.py), and a
+  group of it that cannot be checked never trains;
+- its opinion as a verifier decides nothing (trust/tribunal.py): it never confirms a failure,
+  never outvotes or overrules anyone, and never clears a group or earns a producer a pass; it
+  may only make the tribunal ask an established verifier, and where none is left the check is
+  skipped or its group dropped, charging nobody, and counted;
+- it shares its stage's probation budget of new sessions with every other peer on probation
+  (net/probation.py), and a ban of it shrinks that budget for all of them;
+- a single confirmed lie (`failed` or `proved`), as producer or as verifier, bans it.
+Peers the operator admitted start with a record: training peers listed in RUN/admitted.txt
+(`vouched`: the tribunal also lets one's opinion stand alone where nobody else can be asked) and,
+with trust.admit_replicas, inference replicas listed in RUN/admitted_replicas.txt (`admitted`).
 
 Everything kept here grows with what strangers send (one malformed message from a fresh identity
 is an event and a standing), so every table is bounded: the events, the standings, the causes of
@@ -86,8 +92,10 @@ class Reputation:
     ban_score: float
     ban_s: float
     probation_checks: int = 0
-    # Peers with a record from the start (the operator admitted them), read afresh at each look.
+    # Peers with a record from the start (the operator admitted them), read afresh at each look:
+    # training peers (`vouched`, trusted with a stage's gradients) and inference replicas.
     vouched: Callable[[str], bool] = lambda peer: False
+    admitted: Callable[[str], bool] = lambda peer: False
     on_ban: list[Callable[[str, float], None]] = field(default_factory=list)  # (peer, seconds)
     clock: Callable[[], float] = time.monotonic
     # Least recently seen first.
@@ -156,7 +164,8 @@ class Reputation:
 
     def _on_probation(self, peer: str, standing: PeerStanding | None) -> bool:
         passed = 0 if standing is None else standing.passed
-        return passed < self.probation_checks and not self.vouched(peer)
+        return (passed < self.probation_checks and not self.vouched(peer)
+                and not self.admitted(peer))
 
     def banned(self, peer: str) -> bool:
         with self.lock:

@@ -174,7 +174,8 @@ class Verifier:
         self.random = secrets.SystemRandom()
 
     def panel(self, provenance: Provenance, avoid: frozenset[str] = frozenset(),
-              contested: int | None = None) -> tuple[str, ...] | None:
+              contested: int | None = None, established_only: bool = False
+              ) -> tuple[str, ...] | None:
         """One re-executing peer per stage, drawn at random (an unpredictable source, never by
         what peers announce) among the stage's eligible verifiers: never a peer that served the
         group, nor one of `avoid` (the verifiers of earlier opinions) where another exists, and
@@ -182,19 +183,26 @@ class Verifier:
         its own producers is re-executed by one of them: that feeds the later stages but judges
         nothing of its own (a consistent liar would agree with itself). None when some stage has
         nobody at all, or when the `contested` stage has no verifier outside `avoid`: a second
-        opinion must come from someone else."""
+        opinion must come from someone else. With `established_only` (a panel whose opinion the
+        tribunal may weigh, trust/tribunal.py) nobody on the panel is on probation, feeders
+        included, or there is no panel."""
         producers = provenance.peers()
+        on_probation = self.directory.on_probation
+
+        def eligible(peers: list[str]) -> list[str]:
+            established = [p for p in peers if not on_probation(p)]
+            return established if established_only else established or peers
+
         chosen = []
         for stage in range(self.config.num_stages):
-            fresh = self.directory.verifiers(stage, producers | avoid)
+            fresh = eligible(self.directory.verifiers(stage, producers | avoid))
             if not fresh and stage == contested:
                 return None
-            pool = (fresh or self.directory.verifiers(stage, producers)
-                    or self.directory.verifiers(stage, set()))
+            pool = (fresh or eligible(self.directory.verifiers(stage, producers))
+                    or eligible(self.directory.verifiers(stage, set())))
             if not pool:
                 return None
-            established = [p for p in pool if not self.directory.on_probation(p)]
-            chosen.append(self.random.choice(established or pool))
+            chosen.append(self.random.choice(pool))
         return tuple(chosen)
 
     def verify(self, group: RolloutGroup, provenance: Provenance,
