@@ -384,8 +384,8 @@ def test_corrupt_chunk_is_refetched_and_its_server_banned(tiny_sharp_dir: Path) 
         stored.data[:] = bytes(len(stored.data))  # every chunk it serves is now wrong
         assert victim.node.run(weights_of(victim).follow(), timeout=60)
         assert_serves_published(victim, trainer_peer)
-        assert weights_of(victim).follower.bad_chunks >= 1
-        assert honest.node.peer_id in weights_of(victim).follower.banned
+        assert weights_of(victim).follower.sources.bad_chunks >= 1
+        assert weights_of(victim).follower.sources.avoids(honest.node.peer_id)
 
 
 @pytest.mark.network
