@@ -118,9 +118,7 @@ class Directory:
         while an established replica has room, so a burst of new identities cannot take over
         generation."""
         with self.lock:
-            replicas = [(p, s) for p, s in self.peers.items()
-                        if s.record.stage == stage and s.record.role in ("inference", "both")
-                        and s.record.free_sessions - s.sessions > 0 and not self.distrusted(p)]
+            replicas = self._with_room(stage)
             if not replicas:
                 return None
             now = time.monotonic()
@@ -146,6 +144,20 @@ class Directory:
             while len(self.opened) > OPENED_KEPT:
                 self.opened.popitem(last=False)
             return peer
+
+    def _with_room(self, stage: int) -> list[tuple[str, PeerState]]:
+        """The stage's inference replicas that the run has not banned and that say they have
+        room for another session of this process (under the lock)."""
+        return [(p, s) for p, s in self.peers.items()
+                if s.record.stage == stage and s.record.role in ("inference", "both")
+                and s.record.free_sessions - s.sessions > 0 and not self.distrusted(p)]
+
+    def routed(self, stage: int) -> list[tuple[str, PeerRecord]]:
+        """The replicas a new session of `stage` may go to now (`choose_inference`'s candidates):
+        with room, neither banned by the run nor avoided after a failed call."""
+        now = time.monotonic()
+        with self.lock:
+            return [(p, s.record) for p, s in self._with_room(stage) if s.banned_until <= now]
 
     def verifiers(self, stage: int, exclude: set[str]) -> list[str]:
         """Every peer that can re-execute someone else's work at `stage`: replicas that follow
