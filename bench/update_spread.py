@@ -397,7 +397,7 @@ def run_config(count: int, variant: str, args: argparse.Namespace,
                       flush=True)
                 if timed:
                     updates.append(row)
-        bad_chunks = sum(f.bad_chunks for f in followers)
+        bad_chunks = sum(f.sources.bad_chunks for f in followers)
     finally:
         for server in servers:
             try:

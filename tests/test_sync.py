@@ -263,9 +263,14 @@ def fake_step(swarm: Swarm, trainer_peer: StagePeer, seed: int, sign: bool = Tru
 
 
 def follow_all(replicas: list[StagePeer]) -> list[bool]:
-    """Every replica syncs at the same time, as their follow loops would."""
+    """Every replica syncs at the same time, as their follow loops would, and returns once
+    their probes of other replicas after the update (sync/sources.py) are done."""
+    def follow(replica: StagePeer) -> bool:
+        changed = replica.node.run(weights_of(replica).follow(), timeout=60)
+        replica.node.run(weights_of(replica).follower.probed(), timeout=60)
+        return changed
     with ThreadPoolExecutor(len(replicas)) as pool:
-        return list(pool.map(lambda r: r.node.run(weights_of(r).follow(), timeout=60), replicas))
+        return list(pool.map(follow, replicas))
 
 
 def assert_serves_published(replica: StagePeer, trainer_peer: StagePeer) -> None:
@@ -307,7 +312,16 @@ def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
     with start_swarm(config, layout) as swarm:
         trainer_peer, replicas = swarm.peer(0, "training"), swarm.peers[1:]
         assert follow_all(replicas) == [False] * 3  # everyone starts from the same file
-        for step in range(1, 4):
+        # The first update comes from the publisher: no replica has served another yet. Each
+        # then probes the others for a chunk, and waits on them from the next update on.
+        fake_step(swarm, trainer_peer, 1)
+        follow_all(replicas)
+        for replica in replicas:
+            assert_serves_published(replica, trainer_peer)
+            sources = weights_of(replica).follower.sources
+            assert all(sources.proven(other.node.peer_id) for other in replicas
+                       if other is not replica)
+        for step in range(2, 5):
             fake_step(swarm, trainer_peer, step)
             # (A replica asked for a chunk of a version it lacks wakes up and syncs on its own, so
             # which of these calls did the work varies.)
@@ -343,10 +357,12 @@ def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
                                 for r in weights_of(replica).follower.traffic()
                                 if r.version == step and r.peer != trainer_peer.node.peer_id)
             assert from_replicas > size
-        # The running totals keep what every update cost, per peer.
+        # The running totals keep what every update cost (its probes included), per peer.
         for replica in replicas:
-            assert sum(weights_of(replica).follower.received_total.values()) == sum(
-                publisher_of(trainer_peer).updates[("delta", v)].manifest.size for v in (1, 2, 3))
+            follower = weights_of(replica).follower
+            assert sum(follower.received_total.values()) == sum(
+                r.received for r in follower.traffic())
+            assert {r.version for r in follower.traffic()} == {1, 2, 3, 4}
 
 
 @pytest.mark.network

@@ -23,6 +23,7 @@ from decentrl.swarm.replica_wait import REPLICA_LOOK_S, wait_for_routed_replicas
 from decentrl.sync.sources import (
     AVOIDED_KEPT,
     BACKOFF_S,
+    PROBE_ANSWER_S,
     PROBES_PER_UPDATE,
     SERVED_KEPT,
     SERVED_LIFETIME_S,
@@ -155,7 +156,8 @@ def test_a_fake_chunk_owner_does_not_make_followers_wait(tiny_sharp_dir: Path) -
         trainer_peer, replica = swarm.peer(0, "training"), swarm.peer(0, "inference")
         stranger = start_node(config, "stranger", swarm.client.addresses(), TensorLimits(),
                               LinkProfile())
-        asked: list[int] = []
+        follower = weights_of(replica).follower
+        asked: list[int] = []  # the version the follower held when the stranger was asked
         try:
             stranger.sizes = swarm.client.sizes or trainer_peer.node.sizes
 
@@ -164,27 +166,29 @@ def test_a_fake_chunk_owner_does_not_make_followers_wait(tiny_sharp_dir: Path) -
             stranger.authorize = anyone
 
             async def hold_forever(request: Request[ChunkRequest]) -> Reply:
-                asked.append(request.body.index)
+                asked.append(follower.state.version)
                 await asyncio.Event().wait()  # never answers; cancelled when the node stops
                 raise AssertionError("unreachable")
             stranger.serve(SYNC_CHUNK, hold_forever)
             # The stranger announces an inference replica of stage 0: it owns every other chunk.
             announce(stranger, config.name, replica_record("owner", 0))
-            follower = weights_of(replica).follower
             fake_step(swarm, trainer_peer, 1)
-            follow_all([replica])
+            follow_all([replica])  # and waits for its probes
             assert_serves_published(replica, trainer_peer)  # the state hash checked out
             sources = follower.sources
-            # It was probed (a short wait, once), then avoided; its chunks came from the
-            # publisher.
-            assert 1 <= len(asked) and sources.avoids(stranger.peer_id)
-            assert sources.fallbacks >= len(asked) and sources.unanswered == len(asked)
-            probed = len(asked)
+            # Its chunks came from the publisher at once; it was asked only once v1 was
+            # applied (a probe, off the update's path), stayed silent and is now avoided.
+            chunks = len(follower.updates[("delta", 1)].have)
+            rank = sorted([replica.node.peer_id, stranger.peer_id]).index(stranger.peer_id)
+            owned = len(range(rank, chunks, 2))  # every other chunk, in the owners' rotation
+            assert sources.fallbacks == owned
+            assert asked == [1] and sources.unanswered == 1
+            assert sources.avoids(stranger.peer_id)
             fake_step(swarm, trainer_peer, 2)
             follow_all([replica])
             assert_serves_published(replica, trainer_peer)
-            assert len(asked) == probed  # not asked again while it backs off
-            assert stranger.peer_id not in sources.served
+            assert asked == [1]  # not asked again while it backs off
+            assert stranger.peer_id not in sources.served and sources.fallbacks == owned
         finally:
             stranger.shutdown()
 
@@ -203,17 +207,20 @@ def test_owners_earn_the_wait_and_lose_it_after_their_lifetime() -> None:
     sources = sources_with(clock)
     owners = sources.owners(["b", "c"], "a")
     assert owners == ["a", "b", "c"]
-    probes = sources.probes(owners, "a")
-    assert probes == {"b", "c"}
-    probe = sources.for_chunk("b", "a", "publisher", probes, relayed=False)
-    assert [s.peer for s in probe] == ["b", "publisher"] and probe[0].timeout_s == 5.0
-    assert [s.peer for s in sources.for_chunk("a", "a", "publisher", probes, False)] == \
-        ["publisher"]
-    sources.good_chunk("b")
-    assert sources.for_chunk("b", "a", "publisher", set(), False)[0].timeout_s == 22.0
-    # Unproven and not probed this update: straight to the publisher, counted.
-    assert [s.peer for s in sources.for_chunk("c", "a", "publisher", set(), False)] == \
+    # Unproven: straight to the publisher, counted; probed after the update, briefly.
+    assert [s.peer for s in sources.for_chunk("b", "a", "publisher", relayed=False)] == \
         ["publisher"] and sources.fallbacks == 1
+    probes = sources.probes(owners, "a")
+    assert sorted(s.peer for s in probes) == ["b", "c"]
+    assert {s.timeout_s for s in probes} == {2.0 + PROBE_ANSWER_S}
+    sources.good_chunk("b")
+    proven = sources.for_chunk("b", "a", "publisher", relayed=False)
+    assert [(s.peer, s.timeout_s) for s in proven] == [("b", 22.0), ("publisher", 22.0)]
+    assert [s.peer for s in sources.probes(owners, "a")] == ["c"]
+    # Its own chunks and a relayed owner's come from the publisher, not counted as fallbacks.
+    assert [s.peer for s in sources.for_chunk("a", "a", "publisher", False)] == ["publisher"]
+    assert [s.peer for s in sources.for_chunk("b", "a", "publisher", True)] == ["publisher"]
+    assert sources.fallbacks == 1
     clock.now += SERVED_LIFETIME_S + 1
     assert not sources.proven("b")
 

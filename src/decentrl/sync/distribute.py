@@ -16,9 +16,10 @@ swarm: the replicas of the stage, sorted by peer id, each own every n-th chunk, 
 from the publisher; every other chunk they take from its owner, which holds the request open
 while it is still fetching that chunk itself. So the publisher's uplink carries each update about
 once, each replica's about once, and the time to reach every replica stays nearly flat as
-replicas are added. An owner is waited on only once it has served this replica good chunks (or
-as one of a few short probes per update); a chunk whose owner is passed over, fails or serves bad
-bytes comes from the publisher instead, and the source is avoided a while (sync/sources.py).
+replicas are added. An owner is waited on only once it has served this replica good chunks (a
+few probes after each update find out, off its path); a chunk whose owner is passed over, fails or
+serves bad bytes comes from the publisher instead, and the source is avoided a while
+(sync/sources.py).
 
 A replica applies an update only if the state hash its manifest promises is the one the
 coordinator signed for that version (an update the coordinator has not signed yet waits for the
@@ -287,6 +288,7 @@ class WeightFollower(UpdateServer):
         self.state, self.commit, self.owner = state, commit, owner
         self.timeout_s = timeout_s
         self.sources = ChunkSources(timeout_s + sync.chunk_wait_s, sync.chunk_wait_s, ban_s)
+        self.probing: asyncio.Future[None] | None = None
         self.hash_mismatches = 0
         self.skipped_records = 0  # malformed records met so far, once per lookup that met each
         self._want_keyframe = False
@@ -382,7 +384,6 @@ class WeightFollower(UpdateServer):
         me = self.node.peer_id
         owners = self.sources.owners(await self._replicas(), me) \
             if self.sync.peer_exchange else [me]
-        probes = self.sources.probes(owners, me)
         count = len(update.have)
         rank = owners.index(me)
         # Own chunks first (they come from the publisher and others wait for them).
@@ -396,7 +397,7 @@ class WeightFollower(UpdateServer):
             # over one keep replacing it under each other's calls (measured: 6.6 s for what
             # the publisher alone delivers in 2.0 s; bench update-spread --netns).
             relayed = owner != me and self.node.circuits.get(owner) is not None
-            sources = self.sources.for_chunk(owner, me, publisher, probes, relayed)
+            sources = self.sources.for_chunk(owner, me, publisher, relayed)
             async with slots:
                 for number, source in enumerate(sources):
                     if update.have[index] or \
@@ -411,6 +412,24 @@ class WeightFollower(UpdateServer):
                                 f"v{update.manifest.version} came from none of "
                                 f"{[s.peer[-8:] for s in sources]}")
         await asyncio.gather(*(get(index) for index in order))
+        if self.probing is None or self.probing.done():
+            self.probing = asyncio.ensure_future(self._probe(update, owners, publisher))
+
+    async def _probe(self, update: StoredUpdate, owners: list[str], publisher: str) -> None:
+        """Ask a few owners no record vouches for yet for one chunk each of `update`, which
+        this replica holds: whoever serves it well is waited on from the next update on, whoever
+        stays silent is avoided a while (sync/sources.py). Off the update's path: a fake owner
+        delays no update."""
+        async def probe(source: Source) -> None:
+            await self._fetch_chunk(update, owners.index(source.peer) % len(update.have),
+                                    source, publisher)
+        await asyncio.gather(*(probe(source)
+                               for source in self.sources.probes(owners, self.node.peer_id)))
+
+    async def probed(self) -> None:
+        """Once the probes after the last update are answered or timed out."""
+        if self.probing is not None:
+            await asyncio.shield(self.probing)
 
     async def _fetch_chunk(self, update: StoredUpdate, index: int, source: Source,
                            publisher: str) -> bool:
@@ -443,8 +462,9 @@ class WeightFollower(UpdateServer):
                         self.sources.ban_s)
             return False
         self.sources.good_chunk(peer)
-        update.put(index, raw)
-        await self._notify()
+        if not update.have[index]:  # a probe's chunk is in hand already
+            update.put(index, raw)
+            await self._notify()
         return True
 
     async def _chunk_from(self, source: Source, manifest: UpdateManifest, index: int,

@@ -8,11 +8,13 @@ therefore keeps its own record of its sources:
 
 - `served`: peers that served it a chunk whose hash matched, and when. An owner served lately
   is asked with the full timeout; it holds the request open while it fetches the chunk itself.
-- an unproven owner is probed: asked with a short timeout, at most PROBES_PER_UPDATE of them per
-  update (chosen at random, so ground peer ids buy no place); chunks of the others come from the
-  publisher at once. A probe that answers well makes the owner a proven one.
-- `backoff`: sources that did not answer in time (or could not be dialed) are not asked again
-  for a while; `banned`: sources that served a chunk whose hash did not match.
+  The chunks of an owner not served lately come from the publisher at once.
+- probes: once an update is in hand, the follower asks a few unproven owners (at most
+  PROBES_PER_UPDATE, chosen at random, so ground peer ids buy no place) for one chunk of it each,
+  with a short timeout, off the update's path. One that serves it well is waited on from the
+  next update on: an honest replica that joins costs the publisher one extra copy of an update.
+- `avoided`: sources that did not answer in time (or could not be dialed) are not asked again
+  for BACKOFF_S; sources that served a chunk whose hash did not match, for `ban_s`.
 
 The publisher, named by the run owner's signed lineage, is every chunk's last resort; each chunk
 it serves because the owner was passed over or failed counts in `fallbacks`."""
@@ -39,8 +41,9 @@ AVOIDED_KEPT = 1024
 # dead record costs one probe per minute at most, short enough that a peer back from a hiccup
 # serves again soon.
 BACKOFF_S = 60.0
-# Unproven owners asked per update. Each costs at most one probe timeout, in parallel with the
-# others; a stage's honest replicas get proven a few per update.
+# Unproven owners probed per update, in parallel, off the update's path: a flood of fake records
+# costs a follower a few short requests per update, and a stage's honest replicas get proven a
+# few per update.
 PROBES_PER_UPDATE = 4
 # A probe's time to answer beyond the time the owner may hold the request (`chunk_wait_s`): one
 # round trip and a chunk of at most 2 MiB over a consumer uplink.
@@ -86,23 +89,22 @@ class ChunkSources:
         announcements, agree on it: a chunk's owner fetches it from the publisher itself)."""
         return sorted({me} | {peer for peer in announced if not self.avoids(peer)})
 
-    def probes(self, owners: Sequence[str], me: str) -> set[str]:
-        """The unproven owners this update may ask (PROBES_PER_UPDATE at most, at random)."""
+    def probes(self, owners: Sequence[str], me: str) -> list[Source]:
+        """The unproven owners to ask for a chunk once an update is in hand (PROBES_PER_UPDATE
+        at most, at random), each with the short timeout of a probe."""
         unproven = [peer for peer in owners if peer != me and not self.proven(peer)]
-        return set(self.random.sample(unproven, min(PROBES_PER_UPDATE, len(unproven))))
+        timeout_s = min(self.timeout_s, self.chunk_wait_s + PROBE_ANSWER_S)
+        return [Source(peer, timeout_s) for peer in
+                self.random.sample(unproven, min(PROBES_PER_UPDATE, len(unproven)))]
 
-    def for_chunk(self, owner: str, me: str, publisher: str, probes: set[str],
-                  relayed: bool) -> list[Source]:
-        """Whom to ask for one chunk `owner` owns, in order: the owner if it has earned the wait
-        (or is one of this update's `probes`), then the publisher."""
+    def for_chunk(self, owner: str, me: str, publisher: str, relayed: bool) -> list[Source]:
+        """Whom to ask for one chunk `owner` owns, in order: the owner if it has earned the wait,
+        then the publisher."""
         last_resort = Source(publisher, self.timeout_s)
         if owner == me or relayed:
             return [last_resort]
         if self.proven(owner):
             return [Source(owner, self.timeout_s), last_resort]
-        if owner in probes:
-            return [Source(owner, min(self.timeout_s, self.chunk_wait_s + PROBE_ANSWER_S)),
-                    last_resort]
         self.fallbacks += 1
         return [last_resort]
 
