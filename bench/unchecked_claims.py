@@ -13,8 +13,9 @@ Each attack comes from a node that is not the coordinator, on loopback, in this 
   synthetic float32 weights of `--params` entries, 1 %-density deltas, SyncConfig defaults),
   plus a stranger that announces an inference replica of the stage and holds every chunk request
   open without answering. Figures: seconds from the start of `sync_once` to the applied update,
-  for each of `--updates` updates (the first one probes the stranger), with and without the
-  stranger (`update_s`, `update_clean_s`: the medians).
+  for each of `--updates` updates, with and without the stranger (`update_s`, `update_clean_s`:
+  the medians; `update_first_s`, `update_worst_s`), and how many chunks came from the publisher
+  in the stranger's stead.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ def update_times(nodes: list[SwarmNode], updates: int, params: int) -> list[floa
             times.append(time.perf_counter() - began)
             if follower.state.hash != publisher.state.hash:
                 raise RuntimeError("the replica holds another state than the publisher")
+        replica_node.run(follower.probed(), timeout=60)  # the probes after the last update
         print(f"  update v1..v{updates} with {len(strangers)} fake owner(s): "
               f"{', '.join(f'{t:.2f}s' for t in times)}; {follower.sources.fallbacks} chunks "
               f"from the publisher in their owner's stead, {follower.sources.unanswered} "
