@@ -116,10 +116,20 @@ def test_a_new_identitys_claim_alone_does_not_end_the_wait_and_the_bound_does() 
     waited = wait_for_routed_replicas(directory, 1, bound_s=5.0, clock=clock,
                                       sleep=clock.sleep)
     assert not waited.complete and waited.ready == [[]]
-    assert waited.waited_s == 5.0 and "no quorum" in waited.text()
+    assert waited.waited_s == 5.0 and "no quorum; stage 0: none of 2 routed" in waited.text()
     # Before any session (the first evaluation), whatever is routed counts.
     fresh = Replicas([{"honest": 1, "newcomer": 0}], talked_to=set())
     assert wait_for_routed_replicas(fresh, 1, clock=Clock(), sleep=never_sleeps).complete
+
+
+def test_a_stage_with_no_replica_to_route_to_is_left_to_the_sessions_wait() -> None:
+    # The stage's only replica died: its record expires, and the wait ends there (the sessions'
+    # StageWait waits for a new one, and says so).
+    clock = Clock()
+    directory = Replicas([{"dead": 0}, {}], talked_to={"dead"})
+    waited = wait_for_routed_replicas(directory, 1, clock=clock, sleep=clock.sleep)
+    assert waited.done and not waited.complete and clock.slept == [REPLICA_LOOK_S]
+    assert "stage 0: no replica routed" in waited.text()
 
 
 # ---- --stage auto ------------------------------------------------------------------------------

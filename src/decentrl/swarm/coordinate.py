@@ -434,7 +434,8 @@ class SwarmBackend:
 
     def evaluation(self, version: int) -> tuple[InferenceChain, int]:
         self.await_servers(None)
-        # Only the replicas sessions go to, a quorum per stage, for a short while at most.
+        # Only the replicas sessions go to, a quorum per stage, for a short while at most (a
+        # stage left with none is the sessions' StageWait's).
         waited = wait_for_routed_replicas(self.directory, version)
         if waited.waited_s >= 1 or not waited.complete:
             self.console.print(f"evaluation: {waited.text()}", markup=False, highlight=False)

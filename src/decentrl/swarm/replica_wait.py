@@ -9,7 +9,9 @@ room, not banned, not avoided after a failure) claims the version. Where the coo
 already had sessions served on some of a stage's routed replicas, only those count: a new
 identity's claim alone does not end the wait. Sessions prefer the newest version
 (`Directory.choose_inference`), so the evaluation's sessions go to the replicas that made the
-quorum. The wait ends at REPLICA_WAIT_S in any case, and says what it waited for."""
+quorum. A stage with no replica to route to at all has nothing to wait for here: the sessions
+wait for one to join (`StageWait`, swarm/coordinate.py), and say so. The wait ends at
+REPLICA_WAIT_S in any case, and says what it waited for."""
 
 from __future__ import annotations
 
@@ -44,20 +46,30 @@ class RoutingDirectory(Protocol):
 @dataclass
 class ReplicaWait:
     """What a wait for `version` found: per stage, the routed replicas at the version that made
-    its quorum (empty: none did within the bound), and how long it took."""
+    its quorum (empty: none did within the bound) and how many replicas were routed, and how
+    long it took."""
 
     version: int
     ready: list[list[str]]
+    routed: list[int]
     waited_s: float
 
     @property
     def complete(self) -> bool:
+        """Every stage has a quorum."""
         return all(self.ready)
+
+    @property
+    def done(self) -> bool:
+        """Every stage has a quorum or no replica to route to (nothing to wait for here)."""
+        return all(peers or not routed for peers, routed in zip(self.ready, self.routed))
 
     def text(self) -> str:
         stages = "; ".join(
             f"stage {stage}: {', '.join(peer[-8:] for peer in peers)}" if peers
-            else f"stage {stage}: none" for stage, peers in enumerate(self.ready))
+            else f"stage {stage}: none of {routed} routed" if routed
+            else f"stage {stage}: no replica routed"
+            for stage, (peers, routed) in enumerate(zip(self.ready, self.routed)))
         return (f"replicas at v{self.version} after {self.waited_s:.1f}s "
                 f"({'quorum' if self.complete else 'no quorum'}; {stages})")
 
@@ -74,17 +86,18 @@ def wait_for_routed_replicas(directory: RoutingDirectory, version: int,
                              bound_s: float = REPLICA_WAIT_S,
                              clock: Callable[[], float] = time.monotonic,
                              sleep: Callable[[float], None] = time.sleep) -> ReplicaWait:
-    """Until every stage has a routed replica at `version` (see the module's docstring), or
-    `bound_s` has passed; reads the directory afresh every REPLICA_LOOK_S."""
+    """Until every stage has a routed replica at `version` or none routed at all (see the
+    module's docstring), or `bound_s` has passed; reads the directory afresh every
+    REPLICA_LOOK_S."""
     started = clock()
     while True:
         directory.refresh()
         talked_to = set(directory.sessions_opened())
-        ready = [stage_quorum(directory.routed(stage), talked_to, version)
-                 for stage in range(directory.num_stages)]
-        waited = clock() - started
-        if all(ready) or waited >= bound_s:
-            result = ReplicaWait(version, ready, waited)
+        routed = [directory.routed(stage) for stage in range(directory.num_stages)]
+        result = ReplicaWait(version, [stage_quorum(replicas, talked_to, version)
+                                       for replicas in routed],
+                             [len(replicas) for replicas in routed], clock() - started)
+        if result.done or result.waited_s >= bound_s:
             (log.info if result.complete else log.warning)("evaluation: %s", result.text())
             return result
         sleep(REPLICA_LOOK_S)
