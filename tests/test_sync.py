@@ -394,9 +394,15 @@ def test_corrupt_chunk_is_refetched_and_its_server_banned(tiny_sharp_dir: Path) 
     with start_swarm(config, [(0, "training"), (0, "inference"), (0, "inference")]) as swarm:
         trainer_peer = swarm.peer(0, "training")
         honest, victim = swarm.peer(0, "inference", 0), swarm.peer(0, "inference", 1)
+        # One update first, so that the victim waits on the honest replica's chunks (it served
+        # the victim's probe well).
         fake_step(swarm, trainer_peer, 1)
+        follow_all([honest])
+        follow_all([victim])
+        assert weights_of(victim).follower.sources.proven(honest.node.peer_id)
+        fake_step(swarm, trainer_peer, 2)
         assert honest.node.run(weights_of(honest).follow(), timeout=60)
-        stored = weights_of(honest).follower.updates[("delta", 1)]
+        stored = weights_of(honest).follower.updates[("delta", 2)]
         stored.data[:] = bytes(len(stored.data))  # every chunk it serves is now wrong
         assert victim.node.run(weights_of(victim).follow(), timeout=60)
         assert_serves_published(victim, trainer_peer)

@@ -423,8 +423,10 @@ class WeightFollower(UpdateServer):
         async def probe(source: Source) -> None:
             await self._fetch_chunk(update, owners.index(source.peer) % len(update.have),
                                     source, publisher)
+        # An owner reached only through a relay is never asked for chunks (see `_fetch`).
+        direct = [peer for peer in owners if self.node.circuits.get(peer) is None]
         await asyncio.gather(*(probe(source)
-                               for source in self.sources.probes(owners, self.node.peer_id)))
+                               for source in self.sources.probes(direct, self.node.peer_id)))
 
     async def probed(self) -> None:
         """Once the probes after the last update are answered or timed out."""
