@@ -55,7 +55,7 @@ from decentrl.sync.distribute import WeightFollower, WeightPublisher  # noqa: E4
 
 RUN = "unchecked-claims"
 TTL_S = 3600.0
-# The request timeout of a swarm run's peers in the measurement on `main` (issue #32).
+# A swarm run's request timeout in the tests (tiny_run_config), as in issue #32's measurement.
 TIMEOUT_S = 20.0
 
 

@@ -110,7 +110,7 @@ def test_the_wait_ends_when_a_replica_it_routes_to_catches_up() -> None:
 
 
 def test_a_new_identitys_claim_alone_does_not_end_the_wait_and_the_bound_does() -> None:
-    # The coordinator had sessions served on "honest", still at v0; a new identity says v1.
+    # The coordinator gave sessions to "honest", still at v0; a new identity says v1.
     clock = Clock()
     directory = Replicas([{"honest": 0, "newcomer": 1}], talked_to={"honest"})
     waited = wait_for_routed_replicas(directory, 1, bound_s=5.0, clock=clock,

@@ -82,8 +82,8 @@ def link_profile(config: RunConfig) -> LinkProfile:
 def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
     """`--stage auto`: a training peer takes a stage without a ready one; an inference peer takes
     a stage with the fewest replicas. Each announcing peer counts once, whatever it claims: a
-    replica that boasts of free sessions it does not have (measured on `main`, where claimed
-    sessions were summed: one such record sent 8 of 8 joiners to the other stage) weighs no
+    replica that boasts of free sessions it does not have (measured on the earlier code, which
+    summed claimed sessions: one such record sent 8 of 8 joiners to the other stage) weighs no
     more than any other. Ties are broken at random: peers started together see the same empty
     swarm, and would all take stage 0 otherwise."""
     served = []

@@ -2,12 +2,12 @@
 version, so that the evaluation measures the learner's weights and nothing older.
 
 Anyone can announce a replica, so the wait never depends on every announcement: a record that
-never reaches the version (measured on `main`, where the wait covered every announced replica:
-each evaluation stalled 120 s) would hold it to its bound. It waits for a quorum instead: on
+never reaches the version (measured on the earlier code, whose wait covered every announced
+replica: each evaluation stalled 120 s) would hold it to its bound. It waits for a quorum instead: on
 every stage, one replica that the directory would give a session to now (`Directory.routed`:
 room, not banned, not avoided after a failure) claims the version. Where the coordinator has
-already had sessions served on some of a stage's routed replicas, only those count: a new
-identity's claim alone does not end the wait. Sessions prefer the newest version
+already given sessions to some of a stage's routed replicas, only those count: a new identity's
+claim alone does not end the wait. Sessions prefer the newest version
 (`Directory.choose_inference`), so the evaluation's sessions go to the replicas that made the
 quorum. A stage with no replica to route to at all has nothing to wait for here: the sessions
 wait for one to join (`StageWait`, swarm/coordinate.py), and say so. The wait ends at
@@ -77,7 +77,7 @@ class ReplicaWait:
 def stage_quorum(routed: list[tuple[str, PeerRecord]], talked_to: set[str],
                  version: int) -> list[str]:
     """The routed replicas of one stage that count towards its quorum and serve `version`: those
-    the coordinator had sessions served on, or every routed one where it had none."""
+    the coordinator gave sessions to, or every routed one where it gave none."""
     known = [(peer, record) for peer, record in routed if peer in talked_to]
     return sorted(peer for peer, record in known or routed if record.version == version)
 

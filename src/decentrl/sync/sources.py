@@ -3,7 +3,8 @@
 Chunks spread like a swarm: the announced replicas of a stage, sorted by peer id, each own every
 n-th chunk. But anyone can announce a replica, so an announcement alone earns a peer no wait: a
 record naming a peer that never answers would hold every follower on each of its chunks until
-the request times out (measured on loopback: an update took 24.7 s instead of 0.9 s). A follower
+the request times out (bench unchecked-claims on the code before this module: 44 s an update
+instead of 0.05 s, with one such record on loopback). A follower
 therefore keeps its own record of its sources:
 
 - `served`: peers that served it a chunk whose hash matched, and when. An owner served lately
@@ -31,8 +32,9 @@ from dataclasses import dataclass, field
 # Proven sources remembered. A stage has tens of replicas; more than this and the longest idle is
 # forgotten (it is probed again when it owns a chunk).
 SERVED_KEPT = 256
-# A source that served nothing good for this long is unproven again: replicas come and go, and a
-# peer id once honest may have changed hands (updates come every few seconds to minutes).
+# A source that served nothing good for this long is unproven again: replicas come and go, and
+# one proven long ago may be gone or hold a request open now (updates come every few seconds to
+# minutes, so a live replica keeps its standing).
 SERVED_LIFETIME_S = 600.0
 # Sources avoided after a timeout or a bad chunk, remembered. Identities are free, so the table is
 # bounded; the entry avoided longest ago goes first.
