@@ -55,7 +55,7 @@ from decentrl.sync.distribute import WeightFollower, WeightPublisher  # noqa: E4
 
 RUN = "unchecked-claims"
 TTL_S = 3600.0
-# A swarm run's request timeout in the tests (tiny_run_config), as in issue #32's measurement.
+# The followers' request timeout: that of the swarm tests' runs (tests/swarm_helpers.py).
 TIMEOUT_S = 20.0
 
 
