@@ -307,7 +307,9 @@ def test_the_end_of_a_warm_up_reaches_replicas_whole(tiny_sharp_dir: Path) -> No
 
 @pytest.mark.network
 def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
-    config = sync_config(tiny_sharp_dir)
+    # A replica probed while it still fetches the chunk asked for holds the probe up to
+    # chunk_wait_s (sync/sources.py): long enough here for a loaded test machine.
+    config = sync_config(tiny_sharp_dir, chunk_wait_s=5.0)
     layout = [(0, "training"), (0, "inference"), (0, "inference"), (0, "inference")]
     with start_swarm(config, layout) as swarm:
         trainer_peer, replicas = swarm.peer(0, "training"), swarm.peers[1:]

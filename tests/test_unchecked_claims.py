@@ -167,7 +167,8 @@ def test_a_fake_chunk_owner_does_not_make_followers_wait(tiny_sharp_dir: Path) -
         stranger = start_node(config, "stranger", swarm.client.addresses(), TensorLimits(),
                               LinkProfile())
         follower = weights_of(replica).follower
-        asked: list[int] = []  # the version the follower held when the stranger was asked
+        # For each request the stranger got: whether the follower held every chunk of v1 then.
+        asked: list[bool] = []
         try:
             stranger.sizes = swarm.client.sizes or trainer_peer.node.sizes
 
@@ -176,7 +177,8 @@ def test_a_fake_chunk_owner_does_not_make_followers_wait(tiny_sharp_dir: Path) -
             stranger.authorize = anyone
 
             async def hold_forever(request: Request[ChunkRequest]) -> Reply:
-                asked.append(follower.state.version)
+                held = follower.updates.get(("delta", 1))
+                asked.append(held is not None and held.complete)
                 await asyncio.Event().wait()  # never answers; cancelled when the node stops
                 raise AssertionError("unreachable")
             stranger.serve(SYNC_CHUNK, hold_forever)
@@ -186,18 +188,18 @@ def test_a_fake_chunk_owner_does_not_make_followers_wait(tiny_sharp_dir: Path) -
             follow_all([replica])  # and waits for its probes
             assert_serves_published(replica, trainer_peer)  # the state hash checked out
             sources = follower.sources
-            # Its chunks came from the publisher at once; it was asked only once v1 was
-            # applied (a probe, off the update's path), stayed silent and is now avoided.
+            # Its chunks came from the publisher at once; it was asked only once every chunk of
+            # v1 was in hand (a probe, off the update's path), stayed silent and is now avoided.
             chunks = len(follower.updates[("delta", 1)].have)
             rank = sorted([replica.node.peer_id, stranger.peer_id]).index(stranger.peer_id)
             owned = len(range(rank, chunks, 2))  # every other chunk, in the owners' rotation
             assert sources.fallbacks == owned
-            assert asked == [1] and sources.unanswered == 1
+            assert asked == [True] and sources.unanswered == 1
             assert sources.avoids(stranger.peer_id)
             fake_step(swarm, trainer_peer, 2)
             follow_all([replica])
             assert_serves_published(replica, trainer_peer)
-            assert asked == [1]  # not asked again while it backs off
+            assert asked == [True]  # not asked again while it backs off
             assert stranger.peer_id not in sources.served and sources.fallbacks == owned
         finally:
             stranger.shutdown()
