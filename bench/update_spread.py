@@ -27,7 +27,9 @@ at full size) and the bench waits until it is encoded and announced (encoding is
 the clock starts and every replica runs `sync_once()` at the same time (one thread per replica,
 each running the coroutine on its own node's loop): DHT lookups, the plan request, the chunks,
 then decode + apply + state hash, then the commit callback. Figures per update (the median of
-`--updates` timed updates after `--warmup` untimed ones):
+`--updates` timed updates after `--warmup` untimed ones; a replica waits on another only once
+that one has served it a good chunk, sync/sources.py, so the first update comes from the
+publisher alone and the warm-up is where the replicas get to know each other):
 
 - update bytes: the delta's payload (varint index gaps, int8 values, float32 scales).
 - delivered s: until the LAST replica holds every chunk (a wrapper around the follower's fetch
@@ -284,6 +286,9 @@ def sync_all(followers: list[TimedFollower], version: int, pool: ThreadPoolExecu
         while True:
             try:
                 follower.node.run(follower.sync_once(), timeout=SYNC_TIMEOUT_S)
+                # Its probes of the other replicas (sync/sources.py), off the timed path, decide
+                # whom it waits on in the next update.
+                follower.node.run(follower.probed(), timeout=SYNC_TIMEOUT_S)
             except Exception as error:  # noqa: BLE001 - counted, tried again
                 print(f"    {follower.node.name}: sync failed: {error}", flush=True)
             if follower.state.version == version:
@@ -397,7 +402,7 @@ def run_config(count: int, variant: str, args: argparse.Namespace,
                       flush=True)
                 if timed:
                     updates.append(row)
-        bad_chunks = sum(f.bad_chunks for f in followers)
+        bad_chunks = sum(f.sources.bad_chunks for f in followers)
     finally:
         for server in servers:
             try:

@@ -219,7 +219,9 @@ def test_update_learning_reports_the_difference_with_its_interval(
 
 def test_update_spread_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("update_spread")
-    bench.main(["--scale", "0.02", "--replicas", "2", "--updates", "1", "--warmup", "0",
+    # One warm-up update: replicas wait on each other only once they have served each other
+    # (sync/sources.py).
+    bench.main(["--scale", "0.02", "--replicas", "2", "--updates", "1", "--warmup", "1",
                 "--out", "none"])
     values = figures(capsys.readouterr().out, "update_spread")
     assert_positive(values, ["swarm_n2_delivered_s", "swarm_n2_applied_s",
@@ -227,6 +229,15 @@ def test_update_spread_prints_figures(capsys: pytest.CaptureFixture[str]) -> Non
     # The swarm's publisher sends each chunk once in all; the star's once per replica.
     assert values["swarm_n2_publisher_ratio"] == pytest.approx(1.0, abs=0.1)
     assert values["star_n2_publisher_ratio"] == pytest.approx(2.0, abs=0.1)
+
+
+@pytest.mark.network
+def test_unchecked_claims_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("unchecked_claims")
+    bench.main(["--joiners", "2", "--updates", "1", "--params", "4096"])
+    values = figures(capsys.readouterr().out, "unchecked-claims")
+    assert_positive(values, ["eval_wait_s", "update_clean_s", "update_s"])
+    assert values["joiners_stage0"] + values["joiners_stage1"] == 2
 
 
 def test_curriculum_prints_figures(tiny_model_dir: Path, tmp_path: Path,

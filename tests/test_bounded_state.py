@@ -36,14 +36,9 @@ from decentrl.observe.metrics import (
     read_metrics,
 )
 from decentrl.sync.delta import PublishedState
-from decentrl.sync.distribute import (
-    BANNED_SOURCES_KEPT,
-    OTHER_PEERS,
-    PEERS_COUNTED,
-    WeightFollower,
-    count_bytes,
-    make_update,
-)
+from decentrl.sync.chunks import OTHER_PEERS, PEERS_COUNTED, count_bytes
+from decentrl.sync.distribute import WeightFollower, make_update
+from decentrl.sync.sources import AVOIDED_KEPT, Source
 from decentrl.trust.gate import ACCEPTED_IDS_KEPT, GROUPS_TRACKED, RecentIds, Trust
 from decentrl.trust.provenance import Provenance
 from decentrl.trust.reputation import (
@@ -257,15 +252,16 @@ def test_a_flood_of_bad_chunk_sources_keeps_the_banned_table_at_its_cap() -> Non
                               lambda version, changes: None, timeout_s=1.0, ban_s=60.0,
                               owner="owner")
     update = make_update(0, 1, "delta", (0, "base"), "after", bytes(range(8)), 1)
-    sources = identities(BANNED_SOURCES_KEPT + 50, "forger")
+    sources = identities(AVOIDED_KEPT + 50, "forger")
 
     async def fetch_from_every_source() -> None:
         for source in sources:
-            assert not await follower._fetch_chunk(update, 0, source)
+            assert not await follower._fetch_chunk(update, 0, Source(source, 1.0), "owner")
     asyncio.run(fetch_from_every_source())
-    assert follower.bad_chunks == len(sources)
-    assert len(follower.banned) == BANNED_SOURCES_KEPT
-    assert follower._is_banned(sources[-1]) and sources[0] not in follower.banned
+    avoided = follower.sources.avoided
+    assert follower.sources.bad_chunks == len(sources)
+    assert len(avoided) == AVOIDED_KEPT
+    assert follower.sources.avoids(sources[-1]) and sources[0] not in avoided
     assert len(follower.received_total) == PEERS_COUNTED + 1
     assert sum(update.received.values()) == 8 * len(sources)
 

@@ -263,9 +263,14 @@ def fake_step(swarm: Swarm, trainer_peer: StagePeer, seed: int, sign: bool = Tru
 
 
 def follow_all(replicas: list[StagePeer]) -> list[bool]:
-    """Every replica syncs at the same time, as their follow loops would."""
+    """Every replica syncs at the same time, as their follow loops would, and returns once
+    their probes of other replicas after the update (sync/sources.py) are done."""
+    def follow(replica: StagePeer) -> bool:
+        changed = replica.node.run(weights_of(replica).follow(), timeout=60)
+        replica.node.run(weights_of(replica).follower.probed(), timeout=60)
+        return changed
     with ThreadPoolExecutor(len(replicas)) as pool:
-        return list(pool.map(lambda r: r.node.run(weights_of(r).follow(), timeout=60), replicas))
+        return list(pool.map(follow, replicas))
 
 
 def assert_serves_published(replica: StagePeer, trainer_peer: StagePeer) -> None:
@@ -302,12 +307,23 @@ def test_the_end_of_a_warm_up_reaches_replicas_whole(tiny_sharp_dir: Path) -> No
 
 @pytest.mark.network
 def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
-    config = sync_config(tiny_sharp_dir)
+    # A replica probed while it still fetches the chunk asked for holds the probe up to
+    # chunk_wait_s (sync/sources.py): long enough here for a loaded test machine.
+    config = sync_config(tiny_sharp_dir, chunk_wait_s=5.0)
     layout = [(0, "training"), (0, "inference"), (0, "inference"), (0, "inference")]
     with start_swarm(config, layout) as swarm:
         trainer_peer, replicas = swarm.peer(0, "training"), swarm.peers[1:]
         assert follow_all(replicas) == [False] * 3  # everyone starts from the same file
-        for step in range(1, 4):
+        # The first update comes from the publisher: no replica has served another yet. Each
+        # then probes the others for a chunk, and waits on them from the next update on.
+        fake_step(swarm, trainer_peer, 1)
+        follow_all(replicas)
+        for replica in replicas:
+            assert_serves_published(replica, trainer_peer)
+            sources = weights_of(replica).follower.sources
+            assert all(sources.proven(other.node.peer_id) for other in replicas
+                       if other is not replica)
+        for step in range(2, 5):
             fake_step(swarm, trainer_peer, step)
             # (A replica asked for a chunk of a version it lacks wakes up and syncs on its own, so
             # which of these calls did the work varies.)
@@ -343,10 +359,12 @@ def test_replicas_spread_updates_among_themselves(tiny_sharp_dir: Path) -> None:
                                 for r in weights_of(replica).follower.traffic()
                                 if r.version == step and r.peer != trainer_peer.node.peer_id)
             assert from_replicas > size
-        # The running totals keep what every update cost, per peer.
+        # The running totals keep what every update cost (its probes included), per peer.
         for replica in replicas:
-            assert sum(weights_of(replica).follower.received_total.values()) == sum(
-                publisher_of(trainer_peer).updates[("delta", v)].manifest.size for v in (1, 2, 3))
+            follower = weights_of(replica).follower
+            assert sum(follower.received_total.values()) == sum(
+                r.received for r in follower.traffic())
+            assert {r.version for r in follower.traffic()} == {1, 2, 3, 4}
 
 
 @pytest.mark.network
@@ -378,14 +396,20 @@ def test_corrupt_chunk_is_refetched_and_its_server_banned(tiny_sharp_dir: Path) 
     with start_swarm(config, [(0, "training"), (0, "inference"), (0, "inference")]) as swarm:
         trainer_peer = swarm.peer(0, "training")
         honest, victim = swarm.peer(0, "inference", 0), swarm.peer(0, "inference", 1)
+        # One update first, so that the victim waits on the honest replica's chunks (it served
+        # the victim's probe well).
         fake_step(swarm, trainer_peer, 1)
+        follow_all([honest])
+        follow_all([victim])
+        assert weights_of(victim).follower.sources.proven(honest.node.peer_id)
+        fake_step(swarm, trainer_peer, 2)
         assert honest.node.run(weights_of(honest).follow(), timeout=60)
-        stored = weights_of(honest).follower.updates[("delta", 1)]
+        stored = weights_of(honest).follower.updates[("delta", 2)]
         stored.data[:] = bytes(len(stored.data))  # every chunk it serves is now wrong
         assert victim.node.run(weights_of(victim).follow(), timeout=60)
         assert_serves_published(victim, trainer_peer)
-        assert weights_of(victim).follower.bad_chunks >= 1
-        assert honest.node.peer_id in weights_of(victim).follower.banned
+        assert weights_of(victim).follower.sources.bad_chunks >= 1
+        assert weights_of(victim).follower.sources.avoids(honest.node.peer_id)
 
 
 @pytest.mark.network

@@ -123,11 +123,7 @@ class Directory:
         limit, gets nothing."""
         self.probation.observe_hosts()
         with self.lock:
-            replicas = [(p, s) for p, s in self.peers.items()
-                        if s.record.stage == stage and s.record.role in ("inference", "both")
-                        and s.record.free_sessions - s.sessions > 0 and not self.distrusted(p)
-                        and self._admitted(p)]
-            replicas = self._within_address_limit(replicas)
+            replicas = self._with_room(stage)
             if not replicas:
                 return None
             now = time.monotonic()
@@ -155,6 +151,23 @@ class Directory:
             while len(self.opened) > OPENED_KEPT:
                 self.opened.popitem(last=False)
             return peer
+
+    def _with_room(self, stage: int) -> list[tuple[str, PeerState]]:
+        """The stage's inference replicas that the run has not banned, that the operator admits,
+        within their address's limit of peers on probation, and that say they have room for
+        another session of this process (under the lock)."""
+        replicas = [(p, s) for p, s in self.peers.items()
+                    if s.record.stage == stage and s.record.role in ("inference", "both")
+                    and s.record.free_sessions - s.sessions > 0 and not self.distrusted(p)
+                    and self._admitted(p)]
+        return self._within_address_limit(replicas)
+
+    def routed(self, stage: int) -> list[tuple[str, PeerRecord]]:
+        """The replicas a new session of `stage` may go to now (`choose_inference`'s candidates):
+        with room, neither banned by the run nor avoided after a failed call."""
+        now = time.monotonic()
+        with self.lock:
+            return [(p, s.record) for p, s in self._with_room(stage) if s.banned_until <= now]
 
     def verifiers(self, stage: int, exclude: set[str]) -> list[str]:
         """Every peer that can re-execute someone else's work at `stage`: replicas that follow

@@ -71,6 +71,7 @@ from decentrl.swarm.manifest import (
     publish_manifest,
     run_manifest,
 )
+from decentrl.swarm.replica_wait import wait_for_routed_replicas
 from decentrl.swarm.sessions import RemoteChain, RemoteSession
 from decentrl.swarm.training_client import RemoteStageWorker, TrainAudit
 from decentrl.trust.gate import Trust
@@ -444,21 +445,13 @@ class SwarmBackend:
         for group, provenance in zip(groups, self._shares(groups, sessions[0]), strict=True):
             self.trust.produced(group.group_id, provenance)
 
-    def wait_for_replicas(self, version: int, timeout_s: float) -> None:
-        """Until every replica serves `version` (they follow the training peers), so that an
-        evaluation measures the learner's weights and nothing older."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.directory.refresh()
-            if all(r.version == version for records in self.directory.stage_summary()
-                   for r in records if r.role != "training"):
-                return
-            time.sleep(0.5)
-        log.warning("replicas did not reach version %d within %.0fs", version, timeout_s)
-
     def evaluation(self, version: int) -> tuple[InferenceChain, int]:
         self.await_servers(None)
-        self.wait_for_replicas(version, timeout_s=120)
+        # Only the replicas sessions go to, a quorum per stage, for a short while at most (a
+        # stage left with none is the sessions' StageWait's).
+        waited = wait_for_routed_replicas(self.directory, version)
+        if waited.waited_s >= 1 or not waited.complete:
+            self.console.print(f"evaluation: {waited.text()}", markup=False, highlight=False)
         # As many sessions as the run may hold; the slots let as many run as the target allows.
         return SlottedChain(self.chain, self.session_slots), self.inflight.max_sessions
 

@@ -80,10 +80,13 @@ def link_profile(config: RunConfig) -> LinkProfile:
 
 
 def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
-    """`--stage auto`: a training peer takes a stage without one; an inference peer takes a stage
-    with the least free capacity (fewest free sessions and replicas). Ties are broken at random:
-    peers started together see the same empty swarm, and would all take stage 0 otherwise."""
-    capacity = []
+    """`--stage auto`: a training peer takes a stage without a ready one; an inference peer takes
+    a stage with the fewest replicas. Each announcing peer counts once, whatever it claims: a
+    replica that boasts of free sessions it does not have (measured on the earlier code, which
+    summed claimed sessions: one such record sent 8 of 8 joiners to the other stage) weighs no
+    more than any other. Ties are broken at random: peers started together see the same empty
+    swarm, and would all take stage 0 otherwise."""
+    served = []
     for stage in range(config.num_stages):
         found, skipped = decode_records(node.run(node.lookup(stage_key(config.name, stage)),
                                                  timeout=LOOKUP_TIMEOUT_S), PeerRecord, stage)
@@ -91,14 +94,13 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
             log.warning("stage %d: skipped %d malformed announcements", stage, skipped)
         records = list(found.values())
         if role == "training":
-            capacity.append((sum(r.training_ready for r in records), stage))
+            served.append(sum(r.training_ready for r in records))
         else:
-            serving = [r for r in records if r.role != "training"]
-            capacity.append((sum(r.free_sessions for r in serving) + len(serving), stage))
-    least = min(capacity)[0]
+            served.append(sum(r.role != "training" for r in records))
+    least = min(served)
     # Not the module's generator: whatever seeded it would seed every joining peer alike.
-    return random.SystemRandom().choice([stage for served, stage in capacity
-                                         if served == least])
+    return random.SystemRandom().choice([stage for stage, count in enumerate(served)
+                                         if count == least])
 
 
 def run_ended(node: SwarmNode, config: RunConfig, owner: str, console: Console) -> bool:

@@ -16,8 +16,10 @@ swarm: the replicas of the stage, sorted by peer id, each own every n-th chunk, 
 from the publisher; every other chunk they take from its owner, which holds the request open
 while it is still fetching that chunk itself. So the publisher's uplink carries each update about
 once, each replica's about once, and the time to reach every replica stays nearly flat as
-replicas are added. A chunk whose owner fails or serves bad bytes comes from the publisher
-instead; a peer whose chunk does not match its hash is banned for `ban_s`.
+replicas are added. An owner is waited on only once it has served this replica good chunks (a
+few probes after each update find out, off its path); a chunk whose owner is passed over, fails or
+serves bad bytes comes from the publisher instead, and the source is avoided a while
+(sync/sources.py).
 
 A replica applies an update only if the state hash its manifest promises is the one the
 coordinator signed for that version (an update the coordinator has not signed yet waits for the
@@ -36,22 +38,20 @@ import logging
 import math
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
 from decentrl.config import SyncConfig
 from decentrl.net.compute import Priority
 from decentrl.net.link import MessageLost
-from decentrl.net.node import RemoteError, Reply, Request, SwarmNode
+from decentrl.net.node import PeerRefused, RemoteError, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
     SYNC_CHUNK,
     SYNC_PLAN,
     ChunkRequest,
-    Empty,
     LineageRecord,
     PeerRecord,
     ServedFidelity,
@@ -77,6 +77,8 @@ from decentrl.sync.delta import (
     state_hash,
     undo_changes,
 )
+from decentrl.sync.chunks import StoredUpdate, UpdateServer, count_bytes
+from decentrl.sync.sources import ChunkSources, Source
 
 log = logging.getLogger(__name__)
 
@@ -94,56 +96,6 @@ def chunk_size_for(size: int, chunks: int) -> int:
     return min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, math.ceil(size / chunks)))
 
 
-# Peers counted by name in a traffic counter. Anyone may ask for chunks, and sources come from
-# announcements anyone can write, so past this the bytes of further peers are counted together
-# under OTHER_PEERS: totals stay exact, the table stays small. A stage has tens of replicas.
-PEERS_COUNTED = 256
-OTHER_PEERS = "others"
-# Sources banned for a bad chunk that are remembered, for the same reason.
-BANNED_SOURCES_KEPT = 1024
-
-
-def count_bytes(counter: Counter[str], peer: str, count: int) -> None:
-    """Add `count` bytes to `peer`'s entry, or to OTHER_PEERS once PEERS_COUNTED peers have
-    one."""
-    counter[peer if peer in counter or len(counter) < PEERS_COUNTED else OTHER_PEERS] += count
-
-
-@dataclass
-class StoredUpdate:
-    """An update's manifest and as much of its payload as this peer holds, with its traffic."""
-
-    manifest: UpdateManifest
-    data: bytearray
-    have: list[bool]
-    sent: Counter[str] = field(default_factory=Counter)
-    received: Counter[str] = field(default_factory=Counter)
-
-    @classmethod
-    def empty(cls, manifest: UpdateManifest) -> StoredUpdate:
-        return cls(manifest, bytearray(manifest.size), [False] * len(manifest.chunk_hashes))
-
-    @classmethod
-    def whole(cls, manifest: UpdateManifest, payload: bytes) -> StoredUpdate:
-        return cls(manifest, bytearray(payload), [True] * len(manifest.chunk_hashes))
-
-    @property
-    def key(self) -> tuple[UpdateKind, int]:
-        return self.manifest.kind, self.manifest.version
-
-    def span(self, index: int) -> slice:
-        start = index * self.manifest.chunk_size
-        return slice(start, min(start + self.manifest.chunk_size, self.manifest.size))
-
-    def put(self, index: int, data: bytes) -> None:
-        self.data[self.span(index)] = data
-        self.have[index] = True
-
-    @property
-    def complete(self) -> bool:
-        return all(self.have)
-
-
 def make_update(stage: int, version: int, kind: UpdateKind, base: tuple[int, str],
                 state_hash_after: str, payload: bytes, chunks: int) -> StoredUpdate:
     size = chunk_size_for(len(payload), chunks)
@@ -153,104 +105,6 @@ def make_update(stage: int, version: int, kind: UpdateKind, base: tuple[int, str
                               base_hash=base[1], state_hash=state_hash_after, size=len(payload),
                               chunk_size=size, chunk_hashes=hashes)
     return StoredUpdate.whole(manifest, payload)
-
-
-@dataclass
-class TrafficRow:
-    kind: UpdateKind
-    version: int
-    peer: str
-    sent: int
-    received: int
-
-
-class UpdateServer:
-    """What publishers and followers share: the updates this peer holds, served chunk by chunk
-    (sync_chunk), and the traffic they caused. Its state lives on the node's loop."""
-
-    def __init__(self, node: SwarmNode, run: str, stage: int, sync: SyncConfig) -> None:
-        self.node, self.run, self.stage, self.sync = node, run, stage, sync
-        self.updates: OrderedDict[tuple[UpdateKind, int], StoredUpdate] = OrderedDict()
-        # Over every update, also those no longer held: bytes by peer.
-        self.sent_total: Counter[str] = Counter()
-        self.received_total: Counter[str] = Counter()
-        self._arrived: asyncio.Condition | None = None
-        node.serve(SYNC_CHUNK, self._serve_chunk)
-
-    def _condition(self) -> asyncio.Condition:
-        if self._arrived is None:
-            self._arrived = asyncio.Condition()
-        return self._arrived
-
-    def expects(self, kind: UpdateKind, version: int) -> bool:
-        """Whether a chunk of this update, missing now, may still arrive here (followers say yes
-        for updates newer than their state)."""
-        return False
-
-    async def _serve_chunk(self, request: Request[ChunkRequest]) -> Reply:
-        body = request.body
-        if body.stage != self.stage:
-            raise WireError(f"this peer serves stage {self.stage}, not {body.stage}")
-        key = (body.kind, body.version)
-
-        def ready() -> bool:
-            update = self.updates.get(key)
-            return update is not None and 0 <= body.index < len(update.have) \
-                and update.have[body.index]
-        if not ready() and body.wait_s > 0 and self.expects(body.kind, body.version):
-            condition = self._condition()
-            async with condition:
-                try:
-                    await asyncio.wait_for(condition.wait_for(ready),
-                                           min(body.wait_s, self.sync.chunk_wait_s))
-                except TimeoutError:
-                    pass
-        update = self.updates.get(key)
-        if update is not None and not 0 <= body.index < len(update.have):
-            raise WireError(f"{body.kind} v{body.version} of stage {self.stage} has chunks 0 to "
-                            f"{len(update.have) - 1}, not {body.index}")
-        if update is None or not ready():
-            # Replicas are not in step: one behind asks for a version the others have dropped,
-            # one ahead for a chunk nobody has yet. No fault: no strike.
-            raise ChunkUnavailable(f"no chunk {body.index} of {body.kind} v{body.version} of "
-                                   f"stage {self.stage} here")
-        span = update.span(body.index)
-        length = span.stop - span.start
-        if not (0 <= body.offset < max(length, 1) and 0 <= body.count <= length - body.offset):
-            raise WireError(f"chunk {body.index} of {body.kind} v{body.version} has {length} "
-                            f"bytes: no piece of {body.count} from {body.offset}")
-        start = span.start + body.offset
-        data = bytearray(update.data[start:start + (body.count or length - body.offset)])
-        count_bytes(update.sent, request.sender, len(data))
-        count_bytes(self.sent_total, request.sender, len(data))
-        return Reply(Empty(), {"data": torch.frombuffer(data, dtype=torch.uint8)})
-
-    async def add(self, update: StoredUpdate) -> None:
-        self.updates[update.key] = update
-        self.updates.move_to_end(update.key)
-        await self._notify()
-
-    async def _notify(self) -> None:
-        condition = self._condition()
-        async with condition:
-            condition.notify_all()
-
-    def traffic(self) -> list[TrafficRow]:
-        """Bytes sent and received, per update held and per peer (updates dropped are gone)."""
-        rows = []
-        for (kind, version), update in list(self.updates.items()):
-            for peer in sorted(set(update.sent) | set(update.received)):
-                rows.append(TrafficRow(kind, version, peer, update.sent[peer],
-                                       update.received[peer]))
-        return rows
-
-    def close(self) -> None:
-        self.node.unserve(SYNC_CHUNK)
-
-
-class ChunkUnavailable(RuntimeError):
-    """A well-formed chunk request this peer cannot answer (it does not hold that update, or
-    not that chunk yet): refused without a strike."""
 
 
 class WeightPublisher(UpdateServer):
@@ -432,9 +286,9 @@ class WeightFollower(UpdateServer):
         take."""
         super().__init__(node, run, stage, sync)
         self.state, self.commit, self.owner = state, commit, owner
-        self.timeout_s, self.ban_s = timeout_s, ban_s
-        self.banned: dict[str, float] = {}
-        self.bad_chunks = 0
+        self.timeout_s = timeout_s
+        self.sources = ChunkSources(timeout_s + sync.chunk_wait_s, sync.chunk_wait_s, ban_s)
+        self.probing: asyncio.Future[None] | None = None
         self.hash_mismatches = 0
         self.skipped_records = 0  # malformed records met so far, once per lookup that met each
         self._want_keyframe = False
@@ -505,9 +359,6 @@ class WeightFollower(UpdateServer):
         return sorted({self.node.peer_id} | {peer for peer, record in found.items()
                                              if record.role == "inference"})
 
-    def _is_banned(self, peer: str) -> bool:
-        return self.banned.get(peer, 0.0) > time.monotonic()
-
     async def _fetch_and_apply(self, manifest: UpdateManifest, publisher: str) -> None:
         if manifest.stage != self.stage:
             raise SyncError(f"plan for stage {self.stage} holds an update of stage "
@@ -531,69 +382,95 @@ class WeightFollower(UpdateServer):
 
     async def _fetch(self, update: StoredUpdate, publisher: str) -> None:
         me = self.node.peer_id
-        replicas = [p for p in await self._replicas() if not self._is_banned(p)] \
+        owners = self.sources.owners(await self._replicas(), me) \
             if self.sync.peer_exchange else [me]
         count = len(update.have)
-        rank = replicas.index(me) if me in replicas else 0
+        rank = owners.index(me)
         # Own chunks first (they come from the publisher and others wait for them).
-        order = sorted(range(count), key=lambda j: (j - rank) % len(replicas))
+        order = sorted(range(count), key=lambda j: (j - rank) % len(owners))
         slots = asyncio.Semaphore(self.sync.parallel_fetches)
 
         async def get(index: int) -> None:
-            owner = replicas[index % len(replicas)]
+            owner = owners[index % len(owners)]
             # Another replica reached only through a relay is skipped: relayed connections
             # carry 128 KiB each (net/circuits.py), and two replicas fetching from each other
             # over one keep replacing it under each other's calls (measured: 6.6 s for what
             # the publisher alone delivers in 2.0 s; bench update-spread --netns).
             relayed = owner != me and self.node.circuits.get(owner) is not None
-            sources = [publisher] if owner == me or relayed else [owner, publisher]
+            sources = self.sources.for_chunk(owner, me, publisher, relayed)
             async with slots:
-                for source in sources:
-                    if self._is_banned(source) or update.have[index]:
+                for number, source in enumerate(sources):
+                    if update.have[index] or \
+                            (source.peer != publisher and self.sources.avoids(source.peer)):
                         continue
-                    if await self._fetch_chunk(update, index, source):
+                    if number:
+                        self.sources.fell_back()
+                    if await self._fetch_chunk(update, index, source, publisher):
                         return
             if not update.have[index]:
                 raise SyncError(f"chunk {index} of {update.manifest.kind} "
                                 f"v{update.manifest.version} came from none of "
-                                f"{[s[-8:] for s in sources]}")
+                                f"{[s.peer[-8:] for s in sources]}")
         await asyncio.gather(*(get(index) for index in order))
+        if self.probing is None or self.probing.done():
+            self.probing = asyncio.ensure_future(self._probe(update, owners, publisher))
 
-    async def _fetch_chunk(self, update: StoredUpdate, index: int, source: str) -> bool:
+    async def _probe(self, update: StoredUpdate, owners: list[str], publisher: str) -> None:
+        """Ask a few owners no record vouches for yet for one chunk each of `update`, which
+        this replica holds: whoever serves it well is waited on from the next update on, whoever
+        stays silent is avoided a while (sync/sources.py). Off the update's path: a fake owner
+        delays no update."""
+        async def probe(source: Source) -> None:
+            await self._fetch_chunk(update, owners.index(source.peer) % len(update.have),
+                                    source, publisher)
+        # An owner reached only through a relay is never asked for chunks (see `_fetch`).
+        direct = [peer for peer in owners if self.node.circuits.get(peer) is None]
+        await asyncio.gather(*(probe(source)
+                               for source in self.sources.probes(direct, self.node.peer_id)))
+
+    async def probed(self) -> None:
+        """Once the probes after the last update are answered or timed out."""
+        if self.probing is not None:
+            await asyncio.shield(self.probing)
+
+    async def _fetch_chunk(self, update: StoredUpdate, index: int, source: Source,
+                           publisher: str) -> bool:
         manifest = update.manifest
         span = update.span(index)
+        peer = source.peer
         for attempt in range(2):
-            piece = self.node.circuits.piece_bytes(source)
+            piece = self.node.circuits.piece_bytes(peer)
             try:
                 raw = await self._chunk_from(source, manifest, index, span.stop - span.start,
                                              piece)
                 break
             except (RemoteError, MessageLost, WireError) as error:
-                log.debug("chunk %d of v%d from %s: %s", index, manifest.version, source[-8:],
+                log.debug("chunk %d of v%d from %s: %s", index, manifest.version, peer[-8:],
                           error)
                 # Asked whole, then found to be reachable only through a relay: once more, in
                 # pieces.
-                if attempt or piece is not None or self.node.circuits.piece_bytes(source) is None:
+                if attempt or piece is not None or self.node.circuits.piece_bytes(peer) is None:
+                    # A peer that answered (a refusal, a malformed reply) is alive: only one
+                    # that was silent or could not be dialed is backed off.
+                    if isinstance(error, RemoteError) and not isinstance(error, PeerRefused):
+                        self.sources.no_answer(peer, publisher)
                     return False
-        count_bytes(update.received, source, len(raw))
-        count_bytes(self.received_total, source, len(raw))
+        count_bytes(update.received, peer, len(raw))
+        count_bytes(self.received_total, peer, len(raw))
         if hashlib.sha256(raw).digest() != manifest.chunk_hashes[index]:
-            self.bad_chunks += 1
-            self.banned.pop(source, None)
-            while len(self.banned) >= BANNED_SOURCES_KEPT:
-                # The first ban in the table ends first (each lasts ban_s): forget it.
-                del self.banned[next(iter(self.banned))]
-            self.banned[source] = time.monotonic() + self.ban_s
+            self.sources.bad_chunk(peer)
             log.warning("stage %d: %s served a bad chunk %d of %s v%d; banned for %.0fs",
-                        self.stage, source[-8:], index, manifest.kind, manifest.version,
-                        self.ban_s)
+                        self.stage, peer[-8:], index, manifest.kind, manifest.version,
+                        self.sources.ban_s)
             return False
-        update.put(index, raw)
-        await self._notify()
+        self.sources.good_chunk(peer)
+        if not update.have[index]:  # a probe's chunk is in hand already
+            update.put(index, raw)
+            await self._notify()
         return True
 
-    async def _chunk_from(self, source: str, manifest: UpdateManifest, index: int, length: int,
-                          piece: int | None) -> bytes:
+    async def _chunk_from(self, source: Source, manifest: UpdateManifest, index: int,
+                          length: int, piece: int | None) -> bytes:
         """Chunk `index` as `source` sends it: in one reply, or in pieces of `piece` bytes."""
         pieces = [(0, 0)] if piece is None or length <= piece else \
             [(offset, min(piece, length - offset)) for offset in range(0, length, piece)]
@@ -604,8 +481,8 @@ class WeightFollower(UpdateServer):
         for offset, count in pieces:
             request = ChunkRequest(stage=self.stage, kind=manifest.kind, version=manifest.version,
                                    index=index, wait_s=wait_s, offset=offset, count=count)
-            _, tensors = await self.node.call(source, SYNC_CHUNK, request,
-                                              timeout=self.timeout_s + self.sync.chunk_wait_s)
+            _, tensors = await self.node.call(source.peer, SYNC_CHUNK, request,
+                                              timeout=source.timeout_s)
             data = tensors.get("data")
             if data is not None and data.dtype == torch.uint8:
                 raw += data.numpy().tobytes()
