@@ -40,7 +40,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
@@ -58,6 +58,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from decentrl.net.circuits import CIRCUIT_BYTES, REPLY_ROOM, Circuit, Circuits, CircuitTooSmall
 from decentrl.net.compute import ComputeThread, Priority
+from decentrl.net.dht_storage import BoundedDHTStorage, FindReplyBound, NoCache, check_ttl
 from decentrl.net.identity import Identity, verify
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
 from decentrl.net.protocol import Rpc, RunSizes, size_limit
@@ -339,6 +340,9 @@ class SwarmNode:
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
         self.record_validator = SignedRecordValidator(self.identity)
+        # What this node keeps for the DHT (net/dht_storage.py): its run's keys only, once it
+        # joins one (`dht_storage.join`), within budgets per writer, per key and in total.
+        self.dht_storage = BoundedDHTStorage()
         self.links: LinkEmulator | None = None
         # By (sender, request id): a request id is the caller's choice, so another peer that
         # learnt it must not get the caller's reply.
@@ -418,7 +422,12 @@ class SwarmNode:
         self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial_peers or None,
                                         ensure_bootstrap_success=bool(initial_peers),
                                         client_mode=network.dht_client,
-                                        record_validator=self.record_validator)
+                                        record_validator=self.record_validator,
+                                        authorizer=FindReplyBound(self.dht_storage),
+                                        cache_locally=False, cache_nearest=0,
+                                        cache_on_store=False)
+        self.dht.protocol.storage = self.dht_storage
+        self.dht.protocol.cache = NoCache(self.dht_storage)
         self.links = LinkEmulator(local=str(self.p2p.peer_id), profile=self.link_profile)
         if network.reachability == "relayed" and initial_peers:
             asyncio.ensure_future(self._keep_connected(initial_peers))  # cancelled at shutdown
@@ -1050,6 +1059,7 @@ class SwarmNode:
         """Store `value` under `key` as this node's record (its subkey is this node's peer id,
         the only one its validator signs), replacing its earlier one; live for `ttl_s`."""
         assert self.dht is not None
+        check_ttl(key, ttl_s)
         if len(value) > MAX_RECORD_BYTES:
             raise ValueError(f"{self.name}: a record of {len(value)} bytes under {key!r} is over "
                              f"the DHT's limit of {MAX_RECORD_BYTES}")
@@ -1071,7 +1081,7 @@ class SwarmNode:
     @property
     def refused_records(self) -> dict[str, int]:
         """DHT records this node refused (asked to store them, or found them), by reason."""
-        return self.record_validator.refused
+        return dict(Counter(self.record_validator.refused) + Counter(self.dht_storage.refused))
 
 
 async def _send_requests(writer: asyncio.StreamWriter,
