@@ -17,8 +17,10 @@ header that declares more is refused before any of the message is read. On the s
 stream that sends nothing for `read_timeout_s` is cut, and one sender may have at most
 `max_streams_per_sender` requests open at once (past it they are refused, no strike: an honest
 caller with many sessions can get there; past twice it, the sender is flooding: a strike, and
-the stream is cut unanswered). Before any of a request is read, its sender must not be blocked
-and must pass the caller policy (`SwarmNode.authorize`).
+the stream is cut unanswered). All senders together hold at most `inflight` bytes of requests
+(net/inflight_budget.py): a message past it is refused as busy, before it is read, no strike.
+Before any of a request is read, its sender must not be blocked and must pass the caller policy
+(`SwarmNode.authorize`). What the node keeps for the DHT is bounded by net/dht_storage.py.
 
 The node's Ed25519 key (net/identity.py) is its daemon's libp2p identity. Every request and
 every reply is signed by its sender (`Envelope.signature`, over `message_digest`) and checked
@@ -60,6 +62,7 @@ from decentrl.net.circuits import CIRCUIT_BYTES, REPLY_ROOM, Circuit, Circuits, 
 from decentrl.net.compute import ComputeThread, Priority
 from decentrl.net.dht_storage import BoundedDHTStorage, FindReplyBound, NoCache, check_ttl
 from decentrl.net.identity import Identity, verify
+from decentrl.net.inflight_budget import InflightBudget
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
 from decentrl.net.protocol import Rpc, RunSizes, size_limit
 from decentrl.net.reach import (
@@ -330,6 +333,8 @@ class SwarmNode:
         self._strike_times: OrderedDict[str, deque[float]] = OrderedDict()
         self._blocks: dict[str, tuple[float, int]] = {}  # sender -> (until, strikes)
         self._open_streams: dict[str, int] = {}  # sender -> requests open here (loop only)
+        # Bytes of requests held at once, all senders together (net/inflight_budget.py).
+        self.inflight = InflightBudget()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=f"p2p-{name}", daemon=True)
         # One compute thread: requests run one at a time, the most urgent first, and the loop
@@ -552,9 +557,14 @@ class SwarmNode:
         async def handle_stream(info: StreamInfo, reader: asyncio.StreamReader,
                                 writer: asyncio.StreamWriter) -> None:
             sender = str(info.peer_id)
-            stream = FrameReader(reader, f"{rpc.method} request", limit, self.read_timeout_s)
+            stream = FrameReader(reader, f"{rpc.method} request", limit, self.read_timeout_s,
+                                 self.inflight)
             with contextlib.closing(writer):
-                await self._serve_stream(rpc, handler, sender, str(info.addr), stream, writer)
+                try:
+                    await self._serve_stream(rpc, handler, sender, str(info.addr), stream,
+                                             writer)
+                finally:
+                    stream.release()
 
         self.run(self.p2p.add_binary_stream_handler(f"decentrl.{rpc.method}", handle_stream),
                  timeout=30)

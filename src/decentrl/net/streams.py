@@ -22,6 +22,7 @@ from google.protobuf.message import Message as Protobuf
 from hivemind.p2p import P2P
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from decentrl.net.inflight_budget import InflightBudget
 from decentrl.net.text import REMOTE_ERROR_CHARS, peer_text
 from decentrl.net.wire import MAX_MESSAGE_BYTES, WireError
 
@@ -72,8 +73,12 @@ class FrameReader:
     timeout)."""
 
     def __init__(self, reader: asyncio.StreamReader, what: str, limit: int,
-                 idle_s: float | None) -> None:
+                 idle_s: float | None, budget: InflightBudget | None = None) -> None:
         self.reader, self.what, self.limit, self.idle_s = reader, what, limit, idle_s
+        # The node's budget of request bytes in flight (serving side): each message takes its
+        # bytes from it before it is read, and `release` gives them all back.
+        self.budget = budget
+        self.held = 0
         self.received = 0
         self.ended = False  # the end-of-requests frame came
         self._unread = 0  # bytes of a refused frame still on the stream
@@ -112,11 +117,22 @@ class FrameReader:
             self._unread = length
             raise FrameRefused(f"{self.what}: a message of {length} bytes is over the "
                                f"{MAX_MESSAGE_BYTES}-byte message cap")
+        if self.budget is not None:
+            self._unread = length  # until the budget takes it: a refusal leaves it unread
+            self.budget.take(length, self.what)
+            self.held += length
+            self._unread = 0
         payload = await self._read(length)
         if payload is None:
             return None
         self.received += length
         return Frame(marker == P2P.ERROR_MARKER, payload)
+
+    def release(self) -> None:
+        """Give the bytes this stream's messages held back to the node's budget."""
+        if self.budget is not None:
+            self.budget.give_back(self.held)
+        self.held = 0
 
     async def requests(self, message_type: type[M]) -> list[M] | None:
         """A caller's messages up to its end-of-requests frame; None if the stream ends before
