@@ -11,7 +11,7 @@ goes through `store_subkey`, which refuses (and counts by reason) before anythin
 - a key outside this node's run (`RunNamespace`: the run's name, its owner and its stages; a
   node that has joined no run keeps peers' route records only) or a record a key's kind does not
   take from its writer (the owner's keys take the owner's record only, a route key its peer's);
-- an expiry past `MAX_RECORD_TTL_S` from now;
+- an expiry past `MAX_RECORD_TTL_S` from now (or a few of the run's announce periods);
 - a body over its kind's size (`KeyKind.max_body_bytes`);
 - a writer over `MAX_WRITER_BYTES`, a key over its kind's writers or `MAX_KEY_BYTES`, the store
   over `MAX_STORED_BYTES`.
@@ -43,15 +43,21 @@ from hivemind.utils.timed_storage import (
     get_dht_time,
 )
 
+from decentrl.config import RunConfig
 from decentrl.net.protocol import coordinator_key, ended_key, lineage_key, stage_key
 from decentrl.net.reach import MAX_ADDRESS_CHARS, MAX_ROUTES, route_key
 from decentrl.net.records import MAX_RECORD_BYTES, stored_value_bytes
 
-# The longest a record may be kept. A record lives until its writer renews it or goes away: peers
-# renew every `announce_every_s` (2 s by default) with 5 periods of life, route records every
-# 20 s with 60 s of life (net/dialback.py). Two minutes covers both (and a run announcing every
-# 24 s), and makes everything a stranger stored vanish two minutes after it stops writing.
+# The longest a record may be kept, unless its run announces more slowly (below). A record lives
+# until its writer renews it or goes away: peers renew every `announce_every_s` (2 s by default)
+# with 5 periods of life, route records every 20 s with 60 s of life (net/dialback.py), and the
+# owner's word that its run ended must outlive the peers' 10 s between checks
+# (swarm/launch.py RUN_END_CHECK_S). Two minutes covers them all, and makes everything a stranger
+# stored vanish two minutes after it stops writing.
 MAX_RECORD_TTL_S = 120.0
+# A run that announces every `announce_every_s` keeps its records up to this many periods: the
+# 5 periods of life its peers give their announcements, and one for a late renewal.
+RECORD_LIFE_PERIODS = 6
 # An announcement (`PeerRecord`) is ~330 bytes with a 40-character name: room for a name of a
 # kilobyte and fields to come.
 PEER_RECORD_BYTES = 2 * 2**10
@@ -110,11 +116,23 @@ def key_id(key: str) -> DHTID:
 
 @dataclass(frozen=True)
 class RunNamespace:
-    """The keys of run `run` owned by the peer id `owner`, with `num_stages` stages."""
+    """The keys of run `run` owned by the peer id `owner`, with `num_stages` stages, whose peers
+    announce themselves every `announce_every_s`."""
 
     run: str
     owner: str
     num_stages: int
+    announce_every_s: float
+
+    @classmethod
+    def of(cls, config: RunConfig, owner: str) -> RunNamespace:
+        """The namespace of the run `config` describes, owned by `owner`."""
+        return cls(config.name, owner, config.num_stages, config.swarm.announce_every_s)
+
+    @property
+    def max_ttl_s(self) -> float:
+        """The longest a record of this run (or a route record) may be kept."""
+        return max(MAX_RECORD_TTL_S, RECORD_LIFE_PERIODS * self.announce_every_s)
 
     def kinds(self) -> dict[DHTID, KeyKind]:
         found = {key_id(coordinator_key(self.run)): MANIFEST,
@@ -147,6 +165,7 @@ class BoundedDHTStorage(DHTLocalStorage):
         self._lock = threading.Lock()
         self._kinds: dict[DHTID, KeyKind] = {}
         self._owner: str | None = None
+        self.max_ttl_s = MAX_RECORD_TTL_S
         self._entries: dict[tuple[DHTID, str], _Entry] = {}
         self._expiring: list[tuple[DHTExpiration, DHTID, str]] = []  # a heap
         self._writer_bytes: Counter[str] = Counter()
@@ -160,6 +179,14 @@ class BoundedDHTStorage(DHTLocalStorage):
         what it kept of that run expires by itself)."""
         with self._lock:
             self._kinds, self._owner = namespace.kinds(), namespace.owner
+            self.max_ttl_s = namespace.max_ttl_s
+
+    def check_ttl(self, key: str, ttl_s: float) -> None:
+        """Raise ValueError if this node would refuse its own record under `key` for living
+        `ttl_s` (so would its run's other nodes)."""
+        if not 0 < ttl_s <= self.max_ttl_s:
+            raise ValueError(f"a record under {key!r} announced for {ttl_s:g}s: the DHT keeps "
+                             f"records for up to {self.max_ttl_s:.0f}s, renew it instead")
 
     @property
     def refused(self) -> dict[str, int]:
@@ -214,9 +241,9 @@ class BoundedDHTStorage(DHTLocalStorage):
         if kind.owner_only and writer != owner:
             raise StorageRefused("not its writer's key", f"the run's {kind.name} is its owner's "
                                  f"record, not {writer[-8:]}'s")
-        if expiration_time > now + MAX_RECORD_TTL_S + MAX_DHT_TIME_DISCREPANCY_SECONDS:
+        if expiration_time > now + self.max_ttl_s + MAX_DHT_TIME_DISCREPANCY_SECONDS:
             raise StorageRefused("expiry too far", f"{writer[-8:]}'s {kind.name} record would "
-                                 f"live {expiration_time - now:.0f}s, over {MAX_RECORD_TTL_S:.0f}s")
+                                 f"live {expiration_time - now:.0f}s, over {self.max_ttl_s:.0f}s")
         if len(value) > stored_value_bytes(kind.max_body_bytes):
             raise StorageRefused("over its kind's size", f"{writer[-8:]}'s {kind.name} record "
                                  f"of {len(value)} bytes, over {kind.max_body_bytes} of body")
@@ -328,11 +355,3 @@ class FindReplyBound(AuthorizerBase):
     async def validate_response(self, response: AuthorizedResponseBase,
                                 request: AuthorizedRequestBase) -> bool:
         return True
-
-
-def check_ttl(key: str, ttl_s: float) -> None:
-    """Raise ValueError if a record announced under `key` for `ttl_s` would be refused for its
-    expiry."""
-    if not 0 < ttl_s <= MAX_RECORD_TTL_S:
-        raise ValueError(f"a record under {key!r} announced for {ttl_s:g}s: the DHT keeps "
-                         f"records for up to {MAX_RECORD_TTL_S:.0f}s, renew it instead")

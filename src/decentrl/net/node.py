@@ -60,7 +60,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from decentrl.net.circuits import CIRCUIT_BYTES, REPLY_ROOM, Circuit, Circuits, CircuitTooSmall
 from decentrl.net.compute import ComputeThread, Priority
-from decentrl.net.dht_storage import BoundedDHTStorage, FindReplyBound, NoCache, check_ttl
+from decentrl.net.dht_storage import BoundedDHTStorage, FindReplyBound, NoCache
 from decentrl.net.identity import Identity, verify
 from decentrl.net.inflight_budget import InflightBudget
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
@@ -1067,9 +1067,11 @@ class SwarmNode:
 
     async def announce(self, key: str, value: bytes, ttl_s: float) -> bool:
         """Store `value` under `key` as this node's record (its subkey is this node's peer id,
-        the only one its validator signs), replacing its earlier one; live for `ttl_s`."""
+        the only one its validator signs), replacing its earlier one; live for `ttl_s` (at most
+        `dht_storage.max_ttl_s`). True if the replica that answered last kept it
+        (hivemind's answer): a node that has joined no run, or another run, keeps none."""
         assert self.dht is not None
-        check_ttl(key, ttl_s)
+        self.dht_storage.check_ttl(key, ttl_s)
         if len(value) > MAX_RECORD_BYTES:
             raise ValueError(f"{self.name}: a record of {len(value)} bytes under {key!r} is over "
                              f"the DHT's limit of {MAX_RECORD_BYTES}")

@@ -104,7 +104,10 @@ def run_manifest(config: RunConfig, roster: list[RosterEntry]) -> RunManifest:
 
 
 def publish_manifest(node: SwarmNode, manifest: RunManifest, ttl_s: float) -> None:
-    node.dht_storage.join(RunNamespace(manifest.run, node.peer_id, len(manifest.stages)))
+    """Announce `manifest` as its run's owner; the owner's node keeps its run's DHT records from
+    now on (net/dht_storage.py)."""
+    node.dht_storage.join(RunNamespace.of(parse_config(json.loads(manifest.config_json)),
+                                          node.peer_id))
     node.run(node.announce(coordinator_key(manifest.run), encode_struct(manifest), ttl_s),
              timeout=LOOKUP_TIMEOUT_S)
 

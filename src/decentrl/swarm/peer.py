@@ -166,8 +166,7 @@ class StagePeer:
     # ---- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        self.node.dht_storage.join(RunNamespace(self.config.name, self.authority.owner,
-                                                self.config.num_stages))
+        self.node.dht_storage.join(RunNamespace.of(self.config, self.authority.owner))
         self.node.run(self.authority.refresh(), timeout=self.config.swarm.request_timeout_s)
         self.node.authorize = self.authority.check
         for service in self.services:
