@@ -13,8 +13,8 @@ goes through `store_subkey`, which refuses (and counts by reason) before anythin
   take from its writer (the owner's keys take the owner's record only, a route key its peer's);
 - an expiry past `MAX_RECORD_TTL_S` from now (or a few of the run's announce periods);
 - a body over its kind's size (`KeyKind.max_body_bytes`);
-- a writer over `MAX_WRITER_BYTES`, a key over its kind's writers or `MAX_KEY_BYTES`, the store
-  over `MAX_STORED_BYTES`.
+- a writer over `MAX_WRITER_BYTES` (the owner: one record per key of its run), a key over its
+  kind's writers or `MAX_KEY_BYTES`, the store over `MAX_STORED_BYTES`.
 
 A record already kept stays until it expires; its writer may renew it (a new body of the same
 kind replaces the old one) while every budget still holds. A key's first writers keep their
@@ -77,9 +77,6 @@ ENTRY_OVERHEAD_BYTES = 32
 # request for several keys is answered only while the keys fit together.
 MAX_KEY_BYTES = 2 * 2**20
 MAX_FIND_REPLY_BYTES = 3 * 2**20
-# An honest writer keeps a few records per run: a peer its announcement and its routes (~5 KiB),
-# the owner its manifest (up to MAX_RECORD_BYTES), a lineage record per stage and the run's end.
-MAX_WRITER_BYTES = 4 * MAX_RECORD_BYTES
 # All a node keeps for others: a thousand-peer swarm's announcements and routes take ~5 MiB, and
 # a node keeps only the keys nearest to it.
 MAX_STORED_BYTES = 32 * 2**20
@@ -107,6 +104,19 @@ MANIFEST = KeyKind("manifest", MAX_RECORD_BYTES, owner_only=True)
 LINEAGE = KeyKind("lineage", MAX_RECORD_BYTES, owner_only=True)
 RUN_END = KeyKind("run end", RUN_END_BYTES, owner_only=True)
 ROUTES = KeyKind("routes", ROUTE_RECORD_BYTES)
+# An Ed25519 peer id, as a subkey names its writer.
+PEER_ID_CHARS = 52
+
+
+def entry_bytes(kind: KeyKind) -> int:
+    """The most one record of `kind` takes here (as `BoundedDHTStorage` counts it)."""
+    return stored_value_bytes(kind.max_body_bytes) + PEER_ID_CHARS + ENTRY_OVERHEAD_BYTES
+
+
+# What a peer other than the owner keeps in a run: its announcement in its stage (and in the
+# stage it just left, until that one expires) and its route record. The owner may keep one record
+# under each key of its run (`RunNamespace.owner_bytes`).
+MAX_WRITER_BYTES = 2 * entry_bytes(STAGE) + entry_bytes(ROUTES)
 
 
 def key_id(key: str) -> DHTID:
@@ -128,6 +138,11 @@ class RunNamespace:
     def of(cls, config: RunConfig, owner: str) -> RunNamespace:
         """The namespace of the run `config` describes, owned by `owner`."""
         return cls(config.name, owner, config.num_stages, config.swarm.announce_every_s)
+
+    @property
+    def owner_bytes(self) -> int:
+        """The most the owner keeps here: a record under each key of its run, and its routes."""
+        return sum(map(entry_bytes, self.kinds().values())) + entry_bytes(ROUTES)
 
     @property
     def max_ttl_s(self) -> float:
@@ -165,6 +180,7 @@ class BoundedDHTStorage(DHTLocalStorage):
         self._lock = threading.Lock()
         self._kinds: dict[DHTID, KeyKind] = {}
         self._owner: str | None = None
+        self._owner_bytes = 0
         self.max_ttl_s = MAX_RECORD_TTL_S
         self._entries: dict[tuple[DHTID, str], _Entry] = {}
         self._expiring: list[tuple[DHTExpiration, DHTID, str]] = []  # a heap
@@ -179,6 +195,7 @@ class BoundedDHTStorage(DHTLocalStorage):
         what it kept of that run expires by itself)."""
         with self._lock:
             self._kinds, self._owner = namespace.kinds(), namespace.owner
+            self._owner_bytes = namespace.owner_bytes
             self.max_ttl_s = namespace.max_ttl_s
 
     def check_ttl(self, key: str, ttl_s: float) -> None:
@@ -232,7 +249,7 @@ class BoundedDHTStorage(DHTLocalStorage):
             raise StorageRefused("no subkey", f"a subkey of type {type(subkey).__name__}")
         writer = subkey
         with self._lock:
-            kind, owner = self._kinds.get(key), self._owner
+            kind, owner, owner_bytes = self._kinds.get(key), self._owner, self._owner_bytes
         if kind is None and key == key_id(route_key(writer)):
             kind = ROUTES
         if kind is None:
@@ -253,10 +270,10 @@ class BoundedDHTStorage(DHTLocalStorage):
         if old is None and self._key_writers[key] >= kind.max_writers:
             raise StorageRefused("key full", f"a {kind.name} key holds {kind.max_writers} "
                                  f"writers' records already; {writer[-8:]} is refused")
-        if self._writer_bytes[writer] + grows > MAX_WRITER_BYTES:
+        budget = owner_bytes if writer == owner else MAX_WRITER_BYTES
+        if self._writer_bytes[writer] + grows > budget:
             raise StorageRefused("writer over its budget", f"{writer[-8:]} keeps "
-                                 f"{self._writer_bytes[writer]} bytes here, {MAX_WRITER_BYTES} "
-                                 "at most")
+                                 f"{self._writer_bytes[writer]} bytes here, {budget} at most")
         if self._key_bytes[key] + grows > MAX_KEY_BYTES:
             raise StorageRefused("key full", f"a {kind.name} key holds {self._key_bytes[key]} "
                                  f"bytes, {MAX_KEY_BYTES} at most")
