@@ -1,8 +1,8 @@
 """What a node keeps for the DHT (net/dht_storage.py): only its run's keys, each kind within its
 real size, for at most a few announce periods, within budgets per writer, per key and in total;
 every refusal counted by reason and losing nothing kept. First the storage alone (records as
-hivemind hands them to it, a clock moved by hand), then the attacks of issue 32 from a stranger
-node on a loopback swarm, each with the honest records still read as before."""
+hivemind hands them to it, a clock moved by hand), then each flood from a stranger node on a
+loopback swarm, with the honest records still read as before."""
 
 from __future__ import annotations
 
