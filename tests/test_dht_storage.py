@@ -12,7 +12,6 @@ from contextlib import contextmanager
 import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage
-from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import timed_storage
 from hivemind.utils.serializer import MSGPackSerializer
@@ -35,8 +34,9 @@ from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import PeerRecord, coordinator_key, ended_key, lineage_key, stage_key
 from decentrl.net.reach import route_key
-from decentrl.net.records import MAX_RECORD_BYTES, SignedRecordValidator
+from decentrl.net.records import MAX_RECORD_BYTES
 from decentrl.net.wire import TensorLimits, encode_struct
+from test_signed_records import signed
 
 RUN = "bounded"
 NOW = 1_000_000.0
@@ -193,11 +193,9 @@ def announce(node: SwarmNode) -> bytes:
     return body
 
 
-def signed(writer: Identity, key: str, body: bytes, expiration: float) -> bytes:
-    record = DHTRecord(DHTID.generate(source=key).to_bytes(),
-                       MSGPackSerializer.dumps(writer.peer_id), MSGPackSerializer.dumps(body),
-                       expiration)
-    return SignedRecordValidator(writer).sign_value(record)
+def signed_value(writer: Identity, key: str, body: bytes, expiration: float) -> bytes:
+    """`writer`'s record under `key` as a node stores it: the body, then its signature."""
+    return signed(writer, body, DHTID.generate(source=key).to_bytes(), expiration).value
 
 
 def store_at(stranger: SwarmNode, target: SwarmNode, writer: Identity, key: str, body: bytes,
@@ -206,7 +204,7 @@ def store_at(stranger: SwarmNode, target: SwarmNode, writer: Identity, key: str,
     assert stranger.dht is not None
     kept = stranger.run(stranger.dht.protocol.call_store(
         PeerID.from_base58(target.peer_id), [DHTID.generate(source=key)],
-        [signed(writer, key, body, expiration)], expiration, subkeys=[writer.peer_id]),
+        [signed_value(writer, key, body, expiration)], expiration, subkeys=[writer.peer_id]),
         timeout=30)
     assert kept is not None, f"{target.name} did not answer"
     return kept[0]
@@ -217,7 +215,7 @@ def plant(stranger: SwarmNode, writer: Identity, key: str, body: bytes,
     """The stranger keeps the record itself and returns it to every lookup, bounds or not."""
     assert stranger.dht is not None
     DHTLocalStorage.store_subkey(stranger.dht.protocol.storage, DHTID.generate(source=key),
-                                 writer.peer_id, signed(writer, key, body, expiration),
+                                 writer.peer_id, signed_value(writer, key, body, expiration),
                                  expiration)
 
 
