@@ -16,9 +16,19 @@ goes through `store_subkey`, which refuses (and counts by reason) before anythin
 - a writer over `MAX_WRITER_BYTES` (the owner: one record per key of its run), a key over its
   kind's writers or `MAX_KEY_BYTES`, the store over `MAX_STORED_BYTES`.
 
+A node learns its run when it takes a part in it: a stage peer from the config it serves
+(swarm/peer.py `StagePeer.start`), the owner when it publishes the run's manifest
+(swarm/manifest.py). Until then (a joiner waiting for the manifest, a relay, a bootstrap node)
+it keeps peers' own route records only: it serves nobody in a run yet, and the run's nodes keep
+the run's records.
+
 A record already kept stays until it expires; its writer may renew it (a new body of the same
 kind replaces the old one) while every budget still holds. A key's first writers keep their
-places: a crowd that arrives later is refused, never let in by evicting them.
+places: a crowd that arrives later is refused, never let in by evicting them. What this does not
+hold against: more than STAGE_WRITERS identities that fill a stage's key at a node before a
+replica announces itself keep that replica's record off that node for as long as they renew
+theirs (other nodes keep it where they have room, and the directory draws fairly among what it
+reads, net/directory.py); identities cost nothing here.
 
 The DHT's cache (records pushed "in_cache", and replies cached on the way) serves no lookup of
 ours (every lookup asks for the latest records, which a cache cannot be sure to hold), so the
@@ -150,6 +160,7 @@ class RunNamespace:
         return max(MAX_RECORD_TTL_S, RECORD_LIFE_PERIODS * self.announce_every_s)
 
     def kinds(self) -> dict[DHTID, KeyKind]:
+        """The kind of each key of the run, by its DHT id."""
         found = {key_id(coordinator_key(self.run)): MANIFEST,
                  key_id(ended_key(self.run)): RUN_END}
         for stage in range(self.num_stages):
@@ -159,6 +170,8 @@ class RunNamespace:
 
 
 class StorageRefused(ValueError):
+    """A record this node would not keep: the reason is one of `StorageRefusal`."""
+
     def __init__(self, reason: StorageRefusal, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason: StorageRefusal = reason
@@ -235,11 +248,11 @@ class BoundedDHTStorage(DHTLocalStorage):
         if not super().store_subkey(key, subkey, value, expiration_time):
             return False  # hivemind keeps a newer record of this writer
         old = self._entries.get((key, entry.writer))
-        if old is None:
+        if old is None:  # a renewal keeps its place in the heap (see _expire)
             self._key_writers[key] += 1
+            heapq.heappush(self._expiring, (expiration_time, key, entry.writer))
         self._change(key, entry.writer, entry.size - (old.size if old else 0))
         self._entries[key, entry.writer] = entry
-        heapq.heappush(self._expiring, (expiration_time, key, entry.writer))
         return True
 
     def _admit(self, key: DHTID, subkey: Subkey, value: BinaryDHTValue,
@@ -295,9 +308,12 @@ class BoundedDHTStorage(DHTLocalStorage):
         when their key is next touched)."""
         while self._expiring and self._expiring[0][0] < now:
             expiration_time, key, writer = heapq.heappop(self._expiring)
-            entry = self._entries.get((key, writer))
-            if entry is None or entry.expiration_time != expiration_time:
-                continue  # renewed since: a later heap item stands for it
+            entry = self._entries[key, writer]
+            if entry.expiration_time > expiration_time:
+                # Renewed since: back in the heap at its new time (one item per record, however
+                # often its writer renews it).
+                heapq.heappush(self._expiring, (entry.expiration_time, key, writer))
+                continue
             del self._entries[key, writer]
             self._change(key, writer, -entry.size)
             self._key_writers[key] -= 1
