@@ -4,7 +4,8 @@ requests with an empty error frame (`P2P.END_OF_STREAM`). Hivemind's own reader
 (`P2P.receive_raw_data`) believes any length a stranger declares and reads that much; this one
 refuses a frame over the message cap or over what is left of the stream's byte limit as soon as
 its header is in, before reading any of it, and (on the serving side) cuts a stream that sends
-nothing for `idle_s`. Writes share the framing and the idle bound.
+nothing for `idle_s` and takes each message's bytes from the node's budget of requests in flight
+(net/inflight_budget.py) before reading it. Writes share the framing and the idle bound.
 
 net/node.py serves and calls every RPC over these streams (`P2P.add_binary_stream_handler`,
 `call_binary_stream_handler`), so the wire format is hivemind's and its clients still talk to
@@ -22,7 +23,7 @@ from google.protobuf.message import Message as Protobuf
 from hivemind.p2p import P2P
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from decentrl.net.inflight_budget import InflightBudget
+from decentrl.net.inflight_budget import InflightBudget, NodeBusy
 from decentrl.net.text import REMOTE_ERROR_CHARS, peer_text
 from decentrl.net.wire import MAX_MESSAGE_BYTES, WireError
 
@@ -118,10 +119,12 @@ class FrameReader:
             raise FrameRefused(f"{self.what}: a message of {length} bytes is over the "
                                f"{MAX_MESSAGE_BYTES}-byte message cap")
         if self.budget is not None:
-            self._unread = length  # until the budget takes it: a refusal leaves it unread
-            self.budget.take(length, self.what)
+            try:
+                self.budget.take(length, self.what)
+            except NodeBusy:
+                self._unread = length
+                raise
             self.held += length
-            self._unread = 0
         payload = await self._read(length)
         if payload is None:
             return None
