@@ -37,6 +37,7 @@ node keeps none (`NoCache`) and refuses them all."""
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ from decentrl.config import RunConfig
 from decentrl.net.protocol import coordinator_key, ended_key, lineage_key, stage_key
 from decentrl.net.reach import MAX_ADDRESS_CHARS, MAX_ROUTES, route_key
 from decentrl.net.records import MAX_RECORD_BYTES, stored_value_bytes
+
+log = logging.getLogger(__name__)
 
 # The longest a record may be kept, unless its run announces more slowly (below). A record lives
 # until its writer renews it or goes away: peers renew every `announce_every_s` (2 s by default)
@@ -244,6 +247,7 @@ class BoundedDHTStorage(DHTLocalStorage):
             entry = self._admit(key, subkey, value, expiration_time, now)
         except StorageRefused as refused:
             self._count(refused.reason)
+            log.debug("DHT record not kept: %s", refused)
             return False
         if not super().store_subkey(key, subkey, value, expiration_time):
             return False  # hivemind keeps a newer record of this writer
