@@ -202,7 +202,8 @@ def start_swarm(config: RunConfig, layout: Sequence[tuple[int, Role]],
     """A client node and one peer per (stage, role) of `layout`, every one shut down on exit.
     On a normal exit it also asserts that no node left its unix sockets behind."""
     client = start_node(config, "client", [], TensorLimits(), client_link)
-    client.dht_storage.join(RunNamespace.of(config, client.peer_id))  # it plays the run's owner
+    # Before the peers announce themselves, so that the client keeps their records too.
+    client.dht_storage.join(RunNamespace.of(config, client.peer_id))
     sockets: list[str] = []
     peers: list[StagePeer] = []
     failed = True
