@@ -89,6 +89,7 @@ import torch  # noqa: E402
 
 from decentrl.config import SyncConfig  # noqa: E402
 from decentrl.net.authority import RunAuthority  # noqa: E402
+from decentrl.net.dht_storage import MAX_RECORD_TTL_S, RunNamespace  # noqa: E402
 from decentrl.net.dialback import keep_routes_announced  # noqa: E402
 from decentrl.net.link import LinkProfile  # noqa: E402
 from decentrl.net.netns import HomeSpec, Internet  # noqa: E402
@@ -112,7 +113,8 @@ DEFAULT_OUT = "runs/update-spread/update_spread.png"
 LAYERS, HIDDEN, KV_DIM, MLP, VOCAB = 15, 576, 192, 1536, 49152
 STEP_SCALE = 1e-5  # how far an "optimizer step" moves every weight
 SYNC_TIMEOUT_S = 120.0
-ANNOUNCE_TTL_S = 3600.0
+# The longest the DHT keeps a record: the replicas announce again before each update.
+ANNOUNCE_TTL_S = MAX_RECORD_TTL_S
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -261,10 +263,9 @@ def announce_replicas(replicas: list[SwarmNode], layers: int) -> None:
     for i, node in enumerate(replicas):
         record = PeerRecord(name=f"replica{i}", stage=0, layers=(0, layers), role="inference",
                             version=0, tokens_per_s=0.0, free_sessions=1, training_ready=False)
-        stored = node.run(node.announce(stage_key(RUN, 0), encode_struct(record),
-                                        ANNOUNCE_TTL_S), timeout=30)
-        if not stored:
-            raise RuntimeError(f"replica{i} could not announce itself")
+        # Relays keep no run's records: whether some node kept it shows below.
+        node.run(node.announce(stage_key(RUN, 0), encode_struct(record), ANNOUNCE_TTL_S),
+                 timeout=30)
     deadline = time.monotonic() + 60
     for node in replicas:  # every replica must see all of them, or chunk owners differ
         while len(node.run(node.lookup(stage_key(RUN, 0)), timeout=30)) < len(replicas):
@@ -362,8 +363,10 @@ def run_config(count: int, variant: str, args: argparse.Namespace,
     nodes, relays = start_nodes(count, args, internet)
     servers: list[Any] = []
     try:
-        announce_replicas(nodes[1:], layers)
         owner = nodes[0].peer_id  # the publisher's node plays the run's owner
+        for node in nodes:
+            node.dht_storage.join(RunNamespace(RUN, owner, 1, ANNOUNCE_TTL_S / 5))
+        announce_replicas(nodes[1:], layers)
         for node in nodes:
             authority = RunAuthority(node, RUN, owner, 0)
             node.run(authority.refresh(), timeout=30)
@@ -388,6 +391,7 @@ def run_config(count: int, variant: str, args: argparse.Namespace,
         updates = []
         with ThreadPoolExecutor(max_workers=count, thread_name_prefix="follow") as pool:
             for version in range(1, args.warmup + args.updates + 1):
+                announce_replicas(nodes[1:], layers)
                 row = measure_update(publisher, followers, current, version, generator, pool)
                 timed = version > args.warmup
                 print(f"  {variant} x{count} v{version}{'' if timed else ' (warm-up)'}: "

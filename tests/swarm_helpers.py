@@ -27,6 +27,7 @@ from decentrl.config import RunConfig, parse_config
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
 from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import LoadedModel
+from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.directory import Directory
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import TRUNCATED_REPLY_RETRIES, RemoteError, SwarmNode, signed_envelope
@@ -201,6 +202,8 @@ def start_swarm(config: RunConfig, layout: Sequence[tuple[int, Role]],
     """A client node and one peer per (stage, role) of `layout`, every one shut down on exit.
     On a normal exit it also asserts that no node left its unix sockets behind."""
     client = start_node(config, "client", [], TensorLimits(), client_link)
+    # Before the peers announce themselves, so that the client keeps their records too.
+    client.dht_storage.join(RunNamespace.of(config, client.peer_id))
     sockets: list[str] = []
     peers: list[StagePeer] = []
     failed = True

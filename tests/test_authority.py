@@ -160,7 +160,7 @@ def test_weight_updates_go_only_to_the_coordinator_and_the_stages_announced_peer
     record = PeerRecord(name="volunteer", stage=0, layers=(0, 4), role="inference", version=0,
                         tokens_per_s=0.0, free_sessions=1, training_ready=False)
     assert stranger.run(stranger.announce(stage_key(swarm.config.name, 0), encode_struct(record),
-                                          600), timeout=30)
+                                          60), timeout=30)
     reply, _ = stranger.call_sync(trainer_peer.node.peer_id, SYNC_PLAN, plan, timeout=20)
     assert reply.version == 0
 
@@ -175,8 +175,11 @@ def test_a_stranger_announcing_a_newer_training_peer_or_lineage_moves_nothing(
     fake = PeerRecord(name="trainer", stage=0, layers=(0, 4), role="training", version=99,
                       tokens_per_s=0.0, free_sessions=0, training_ready=True)
     lineage = LineageRecord(stage=0, publisher=stranger.peer_id, hashes={99: "0" * 64})
-    for key, body in ((stage_key(run, 0), fake), (lineage_key(run, 0), lineage)):
-        assert stranger.run(stranger.announce(key, encode_struct(body), 600), timeout=30)
+    assert stranger.run(stranger.announce(stage_key(run, 0), encode_struct(fake), 60),
+                        timeout=30)
+    # The lineage key is the owner's alone: no peer of the run keeps the stranger's.
+    assert not stranger.run(stranger.announce(lineage_key(run, 0), encode_struct(lineage), 60),
+                            timeout=30)
     directory = swarm.directory()
     assert stranger.peer_id in directory.records()  # it is in the directory...
     found = directory.training_peer(0, swarm.admitted)

@@ -312,6 +312,19 @@ def test_record_signing_prints_figures(capsys: pytest.CaptureFixture[str]) -> No
                              for cost in ("sign_us", "validate_us", "total_us")])
 
 
+@pytest.mark.network
+def test_shared_tables_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("shared_tables")
+    bench.main(["--seconds", "0.2", "--identities", "3", "--tiny", "5"])
+    values = figures(capsys.readouterr().out, "shared-tables")
+    assert_positive(values, ["any_key_records_sent", "stage_crowd_replicas",
+                             "inbox_submissions"])
+    # Refused, every one of them (what main kept is in bench/README.md).
+    assert values["any_key_bytes_added"] == values["inbox_peak_bytes_held"] == 0
+    assert values["stage_crowd_joiner_sees"] == values["stage_crowd_replicas"]
+    assert values["tiny_records_late_replica_in_directory"] == 1
+
+
 def test_commit_sensitivity_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("commit_sensitivity")
     bench.main(["--models", "tiny", "--trials", "2"])

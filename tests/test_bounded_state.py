@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections import Counter
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from decentrl.config import SyncConfig
 from decentrl.net import directory as directory_module
 from decentrl.net import node as node_module
 from decentrl.net.circuits import Circuits
-from decentrl.net.directory import PEERS_PER_STAGE, Directory, PeerState
+from decentrl.net.directory import NEWCOMER_PLACES, PEERS_PER_STAGE, Directory, PeerState
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import BLOCK_TABLE_SIZE, STRIKE_TABLE_SIZE, SwarmNode
 from decentrl.net.protocol import Empty, PeerRecord
@@ -169,7 +170,46 @@ def test_a_flood_of_announcements_keeps_peers_already_known(
         directory.refresh()
     assert len(directory.peers) == PEERS_PER_STAGE and "honest" in directory.peers
     assert [r.getMessage() for r in caplog.records] == [
-        f"stage 0: {2 * PEERS_PER_STAGE + 1} announcements, reading the first {PEERS_PER_STAGE}"]
+        f"stage 0: {2 * PEERS_PER_STAGE + 1} announcements, keeping 1 of 1 known peers and "
+        f"{PEERS_PER_STAGE - 1} of {2 * PEERS_PER_STAGE} newcomers"]
+
+
+def test_a_flood_of_tiny_records_takes_no_place_from_a_replica_that_comes_later(
+        tiny_model_dir: Path) -> None:
+    config = tiny_run_config(tiny_model_dir, 1)
+    dht = DhtNode({"honest": encode_struct(record("honest"))})
+    directory = Directory(cast(SwarmNode, dht), "run", 1, config.swarm)
+    directory.refresh()
+    # More one-byte records than the directory has places, then a replica announces itself.
+    dht.entries.update({peer: b"\x00" for peer in identities(PEERS_PER_STAGE + 44, "tiny")})
+    dht.entries["late"] = encode_struct(record("late"))
+    directory.refresh()
+    assert set(directory.peers) == {"honest", "late"}
+    assert directory.skipped_records == PEERS_PER_STAGE + 44
+
+
+def test_newcomers_past_the_cap_are_drawn_fairly_and_a_crowd_that_came_first_keeps_no_one_out(
+        tiny_model_dir: Path) -> None:
+    config = tiny_run_config(tiny_model_dir, 1)
+    crowd = identities(2 * PEERS_PER_STAGE, "crowd")
+    dht = DhtNode({peer: encode_struct(record(peer)) for peer in crowd})
+    directory = Directory(cast(SwarmNode, dht), "run", 1, config.swarm, random=random.Random(7))
+    directory.refresh()  # the crowd fills every place first
+    assert len(directory.peers) == PEERS_PER_STAGE
+    dht.entries["late"] = encode_struct(record("late"))
+    refreshes = 0
+    while "late" not in directory.peers:
+        directory.refresh()
+        refreshes += 1
+        assert len(directory.peers) == PEERS_PER_STAGE
+    # A newcomer's chance per refresh is at least NEWCOMER_PLACES in the newcomers' number: a
+    # few refreshes, never "never" (first come, first kept would keep it out for good).
+    assert refreshes <= 20
+    # Known peers keep their places while newcomers share theirs: the draw only churns the
+    # crowd it admitted, one refresh to the next.
+    before = set(directory.peers)
+    directory.refresh()
+    assert len(before & set(directory.peers)) >= PEERS_PER_STAGE - NEWCOMER_PLACES
 
 
 def test_the_observer_remembers_a_bounded_number_of_names(tiny_model_dir: Path,

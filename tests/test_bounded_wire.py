@@ -2,8 +2,9 @@
 a message header that declares more than its RPC's limit is refused before any of the message is
 read, every RPC has limits of its own that admit its largest honest messages, replies are read
 with a cap, a stream that sends nothing is cut, one sender's concurrent streams are capped, and
-the caller policy runs before any of a request is read. The network tests attack a live stage
-peer (a tiny model) from a stranger's node."""
+the caller policy runs before any of a request is read, all senders together hold at most the
+node's budget of request bytes, and the coordinator serves no rollout inbox to other peers. The
+network tests attack a live stage peer (a tiny model) from a stranger's node."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +27,14 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from swarm_helpers import serving, start_peer, tiny_run_config
 
 from decentrl.net.identity import Identity
+from decentrl.net.inflight_budget import InflightBudget, NodeBusy
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import (
     MAX_STREAMS_PER_SENDER,
     READ_TIMEOUT_S,
     CallerRefused,
     PeerRefused,
+    RemoteError,
     Reply,
     Request,
     SwarmNode,
@@ -41,6 +45,7 @@ from decentrl.net.protocol import (
     CLOSE_SESSION,
     INFERENCE_STEP,
     MAX_SYNC_PLAN_BYTES,
+    SUBMIT_ROLLOUTS,
     SYNC_CHUNK,
     SYNC_PLAN,
     TRAIN_BACKWARD,
@@ -50,10 +55,12 @@ from decentrl.net.protocol import (
     CloseSession,
     Empty,
     InferenceStep,
+    PeerRecord,
     Rpc,
     RunSizes,
     SyncPlanRequest,
     size_limit,
+    stage_key,
 )
 from decentrl.net.streams import (
     FRAME_HEADER_BYTES,
@@ -62,6 +69,7 @@ from decentrl.net.streams import (
     FrameRefused,
     StreamStalled,
 )
+from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.net.text import REMOTE_ERROR_CHARS
 from decentrl.net.wire import (
     MAX_MESSAGE_BYTES,
@@ -71,6 +79,7 @@ from decentrl.net.wire import (
     encode_tensors,
     to_messages,
 )
+from decentrl.rollout.types import RolloutGroup
 from decentrl.swarm.peer import StagePeer
 from decentrl.sync.distribute import MAX_CHUNK_BYTES
 
@@ -154,6 +163,27 @@ def test_a_stream_that_sends_nothing_stalls() -> None:
         reader = fed(header(100) + b"abc", eof=False)
         with pytest.raises(StreamStalled, match=r"x request: nothing came for 0.05s"):
             await FrameReader(reader, "x request", 1000, 0.05).next()
+    asyncio.run(scenario())
+
+
+def test_a_message_past_the_nodes_budget_is_refused_as_busy_before_it_is_read() -> None:
+    async def scenario() -> None:
+        budget = InflightBudget(1000)
+        first = FrameReader(fed(frame(bytes(600)) + END), "x request", 10_000, None, budget)
+        assert await first.next() is not None and budget.held == 600
+        after = b"not part of the request"
+        second = fed(frame(bytes(500)) + END + after)
+        stream = FrameReader(second, "y request", 10_000, None, budget)
+        with pytest.raises(NodeBusy, match=r"y request: this node is busy, it holds 600 bytes "
+                                           r"of requests in flight and 500 more would pass its "
+                                           r"budget of 1000; try again later"):
+            await stream.next()
+        assert budget.held == 600 and budget.refused == 1  # nothing of it was taken or read
+        await stream.discard_rest(budget=1000)  # read past and dropped, never held
+        assert await second.read() == after
+        first.release()
+        stream.release()
+        assert budget.held == 0
     asyncio.run(scenario())
 
 
@@ -296,6 +326,7 @@ def peer(served: tuple[StagePeer, SwarmNode]) -> Iterator[StagePeer]:
     node = stage_peer.node
     node.read_timeout_s, node.max_streams_per_sender = READ_TIMEOUT_S, MAX_STREAMS_PER_SENDER
     node.authorize, node.on_strike = stage_peer.authority.check, None
+    node.inflight = InflightBudget()
 
 
 @pytest.fixture
@@ -628,3 +659,58 @@ def test_a_caller_policy_refuses_before_the_request_is_read(peer: StagePeer,
 
     peer.node.authorize = peer.authority.check
     honest_step(stranger, peer)
+
+
+@pytest.mark.network
+def test_requests_in_flight_from_all_senders_share_one_budget(peer: StagePeer,
+                                                              stranger: SwarmNode) -> None:
+    """A volunteer (announced in the stage, not the coordinator) holds part of the budget with
+    a request it never finishes; the coordinator's request that does not fit in the rest is
+    refused as busy, unread and without a strike, and served once the volunteer lets go."""
+    node = peer.node
+    reasons = strike_reasons(node)
+    node.read_timeout_s = 60.0
+    node.inflight = InflightBudget(300)
+    volunteer = SwarmNode.start("volunteer", stranger.addresses(), LinkProfile(), TensorLimits())
+    try:
+        record = PeerRecord(name="volunteer", stage=0, layers=(0, 1), role="inference",
+                            version=0, tokens_per_s=0.0, free_sessions=1, training_ready=False)
+        volunteer.run(volunteer.announce(stage_key(peer.config.name, 0), encode_struct(record),
+                                         10), timeout=30)
+        _, held = volunteer.run(stalled(volunteer, node.peer_id, "sync_plan"), timeout=30)
+        wait_until(lambda: node.inflight.held == 100)
+        with pytest.raises(PeerRefused, match=r"inference_step request: this node is busy"):
+            honest_step(stranger, peer)
+        assert reasons == [] and node.inflight.held == 100
+        volunteer.run(close(held), timeout=30)
+        wait_until(lambda: node.inflight.held == 0)
+        node.inflight = InflightBudget()
+        honest_step(stranger, peer)
+    finally:
+        volunteer.shutdown()
+
+
+@pytest.mark.network
+def test_the_coordinators_inbox_refuses_a_strangers_submission_before_any_of_it_is_read(
+        ) -> None:
+    coordinator = SwarmNode.start("coordinator", [], LinkProfile(), TensorLimits())
+    stranger = SwarmNode.start("stranger", coordinator.addresses(), LinkProfile(),
+                               TensorLimits())
+    transport = HivemindTransport(coordinator, coordinator.peer_id, inbox_size=4)
+    try:
+        flood = replace(SUBMIT_ROLLOUTS, request=Empty)
+        tensors = {"inputs": torch.zeros(2 * 2**20)}  # 8 MiB, under the submission limit
+        with pytest.raises(RemoteError, match="protocols not supported: "
+                                              r"\[decentrl.submit_rollouts\]"):
+            stranger.call_sync(coordinator.peer_id, flood, Empty(), tensors, timeout=30)
+        assert coordinator.inflight.held == 0 and coordinator.strikes(stranger.peer_id) == 0
+        # The coordinator's own generation loops still queue and take their groups.
+        group = RolloutGroup(group_id="g", task="sums", problem_index=0, stage_versions=[0],
+                             version_spans=[], sampling_seed=0, rollouts=[])
+        assert transport.put_rollouts(group, timeout=1)
+        assert transport.get_rollouts(timeout=1) == group
+    finally:
+        transport.close()
+        stranger.shutdown()
+        coordinator.shutdown()
+

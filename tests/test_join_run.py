@@ -38,7 +38,7 @@ def test_a_peer_joined_by_run_name_takes_its_config_and_stops_when_its_owner_end
         initial_peers=owner.addresses(), checkpoint_dir=None, name="by-name", stop=stop,
         report=events.append, console=Console(quiet=True), config_wait_s=60), daemon=True)
     try:
-        publish_manifest(owner, run_manifest(config, roster=[]), ttl_s=300)
+        publish_manifest(owner, run_manifest(config, roster=[]), ttl_s=60)
         peer.start()
         deadline = time.monotonic() + 120
         while not any("ready" in e for e in events) and time.monotonic() < deadline:

@@ -24,6 +24,7 @@ from decentrl.model.loading import load_model
 from decentrl.model.tiny import make_tiny_model
 from decentrl.net import node as node_module
 from decentrl.net.circuits import CIRCUIT_BYTES, PIECE_BYTES
+from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.dialback import keep_routes_announced
 from decentrl.net.link import LinkProfile
 from decentrl.net.netns import HomeSpec, Internet
@@ -81,6 +82,7 @@ def two_homes(wide_model_dir: Path) -> Iterator[Swarm]:
     with Internet.start(["owner"], [HomeSpec(["trainer"]), HomeSpec(["replica"])]) as net, \
             tempfile.TemporaryDirectory(prefix="decentrl-netns-sync-") as folder:
         owner = start_on(net, "owner")
+        owner.dht_storage.join(RunNamespace.of(config, owner.peer_id))  # it keeps the run's keys
         peers: list[StagePeer] = []
         swarm = Swarm(config, owner, peers, Path(folder))
         try:
@@ -130,6 +132,7 @@ def test_new_sessions_move_away_from_a_home_whose_uplink_is_throttled(
     with Internet.start(["owner", "server"], [HomeSpec(["fast"]), HomeSpec(["slow"])]) as net, \
             tempfile.TemporaryDirectory(prefix="decentrl-netns-routing-") as folder:
         owner = start_on(net, "owner")
+        owner.dht_storage.join(RunNamespace.of(config, owner.peer_id))  # it keeps the run's keys
         peers: list[StagePeer] = []
         try:
             relay = owner.addresses()[0]

@@ -23,10 +23,15 @@ from decentrl.net.text import peer_text
 
 log = logging.getLogger(__name__)
 
-# Announcements read per stage. Anyone can announce under a stage's key, and each one read is
-# decoded and kept with its routing state; a stage of a volunteer swarm has tens of replicas.
-# Peers already in the directory are read first, so a flood of newcomers cannot push them out.
+# Peers kept per stage. Anyone can announce under a stage's key, and each one kept has its
+# routing state; a stage of a volunteer swarm has tens of replicas. Every announcement found is
+# decoded first (the DHT keeps at most net/dht_storage.py's STAGE_WRITERS per key, each within
+# PEER_RECORD_BYTES), so malformed ones take no place. Past the cap, peers already in the
+# directory keep up to all but NEWCOMER_PLACES of the places (drawn at random when more are
+# known) and newcomers are drawn at random for the rest: a crowd of identities that announced
+# first cannot keep a replica that comes later out, nor push out the peers already known.
 PEERS_PER_STAGE = 256
+NEWCOMER_PLACES = PEERS_PER_STAGE // 4
 # Peers whose session counts are kept (identities are free: bounded; a swarm has tens).
 OPENED_KEPT = 1024
 
@@ -81,13 +86,8 @@ class Directory:
         for stage in range(self.num_stages):
             entries = self.node.run(self.node.lookup(stage_key(self.run, stage)),
                                     timeout=self.swarm.request_timeout_s)
-            known_first = sorted(entries, key=lambda peer: peer not in self.peers)
-            if len(known_first) > PEERS_PER_STAGE:
-                log.warning("stage %d: %d announcements, reading the first %d", stage,
-                            len(known_first), PEERS_PER_STAGE)
-            records, skipped_here = decode_records(
-                {peer: entries[peer] for peer in known_first[:PEERS_PER_STAGE]}, PeerRecord, stage)
-            found.update(records)
+            records, skipped_here = decode_records(entries, PeerRecord, stage)
+            found.update(self._keep(stage, records))
             skipped += skipped_here
         with self.lock:
             self.skipped_records += skipped
@@ -100,6 +100,24 @@ class Directory:
             self.on_change(peer, record, True)
         for peer, record in left:
             self.on_change(peer, record, False)
+
+    def _keep(self, stage: int, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
+        """Of a stage's well-formed announcements, the PEERS_PER_STAGE kept (see there)."""
+        if len(records) <= PEERS_PER_STAGE:
+            return records
+        with self.lock:
+            known = [peer for peer in records if peer in self.peers]
+        newcomers = [peer for peer in records if peer not in self.peers]
+        # Newcomers get NEWCOMER_PLACES at least, known peers every place newcomers leave.
+        known_places = max(PEERS_PER_STAGE - NEWCOMER_PLACES, PEERS_PER_STAGE - len(newcomers))
+        kept_known = self.random.sample(known, min(len(known), known_places))
+        drawn = self.random.sample(newcomers,
+                                   min(len(newcomers), PEERS_PER_STAGE - len(kept_known)))
+        log.warning("stage %d: %d announcements, keeping %d of %d known peers and %d of %d "
+                    "newcomers", stage, len(records), len(kept_known), len(known), len(drawn),
+                    len(newcomers))
+        kept = kept_known + drawn
+        return {peer: records[peer] for peer in kept}
 
     def _live(self, stage: int) -> list[tuple[str, PeerState]]:
         now = time.monotonic()

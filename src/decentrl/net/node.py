@@ -17,8 +17,10 @@ header that declares more is refused before any of the message is read. On the s
 stream that sends nothing for `read_timeout_s` is cut, and one sender may have at most
 `max_streams_per_sender` requests open at once (past it they are refused, no strike: an honest
 caller with many sessions can get there; past twice it, the sender is flooding: a strike, and
-the stream is cut unanswered). Before any of a request is read, its sender must not be blocked
-and must pass the caller policy (`SwarmNode.authorize`).
+the stream is cut unanswered). All senders together hold at most `inflight` bytes of requests
+(net/inflight_budget.py): a message past it is refused as busy, before it is read, no strike.
+Before any of a request is read, its sender must not be blocked and must pass the caller policy
+(`SwarmNode.authorize`). What the node keeps for the DHT is bounded by net/dht_storage.py.
 
 The node's Ed25519 key (net/identity.py) is its daemon's libp2p identity. Every request and
 every reply is signed by its sender (`Envelope.signature`, over `message_digest`) and checked
@@ -40,7 +42,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
@@ -58,7 +60,9 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from decentrl.net.circuits import CIRCUIT_BYTES, REPLY_ROOM, Circuit, Circuits, CircuitTooSmall
 from decentrl.net.compute import ComputeThread, Priority
+from decentrl.net.dht_storage import BoundedDHTStorage, FindReplyBound, NoCache
 from decentrl.net.identity import Identity, verify
+from decentrl.net.inflight_budget import InflightBudget
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
 from decentrl.net.protocol import Rpc, RunSizes, size_limit
 from decentrl.net.reach import (
@@ -330,6 +334,8 @@ class SwarmNode:
         self._strike_times: OrderedDict[str, deque[float]] = OrderedDict()
         self._blocks: dict[str, tuple[float, int]] = {}  # sender -> (until, strikes)
         self._open_streams: dict[str, int] = {}  # sender -> requests open here (loop only)
+        # Bytes of requests held at once, all senders together (net/inflight_budget.py).
+        self.inflight = InflightBudget()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=f"p2p-{name}", daemon=True)
         # One compute thread: requests run one at a time, the most urgent first, and the loop
@@ -340,6 +346,9 @@ class SwarmNode:
         self.p2p: P2P | None = None
         self.dht: DHTNode | None = None
         self.record_validator = SignedRecordValidator(self.identity)
+        # What this node keeps for the DHT (net/dht_storage.py): its run's keys only, once it
+        # joins one (`dht_storage.join`), within budgets per writer, per key and in total.
+        self.dht_storage = BoundedDHTStorage()
         self.links: LinkEmulator | None = None
         # By (sender, request id): a request id is the caller's choice, so another peer that
         # learnt it must not get the caller's reply.
@@ -419,7 +428,12 @@ class SwarmNode:
         self.dht = await DHTNode.create(p2p=self.p2p, initial_peers=initial_peers or None,
                                         ensure_bootstrap_success=bool(initial_peers),
                                         client_mode=network.dht_client,
-                                        record_validator=self.record_validator)
+                                        record_validator=self.record_validator,
+                                        authorizer=FindReplyBound(self.dht_storage),
+                                        cache_locally=False, cache_nearest=0,
+                                        cache_on_store=False)
+        self.dht.protocol.storage = self.dht_storage
+        self.dht.protocol.cache = NoCache(self.dht_storage)
         self.links = LinkEmulator(local=str(self.p2p.peer_id), profile=self.link_profile)
         if network.reachability == "relayed" and initial_peers:
             asyncio.ensure_future(self._keep_connected(initial_peers))  # cancelled at shutdown
@@ -560,9 +574,14 @@ class SwarmNode:
         async def handle_stream(info: StreamInfo, reader: asyncio.StreamReader,
                                 writer: asyncio.StreamWriter) -> None:
             sender = str(info.peer_id)
-            stream = FrameReader(reader, f"{rpc.method} request", limit, self.read_timeout_s)
+            stream = FrameReader(reader, f"{rpc.method} request", limit, self.read_timeout_s,
+                                 self.inflight)
             with contextlib.closing(writer):
-                await self._serve_stream(rpc, handler, sender, str(info.addr), stream, writer)
+                try:
+                    await self._serve_stream(rpc, handler, sender, str(info.addr), stream,
+                                             writer)
+                finally:
+                    stream.release()
 
         self.run(self.p2p.add_binary_stream_handler(f"decentrl.{rpc.method}", handle_stream),
                  timeout=30)
@@ -1065,8 +1084,11 @@ class SwarmNode:
 
     async def announce(self, key: str, value: bytes, ttl_s: float) -> bool:
         """Store `value` under `key` as this node's record (its subkey is this node's peer id,
-        the only one its validator signs), replacing its earlier one; live for `ttl_s`."""
+        the only one its validator signs), replacing its earlier one; live for `ttl_s` (at most
+        `dht_storage.max_ttl_s`). True if the replica that answered last kept it
+        (hivemind's answer): a node that has joined no run, or another run, keeps none."""
         assert self.dht is not None
+        self.dht_storage.check_ttl(key, ttl_s)
         if len(value) > MAX_RECORD_BYTES:
             raise ValueError(f"{self.name}: a record of {len(value)} bytes under {key!r} is over "
                              f"the DHT's limit of {MAX_RECORD_BYTES}")
@@ -1088,7 +1110,7 @@ class SwarmNode:
     @property
     def refused_records(self) -> dict[str, int]:
         """DHT records this node refused (asked to store them, or found them), by reason."""
-        return self.record_validator.refused
+        return dict(Counter(self.record_validator.refused) + Counter(self.dht_storage.refused))
 
 
 async def _send_requests(writer: asyncio.StreamWriter,

@@ -42,7 +42,15 @@ SIGNATURE_BYTES = 64
 MAX_RECORD_BYTES = 64 * 1024
 # hivemind serializes a bytes value as one msgpack bin: a header of at most 5 bytes.
 _MSGPACK_BIN_HEADER_BYTES = 5
-_MAX_STORED_VALUE_BYTES = MAX_RECORD_BYTES + _MSGPACK_BIN_HEADER_BYTES + SIGNATURE_BYTES
+
+
+def stored_value_bytes(body_bytes: int) -> int:
+    """The most a stored value takes for a body of `body_bytes`: the body as hivemind serialized
+    it, then the writer's signature."""
+    return body_bytes + _MSGPACK_BIN_HEADER_BYTES + SIGNATURE_BYTES
+
+
+_MAX_STORED_VALUE_BYTES = stored_value_bytes(MAX_RECORD_BYTES)
 # An Ed25519 peer id is 52 base58 characters; its msgpack str has a 2-byte header. Anything much
 # longer is refused before it is decoded (base58 decoding is quadratic in the length).
 _MAX_SUBKEY_BYTES = 64

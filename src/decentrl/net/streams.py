@@ -4,7 +4,8 @@ requests with an empty error frame (`P2P.END_OF_STREAM`). Hivemind's own reader
 (`P2P.receive_raw_data`) believes any length a stranger declares and reads that much; this one
 refuses a frame over the message cap or over what is left of the stream's byte limit as soon as
 its header is in, before reading any of it, and (on the serving side) cuts a stream that sends
-nothing for `idle_s`. Writes share the framing and the idle bound.
+nothing for `idle_s` and takes each message's bytes from the node's budget of requests in flight
+(net/inflight_budget.py) before reading it. Writes share the framing and the idle bound.
 
 net/node.py serves and calls every RPC over these streams (`P2P.add_binary_stream_handler`,
 `call_binary_stream_handler`), so the wire format is hivemind's and its clients still talk to
@@ -22,6 +23,7 @@ from google.protobuf.message import Message as Protobuf
 from hivemind.p2p import P2P
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from decentrl.net.inflight_budget import InflightBudget, NodeBusy
 from decentrl.net.text import REMOTE_ERROR_CHARS, peer_text
 from decentrl.net.wire import MAX_MESSAGE_BYTES, WireError
 
@@ -72,8 +74,12 @@ class FrameReader:
     timeout)."""
 
     def __init__(self, reader: asyncio.StreamReader, what: str, limit: int,
-                 idle_s: float | None) -> None:
+                 idle_s: float | None, budget: InflightBudget | None = None) -> None:
         self.reader, self.what, self.limit, self.idle_s = reader, what, limit, idle_s
+        # The node's budget of request bytes in flight (serving side): each message takes its
+        # bytes from it before it is read, and `release` gives them all back.
+        self.budget = budget
+        self.held = 0
         self.received = 0
         self.ended = False  # the end-of-requests frame came
         self._unread = 0  # bytes of a refused frame still on the stream
@@ -112,11 +118,24 @@ class FrameReader:
             self._unread = length
             raise FrameRefused(f"{self.what}: a message of {length} bytes is over the "
                                f"{MAX_MESSAGE_BYTES}-byte message cap")
+        if self.budget is not None:
+            try:
+                self.budget.take(length, self.what)
+            except NodeBusy:
+                self._unread = length
+                raise
+            self.held += length
         payload = await self._read(length)
         if payload is None:
             return None
         self.received += length
         return Frame(marker == P2P.ERROR_MARKER, payload)
+
+    def release(self) -> None:
+        """Give the bytes this stream's messages held back to the node's budget."""
+        if self.budget is not None:
+            self.budget.give_back(self.held)
+        self.held = 0
 
     async def requests(self, message_type: type[M]) -> list[M] | None:
         """A caller's messages up to its end-of-requests frame; None if the stream ends before

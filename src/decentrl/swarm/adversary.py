@@ -25,7 +25,8 @@ way a volunteer on the internet could, and nothing here is known to the coordina
   comes back as a new identity, again and again;
 - replay (a client, no stage): submits rollout groups of problems the coordinator already
   accepted or never handed out, with correct answers;
-- flood (a client, no stage): sends malformed and oversized requests to every peer it finds;
+- flood (a client, no stage): sends malformed and oversized requests to every peer it finds
+  (the coordinator, which serves no inbox to other peers, refuses its submissions unread);
 - poison-update (a training peer, any stage): steps honestly, then reverses its update (gradient
   ascent) and adds noise of a step's size (harm even where the honest update is zero), keeping
   honest Adam moments;

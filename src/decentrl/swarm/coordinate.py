@@ -251,13 +251,12 @@ class SwarmBackend:
                                 config.supervised)
         self.trainer = PipelineTrainer(self.workers, config.train, loss,
                                        sampling_config(config.rollout), torch.device("cpu"))
-        # Rollouts arrive through the transport, from this process's generation loops or from
-        # any peer that submits them. The inbox holds one batch: more would wait there until the
-        # staleness bound drops it.
+        # Rollouts arrive through the transport, from this process's generation loops (no other
+        # peer may submit: net/swarm_transport.py). The inbox holds one batch: more would wait
+        # there until the staleness bound drops it.
         self.transport = HivemindTransport(node, node.peer_id,
                                            inbox_size=config.rollout.prompts_per_step,
-                                           timeout_s=config.swarm.request_timeout_s,
-                                           admit=self.trust.admit_submission)
+                                           timeout_s=config.swarm.request_timeout_s)
         # Sessions of `groups_per_session` groups; how many run at once follows the swarm.
         self.inflight = RowsInFlight(config, self._usable_replicas)
         self.chain.on_step = self.inflight.observe

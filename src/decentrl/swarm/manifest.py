@@ -32,6 +32,7 @@ from decentrl.config import RunConfig, parse_config
 from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import model_fingerprint, model_spec, resolve_model
 from decentrl.model.stages import StagePlan
+from decentrl.net.dht_storage import MAX_RECORD_TTL_S, RunNamespace
 from decentrl.net.identity import Identity, SignatureError, public_key_of
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import RosterEntry, RunEnded, RunManifest, coordinator_key, ended_key
@@ -106,6 +107,10 @@ def run_manifest(config: RunConfig, roster: list[RosterEntry]) -> RunManifest:
 
 
 def publish_manifest(node: SwarmNode, manifest: RunManifest, ttl_s: float) -> None:
+    """Announce `manifest` as its run's owner; the owner's node keeps its run's DHT records from
+    now on (net/dht_storage.py)."""
+    node.dht_storage.join(RunNamespace.of(parse_config(json.loads(manifest.config_json)),
+                                          node.peer_id))
     node.run(node.announce(coordinator_key(manifest.run), encode_struct(manifest), ttl_s),
              timeout=LOOKUP_TIMEOUT_S)
 
@@ -116,7 +121,8 @@ def read_manifest(node: SwarmNode, run: str, owner: str) -> RunManifest | None:
     return _owners_record(node, coordinator_key(run), owner, RunManifest, run)
 
 
-def announce_run_end(node: SwarmNode, run: str, steps: int, ttl_s: float = 3600.0) -> None:
+def announce_run_end(node: SwarmNode, run: str, steps: int,
+                     ttl_s: float = MAX_RECORD_TTL_S) -> None:
     """Tell the run's peers that it is over (they stop, unless they keep serving)."""
     node.run(node.announce(ended_key(run), encode_struct(RunEnded(run=run, steps=steps)), ttl_s),
              timeout=LOOKUP_TIMEOUT_S)

@@ -33,6 +33,7 @@ from decentrl.learn.trainer import StageTrainer, loss_config_from
 from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule
 from decentrl.net.authority import RunAuthority
+from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.node import Handler, SwarmNode
 from decentrl.net.protocol import PeerRecord, Role, Rpc, RunSizes, stage_key
 from decentrl.net.wire import encode_struct
@@ -165,6 +166,7 @@ class StagePeer:
     # ---- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
+        self.node.dht_storage.join(RunNamespace.of(self.config, self.authority.owner))
         self.node.run(self.authority.refresh(), timeout=self.config.swarm.request_timeout_s)
         self.node.authorize = self.authority.check
         for service in self.services:
