@@ -31,6 +31,7 @@ from decentrl.net.node import LOOPBACK_ONLY, SwarmNode
 from decentrl.net.protocol import PeerRecord, Role, layer_span, stage_key
 from decentrl.net.reach import NetworkOptions
 from decentrl.net.records import decode_records
+from decentrl.net.session import new_session
 from decentrl.net.wire import TensorLimits, WireError
 from decentrl.swarm.adversary import (
     ADVERSARIES,
@@ -101,17 +102,24 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
                                          if served == least])
 
 
-def run_ended(node: SwarmNode, config: RunConfig, owner: str, console: Console) -> bool:
-    """Whether the owner said the run ended (said so on `console`); False when unsure."""
+def run_ended(node: SwarmNode, config: RunConfig, owner: str, session: str, console: Console,
+              report: Callable[[dict[str, Any]], None], ignored: set[str]) -> bool:
+    """Whether the owner ended the session this peer serves (said so on `console`); False when
+    unsure. A `RunEnded` of another session is reported once (`run_end_ignored`, its reason
+    added to `ignored`)."""
     try:
-        ended = read_run_end(node, config.name, owner)
+        verdict = read_run_end(node, config.name, owner, session)
     except (WireError, TimeoutError, RuntimeError) as error:
         log.info("could not read whether run %s ended: %s", config.name, error)
         return False
-    if ended is not None:
-        console.print(f"run {config.name!r} ended after {ended.steps} steps; stopping",
+    if verdict.ignored is not None and verdict.ignored not in ignored:
+        ignored.add(verdict.ignored)
+        log.warning("%s", verdict.ignored)
+        report({"run_end_ignored": verdict.ignored})
+    if verdict.ended is not None:
+        console.print(f"run {config.name!r} ended after {verdict.ended.steps} steps; stopping",
                       markup=False, highlight=False)
-    return ended is not None
+    return verdict.ended is not None
 
 
 def print_json_line(event: dict[str, Any]) -> None:
@@ -172,6 +180,8 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
         if joined_by_name:  # its node started before it knew the run's link and threads
             node.configure(link_profile(config), config.threads)
 
+        ignored: set[str] = set()  # at most one reason per session the owner ever ended
+
         def until_stopped() -> None:
             checked = time.monotonic()
             while not stop.wait(1.0):
@@ -180,7 +190,8 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
                     break
                 if not keep_serving and time.monotonic() - checked > RUN_END_CHECK_S:
                     checked = time.monotonic()
-                    if run_ended(node, config, owner, console):
+                    if run_ended(node, config, owner, manifest.session, console, report,
+                                 ignored):
                         break
             stop.set()
 
@@ -342,7 +353,7 @@ class LocalSwarm:
 
     def _announce_run(self, stop: threading.Event) -> None:
         assert self.bootstrap is not None
-        manifest = run_manifest(self.config, roster=[])
+        manifest = run_manifest(self.config, roster=[], session=new_session())
         every_s = self.config.swarm.announce_every_s
         while True:
             try:

@@ -62,6 +62,7 @@ from decentrl.net.protocol import (
     stage_key,
 )
 from decentrl.net.records import decode_records
+from decentrl.net.session import owner_session, session_mismatch
 from decentrl.net.wire import WireError
 from decentrl.sync.delta import (
     PublishedState,
@@ -437,6 +438,7 @@ class WeightFollower(UpdateServer):
         self.bad_chunks = 0
         self.hash_mismatches = 0
         self.skipped_records = 0  # malformed records met so far, once per lookup that met each
+        self.stale_records = 0  # lineages of another session than the manifest's, per lookup
         self._want_keyframe = False
         self._sync_lock: asyncio.Lock | None = None
         self.wake = asyncio.Event()
@@ -489,11 +491,21 @@ class WeightFollower(UpdateServer):
     async def lineage(self) -> LineageRecord | None:
         """The run owner's signed lineage of this stage, or None while there is none (or it is
         malformed, which is counted: a reader never fails on a record)."""
-        entries = await self.node.lookup(lineage_key(self.run, self.stage))
+        entries, session = await asyncio.gather(
+            self.node.lookup(lineage_key(self.run, self.stage)),
+            owner_session(self.node, self.run, self.owner))
         owned = {self.owner: entries[self.owner]} if self.owner in entries else {}
         found, skipped = decode_records(owned, LineageRecord, self.stage)
         self.skipped_records += skipped
         lineage = found.get(self.owner)
+        # Signed at an earlier start of the run (net/session.py): its publisher and versions are
+        # void. (With no manifest live there is no session to hold it to.)
+        stale = lineage is not None and session is not None \
+            and session_mismatch("LineageRecord", lineage.session, session)
+        if stale:
+            self.stale_records += 1
+            log.info("stage %d: %s", self.stage, stale)
+            return None
         return lineage if lineage is not None and lineage.hashes else None
 
     async def _replicas(self) -> list[str]:
