@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -291,3 +292,42 @@ def test_a_node_whose_initial_peers_do_not_answer_leaves_no_daemon_socket_behind
         with pytest.raises(SwarmStartError, match="none of the initial peers answered"):
             SwarmNode.start("lonely", [address], LinkProfile(), TensorLimits())
     assert set(glob.glob("/tmp/hivemind-*.sock")) <= sockets_before
+
+
+@pytest.mark.network
+def test_a_route_record_cannot_aim_a_node_at_a_third_host(
+        checker_and_asker: tuple[SwarmNode, SwarmNode, DialBackService]) -> None:
+    """A stranger's record naming 8 ports of another host (127.0.0.2 here), directly and as
+    circuits through relays nobody knows, is never dialed; an honest peer's own route, at the
+    host it was seen at, still is."""
+    checker, asker, _ = checker_and_asker
+    stranger = SwarmNode.start("stranger", [checker.addresses()[0]], LinkProfile(),
+                               TensorLimits(), identity=Identity.generate())
+    third_host = [socket.create_server(("127.0.0.2", 0)) for _ in range(8)]
+    try:
+        ports = [server.getsockname()[1] for server in third_host]
+        scan = RouteRecord(addresses=[f"/ip4/127.0.0.2/tcp/{port}" for port in ports],
+                           relayed=False)
+        relay = Identity.generate().peer_id
+        circuits = RouteRecord(addresses=[f"/ip4/127.0.0.2/tcp/{port}/p2p/{relay}/p2p-circuit"
+                                          for port in ports], relayed=True)
+        for record in (scan, circuits):
+            stranger.run(stranger.announce_routes(record, 60), timeout=30)
+            checker._routes_failed.clear()  # asked again at once, not after ROUTES_RETRY_S
+            assert not checker.run(checker._connect_by_routes(stranger.peer_id), timeout=60)
+        assert checker.route_screen.refused == 16
+        for server in third_host:  # nothing ever connected to the third host
+            server.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                server.accept()
+        # The honest asker's route at the host it reached the checker from is dialed.
+        asker.call_sync(checker.peer_id, DIAL_BACK, DialBackRequest(ports=[], relays=[]))
+        own = RouteRecord(addresses=[asker.addresses()[0].rsplit("/p2p/", 1)[0]],
+                          relayed=False)
+        asker.run(asker.announce_routes(own, 60), timeout=30)
+        assert checker.run(checker._connect_by_routes(asker.peer_id), timeout=60)
+        assert checker.route_screen.refused == 16
+    finally:
+        for server in third_host:
+            server.close()
+        stranger.shutdown()
