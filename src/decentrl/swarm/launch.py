@@ -102,16 +102,19 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
                                          if served == least])
 
 
-def run_ended(node: SwarmNode, config: RunConfig, owner: str, session: str, console: Console,
-              report: Callable[[dict[str, Any]], None], ignored: set[str]) -> bool:
+def run_ended(node: SwarmNode, config: RunConfig, owner: str, session: list[str],
+              console: Console, report: Callable[[dict[str, Any]], None],
+              ignored: set[str]) -> bool:
     """Whether the owner ended the session this peer serves (said so on `console`); False when
-    unsure. A `RunEnded` of another session is reported once (`run_end_ignored`, its reason
-    added to `ignored`)."""
+    unsure. `session` holds the newest session the peer saw (kept up to date here: the owner may
+    have restarted since it joined). A `RunEnded` of another session is reported once
+    (`run_end_ignored`, its reason added to `ignored`)."""
     try:
-        verdict = read_run_end(node, config.name, owner, session)
+        verdict = read_run_end(node, config.name, owner, session[0])
     except (WireError, TimeoutError, RuntimeError) as error:
         log.info("could not read whether run %s ended: %s", config.name, error)
         return False
+    session[0] = verdict.session
     if verdict.ignored is not None and verdict.ignored not in ignored:
         ignored.add(verdict.ignored)
         log.warning("%s", verdict.ignored)
@@ -181,6 +184,7 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
             node.configure(link_profile(config), config.threads)
 
         ignored: set[str] = set()  # at most one reason per session the owner ever ended
+        session = [manifest.session]
 
         def until_stopped() -> None:
             checked = time.monotonic()
@@ -190,8 +194,7 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
                     break
                 if not keep_serving and time.monotonic() - checked > RUN_END_CHECK_S:
                     checked = time.monotonic()
-                    if run_ended(node, config, owner, manifest.session, console, report,
-                                 ignored):
+                    if run_ended(node, config, owner, session, console, report, ignored):
                         break
             stop.set()
 

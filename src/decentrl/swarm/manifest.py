@@ -130,23 +130,25 @@ def announce_run_end(node: SwarmNode, run: str, steps: int, session: str,
 
 @dataclass(frozen=True)
 class RunEnd:
-    """What the owner's `RunEnded` says to a peer: `ended` when it ends the peer's session;
-    `ignored`, why not, when the owner signed one for another session."""
+    """What the owner's records say to a peer: `session`, the one it serves now (its owner's
+    newest manifest's); `ended` when the owner ended that session; `ignored`, why not, when the
+    owner signed a `RunEnded` for another session."""
 
+    session: str
     ended: RunEnded | None = None
     ignored: str | None = None
 
 
-def read_run_end(node: SwarmNode, run: str, owner: str, joined_session: str) -> RunEnd:
+def read_run_end(node: SwarmNode, run: str, owner: str, session: str) -> RunEnd:
     """Whether the owner ended `run`'s current session: the session of its newest manifest, or
-    `joined_session` (the manifest the peer joined by) once none is live. What anyone else wrote
-    there is not read, and a record the owner signed for another run is refused (WireError)."""
+    `session` (the last one the peer saw) once none is live. What anyone else wrote there is not
+    read, and a record the owner signed for another run is refused (WireError)."""
+    current = node.run(owner_session(node, run, owner), timeout=LOOKUP_TIMEOUT_S) or session
     ended = _owners_record(node, ended_key(run), owner, RunEnded, run)
     if ended is None:
-        return RunEnd()
-    current = node.run(owner_session(node, run, owner), timeout=LOOKUP_TIMEOUT_S)
-    ignored = session_mismatch("RunEnded", ended.session, current or joined_session)
-    return RunEnd(ignored=ignored) if ignored else RunEnd(ended=ended)
+        return RunEnd(current)
+    ignored = session_mismatch("RunEnded", ended.session, current)
+    return RunEnd(current, ignored=ignored) if ignored else RunEnd(current, ended=ended)
 
 
 OwnersRecord = TypeVar("OwnersRecord", RunManifest, RunEnded)
