@@ -43,12 +43,12 @@ from decentrl.swarm.adversary import (
     submit_replays,
 )
 from decentrl.swarm.manifest import (
+    RunEndWatch,
     accept_manifest,
     admit,
     check_peer_id,
     owner_identity,
     publish_manifest,
-    read_run_end,
     run_manifest,
     wait_for_manifest,
 )
@@ -102,27 +102,23 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
                                          if served == least])
 
 
-def run_ended(node: SwarmNode, config: RunConfig, owner: str, session: list[str],
-              console: Console, report: Callable[[dict[str, Any]], None],
-              ignored: set[str]) -> bool:
+def run_ended(node: SwarmNode, watch: RunEndWatch, console: Console,
+              report: Callable[[dict[str, Any]], None]) -> bool:
     """Whether the owner ended the session this peer serves (said so on `console`); False when
-    unsure. `session` holds the newest session the peer saw (kept up to date here: the owner may
-    have restarted since it joined). A `RunEnded` of another session is reported once
-    (`run_end_ignored`, its reason added to `ignored`)."""
+    unsure. A `RunEnded` of another session is reported once (`run_end_ignored`)."""
+    reported = len(watch.ignored)
     try:
-        verdict = read_run_end(node, config.name, owner, session[0])
+        ended = watch.ended(node)
     except (WireError, TimeoutError, RuntimeError) as error:
-        log.info("could not read whether run %s ended: %s", config.name, error)
+        log.info("could not read whether run %s ended: %s", watch.run, error)
         return False
-    session[0] = verdict.session
-    if verdict.ignored is not None and verdict.ignored not in ignored:
-        ignored.add(verdict.ignored)
-        log.warning("%s", verdict.ignored)
-        report({"run_end_ignored": verdict.ignored})
-    if verdict.ended is not None:
-        console.print(f"run {config.name!r} ended after {verdict.ended.steps} steps; stopping",
+    for reason in watch.ignored[reported:]:
+        log.warning("%s", reason)
+        report({"run_end_ignored": reason})
+    if ended is not None:
+        console.print(f"run {watch.run!r} ended after {ended.steps} steps; stopping",
                       markup=False, highlight=False)
-    return verdict.ended is not None
+    return ended is not None
 
 
 def print_json_line(event: dict[str, Any]) -> None:
@@ -183,8 +179,7 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
         if joined_by_name:  # its node started before it knew the run's link and threads
             node.configure(link_profile(config), config.threads)
 
-        ignored: set[str] = set()  # at most one reason per session the owner ever ended
-        session = [manifest.session]
+        watch = RunEndWatch(config.name, owner, manifest.session)
 
         def until_stopped() -> None:
             checked = time.monotonic()
@@ -194,7 +189,7 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
                     break
                 if not keep_serving and time.monotonic() - checked > RUN_END_CHECK_S:
                     checked = time.monotonic()
-                    if run_ended(node, config, owner, session, console, report, ignored):
+                    if run_ended(node, watch, console, report):
                         break
             stop.set()
 

@@ -23,7 +23,7 @@ import hashlib
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -128,27 +128,34 @@ def announce_run_end(node: SwarmNode, run: str, steps: int, session: str,
     node.run(node.announce(ended_key(run), encode_struct(record), ttl_s), timeout=LOOKUP_TIMEOUT_S)
 
 
-@dataclass(frozen=True)
-class RunEnd:
-    """What the owner's records say to a peer: `session`, the one it serves now (its owner's
-    newest manifest's); `ended` when the owner ended that session; `ignored`, why not, when the
-    owner signed a `RunEnded` for another session."""
+@dataclass
+class RunEndWatch:
+    """A joined peer's watch for its owner's word that the run ended. `session`: the one the
+    peer serves, the session of the owner's newest manifest (first the one it joined by, then
+    each one the owner announced since: a coordinator restarted while the peer served);
+    `ignored`: why each `RunEnded` of another session was ignored, once each (only the owner
+    writes one, once per start of the run)."""
 
+    run: str
+    owner: str
     session: str
-    ended: RunEnded | None = None
-    ignored: str | None = None
+    ignored: list[str] = field(default_factory=list)
 
-
-def read_run_end(node: SwarmNode, run: str, owner: str, session: str) -> RunEnd:
-    """Whether the owner ended `run`'s current session: the session of its newest manifest, or
-    `session` (the last one the peer saw) once none is live. What anyone else wrote there is not
-    read, and a record the owner signed for another run is refused (WireError)."""
-    current = node.run(owner_session(node, run, owner), timeout=LOOKUP_TIMEOUT_S) or session
-    ended = _owners_record(node, ended_key(run), owner, RunEnded, run)
-    if ended is None:
-        return RunEnd(current)
-    ignored = session_mismatch("RunEnded", ended.session, current)
-    return RunEnd(current, ignored=ignored) if ignored else RunEnd(current, ended=ended)
+    def ended(self, node: SwarmNode) -> RunEnded | None:
+        """The owner's `RunEnded` of the session the peer serves, or None. One of another session
+        is added to `ignored` (the first time); one the owner signed for another run is refused
+        (WireError); what anyone else wrote is not read."""
+        self.session = node.run(owner_session(node, self.run, self.owner),
+                                timeout=LOOKUP_TIMEOUT_S) or self.session
+        ended = _owners_record(node, ended_key(self.run), self.owner, RunEnded, self.run)
+        if ended is None:
+            return None
+        ignored = session_mismatch("RunEnded", ended.session, self.session)
+        if ignored is None:
+            return ended
+        if ignored not in self.ignored:
+            self.ignored.append(ignored)
+        return None
 
 
 OwnersRecord = TypeVar("OwnersRecord", RunManifest, RunEnded)

@@ -439,6 +439,7 @@ class WeightFollower(UpdateServer):
         self.hash_mismatches = 0
         self.skipped_records = 0  # malformed records met so far, once per lookup that met each
         self.stale_records = 0  # lineages of another session than the manifest's, per lookup
+        self.session: str | None = None  # of the owner's newest manifest seen (net/session.py)
         self._want_keyframe = False
         self._sync_lock: asyncio.Lock | None = None
         self.wake = asyncio.Event()
@@ -499,9 +500,11 @@ class WeightFollower(UpdateServer):
         self.skipped_records += skipped
         lineage = found.get(self.owner)
         # Signed at an earlier start of the run (net/session.py): its publisher and versions are
-        # void. (With no manifest live there is no session to hold it to.)
-        stale = lineage is not None and session is not None \
-            and session_mismatch("LineageRecord", lineage.session, session)
+        # void. The session is the newest manifest's, kept while none is live (before the
+        # first, there is none to hold a lineage to).
+        self.session = session or self.session
+        stale = lineage is not None and self.session is not None \
+            and session_mismatch("LineageRecord", lineage.session, self.session)
         if stale:
             self.stale_records += 1
             log.info("stage %d: %s", self.stage, stale)
