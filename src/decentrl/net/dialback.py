@@ -10,15 +10,16 @@ do: dial the IP address its own request came from, on at most `MAX_PORTS` ports,
 `MAX_RELAYS` relays that are connected to the checker already, at the addresses of those
 connections; each dial must authenticate as the asker's peer id. So a stranger cannot aim the
 probe at a third host. Each dial takes at most `DIAL_TIMEOUT_S` and a check `CHECK_BUDGET_S`
-whatever its targets do (its dials run one after another: the daemon's connect returns at once for
-a peer it is connected to, so two at once could not tell which address answered). An asker has one
-check pending at a time and asks at most once every `CHECK_EVERY_S`; `PARALLEL_CHECKS` checks run
-at once and the others wait in a line served round robin across the askers' hosts (many keys on one host are one asker: they get
-one turn per round), bounded per host and in total (`CheckLine`). A check refused for any of
-these, or one that waited `LINE_WAIT_S` without its turn, is "try again later"
-(`CheckDeferred`, no strike), which the asker reads as exactly that: it asks its next checker,
-then all of them again after a pause (`check_reachability`); a call that times out is read the
-same way. An asker never takes a checker's crowd for its own unreachability."""
+whatever its targets do (its dials run one after another: the daemon's connect returns at once
+for a peer it is connected to, so two at once could not tell which address answered). An asker
+has one check pending at a time and asks at most once every `CHECK_EVERY_S`; `PARALLEL_CHECKS`
+checks run at once and the others wait in a line served round robin across the askers' hosts
+(many keys on one host are one asker: they get one turn per round), bounded per host and in
+total (`CheckLine`). A check refused for any of these, or one that waited `LINE_WAIT_S` without
+its turn, is "try again later" (`CheckDeferred`, no strike), which the asker reads as exactly
+that: it asks its next checker, then all of them again after a pause (`check_reachability`); a
+call that times out is read the same way. An asker never takes a checker's crowd for its own
+unreachability."""
 
 from __future__ import annotations
 
@@ -349,9 +350,9 @@ def check_reachability(node: SwarmNode, checkers: Sequence[str], relays: Sequenc
     """Ask the first of `checkers` (peer ids) that answers to dial this node back on its
     listening ports and through `relays`. A checker that says "try again later" (busy, or asked
     by this node within `CHECK_EVERY_S`), or does not answer within `timeout_s`, is passed over
-    for the next; when none checked and one
-    of them said so, all are asked again after a pause of one to two `CHECK_EVERY_S` (random, so
-    a crowd of askers spreads out), for up to `busy_wait_s`, then CheckersBusy. When every
+    for the next; when none checked and one of them said so, all are asked again after a pause
+    of one to two `CHECK_EVERY_S` (random, so a crowd of askers spreads out), for up to
+    `busy_wait_s`, then CheckersBusy. When every
     checker failed otherwise (unreachable, a refusal), once more after `CHECK_EVERY_S`; then the
     report holds why each failed the last time."""
     ports = sorted({int(a.rsplit("/tcp/", 1)[1].split("/")[0]) for a in node.addresses()
