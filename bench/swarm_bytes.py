@@ -48,6 +48,7 @@ import torch  # noqa: E402
 from decentrl.config import RunConfig, parse_config  # noqa: E402
 from decentrl.net.link import LinkProfile  # noqa: E402
 from decentrl.net.node import SwarmNode  # noqa: E402
+from decentrl.net.session import new_session  # noqa: E402
 from decentrl.net.wire import TensorLimits  # noqa: E402
 from decentrl.swarm.lineage import LineageSigner  # noqa: E402
 from decentrl.swarm.peer import StagePeer  # noqa: E402
@@ -179,7 +180,7 @@ def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
             batch = build_batch(rollouts, advantages, [0] * len(rollouts),
                                 tokenizer.pad_token_id)
             trainers = {p.node.peer_id for p in peers if p.role == "training"}
-            lineage = LineageSigner(client, config)  # closed with the client's node
+            lineage = LineageSigner(client, config, new_session())  # closed with the client's node
             workers = [RemoteStageWorker(client, directory, stage, config.num_stages,
                                          config.swarm, trainers.__contains__, lineage)
                        for stage in range(config.num_stages)]

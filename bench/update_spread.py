@@ -102,6 +102,7 @@ from decentrl.net.protocol import (  # noqa: E402
     stage_key,
 )
 from decentrl.net.reach import RouteRecord, relay_circuit  # noqa: E402
+from decentrl.net.session import new_session  # noqa: E402
 from decentrl.net.wire import TensorLimits, encode_struct  # noqa: E402
 from decentrl.sync.delta import PublishedState, TensorChange  # noqa: E402
 from decentrl.sync.distribute import StoredUpdate, WeightFollower, WeightPublisher  # noqa: E402
@@ -317,7 +318,7 @@ def measure_update(publisher: WeightPublisher, followers: list[TimedFollower],
     encode_s = time.perf_counter() - began
     # The publisher's node plays the run's owner too: it signs the new version's lineage.
     lineage = LineageRecord(stage=0, publisher=publisher.node.peer_id,
-                            hashes={version: publisher.state.hash})
+                            hashes={version: publisher.state.hash}, session=new_session())
     publisher.node.run(publisher.node.announce(lineage_key(RUN, 0), encode_struct(lineage),
                                                ANNOUNCE_TTL_S), timeout=30)
     size = publisher.updates[("delta", version)].manifest.size

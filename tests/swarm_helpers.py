@@ -32,6 +32,7 @@ from decentrl.net.directory import Directory
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import TRUNCATED_REPLY_RETRIES, RemoteError, SwarmNode, signed_envelope
 from decentrl.net.protocol import Role
+from decentrl.net.session import new_session
 from decentrl.net.wire import TensorLimits, TensorManifest, encode_struct, to_messages
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.sampling import sampling_config
@@ -111,7 +112,7 @@ class Swarm:
         default its learner's) into its stage's lineage, so that the replicas take it; returns
         once it is announced."""
         if self.lineage is None:
-            self.lineage = LineageSigner(self.client, self.config)
+            self.lineage = LineageSigner(self.client, self.config, new_session())
         self.lineage.published(trainer.index, trainer.node.peer_id,
                                trainer.version if version is None else version)
         self.lineage.wait()
@@ -129,7 +130,7 @@ class Swarm:
     def workers(self) -> list[RemoteStageWorker]:
         directory = self.directory()
         if self.lineage is None:
-            self.lineage = LineageSigner(self.client, self.config)
+            self.lineage = LineageSigner(self.client, self.config, new_session())
         workers = [RemoteStageWorker(self.client, directory, stage, self.config.num_stages,
                                      self.config.swarm, self.admitted, self.lineage)
                    for stage in range(self.config.num_stages)]

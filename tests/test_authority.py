@@ -46,6 +46,7 @@ from decentrl.net.protocol import (
     lineage_key,
     stage_key,
 )
+from decentrl.net.session import new_session
 from decentrl.net.wire import TensorLimits, encode_struct
 from decentrl.swarm.manifest import (
     ManifestMismatch,
@@ -174,7 +175,8 @@ def test_a_stranger_announcing_a_newer_training_peer_or_lineage_moves_nothing(
     # A stranger says it is a ready training peer far ahead, and publishes its own lineage.
     fake = PeerRecord(name="trainer", stage=0, layers=(0, 4), role="training", version=99,
                       tokens_per_s=0.0, free_sessions=0, training_ready=True)
-    lineage = LineageRecord(stage=0, publisher=stranger.peer_id, hashes={99: "0" * 64})
+    lineage = LineageRecord(stage=0, publisher=stranger.peer_id, hashes={99: "0" * 64},
+                            session=new_session())
     assert stranger.run(stranger.announce(stage_key(run, 0), encode_struct(fake), 60),
                         timeout=30)
     # The lineage key is the owner's alone: no peer of the run keeps the stranger's.
@@ -211,7 +213,7 @@ def test_the_operator_admits_training_peers_by_peer_id(tmp_path: Path) -> None:
 def test_a_peer_joins_only_with_the_config_and_model_its_owner_declares(
         tiny_sharp_dir: Path, tiny_model_dir: Path) -> None:
     config = tiny_run_config(tiny_sharp_dir, 1)
-    manifest = run_manifest(config, roster=[])
+    manifest = run_manifest(config, roster=[], session=new_session())
     assert accept_manifest(manifest, None) == config  # a peer without --config takes it
     assert accept_manifest(manifest, config) == config
     other = config.model_copy(update={"seed": config.seed + 1})
@@ -223,7 +225,7 @@ def test_a_peer_joins_only_with_the_config_and_model_its_owner_declares(
                                                "owner's"):
         accept_manifest(manifest.__class__(**{
             **{f: getattr(manifest, f) for f in manifest.__struct_fields__},
-            "model_hash": run_manifest(tiny_run_config(tiny_model_dir, 1), []).model_hash}),
+            "model_hash": run_manifest(tiny_run_config(tiny_model_dir, 1), [], new_session()).model_hash}),
             None)
     # A manifest whose config does not hash to what it declares is refused whole.
     tampered = json.loads(manifest.config_json)

@@ -1,6 +1,6 @@
 """A peer that joins a run by its name alone: it serves with every setting of the owner's config
 (its node started before the config arrived), and it stops when the owner, and only the owner,
-says the run ended."""
+says the run ended, for the session it joined (not a record of an earlier start)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from decentrl.net.identity import Identity
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import RunEnded, ended_key
+from decentrl.net.dht_storage import RunNamespace
+from decentrl.net.session import new_session
 from decentrl.net.wire import TensorLimits, encode_struct
 from decentrl.swarm import launch
 from decentrl.swarm.manifest import announce_run_end, publish_manifest, run_manifest
@@ -25,20 +27,43 @@ from swarm_helpers import tiny_run_config
 @pytest.mark.network
 def test_a_peer_joined_by_run_name_takes_its_config_and_stops_when_its_owner_ends_it(
         tiny_sharp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's `RunEnded` of an earlier start, kept by a stranger's DHT node and served to
+    the peers of the resumed run, does not stop them: it names another session."""
     monkeypatch.setattr(launch, "RUN_END_CHECK_S", 0.2)
     config = tiny_run_config(tiny_sharp_dir, 1, swarm={"link": {"rtt_ms": [30, 40],
                                                                 "jitter_ms": 3}})
-    owner = SwarmNode.start("owner", [], LinkProfile(), TensorLimits())
-    stranger = SwarmNode.start("stranger", owner.addresses(), LinkProfile(), TensorLimits(),
+    owner_key = Identity.generate()
+    earlier = SwarmNode.start("owner", [], LinkProfile(), TensorLimits(), identity=owner_key)
+    stranger = SwarmNode.start("stranger", earlier.addresses(), LinkProfile(), TensorLimits(),
                                identity=Identity.generate())
+    owner: SwarmNode | None = None
     events: list[dict[str, Any]] = []
+    ignored = threading.Event()
+
+    def report(event: dict[str, Any]) -> None:
+        events.append(event)
+        if "run_end_ignored" in event:
+            ignored.set()
     stop = threading.Event()
-    peer = threading.Thread(target=launch.join, kwargs=dict(
-        config=None, run=config.name, owner=owner.peer_id, stage=0, role="inference",
-        initial_peers=owner.addresses(), checkpoint_dir=None, name="by-name", stop=stop,
-        report=events.append, console=Console(quiet=True), config_wait_s=60), daemon=True)
+    peer: threading.Thread | None = None
     try:
-        publish_manifest(owner, run_manifest(config, roster=[]), ttl_s=60)
+        # The earlier start of the run ended: its signed record lives a while, and the
+        # stranger's DHT node (of the run, so it keeps the run's records) holds a copy once the
+        # owner is gone.
+        for node in (earlier, stranger):
+            node.dht_storage.join(RunNamespace.of(config, earlier.peer_id))
+        first = new_session()
+        announce_run_end(earlier, config.name, steps=3, session=first)
+        earlier.shutdown()
+        assert stranger.run(stranger.lookup(ended_key(config.name)), timeout=30)
+        owner = SwarmNode.start("owner", stranger.addresses(), LinkProfile(), TensorLimits(),
+                                identity=owner_key)
+        resumed = run_manifest(config, roster=[], session=new_session())
+        publish_manifest(owner, resumed, ttl_s=60)
+        peer = threading.Thread(target=launch.join, kwargs=dict(
+            config=None, run=config.name, owner=owner.peer_id, stage=0, role="inference",
+            initial_peers=owner.addresses(), checkpoint_dir=None, name="by-name", stop=stop,
+            report=report, console=Console(quiet=True), config_wait_s=60), daemon=True)
         peer.start()
         deadline = time.monotonic() + 120
         while not any("ready" in e for e in events) and time.monotonic() < deadline:
@@ -46,17 +71,25 @@ def test_a_peer_joined_by_run_name_takes_its_config_and_stops_when_its_owner_end
         ready = next(e for e in events if "ready" in e)
         # The run's link emulation, though the node started before it knew the run.
         assert ready["link"]["rtt_ms"] == (30.0, 40.0) and ready["link"]["jitter_ms"] == 3.0
-        # Anyone else's word that the run ended is not read...
-        forged = encode_struct(RunEnded(run=config.name, steps=1))
+        # Anyone else's word that the run ended is not read at all...
+        forged = encode_struct(RunEnded(run=config.name, steps=1, session=resumed.session))
         stranger.run(stranger.announce(ended_key(config.name), forged, 60), timeout=30)
-        peer.join(timeout=2)
-        assert peer.is_alive()
-        # ...the owner's is: the peer stops by itself.
-        announce_run_end(owner, config.name, steps=7)
+        # ...and the owner's of the earlier start is read, and ignored for its session.
+        assert ignored.wait(timeout=60)
+        reasons = [e["run_end_ignored"] for e in events if "run_end_ignored" in e]
+        assert reasons == [f"the owner's RunEnded of session {first[:8]} is ignored: the run's "
+                           f"manifest is of session {resumed.session[:8]} (a record signed at "
+                           "an earlier start of the run)"]
+        assert peer.is_alive() and not stop.is_set()
+        # The owner's word for this session is: the peer stops by itself.
+        announce_run_end(owner, config.name, steps=7, session=resumed.session)
         peer.join(timeout=30)
         assert not peer.is_alive()
     finally:
         stop.set()
-        peer.join(timeout=30)
+        if peer is not None:
+            peer.join(timeout=30)
         stranger.shutdown()
-        owner.shutdown()
+        earlier.shutdown()
+        if owner is not None:
+            owner.shutdown()

@@ -16,6 +16,7 @@ from decentrl.net.protocol import (
     PublishedRequest,
     ServedFidelity,
 )
+from decentrl.net.session import new_session
 from decentrl.net.wire import decode_struct
 from decentrl.swarm.lineage import LineageSigner
 
@@ -46,7 +47,8 @@ class StubPublisher:
 
 def signed(fidelity: ServedFidelity | None) -> tuple[LineageSigner, StubPublisher]:
     node = StubPublisher(fidelity)
-    signer = LineageSigner(node, parse_config({"name": "lineage"}))  # type: ignore[arg-type]
+    signer = LineageSigner(node, parse_config({"name": "lineage"}),  # type: ignore[arg-type]
+                           new_session())
     signer.published(0, PUBLISHER, 1, restart=True)
     signer.published(0, PUBLISHER, 2)
     signer.wait()

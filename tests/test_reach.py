@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,7 +17,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from helpers import unanswered_peer_address
 
 from decentrl.net import dialback
-from decentrl.net.dialback import CheckersBusy, DialBackService, check_reachability
+from decentrl.net.dialback import CheckersBusy, CheckLine, DialBackService, check_reachability
 from decentrl.net.identity import Identity
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import PeerRefused, SwarmNode, SwarmStartError
@@ -161,13 +162,13 @@ def test_a_busy_checker_says_try_again_later_and_the_asker_does(
         checker_and_asker: tuple[SwarmNode, SwarmNode, DialBackService],
         monkeypatch: pytest.MonkeyPatch) -> None:
     checker, asker, service = checker_and_asker
-    monkeypatch.setattr(dialback, "MAX_PENDING_CHECKS", 2)
+    service.line = CheckLine(parallel=2, per_host=4, total=0)  # two running, nobody waiting
     release = threading.Event()
     real_dial = dialback._dial
 
-    async def held_dial(probe: Any, peer: str, address: str) -> str | None:
+    async def held_dial(probe: Any, peer: str, address: str, timeout_s: float) -> str | None:
         await asyncio.to_thread(release.wait, 60)  # a slow check, until the test lets it go
-        return await real_dial(probe, peer, address)
+        return await real_dial(probe, peer, address, timeout_s)
 
     monkeypatch.setattr(dialback, "_dial", held_dial)
     crowd = [SwarmNode.start(f"crowd{i}", [checker.addresses()[0]], LinkProfile(),
@@ -176,13 +177,11 @@ def test_a_busy_checker_says_try_again_later_and_the_asker_does(
         with ThreadPoolExecutor(len(crowd)) as pool:
             checks = [pool.submit(check_reachability, node, [checker.peer_id], [])
                       for node in crowd]
-            deadline = time.monotonic() + 30
-            while service.pending < 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert service.pending == 2
+            wait_until(lambda: service.line.running == 2)
             # Full: refused with "try again later", no strike, and not counted as its check
             # (it may come back at once).
-            with pytest.raises(PeerRefused, match="busy with 2 checks; try again later"):
+            with pytest.raises(PeerRefused, match="busy with 2 checks and 0 waiting; try again "
+                                                  "later"):
                 asker.call_sync(checker.peer_id, DIAL_BACK, DialBackRequest(ports=[1],
                                                                             relays=[]))
             assert checker.strikes(asker.peer_id) == 0 and service.checks == 0
@@ -201,6 +200,67 @@ def test_a_busy_checker_says_try_again_later_and_the_asker_does(
         release.set()
         for node in crowd:
             node.shutdown()
+
+
+@pytest.mark.network
+def test_a_stranger_asking_every_second_does_not_get_an_honest_asker_told_unreachable(
+        checker_and_asker: tuple[SwarmNode, SwarmNode, DialBackService],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One check at a time here, so the honest asker waits behind the stranger's: the stranger's
+    asks every second are refused while its check is pending (never queued ahead), a turn that
+    does not come is "try again later", and the honest check answers once the stranger's ends."""
+    checker, asker, service = checker_and_asker
+    now = [0.0]
+    service.clock = lambda: now[0]
+    service.line = CheckLine(parallel=1, per_host=4, total=16)
+    stranger = SwarmNode.start("stranger", [checker.addresses()[0]], LinkProfile(),
+                               TensorLimits(), identity=Identity.generate())
+    release = threading.Event()
+    real_dial = dialback._dial
+
+    async def stranger_never_answers(probe: Any, peer: str, address: str,
+                                     timeout_s: float) -> str | None:
+        if peer == stranger.peer_id:  # ports where nothing answers, until the test says
+            await asyncio.to_thread(release.wait, 60)
+            return "no answer"
+        return await real_dial(probe, peer, address, timeout_s)
+
+    monkeypatch.setattr(dialback, "_dial", stranger_never_answers)
+    scan = DialBackRequest(ports=[1, 2, 3, 4], relays=[])
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held = pool.submit(stranger.call_sync, checker.peer_id, DIAL_BACK, scan)
+            wait_until(lambda: service.line.running == 1)
+            for _ in range(10):  # the stranger asks again every second
+                now[0] += 1.0
+                with pytest.raises(PeerRefused, match="a check of this peer's is pending; try "
+                                                      "again later"):
+                    stranger.call_sync(checker.peer_id, DIAL_BACK, scan)
+            assert service.line.waiting == 0 and checker.strikes(stranger.peer_id) == 0
+            # A turn that does not come in time is "try again later", never "not reachable".
+            monkeypatch.setattr(dialback, "LINE_WAIT_S", 0.0)
+            with pytest.raises(CheckersBusy, match="its turn did not come within 0s"):
+                check_reachability(asker, [checker.peer_id], [], busy_wait_s=0)
+            monkeypatch.setattr(dialback, "LINE_WAIT_S", 60.0)
+            honest = pool.submit(check_reachability, asker, [checker.peer_id], [])
+            wait_until(lambda: service.line.waiting == 1)
+            release.set()  # the stranger's check ends: the honest one has its turn
+            report = honest.result(timeout=60)
+            port = asker.addresses()[0].split("/tcp/")[1].split("/")[0]
+            assert report.direct == f"/ip4/127.0.0.1/tcp/{port}"
+            assert held.result(timeout=60)[0].direct == ""
+        assert service.checks == 2 and service.deferred == 11 and service.pending == 0
+    finally:
+        release.set()
+        stranger.shutdown()
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Until `condition()` holds (an event of the checker's loop), or fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.02)
 
 
 def test_a_node_taking_its_probes_place_starts_once_more_when_no_initial_peer_answers(
@@ -232,3 +292,46 @@ def test_a_node_whose_initial_peers_do_not_answer_leaves_no_daemon_socket_behind
         with pytest.raises(SwarmStartError, match="none of the initial peers answered"):
             SwarmNode.start("lonely", [address], LinkProfile(), TensorLimits())
     assert set(glob.glob("/tmp/hivemind-*.sock")) <= sockets_before
+
+
+@pytest.mark.network
+def test_a_route_record_cannot_aim_a_node_at_a_third_host(
+        checker_and_asker: tuple[SwarmNode, SwarmNode, DialBackService]) -> None:
+    """A stranger's record naming 8 ports of another host (127.0.0.2 here), directly and as
+    circuits through relays nobody knows, is never dialed; an honest peer's own route, at the
+    host it was seen at, still is."""
+    checker, asker, _ = checker_and_asker
+    stranger = SwarmNode.start("stranger", [checker.addresses()[0]], LinkProfile(),
+                               TensorLimits(), identity=Identity.generate())
+    third_host = [socket.create_server(("127.0.0.2", 0)) for _ in range(8)]
+    try:
+        ports = [server.getsockname()[1] for server in third_host]
+        scan = RouteRecord(addresses=[f"/ip4/127.0.0.2/tcp/{port}" for port in ports],
+                           relayed=False)
+        relay = Identity.generate().peer_id
+        circuits = RouteRecord(addresses=[f"/ip4/127.0.0.2/tcp/{port}/p2p/{relay}/p2p-circuit"
+                                          for port in ports], relayed=True)
+        # Once the stranger is gone (the daemon's connect returns at once for a peer it is
+        # connected to, dialing nothing), its records stay in the DHT for their lifetime.
+        stranger.run(stranger.announce_routes(scan, 60), timeout=30)
+        stranger.shutdown()
+        assert not checker.run(checker._connect_by_routes(stranger.peer_id), timeout=60)
+        assert checker.route_screen.refused == 8
+        # Circuits through a relay nobody knows, at that host, are not dialed either.
+        assert checker.route_screen.usable(stranger.peer_id, circuits, {}) == []
+        assert checker.route_screen.refused == 16
+        for server in third_host:  # nothing ever connected to the third host
+            server.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                server.accept()
+        # The honest asker's route at the host it reached the checker from is dialed.
+        asker.call_sync(checker.peer_id, DIAL_BACK, DialBackRequest(ports=[], relays=[]))
+        own = RouteRecord(addresses=[asker.addresses()[0].rsplit("/p2p/", 1)[0]],
+                          relayed=False)
+        asker.run(asker.announce_routes(own, 60), timeout=30)
+        assert checker.run(checker._connect_by_routes(asker.peer_id), timeout=60)
+        assert checker.route_screen.refused == 16
+    finally:
+        for server in third_host:
+            server.close()
+        stranger.shutdown()

@@ -38,6 +38,7 @@ from decentrl.net.records import (
     decode_records,
     record_payload,
 )
+from decentrl.net.session import new_session
 from decentrl.net.wire import TensorLimits, encode_struct
 from decentrl.swarm.launch import choose_stage
 from decentrl.swarm.manifest import publish_manifest, read_manifest, run_manifest
@@ -144,7 +145,7 @@ def peer_record(name: str, stage: int = 0, version: int = 0,
 
 def test_readers_skip_and_count_bodies_that_do_not_decode_or_belong_elsewhere() -> None:
     entries = {"good": encode_struct(peer_record("a")), "garbage": b"\xff\x00",
-               "lineage": encode_struct(LineageRecord(stage=0, publisher="p", hashes={1: "h"})),
+               "lineage": encode_struct(LineageRecord(stage=0, publisher="p", hashes={1: "h"}, session="s")),
                "elsewhere": encode_struct(peer_record("b", stage=1))}
     found, skipped = decode_records(entries, PeerRecord, stage=0)
     assert found == {"good": peer_record("a")} and skipped == 3
@@ -240,7 +241,8 @@ def test_a_stranger_writing_subkey_0_stops_no_directory_and_no_sync(tiny_sharp_d
         later = get_dht_time() + 60
         hostile = {stage_key(config.name, 0): encode_struct(peer_record("zero")),
                    lineage_key(config.name, 0): encode_struct(
-                       LineageRecord(stage=0, publisher=stranger.peer_id, hashes={99: "h"}))}
+                       LineageRecord(stage=0, publisher=stranger.peer_id, hashes={99: "h"},
+                                     session=new_session()))}
         for key, body in hostile.items():
             value = forged(stranger.identity, "0", body, DHTID.generate(source=key).to_bytes(),
                            later)
@@ -287,13 +289,13 @@ def test_a_signed_but_malformed_body_is_skipped_and_counted(tiny_sharp_dir: Path
 def test_only_the_run_owners_manifest_is_read(tiny_model_dir: Path) -> None:
     config = tiny_run_config(tiny_model_dir, 1)
     with nodes(3) as (owner, stranger, joiner):
-        publish_manifest(owner, run_manifest(config, roster=[]), 60)
+        publish_manifest(owner, run_manifest(config, roster=[], session=new_session()), 60)
         assert read_manifest(joiner, config.name, owner.peer_id).config_json == \
             config.model_dump_json()
         # A stranger announces a run of the same name with its own config: a peer told the
         # owner's id never reads it.
         hostile = config.model_copy(update={"seed": config.seed + 1})
-        publish_manifest(stranger, run_manifest(hostile, roster=[]), 60)
+        publish_manifest(stranger, run_manifest(hostile, roster=[], session=new_session()), 60)
         assert read_manifest(joiner, config.name, owner.peer_id).config_json == \
             config.model_dump_json()
         assert read_manifest(joiner, config.name, stranger.peer_id).config_json == \

@@ -32,6 +32,7 @@ from decentrl.net.protocol import (
     AuditLoad,
     StateRequest,
 )
+from decentrl.net.session import new_session
 from decentrl.net.wire import TensorLimits, WireError
 from decentrl.rollout.sampling import SamplingConfig, sampling_config
 from decentrl.swarm.adversary import hostile_peer
@@ -116,7 +117,7 @@ def audited_trainer(swarm: Swarm, admitted: Callable[[str], bool]
     reputation = Reputation(config.trust.ban_score, config.trust.ban_s)
     directory.distrusted = reputation.banned
     if swarm.lineage is None:
-        swarm.lineage = LineageSigner(swarm.client, config)
+        swarm.lineage = LineageSigner(swarm.client, config, new_session())
     audit = TrainAudit(swarm.client, directory, config, admitted, reputation)
     workers = [RemoteStageWorker(swarm.client, directory, stage, config.num_stages, config.swarm,
                                  admitted, swarm.lineage) for stage in range(config.num_stages)]

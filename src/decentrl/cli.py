@@ -265,7 +265,9 @@ def coordinate(
         console.print(joining, soft_wrap=True, highlight=False, markup=False)
         summary = coordinator.run(wait_s=wait)
         console.print(f"{summary.steps} steps; after: pass@1 {summary.after.pass1.as_percent()}")
-        announce_run_end(node, run_config.name, summary.steps)  # its peers stop
+        # Its peers stop (those of this session: net/session.py).
+        announce_run_end(node, run_config.name, summary.steps,
+                         coordinator.backend.manifest.session)
         if summary.before is not None:
             console.print(before_after_table(summary))
         model_dir, report_path = release(run_config, console)

@@ -76,6 +76,7 @@ from decentrl.net.reach import (
     through_relay,
 )
 from decentrl.net.records import MAX_RECORD_BYTES, SignedRecordValidator
+from decentrl.net.route_screen import RouteScreen, connected_hosts
 from decentrl.net.streams import ErrorFrame, FrameReader, StreamStalled, write_frame
 from decentrl.net.text import peer_text
 from decentrl.net.wire import (
@@ -361,6 +362,7 @@ class SwarmNode:
         # record may list addresses where nobody answers).
         self.circuits = Circuits()
         self._routes_failed: dict[str, float] = {}
+        self.route_screen = RouteScreen()  # which announced routes may be dialed
         self._reached: OrderedDict[str, None] = OrderedDict()  # peers a stream opened to
         # Of what this node sent (requests to peers it reached through a relay, replies to
         # requests that came through one), the bytes that crossed a relay.
@@ -401,6 +403,7 @@ class SwarmNode:
 
     async def _start(self, initial_peers: list[str], network: NetworkOptions) -> None:
         self.network = network
+        self.route_screen.know_relays([*initial_peers, *network.relays])
         options, flags = network.daemon_options(initial_peers)
         # The daemon reads its key from a file at start: a private one in a fresh 0700 folder,
         # gone as soon as the daemon runs.
@@ -574,6 +577,7 @@ class SwarmNode:
         async def handle_stream(info: StreamInfo, reader: asyncio.StreamReader,
                                 writer: asyncio.StreamWriter) -> None:
             sender = str(info.peer_id)
+            self.route_screen.saw(sender, str(info.addr))
             stream = FrameReader(reader, f"{rpc.method} request", limit, self.read_timeout_s,
                                  self.inflight)
             with contextlib.closing(writer):
@@ -1059,13 +1063,16 @@ class SwarmNode:
         return record
 
     async def _connect_by_routes(self, peer: str) -> bool:
-        """Connect to `peer` through the first route of its record that works; False if none
-        did (or it announces none)."""
+        """Connect to `peer` through the first route of its record that works and that cannot
+        aim this node at a third host (net/route_screen.py); False if none did (or it announces
+        none)."""
         assert self.p2p is not None
         if time.monotonic() - self._routes_failed.get(peer, -ROUTES_RETRY_S) < ROUTES_RETRY_S:
             return False
         record = await self.routes_of(peer)
-        for address in record.addresses if record is not None else ():
+        routes = self.route_screen.usable(peer, record, await connected_hosts(self.p2p)) \
+            if record is not None else []
+        for address in routes:
             if not await self._dial(peer, address):
                 continue
             if through_relay(address):

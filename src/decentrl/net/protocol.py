@@ -99,6 +99,9 @@ class RunManifest(Body):
     model_hash: str  # model/loading.py model_fingerprint of the base model
     stages: list[tuple[int, int]]  # each stage's layers [start, stop)
     roster: list[RosterEntry]  # the admitted training peers, one per stage once connected
+    # Drawn at each start of the coordinator (net/session.py): every other record the owner
+    # signs for the run names it, and counts only while it is this manifest's.
+    session: str
 
 
 def ended_key(run: str) -> str:
@@ -107,10 +110,12 @@ def ended_key(run: str) -> str:
 
 class RunEnded(Body):
     """The owner's word that its run is over (under `ended_key`, owner's subkey): its peers
-    stop serving, unless told to keep serving."""
+    stop serving, unless told to keep serving. It ends the session it names only: a resumed run
+    (a new session) is not stopped by the record of an earlier start, which lives an hour."""
 
     run: str
     steps: int
+    session: str
 
 
 class LineageRecord(Body):
@@ -122,6 +127,7 @@ class LineageRecord(Body):
     stage: int
     publisher: str
     hashes: dict[int, str]  # version -> state hash, the newest versions only
+    session: str  # the manifest's (net/session.py): versions of an earlier start are void
 
 
 class RolloutsQueued(Body):

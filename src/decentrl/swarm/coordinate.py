@@ -43,6 +43,7 @@ from decentrl.model.stages import StagePlan
 from decentrl.net.directory import Directory, SwarmUnavailable
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import SHARD_CHUNK_BYTES, PeerRecord, RosterEntry, RunSizes, layer_span
+from decentrl.net.session import new_session
 from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.net.text import peer_text
 from decentrl.observe.dashboard import DashboardServer
@@ -210,8 +211,8 @@ class SwarmBackend:
             torch.set_num_threads(config.threads)  # the coordinator relays; the peers compute
         self.config, self.node, self.console = config, node, console
         self.manifest_ttl_s = 5 * config.swarm.announce_every_s
-        # Everything but the roster is fixed for the run: hashed once, not every announcement.
-        self.manifest = run_manifest(config, roster=[])
+        # Everything but the roster is fixed for this start: hashed once, not every announcement.
+        self.manifest = run_manifest(config, roster=[], session=new_session())
         node.sizes = RunSizes.of(self.spec, config)  # bounds the replies it collects
         self.checkpoints = CheckpointLayout(config.path / "checkpoints")
         # What each stage's checkpoint shard may take: a training peer's report is bounded by it.
@@ -236,7 +237,7 @@ class SwarmBackend:
             self.trust.reputation.admitted = lambda peer: peer in self.admitted_replicas
         self.chain = RemoteChain(node, self.directory, config.swarm, config.trust, self.spec,
                                  self.trust.reputation)
-        self.lineage = LineageSigner(node, config)
+        self.lineage = LineageSigner(node, config, self.manifest.session)
         self.workers = [RemoteStageWorker(node, self.directory, stage, config.num_stages,
                                           config.swarm, self.admitted, self.lineage)
                         for stage in range(config.num_stages)]

@@ -31,6 +31,7 @@ from decentrl.net.node import LOOPBACK_ONLY, SwarmNode
 from decentrl.net.protocol import PeerRecord, Role, layer_span, stage_key
 from decentrl.net.reach import NetworkOptions
 from decentrl.net.records import decode_records
+from decentrl.net.session import new_session
 from decentrl.net.wire import TensorLimits, WireError
 from decentrl.swarm.adversary import (
     ADVERSARIES,
@@ -42,12 +43,12 @@ from decentrl.swarm.adversary import (
     submit_replays,
 )
 from decentrl.swarm.manifest import (
+    RunEndWatch,
     accept_manifest,
     admit,
     check_peer_id,
     owner_identity,
     publish_manifest,
-    read_run_end,
     run_manifest,
     wait_for_manifest,
 )
@@ -103,15 +104,21 @@ def choose_stage(node: SwarmNode, config: RunConfig, role: Role) -> int:
                                          if count == least])
 
 
-def run_ended(node: SwarmNode, config: RunConfig, owner: str, console: Console) -> bool:
-    """Whether the owner said the run ended (said so on `console`); False when unsure."""
+def run_ended(node: SwarmNode, watch: RunEndWatch, console: Console,
+              report: Callable[[dict[str, Any]], None]) -> bool:
+    """Whether the owner ended the session this peer serves (said so on `console`); False when
+    unsure. A `RunEnded` of another session is reported once (`run_end_ignored`)."""
+    reported = len(watch.ignored)
     try:
-        ended = read_run_end(node, config.name, owner)
+        ended = watch.ended(node)
     except (WireError, TimeoutError, RuntimeError) as error:
-        log.info("could not read whether run %s ended: %s", config.name, error)
+        log.info("could not read whether run %s ended: %s", watch.run, error)
         return False
+    for reason in watch.ignored[reported:]:
+        log.warning("%s", reason)
+        report({"run_end_ignored": reason})
     if ended is not None:
-        console.print(f"run {config.name!r} ended after {ended.steps} steps; stopping",
+        console.print(f"run {watch.run!r} ended after {ended.steps} steps; stopping",
                       markup=False, highlight=False)
     return ended is not None
 
@@ -174,6 +181,8 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
         if joined_by_name:  # its node started before it knew the run's link and threads
             node.configure(link_profile(config), config.threads)
 
+        watch = RunEndWatch(config.name, owner, manifest.session)
+
         def until_stopped() -> None:
             checked = time.monotonic()
             while not stop.wait(1.0):
@@ -182,7 +191,7 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
                     break
                 if not keep_serving and time.monotonic() - checked > RUN_END_CHECK_S:
                     checked = time.monotonic()
-                    if run_ended(node, config, owner, console):
+                    if run_ended(node, watch, console, report):
                         break
             stop.set()
 
@@ -344,7 +353,7 @@ class LocalSwarm:
 
     def _announce_run(self, stop: threading.Event) -> None:
         assert self.bootstrap is not None
-        manifest = run_manifest(self.config, roster=[])
+        manifest = run_manifest(self.config, roster=[], session=new_session())
         every_s = self.config.swarm.announce_every_s
         while True:
             try:

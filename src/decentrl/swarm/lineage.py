@@ -51,8 +51,10 @@ class Published:
 
 
 class LineageSigner:
-    def __init__(self, node: SwarmNode, config: RunConfig) -> None:
-        self.node, self.run = node, config.name
+    def __init__(self, node: SwarmNode, config: RunConfig, session: str) -> None:
+        """`session`: the run manifest's (net/session.py); replicas take the records of that
+        session only, so a chain signed at an earlier start of the run is void."""
+        self.node, self.run, self.session = node, config.name, session
         # A replica more than this many versions behind is planned from a keyframe, and
         # keyframes are at most keyframe_every versions apart: every manifest of its plan is here.
         self.keep = 2 * config.sync.keyframe_every + 8
@@ -156,7 +158,8 @@ class LineageSigner:
             hashes.update(signed)
             kept = sorted(hashes)[-self.keep:]
             record = LineageRecord(stage=event.stage, publisher=event.peer,
-                                   hashes={version: hashes[version] for version in kept})
+                                   hashes={version: hashes[version] for version in kept},
+                                   session=self.session)
             self.records[event.stage] = record
             if fidelity is not None:
                 self.fidelity[event.stage] = fidelity

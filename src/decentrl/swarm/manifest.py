@@ -3,9 +3,12 @@
 The run's identity is its owner's key: the coordinator runs under `RUN/keys/owner.key` (made on
 the first start, kept across restarts, so a resumed run is the same run to its peers). The owner
 publishes a `RunManifest` (net/protocol.py) in the DHT under its own peer id: the run's config and
-its hash, the model's hash, the stage plan and the roster of admitted training peers. The record
-is signed (net/records.py), and a peer reads it from the owner's subkey only, so nobody else can
-hand a peer a config.
+its hash, the model's hash, the stage plan, the roster of admitted training peers and the
+session drawn at this start of the coordinator (net/session.py). The record is signed
+(net/records.py), and a peer reads it from the owner's subkey only, so nobody else can hand a peer
+a config. The owner's `RunEnded` names the session it ends: a peer stops only for the session of
+the owner's newest manifest, so the record of an earlier start (live for an hour, and anyone may
+store a signed copy again) does not stop a resumed run.
 
 Training peers are admitted by the run's operator, not by the swarm: `RUN/admitted.txt` lists
 the peer ids allowed to train, one per line (`decentrl coordinate --admit ID` appends one; a
@@ -22,6 +25,7 @@ import hashlib
 import json
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -36,6 +40,7 @@ from decentrl.net.dht_storage import MAX_RECORD_TTL_S, RunNamespace
 from decentrl.net.identity import Identity, SignatureError, public_key_of
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import RosterEntry, RunEnded, RunManifest, coordinator_key, ended_key
+from decentrl.net.session import owner_session, session_mismatch
 from decentrl.net.wire import WireError, decode_struct, encode_struct
 from decentrl.progress import progress_bar
 
@@ -99,11 +104,13 @@ def stage_layers(config: RunConfig, spec: ModelSpec) -> list[tuple[int, int]]:
             for stage in range(config.num_stages)]
 
 
-def run_manifest(config: RunConfig, roster: list[RosterEntry]) -> RunManifest:
+def run_manifest(config: RunConfig, roster: list[RosterEntry], session: str) -> RunManifest:
+    """`session`: this start's (net/session.py `new_session`)."""
     folder = resolve_model(config.model)
     return RunManifest(run=config.name, config_json=config.model_dump_json(),
                        config_hash=config_hash(config), model_hash=model_fingerprint(folder),
-                       stages=stage_layers(config, model_spec(folder)), roster=roster)
+                       stages=stage_layers(config, model_spec(folder)), roster=roster,
+                       session=session)
 
 
 def publish_manifest(node: SwarmNode, manifest: RunManifest, ttl_s: float) -> None:
@@ -121,17 +128,42 @@ def read_manifest(node: SwarmNode, run: str, owner: str) -> RunManifest | None:
     return _owners_record(node, coordinator_key(run), owner, RunManifest, run)
 
 
-def announce_run_end(node: SwarmNode, run: str, steps: int,
+def announce_run_end(node: SwarmNode, run: str, steps: int, session: str,
                      ttl_s: float = MAX_RECORD_TTL_S) -> None:
-    """Tell the run's peers that it is over (they stop, unless they keep serving)."""
-    node.run(node.announce(ended_key(run), encode_struct(RunEnded(run=run, steps=steps)), ttl_s),
-             timeout=LOOKUP_TIMEOUT_S)
+    """Tell the run's peers that its session `session` is over (they stop, unless they keep
+    serving)."""
+    record = RunEnded(run=run, steps=steps, session=session)
+    node.run(node.announce(ended_key(run), encode_struct(record), ttl_s), timeout=LOOKUP_TIMEOUT_S)
 
 
-def read_run_end(node: SwarmNode, run: str, owner: str) -> RunEnded | None:
-    """The owner's word that `run` ended, or None; what anyone else wrote there is not read, and
-    a record the owner signed for another run is refused."""
-    return _owners_record(node, ended_key(run), owner, RunEnded, run)
+@dataclass
+class RunEndWatch:
+    """A joined peer's watch for its owner's word that the run ended. `session`: the one the
+    peer serves, the session of the owner's newest manifest (first the one it joined by, then
+    each one the owner announced since: a coordinator restarted while the peer served);
+    `ignored`: why each `RunEnded` of another session was ignored, once each (only the owner
+    writes one, once per start of the run)."""
+
+    run: str
+    owner: str
+    session: str
+    ignored: list[str] = field(default_factory=list)
+
+    def ended(self, node: SwarmNode) -> RunEnded | None:
+        """The owner's `RunEnded` of the session the peer serves, or None. One of another session
+        is added to `ignored` (the first time); one the owner signed for another run is refused
+        (WireError); what anyone else wrote is not read."""
+        self.session = node.run(owner_session(node, self.run, self.owner),
+                                timeout=LOOKUP_TIMEOUT_S) or self.session
+        ended = _owners_record(node, ended_key(self.run), self.owner, RunEnded, self.run)
+        if ended is None:
+            return None
+        ignored = session_mismatch("RunEnded", ended.session, self.session)
+        if ignored is None:
+            return ended
+        if ignored not in self.ignored:
+            self.ignored.append(ignored)
+        return None
 
 
 OwnersRecord = TypeVar("OwnersRecord", RunManifest, RunEnded)

@@ -62,6 +62,7 @@ from decentrl.net.protocol import (
     stage_key,
 )
 from decentrl.net.records import decode_records
+from decentrl.net.session import owner_session, session_mismatch
 from decentrl.net.wire import WireError
 from decentrl.sync.delta import (
     PublishedState,
@@ -291,6 +292,8 @@ class WeightFollower(UpdateServer):
         self.probing: asyncio.Future[None] | None = None
         self.hash_mismatches = 0
         self.skipped_records = 0  # malformed records met so far, once per lookup that met each
+        self.stale_records = 0  # lineages of another session than the manifest's, per lookup
+        self.session: str | None = None  # of the owner's newest manifest seen (net/session.py)
         self._want_keyframe = False
         self._sync_lock: asyncio.Lock | None = None
         self.wake = asyncio.Event()
@@ -343,11 +346,23 @@ class WeightFollower(UpdateServer):
     async def lineage(self) -> LineageRecord | None:
         """The run owner's signed lineage of this stage, or None while there is none (or it is
         malformed, which is counted: a reader never fails on a record)."""
-        entries = await self.node.lookup(lineage_key(self.run, self.stage))
+        entries, session = await asyncio.gather(
+            self.node.lookup(lineage_key(self.run, self.stage)),
+            owner_session(self.node, self.run, self.owner))
         owned = {self.owner: entries[self.owner]} if self.owner in entries else {}
         found, skipped = decode_records(owned, LineageRecord, self.stage)
         self.skipped_records += skipped
         lineage = found.get(self.owner)
+        # Signed at an earlier start of the run (net/session.py): its publisher and versions are
+        # void. The session is the newest manifest's, kept while none is live (before the
+        # first, there is none to hold a lineage to).
+        self.session = session or self.session
+        stale = lineage is not None and self.session is not None \
+            and session_mismatch("LineageRecord", lineage.session, self.session)
+        if stale:
+            self.stale_records += 1
+            log.info("stage %d: %s", self.stage, stale)
+            return None
         return lineage if lineage is not None and lineage.hashes else None
 
     async def _replicas(self) -> list[str]:
