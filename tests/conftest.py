@@ -26,9 +26,14 @@ from decentrl.rollout.types import Rollout
 # each: with the tests' ~30 message types and payloads, over 100,000 in all (minutes).
 REGULAR_EXAMPLES_PER_TEST = 150
 FUZZ_EXAMPLES_PER_TEST = 4_000
+# What `make fuzz` promises: a session under DECENTRL_FUZZ that ran fewer examples fails (hypothesis
+# stops a test early when it runs out of distinct inputs, and a test may stop counting: either
+# would shrink the run silently otherwise).
+FUZZ_FLOOR = 100_000
+FUZZING = os.environ.get("DECENTRL_FUZZ") == "1"
 settings.register_profile("decentrl", max_examples=REGULAR_EXAMPLES_PER_TEST)
 settings.register_profile("fuzz", max_examples=FUZZ_EXAMPLES_PER_TEST)
-settings.load_profile("fuzz" if os.environ.get("DECENTRL_FUZZ") == "1" else "decentrl")
+settings.load_profile("fuzz" if FUZZING else "decentrl")
 
 _FUZZ_TALLY = FuzzTally()
 
@@ -55,10 +60,22 @@ def fuzz_outcomes(request: pytest.FixtureRequest) -> Outcomes:
     return _FUZZ_TALLY.start(request.node.nodeid)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under DECENTRL_FUZZ, a session whose fuzz tests all passed but ran fewer than FUZZ_FLOOR
+    examples in all fails (`make fuzz` runs every fuzz test; a selection of them falls short)."""
+    if FUZZING and _FUZZ_TALLY.tests and session.exitstatus == pytest.ExitCode.OK \
+            and _FUZZ_TALLY.examples < FUZZ_FLOOR:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The number of fuzz examples the session ran: the figure `make fuzz` is run for."""
     if _FUZZ_TALLY.tests:
         terminalreporter.write_line(_FUZZ_TALLY.summary(settings.get_current_profile_name()))
+    if FUZZING and _FUZZ_TALLY.tests and _FUZZ_TALLY.examples < FUZZ_FLOOR:
+        terminalreporter.write_line(
+            f"FAILED: the fuzz floor is {FUZZ_FLOOR:,} examples (DECENTRL_FUZZ=1), this session "
+            f"ran {_FUZZ_TALLY.examples:,}", red=True, bold=True)
 
 # The tiny models' matmuls are microseconds long: a second intra-op thread buys nothing, and on a
 # busy machine its spin-waits make a forward pass 100x slower (0.7 s instead of 4 ms).
