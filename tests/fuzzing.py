@@ -9,6 +9,7 @@ are also the number of examples it ran, which `make fuzz` prints (tests/conftest
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,25 @@ import msgspec
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-# The number of examples is the profile's (tests/conftest.py).
+# `make test` runs each fuzz test of tests/test_fuzz*.py on 150 examples (seconds in all).
+# `make fuzz` (DECENTRL_FUZZ=1) runs FUZZ_EXAMPLES_PER_TEST each (the network ones an eighth of
+# it): with the tests' ~35 message types, records, streams and payloads, about 145,000 in all
+# (about three minutes on two cores).
+REGULAR_EXAMPLES_PER_TEST = 150
+FUZZ_EXAMPLES_PER_TEST = 3_000
+# What `make fuzz` promises: a session under DECENTRL_FUZZ that ran fewer examples fails
+# (tests/conftest.py). hypothesis stops a test early when it runs out of distinct inputs, and a
+# settings object made before its profile was loaded keeps the default of 100: either would
+# shrink the run silently otherwise.
+FUZZ_FLOOR = 100_000
+FUZZING = os.environ.get("DECENTRL_FUZZ") == "1"
+settings.register_profile("decentrl", max_examples=REGULAR_EXAMPLES_PER_TEST)
+settings.register_profile("fuzz", max_examples=FUZZ_EXAMPLES_PER_TEST)
+settings.load_profile("fuzz" if FUZZING else "decentrl")
+# Tests whose every example is a round trip to a live node (tests/test_fuzz_node.py).
+NETWORK_EXAMPLES_PER_TEST = max(40, settings.default.max_examples // 8)
+
+# Every fuzz test's settings; the number of examples is the profile's, loaded above first.
 FUZZ = settings(deadline=2000,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -45,24 +64,30 @@ def flip(position: int, value: int) -> Edits:
     return [(0, position, value)]
 
 
-
 # ---- any bytes as a message type ---------------------------------------------------------------
 
-def wire_values(info: msgspec.inspect.Type) -> st.SearchStrategy[Any]:
+# Any int msgpack carries.
+ANY_INT = st.integers(-2**63, 2**64 - 1)
+
+
+def wire_values(info: msgspec.inspect.Type, ints: st.SearchStrategy[int] = ANY_INT
+                ) -> st.SearchStrategy[Any]:
     """What msgpack carries for a message field's type: structs as maps of their fields (the
-    optional ones present or not), ints in [-2**63, 2**64). Values are drawn as a peer could send
-    them, so the receiver's validation (a struct's __post_init__) refuses some."""
+    optional ones present or not), ints drawn from `ints` (any a msgpack int can hold, or small
+    ones, which reach the checks after decoding more often). Values are drawn as a peer could
+    send them, so the receiver's validation (a struct's __post_init__) refuses some."""
     match info:
         case (msgspec.inspect.StructType(fields=fields)
               | msgspec.inspect.DataclassType(fields=fields)):
             return st.fixed_dictionaries(
-                {field.encode_name: wire_values(field.type) for field in fields if field.required},
-                optional={field.encode_name: wire_values(field.type)
+                {field.encode_name: wire_values(field.type, ints)
+                 for field in fields if field.required},
+                optional={field.encode_name: wire_values(field.type, ints)
                           for field in fields if not field.required})
         case msgspec.inspect.NamedTupleType(fields=fields):
-            return st.tuples(*(wire_values(field.type) for field in fields))
+            return st.tuples(*(wire_values(field.type, ints) for field in fields))
         case msgspec.inspect.IntType():
-            return st.integers(-2**63, 2**64 - 1)
+            return ints
         case msgspec.inspect.FloatType():
             return st.floats()
         case msgspec.inspect.StrType():
@@ -76,14 +101,14 @@ def wire_values(info: msgspec.inspect.Type) -> st.SearchStrategy[Any]:
         case msgspec.inspect.LiteralType(values=values):
             return st.sampled_from(values)
         case msgspec.inspect.UnionType(types=types):
-            return st.one_of(*(wire_values(member) for member in types))
+            return st.one_of(*(wire_values(member, ints) for member in types))
         case msgspec.inspect.ListType(item_type=item) | msgspec.inspect.VarTupleType(
                 item_type=item):
-            return st.lists(wire_values(item), max_size=3)
+            return st.lists(wire_values(item, ints), max_size=3)
         case msgspec.inspect.TupleType(item_types=items):
-            return st.tuples(*(wire_values(item) for item in items))
+            return st.tuples(*(wire_values(item, ints) for item in items))
         case msgspec.inspect.DictType(key_type=key, value_type=value):
-            return st.dictionaries(wire_values(key), wire_values(value), max_size=3)
+            return st.dictionaries(wire_values(key, ints), wire_values(value, ints), max_size=3)
     raise TypeError(f"no strategy for a message field of type {info}")
 
 

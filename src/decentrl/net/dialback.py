@@ -88,10 +88,11 @@ class CheckersBusy(RuntimeError):
 
 class DialBackService:
     """Serves `dial_back` on a directly reachable node; its probe daemon starts with it (so its
-    sockets are known from the start, `socket_paths`) and stops with `close()`."""
+    sockets are known from the start, `socket_paths`) and stops with `close()`. `clock` paces
+    each asker's checks (injected by tests)."""
 
-    def __init__(self, node: SwarmNode) -> None:
-        self.node = node
+    def __init__(self, node: SwarmNode, clock: Callable[[], float] = time.monotonic) -> None:
+        self.node, self.clock = node, clock
         self.checks = 0  # run to the end
         self.pending = 0  # running or waiting for the probe
         self._last: dict[str, float] = {}
@@ -116,7 +117,7 @@ class DialBackService:
             raise ValueError(f"dial_back takes at most {MAX_PORTS} TCP ports in 1-65535")
         if len(body.relays) > MAX_RELAYS:
             raise ValueError(f"dial_back takes at most {MAX_RELAYS} relays")
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last.get(sender, -CHECK_EVERY_S) < CHECK_EVERY_S:
             raise CheckDeferred(f"one check every {CHECK_EVERY_S:.0f}s")
         if self.pending >= MAX_PENDING_CHECKS:
