@@ -1,18 +1,20 @@
 """Shared fixtures: tiny random models written once per test session (a few milliseconds each).
-Also hypothesis's profiles for the fuzz tests and the count of the examples they ran."""
+Also the count of the examples the fuzz tests ran (their floor under `make fuzz`), and a guard
+that fails a test which starts a p2p daemon without the network marker."""
 
 from __future__ import annotations
 
 import logging
-import os
 import string
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from fuzzing import FuzzTally, Outcomes
+from fuzzing import FUZZ_FLOOR, FUZZING, FuzzTally, Outcomes
 from helpers import sampled_rollouts
+from hivemind.p2p import P2P
 from hypothesis import settings
 from safetensors.torch import load_file, save_file
 
@@ -21,15 +23,7 @@ from decentrl.model.tiny import make_tiny_model
 from decentrl.rollout.types import Rollout
 
 # ---- fuzzing ------------------------------------------------------------------------------------
-# `make test` runs each fuzz test of tests/test_fuzz.py on 150 examples (seconds in all).
-# `make fuzz` (DECENTRL_FUZZ=1, or pytest's `--hypothesis-profile fuzz`) runs FUZZ_EXAMPLES_PER_TEST
-# each: with the tests' ~30 message types and payloads, over 100,000 in all (minutes).
-REGULAR_EXAMPLES_PER_TEST = 150
-FUZZ_EXAMPLES_PER_TEST = 4_000
-settings.register_profile("decentrl", max_examples=REGULAR_EXAMPLES_PER_TEST)
-settings.register_profile("fuzz", max_examples=FUZZ_EXAMPLES_PER_TEST)
-settings.load_profile("fuzz" if os.environ.get("DECENTRL_FUZZ") == "1" else "decentrl")
-
+# hypothesis's profiles are tests/fuzzing.py's (loaded as it is imported, above).
 _FUZZ_TALLY = FuzzTally()
 
 
@@ -55,10 +49,44 @@ def fuzz_outcomes(request: pytest.FixtureRequest) -> Outcomes:
     return _FUZZ_TALLY.start(request.node.nodeid)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under DECENTRL_FUZZ, a session whose fuzz tests all passed but ran fewer than FUZZ_FLOOR
+    examples in all fails (`make fuzz` runs every fuzz test; a selection of them falls short)."""
+    if FUZZING and _FUZZ_TALLY.tests and session.exitstatus == pytest.ExitCode.OK \
+            and _FUZZ_TALLY.examples < FUZZ_FLOOR:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The number of fuzz examples the session ran: the figure `make fuzz` is run for."""
     if _FUZZ_TALLY.tests:
         terminalreporter.write_line(_FUZZ_TALLY.summary(settings.get_current_profile_name()))
+    if FUZZING and _FUZZ_TALLY.tests and _FUZZ_TALLY.examples < FUZZ_FLOOR:
+        terminalreporter.write_line(
+            f"FAILED: the fuzz floor is {FUZZ_FLOOR:,} examples (DECENTRL_FUZZ=1), this session "
+            f"ran {_FUZZ_TALLY.examples:,}", red=True, bold=True)
+
+# ---- the network marker --------------------------------------------------------------------------
+# `make test-unit` leaves out tests marked network, the ones that start p2p daemons: a test that
+# starts one unmarked fails here, when its daemon would start, rather than slowing or breaking a
+# run that meant to start none. (Fixtures run within the first test that uses them.)
+_network_test = False
+_create_p2p = P2P.create.__func__  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _network_test
+    _network_test = item.get_closest_marker("network") is not None
+
+
+async def _create_p2p_in_network_tests(cls: type[P2P], *args: Any, **kwargs: Any) -> P2P:
+    if not _network_test:
+        raise RuntimeError("this test starts a p2p daemon: mark it @pytest.mark.network")
+    return await _create_p2p(cls, *args, **kwargs)
+
+
+P2P.create = classmethod(_create_p2p_in_network_tests)  # type: ignore[method-assign,assignment]
 
 # The tiny models' matmuls are microseconds long: a second intra-op thread buys nothing, and on a
 # busy machine its spin-waits make a forward pass 100x slower (0.7 s instead of 4 ms).

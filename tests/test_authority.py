@@ -22,7 +22,9 @@ from decentrl.net.protocol import (
     CHECKPOINT,
     CLOSE_SESSION,
     INFERENCE_STEP,
+    RPCS,
     SYNC_PLAN,
+    TRAIN_GRAD_NORM,
     TRAIN_BACKWARD,
     TRAIN_DISCARD,
     TRAIN_FORWARD,
@@ -30,13 +32,18 @@ from decentrl.net.protocol import (
     TRAIN_STATE,
     TRAIN_STEP,
     VERIFY_STEP,
+    AuditLoad,
+    Callers,
     CheckpointRequest,
+    ChunkRequest,
     CloseSession,
     Empty,
     InferenceStep,
     LineageRecord,
     PeerRecord,
     PublishedRequest,
+    Role,
+    ShardRequest,
     StateRequest,
     SyncPlanRequest,
     TrainBackward,
@@ -66,6 +73,100 @@ COORDINATOR_ONLY = [
     (TRAIN_PUBLISHED, PublishedRequest(version=0)),
     (TRAIN_STATE, StateRequest(version=0, offset=0, count=0)),
 ]
+
+
+# Who may call each RPC, written out: turning an RPC from coordinator-only into "any peer" (or a
+# new RPC nobody thought about) must fail a test, not pass all of them.
+CALLERS: dict[str, Callers] = {
+    "inference_step": "coordinator", "close_session": "coordinator",
+    "verify_step": "coordinator", "train_forward": "coordinator",
+    "train_backward": "coordinator", "train_grad_norm": "coordinator",
+    "train_step": "coordinator", "train_discard": "coordinator", "checkpoint": "coordinator",
+    "checkpoint_shard": "coordinator", "train_published": "coordinator",
+    "train_state": "coordinator", "train_audit_load": "coordinator",
+    "sync_plan": "same stage", "sync_chunk": "same stage",
+    "submit_rollouts": "any peer", "dial_back": "any peer",
+}
+
+
+def test_every_rpc_has_the_callers_it_is_written_down_with() -> None:
+    assert {method: rpc.callers for method, rpc in RPCS.items()} == CALLERS
+
+
+# A stranger's request for every RPC that is not open to any peer, and the role of the peer that
+# serves it. The test below is parametrised over RPCS: an RPC added without a case here fails.
+STRANGER_CALLS: dict[str, tuple[Role, object]] = {
+    "inference_step": ("inference", InferenceStep(session="s", start=0, batch=1, max_length=8)),
+    "close_session": ("inference", CloseSession(session="s")),
+    "verify_step": ("inference", VerifyStep(session="s", start=0, batch=1, max_length=8,
+                                            version=0, prompt_columns=1)),
+    "train_forward": ("training", COORDINATOR_ONLY[0][1]),
+    "train_backward": ("training", TrainBackward(micro=0)),
+    "train_grad_norm": ("training", Empty()),
+    "train_step": ("training", TrainStep(grad_scale=1.0, version=1)),
+    "train_discard": ("training", Empty()),
+    "checkpoint": ("training", CheckpointRequest(action="load", version=0)),
+    "checkpoint_shard": ("training", ShardRequest(version=0, offset=0, count=16)),
+    "train_published": ("training", PublishedRequest(version=0)),
+    "train_state": ("training", StateRequest(version=0, offset=0, count=0)),
+    "train_audit_load": ("training", AuditLoad(version=0, step=0, offset=0, total=0, digest="",
+                                               names=(), sizes=())),
+    "sync_plan": ("training", SyncPlanRequest(stage=0, version=0, state_hash="")),
+    "sync_chunk": ("inference", ChunkRequest(stage=0, kind="keyframe", version=0, index=0,
+                                             wait_s=0.0)),
+}
+# What each rule answers a stranger (net/authority.py), and whether the refusal is a strike: an
+# unknown caller of a "same stage" RPC may be a replica whose announcement has not spread yet.
+REFUSALS: dict[Callers, tuple[str, int]] = {
+    "coordinator": ("{method} is for the run's coordinator \\({owner}\\) only, not for "
+                    "{stranger}", 1),
+    "same stage": ("{method} is for the coordinator and the peers announced in stage 0; "
+                   "{stranger} is not announced there", 0),
+}
+
+
+@pytest.fixture(scope="module")
+def shared_swarm_and_stranger(tiny_sharp_dir: Path) -> Iterator[tuple[Swarm, SwarmNode]]:
+    """`swarm_and_stranger` once for the module: the stranger cases only read the peers."""
+    config = tiny_run_config(tiny_sharp_dir, 1)
+    with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
+        stranger = start_node(config, "stranger", swarm.client.addresses(), TensorLimits(),
+                              LinkProfile())
+        try:
+            yield swarm, stranger
+        finally:
+            stranger.shutdown()
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("method", [method for method, rpc in RPCS.items()
+                                    if rpc.callers != "any peer"])
+def test_a_stranger_calling_any_guarded_rpc_is_refused(
+        method: str, shared_swarm_and_stranger: tuple[Swarm, SwarmNode]) -> None:
+    assert method in STRANGER_CALLS, f"{method} has no stranger case in STRANGER_CALLS"
+    swarm, stranger = shared_swarm_and_stranger
+    rpc = RPCS[method]
+    role, body = STRANGER_CALLS[method]
+    target = swarm.peer(0, role)
+    trainer_peer = swarm.peer(0, "training")
+    assert trainer_peer.training is not None
+    norm_before, _ = swarm.client.call_sync(trainer_peer.node.peer_id, TRAIN_GRAD_NORM, Empty(),
+                                            timeout=20)
+    strikes = target.node.strikes(stranger.peer_id)
+    refusal, strike = REFUSALS[rpc.callers]
+    with pytest.raises(PeerRefused, match=refusal.format(
+            method=method, owner=swarm.client.peer_id[-8:], stranger=stranger.peer_id[-8:])):
+        stranger.call_sync(target.node.peer_id, rpc, body, timeout=20)
+    assert target.node.strikes(stranger.peer_id) == strikes + strike
+    assert target.node.strikes(swarm.client.peer_id) == 0
+    # Nothing moved, and the coordinator is still served.
+    assert target.version == 0 and trainer_peer.version == 0
+    assert not trainer_peer.training.trainer.saved
+    assert swarm.peer(0, "inference").inference is not None
+    assert not swarm.peer(0, "inference").inference.sessions  # type: ignore[union-attr]
+    norm_after, _ = swarm.client.call_sync(trainer_peer.node.peer_id, TRAIN_GRAD_NORM, Empty(),
+                                           timeout=20)
+    assert norm_after == norm_before
 
 
 @pytest.fixture

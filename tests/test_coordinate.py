@@ -334,6 +334,7 @@ def test_a_checkpoint_that_cannot_be_saved_costs_that_checkpoint_only(swarm) -> 
     assert CheckpointLayout(config.path / "checkpoints").latest_version() == 6
 
 
+@pytest.mark.network
 def test_a_call_its_own_loop_never_runs_is_a_lost_message(tiny_model_dir: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The backstop of `call_sync` (the call's own timeout did not fire: the node's event loop

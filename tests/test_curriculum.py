@@ -174,16 +174,6 @@ def test_off_hands_out_the_whole_stream_and_still_estimates() -> None:
     assert curriculum.counters()["bucket_pass_rates"]
 
 
-def test_only_train_problems_are_handed_out() -> None:
-    curriculum = Curriculum(ON, TASK, GROUP_SIZE, SEED)
-    taught(curriculum)
-    indices = PromptScheduler(SEED, admits=curriculum.admits).next(500)
-    heldout = {TASK.problem("heldout", i).key for i in range(200)}
-    keys = {TASK.problem("train", i).key for i in indices}
-    assert all(split_of(key, TASK.heldout_fraction) == "train" for key in keys)
-    assert not keys & heldout
-
-
 def test_a_restart_hands_out_no_problem_twice_and_gets_its_estimates_back(
         tmp_path: Path) -> None:
     store = RunStore(tmp_path / "run.sqlite")

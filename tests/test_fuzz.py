@@ -9,18 +9,16 @@ hypothesis's profile (tests/conftest.py): a few hundred per test in `make test`,
 
 from __future__ import annotations
 
-import functools
 import inspect
-from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 import torch
-from fuzzing import Outcomes
+from fuzzing import EDITS, FUZZ, Edits, Outcomes, flip, message_bytes, mutate
 from google.protobuf.message import DecodeError
 from hivemind.proto import runtime_pb2
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from decentrl.net import protocol
@@ -50,9 +48,6 @@ from decentrl.sync.delta import (
     payload_bytes,
 )
 
-# The number of examples is the profile's (tests/conftest.py).
-FUZZ = settings(deadline=2000,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # Small limits, so a forged size is refused by a check, not by running out of memory.
 LIMITS = TensorLimits(max_elements_per_tensor=2**16, max_total_bytes=2**20, max_tensors=16)
 
@@ -61,80 +56,7 @@ MESSAGE_TYPES = [cls for _, cls in inspect.getmembers(protocol, inspect.isclass)
 MESSAGE_TYPES += [Envelope, TensorManifest, RolloutGroup]
 
 
-def mutate(data: bytes, edits: list[tuple[int, int, int]]) -> bytes:
-    """Apply (kind, position, value) edits: 0 flips a byte, 1 inserts one, 2 deletes one."""
-    out = bytearray(data)
-    for kind, position, value in edits:
-        if kind == 1 or not out:
-            out.insert(position % (len(out) + 1), value)
-        elif kind == 0:
-            out[position % len(out)] ^= value or 1
-        else:
-            del out[position % len(out)]
-    return bytes(out)
-
-
-EDITS = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2**16), st.integers(0, 255)),
-                 min_size=1, max_size=8)
-Edits = list[tuple[int, int, int]]
-
-
-def flip(position: int, value: int) -> Edits:
-    """One byte flipped: an edit that leaves what a byte-level decoder accepts when `position`
-    holds data (a string's letters, a tensor's values) rather than structure."""
-    return [(0, position, value)]
-
-
 # ---- any bytes as every message type ------------------------------------------------------------
-
-def wire_values(info: msgspec.inspect.Type) -> st.SearchStrategy[Any]:
-    """What msgpack carries for a message field's type: structs as maps of their fields (the
-    optional ones present or not), ints in [-2**63, 2**64). Values are drawn as a peer could send
-    them, so the receiver's validation (a struct's __post_init__) refuses some."""
-    match info:
-        case (msgspec.inspect.StructType(fields=fields)
-              | msgspec.inspect.DataclassType(fields=fields)):
-            return st.fixed_dictionaries(
-                {field.encode_name: wire_values(field.type) for field in fields if field.required},
-                optional={field.encode_name: wire_values(field.type)
-                          for field in fields if not field.required})
-        case msgspec.inspect.NamedTupleType(fields=fields):
-            return st.tuples(*(wire_values(field.type) for field in fields))
-        case msgspec.inspect.IntType():
-            return st.integers(-2**63, 2**64 - 1)
-        case msgspec.inspect.FloatType():
-            return st.floats()
-        case msgspec.inspect.StrType():
-            return st.text(max_size=20)
-        case msgspec.inspect.BytesType():
-            return st.binary(max_size=20)
-        case msgspec.inspect.BoolType():
-            return st.booleans()
-        case msgspec.inspect.NoneType():
-            return st.none()
-        case msgspec.inspect.LiteralType(values=values):
-            return st.sampled_from(values)
-        case msgspec.inspect.UnionType(types=types):
-            return st.one_of(*(wire_values(member) for member in types))
-        case msgspec.inspect.ListType(item_type=item) | msgspec.inspect.VarTupleType(
-                item_type=item):
-            return st.lists(wire_values(item), max_size=3)
-        case msgspec.inspect.TupleType(item_types=items):
-            return st.tuples(*(wire_values(item) for item in items))
-        case msgspec.inspect.DictType(key_type=key, value_type=value):
-            return st.dictionaries(wire_values(key), wire_values(value), max_size=3)
-    raise TypeError(f"no strategy for a message field of type {info}")
-
-
-@functools.cache  # built once per type, not once per example
-def message_bytes(message_type: type) -> st.SearchStrategy[bytes]:
-    """Random bytes (nearly always refused), a well-formed message of the type (accepted unless
-    its values are out of range, so the checks on a decoded message run for every type), or a
-    well-formed one mutated (either)."""
-    well_formed = wire_values(msgspec.inspect.type_info(message_type)).map(msgspec.msgpack.encode)
-    mutated = st.tuples(well_formed, EDITS).map(lambda pair: mutate(*pair))
-    return st.one_of(st.binary(max_size=256), well_formed, mutated)
-
 
 @FUZZ
 @given(data=st.data())

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.identity import Identity
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import RunEnded, ended_key
-from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.session import new_session
 from decentrl.net.wire import TensorLimits, encode_struct
 from decentrl.swarm import launch

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +17,7 @@ SERVER = """
 import socket, sys
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", 7000)); s.listen(); s.settimeout(float(sys.argv[1]))
+print("listening", flush=True)
 try:
     c, address = s.accept(); print(address[0], flush=True)
 except TimeoutError:
@@ -51,7 +51,8 @@ def connect(net: Internet, source: str, target: str, address: str | None = None)
     """What the server on `target` saw when `source` dialed it: an address or "nobody"."""
     server = subprocess.Popen(net.command(target, [sys.executable, "-c", SERVER, "3"]),
                               stdout=subprocess.PIPE, text=True)
-    time.sleep(0.3)
+    assert server.stdout is not None
+    assert server.stdout.readline() == "listening\n"  # dialed only once it listens
     net.run(source, [sys.executable, "-c", CLIENT, address or net.hosts[target].address])
     out, _ = server.communicate(timeout=10)
     return out.strip()

@@ -147,23 +147,28 @@ def test_new_sessions_move_away_from_a_home_whose_uplink_is_throttled(
             chain = Swarm(config, owner, peers, Path(folder)).chain(model.spec)
             slow_id = peers[1].node.peer_id
 
-            def slow_share(seconds: float) -> float:
+            replicas = (peers[0].node.peer_id, slow_id)
+
+            def slow_share(sessions: int) -> float:
+                """The slow home's share of the next `sessions` sessions or so the routing
+                opens (a count, not a time window: how fast this machine is does not matter)."""
                 start = chain.directory.sessions_opened()
-                deadline = time.monotonic() + seconds
+
+                def opened() -> dict[str, int]:
+                    now = chain.directory.sessions_opened()
+                    return {p: now.get(p, 0) - start.get(p, 0) for p in replicas}
 
                 def generating() -> None:
-                    while time.monotonic() < deadline:
+                    while sum(opened().values()) < sessions:
                         generate(chain, [[1, 2, 3, 4]] * 8, 12, GREEDY, set(), 0)
                 with ThreadPoolExecutor(4) as pool:
                     list(pool.map(lambda _: generating(), range(4)))
-                end = chain.directory.sessions_opened()
-                opened = {p: end[p] - start.get(p, 0) for p in (peers[0].node.peer_id, slow_id)}
-                assert sum(opened.values()) >= 8, opened
-                return opened[slow_id] / sum(opened.values())
+                counts = opened()
+                return counts[slow_id] / sum(counts.values())
 
-            before = slow_share(10)
+            before = slow_share(24)
             net.throttle(2, 0.1)
-            after = slow_share(20)
+            after = slow_share(48)
             assert 0.3 <= before <= 0.7
             assert after < before / 2
         finally:

@@ -350,6 +350,8 @@ def guarded(tiny_sharp_dir: Path) -> Any:
     """Two peers that both serve inference and train, behind small tensor limits."""
     config = tiny_run_config(tiny_sharp_dir, 2, swarm={"max_sessions_per_peer": 4})
     with start_swarm(config, [(0, "both"), (1, "both")], limits=LIMITS) as swarm:
+        for peer in swarm.peers:  # strikes never age out of the window while a case counts them
+            peer.node.strike_clock = lambda: 0.0
         yield swarm
 
 
@@ -593,6 +595,17 @@ BAD_REQUESTS: dict[str, tuple[Any, str]] = {
 }
 
 
+# The cases above that are well-formed requests the peer cannot serve in its present state (a
+# session it does not hold, no room, another version: swarm/inbound.py PeerBusy): no fault of the
+# sender's, so no strike. Every other case is malformed, and a strike against its sender.
+NOT_STRIKES = frozenset({
+    "start past the session", "start inside the session", "unknown session", "peer is full",
+    "train_forward at another version", "train_backward unknown micro",
+    "train_step at another version", "sync_chunk that does not exist",
+    "checkpoint that does not exist", "checkpoint of another version"})
+assert NOT_STRIKES <= BAD_REQUESTS.keys()
+
+
 def assert_serves(swarm: Swarm, stages: list[StageModule]) -> None:
     """Both peers still answer a correct inference step exactly, and stage 0 a training one."""
     client = swarm.client
@@ -630,8 +643,14 @@ def assert_serves(swarm: Swarm, stages: list[StageModule]) -> None:
 def test_peer_refuses_bad_request_and_keeps_serving(case: str, guarded: Swarm,
                                                     sharp: LoadedModel) -> None:
     send, message = BAD_REQUESTS[case]
+    client = guarded.client.peer_id
+    strikes = sum(peer.node.strikes(client) for peer in guarded.peers)
     with pytest.raises(RemoteError, match=message):
         send(Ctx(guarded))
+    # A malformed request is a strike against its sender; a well-formed one the peer cannot
+    # serve now (swarm/inbound.py PeerBusy) is none.
+    expected = 0 if case in NOT_STRIKES else 1
+    assert sum(peer.node.strikes(client) for peer in guarded.peers) == strikes + expected
     assert_serves(guarded, build(sharp, 2))
 
 

@@ -140,6 +140,7 @@ def admit_auditors(trainer: PipelineTrainer, allowed: set[str], peers: list[str]
         worker.commit()
 
 
+@pytest.mark.network
 def test_honest_peers_in_fp32_and_bf16_agree(tiny_model_dir: Path) -> None:
     config = tiny_run_config(tiny_model_dir, 2, trust={"train_audit_fraction": 1.0})
     bf16 = tiny_run_config(tiny_model_dir, 2, dtype="bf16", name=config.name,
@@ -167,6 +168,7 @@ def test_honest_peers_in_fp32_and_bf16_agree(tiny_model_dir: Path) -> None:
         assert all(reputation.counts(p.node.peer_id).get("passed") == 3 for p in swarm.peers)
 
 
+@pytest.mark.network
 def test_a_poisoned_update_is_caught_and_training_goes_on(tiny_model_dir: Path) -> None:
     config = tiny_run_config(tiny_model_dir, 1, trust={"train_audit_fraction": 1.0})
     with start_swarm(config, [(0, "training"), (0, "training")]) as swarm:
@@ -188,6 +190,7 @@ def test_a_poisoned_update_is_caught_and_training_goes_on(tiny_model_dir: Path) 
         assert trainer.version == 1 and audit.count["train_audit_liars"] == 1
 
 
+@pytest.mark.network
 def test_forged_flags_are_outvoted(tiny_model_dir: Path) -> None:
     config = tiny_run_config(tiny_model_dir, 1, trust={"train_audit_fraction": 1.0,
                                                         "flag_surprise": 3.0})
@@ -204,6 +207,7 @@ def test_forged_flags_are_outvoted(tiny_model_dir: Path) -> None:
         assert all(reputation.counts(peer).get("passed") == 1 for peer in honest)
 
 
+@pytest.mark.network
 def test_bad_state_requests_are_refused_and_counted(tiny_model_dir: Path) -> None:
     config = tiny_run_config(tiny_model_dir, 1, trust={"train_audit_fraction": 1.0})
     with start_swarm(config, [(0, "training")]) as swarm:
@@ -241,6 +245,7 @@ def test_bad_state_requests_are_refused_and_counted(tiny_model_dir: Path) -> Non
         assert peer.training is not None and peer.training.audit_trainer is None
 
 
+@pytest.mark.network
 def test_a_lying_auditor_is_outvoted_and_the_step_stands(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tiny_run_config(tiny_model_dir, 1, trust={"train_audit_fraction": 1.0,
