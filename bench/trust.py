@@ -36,7 +36,8 @@ once nobody is on probation).
 bf16 and fp32 replicas) and counts failed opinions, failed rulings and bans.
 
 Run: decentrl bench trust [--model smollm2-135m-instruct|tiny] [--groups 24] [--policy new|old]
-     [--scenarios honest,random-tokens,...] [--honest-checks 0] [--json PATH]
+     [--scenarios honest,random-tokens,...] [--honest-checks 0] [--verify-fraction F]
+     [--probation-share F] [--json PATH]
 """
 
 from __future__ import annotations
@@ -87,8 +88,14 @@ SCENARIOS = ("honest", *(a for a in ADVERSARIES if a not in ELSEWHERE))
 PARTNERS = {"collude-verify": "forge-logprobs", "huge-capacity": "forge-logprobs"}
 
 
-def bench_config(model: str, run_dir: Path, policy: str) -> RunConfig:
+def bench_config(model: str, run_dir: Path, policy: str,
+                 verify_fraction: float | None = None,
+                 probation_share: float | None = None) -> RunConfig:
     trust: dict[str, Any] = {"probation_checks": 0} if policy == "old" else {}
+    if verify_fraction is not None:
+        trust["verify_fraction"] = verify_fraction
+    if probation_share is not None:
+        trust["probation_share"] = probation_share
     return parse_config({
         "name": "trust-bench", "run_dir": str(run_dir), "model": model, "num_stages": 2,
         "threads": 1,
@@ -366,6 +373,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policy", choices=("new", "old"), default="new")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--honest-checks", type=int, default=0)
+    # Established peers' groups are checked at `trust.verify_fraction` (10%): a short run that
+    # must measure what a check costs asks for more.
+    parser.add_argument("--verify-fraction", type=float, default=None,
+                        help="fraction of established peers' groups checked (default: the "
+                        "config's)")
+    # The newcomers of a stage share `trust.probation_share` of its sessions (net/probation.py):
+    # a run of a few groups may give a liar none; a short run that must see one asks for more.
+    parser.add_argument("--probation-share", type=float, default=None,
+                        help="share of a stage's sessions its newcomers may get (default: the "
+                        "config's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -375,7 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="decentrl-trust-") as tmp:
         folder = Path(tmp)
-        config = bench_config(common.bench_model(args.model), folder / "runs", args.policy)
+        config = bench_config(common.bench_model(args.model), folder / "runs", args.policy,
+                              args.verify_fraction, args.probation_share)
         loaded = load_model(config.model)
         results = [run_scenario(s, config, args.groups, loaded, folder, args.policy)
                    for s in scenarios]

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from decentrl.config import SwarmConfig, SyncConfig, parse_config  # noqa: E402
 from decentrl.net.authority import RunAuthority  # noqa: E402
+from decentrl.net.dht_storage import RunNamespace  # noqa: E402
 from decentrl.net.directory import Directory  # noqa: E402
 from decentrl.net.link import LinkProfile  # noqa: E402
 from decentrl.net.node import Reply, Request, SwarmNode  # noqa: E402
@@ -46,6 +47,7 @@ from decentrl.net.protocol import (  # noqa: E402
     lineage_key,
     stage_key,
 )
+from decentrl.net.session import new_session  # noqa: E402
 from decentrl.net.wire import TensorLimits, encode_struct  # noqa: E402
 from decentrl.swarm.adversary import BOASTED_SESSIONS  # noqa: E402
 from decentrl.swarm.launch import choose_stage  # noqa: E402
@@ -54,7 +56,8 @@ from decentrl.sync.delta import PublishedState  # noqa: E402
 from decentrl.sync.distribute import WeightFollower, WeightPublisher  # noqa: E402
 
 RUN = "unchecked-claims"
-TTL_S = 3600.0
+# Records live as long as the run's nodes keep them (net/dht_storage.py MAX_RECORD_TTL_S).
+TTL_S = 60.0
 # The followers' request timeout: that of the swarm tests' runs (tests/swarm_helpers.py).
 TIMEOUT_S = 20.0
 
@@ -81,8 +84,9 @@ def announce(node: SwarmNode, stage: int, version: int = 0, free_sessions: int =
     record = PeerRecord(name=node.name, stage=stage, layers=(0, 1), role="inference",
                         version=version, tokens_per_s=0.0, free_sessions=free_sessions,
                         training_ready=False)
-    if not node.run(node.announce(stage_key(RUN, stage), encode_struct(record), TTL_S),
-                    timeout=30):
+    key = stage_key(RUN, stage)
+    node.run(node.announce(key, encode_struct(record), TTL_S), timeout=30)
+    if node.peer_id not in node.run(node.lookup(key), timeout=30):
         raise RuntimeError(f"{node.name} could not announce itself")
 
 
@@ -142,13 +146,14 @@ def update_times(nodes: list[SwarmNode], updates: int, params: int) -> list[floa
     follower = WeightFollower(replica_node, RUN, 0, sync, base, lambda *changes: None,
                               timeout_s=TIMEOUT_S, ban_s=30, owner=owner)
     times = []
+    session = new_session()
     try:
         for version in range(1, updates + 1):
             weights["w"].add_(1e-3 * torch.randn(params, generator=generator))
             publisher.publish(version, weights)
             publisher.wait(timeout=60)
             lineage = LineageRecord(stage=0, publisher=owner,
-                                    hashes={version: publisher.state.hash})
+                                    hashes={version: publisher.state.hash}, session=session)
             publisher_node.run(publisher_node.announce(lineage_key(RUN, 0),
                                                        encode_struct(lineage), TTL_S), timeout=30)
             began = time.perf_counter()
@@ -172,6 +177,9 @@ def with_nodes(count: int, measure: Any) -> Any:
     try:
         for index in range(count):
             nodes.append(start(f"n{index}", nodes[0] if nodes else None))
+            # Every node is of the run the first one owns, so it keeps the run's records.
+            nodes[-1].dht_storage.join(RunNamespace(RUN, nodes[0].peer_id, num_stages=2,
+                                                    announce_every_s=TTL_S / 6))
         return measure(nodes)
     finally:
         for node in nodes:

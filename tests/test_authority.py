@@ -15,6 +15,7 @@ import torch
 from swarm_helpers import Swarm, start_node, start_swarm, tiny_run_config, weights_of
 from test_swarm import make_batch
 
+from decentrl.config import RunConfig
 from decentrl.learn.trainer import Activations, LossInputs
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import PeerRefused, SwarmNode
@@ -128,14 +129,7 @@ REFUSALS: dict[Callers, tuple[str, int]] = {
 @pytest.fixture(scope="module")
 def shared_swarm_and_stranger(tiny_sharp_dir: Path) -> Iterator[tuple[Swarm, SwarmNode]]:
     """`swarm_and_stranger` once for the module: the stranger cases only read the peers."""
-    config = tiny_run_config(tiny_sharp_dir, 1)
-    with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
-        stranger = start_node(config, "stranger", swarm.client.addresses(), TensorLimits(),
-                              LinkProfile())
-        try:
-            yield swarm, stranger
-        finally:
-            stranger.shutdown()
+    yield from swarm_with_stranger(tiny_run_config(tiny_sharp_dir, 1))
 
 
 @pytest.mark.network
@@ -171,8 +165,12 @@ def test_a_stranger_calling_any_guarded_rpc_is_refused(
 
 @pytest.fixture
 def swarm_and_stranger(tiny_sharp_dir: Path) -> Iterator[tuple[Swarm, SwarmNode]]:
-    config = tiny_run_config(tiny_sharp_dir, 1, train={"lr": 0.05},
-                             sync={"density": 0.5, "chunk_wait_s": 1.0})
+    yield from swarm_with_stranger(tiny_run_config(
+        tiny_sharp_dir, 1, train={"lr": 0.05}, sync={"density": 0.5, "chunk_wait_s": 1.0}))
+
+
+def swarm_with_stranger(config: RunConfig) -> Iterator[tuple[Swarm, SwarmNode]]:
+    """A training peer and a replica of stage 0, and a stranger's node beside them."""
     with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm:
         stranger = start_node(config, "stranger", swarm.client.addresses(), TensorLimits(),
                               LinkProfile())

@@ -215,8 +215,7 @@ def test_update_learning_reports_the_difference_with_its_interval(
     assert "sparse significantly WORSE" in capsys.readouterr().out
     assert (tmp_path / "update_learning.png").read_bytes().startswith(b"\x89PNG")
 
-
-
+@pytest.mark.network
 def test_update_spread_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("update_spread")
     # One warm-up update: replicas wait on each other only once they have served each other
@@ -341,8 +340,8 @@ def test_trust_prints_figures(tiny_model_dir: Path, capsys: pytest.CaptureFixtur
     """Honest peers are never charged; a liar on probation is caught at its first group and
     none of its groups would train; both scenarios report what checking costs."""
     bench = load_bench("trust")
-    bench.main(["--model", str(tiny_model_dir), "--groups", "4",
-                "--scenarios", "honest,random-tokens"])
+    bench.main(["--model", str(tiny_model_dir), "--groups", "4", "--verify-fraction", "1",
+                "--probation-share", "1", "--scenarios", "honest,random-tokens"])
     output = capsys.readouterr().out
     honest = figures(output, "trust_new_honest")
     liar = figures(output, "trust_new_random_tokens")

@@ -40,7 +40,7 @@ from decentrl.sync.delta import PublishedState
 from decentrl.sync.chunks import OTHER_PEERS, PEERS_COUNTED, count_bytes
 from decentrl.sync.distribute import WeightFollower, make_update
 from decentrl.sync.sources import AVOIDED_KEPT, Source
-from decentrl.trust.gate import ACCEPTED_IDS_KEPT, GROUPS_TRACKED, RecentIds, Trust
+from decentrl.trust.gate import GROUPS_TRACKED, RecentIds, Trust
 from decentrl.trust.provenance import Provenance
 from decentrl.trust.reputation import (
     BANS_EXPLAINED,
@@ -242,8 +242,7 @@ def test_the_gate_tracks_a_bounded_number_of_groups(tiny_model_dir: Path) -> Non
         trust.produced(group_id, provenance)
     assert len(trust.provenance) == GROUPS_TRACKED
     assert groups[0] not in trust.provenance and groups[-1] in trust.provenance
-    assert (trust.verified.size, trust.failed.size, trust.accepted_ids.size) == (
-        GROUPS_TRACKED, GROUPS_TRACKED, ACCEPTED_IDS_KEPT)
+    assert (trust.verified.size, trust.failed.size) == (GROUPS_TRACKED, GROUPS_TRACKED)
 
 
 def test_recent_ids_keep_the_newest() -> None:

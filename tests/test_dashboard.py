@@ -71,7 +71,7 @@ def run_state() -> dict[str, Any]:
             "version": STEPS, "max_steps": 1000, "time_budget_s": 720, "steps": steps,
             "evals": evals, "stages": stages, "updates": updates,
             "trust": {"verified": 3, "verify_failed": 1, "verify_skipped": 0, "flagged": 1,
-                      "banned": 1, "submissions_refused": 0},
+                      "banned": 1},
             "trust_events": events}
 
 

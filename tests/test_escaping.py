@@ -122,7 +122,7 @@ def test_the_demos_summary_shows_ban_causes_as_text() -> None:
     after = EvalResult(task="sums", split="heldout", problems=2, pass1=accuracy, pass_k=None,
                        k=1, mean_completion_tokens=3.0, samples=[])
     trust = dict.fromkeys(("verified", "verify_failed", "verify_unconfirmed", "verify_skipped",
-                           "verifiers_overruled", "flagged", "submissions_refused"), 0)
+                           "verifiers_overruled", "flagged"), 0)
     summary = RunSummary(path=Path("run"), steps=1, wall_s=1.0, before=None, after=after,
                          trust=trust, banned={PEER_ID: f"malformed: {HOSTILE * 40}"})
     text = demo_summary(summary, 60.0, {PEER_ID: HOSTILE}, {}, Path("model"), Path("report"))

@@ -43,7 +43,7 @@ from decentrl.net.wire import TensorLimits, encode_struct
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.swarm.adversary import unchecked_encoding
 from decentrl.swarm.inbound import PeerBusy
-from decentrl.sync.distribute import ChunkUnavailable
+from decentrl.sync.chunks import ChunkUnavailable
 
 NODE_FUZZ = settings(max_examples=NETWORK_EXAMPLES_PER_TEST, deadline=None)
 # The RPCs a stage peer serves: all but the open ones (the coordinator's inbox, dial-backs).

@@ -64,7 +64,7 @@ def step_record(step: int) -> dict[str, Any]:
         "completion_tokens_mean": 12.0, "finished_fraction": 1.0, "groups": 8.0,
         "zero_variance_groups": 2.0, "stale_dropped": 0, "rejected": 0, "failovers": 0,
         "wire_bytes": 1_000_000 * step, "verified": 4 * step, "verify_failed": 1,
-        "verify_skipped": 0, "flagged": 1, "banned": 1, "submissions_refused": 0,
+        "verify_skipped": 0, "flagged": 1, "banned": 1,
         "staleness_counts": EVEN_COUNTS if step % 2 == 0 else ODD_COUNTS,
         "generated_tokens": 768.0, "served_gap": 0.5 - 0.01 * step,
         "served_bf16_differing": 0.002, "served_gap_by_stage": {"0": 0.4, "1": 0.6},
@@ -351,7 +351,7 @@ def test_missing_data_degrades_to_a_line(tmp_path: Path) -> None:
     write_config(run_dir)
     record = step_record(1)
     for key in ("staleness_counts", "generated_tokens", "wire_bytes", "verified",
-                "verify_failed", "verify_skipped", "flagged", "banned", "submissions_refused",
+                "verify_failed", "verify_skipped", "flagged", "banned",
                 "wait_s", "train_s", "served_gap", "served_bf16_differing", *TRAINER_KEYS):
         del record[key]
     write_lines(run_dir / "metrics.jsonl", [record])

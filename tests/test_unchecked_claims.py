@@ -13,6 +13,7 @@ from swarm_helpers import start_node, start_swarm, tiny_run_config, weights_of
 from test_signed_records import nodes
 from test_sync import assert_serves_published, fake_step, follow_all, sync_config
 
+from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import Reply, Request, SwarmNode
 from decentrl.net.protocol import SYNC_CHUNK, ChunkRequest, PeerRecord, stage_key
@@ -38,8 +39,10 @@ def replica_record(name: str, stage: int, version: int = 0,
 
 
 def announce(node: SwarmNode, run: str, record: PeerRecord) -> None:
-    assert node.run(node.announce(stage_key(run, record.stage), encode_struct(record), 600),
-                    timeout=30)
+    """`record` under its stage's key of `run`, written by `node`, and read back from there."""
+    key = stage_key(run, record.stage)
+    node.run(node.announce(key, encode_struct(record), 60), timeout=30)
+    assert node.peer_id in node.run(node.lookup(key), timeout=30)
 
 
 class Clock:
@@ -68,6 +71,7 @@ def test_a_fake_replica_record_does_not_stall_the_evaluation(tiny_sharp_dir: Pat
     config = sync_config(tiny_sharp_dir)
     with start_swarm(config, [(0, "training"), (0, "inference")]) as swarm, \
             nodes(1, swarm.client.addresses()) as (stranger,):
+        stranger.dht_storage.join(RunNamespace.of(config, swarm.client.peer_id))
         trainer_peer, replica = swarm.peer(0, "training"), swarm.peer(0, "inference")
         fake_step(swarm, trainer_peer, 1)
         follow_all([replica])  # the honest replica serves v1 and says so
@@ -141,6 +145,8 @@ JOINERS = 6
 def test_stage_auto_spreads_joiners_despite_a_boasting_record(tiny_model_dir: Path) -> None:
     config = tiny_run_config(tiny_model_dir, 2)
     with nodes(2 + JOINERS) as (owner, boaster, *joiners):
+        for node in (owner, boaster, *joiners):  # every node of the run keeps its records
+            node.dht_storage.join(RunNamespace.of(config, owner.peer_id))
         # A stranger's record claims room for a million sessions at stage 0 (BoastingPeer's).
         announce(boaster, config.name, replica_record("boaster", 0,
                                                       free_sessions=BOASTED_SESSIONS))
@@ -166,6 +172,7 @@ def test_a_fake_chunk_owner_does_not_make_followers_wait(tiny_sharp_dir: Path) -
         trainer_peer, replica = swarm.peer(0, "training"), swarm.peer(0, "inference")
         stranger = start_node(config, "stranger", swarm.client.addresses(), TensorLimits(),
                               LinkProfile())
+        stranger.dht_storage.join(RunNamespace.of(config, swarm.client.peer_id))
         follower = weights_of(replica).follower
         # For each request the stranger got: whether the follower held every chunk of v1 then.
         asked: list[bool] = []

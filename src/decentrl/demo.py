@@ -455,7 +455,7 @@ def demo_summary(summary: RunSummary, wall_s: float, names: dict[str, str],
                  f"{trust['verify_failed']} failed (confirmed), {trust['verify_unconfirmed']} "
                  f"unconfirmed, {trust['verify_skipped']} checks skipped, "
                  f"{trust['verifiers_overruled']} verifiers overruled; {trust['flagged']} groups "
-                 f"flagged by the trainer; {trust['submissions_refused']} submissions refused; "
+                 f"flagged by the trainer; "
                  f"{trust.get('trained_from_banned', 0)} trained groups came from peers banned "
                  f"later")
     if trust.get("train_audits"):

@@ -82,7 +82,6 @@ class StepRecord(Record, tag="step"):
     held_for_verdict: int | None = None
     flagged: int | None = None
     banned: int | None = None
-    submissions_refused: int | None = None
     failovers: int | None = None
     wire_bytes: float | None = None
     # A swarm run's rows in flight at the step (swarm/inflight.py), and what sized them: the

@@ -73,8 +73,6 @@ TRUST_COUNTERS: dict[str, tuple[str, Total | None]] = {
     "flagged": ("groups with rows the trainer's log-probs flagged (left out of the loss, then "
                 "re-checked)", "trained"),
     "banned": ("bans (a peer banned again counts again)", "peers"),
-    "submissions_refused": ("groups other peers submitted, refused (this coordinator leases no "
-                            "problems, so it admits none)", None),
 }
 # Reward and accuracy closer than this at every step are one series (no format bonus).
 SAME_SERIES_TOLERANCE = 1e-6

@@ -12,10 +12,7 @@ spot-checks, what it does with rulings, flags and malformed messages, and whom i
   counted as `verify_no_established`). Rulings, flags and malformed messages feed the
   reputation. A banned peer is never chosen again for the ban's length, and groups it helped
   produce that were not verified are dropped wherever they wait (inbox or pending buffer).
-- A group submitted by another peer is admitted only for a problem leased to that peer; this
-  coordinator generates its own groups and leases none, so a remote submission is refused (a
-  replay of a group already accepted is named as such).
-- What it remembers of groups is bounded (GROUPS_TRACKED, ACCEPTED_IDS_KEPT), like the reputation
+- What it remembers of groups is bounded (GROUPS_TRACKED), like the reputation
   it keeps, and text a peer chose is made inert before it is printed or logged.
 
 A run stays live through a burst of new identities: their groups are checked, but only as fast as
@@ -42,7 +39,7 @@ from decentrl.config import RunConfig
 from decentrl.net.directory import Directory
 from decentrl.net.node import SwarmNode
 from decentrl.net.probation import ProbationBudget
-from decentrl.net.text import SHOWN_ID_CHARS, peer_text
+from decentrl.net.text import peer_text
 from decentrl.rollout.types import RolloutGroup
 from decentrl.trust.provenance import Provenance
 from decentrl.trust.reputation import Reputation
@@ -57,14 +54,6 @@ VERIFY_BACKLOG = 32
 # the groups a rollback returns); a verdict that arrives after its group was trained is not
 # needed at all. Past this the oldest are forgotten.
 GROUPS_TRACKED = 4096
-# Accepted group ids, kept only to name a replayed submission as such: a replay of an older group
-# is refused all the same (its problem is leased to nobody), only named less precisely.
-ACCEPTED_IDS_KEPT = 16384
-
-
-class SubmissionRefused(ValueError):
-    """A rollout submission this coordinator does not admit; the message says why."""
-
 
 class RecentIds:
     """A set of ids that keeps only the newest `size` of them (adding one again renews it)."""
@@ -108,7 +97,6 @@ class Trust:
         self.verifier = Verifier(node, directory, config, hidden_size, pad_id)
         self.lock = threading.Lock()
         self.provenance: OrderedDict[str, Provenance] = OrderedDict()
-        self.accepted_ids = RecentIds(ACCEPTED_IDS_KEPT)
         self.verified = RecentIds(GROUPS_TRACKED)
         self.failed = RecentIds(GROUPS_TRACKED)
         self.awaiting: set[str] = set()  # groups picked for a check, held until their ruling
@@ -136,7 +124,6 @@ class Trust:
     def accepted(self, group: RolloutGroup) -> None:
         """An accepted group: maybe spot-check it (then it waits for its ruling)."""
         with self.lock:
-            self.accepted_ids.add(group.group_id)
             provenance = self.provenance.get(group.group_id)
         if provenance is None:
             return
@@ -211,20 +198,6 @@ class Trust:
         banned = [p for p in provenance.peers() if self.reputation.banned(p)]
         return f"produced with banned peers {[p[-8:] for p in banned]}" if banned else None
 
-    def admit_submission(self, group: RolloutGroup, sender: str) -> None:
-        """A group another peer submitted: raise SubmissionRefused unless it may enter."""
-        if self.reputation.banned(sender):
-            raise SubmissionRefused(f"peer {sender[-8:]} is banned")
-        with self.lock:
-            replay = group.group_id in self.accepted_ids
-        self.count["submissions_refused"] += 1
-        if replay:
-            detail = f"replayed group {peer_text(group.group_id, SHOWN_ID_CHARS)}, already accepted"
-        else:
-            detail = f"problem {group.problem_index} is not leased to peer {sender[-8:]}"
-        self.reputation.record(sender, "failed", detail)
-        raise SubmissionRefused(detail)
-
     def banned_peers(self) -> dict[str, str]:
         """The first peers banned during the run (reputation.BANS_EXPLAINED of them), each with
         the event that tipped it over the first time; `counters()` counts every ban."""
@@ -235,8 +208,7 @@ class Trust:
         probation = self.directory.probation.counts
         return {**{key: self.count[key] for key in (
             "verified", "verify_failed", "verify_unconfirmed", "verify_skipped", "verify_opinions",
-            "verifiers_overruled", "verify_no_established", "flagged", "banned",
-            "submissions_refused")},
+            "verifiers_overruled", "verify_no_established", "flagged", "banned")},
             **{key: probation[key] for key in (
                 "probation_sessions_withheld", "probation_address_limited",
                 "replicas_not_admitted")}}
