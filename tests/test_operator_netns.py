@@ -36,7 +36,7 @@ STEPS = 4
 COORDINATOR_PORT = 31337
 RELAY_PORT = 31338
 PEER_READY_S = 120.0
-RUN_S = 240.0
+RUN_S = 300.0
 # Peers check for the RunEnded record every 10 s (swarm/launch.py RUN_END_CHECK_S).
 PEERS_STOP_S = 60.0
 

@@ -14,6 +14,7 @@ import inspect
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar, cast
@@ -236,7 +237,7 @@ def coordinate(
     from decentrl.net.reach import server_options
     from decentrl.net.wire import TensorLimits
     from decentrl.swarm.coordinate import swarm_run
-    from decentrl.swarm.launch import link_profile
+    from decentrl.swarm.launch import RUN_END_LINGER_S, link_profile
     from decentrl.swarm.manifest import admit as admit_peers
     from decentrl.swarm.manifest import admitted_peers, announce_run_end, owner_identity
 
@@ -268,10 +269,16 @@ def coordinate(
         # Its peers stop (those of this session: net/session.py).
         announce_run_end(node, run_config.name, summary.steps,
                          coordinator.backend.manifest.session)
+        ended_at = time.monotonic()
         if summary.before is not None:
             console.print(before_after_table(summary))
         model_dir, report_path = release(run_config, console)
         console.print(f"model: {model_dir}\nreport: {report_path}", highlight=False)
+        linger_s = RUN_END_LINGER_S - (time.monotonic() - ended_at)
+        if linger_s > 0:
+            console.print(f"keeping the run's end announced {linger_s:.0f}s more, until every "
+                          "peer has read it", highlight=False)
+            time.sleep(linger_s)
     finally:
         if coordinator is not None:
             coordinator.close()

@@ -59,6 +59,11 @@ log = logging.getLogger(__name__)
 READY = "DECENTRL-READY"
 LOOKUP_TIMEOUT_S = 30.0
 RUN_END_CHECK_S = 10.0
+# How long an owner keeps serving after it said its run ended: relays and bootstrap nodes keep no
+# run's records (net/dht_storage.py), and peers behind NAT store none, so once the owner leaves
+# nobody may hold its `RunEnded` any more; every joined peer reads it within RUN_END_CHECK_S
+# (plus a lookup), so three checks' worth covers a peer whose check failed once.
+RUN_END_LINGER_S = 3 * RUN_END_CHECK_S
 INFERENCE_NICENESS = 10
 
 
