@@ -1,8 +1,8 @@
 """A run's session: a nonce the coordinator draws at each start (a resumed run draws a new one).
 
 A signature proves who wrote a record, not when. The owner's records live in the DHT for their
-lifetime (a `RunEnded` for an hour), and anyone who kept a signed copy can store it again until
-it expires: read by a resumed run's peers, the record of an earlier start would act on a run it
+lifetime (minutes, renewed while the owner runs), and anyone who kept a signed copy can store it
+again until it expires: read by a resumed run's peers, the record of an earlier start would act on a run it
 was never about (stop its peers, name a publisher and weights of the old chain). So the owner's
 manifest carries the session (`RunManifest.session`), every other record the owner signs for the
 run names it (`RunEnded`, `LineageRecord`), and a reader takes such a record only while its

@@ -7,7 +7,7 @@ its hash, the model's hash, the stage plan, the roster of admitted training peer
 session drawn at this start of the coordinator (net/session.py). The record is signed
 (net/records.py), and a peer reads it from the owner's subkey only, so nobody else can hand a peer
 a config. The owner's `RunEnded` names the session it ends: a peer stops only for the session of
-the owner's newest manifest, so the record of an earlier start (live for an hour, and anyone may
+the owner's newest manifest, so the record of an earlier start (live for minutes, and anyone may
 store a signed copy again) does not stop a resumed run.
 
 Training peers are admitted by the run's operator, not by the swarm: `RUN/admitted.txt` lists
