@@ -45,8 +45,8 @@ test-slow: $(STAMP) | $(NFT)
 # The fuzz tests under hypothesis's "fuzz" profile (tests/conftest.py): minutes rather than
 # seconds. The last lines say how many examples ran; under 100,000 in all, the run fails.
 fuzz: $(STAMP)
-	DECENTRL_FUZZ=1 $(BIN)/python -m pytest -q tests/test_fuzz.py tests/test_fuzz_records.py \
-		tests/test_fuzz_node.py
+	DECENTRL_FUZZ=1 $(BIN)/python -m pytest -q tests/unit/net/test_fuzz.py \
+		tests/unit/net/test_fuzz_records.py tests/swarm/test_fuzz_node.py
 
 bench-trl: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'

@@ -3,7 +3,7 @@
 Asynchronous against synchronous RL on the swarm: training wall-clock seconds to reach the same
 held-out accuracy under emulated WAN latency.
 
-Both variants are the swarm coordinator (`swarm_run`, swarm/coordinate.py) over a fresh
+Both variants are the swarm coordinator (`swarm_run`, coordinator/swarm_backend.py) over a fresh
 local swarm on loopback (`LocalSwarm`: per stage, one training peer and `--replicas` inference
 peers, each a separate process with `--threads` torch threads), with the same config, seed, model,
 prompts and problem order:
@@ -44,24 +44,22 @@ plot --out/async_vs_sync.png.
 from __future__ import annotations
 
 import argparse
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from rich.console import Console
 
-import common  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-
-from decentrl.config import RunConfig, parse_config  # noqa: E402
-from decentrl.demo import DEMO_CONFIG  # noqa: E402
-from decentrl.evaluate.runner import EvalResult  # noqa: E402
-from decentrl.observe.metrics import read_metrics  # noqa: E402
-from decentrl.swarm.coordinate import swarm_run  # noqa: E402
-from decentrl.swarm.loop import POLL_S, StopTraining, TrainingLoop  # noqa: E402
+from bench import common
+from decentrl.config import RunConfig, parse_config
+from decentrl.coordinator.loop import StopTraining, TrainingLoop
+from decentrl.coordinator.pool import POLL_S
+from decentrl.coordinator.swarm_backend import swarm_run
+from decentrl.demo import demo_config
+from decentrl.evaluate.runner import EvalResult
+from decentrl.observe.metrics import read_metrics
 
 VARIANTS = ("async", "sync")
 TARGET_SPEEDUP = 1.5
@@ -220,12 +218,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_config(args: argparse.Namespace, variant: str, model: str) -> RunConfig:
-    """The demo's setup (DEMO_CONFIG in demo.py), sized by the options; the same for both."""
+    """The demo's setup (examples/demo.toml), sized by the options; the same for both."""
+    demo = demo_config("sums")
     return parse_config({
-        "name": variant, "run_dir": args.out, "seed": args.seed, "model": model,
-        "device": args.device, "dtype": args.dtype, "num_stages": args.stages,
-        "threads": args.threads,
-        "task": DEMO_CONFIG["task"],  # the demo's task and held-out set
+        "name": variant, "seed": args.seed, "model": model, "num_stages": args.stages,
+        "host": {"run_dir": args.out, "device": args.device, "dtype": args.dtype,
+                 "threads": args.threads, "link": {"rtt_ms": args.rtt,
+                                                   "jitter_ms": args.jitter_ms}},
+        "task": demo["task"],  # the demo's task and held-out set
         "rollout": {"group_size": args.group_size,
                     "prompts_per_step": args.batch // args.group_size,
                     "max_new_tokens": args.max_new_tokens},
@@ -235,10 +235,9 @@ def make_config(args: argparse.Namespace, variant: str, model: str) -> RunConfig
                   # The tiny model's reward is always 0: keep its groups so that steps still
                   # update the weights (zero advantages) and replicas follow new versions.
                   "zero_variance_groups": "keep" if args.model == "tiny" else "drop"},
-        "eval": {"task": DEMO_CONFIG["eval"]["task"], "problems": args.eval_problems,
+        "eval": {"task": demo["eval"]["task"], "problems": args.eval_problems,
                  "pass_k": 1, "every": args.eval_every},
-        "swarm": {"link": {"rtt_ms": args.rtt, "jitter_ms": args.jitter_ms},
-                  "activation_codec": args.codec, "inference_replicas": args.replicas,
+        "swarm": {"activation_codec": args.codec, "inference_replicas": args.replicas,
                   "sessions_in_flight": args.sessions_in_flight,
                   # One group per session: the sync variant's tickets are one group each.
                   "groups_per_session": 1,
@@ -247,7 +246,7 @@ def make_config(args: argparse.Namespace, variant: str, model: str) -> RunConfig
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    from decentrl.swarm.launch import LocalSwarm
+    from decentrl.launch.local_swarm import LocalSwarm
 
     common.quiet_transformers()
     torch.set_num_threads(1)  # the coordinator relays and scores; the peers compute
@@ -269,7 +268,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         return {
             "variant": variant, "outcome": hooks.outcome, "reached_s": hooks.reached_s,
             "clock_s": hooks.clock(), "steps": coordinator.step,
-            "curve": hooks.curve, "generation_errors": coordinator.generation_errors,
+            "curve": hooks.curve, "generation_errors": coordinator.generation.errors,
             "failovers": coordinator.backend.chain.failovers, "run": str(config.path),
             "staleness_mean": mean([r.staleness_mean for r in steps]),
             "wait_s_mean": mean([r.wait_s for r in steps]),
@@ -289,7 +288,7 @@ def mean(values: list[float | None]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.run_variants(Path(__file__), argv, parse_args(argv), run_variant, report)
+    common.run_variants(__spec__.name, argv, parse_args(argv), run_variant, report)
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

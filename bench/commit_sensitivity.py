@@ -28,23 +28,19 @@ Run: decentrl bench commit-sensitivity [--models smollm2-135m-instruct,tiny] [--
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.nn.functional as F
 
-import common  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from decentrl.model.blocks import positions_from_valid  # noqa: E402
-from decentrl.model.loading import LoadedModel, load_model  # noqa: E402
-from decentrl.model.stages import StageModule, StagePlan, build_stage  # noqa: E402
-from decentrl.net.wire import ActivationCodec, decode_tensor, encode_tensor  # noqa: E402
-from decentrl.rollout.generate import left_pad  # noqa: E402
-from decentrl.trust.commit import (  # noqa: E402
+from bench import common
+from decentrl.model.blocks import positions_from_valid
+from decentrl.model.loading import LoadedModel, load_model
+from decentrl.model.stages import StageModule, StagePlan, build_stage
+from decentrl.net.wire import ActivationCodec, decode_tensor, encode_tensor
+from decentrl.rollout.generate import left_pad
+from decentrl.trust.commit import (
     CommitCheck,
     CommitTolerance,
     check_sketches,
@@ -180,7 +176,7 @@ def session_tail(model: LoadedModel, groups: int, dims: int) -> dict[str, float]
     decoded in bf16 by stage 0 and recomputed teacher-forced in fp32, both through the bf16
     codec. The exact position error ||h - h'|| / ||h'|| and its estimate by one secret sketch
     per group."""
-    from decentrl.demo import DEMO_CONFIG
+    from decentrl.demo import demo_config
     from decentrl.model.stages import build_stages
     from decentrl.rollout.chain import LocalChain
     from decentrl.rollout.generate import generate
@@ -188,7 +184,8 @@ def session_tail(model: LoadedModel, groups: int, dims: int) -> dict[str, float]
     from decentrl.tasks import make_task
     from decentrl.tasks.base import problems, render_prompt
 
-    rollout, task_config = DEMO_CONFIG["rollout"], DEMO_CONFIG["task"]
+    demo = demo_config("sums")
+    rollout, task_config = demo["rollout"], demo["task"]
     task = make_task(task_config["name"], **task_config["options"])
     plan = StagePlan.even(model.spec.num_layers, 2)
     chain = LocalChain(build_stages(model.spec, plan, model.tensors, torch.device("cpu"),

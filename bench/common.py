@@ -1,8 +1,9 @@
 """Helpers shared by the benches: device sync, timing with warm-up, peak memory, running one
 variant in a fresh process (so a CPU peak RSS belongs to that variant alone), and printing.
 
-Benches are plain scripts (`python bench/NAME.py`, or `decentrl bench NAME`, which imports the
-file by path and calls `main(argv)`); they put this folder on sys.path to import this module."""
+Each bench is a module of this package (`python -m bench.NAME` from the checkout root, or
+`decentrl bench NAME`, which imports `bench.NAME` and calls `main(argv)`) and imports this one as
+`from bench import common`."""
 
 from __future__ import annotations
 
@@ -28,15 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from decentrl.coordinator.loop import RunHooks, TrainingLoop
+from decentrl.coordinator.pool import POLL_S
 from decentrl.evaluate.runner import EvalResult
-from decentrl.swarm.loop import POLL_S, RunHooks, TrainingLoop
 
 if TYPE_CHECKING:
+    from decentrl.client.sessions import RemoteChain
     from decentrl.config import RunConfig
-    from decentrl.model.blocks import ModelSpec
+    from decentrl.launch.local_swarm import LocalSwarm
+    from decentrl.model.spec import ModelSpec
     from decentrl.net.directory import Directory
-    from decentrl.swarm.launch import LocalSwarm
-    from decentrl.swarm.sessions import RemoteChain
 
 RESULT_PREFIX = "BENCH_RESULT "
 
@@ -150,13 +152,16 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def run_worker(script: Path, argv: list[str]) -> dict[str, Any]:
-    """Run `script argv` in a fresh Python process and return the dict it emitted with
+def run_worker(module: str, argv: list[str]) -> dict[str, Any]:
+    """Run `python -m module argv` in a fresh Python process and return the dict it emitted with
     `emit_result`. Its other output passes through, so progress and errors stay visible."""
     env = dict(os.environ)
-    src = Path(__file__).resolve().parents[1] / "src"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH")) if p)
-    process = subprocess.run([sys.executable, str(script), *argv], env=env, text=True,
+    # The bench package lives in the checkout root (no wheel ships it), and the worker may start
+    # in any folder; src/ comes along so the worker measures this checkout's decentrl.
+    checkout = Path(__file__).resolve().parents[1]
+    paths = (str(checkout), str(checkout / "src"), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    process = subprocess.run([sys.executable, "-m", module, *argv], env=env, text=True,
                              stdout=subprocess.PIPE, check=False)
     result = None
     for line in process.stdout.splitlines():
@@ -165,7 +170,7 @@ def run_worker(script: Path, argv: list[str]) -> dict[str, Any]:
         else:
             print(line)
     if process.returncode != 0 or result is None:
-        raise RuntimeError(f"bench worker {script.name} {' '.join(argv)} failed "
+        raise RuntimeError(f"bench worker {module} {' '.join(argv)} failed "
                            f"(exit code {process.returncode})")
     return result
 
@@ -225,10 +230,12 @@ def bench_parser(prog: str, doc: str | None, unit: str,
 def add_environment_arguments(parser: argparse.ArgumentParser) -> None:
     """`--env` and `--options` of a bench over an agentic environment (default: the agentic
     demo's); `parse_environment_options` reads `--options` once parsed."""
-    from decentrl.demo import AGENTIC_TASK
+    from decentrl.demo import demo_config
 
-    parser.add_argument("--env", default=AGENTIC_TASK["name"], help="an agentic environment")
-    parser.add_argument("--options", default=json.dumps(AGENTIC_TASK["options"]),
+    agentic_task = demo_config("agentic-calculator")["task"]
+
+    parser.add_argument("--env", default=agentic_task["name"], help="an agentic environment")
+    parser.add_argument("--options", default=json.dumps(agentic_task["options"]),
                         help="the environment's options, a JSON object (default: the demo's)")
 
 
@@ -243,10 +250,12 @@ def parse_environment_options(parser: argparse.ArgumentParser, args: argparse.Na
         parser.error("--options must be a JSON object")
 
 
-def run_variants(script: Path, argv: list[str] | None, args: Any,
+def run_variants(module: str, argv: list[str] | None, args: Any,
                  run_variant: Any, report: Any) -> None:
     """A bench's main: as a worker, run the one variant asked for and emit its result; otherwise
-    run every variant (each in its own process unless --in-process) and report them together."""
+    run every variant (each in its own process, `python -m module`, unless --in-process) and
+    report them together. `module` is the bench's own `__spec__.name`, such as bench.generation
+    (its `__name__` is __main__ under `python -m`)."""
     if args.worker:
         emit_result(run_variant(args.worker, args))
         return
@@ -258,7 +267,7 @@ def run_variants(script: Path, argv: list[str] | None, args: Any,
         else:
             forwarded = [a for a in (argv if argv is not None else sys.argv[1:])
                          if a != "--in-process"]
-            results.append(run_worker(script, [*forwarded, "--worker", variant]))
+            results.append(run_worker(module, [*forwarded, "--worker", variant]))
     report(results, args)
 
 
@@ -356,8 +365,8 @@ def save_figure(figure: Any, path: Path) -> None:
 
 
 class GenerationHeldDuringEvaluation(RunHooks):
-    """Training-loop hooks (swarm/loop.py) that hold new generation while an evaluation runs, so
-    that a variant gets no generation done off its clock (a group already in flight finishes).
+    """Training-loop hooks (coordinator/loop.py) that hold new generation while an evaluation runs,
+    so that a variant gets no generation done off its clock (a group already in flight finishes).
     Subclasses that override the evaluation hooks call these too."""
 
     def __init__(self) -> None:
@@ -489,17 +498,19 @@ def sweep_sessions(chain: Any, prompts: list[list[int]], args: Any, pad_id: int,
 
 
 def inference_swarm_config(name: str, folder: Path, model: Path, args: Any,
-                           swarm: dict[str, Any]) -> RunConfig:
+                           swarm: dict[str, Any], host: dict[str, Any] | None = None
+                           ) -> RunConfig:
     """The run config of a generation bench's swarm, in `folder`: `args`' stages, device, dtype,
-    threads (per peer) and seed, `swarm` (more `swarm.*` settings), and session caps that let the
-    bench's one client hold all of `args.concurrency`'s sessions on a peer at once."""
+    threads (per peer) and seed, `swarm` and `host` (more `swarm.*` and `host.*` settings), and
+    session caps that let the bench's one client hold all of `args.concurrency`'s sessions on a
+    peer at once."""
     from decentrl.config import parse_config
 
     sessions = max(32, 2 * max(args.concurrency))
     return parse_config({
-        "name": name, "run_dir": str(folder / "runs"), "model": str(model),
-        "num_stages": args.stages, "device": args.device, "dtype": args.dtype,
-        "threads": args.threads, "seed": args.seed,
+        "name": name, "model": str(model), "num_stages": args.stages, "seed": args.seed,
+        "host": {"run_dir": str(folder / "runs"), "device": args.device, "dtype": args.dtype,
+                 "threads": args.threads or 0, **(host or {})},
         "swarm": {"announce_every_s": 60.0, "request_timeout_s": 120.0,
                   "max_sessions_per_peer": sessions, "max_sessions_per_sender": sessions,
                   **swarm},
@@ -511,10 +522,10 @@ def inference_swarm(config: RunConfig, spec: ModelSpec
                     ) -> Iterator[tuple[LocalSwarm, RemoteChain]]:
     """`config.swarm.inference_replicas` inference peers per stage, each a `decentrl join`
     process on loopback joining with `config`, and a `RemoteChain` through them whose client is
-    this process's bootstrap node (it carries `config.swarm.link`); shut down on the way out."""
+    this process's bootstrap node (it carries `config.host.link`); shut down on the way out."""
+    from decentrl.client.sessions import RemoteChain
+    from decentrl.launch.local_swarm import LocalSwarm
     from decentrl.net.directory import Directory
-    from decentrl.swarm.launch import LocalSwarm
-    from decentrl.swarm.sessions import RemoteChain
 
     config_path = fresh_swarm_folder(config)
     replicas = config.swarm.inference_replicas

@@ -3,14 +3,14 @@
 Two parts. Measure: the base model (`--model`, default SmolLM2-135M-Instruct) samples
 `--group-size` rows (the demo's 8, at the demo's rollout sampling and `max_new_tokens`) for
 `--problems` train problems of every difficulty bucket of the demo's task (sums of one- and
-two-digit numbers: buckets by digit counts and carries, swarm/curriculum.py `bucket_of`), with
+two-digit numbers: buckets by digit counts and carries, coordinator/curriculum.py `bucket_of`), with
 decentrl's own generation (rollout/generate.py) in this process, and the task's rewards. That
 gives each measured problem its group's rewards as the base would produce them.
 
 Simulate: `--groups` groups are scheduled from the demo task's seeded train stream, as the
-coordinator schedules them (swarm/scheduler.py `PromptScheduler`), three times: without the
+coordinator schedules them (coordinator/scheduler.py `PromptScheduler`), three times: without the
 curriculum, with it but no problem handed out again (`replay_share` 0), and with the demo's
-`[curriculum]` settings, replays included (swarm/curriculum.py `Curriculum`). Each scheduled
+`[curriculum]` settings, replays included (coordinator/curriculum.py `Curriculum`). Each scheduled
 problem starts as one measured problem of its bucket (the same one whenever its key comes back,
 or it is handed out again): its success chance is that problem's measured pass rate, and its
 group is `--group-size` rows each solved with that chance (the demo's task rewards 0 or 1). The
@@ -29,9 +29,9 @@ policy, and the buckets' share of scheduled groups.
 The measured groups are written to `--outcomes` (JSON) and read from there when it exists, so
 the simulation can be rerun without the model.
 
-Run: python bench/curriculum.py [--problems 40] [--groups 4000] [--learning-rate 0.1]
+Run: python -m bench.curriculum [--problems 40] [--groups 4000] [--learning-rate 0.1]
      [--threads 2]
-Smoke: python bench/curriculum.py --model tiny --problems 2 --groups 50
+Smoke: python -m bench.curriculum --model tiny --problems 2 --groups 50
 """
 
 from __future__ import annotations
@@ -39,14 +39,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
+from bench import common
 
 if TYPE_CHECKING:
     from decentrl.config import RunConfig
@@ -98,6 +95,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     sampled rows."""
     import torch
 
+    from decentrl.coordinator.curriculum import bucket_of
     from decentrl.device import compute_dtype, pick_device
     from decentrl.envs import Environment, make_task_or_environment
     from decentrl.evaluate.suite import load_stages
@@ -105,7 +103,6 @@ def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     from decentrl.rollout.chain import LocalChain
     from decentrl.rollout.generate import generate
     from decentrl.rollout.sampling import sampling_config
-    from decentrl.swarm.curriculum import bucket_of
     from decentrl.tasks import render_prompt
 
     if args.threads:
@@ -158,10 +155,10 @@ def simulate(args: argparse.Namespace, measured: dict[str, list[dict[str, Any]]]
     solved with its current chance (from a measured problem of its bucket, moved toward 1 by
     `learning_rate` per group with spread); the curriculum observes every one."""
     from decentrl.config import CurriculumConfig
+    from decentrl.coordinator.curriculum import Curriculum, bucket_of, has_spread
+    from decentrl.coordinator.scheduler import PromptScheduler, source_index
     from decentrl.envs import make_task_or_environment
     from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, VersionSpan
-    from decentrl.swarm.curriculum import Curriculum, bucket_of, has_spread
-    from decentrl.swarm.scheduler import PromptScheduler, source_index
 
     config = demo_task_config(args)
     task = make_task_or_environment(config.task.name, config.task.options)

@@ -16,20 +16,16 @@ the share of prompt tokens that repeat a prompt of the same group (a session's f
 each distinct row once and copies it to its repeats, model/stages.py, so these cost no compute),
 and sampled tokens per second of the episode runs.
 
-Run: python bench/episode_generation.py [--device auto] [--batch 16] [--group-size 8]
+Run: python -m bench.episode_generation [--device auto] [--batch 16] [--group-size 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
+from bench import common
 
 VARIANTS = ("prefill", "episodes")
 
@@ -103,7 +99,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.run_variants(Path(__file__), argv, parse_args(argv), run_variant, report)
+    common.run_variants(__spec__.name, argv, parse_args(argv), run_variant, report)
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

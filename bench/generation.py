@@ -16,19 +16,15 @@ every token (HF is not asked for scores): that is part of decentrl's job, so it 
 Greedy outputs are compared row by row as a sanity check (bf16 rounding differs between the two
 implementations, so a late divergence is possible without a bug).
 
-Run: python bench/generation.py [--device auto] [--steps 3] [--batch 16] [--model PATH]
+Run: python -m bench.generation [--device auto] [--steps 3] [--batch 16] [--model PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
+from bench import common
 
 VARIANTS = ("decentrl", "hf")
 MODES = ("sample", "greedy")
@@ -115,7 +111,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.run_variants(Path(__file__), argv, parse_args(argv), run_variant, report)
+    common.run_variants(__spec__.name, argv, parse_args(argv), run_variant, report)
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

@@ -18,8 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from common import print_table, save_figure
-
+from bench.common import print_table, save_figure
 from decentrl.evaluate.stats import Accuracy
 from decentrl.observe.metrics import EvalRecord, StepRecord, read_metrics
 
@@ -97,11 +96,12 @@ def plot(evals: list[EvalRecord], steps: list[StepRecord], window: int, title: s
 def train(run: Path, budget: float, eval_every: int) -> None:
     """The demo run (its config, a fresh folder) with an evaluation every `eval_every` steps."""
     from decentrl.config import parse_config
+    from decentrl.coordinator.local_backend import local_run
     from decentrl.demo import demo_config
-    from decentrl.swarm.local import local_run
 
     data = demo_config("sums")
-    data["name"], data["run_dir"] = run.name, str(run.parent)
+    data["name"] = run.name
+    data["host"]["run_dir"] = str(run.parent)
     data["train"]["time_budget_s"] = budget
     data["eval"]["every"] = eval_every
     config = parse_config(data)

@@ -37,15 +37,13 @@ Run: decentrl bench peer-batching [--model smollm2-135m-instruct|tiny|PATH] [--t
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import common  # noqa: E402
-import torch  # noqa: E402
+from bench import common
 
 BATCHING = {"off": ("off",), "on": ("on",), "both": ("off", "on")}
 TARGET_RATIO = 3.0  # issue #20: after / before at TARGET_SESSIONS
@@ -117,7 +115,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.run_variants(Path(__file__), argv, parse_args(argv), run_variant, report)
+    common.run_variants(__spec__.name, argv, parse_args(argv), run_variant, report)
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

@@ -15,20 +15,16 @@ Figures: seconds per run (all the sessions' first steps), the tokens (distinct r
 summed over stages) computed and taken from the cache, and whether the cached run's last-stage
 outputs at each row's last position, and its greedy next tokens, equal the plain run's.
 
-Run: python bench/prefix_cache.py [--device auto] [--problems 8] [--group-size 8]
+Run: python -m bench.prefix_cache [--device auto] [--problems 8] [--group-size 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
+from bench import common
 
 VARIANTS = ("plain", "cached")
 
@@ -125,7 +121,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.run_variants(Path(__file__), argv, parse_args(argv), run_variant, report)
+    common.run_variants(__spec__.name, argv, parse_args(argv), run_variant, report)
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

@@ -17,22 +17,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils.serializer import MSGPackSerializer
 
-import common  # noqa: E402
-from hivemind.dht.routing import DHTID  # noqa: E402
-from hivemind.dht.validation import DHTRecord  # noqa: E402
-from hivemind.utils.serializer import MSGPackSerializer  # noqa: E402
-
-from decentrl.net.identity import Identity  # noqa: E402
-from decentrl.net.protocol import PeerRecord, stage_key  # noqa: E402
-from decentrl.net.records import MAX_RECORD_BYTES, SignedRecordValidator  # noqa: E402
-from decentrl.net.wire import encode_struct  # noqa: E402
+from bench import common
+from decentrl.net.identity import Identity
+from decentrl.net.protocol import PeerRecord, stage_key
+from decentrl.net.records import MAX_RECORD_BYTES, SignedRecordValidator
+from decentrl.net.wire import encode_struct
 
 ANNOUNCEMENT = encode_struct(PeerRecord(
     name="peer", stage=0, layers=(0, 15), role="inference", version=12, tokens_per_s=123.4,

@@ -15,7 +15,7 @@ replicas announced under a stage's key, no model), each printed as what it did:
   readers) and how many submissions were refused.
 
 It runs against whichever decentrl is imported: the figures of `main` come from the same script
-with PYTHONPATH pointing at main's src/. Nothing here is asserted (tests/test_bounded_state.py
+with PYTHONPATH pointing at main's src/. Nothing here is asserted (tests/unit/net/test_bounded_state.py
 and friends check the refusals).
 
 Run: decentrl bench shared-tables [--seconds 5] [--identities 80] [--tiny 300] [--json PATH]
@@ -42,13 +42,14 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from decentrl.config import RunConfig
-from decentrl.net import node as node_module
+from decentrl.net import serving as serving_module
 from decentrl.net.directory import Directory
 from decentrl.net.identity import Identity
-from decentrl.net.link import LinkProfile
-from decentrl.net.node import MessageLost, RemoteError, SwarmNode
+from decentrl.net.link import LinkProfile, MessageLost
+from decentrl.net.node import RemoteError, SwarmNode
 from decentrl.net.protocol import SUBMIT_ROLLOUTS, Empty, PeerRecord, stage_key
 from decentrl.net.records import SignedRecordValidator
+from decentrl.net.serving import Server
 from decentrl.net.streams import FrameReader
 from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.net.wire import TensorLimits, WireError, encode_struct
@@ -206,14 +207,14 @@ class HeldBytes:
     @contextmanager
     def counting(self) -> Iterator[None]:
         """Count while inside (the node's stream reading, wrapped, and restored after)."""
-        serve_stream, read_next = SwarmNode._serve_stream, FrameReader.next
+        serve_stream, read_next = Server._serve_stream, FrameReader.next
         held = self
 
-        async def counted_serve(node: SwarmNode, rpc: Any, handler: Any, sender: str,
-                                address: str, stream: FrameReader, writer: Any) -> None:
+        async def counted_serve(server: Server, guarded: Any, sender: str, address: str,
+                                stream: FrameReader, writer: Any) -> None:
             held.open.add(stream)
             try:
-                await serve_stream(node, rpc, handler, sender, address, stream, writer)
+                await serve_stream(server, guarded, sender, address, stream, writer)
             finally:
                 held.open.discard(stream)
 
@@ -222,12 +223,12 @@ class HeldBytes:
             held.peak = max(held.peak, sum(r.received for r in held.open))
             return frame
 
-        SwarmNode._serve_stream = counted_serve  # type: ignore[method-assign]
+        Server._serve_stream = counted_serve  # type: ignore[method-assign]
         FrameReader.next = counted_next  # type: ignore[method-assign]
         try:
             yield
         finally:
-            SwarmNode._serve_stream = serve_stream  # type: ignore[method-assign]
+            Server._serve_stream = serve_stream  # type: ignore[method-assign]
             FrameReader.next = read_next  # type: ignore[method-assign]
 
 
@@ -268,7 +269,7 @@ def refuse(group: Any, sender: str) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     held = HeldBytes()
-    figures: dict[str, Any] = {"branch": "bounded" if hasattr(node_module, "InflightBudget")
+    figures: dict[str, Any] = {"branch": "bounded" if hasattr(serving_module, "InflightBudget")
                                else "main"}
     for attack in ("any-key", "stage-crowd", "tiny-records", "inbox"):
         with swarm() as (coordinator, replicas, stranger):

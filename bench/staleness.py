@@ -1,7 +1,7 @@
 """Learning at forced staleness: the same run with every rollout exactly k versions old.
 
 How much does staleness cost, and which off-policy correction pays it back? The demo's run
-(demo.DEMO_CONFIG: sums, SmolLM2-135M-Instruct, groups of 8, 8 prompts per step, lr 3e-5, grpo)
+(examples/demo.toml: sums, SmolLM2-135M-Instruct, groups of 8, 8 prompts per step, lr 3e-5, grpo)
 in one process, synchronous, with the generation replica forced to serve the learner's weights
 of exactly k versions ago (version 0 until there are that many): every batch the learner at
 version v trains on was sampled by version max(0, v - k), so from step k + 1 on its staleness is
@@ -52,16 +52,15 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from rich.console import Console
 
-import torch  # noqa: E402
-from common import (  # noqa: E402
+from bench.common import (
     bench_model,
     cpu_seconds,
     machine,
@@ -69,19 +68,18 @@ from common import (  # noqa: E402
     quiet_transformers,
     save_figure,
 )
-from rich.console import Console  # noqa: E402
-
-from decentrl.config import RunConfig, parse_config  # noqa: E402
-from decentrl.demo import demo_config  # noqa: E402
-from decentrl.device import pick_device  # noqa: E402
-from decentrl.evaluate.runner import EvalResult, evaluate  # noqa: E402
-from decentrl.evaluate.stats import Accuracy, difference_interval  # noqa: E402
-from decentrl.model.loading import LoadedModel, load_model  # noqa: E402
-from decentrl.observe.metrics import StepRecord  # noqa: E402
-from decentrl.rollout.chain import InferenceSession  # noqa: E402
-from decentrl.rollout.types import RolloutGroup  # noqa: E402
-from decentrl.swarm.local import LocalBackend  # noqa: E402
-from decentrl.swarm.loop import RunHooks, RunSummary, TrainingLoop  # noqa: E402
+from decentrl.config import RunConfig, parse_config
+from decentrl.coordinator.backend import RunSummary
+from decentrl.coordinator.local_backend import LocalBackend
+from decentrl.coordinator.loop import RunHooks, TrainingLoop
+from decentrl.demo import demo_config
+from decentrl.device import pick_device
+from decentrl.evaluate.runner import EvalResult, evaluate
+from decentrl.evaluate.stats import Accuracy, difference_interval
+from decentrl.model.loading import LoadedModel, load_model
+from decentrl.observe.metrics import StepRecord
+from decentrl.rollout.chain import InferenceSession
+from decentrl.rollout.types import RolloutGroup
 
 METHODS: dict[str, dict[str, Any]] = {
     "none": {"off_policy_correction": False},
@@ -240,8 +238,9 @@ def set_option(data: dict[str, Any], assignment: str) -> None:
 def run_config(args: argparse.Namespace, variant: Variant, model: str) -> RunConfig:
     data = demo_config("sums")
     rollout = data["rollout"]
-    data.update(name=variant.name, run_dir=str(args.out / "runs"), seed=variant.seed,
-                model=model, device=args.device, dtype=args.dtype, threads=args.threads)
+    data.update(name=variant.name, seed=variant.seed, model=model)
+    data["host"].update(run_dir=str(args.out / "runs"), device=args.device, dtype=args.dtype,
+                        threads=args.threads or 0)
     data["train"].update(mode="sync", steps=args.steps, time_budget_s=None,
                          checkpoint_every=args.steps + 1, max_staleness=max(variant.lags),
                          # The whole batch in one micro-batch: M2PO's bound then holds over

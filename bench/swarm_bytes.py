@@ -34,24 +34,21 @@ Run: decentrl bench swarm-bytes [--model smollm2-135m-instruct|tiny|PATH] [--bat
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import common  # noqa: E402
-import torch  # noqa: E402
-
-from decentrl.config import RunConfig, parse_config  # noqa: E402
-from decentrl.net.link import LinkProfile  # noqa: E402
-from decentrl.net.node import SwarmNode  # noqa: E402
-from decentrl.net.session import new_session  # noqa: E402
-from decentrl.net.wire import TensorLimits  # noqa: E402
-from decentrl.swarm.lineage import LineageSigner  # noqa: E402
-from decentrl.swarm.peer import StagePeer  # noqa: E402
+from bench import common
+from decentrl.config import RunConfig, parse_config
+from decentrl.coordinator.lineage import LineageSigner
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import SwarmNode
+from decentrl.net.session import new_session
+from decentrl.net.wire import TensorLimits
+from decentrl.stage.peer import StagePeer
 
 CODECS = ("fp32", "bf16", "int8")
 
@@ -116,14 +113,14 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 
 def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
+    from decentrl.client.sessions import RemoteChain
+    from decentrl.client.training import RemoteStageWorker
     from decentrl.learn.batch import build_batch
     from decentrl.learn.trainer import PipelineTrainer, loss_config_from
     from decentrl.net.directory import Directory
     from decentrl.rollout.generate import generate
     from decentrl.rollout.sampling import sampling_config
     from decentrl.rollout.types import Rollout
-    from decentrl.swarm.sessions import RemoteChain
-    from decentrl.swarm.training_client import RemoteStageWorker
     from decentrl.tasks import make_task, problems, render_prompt
 
     with tempfile.TemporaryDirectory(prefix="decentrl-bench-") as folder:
@@ -131,9 +128,10 @@ def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
         loaded.tensors.clear()  # the peers read their own stages
         tokenizer = loaded.tokenizer
         config = parse_config({
-            "name": f"bytes-{codec}", "run_dir": str(Path(folder) / "runs"),
-            "model": str(loaded.path), "num_stages": args.stages, "device": args.device,
-            "dtype": args.dtype, "seed": args.seed,
+            "name": f"bytes-{codec}", "model": str(loaded.path), "num_stages": args.stages,
+            "seed": args.seed,
+            "host": {"run_dir": str(Path(folder) / "runs"), "device": args.device,
+                     "dtype": args.dtype},
             "rollout": {"group_size": args.group_size, "max_new_tokens": args.max_new_tokens},
             "train": {"micro_batch_size": args.micro_batch},
             # Replicas look for new weights every announce_every_s / 2.
@@ -230,7 +228,7 @@ def total(counts: dict[str, int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.run_variants(Path(__file__), argv, parse_args(argv), run_variant, report)
+    common.run_variants(__spec__.name, argv, parse_args(argv), run_variant, report)
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

@@ -52,16 +52,14 @@ Run: decentrl bench swarm-generation [--model smollm2-135m-instruct|tiny|PATH] [
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import common  # noqa: E402
-import torch  # noqa: E402
+from bench import common
 
 VARIANTS = ("local", "batched", "swarm")
 BATCHING = {"off": ("off",), "on": ("on",), "both": ("off", "on")}
@@ -186,9 +184,10 @@ def run_swarm(args: argparse.Namespace, loaded: Any, folder: Path,
               batching: bool) -> dict[str, Any]:
     torch.set_num_threads(1)  # the client only relays; the peers compute
     config = common.inference_swarm_config("swarm-generation", folder, loaded.path, args, {
+        "activation_codec": args.codec, "inference_replicas": args.replicas,
+        "batching": batching},
         # Peers never call each other while generating; only the client's link matters.
-        "link": {"rtt_ms": [args.rtt_ms, args.rtt_ms]}, "activation_codec": args.codec,
-        "inference_replicas": args.replicas, "batching": batching})
+        host={"link": {"rtt_ms": [args.rtt_ms, args.rtt_ms]}})
     with common.inference_swarm(config, loaded.spec) as (swarm, chain):
         prompts = common.sums_prompts(loaded.tokenizer, max(args.concurrency) * args.batch)
         label = f"swarm ({'batching' if batching else 'one request at a time'})"
@@ -215,7 +214,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.run_variants(Path(__file__), argv, parse_args(argv), run_variant, report)
+    common.run_variants(__spec__.name, argv, parse_args(argv), run_variant, report)
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

@@ -36,16 +36,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common
 import torch
 
+from bench import common
 from decentrl.config import RunConfig, TrainConfig
 from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from

@@ -22,21 +22,18 @@ Variants (`--variants`):
   plain-untied  plain-head with the head untied from the embedding (decentrl's parameter set)
 
 Each variant runs in a fresh process unless --in-process (so a CPU peak RSS is its own).
-Run: python bench/trainer_throughput.py [--device auto] [--steps 3] [--batch 16] [--model PATH]
+Run: python -m bench.trainer_throughput [--device auto] [--steps 3] [--batch 16] [--model PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import common  # noqa: E402
-import torch  # noqa: E402
+from bench import common
 
 VARIANTS = ("decentrl", "plain", "plain-head", "plain-untied")
 DEFAULT_VARIANTS = "decentrl,plain,plain-head"
@@ -223,7 +220,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    common.run_variants(Path(__file__), argv, parse_args(argv), run_variant, report)
+    common.run_variants(__spec__.name, argv, parse_args(argv), run_variant, report)
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

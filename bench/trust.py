@@ -16,7 +16,7 @@ run to their rulings, so a ban takes effect on the next sessions, as in a run.
 Scenarios:
 - `honest`: per stage a bf16, an fp32 and a second bf16 replica: every check re-executes across
   dtypes or on another peer;
-- one per stage adversary of swarm/adversary.py: per stage an honest bf16 and an honest fp32
+- one per stage adversary of launch/adversary.py: per stage an honest bf16 and an honest fp32
   replica, plus the hostile peer(s) (collude-verify and huge-capacity come with their
   forge-logprobs partner, whose lies they cover and which they would otherwise judge);
   rotate-keys comes back under a fresh identity each time it is banned.
@@ -44,43 +44,40 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from rich.console import Console
 
-import common  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-
-from decentrl.config import RunConfig, parse_config  # noqa: E402
-from decentrl.model.loading import load_model  # noqa: E402
-from decentrl.net.directory import Directory  # noqa: E402
-from decentrl.net.link import LinkProfile  # noqa: E402
-from decentrl.net.node import SwarmNode  # noqa: E402
-from decentrl.net.wire import TensorLimits  # noqa: E402
-from decentrl.rollout.types import RolloutGroup  # noqa: E402
-from decentrl.swarm.adversary import (  # noqa: E402
+from bench import common
+from decentrl.client.sessions import RemoteChain
+from decentrl.config import RunConfig, parse_config
+from decentrl.coordinator.scheduler import PromptScheduler
+from decentrl.coordinator.worker import RolloutWorker
+from decentrl.launch.adversary import (
     ADVERSARIES,
     TRAINING_ADVERSARIES,
     adversary_stages,
     hostile_peer,
 )
-from decentrl.swarm.peer import StagePeer  # noqa: E402
-from decentrl.swarm.scheduler import PromptScheduler  # noqa: E402
-from decentrl.swarm.sessions import RemoteChain  # noqa: E402
-from decentrl.swarm.worker import RolloutWorker  # noqa: E402
-from decentrl.tasks import make_task  # noqa: E402
-from decentrl.trust.gate import Trust  # noqa: E402
-from decentrl.trust.provenance import Provenance  # noqa: E402
-from decentrl.trust.tribunal import Ruling, convene  # noqa: E402
-from decentrl.trust.verify import Verdict, Verifier  # noqa: E402
+from decentrl.model.loading import load_model
+from decentrl.net.directory import Directory
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import SwarmNode
+from decentrl.net.wire import TensorLimits
+from decentrl.rollout.types import RolloutGroup
+from decentrl.stage.peer import StagePeer
+from decentrl.tasks import make_task
+from decentrl.trust.gate import Trust
+from decentrl.trust.provenance import Provenance
+from decentrl.trust.tribunal import Ruling, convene
+from decentrl.trust.verify import Verdict, Verifier
 
-# Clients (tests/test_adversaries.py) and training peers (bench/train_audit.py) are measured
+# Clients (tests/swarm/test_adversaries.py) and training peers (bench/train_audit.py) are measured
 # elsewhere: here, the peers that serve and judge inference.
 ELSEWHERE = ("replay", "flood", *TRAINING_ADVERSARIES)
 SCENARIOS = ("honest", *(a for a in ADVERSARIES if a not in ELSEWHERE))
@@ -97,8 +94,8 @@ def bench_config(model: str, run_dir: Path, policy: str,
     if probation_share is not None:
         trust["probation_share"] = probation_share
     return parse_config({
-        "name": "trust-bench", "run_dir": str(run_dir), "model": model, "num_stages": 2,
-        "threads": 1,
+        "name": "trust-bench", "model": model, "num_stages": 2,
+        "host": {"run_dir": str(run_dir), "threads": 1},
         "task": {"name": "sums", "options": {"min_digits": 1, "max_digits": 2,
                                              "format_weight": 0.0}},
         "rollout": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 20},
@@ -158,7 +155,7 @@ class Swarm:
     def start_honest(self, third: bool) -> None:
         """Per stage an honest replica in the run's dtype, one in fp32, and with `third` a
         second one in the run's dtype."""
-        fp32 = self.config.model_copy(update={"dtype": "fp32"})
+        fp32 = self.config.with_host(self.config.host.model_copy(update={"dtype": "fp32"}))
         for stage in range(self.config.num_stages):
             self.start(stage, f"honest{stage}")
             self.start(stage, f"fp32-{stage}", config=fp32)

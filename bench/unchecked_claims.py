@@ -3,10 +3,10 @@
 Each attack comes from a node that is not the coordinator, on loopback, in this one process:
 
 - evaluation wait: the coordinator's wait, before an evaluation, for the replicas to serve the
-  learner's version (swarm/replica_wait.py), while a stranger announces a replica stuck at v0
+  learner's version (coordinator/replica_wait.py), while a stranger announces a replica stuck at v0
   and the honest replica serves v1. Figure: seconds waited (`eval_wait_s`).
 - joiners per stage: `--joiners` inference peers join a 2-stage run one after another with
-  `--stage auto` (swarm/launch.py `choose_stage`, each announcing itself before the next one
+  `--stage auto` (launch/join.py `choose_stage`, each announcing itself before the next one
   chooses) while a stranger's record claims BOASTED_SESSIONS free sessions at stage 0 (the
   `huge-capacity` adversary's claim). Figures: joiners at each stage.
 - update with a fake chunk owner: a publisher and one replica following it (sync/distribute.py,
@@ -23,23 +23,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import common  # noqa: E402
-import torch  # noqa: E402
-
-from decentrl.config import SwarmConfig, SyncConfig, parse_config  # noqa: E402
-from decentrl.net.authority import RunAuthority  # noqa: E402
-from decentrl.net.dht_storage import RunNamespace  # noqa: E402
-from decentrl.net.directory import Directory  # noqa: E402
-from decentrl.net.link import LinkProfile  # noqa: E402
-from decentrl.net.node import Reply, Request, SwarmNode  # noqa: E402
-from decentrl.net.protocol import (  # noqa: E402
+from bench import common
+from decentrl.config import SwarmConfig, SyncConfig, parse_config
+from decentrl.coordinator.replica_wait import wait_for_routed_replicas
+from decentrl.launch.adversary import BOASTED_SESSIONS
+from decentrl.launch.join import choose_stage
+from decentrl.net.authority import RunAuthority
+from decentrl.net.dht_storage import RunNamespace
+from decentrl.net.directory import Directory
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import Reply, Request, SwarmNode
+from decentrl.net.protocol import (
     SYNC_CHUNK,
     ChunkRequest,
     LineageRecord,
@@ -47,13 +46,10 @@ from decentrl.net.protocol import (  # noqa: E402
     lineage_key,
     stage_key,
 )
-from decentrl.net.session import new_session  # noqa: E402
-from decentrl.net.wire import TensorLimits, encode_struct  # noqa: E402
-from decentrl.swarm.adversary import BOASTED_SESSIONS  # noqa: E402
-from decentrl.swarm.launch import choose_stage  # noqa: E402
-from decentrl.swarm.replica_wait import wait_for_routed_replicas  # noqa: E402
-from decentrl.sync.delta import PublishedState  # noqa: E402
-from decentrl.sync.distribute import WeightFollower, WeightPublisher  # noqa: E402
+from decentrl.net.session import new_session
+from decentrl.net.wire import TensorLimits, encode_struct
+from decentrl.sync.delta import PublishedState
+from decentrl.sync.distribute import WeightFollower, WeightPublisher
 
 RUN = "unchecked-claims"
 # Records live as long as the run's nodes keep them (net/dht_storage.py MAX_RECORD_TTL_S).

@@ -5,8 +5,9 @@ Bytes per weight update against a dense bf16 copy of the weights, for full fine-
 LoRA, over real RL steps of the demo's model and task, for each update encoding asked for
 (`--encodings`: `sync.selection/sync.values[@density]`).
 
-Each variant runs the single-machine run (`LocalRun`, swarm/run.py) step by step in synchronous
-mode: generate a batch of groups with the current weights, score them, take one optimizer step.
+Each variant runs the single-machine run (`local_run`, coordinator/local_backend.py) step by step
+in synchronous mode: generate a batch of groups with the current weights, score them, take one
+optimizer step.
 After every step each stage publishes as a training peer does (sync/delta.py): the update is the
 difference between its weights and the state it has published, top-k sparsified to `--density`
 of each tensor's entries (each encoding publishes from the same learner, one published state
@@ -39,28 +40,24 @@ from __future__ import annotations
 
 import copy
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast, get_args
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from rich.console import Console
 
-import common  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-
-from decentrl.config import parse_config  # noqa: E402
-from decentrl.demo import demo_config  # noqa: E402
-from decentrl.learn.batch import TrainBatch  # noqa: E402
-from decentrl.learn.trainer import stage_forward  # noqa: E402
-from decentrl.model.stages import StageModule  # noqa: E402
-from decentrl.net.protocol import ServedFidelity  # noqa: E402
-from decentrl.swarm.local import copy_weights, local_run  # noqa: E402
-from decentrl.swarm.replica import published_tensors  # noqa: E402
-from decentrl.sync.delta import (  # noqa: E402
+from bench import common
+from decentrl.config import parse_config
+from decentrl.coordinator.local_backend import copy_weights, local_run
+from decentrl.demo import demo_config
+from decentrl.learn.batch import TrainBatch
+from decentrl.learn.trainer import stage_forward
+from decentrl.model.stages import StageModule
+from decentrl.net.protocol import ServedFidelity
+from decentrl.stage.replica import published_tensors
+from decentrl.sync.delta import (
     SERVED_DTYPE,
     PublishedState,
     Selection,
@@ -148,9 +145,10 @@ def run_variant(variant: str, args: Any) -> dict[str, Any]:
     data = demo_config("sums")
     prompts = max(1, args.batch // 4)
     with tempfile.TemporaryDirectory(prefix="update-bytes-") as folder:
-        data.update(name=f"update-bytes-{variant}", run_dir=folder, seed=args.seed,
-                    model=common.bench_model(args.model), num_stages=args.stages,
-                    device=args.device, dtype=args.dtype, threads=args.threads)
+        data.update(name=f"update-bytes-{variant}", seed=args.seed,
+                    model=common.bench_model(args.model), num_stages=args.stages)
+        data["host"].update(run_dir=folder, device=args.device, dtype=args.dtype,
+                            threads=args.threads or 0)
         data["rollout"].update(group_size=4, prompts_per_step=prompts)
         data["train"].update(mode="sync", steps=args.steps, zero_variance_groups="keep",
                              dynamic_sampling=False)
@@ -300,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
             parse_encoding(text, args.density)
     except ValueError as error:
         parser.error(str(error))
-    common.run_variants(Path(__file__), argv, args, run_variant, report)
+    common.run_variants(__spec__.name, argv, args, run_variant, report)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ float32 keyframe, so replicas run the trainer's exact weights); held-out accurac
 number of steps, with 95% confidence intervals, and the difference between the two.
 
 Each variant is a fresh local swarm on loopback (`LocalSwarm`: per stage one training peer and
-`--replicas` inference peers, each its own process), the demo's config (demo.DEMO_CONFIG: task,
+`--replicas` inference peers, each its own process), the demo's config (examples/demo.toml: task,
 model, batch, learning rate, 60-120 ms links), a fixed number of `--steps` instead of a time
 budget, and the same seed, so both see the same problems in the same order. Evaluation is greedy
 pass@1 on `--eval-problems` held-out two-digit sums over the swarm (the replicas), before and
@@ -23,28 +23,25 @@ Each variant runs in its own process; run folders under --out, the plot
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from rich.console import Console
 
-import common  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-
-from decentrl.config import RunConfig, parse_config  # noqa: E402
-from decentrl.demo import demo_config  # noqa: E402
-from decentrl.evaluate.stats import difference_interval  # noqa: E402
-from decentrl.observe.metrics import read_metrics  # noqa: E402
+from bench import common
+from decentrl.config import RunConfig, parse_config
+from decentrl.demo import demo_config
+from decentrl.evaluate.stats import difference_interval
+from decentrl.observe.metrics import read_metrics
 
 VARIANTS = ("sparse", "dense")
 
 
 def make_config(args: Any, variant: str, model: str) -> RunConfig:
     data = demo_config("sums")
-    data.update(name=variant, run_dir=args.out, seed=args.seed, model=model, device=args.device,
-                dtype=args.dtype)
+    data.update(name=variant, seed=args.seed, model=model)
+    data["host"].update(run_dir=args.out, device=args.device, dtype=args.dtype)
     data["train"].update(steps=args.steps, time_budget_s=None, checkpoint_every=1_000_000,
                          zero_variance_groups="keep" if args.model == "tiny" else "drop",
                          dynamic_sampling=args.model != "tiny")
@@ -55,8 +52,8 @@ def make_config(args: Any, variant: str, model: str) -> RunConfig:
 
 
 def run_variant(variant: str, args: Any) -> dict[str, Any]:
-    from decentrl.swarm.coordinate import swarm_run
-    from decentrl.swarm.launch import LocalSwarm
+    from decentrl.coordinator.swarm_backend import swarm_run
+    from decentrl.launch.local_swarm import LocalSwarm
 
     common.quiet_transformers()
     torch.set_num_threads(1)  # the coordinator relays and scores; the peers compute
@@ -151,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     if min(args.steps, args.eval_problems, args.replicas) <= 0:
         parser.error("--steps, --eval-problems and --replicas must be > 0")
-    common.run_variants(Path(__file__), argv, args, run_variant, report)
+    common.run_variants(__spec__.name, argv, args, run_variant, report)
 
 
 if __name__ == "__main__":

@@ -75,37 +75,34 @@ import argparse
 import contextlib
 import gc
 import statistics
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import common  # noqa: E402
-import torch  # noqa: E402
-
-from decentrl.config import SyncConfig  # noqa: E402
-from decentrl.net.authority import RunAuthority  # noqa: E402
-from decentrl.net.dht_storage import MAX_RECORD_TTL_S, RunNamespace  # noqa: E402
-from decentrl.net.dialback import keep_routes_announced  # noqa: E402
-from decentrl.net.link import LinkProfile  # noqa: E402
-from decentrl.net.netns import HomeSpec, Internet  # noqa: E402
-from decentrl.net.node import SwarmNode  # noqa: E402
-from decentrl.net.protocol import (  # noqa: E402
+from bench import common
+from decentrl.config import SyncConfig
+from decentrl.net.authority import RunAuthority
+from decentrl.net.dht_storage import MAX_RECORD_TTL_S, RunNamespace
+from decentrl.net.dialback import keep_routes_announced
+from decentrl.net.link import LinkProfile
+from decentrl.net.netns import HomeSpec, Internet
+from decentrl.net.node import SwarmNode
+from decentrl.net.protocol import (
     LineageRecord,
     PeerRecord,
     UpdateManifest,
     lineage_key,
     stage_key,
 )
-from decentrl.net.reach import RouteRecord, relay_circuit  # noqa: E402
-from decentrl.net.session import new_session  # noqa: E402
-from decentrl.net.wire import TensorLimits, encode_struct  # noqa: E402
-from decentrl.sync.delta import PublishedState, TensorChange  # noqa: E402
-from decentrl.sync.distribute import StoredUpdate, WeightFollower, WeightPublisher  # noqa: E402
+from decentrl.net.reach import RouteRecord, relay_circuit
+from decentrl.net.session import new_session
+from decentrl.net.wire import TensorLimits, encode_struct
+from decentrl.sync.delta import PublishedState, TensorChange
+from decentrl.sync.distribute import StoredUpdate, WeightFollower, WeightPublisher
 
 VARIANTS = ("swarm", "star")
 RUN = "update-spread"

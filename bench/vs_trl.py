@@ -6,7 +6,7 @@ model, task, prompts and hyperparameters, each side given the same training-time
     decentrl bench vs-trl [--budget 900] [--eval-every 10] [--trl-eval-every N]
                           [--eval-problems 200] [--out runs/vs-trl]
 
-Both sides train with the demo's config (decentrl.demo.DEMO_CONFIG): sums of 1-2 digit numbers
+Both sides train with the demo's config (examples/demo.toml): sums of 1-2 digit numbers
 from the same seeded stream of train problems, 8 prompts x 8 samples = 64 completions per
 optimizer step in micro-batches of the same size, the same max new tokens, temperature 1,
 learning rate, AdamW betas, clipping range and gradient clipping, the GRPO loss (each sequence's token mean, then
@@ -47,15 +47,18 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from common import (
+
+from bench.common import (
     GenerationHeldDuringEvaluation,
     machine,
     print_table,
     quiet_transformers,
     save_figure,
 )
-
 from decentrl.config import RunConfig, parse_config
+from decentrl.coordinator.local_backend import local_run
+from decentrl.coordinator.loop import StopTraining, TrainingLoop
+from decentrl.coordinator.scheduler import PromptScheduler
 from decentrl.demo import demo_config
 from decentrl.device import compute_dtype, pick_device
 from decentrl.evaluate.runner import EvalResult, evaluate
@@ -64,9 +67,6 @@ from decentrl.model.loading import load_model
 from decentrl.model.stages import StagePlan, build_stages
 from decentrl.observe.metrics import StepRecord, read_metrics
 from decentrl.rollout.chain import LocalChain
-from decentrl.swarm.local import local_run
-from decentrl.swarm.loop import StopTraining, TrainingLoop
-from decentrl.swarm.scheduler import PromptScheduler
 from decentrl.tasks import make_task
 
 TRL_VERSION = "1.16.0"  # the `bench` extra's pin in pyproject.toml
@@ -165,7 +165,8 @@ def bench_config(model: str, eval_every: int, eval_problems: int, out: Path,
                  threads: int | None = None) -> RunConfig:
     """The demo's config, evaluated with greedy pass@1 only; the budget is enforced here."""
     data = demo_config("sums")
-    data.update(name="decentrl", run_dir=str(out), model=model, threads=threads)
+    data.update(name="decentrl", model=model)
+    data["host"].update(run_dir=str(out), threads=threads or 0)
     data["train"].update(time_budget_s=None, checkpoint_every=data["train"]["steps"])
     data["eval"].update(problems=eval_problems, pass_k=1, every=eval_every)
     return parse_config(data)
@@ -261,8 +262,8 @@ def run_trl(config: RunConfig, budget_s: float, out: Path) -> dict[str, Any]:
 
     torch.manual_seed(config.seed)
     loaded = load_model(config.model)
-    device = pick_device(config.device)
-    dtype = compute_dtype(device, config.dtype)
+    device = pick_device(config.host.device)
+    dtype = compute_dtype(device, config.host.dtype)
     task = make_task(config.task.name, **config.task.options)
     eval_task = make_task(config.eval.task.name, **config.eval.task.options)
     rollout, train, ev = config.rollout, config.train, config.eval
@@ -295,7 +296,7 @@ def run_trl(config: RunConfig, budget_s: float, out: Path) -> dict[str, Any]:
         temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
         shuffle_dataset=False, max_steps=train.steps,
         learning_rate=train.lr, lr_scheduler_type="constant_with_warmup",
-        warmup_steps=train.warmup_steps, adam_beta1=train.betas[0],
+        warmup_steps=train.lr_warmup_steps, adam_beta1=train.betas[0],
         adam_beta2=train.betas[1], weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm or 0.0,
         loss_type=train.loss, beta=train.kl_coef, epsilon=train.clip_low,
@@ -456,12 +457,12 @@ def main(argv: list[str] | None = None) -> None:
     path = args.out / "vs_trl.json"
     config = bench_config(args.model, args.eval_every, args.eval_problems, args.out,
                           args.threads)
-    device = pick_device(config.device)
+    device = pick_device(config.host.device)
     setup = {"budget_s": args.budget, "eval_every": args.eval_every,
              "trl_eval_every": args.trl_eval_every,
              "eval_problems": args.eval_problems, "model": args.model, "threads": args.threads,
              "config": config.model_dump(mode="json")}
-    results: dict[str, Any] = {**setup, "compute_dtype": str(compute_dtype(device, config.dtype))}
+    results: dict[str, Any] = {**setup, "compute_dtype": str(compute_dtype(device, config.host.dtype))}
     if path.is_file():
         earlier = json.loads(path.read_text())
         kept = [side for side, skipped in zip(SIDES, (args.skip_decentrl, args.skip_trl))

@@ -100,21 +100,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same shape as a Qwen2 model. Its q/k/v biases are made non-zero (Hugging Face
-    initialises them to zero), else a model that ignored them would pass every comparison."""
-    folder = make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", seed=1, model_type="qwen2")
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    generator = torch.Generator().manual_seed(1)
-    for name, tensor in tensors.items():
-        if name.endswith(".bias"):
-            tensors[name] = 0.5 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
-    save_file(tensors, path, metadata={"format": "pt"})
-    return folder
-
-
-@pytest.fixture(scope="session")
 def tiny_printable_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`make_tiny_model` whose tokenizer has every printable ASCII character: tool calls' JSON
     (braces, quotes, underscores) survives it, so demonstrations can be written in it."""

@@ -1,5 +1,6 @@
-"""What the fuzz tests (tests/test_fuzz*.py) share: hypothesis's settings for them, strategies for
-the bytes a peer can send, and the count of each test's examples by branch.
+"""What the fuzz tests (test_fuzz*.py, in tests/unit/net and tests/swarm) share: hypothesis's
+settings for them, strategies for the bytes a peer can send, and the count of each test's examples
+by branch.
 
 A fuzz test's example either decodes (and then the test checks what came out) or is refused. If
 every example took the same branch, the other branch's checks never ran and the test proved less
@@ -17,7 +18,7 @@ import msgspec
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-# `make test` runs each fuzz test of tests/test_fuzz*.py on 150 examples (seconds in all).
+# `make test` runs each fuzz test (test_fuzz*.py) on 150 examples (seconds in all).
 # `make fuzz` (DECENTRL_FUZZ=1) runs FUZZ_EXAMPLES_PER_TEST each (the network ones an eighth of
 # it): with the tests' ~35 message types, records, streams and payloads, about 145,000 in all
 # (about three minutes on two cores).
@@ -32,7 +33,7 @@ FUZZING = os.environ.get("DECENTRL_FUZZ") == "1"
 settings.register_profile("decentrl", max_examples=REGULAR_EXAMPLES_PER_TEST)
 settings.register_profile("fuzz", max_examples=FUZZ_EXAMPLES_PER_TEST)
 settings.load_profile("fuzz" if FUZZING else "decentrl")
-# Tests whose every example is a round trip to a live node (tests/test_fuzz_node.py).
+# Tests whose every example is a round trip to a live node (tests/swarm/test_fuzz_node.py).
 NETWORK_EXAMPLES_PER_TEST = max(40, settings.default.max_examples // 8)
 
 # Every fuzz test's settings; the number of examples is the profile's, loaded above first.

@@ -23,28 +23,30 @@ from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
+from decentrl.client.sessions import RemoteChain
+from decentrl.client.training import RemoteStageWorker
 from decentrl.config import RunConfig, parse_config
+from decentrl.coordinator.lineage import LineageSigner
+from decentrl.launch.local_swarm import LocalSwarm
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from
-from decentrl.model.blocks import ModelSpec
 from decentrl.model.loading import LoadedModel
+from decentrl.model.spec import ModelSpec
+from decentrl.net.calls import TRUNCATED_REPLY_RETRIES
 from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.directory import Directory
 from decentrl.net.link import LinkProfile
-from decentrl.net.node import TRUNCATED_REPLY_RETRIES, RemoteError, SwarmNode, signed_envelope
+from decentrl.net.node import RemoteError, SwarmNode
 from decentrl.net.protocol import Role
 from decentrl.net.session import new_session
+from decentrl.net.signing import signed_envelope
 from decentrl.net.wire import TensorLimits, TensorManifest, encode_struct, to_messages
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.sampling import sampling_config
-from decentrl.swarm.batching import Outcome, StepRequest
-from decentrl.swarm.inference import InferenceService
-from decentrl.swarm.launch import LocalSwarm
-from decentrl.swarm.lineage import LineageSigner
-from decentrl.swarm.peer import Service, StagePeer
-from decentrl.swarm.replica import ReplicaWeights
-from decentrl.swarm.sessions import RemoteChain
-from decentrl.swarm.training_client import RemoteStageWorker
-from decentrl.swarm.verification import VerifyService
+from decentrl.stage.batching import Outcome, StepRequest
+from decentrl.stage.inference import InferenceService
+from decentrl.stage.peer import Service, StagePeer
+from decentrl.stage.replica import ReplicaWeights
+from decentrl.stage.verification import VerifyService
 from decentrl.sync.distribute import WeightPublisher
 
 CPU = torch.device("cpu")
@@ -71,11 +73,12 @@ def tiny_run_config(model_dir: Path, num_stages: int, codec: str = "fp32",
     section, e.g. `swarm={"retries": 10}`."""
     data: dict[str, Any] = {
         "name": f"t{secrets.token_hex(3)}",  # a fresh DHT key space per swarm
-        "model": str(model_dir), "num_stages": num_stages, "device": "cpu", "dtype": "fp32",
+        "model": str(model_dir), "num_stages": num_stages,
+        "host": {"device": "cpu", "dtype": "fp32"},
         "rollout": {"max_new_tokens": 8},
         "train": {"micro_batch_size": 2, "lr": 1e-2},
         "swarm": {"activation_codec": codec, "announce_every_s": 60.0, "request_timeout_s": 20.0,
-                  "retries": 4, "ban_s": 30.0},
+                  "retries": 4, "avoid_failed_peer_s": 30.0},
         "trust": {"strikes_to_block": 1000, "flag_log_ratio": None, "flag_surprise": None,
                   "probation_checks": 0},
     }
@@ -251,13 +254,14 @@ class Unsigned:
 
 
 def call_raw(node: SwarmNode, peer: str, method: str, metadata: bytes | Unsigned,
-             parts: Sequence[runtime_pb2.Tensor] = (), timeout: float = 20.0
-             ) -> list[runtime_pb2.ExpertResponse]:
+             parts: Sequence[runtime_pb2.Tensor] = (), timeout: float = 20.0,
+             request_id: str = "") -> list[runtime_pb2.ExpertResponse]:
     """Send hand-made messages to `peer`'s `method`: `metadata` as it is (bytes), or signed (an
     `envelope(...)`); a refusal is a RemoteError, as from SwarmNode.call. A stream that closes
     with no reply at all (libp2p does this about once in a thousand streams under load, see
-    SwarmNode.call) is sent again, as SwarmNode.call does."""
-    request_id = secrets.token_hex(8)
+    SwarmNode.call) is sent again, as SwarmNode.call does; a `request_id` given sends a request
+    with that id again."""
+    request_id = request_id or secrets.token_hex(8)
     if isinstance(metadata, Unsigned):
         metadata = signed_envelope(node.identity, "request", method, request_id, metadata.body,
                                    metadata.manifest, parts)
@@ -280,8 +284,11 @@ def call_raw(node: SwarmNode, peer: str, method: str, metadata: bytes | Unsigned
     try:
         return node.run(asyncio.wait_for(go(), timeout), timeout + 5)
     except Exception as error:
-        if isinstance(error, P2PHandlerError | P2PDaemonError):
-            raise RemoteError(str(error)) from error
+        # As SwarmNode.call: a peer that refuses a request too big to read past cuts the stream
+        # (net/streams.py discard_rest), and the reset can overtake its refusal.
+        if isinstance(error, P2PHandlerError | P2PDaemonError | ConnectionError
+                      | asyncio.IncompleteReadError):
+            raise RemoteError(str(error) or repr(error)) from error
         raise
 
 

@@ -22,7 +22,7 @@ from decentrl.config import parse_config
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
 from decentrl.net.wire import TensorLimits
-from decentrl.swarm.peer import StagePeer
+from decentrl.stage.peer import StagePeer
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,8 @@
 """What `decentrl demo` and `decentrl train` do once their arguments are parsed: the demo's
-config, a run in this process, a swarm of peers on this machine with its coordinator, and the
-release at the end (export, the comparison with the base, the report), with the tables and the
-summary a person reads. cli.py parses the arguments and calls these."""
+config (read from its recipe under examples/), a run in this process, a swarm of peers on this
+machine with its coordinator, and the release at the end (export, the comparison with the base,
+the report), with the tables and the summary a person reads. The cli package parses the
+arguments and calls these."""
 
 from __future__ import annotations
 
@@ -21,125 +22,46 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-from decentrl.config import RunConfig, is_run_folder
+from decentrl.config import RUN_MODEL_DIR, RunConfig, is_run_folder, read_toml
 from decentrl.observe.terminal import terminal_text
 
 # The heavy modules (torch, the swarm, matplotlib) are imported where they are used: `decentrl
 # --help` reads this module's constants and should not wait for them.
 if TYPE_CHECKING:
+    from decentrl.coordinator.backend import RunSummary
     from decentrl.evaluate.runner import EvalResult
     from decentrl.evaluate.suite import Family, SuiteResult
+    from decentrl.launch.throttle import ThrottleHalfway
     from decentrl.net.netns import Internet
-    from decentrl.swarm.loop import RunSummary
-    from decentrl.swarm.throttle import ThrottleHalfway
 
-DEMO_CONFIG = {
-    "name": "demo",
-    "num_stages": 2,
-    # No format bonus: it pays a bare wrong number, a trap the policy fell into in 3 runs of 3
-    # (3-token answers, training accuracy stuck near 0.1); without it, 0.4-0.5 within 10 steps.
-    "task": {"name": "sums", "options": {"min_digits": 1, "max_digits": 2, "format_weight": 0.0}},
-    "rollout": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 20},
-    # Problems likely to have reward spread first: simulated on the base model's outcomes, 42% of
-    # groups without spread against 72% (bench/README.md, curriculum); the `3f4f540` run still
-    # had 57%, since a bucket mixes problems always and never solved. So problems whose own
-    # group varied come back, each up to 12 more times, for up to 4 in 5 of the groups: 19% in
-    # the same simulation (6 times, 3 in 4: 25%).
-    "curriculum": {"enabled": True, "replay_share": 0.8, "max_replays": 12},
-    # 12 minutes of training, then two evaluations of about 3 minutes each (8 sampled rows per
-    # problem, in sessions shaped like training groups): `make demo` takes about 20 minutes.
-    # lr 1e-5, not 3e-5: at 3e-5 the policy's entropy fell from 2.2 to 0.1 in 13 steps and
-    # 8-version-old rollouts taught nothing; at 1e-5 the in-process study (bench/README.md,
-    # staleness) learned as well at 8 versions stale as fresh, and better than 3e-5 at 30 steps.
-    # So rollouts up to 8 versions old are corrected (TIS) rather than dropped.
-    "train": {"mode": "async", "steps": 1000, "time_budget_s": 720, "loss": "grpo", "lr": 1e-5,
-              "micro_batch_size": 32, "max_staleness": 8,
-              # The few groups that still vary once the policy solves most problems (1-3 at 97%
-              # training accuracy) still make a full-size Adam step, mostly noise: probably why
-              # a run of 65 steps fell from 0.97 to 0.3-0.5 training accuracy. Fill every batch.
-              "dynamic_sampling": True,
-              # A dead training peer costs the steps since the last checkpoint (a few seconds
-              # to write both stages' weights and optimizer state).
-              "checkpoint_every": 5},
-    "eval": {"task": {"name": "sums", "options": {"min_digits": 2, "max_digits": 2}},
-             "problems": 100, "pass_k": 4, "every": 0},
-    # Peers on three continents: every hop 60-120 ms round trip, with jitter.
-    "swarm": {"link": {"rtt_ms": [60, 120], "jitter_ms": 10}, "inference_replicas": 2},
-    # Spot-checks rewind a replica to the version a rollout names: as far as the staleness bound
-    # and the checks' own lag behind generation (with 8, a third of the skipped checks of the
-    # `3f4f540` run found the replica already 9 versions on).
-    "trust": {"history_versions": 12},
-    "threads": 1,
-}
-
-
-# The agentic demos: word problems with the python tool (one, two and three chained calls), and
-# countdown with the check tool. SmolLM2-135M never calls a tool unaided (0 of 32 episodes); with
-# the first call's opening prefilled and one worked example as real turns it solves about half of
-# the one-step stories greedily, and none of the chained ones: neither it nor RL alone ever
-# chained two calls (issue #7). So a run first learns from the environment's own demonstrations
-# (a scripted solver's transcripts of train problems, `supervised`), then RL takes over with a
-# few demonstrations in every step; the curriculum hands out the levels whose groups vary.
-# Episodes are long (about 450 prompt tokens with the tool schema and the example, up to ~170
-# completion tokens for three calls), so fewer, smaller groups make a step.
-AGENTIC_TASK = {"name": "agentic-calculator",
-                "options": {"stories": ["purchase", "distance", "shopping", "travel", "saving",
-                                        "baking", "ages"],
-                            "prefill_first_call": True, "worked_example": True, "max_turns": 4,
-                            # Per call whose result a later call or the answer uses, up to 0.1
-                            # an episode: the path is paid, never as much as the answer.
-                            "used_result_bonus": 0.05, "max_shaping": 0.1}}
-# Two to four numbers: the curriculum starts where a target is one operation away.
-COUNTDOWN_TASK = {"name": "agentic-countdown",
-                  "options": {"config": {"min_numbers": 2, "max_numbers": 4},
-                              "prefill_first_call": True, "max_turns": 6, "max_tool_calls": 6}}
-AGENTIC_DEMO_CHANGES: dict[str, Any] = {
-    "task": AGENTIC_TASK,
-    # Sampled at T=1: T=1 samples the long, rambling turns that RL then removes (issue #7: +20
-    # against +11 points at T=0.7, one run each).
-    "rollout": {"group_size": 8, "prompts_per_step": 4, "max_new_tokens": 192},
-    "curriculum": {"enabled": True, "replay_share": 0.5, "max_replays": 6},
-    # Demonstrations at 5x the RL learning rate for the warm-up, then 4 beside every RL batch so
-    # that RL cannot forget the format while it sharpens the solutions.
-    "supervised": {"warmup_steps": 24, "rows_per_step": 16, "lr": 5e-5, "interleave_rows": 4},
-    # Longer than the sums demo: on 2 cores a warm-up step takes ~75 s through the swarm (37 s
-    # in one process), so the 24 take ~30 minutes of the budget and RL (~2-3 minutes a step)
-    # the rest. Micro-batches of 4: a demonstration row is ~540 tokens, and 8 of them held
-    # ~11 GB of activations in one process.
-    "train": {"micro_batch_size": 4, "dynamic_sampling": False, "time_budget_s": 2700},
-    # The run's own evaluation samples a group per problem (about 4 minutes for 21 problems on
-    # one process), three times (before, after the warm-up, after RL): few problems, wide
-    # intervals per level. The release comparison, greedy on the exported folder, takes
-    # AGENTIC_RELEASE_PROBLEMS.
-    "eval": {"task": AGENTIC_TASK, "problems": 21, "pass_k": 1, "max_new_tokens": 192,
-             "batch_size": 16},
-}
-# A check's report is longer than a calculator result, and a revision adds a turn.
-COUNTDOWN_DEMO_CHANGES: dict[str, Any] = {
-    **AGENTIC_DEMO_CHANGES,
-    "task": COUNTDOWN_TASK,
-    "rollout": {**AGENTIC_DEMO_CHANGES["rollout"], "max_new_tokens": 256},
-    "eval": {**AGENTIC_DEMO_CHANGES["eval"], "task": COUNTDOWN_TASK, "max_new_tokens": 256},
-}
-DEMO_TASKS = ("sums", AGENTIC_TASK["name"], COUNTDOWN_TASK["name"])
+# The demo's recipes, one TOML file per task under the checkout's examples/ (the agentic ones
+# extend the sums one). Each file says why its values are what they are.
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+DEMO_RECIPES = {"sums": "demo.toml", "agentic-calculator": "demo-agentic-calculator.toml",
+                "agentic-countdown": "demo-agentic-countdown.toml"}
+DEMO_TASKS = tuple(DEMO_RECIPES)
 # With the hostile peers beside the honest ones, about 20 processes share this machine's cores
 # and a peer's 2-second announcement round can slip past its 10-second lifetime: honest peers
 # then "leave" and "join" over and over. Announcing every 5 s gives each entry 25 s.
 ADVERSARIES_ANNOUNCE_EVERY_S = 5.0
+# Honest inference replicas per stage beside the hostile peers: one, not the recipe's two (a
+# `--set swarm.inference_replicas=2` puts them back). The 12 hostile processes hold about 12 GB,
+# the two training peers 3.5-4 GB each at their peak; with a second honest replica per stage
+# (about 1 GB each) the OOM killer took a training peer of this 24 GiB machine within 16 steps
+# (docs/results.md).
+ADVERSARIES_HONEST_REPLICAS = 1
 
 
 def demo_config(task: str) -> dict[str, Any]:
-    """The demo's config for `task` (one of DEMO_TASKS)."""
-    data = json.loads(json.dumps(DEMO_CONFIG))
-    agentic = {AGENTIC_TASK["name"]: AGENTIC_DEMO_CHANGES,
-               COUNTDOWN_TASK["name"]: COUNTDOWN_DEMO_CHANGES}
-    if task in agentic:
-        for section, changes in agentic[task].items():
-            data[section] = {**data.get(section, {}), **changes} if section != "task" \
-                else changes
-    elif task != "sums":
+    """The demo's config for `task` (one of DEMO_TASKS), as its recipe file holds it."""
+    recipe = DEMO_RECIPES.get(task)
+    if recipe is None:
         raise ValueError(f"the demo runs one of {', '.join(DEMO_TASKS)}, not {task!r}")
-    return data
+    path = EXAMPLES_DIR / recipe
+    if not path.is_file():
+        raise FileNotFoundError(f"the demo's recipes live in the source checkout ({path} is "
+                                "missing)")
+    return read_toml(path)
 
 
 # The release comparison at the demo's end: greedy pass@1 on every family of the default suite
@@ -268,9 +190,9 @@ def fresh_run_folder(config: RunConfig, console: Console) -> None:
 
 def run_local(config: RunConfig, console: Console) -> None:
     """A run with every stage in this process, then its report."""
+    from decentrl.coordinator.local_backend import local_run
     from decentrl.observe.logs import configure_logging
     from decentrl.observe.report import build_report
-    from decentrl.swarm.local import local_run
 
     configure_logging("run", json_file=config.path / "logs" / "run.jsonl")
     started = time.time()
@@ -287,7 +209,7 @@ def run_local(config: RunConfig, console: Console) -> None:
         console.print(f"resumed run; after: pass@1 {summary.after.pass1.as_percent()}")
     console.print(f"{summary.steps} steps; wall {time.time() - started:.0f}s; peak memory "
                   f"{peak_memory_gib():.2f} GiB")
-    console.print(f"run folder: {summary.path}  (final model: {summary.path / 'final'}; report: "
+    console.print(f"run folder: {summary.path}  (model: {summary.path / RUN_MODEL_DIR}; report: "
                   f"{build_report(summary.path)})")
 
 
@@ -332,12 +254,12 @@ def run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | Non
 
 def _run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | None,
                     adversaries: bool, internet: Internet | None) -> None:
+    from decentrl.coordinator.swarm_backend import swarm_run
+    from decentrl.launch.adversary import ADVERSARIES, TRAINING_ADVERSARIES
+    from decentrl.launch.local_swarm import LocalSwarm
+    from decentrl.launch.throttle import ThrottleHalfway
     from decentrl.model.loading import resolve_model
     from decentrl.observe.logs import configure_logging
-    from decentrl.swarm.adversary import ADVERSARIES, TRAINING_ADVERSARIES
-    from decentrl.swarm.coordinate import swarm_run
-    from decentrl.swarm.launch import LocalSwarm
-    from decentrl.swarm.throttle import ThrottleHalfway
 
     started = time.time()
     resolve_model(config.model)  # convert the GGUF once, before the peers race to do it
@@ -347,7 +269,7 @@ def _run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | No
     config_path.write_text(config.model_dump_json(indent=2))
     # The training adversaries are left out: each needs two honest training peers beside it at
     # its stage for an audit to settle, 3 GB a stage on the CPU, more than this machine's 24 GB
-    # hold next to the rest (tests/test_train_audit.py and bench/train_audit.py show them).
+    # hold next to the rest (tests/swarm/test_train_audit.py and bench/train_audit.py show them).
     hostile = [kind for kind in ADVERSARIES if kind not in TRAINING_ADVERSARIES]
     swarm = LocalSwarm(config, config_path, config.swarm.inference_replicas,
                        adversaries=hostile if adversaries else (), internet=internet,
@@ -419,7 +341,7 @@ def release(config: RunConfig, console: Console) -> tuple[Path, Path]:
     from decentrl.observe.report import build_report
     from decentrl.release.export import export_run
 
-    model_dir = export_run(config.path, config.path / "model", force=True)
+    model_dir = export_run(config.path, config.path / RUN_MODEL_DIR, force=True)
     # A task run is compared on the sums suite; an agentic run on its own environment.
     families = (with_overrides(DEFAULT_SUITE, problems=DEMO_SUITE_PROBLEMS)
                 if config.task.name not in AGENTIC_ENVIRONMENTS else

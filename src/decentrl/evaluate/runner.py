@@ -4,8 +4,8 @@ of trials, a problem's samples being a cluster: stats.effective_trials).
 
 Two shapes. By default pass@1 is greedy, in batches of problems (the release comparison on the
 coordinator's own machine, evaluate/suite.py). A run's own evaluation, local or swarm
-(swarm/loop.py), passes a `TrainingShape`: every session is a training group's (G samples of one
-prompt, the rollout's sampling, a training-like seed), so that in a swarm the peers cannot tell
+(coordinator/loop.py), passes a `TrainingShape`: every session is a training group's (G samples of
+one prompt, the rollout's sampling, a training-like seed), so that in a swarm the peers cannot tell
 evaluation from training and the coordinator can spot-check it; pass@1 is then the mean success
 of samples at the rollout's temperature (`EvalResult.pass1_temperature`), usually below greedy.
 `TrainingShape.greedy` adds one greedy generation per problem (`EvalResult.greedy_pass1`), in
@@ -216,7 +216,7 @@ def training_shaped_jobs(items: list[Problem], shape: TrainingShape, pass_k: int
     """Each problem's `group_size` samples as many times as pass@k needs (once for pass@1), in
     sessions of `problems_per_session` problems. A seed has the form of a training session's
     (run seed * 2^32 + an index), from 2^31 on: past the problem indices (run seed * 1_000_003 +
-    problems scheduled, swarm/scheduler.py) a run reaches in practice, so a training session's
+    problems scheduled, coordinator/scheduler.py) a run reaches in practice, so a training session's
     seed does not recur in an evaluation. Each
     evaluation of a run draws the same seeds: the before and after compare on the same noise."""
     draws, size = -(-pass_k // shape.group_size), shape.problems_per_session

@@ -48,6 +48,8 @@ from typing import Literal, get_args
 
 import torch
 
+from decentrl.errors import DecentrlError
+
 LossName = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
 LOSS_NAMES: tuple[str, ...] = get_args(LossName)
 # Each sequence's token losses are averaged first, then sequences are averaged (GRPO, GSPO).
@@ -56,7 +58,7 @@ SEQUENCE_MEAN_LOSSES = ("grpo", "gspo")
 TOKEN_MEAN_LOSSES = ("dapo", "cispo")
 
 
-class StaleRolloutError(Exception):
+class StaleRolloutError(DecentrlError):
     """A rollout was sampled by weights older than the learner accepts."""
 
     def __init__(self, staleness: int, max_staleness: int) -> None:

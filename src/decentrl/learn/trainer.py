@@ -22,6 +22,7 @@ from decentrl.learn.batch import TrainBatch
 from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.learn.losses import LossConfig, flagged_rows, policy_loss
 from decentrl.model.prefix import predicting_hidden, shared_prompt_body
+from decentrl.model.spec import ModelSpec
 from decentrl.model.stages import StageModule
 from decentrl.rollout.sampling import (
     SamplingConfig,
@@ -121,13 +122,23 @@ def micro_batch_loss(logits: torch.Tensor, batch: TrainBatch, inputs: LossInputs
     return value, metrics, (row_surprise, row_log_ratio)
 
 
+def routing_replay_needs_experts(spec: ModelSpec, train: TrainConfig) -> None:
+    """A ValueError when train.routing_replay is on for a model without a mixture of experts:
+    there is no routing to record or replay."""
+    if train.routing_replay and spec.moe is None:
+        raise ValueError(f"train.routing_replay needs a mixture-of-experts model (qwen3_moe, "
+                         f"mixtral); {spec.model_type} is dense: turn it off")
+
+
 def stage_forward(stage: StageModule, inputs: Activations, batch: TrainBatch
                   ) -> Activations | torch.Tensor:
     """One stage on one batch: the hidden states of prompts and completions, or at the last
-    stage the logits [N, vocab] of every completion token (the targets, in row-major order)."""
+    stage the logits [N, vocab] of every completion token (the targets, in row-major order).
+    A batch's `routing` (train.routing_replay) is replayed in the completions' forward."""
+    replay = None if batch.routing is None else stage.stage_routing(batch.routing)
     prompt_hidden, completion_hidden = shared_prompt_body(
         stage, inputs[0], batch.prompt_positions, batch.prompt_valid, inputs[1],
-        batch.completion_positions, batch.completion_valid, batch.prompt_of)
+        batch.completion_positions, batch.completion_valid, batch.prompt_of, replay)
     if not stage.is_last:
         return prompt_hidden, completion_hidden
     hidden = predicting_hidden(prompt_hidden, completion_hidden, batch.prompt_of)
@@ -168,8 +179,8 @@ class StageTrainer:
         self.device = next(stage.parameters()).device
         self.autocast_dtype = autocast_dtype
         self.base_lr = train.lr
-        self.warmup_steps = train.warmup_steps
-        self.supervised_steps = supervised.warmup_steps if supervised else 0
+        self.lr_warmup_steps = train.lr_warmup_steps
+        self.supervised_steps = supervised.steps if supervised else 0
         self.supervised_lr = supervised.lr if supervised and supervised.lr else train.lr
         # Only what trains: with LoRA the frozen base weights get neither gradients nor Adam state.
         self.params = [p for p in stage.parameters() if p.requires_grad]
@@ -249,8 +260,8 @@ class StageTrainer:
                                "still waiting for backward")
         step = self.stage.version + 1
         lr = self.supervised_lr if step <= self.supervised_steps else self.base_lr
-        if self.warmup_steps:
-            lr *= min(1.0, step / self.warmup_steps)
+        if self.lr_warmup_steps:
+            lr *= min(1.0, step / self.lr_warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if grad_scale != 1.0:
@@ -301,6 +312,7 @@ class PipelineTrainer:
               reference_stages: list[StageModule] | None = None,
               supervised: SupervisedConfig | None = None) -> PipelineTrainer:
         """Every stage trained in this process."""
+        routing_replay_needs_experts(stages[0].spec, train)
         workers = [StageTrainer(stage, train, loss, sampling, autocast_dtype, supervised)
                    for stage in stages]
         return cls(workers, train, loss, sampling, workers[0].device, reference_stages)

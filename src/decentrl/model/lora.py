@@ -9,6 +9,12 @@ Names: `LoRALinear` keeps the frozen projection's `weight` and `bias` as its own
 LoRA stage's state dict holds the same base names as a plain stage (they map to Hugging Face names
 unchanged) plus `...<proj>.lora_a` and `...<proj>.lora_b`. `merge_lora` turns a LoRA stage back into
 a plain one, state dict and all.
+
+Mixture of experts: an expert's weights are slices of 3-D tensors (model/moe.py), not
+projections, so they take no adapter. On such a model the attention projections of every layer
+and the MLP projections of its dense layers (Qwen3-MoE's `mlp_only_layers`) are adapted; MLP
+targets on a model whose every MLP is a mixture of experts (Mixtral) would adapt nothing, and are
+refused.
 """
 
 from __future__ import annotations
@@ -20,11 +26,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decentrl.config import LORA_TARGETS, check_lora_targets
+from decentrl.config import (
+    FUSED_LORA_TARGETS,
+    LORA_TARGET_NAMES,
+    LORA_TARGETS,
+    check_lora_targets,
+)
 from decentrl.model.blocks import DecoderLayer
+from decentrl.model.moe import SparseMoE
+from decentrl.model.spec import ModelSpec
 from decentrl.model.stages import StageModule
 
 ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+def check_expert_targets(spec: ModelSpec, targets: Sequence[str]) -> None:
+    """A ValueError naming the MLP targets of a model whose every MLP is a mixture of experts:
+    its experts' 3-D weights cannot take adapters, so those targets would adapt nothing."""
+    mlp = [target for target in targets if target in MLP_TARGETS]
+    if mlp and len(spec.sparse_layers) == spec.num_layers:
+        attention = [target for target in LORA_TARGETS if target not in MLP_TARGETS]
+        raise ValueError(f"LoRA targets {mlp} are {spec.model_type}'s experts, whose 3-D weights "
+                         f"take no adapter (every layer's MLP is a mixture of experts); target "
+                         f"attention projections only: train.lora_targets = {attention}")
 
 
 class LoRALinear(nn.Module):
@@ -73,24 +98,66 @@ def adapter_generator(seed: int, layer: int, target: str) -> torch.Generator:
     the stage's) and the projection's name, so every adapter differs, and none depends on how the
     model is split into stages or on which other projections have adapters."""
     return torch.Generator().manual_seed(
-        (seed * 2**16 + layer) * len(LORA_TARGETS) + LORA_TARGETS.index(target))
+        (seed * 2**16 + layer) * len(LORA_TARGET_NAMES) + LORA_TARGET_NAMES.index(target))
+
+
+def layer_projections(layer: DecoderLayer) -> dict[str, nn.Module]:
+    """The projections of `layer` that can carry an adapter, by name -> the block holding it."""
+    return {name: block for block in (layer.self_attn, layer.mlp) for name in LORA_TARGET_NAMES
+            if isinstance(getattr(block, name, None), (nn.Linear, LoRALinear))}
+
+
+def resolve_targets(layer: DecoderLayer, targets: Sequence[str], model_type: str
+                    ) -> tuple[str, ...]:
+    """The projections of `layer` that `targets` (checked names) put adapters on. A projection
+    the family fuses (Phi-3's qkv_proj) is targeted by its name or by all of its parts (so the
+    default, every projection, fits every family); one part alone, or a projection the family
+    does not have, is refused with what it has."""
+    has = layer_projections(layer)
+    resolved: list[str] = []
+    for target in targets:
+        fused = next((name for name, parts in FUSED_LORA_TARGETS.items()
+                      if target in parts and name in has), None)
+        if target in has:
+            name = target
+        elif fused is not None:
+            parts = FUSED_LORA_TARGETS[fused]
+            if not set(parts) <= set(targets):
+                raise ValueError(
+                    f"LoRA target {target!r}: {model_type} fuses {', '.join(parts)} into one "
+                    f"projection, {fused}, whose adapter covers them all; target {fused!r} (or "
+                    f"all of {list(parts)})")
+            name = fused
+        else:
+            raise ValueError(f"LoRA target {target!r}: {model_type} has no such projection; its "
+                             f"projections are {list(has)}")
+        if name not in resolved:
+            resolved.append(name)
+    return tuple(resolved)
 
 
 def add_lora(stage: StageModule, rank: int, alpha: float, targets: Sequence[str],
              seed: int) -> None:
-    """Wrap the `targets` projections of every layer of `stage` in adapters and freeze every
-    other parameter of the stage (embedding, norms and head included)."""
+    """Wrap the `targets` projections of every layer of `stage` in adapters (a sparse layer's
+    attention projections only) and freeze every other parameter of the stage (embedding, norms,
+    head, routers and experts included)."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     if not alpha > 0:
         raise ValueError(f"LoRA alpha must be > 0, got {alpha}")
     targets = check_lora_targets(tuple(targets))
+    check_expert_targets(stage.spec, targets)
     if has_lora(stage):
         raise ValueError(f"stage {stage.index} already has LoRA adapters")
     for layer_id, layer in zip(stage.layer_ids, stage.layers):
         assert isinstance(layer, DecoderLayer)
-        for target in targets:
-            block = layer.self_attn if hasattr(layer.self_attn, target) else layer.mlp
+        projections = layer_projections(layer)
+        if isinstance(layer.mlp, SparseMoE):  # an expert's projections: no adapter (docstring)
+            layer_targets = tuple(target for target in targets if target not in MLP_TARGETS)
+        else:
+            layer_targets = targets
+        for target in resolve_targets(layer, layer_targets, stage.spec.model_type):
+            block = projections[target]
             generator = adapter_generator(seed, layer_id, target)
             setattr(block, target, LoRALinear(getattr(block, target), rank, alpha, generator))
     for name, param in stage.named_parameters():

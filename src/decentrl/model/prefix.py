@@ -30,15 +30,19 @@ class SharedPromptKV:
 def shared_prompt_body(stage: StageModule, prompt_inputs: torch.Tensor,
                        prompt_positions: torch.Tensor, prompt_valid: torch.Tensor,
                        completion_inputs: torch.Tensor, completion_positions: torch.Tensor,
-                       completion_valid: torch.Tensor, prompt_of: torch.Tensor
+                       completion_valid: torch.Tensor, prompt_of: torch.Tensor,
+                       completion_replay: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A stage's body over prompts [Np, P] and completions [B, C]; returns both hidden states."""
+    """A stage's body over prompts [Np, P] and completions [B, C]; returns both hidden states.
+    `completion_replay` [B, C, the stage's sparse layers, top_k]: the completions' recorded
+    routing, replayed (the prompts route freely)."""
     recorded = LayerList([RecordingKV() for _ in stage.layers])
     prompt_hidden = stage.body(prompt_inputs, prompt_positions, prompt_valid, recorded)
     shared = LayerList([SharedPromptKV(r.keys, r.values, prompt_of) for r in recorded.layers],
                        length=prompt_inputs.shape[1])
     key_valid = torch.cat([prompt_valid[prompt_of], completion_valid], dim=1)
-    completion_hidden = stage.body(completion_inputs, completion_positions, key_valid, shared)
+    completion_hidden = stage.body(completion_inputs, completion_positions, key_valid, shared,
+                                   completion_replay)
     return prompt_hidden, completion_hidden
 
 

@@ -17,8 +17,9 @@ computed apart (each sees only itself). Not bit for bit, though: SDPA's reductio
 key axis in vector lanes and blocks whose alignment moves with the padding and with the number
 of keys in the call, so a prefix computed in another call differs from the plain prefill in the
 last bits of some values (the plain prefill itself differs with the prompt's total length). The
-reused columns are the exact bits an earlier session computed; tests/test_prefix_cache.py shows
-greedy decoding token for token equal to the plain prefill's and the values close.
+reused columns are the exact bits an earlier session computed;
+tests/unit/model/test_prefix_cache.py shows greedy decoding token for token equal to the plain
+prefill's and the values close.
 
 Only one weight state's blocks are kept: the cache empties when the model's version changes, or
 when any of its parameters is written in place (a rollback's state reuses a version number, a

@@ -7,18 +7,18 @@ from __future__ import annotations
 import torch
 
 from decentrl.config import RunConfig
-from decentrl.model.blocks import ModelSpec
-from decentrl.model.loading import model_spec, read_tensors, resolve_model
+from decentrl.model.loading import (
+    check_tied_head,
+    model_spec,
+    read_tensors,
+    require_tensors,
+    resolve_model,
+    stage_tensor_names,
+    tensor_names,
+)
 from decentrl.model.lora import add_lora
-from decentrl.model.stages import StageModule, StagePlan, build_stage
-
-
-def stage_tensor_names(spec: ModelSpec, plan: StagePlan, index: int) -> set[str]:
-    with torch.device("meta"):
-        names = set(StageModule(spec, plan, index).hf_names().values())
-    if "lm_head.weight" in names:
-        names.add("model.embed_tokens.weight")  # a tied checkpoint's head is the embedding
-    return names
+from decentrl.model.spec import ModelSpec
+from decentrl.model.stages import HEAD, StageModule, StagePlan, build_stage
 
 
 def load_stage(config: RunConfig, index: int, device: torch.device, dtype: torch.dtype
@@ -28,9 +28,13 @@ def load_stage(config: RunConfig, index: int, device: torch.device, dtype: torch
     folder = resolve_model(config.model)
     spec = model_spec(folder)
     plan = StagePlan.even(spec.num_layers, config.num_stages)
-    names = stage_tensor_names(spec, plan, index)
-    stage = build_stage(spec, plan, index, read_tensors(folder, names.__contains__), device,
-                        torch.float32)
+    names = stage_tensor_names(spec, plan, index, tensor_names(folder) if spec.moe else ())
+    # The head's stage of a tied model also reads any lm_head.weight, to refuse one that differs.
+    tied_head = {HEAD} if spec.tie_word_embeddings and index == plan.num_stages - 1 else set()
+    tensors = read_tensors(folder, (names | tied_head).__contains__)
+    require_tensors(folder, names, tensors)
+    check_tied_head(folder, spec, tensors)
+    stage = build_stage(spec, plan, index, tensors, device, torch.float32)
     add_run_lora(stage, config)
     return stage.to(dtype)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,19 +39,22 @@ def tiny_tokenizer(characters: str = CHARACTERS):
 
 
 def make_tiny_model(out_dir: Path, seed: int = 0, num_layers: int = 4, hidden_size: int = 32,
-                    model_type: str = "llama", characters: str = CHARACTERS) -> Path:
+                    model_type: str = "llama", characters: str = CHARACTERS,
+                    **config_fields: Any) -> Path:
     """Write a random model + tokenizer (of `characters`) as a Hugging Face folder and return
-    its path."""
+    its path. `config_fields` set or override fields of the family's config (its head_dim,
+    biases, sliding window...)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = tiny_tokenizer(characters)
-    config = AutoConfig.for_model(
-        model_type, vocab_size=len(tokenizer), hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        rms_norm_eps=1e-5, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
+    fields = {
+        "vocab_size": len(tokenizer), "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+    }
+    config = AutoConfig.for_model(model_type, **{**fields, **config_fields})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out_dir, safe_serialization=True)

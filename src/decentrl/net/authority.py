@@ -1,5 +1,6 @@
 """Who may call what on a peer: the `callers` column of the RPC table (net/protocol.py), enforced
-by the node (`SwarmNode.authorize`) before a request's body is read or its handler runs.
+by the wrapper every handler is served through (net/guard.py, its policy `Guard.authorize`,
+`SwarmNode.authorize`) before a request's body is read or its handler runs.
 
 - "any peer": everyone (the rollout inbox; what it admits is the trust gate's business).
 - "coordinator": the run's owner only, the peer whose key is the run's identity: training,
@@ -15,17 +16,18 @@ by the node (`SwarmNode.authorize`) before a request's body is read or its handl
   joined gets through; a stranger is refused, without a strike (it may be a replica whose
   announcement has not spread yet).
 
-A node with no authority set serves "any peer" RPCs only (net/node.py `only_any_peer`)."""
+A node with no authority set serves "any peer" RPCs only (`only_any_peer`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
+from decentrl.errors import DecentrlError, SenderFault
 from decentrl.net.identity import public_key_of
-from decentrl.net.node import CallerRefused, CallerUnknown, SwarmNode
 from decentrl.net.protocol import PeerRecord, Rpc, stage_key
 from decentrl.net.records import decode_records
 
@@ -35,12 +37,38 @@ log = logging.getLogger(__name__)
 # a loop must not turn every request into a DHT search.
 MEMBER_REFRESH_S = 1.0
 
+# Who may call what: awaited with (sender, rpc) before any of a request is read; raises
+# CallerRefused (a strike) or CallerUnknown (none) to refuse it. Called on the node's loop.
+CallerPolicy = Callable[[str, Rpc[Any, Any]], Awaitable[None]]
+
+
+class CallerRefused(SenderFault):
+    """A request its sender may not make (the RPC's callers rule): refused before it is read,
+    and a strike."""
+
+
+class CallerUnknown(DecentrlError, RuntimeError):
+    """A request from a sender the callers rule does not know yet (a peer that just joined its
+    stage): refused before it is read, not a strike."""
+
+
+async def only_any_peer(sender: str, rpc: Rpc[Any, Any]) -> None:
+    """A node's callers policy until it serves a run: RPCs for "any peer" only."""
+    if rpc.callers != "any peer":
+        raise CallerRefused(f"{rpc.method} is refused: this node serves no run")
+
+
+class RecordLookup(Protocol):
+    """Where the stage's announced peers are looked up (a SwarmNode)."""
+
+    async def lookup(self, key: str) -> dict[str, bytes]: ...
+
 
 class RunAuthority:
     """The callers rule of every RPC on a peer of run `run` serving `stage`, whose owner is the
     peer id `owner`."""
 
-    def __init__(self, node: SwarmNode, run: str, owner: str, stage: int) -> None:
+    def __init__(self, node: RecordLookup, run: str, owner: str, stage: int) -> None:
         public_key_of(owner)  # a SignatureError (ValueError) names a malformed owner id
         self.node, self.run, self.owner, self.stage = node, run, owner, stage
         self.members: frozenset[str] = frozenset()

@@ -10,7 +10,8 @@ So a node keeps, for each peer it reaches through a relay (it dialed the peer th
 the peer's requests come in through one), a `Circuit`: when the connection opened and the bytes
 it carried each way. A call to that peer starts only where the connection has room for the
 request and for `REPLY_ROOM` of reply beside the calls in flight; otherwise it waits for those
-to finish, and the node closes the connection and dials a fresh circuit first (net/node.py).
+to finish, and the node closes the connection and dials a fresh circuit first (`take_room`;
+net/calls.py makes the call, net/routing.py dials).
 Replies that may be larger are asked for in pieces of at most `PIECE_BYTES` (weight-sync
 chunks, sync/distribute.py, and checkpoint shards); one that still does not fit is cut by the
 relay, and the call fails like any lost reply."""
@@ -20,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from decentrl.errors import DecentrlError
 from decentrl.net.reach import through_relay
 
 # Of the relay's 128 KiB and 2 minutes: the rest is left for what is not counted here (stream
@@ -36,7 +39,7 @@ PIECE_BYTES = 40 * 2**10
 MAX_CIRCUITS = 1024
 
 
-class CircuitTooSmall(ConnectionError):
+class CircuitTooSmall(DecentrlError, ConnectionError):
     """A request larger than a relayed connection carries at all."""
 
 
@@ -78,6 +81,45 @@ class Circuit:
         self.sent += sent
         self.received += received
 
+    async def take_room(self, peer: str, method: str, request_bytes: int, reply_bytes: int,
+                        connections: Callable[[], Awaitable[tuple[bool, bool]]],
+                        renew: Callable[[], Awaitable[None]]) -> bool:
+        """Room for a call to `peer` on this connection: False once it is reserved (after the
+        calls in flight left room, or on a fresh connection, `renew`); True, nothing reserved,
+        if the daemon holds a direct connection to `peer` by now (`connections`: whether it
+        holds a direct one and a relayed one), which the call takes instead. CircuitTooSmall if
+        the request is more than a relayed connection carries at all."""
+        # What the daemon holds is asked under the lock: a renewal by another call in between
+        # would otherwise be taken for the connection the peer closed, and replaced again under
+        # that call.
+        async with self.changed:
+            direct, connected = await connections()
+            if not direct and request_bytes > CIRCUIT_BYTES:
+                raise CircuitTooSmall(
+                    f"{method}: a request of {request_bytes} bytes is more than a relayed "
+                    f"connection carries ({CIRCUIT_BYTES}), and {peer[-8:]} is reached "
+                    "through a relay")
+            while not direct and not self.has_room(request_bytes, reply_bytes) \
+                    and self.in_flight:
+                await self.changed.wait()  # calls in flight end within their timeout
+                direct, connected = await connections()
+            if direct:
+                return True
+            if not connected or not self.has_room(request_bytes, reply_bytes):
+                # Full or old; or closed by the peer (it renews it too, by its own count): dial
+                # the relay now, before the daemon spends seconds dialing the peer's own
+                # addresses, which only its LAN can reach.
+                await renew()
+            self.reserve(request_bytes, reply_bytes)
+            return False
+
+    async def release(self, request_bytes: int, reply_bytes: int, sent: int,
+                      received: int) -> None:
+        """`settle`, and wake the calls that wait for room."""
+        async with self.changed:
+            self.settle(request_bytes, reply_bytes, sent, received)
+            self.changed.notify_all()
+
     def renewed(self, address: str) -> None:
         """A fresh connection (through `address`) took this one's place."""
         self.address = address
@@ -94,6 +136,9 @@ class Circuits:
         # Connections replaced before they ran out, and calls over a circuit that failed.
         self.renewals = 0
         self.failures = 0
+        # Of what this node sent (requests to peers it reached through a relay, replies to
+        # requests that came through one), the bytes that crossed a relay.
+        self.relayed_bytes_sent = 0
 
     def get(self, peer: str) -> Circuit | None:
         return self._by_peer.get(peer)

@@ -5,7 +5,7 @@ Hivemind's storage keeps any key, any number of writers per key, any size up to 
 and any expiry: one stranger could fill a node's memory with records kept for years, and a crowd
 of throwaway identities could grow a stage's key past what one DHT reply carries, so that nobody
 could read the stage any more. `BoundedDHTStorage` replaces the storage of the node's `DHTNode`
-(net/node.py): every record that a peer asks this node to store, and every record of its own,
+(net/daemon.py): every record that a peer asks this node to store, and every record of its own,
 goes through `store_subkey`, which refuses (and counts by reason) before anything is kept:
 
 - a key outside this node's run (`RunNamespace`: the run's name, its owner and its stages; a
@@ -17,8 +17,8 @@ goes through `store_subkey`, which refuses (and counts by reason) before anythin
   kind's writers or `MAX_KEY_BYTES`, the store over `MAX_STORED_BYTES`.
 
 A node learns its run when it takes a part in it: a stage peer from the config it serves
-(swarm/peer.py `StagePeer.start`), the owner when it publishes the run's manifest
-(swarm/manifest.py). Until then (a joiner waiting for the manifest, a relay, a bootstrap node)
+(stage/peer.py `StagePeer.start`), the owner when it publishes the run's manifest
+(coordinator/manifest.py). Until then (a joiner waiting for the manifest, a relay, a bootstrap node)
 it keeps peers' own route records only: it serves nobody in a run yet, and the run's nodes keep
 the run's records.
 
@@ -55,6 +55,7 @@ from hivemind.utils.timed_storage import (
 )
 
 from decentrl.config import RunConfig
+from decentrl.errors import DecentrlError
 from decentrl.net.protocol import coordinator_key, ended_key, lineage_key, stage_key
 from decentrl.net.reach import MAX_ADDRESS_CHARS, MAX_ROUTES, route_key
 from decentrl.net.records import MAX_RECORD_BYTES, stored_value_bytes
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 # until its writer renews it or goes away: peers renew every `announce_every_s` (2 s by default)
 # with 5 periods of life, route records every 20 s with 60 s of life (net/dialback.py), and the
 # owner's word that its run ended must outlive the peers' 10 s between checks
-# (swarm/launch.py RUN_END_CHECK_S). Two minutes covers them all, and makes everything a stranger
+# (launch/join.py RUN_END_CHECK_S). Two minutes covers them all, and makes everything a stranger
 # stored vanish two minutes after it stops writing.
 MAX_RECORD_TTL_S = 120.0
 # A run that announces every `announce_every_s` keeps its records up to this many periods: the
@@ -172,7 +173,7 @@ class RunNamespace:
         return found
 
 
-class StorageRefused(ValueError):
+class StorageRefused(DecentrlError, ValueError):
     """A record this node would not keep: the reason is one of `StorageRefusal`."""
 
     def __init__(self, reason: StorageRefusal, detail: str) -> None:
@@ -349,7 +350,7 @@ class NoCache(DHTLocalStorage):
         return self.store(key, value, expiration_time, subkey)
 
 
-class FindReplyTooLarge(ValueError):
+class FindReplyTooLarge(DecentrlError, ValueError):
     """A DHT find request whose reply would not fit in one message."""
 
 

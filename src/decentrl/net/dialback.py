@@ -34,16 +34,12 @@ from dataclasses import dataclass, field
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
+from decentrl.errors import DecentrlError, SenderFault
+from decentrl.net.calls import PeerRefused, RemoteError
+from decentrl.net.daemon import SwarmStartError, start_daemon
+from decentrl.net.guard import Reply, Request
 from decentrl.net.link import MessageLost
-from decentrl.net.node import (
-    PeerRefused,
-    RemoteError,
-    Reply,
-    Request,
-    SwarmNode,
-    SwarmStartError,
-    start_daemon,
-)
+from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import DIAL_BACK, DialBackReply, DialBackRequest
 from decentrl.net.reach import (
     LOOPBACK,
@@ -88,7 +84,7 @@ StartNode = Callable[[NetworkOptions], SwarmNode]
 Clock = Callable[[], float]
 
 
-class CheckDeferred(RuntimeError):
+class CheckDeferred(DecentrlError, RuntimeError):
     """A well-formed check this node will not run now (the asker asked too recently or has one
     pending, its host's or the checker's line is full, or it waited `LINE_WAIT_S` in line): no
     strike. Its text ends in TRY_LATER, which the asker reads back from the refusal."""
@@ -97,7 +93,7 @@ class CheckDeferred(RuntimeError):
         super().__init__(f"{reason}; {TRY_LATER}")
 
 
-class CheckersBusy(RuntimeError):
+class CheckersBusy(DecentrlError, RuntimeError):
     """Every checker asked said "try again later" for as long as the asker would wait: whether
     this peer can be reached is unknown (not "unreachable")."""
 
@@ -197,9 +193,9 @@ class DialBackService:
     async def _dial_back(self, request: Request[DialBackRequest]) -> Reply:
         body, sender = request.body, request.sender
         if len(body.ports) > MAX_PORTS or not all(0 < p < 65536 for p in body.ports):
-            raise ValueError(f"dial_back takes at most {MAX_PORTS} TCP ports in 1-65535")
+            raise SenderFault(f"dial_back takes at most {MAX_PORTS} TCP ports in 1-65535")
         if len(body.relays) > MAX_RELAYS:
-            raise ValueError(f"dial_back takes at most {MAX_RELAYS} relays")
+            raise SenderFault(f"dial_back takes at most {MAX_RELAYS} relays")
         try:
             return await self._check(body, sender, request.address)
         except CheckDeferred:
@@ -270,8 +266,12 @@ class DialBackService:
                                     for a in await self.node.p2p.get_visible_maddrs()}
         for relay in body.relays:
             head, _, relay_id = relay.rpartition("/p2p/")
-            if "p2p" not in multiaddr_protocols(relay) or not relay_id:
-                raise ValueError(f"relay {relay!r} lacks its /p2p/<peer id> part")
+            try:
+                protocols = multiaddr_protocols(relay)
+            except ValueError as error:  # the asker's own doing
+                raise SenderFault(str(error)) from None
+            if "p2p" not in protocols or not relay_id:
+                raise SenderFault(f"relay {relay!r} lacks its /p2p/<peer id> part")
             if host_of(head) in hosts.get(relay_id, ()):
                 targets.append(relay_circuit(relay))
             else:
@@ -433,7 +433,7 @@ def start_reachable(name: str, initial_peers: Sequence[str], options: NetworkOpt
 def start_again(start: StartNode, options: NetworkOptions) -> SwarmNode:
     """The node that takes its probe's place (same identity). Its daemon sometimes finds no
     initial peer answering for a moment right after the probe's went away (once in seven runs
-    of tests/test_netns_swarm.py): then once more, after RESTART_PAUSE_S."""
+    of tests/netns/test_netns_swarm.py): then once more, after RESTART_PAUSE_S."""
     try:
         return start(options)
     except SwarmStartError as error:

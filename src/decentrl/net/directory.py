@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from decentrl.config import SwarmConfig
+from decentrl.errors import DecentrlError
 from decentrl.net.node import SwarmNode
 from decentrl.net.probation import ProbationBudget
 from decentrl.net.protocol import PeerRecord, stage_key
@@ -36,7 +37,7 @@ NEWCOMER_PLACES = PEERS_PER_STAGE // 4
 OPENED_KEPT = 1024
 
 
-class SwarmUnavailable(RuntimeError):
+class SwarmUnavailable(DecentrlError, RuntimeError):
     """No live peer could do the work after every retry; the caller decides what to do."""
 
 
@@ -262,8 +263,8 @@ class Directory:
             if state is None:
                 return
             state.failures += 1
-            state.banned_until = time.monotonic() + self.swarm.ban_s
-        log.warning("peer %s avoided for %.0fs: %s", peer[-8:], self.swarm.ban_s,
+            state.banned_until = time.monotonic() + self.swarm.avoid_failed_peer_s
+        log.warning("peer %s avoided for %.0fs: %s", peer[-8:], self.swarm.avoid_failed_peer_s,
                     peer_text(reason))
 
     def records(self) -> dict[str, PeerRecord]:

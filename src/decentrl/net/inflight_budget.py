@@ -1,7 +1,7 @@
 """The bytes of request bodies a node holds at once, across all senders.
 
 A node reads a request whole before it decodes it (its signature covers all of it), and the
-per-sender cap on open streams (net/node.py MAX_STREAMS_PER_SENDER) does not bound many senders
+per-sender cap on open streams (net/serving.py MAX_STREAMS_PER_SENDER) does not bound many senders
 together: identities are free. Each message of a request takes its bytes from this budget when
 its header is in, before any of it is read (net/streams.py FrameReader), and gives them back when
 the request's stream ends. A message that does not fit is refused as `NodeBusy`: the node is
@@ -9,13 +9,15 @@ busy, not the sender at fault, so no strike, and what the node holds already is 
 
 from __future__ import annotations
 
+from decentrl.errors import DecentrlError
+
 # A request is at most TensorLimits.max_total_bytes (1 GiB, for large runs), but at the default
 # model and batch a training step's activations are tens of MiB: this holds several of them at
 # once, and caps what any number of senders make a node hold.
 MAX_INFLIGHT_REQUEST_BYTES = 256 * 2**20
 
 
-class NodeBusy(RuntimeError):
+class NodeBusy(DecentrlError, RuntimeError):
     """A request refused because the node holds its budget of request bytes already."""
 
 

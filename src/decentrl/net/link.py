@@ -18,6 +18,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from decentrl.errors import DecentrlError
+
 DIRECTIONS = ("out", "in")
 
 
@@ -40,7 +42,7 @@ class EventLoopClock:
 EVENT_LOOP_CLOCK = EventLoopClock()
 
 
-class MessageLost(ConnectionError):
+class MessageLost(DecentrlError, ConnectionError):
     """The emulated link dropped a message; the caller sees it as a failed connection."""
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Literal, Self
 
+from decentrl.errors import DecentrlError
 from decentrl.net.reach import NetworkOptions
 
 PUBLIC_SUBNET = ipaddress.ip_network("10.250.0.0/24")
@@ -45,11 +46,11 @@ TOOLS = ("ip", "nft", "tc")
 HostKind = Literal["public", "home"]
 
 
-class NetnsUnavailable(RuntimeError):
+class NetnsUnavailable(DecentrlError, RuntimeError):
     """This machine cannot build the namespaces: not root, or a tool (ip, nft, tc) is missing."""
 
 
-class NetnsError(RuntimeError):
+class NetnsError(DecentrlError, RuntimeError):
     """A command that builds or changes the namespaces failed."""
 
 

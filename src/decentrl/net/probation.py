@@ -21,7 +21,7 @@ What the operator may set on top (trust.admit_replicas, trust.probation_per_addr
 - an allowlist: only replicas the operator admitted (RUN/admitted_replicas.txt) get sessions;
   any other is refused, counted and logged once;
 - a per-address limit: at most `per_address` replicas on probation per host, the host as this
-  node observed the peer's connection (net/node.py `SwarmNode.peer_hosts`, never an address the
+  node observed the peer's connection (net/daemon.py `Daemon.peer_hosts`, never an address the
   peer claims; a peer behind a relay is seen at the relay's host, and a peer this node holds no
   connection with counts under one shared "unseen" address). The first seen keep their place;
   later ones get nothing until one of them earns its record, leaves or is banned."""

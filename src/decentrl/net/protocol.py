@@ -1,6 +1,7 @@
-"""What peers say to each other: the DHT records they announce and the body of every RPC. Bodies
-are msgspec structs decoded strictly (unknown fields, wrong types and missing fields are errors);
-tensors travel beside them (net/node.py) and are checked where they are used."""
+"""What peers say to each other: the DHT records they announce, the body of every RPC (those that
+drive a training peer are in net/training_messages.py) and the table of RPCs. Bodies are msgspec
+structs decoded strictly (unknown fields, wrong types and missing fields are errors); tensors
+travel beside them (net/streams.py, net/calls.py) and are checked where they are used."""
 
 from __future__ import annotations
 
@@ -9,20 +10,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
-import msgspec
 import torch
 
 from decentrl.config import RunConfig
-from decentrl.model.blocks import ModelSpec
-from decentrl.net.wire import WireError
+from decentrl.learn.batch import BATCH_FIELDS, Layout
+from decentrl.model.spec import ModelSpec
+from decentrl.net import training_messages as training
+from decentrl.net.wire import Body, WireError
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import RolloutGroup
 
 Role = Literal["inference", "training", "both"]
-
-
-class Body(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    pass
 
 
 # ---- DHT records --------------------------------------------------------------------------
@@ -151,7 +149,9 @@ class InferenceStep(Body):
 
 class InferenceReply(Body):
     """`hidden` [B, T, hidden] of the new positions, or at the last stage `tokens` and
-    `logprobs` [B]; `version` is the weight version that computed them."""
+    `logprobs` [B]; from a stage with mixture-of-experts layers also `experts` [B, T, its sparse
+    layers, top_k] (int8 or int16, model/moe.py routing_dtype): the experts each position went
+    to. `version` is the weight version that computed them."""
 
     version: int
     length: int  # positions the session's cache holds now
@@ -188,7 +188,10 @@ class VerifyStep(Body):
     step_seed(`sampling_seed`, k); position `prompt_columns - 1 + k` of the session predicts
     completion token k). The rows are rows [`first_row`, `first_row` + B) of the session that
     sampled them (a session of several groups is checked a group at a time): the draw of a step
-    is those rows of the noise drawn for `first_row` + B rows."""
+    is those rows of the noise drawn for `first_row` + B rows. At a stage with mixture-of-experts
+    layers, `experts` [B, T, its sparse layers, top_k] (optional) are the experts the original
+    replica claimed for these positions (FREE_ROUTE where it claimed none), to be scored against
+    the re-execution's routers."""
 
     session: str
     start: int
@@ -203,81 +206,14 @@ class VerifyStep(Body):
 
 class VerifyReply(Body):
     """`hidden` [B, T, hidden], or at the last stage `logprobs` and `margins` [B, T] (0 where
-    there was no target); `version` is the version that computed them."""
+    there was no target); with claimed `experts`, also `routing_gaps` [B, T] (model/moe.py
+    `routing_gaps`, the largest over the stage's sparse layers); `version` is the version that
+    computed them."""
 
     version: int
 
 
-# ---- training -----------------------------------------------------------------------------
-
-class TrainForward(Body):
-    """One micro-batch through one training stage. Tensors: the micro-batch (TrainBatch fields),
-    `prompt_in` / `completion_in` (token ids at stage 0, hidden states after), and at the last
-    stage optionally `proximal` / `reference` log-probs."""
-
-    micro: int
-    version: int  # the learner version this step starts from; a peer at another version refuses
-    last: bool  # compute the loss here (the coordinator's view of the chain)
-    total_sequences: int  # the minibatch's sampled rows, whose policy loss it normalises
-    total_tokens: int  # their sampled tokens
-    audit: bool = False  # on the audit's state (TRAIN_AUDIT_LOAD), not the peer's own
-    # The minibatch's supervised rows' tokens (the coordinator's demonstrations, learn/batch.py).
-    total_supervised_tokens: int = 0
-
-
-class TrainForwardReply(Body):
-    """`prompt_out` / `completion_out` tensors, or at the last stage the loss metrics."""
-
-    metrics: dict[str, float]
-
-
-class TrainBackward(Body):
-    """Tensors `prompt_grad` / `completion_grad` (none at the last stage)."""
-
-    micro: int
-    audit: bool = False
-
-
-class GradNorm(Body):
-    square_norm: float
-
-
-class TrainStep(Body):
-    grad_scale: float
-    version: int  # the version after this step; a peer at another version refuses
-    audit: bool = False  # step the audit's state: nothing is published
-    commit: bool = False  # keep the states before and after, and reply the digest of the latter
-
-
-class VersionReply(Body):
-    version: int
-    # A step's reply when asked to commit (TrainStep.commit): the digest of the peer's training
-    # state at `version` (trust/audit.py), which the peer commits to.
-    state_digest: str = ""
-
-
-class CheckpointReply(Body):
-    version: int
-    # A save's: the sha256 and size of the stage shard the peer wrote (the coordinator signs
-    # them into the checkpoint's manifest, and checks a shard it fetches against them).
-    shard_sha256: str = ""
-    shard_bytes: int = 0
-
-
-class ShardRequest(Body):
-    """Bytes [offset, offset + count) of a training peer's checkpoint shard at `version`."""
-
-    version: int
-    offset: int
-    count: int  # at most SHARD_CHUNK_BYTES
-
-
-class ShardChunk(Body):
-    """Tensor `data`: uint8, the bytes asked for (fewer at the end of the file)."""
-
-    version: int
-    total: int  # the shard's size in bytes
-
+# ---- a training peer's published weights ---------------------------------------------------
 
 class PublishedRequest(Body):
     version: int
@@ -323,47 +259,6 @@ class PublishedHash(Body):
     version: int
     state_hash: str
     fidelity: ServedFidelity | None = None
-
-
-class CheckpointRequest(Body):
-    action: Literal["save", "load"]
-    version: int
-    # The coordinator's last committed checkpoint (-1: none): a training peer may delete its
-    # older ones after a save.
-    committed: int = -1
-
-
-class StateRequest(Body):
-    """A stretch of a training peer's flat training state (trust/audit.py FlatState)."""
-
-    version: int
-    offset: int  # in floats
-    count: int  # floats wanted, at most STATE_CHUNK_FLOATS (0: the header alone)
-    audit: bool = False  # the audit's recomputed state instead of the peer's own
-
-
-class StateChunk(Body):
-    """Tensor `data`: float32 [min(count, total - offset)]."""
-
-    version: int
-    step: int  # the optimizer's step count
-    total: int  # floats in the whole state
-    digest: str
-    names: tuple[str, ...]  # the trainable parameters, in the optimizer's order
-    sizes: tuple[int, ...]
-
-
-class AuditLoad(Body):
-    """A stretch of the state an audit starts from, in order (tensor `data`, float32); the last
-    one makes the peer check the digest and load it."""
-
-    version: int
-    step: int
-    offset: int
-    total: int
-    digest: str
-    names: tuple[str, ...]
-    sizes: tuple[int, ...]
 
 
 # ---- weight updates (sync/) ---------------------------------------------------------------
@@ -425,13 +320,16 @@ class ChunkRequest(Body):
 # coordinator (its owner) only; the coordinator and the peers announced in the served stage.
 Callers = Literal["any peer", "coordinator", "same stage"]
 # A tensor's dtype: "float" is any floating dtype (activations travel compressed); "ids or float"
-# is stage 0's token ids or a later stage's hidden states (the handler knows which it serves).
-DtypeKind = Literal["int64", "bool", "float", "float32", "uint8", "ids or float"]
+# is stage 0's token ids or a later stage's hidden states (the handler knows which it serves);
+# "experts" is a mixture of experts' recorded expert indices (int8 or int16, model/moe.py
+# routing_dtype: the handler knows which its model uses).
+DtypeKind = Literal["int64", "bool", "float", "float32", "uint8", "ids or float", "experts"]
 
 # A request without tensors is a few hundred bytes; this leaves room, and nothing more. Also the
 # room a message of tensors gets for its envelope and its manifest.
 SMALL_REQUEST_BYTES = 64 * 2**10
-# A rollout group is token ids and log-probs, a few hundred KiB even for long completions.
+# A rollout group is token ids and log-probs, a few hundred KiB even for long completions (and a
+# mixture of experts' routing records beside them: submission_bytes).
 MAX_SUBMISSION_BYTES = 8 * 2**20
 # A sync plan: a keyframe's manifest and the deltas after it, 32 bytes per chunk hash.
 MAX_SYNC_PLAN_BYTES = 4 * 2**20
@@ -442,14 +340,13 @@ SHARD_CHUNK_BYTES = 2 * 2**20
 # A stretch of a training state in an audit (trust/audit.py), and the parameter names beside it.
 STATE_CHUNK_FLOATS = 2**21
 STATE_CHUNK_BYTES = 4 * STATE_CHUNK_FLOATS + 2**20
-# A training micro-batch (learn/batch.py TrainBatch), field by field.
+_EXACT_DTYPES: dict[DtypeKind, torch.dtype] = {"int64": torch.long, "bool": torch.bool,
+                                               "float32": torch.float32, "uint8": torch.uint8}
+# A training micro-batch (learn/batch.py TrainBatch), field by field with the dtype it declares
+# (a dtype with no kind here fails at import, not on the wire).
 BATCH_TENSORS: dict[str, DtypeKind] = {
-    "prompts": "int64", "prompt_valid": "bool", "prompt_positions": "int64",
-    "completions": "int64", "completion_valid": "bool", "completion_generated": "bool",
-    "completion_positions": "int64", "prompt_of": "int64", "behaviour_logprobs": "float32",
-    "advantages": "float32", "staleness": "int64", "supervised": "bool"}
-_EXACT_DTYPES = {"int64": torch.long, "bool": torch.bool, "float32": torch.float32,
-                 "uint8": torch.uint8}
+    name: {dtype: kind for kind, dtype in _EXACT_DTYPES.items()}[rule.dtype]
+    for name, rule in BATCH_FIELDS.items()}
 
 
 class TensorRule(NamedTuple):
@@ -461,6 +358,8 @@ class TensorRule(NamedTuple):
             return dtype.is_floating_point
         if self.kind == "ids or float":
             return dtype == torch.long or dtype.is_floating_point
+        if self.kind == "experts":
+            return dtype in (torch.int8, torch.int16)
         return dtype == _EXACT_DTYPES[self.kind]
 
 
@@ -474,23 +373,29 @@ class TensorRule(NamedTuple):
 # Bytes per element at their widest on the wire: token ids and positions are int64, a float is
 # float32 at most (the fp32 codec), a mask is bool.
 ID_BYTES, FLOAT_BYTES, FLAG_BYTES = 8, 4, 1
+# An expert index at its widest (int16, model/moe.py routing_dtype).
+ROUTING_BYTES = 2
 
 
 @dataclass(frozen=True)
 class RunSizes:
     """What bounds the tensors a run's RPCs carry: the model's hidden width and positions, the
     tokens one inference session may hold (batch x max_length), the sequences of a training
-    micro-batch."""
+    micro-batch, and a position's routing record (a mixture of experts: every sparse layer's
+    top_k experts at ROUTING_BYTES each; 0 for a dense model)."""
 
     hidden_size: int
     max_positions: int
     max_session_tokens: int
     micro_batch_size: int
+    routing_bytes: int = 0
 
     @classmethod
     def of(cls, spec: ModelSpec, config: RunConfig) -> RunSizes:
+        routing = 0 if spec.moe is None else \
+            len(spec.sparse_layers) * spec.moe.top_k * ROUTING_BYTES
         return cls(spec.hidden_size, spec.max_positions, config.swarm.max_session_tokens,
-                   config.train.micro_batch_size)
+                   config.train.micro_batch_size, routing)
 
     @property
     def activation_bytes(self) -> int:
@@ -512,26 +417,41 @@ def with_envelope(tensor_bytes: int) -> int:
 
 def step_request_bytes(sizes: RunSizes) -> int:
     """An inference or verification step: per position of the session, its input, its position
-    id, its key mask and (verification) its target."""
-    per_position = sizes.activation_bytes + 2 * ID_BYTES + FLAG_BYTES
+    id, its key mask and (verification) its target and claimed experts."""
+    per_position = sizes.activation_bytes + 2 * ID_BYTES + FLAG_BYTES + sizes.routing_bytes
     return with_envelope(sizes.max_session_tokens * per_position)
 
 
 def step_reply_bytes(sizes: RunSizes) -> int:
-    """A step's reply: per new position its hidden state, or at the last stage a few scores."""
-    return with_envelope(sizes.max_session_tokens * sizes.activation_bytes)
+    """An inference step's reply: per new position its hidden state, or at the last stage a
+    few scores, and (a mixture of experts) its experts in the stage's sparse layers (bounded by
+    the model's)."""
+    return with_envelope(sizes.max_session_tokens
+                         * (sizes.activation_bytes + sizes.routing_bytes))
+
+
+def verify_reply_bytes(sizes: RunSizes) -> int:
+    """A re-execution's reply: per position its hidden state, or at the last stage a few
+    scores, and (claimed experts judged) its routing gap."""
+    return with_envelope(sizes.max_session_tokens * (sizes.activation_bytes + FLOAT_BYTES))
+
+
+def batch_bytes(layout: Layout) -> int:
+    """The bytes a micro-batch's fields (learn/batch.py TrainBatch) take per element of `layout`:
+    per prompt position, per completion position or per row."""
+    return sum(rule.dtype.itemsize for rule in BATCH_FIELDS.values() if rule.layout == layout)
 
 
 def forward_request_bytes(sizes: RunSizes) -> int:
-    """A training micro-batch (learn/batch.py TrainBatch) and the stage's inputs: per prompt
-    position its id, position and mask; per completion position its id, position, two masks and
-    three log-probs (behaviour, proximal, reference); each with its input; per row three
-    numbers and a flag."""
-    prompt = 2 * ID_BYTES + FLAG_BYTES + sizes.activation_bytes
-    completion = 2 * ID_BYTES + 2 * FLAG_BYTES + 3 * FLOAT_BYTES + sizes.activation_bytes
-    row = 2 * ID_BYTES + FLOAT_BYTES + FLAG_BYTES
+    """A training micro-batch and the stage's inputs: the batch's fields per prompt position, per
+    completion position and per row; each position's input; and per completion position the
+    proximal and reference log-probs and (routing replay) its experts in the stage's sparse
+    layers (bounded by the model's)."""
+    prompt = batch_bytes("prompt tokens") + sizes.activation_bytes
+    completion = batch_bytes("completion tokens") + 2 * FLOAT_BYTES + sizes.activation_bytes \
+        + sizes.routing_bytes
     return with_envelope(sizes.batch_positions * (prompt + completion)
-                         + sizes.micro_batch_size * row)
+                         + sizes.micro_batch_size * batch_bytes("completions"))
 
 
 def activation_pair_bytes(sizes: RunSizes) -> int:
@@ -539,6 +459,14 @@ def activation_pair_bytes(sizes: RunSizes) -> int:
     outputs, a backward's request and reply), and two floats per row."""
     return with_envelope(2 * sizes.batch_positions * sizes.activation_bytes
                          + 2 * sizes.micro_batch_size * FLOAT_BYTES)
+
+
+def submission_bytes(sizes: RunSizes) -> int:
+    """A rollout group: MAX_SUBMISSION_BYTES, and (a mixture of experts) every completion token's
+    routing record. The swarm samples a group's rows in one inference session (coordinator/
+    inflight.py groups_per_session), which no peer serves past max_session_tokens positions, so
+    a group's tokens are at most a session's."""
+    return MAX_SUBMISSION_BYTES + sizes.max_session_tokens * sizes.routing_bytes
 
 
 # A size limit: bytes, or a function of the run's sizes.
@@ -593,42 +521,45 @@ STEP_TENSORS = {"inputs": TensorRule("ids or float"), "positions": TensorRule("i
 
 INFERENCE_STEP = Rpc(
     "inference_step", InferenceStep, InferenceReply, "coordinator", STEP_TENSORS,
-    ("hidden", "tokens", "logprobs"), step_request_bytes, step_reply_bytes)
+    ("hidden", "tokens", "logprobs", "experts"), step_request_bytes, step_reply_bytes)
 CLOSE_SESSION = Rpc("close_session", CloseSession, Empty, "coordinator")
 VERIFY_STEP = Rpc(
     "verify_step", VerifyStep, VerifyReply, "coordinator",
-    {**STEP_TENSORS, "targets": TensorRule("int64", required=False)},
-    ("hidden", "logprobs", "margins"), step_request_bytes, step_reply_bytes)
+    {**STEP_TENSORS, "targets": TensorRule("int64", required=False),
+     "experts": TensorRule("experts", required=False)},
+    ("hidden", "logprobs", "margins", "routing_gaps"), step_request_bytes, verify_reply_bytes)
 TRAIN_FORWARD = Rpc(
-    "train_forward", TrainForward, TrainForwardReply, "coordinator",
+    "train_forward", training.TrainForward, training.TrainForwardReply, "coordinator",
     {**{name: TensorRule(kind) for name, kind in BATCH_TENSORS.items()},
      "prompt_in": TensorRule("ids or float"), "completion_in": TensorRule("ids or float"),
      "proximal": TensorRule("float32", required=False),
-     "reference": TensorRule("float32", required=False)},
+     "reference": TensorRule("float32", required=False),
+     "routing": TensorRule("experts", required=False)},
     ("prompt_out", "completion_out", "row_surprise", "row_log_ratio"), forward_request_bytes,
     activation_pair_bytes)
 TRAIN_BACKWARD = Rpc(
-    "train_backward", TrainBackward, Empty, "coordinator",
+    "train_backward", training.TrainBackward, Empty, "coordinator",
     {"prompt_grad": TensorRule("float", required=False),
      "completion_grad": TensorRule("float", required=False)},
     ("prompt_grad", "completion_grad"), activation_pair_bytes, activation_pair_bytes)
-TRAIN_GRAD_NORM = Rpc("train_grad_norm", Empty, GradNorm, "coordinator")
-TRAIN_STEP = Rpc("train_step", TrainStep, VersionReply, "coordinator")
-TRAIN_DISCARD = Rpc("train_discard", Empty, VersionReply, "coordinator")
-CHECKPOINT = Rpc("checkpoint", CheckpointRequest, CheckpointReply, "coordinator")
-CHECKPOINT_SHARD = Rpc("checkpoint_shard", ShardRequest, ShardChunk, "coordinator",
-                       reply_tensors=("data",), max_reply_bytes=with_envelope(SHARD_CHUNK_BYTES))
+TRAIN_GRAD_NORM = Rpc("train_grad_norm", Empty, training.GradNorm, "coordinator")
+TRAIN_STEP = Rpc("train_step", training.TrainStep, training.VersionReply, "coordinator")
+TRAIN_DISCARD = Rpc("train_discard", Empty, training.VersionReply, "coordinator")
+CHECKPOINT = Rpc("checkpoint", training.CheckpointRequest, training.CheckpointReply, "coordinator")
+CHECKPOINT_SHARD = Rpc("checkpoint_shard", training.ShardRequest, training.ShardChunk,
+                       "coordinator", reply_tensors=("data",),
+                       max_reply_bytes=with_envelope(SHARD_CHUNK_BYTES))
 TRAIN_PUBLISHED = Rpc("train_published", PublishedRequest, PublishedHash, "coordinator")
-TRAIN_STATE = Rpc("train_state", StateRequest, StateChunk, "coordinator", reply_tensors=("data",),
-                  max_reply_bytes=with_envelope(STATE_CHUNK_BYTES))
-TRAIN_AUDIT_LOAD = Rpc("train_audit_load", AuditLoad, VersionReply, "coordinator",
+TRAIN_STATE = Rpc("train_state", training.StateRequest, training.StateChunk, "coordinator",
+                  reply_tensors=("data",), max_reply_bytes=with_envelope(STATE_CHUNK_BYTES))
+TRAIN_AUDIT_LOAD = Rpc("train_audit_load", training.AuditLoad, training.VersionReply, "coordinator",
                        {"data": TensorRule("float32")}, max_bytes=with_envelope(STATE_CHUNK_BYTES))
 SYNC_PLAN = Rpc("sync_plan", SyncPlanRequest, SyncPlan, "same stage",
                 max_reply_bytes=MAX_SYNC_PLAN_BYTES)
 SYNC_CHUNK = Rpc("sync_chunk", ChunkRequest, Empty, "same stage", reply_tensors=("data",),
                  max_reply_bytes=with_envelope(SYNC_CHUNK_DATA_BYTES))
 SUBMIT_ROLLOUTS = Rpc("submit_rollouts", RolloutGroup, RolloutsQueued, "any peer",
-                      max_bytes=MAX_SUBMISSION_BYTES)
+                      max_bytes=submission_bytes)
 DIAL_BACK = Rpc("dial_back", DialBackRequest, DialBackReply, "any peer")
 
 RPCS: dict[str, Rpc[Any, Any]] = {rpc.method: rpc for rpc in (

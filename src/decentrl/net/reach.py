@@ -16,7 +16,7 @@ punching only once a host has one; a swarm on private addresses (the namespaces 
 a LAN, a VPN) gets neither from the daemon. So every peer announces its own routes instead: a
 `RouteRecord` under `route_key(peer id)`, signed (only the peer writes it), with its direct
 addresses, or its relays' addresses with `/p2p-circuit`. A node that cannot dial a peer reads
-that record and connects through what it lists (net/node.py `_connect_by_routes`)."""
+that record and connects through what it lists (net/routing.py `Routing.connect`)."""
 
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from typing import Literal, TypeVar
 import msgspec
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
+from decentrl.errors import DecentrlError
 from decentrl.net.identity import Identity, SignatureError, public_key_of, verify
 from decentrl.net.wire import WireError, decode_struct
 
@@ -60,7 +61,7 @@ RefusalReason = Literal["no subkey", "subkey is not an Ed25519 peer id", "oversi
 R = TypeVar("R", bound=msgspec.Struct)
 
 
-class RecordRefused(ValueError):
+class RecordRefused(DecentrlError, ValueError):
     """A record this node would refuse to store: the reason is one of `RefusalReason`."""
 
     def __init__(self, reason: RefusalReason, detail: str) -> None:

@@ -2,13 +2,13 @@
 
 A signature proves who wrote a record, not when. The owner's records live in the DHT for their
 lifetime (minutes, renewed while the owner runs), and anyone who kept a signed copy can store it
-again until it expires: read by a resumed run's peers, the record of an earlier start would act on a run it
-was never about (stop its peers, name a publisher and weights of the old chain). So the owner's
-manifest carries the session (`RunManifest.session`), every other record the owner signs for the
-run names it (`RunEnded`, `LineageRecord`), and a reader takes such a record only while its
-session is the one of the owner's newest manifest (`session_mismatch`). The DHT keeps one record
-per writer under a key, the one that expires last, and an expiry is signed too: a replayed
-manifest of an earlier start cannot replace the one the owner renews."""
+again until it expires: read by a resumed run's peers, the record of an earlier start would act on a
+run it was never about (stop its peers, name a publisher and weights of the old chain). So the
+owner's manifest carries the session (`RunManifest.session`), every other record the owner signs for
+the run names it (`RunEnded`, `LineageRecord`), and a reader takes such a record only while its
+session is the one of the owner's newest manifest (`session_mismatch`). The DHT keeps one record per
+writer under a key, the one that expires last, and an expiry is signed too: a replayed manifest of
+an earlier start cannot replace the one the owner renews."""
 
 from __future__ import annotations
 

@@ -7,10 +7,11 @@ its header is in, before reading any of it, and (on the serving side) cuts a str
 nothing for `idle_s` and takes each message's bytes from the node's budget of requests in flight
 (net/inflight_budget.py) before reading it. Writes share the framing and the idle bound.
 
-net/node.py serves and calls every RPC over these streams (`P2P.add_binary_stream_handler`,
-`call_binary_stream_handler`), so the wire format is hivemind's and its clients still talk to
-our peers. Hivemind's DHT RPCs are unary calls instead: the p2p daemon itself reads each one with
-a delimited reader capped at its `persistentConnMaxMsgSize` (4 MiB) before Python sees it."""
+net/serving.py and net/calls.py serve and call every RPC over these streams
+(`P2P.add_binary_stream_handler`, `call_binary_stream_handler`), so the wire format is
+hivemind's and its clients still talk to our peers. Hivemind's DHT RPCs are unary calls
+instead: the p2p daemon itself reads each one with a delimited reader capped at its
+`persistentConnMaxMsgSize` (4 MiB) before Python sees it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from google.protobuf.message import Message as Protobuf
 from hivemind.p2p import P2P
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from decentrl.errors import DecentrlError
 from decentrl.net.inflight_budget import InflightBudget, NodeBusy
 from decentrl.net.text import REMOTE_ERROR_CHARS, peer_text
 from decentrl.net.wire import MAX_MESSAGE_BYTES, WireError
@@ -37,11 +39,11 @@ class FrameRefused(WireError):
     """A frame over a limit (refused from its header alone), or not a frame at all."""
 
 
-class StreamStalled(TimeoutError):
+class StreamStalled(DecentrlError, TimeoutError):
     """The other side sent nothing for the idle bound."""
 
 
-class ErrorFrame(Exception):
+class ErrorFrame(DecentrlError):
     """The other side answered with an error frame; the message is its text, made inert and cut
     (net/text.py)."""
 

@@ -6,7 +6,7 @@ as compressed updates that replicas spread among themselves (sync/distribute.py)
 Rollouts: the coordinator's transport owns a bounded inbox, filled by the coordinator's own
 generation loops (`put_rollouts` queues directly). It does not serve `submit_rollouts`: a run
 leases no problem to a remote submitter today, so every group another peer sent was refused
-after it was read whole (up to MAX_SUBMISSION_BYTES per stream, 32 streams per sender, any
+after it was read whole (up to submission_bytes per stream, 32 streams per sender, any
 number of senders). Unserved, a submission is refused by the p2p daemon when its stream opens,
 before any of it reaches this process. A run that leases work to remote submitters serves the
 inbox again, with its own admission. Any other process's `put_rollouts` submits to the run's

@@ -5,7 +5,7 @@ Inert: every control and format character (escape sequences, carriage returns, n
 overrides, line separators) is written as its Python escape, so a log line stays one line and a
 terminal obeys nothing in it. Bounded: the text is cut to a length, with a marker saying how much
 was cut, so a peer can neither flood a log nor fill memory with one string. Each surface adds its
-own escaping on top (rich markup: observe/terminal.py, Markdown: observe/report.py)."""
+own escaping on top (rich markup: observe/terminal.py, Markdown: observe/markdown.py)."""
 
 from __future__ import annotations
 

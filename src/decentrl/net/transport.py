@@ -10,10 +10,11 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from decentrl.errors import DecentrlError
 from decentrl.rollout.types import RolloutGroup
 
 
-class TransportClosed(RuntimeError):
+class TransportClosed(DecentrlError, RuntimeError):
     """The other side shut the transport down; stop the loop that uses it."""
 
 

@@ -41,6 +41,8 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from decentrl.errors import SenderFault
+
 T = TypeVar("T")
 Message = TypeVar("Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 
@@ -69,7 +71,7 @@ _CODEC_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "int8": "float32"}
 _NONE = runtime_pb2.CompressionType.NONE
 
 
-class WireError(ValueError):
+class WireError(SenderFault):
     """A message failed a check. The text names what: which tensor, which field, expected vs got."""
 
 
@@ -125,6 +127,11 @@ def decode_struct(data: bytes | bytearray, type_: type[T]) -> T:
         return decoder.decode(data)
     except msgspec.DecodeError as error:  # ValidationError included
         raise WireError(f"bad {getattr(type_, '__name__', type_)} message: {error}") from None
+
+
+class Body(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The base of an RPC's body and of a DHT record (net/protocol.py): decoded by
+    `decode_struct`, where an unknown field is an error like a missing one."""
 
 
 # --- tensors ----------------------------------------------------------------------------------

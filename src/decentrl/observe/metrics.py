@@ -46,8 +46,8 @@ class StepRecord(Record, tag="step"):
     finished_fraction: float | None = None
     generated_tokens: float | None = None
     staleness_counts: dict[int, int] | None = None  # groups of the batch per staleness
-    # The curriculum (swarm/curriculum.py): the share of every group accepted so far that had no
-    # reward spread, the problems handed out again so far, and per difficulty bucket the
+    # The curriculum (coordinator/curriculum.py): the share of every group accepted so far that had
+    # no reward spread, the problems handed out again so far, and per difficulty bucket the
     # estimated pass rate and chance of spread.
     zero_spread_share_total: float | None = None
     replays_handed_out: int | None = None
@@ -84,7 +84,7 @@ class StepRecord(Record, tag="step"):
     banned: int | None = None
     failovers: int | None = None
     wire_bytes: float | None = None
-    # A swarm run's rows in flight at the step (swarm/inflight.py), and what sized them: the
+    # A swarm run's rows in flight at the step (coordinator/inflight.py), and what sized them: the
     # floor of a decoding step's round trip and the most rows stepped per second lately (None
     # until measured).
     rows_in_flight: int | None = None
@@ -106,7 +106,7 @@ class StepRecord(Record, tag="step"):
 
 
 class SupervisedRecord(Record, tag="supervised"):
-    """One supervised warm-up step (supervised.warmup_steps): demonstrations only, through the
+    """One supervised warm-up step (supervised.steps): demonstrations only, through the
     same training chain as an RL step."""
 
     step: int

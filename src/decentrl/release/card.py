@@ -14,8 +14,9 @@ from decentrl.envs.tool_calls import CLOSE_TAG
 from decentrl.evaluate.runner import EvalResult
 from decentrl.evaluate.suite import SuiteResult, suite_table_markdown
 from decentrl.model.loading import DEFAULT_MODEL, BaseOrigin
+from decentrl.observe.markdown import markdown_text, peer_name
 from decentrl.observe.metrics import SwarmRecord
-from decentrl.observe.report import held_out_table, markdown_text, peer_name
+from decentrl.observe.report import held_out_table
 
 # Where the usage snippet loads the model from; a reader replaces it with this folder or the
 # Hub repository it was uploaded to.
@@ -163,7 +164,7 @@ def training_section(config: RunConfig, version: int, steps: int, weights: str) 
         "**Learning.** An answer that scored above its group's average was made more likely, one "
         f"below less, in proportion to the difference{scaled}.{dropped} The objective was "
         f"{LOSS_TEXT[train.loss]}. Learning rate {train.lr}. {adapters}",
-        *([supervised_text(config, steps)] if config.supervised.warmup_steps
+        *([supervised_text(config, steps)] if config.supervised.steps
           or config.supervised.interleave_rows else []),
         f"**Stale answers.** {staleness_text(train)}",
         f"**Trust.** {trust_text(config)}",
@@ -177,12 +178,12 @@ def supervised_text(config: RunConfig, steps: int) -> str:
     """The warm-up as it ran: a run whose budget ended inside it made fewer of its steps."""
     supervised = config.supervised
     parts = []
-    if supervised.warmup_steps:
-        parts.append(f"The first {min(supervised.warmup_steps, steps)} steps, before any RL, were "
+    if supervised.steps:
+        parts.append(f"The first {min(supervised.steps, steps)} steps, before any RL, were "
                      f"supervised: "
                      f"{supervised.rows_per_step} demonstrations each, at learning rate "
                      f"{supervised.lr or config.train.lr}.")
-    rl_steps = steps - supervised.warmup_steps
+    rl_steps = steps - supervised.steps
     if supervised.interleave_rows and rl_steps > 0:
         parts.append(f"Each of the {rl_steps} RL steps also learned "
                      f"{supervised.interleave_rows} demonstrations.")
@@ -221,6 +222,11 @@ def staleness_text(train: TrainConfig) -> str:
 def origin_section(config: RunConfig, base: BaseOrigin) -> str:
     if base.gguf is not None:
         gguf = base.gguf
+        if gguf.distribution is None:
+            return (f"The starting weights were dequantized to float32 from the GGUF file "
+                    f"`{markdown_text(gguf.file)}`, sha256 `{gguf.sha256}`. Training started from "
+                    "its weights as stored (a quantized file's rounding included), and the "
+                    "evaluation's base is the same.\n")
         return (f"The starting weights are not the Hub's files: they were dequantized to float32 "
                 f"from `{gguf.file}`, a GGUF quantization of `{base_name(config, base)}` (most "
                 f"matrices in 4 bits) that the `{gguf.distribution}` {gguf.version} pip package "
@@ -266,7 +272,7 @@ def model_card(config: RunConfig, base: BaseOrigin, size: ModelSize, version: in
     stages = "\n".join(f"| {index} | `{digest}` |" for index, digest in enumerate(stage_hashes))
     name = base_name(config, base)
     warm_up = (" (after a supervised warm-up on the environment's own demonstrations)"
-               if config.supervised.warmup_steps else "")
+               if config.supervised.steps else "")
     summary = (f"Post-trained from `{name}` with reinforcement learning{warm_up} on verifiable "
                f"`{config.task.name}` problems, by a decentrl swarm: the model was cut into "
                f"{config.num_stages} pipeline stages, each trained by its own peer, while "

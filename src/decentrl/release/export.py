@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from decentrl.config import is_run_folder, load_config
+from decentrl.errors import DecentrlError
 from decentrl.evaluate.suite import SuiteResult
 from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.model.loading import (
@@ -40,9 +41,10 @@ from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.net.identity import Identity
 from decentrl.observe.metrics import read_metrics
-from decentrl.observe.report import read_evaluation
+from decentrl.observe.report_data import read_evaluation
 from decentrl.release.card import ModelSize, model_card
 from decentrl.release.shards import ShardRecord, check_shard, read_manifest
+from decentrl.staging import staged_folder
 
 EXPORT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 REQUIRED_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
@@ -51,11 +53,11 @@ WRITTEN_FILES = ("model.safetensors", "config.json", "generation_config.json")
 CHECKSUMS = "SHA256SUMS"
 Weights = Literal["served", "learner"]
 WEIGHTS: tuple[str, ...] = get_args(Weights)
-# A run folder holds its config and at least one of these (swarm/loop.py).
+# A run folder holds its config and at least one of these (coordinator/loop.py).
 SHOWN_NAMES = 3  # entries a refusal names before "..."
 
 
-class UnsafeOutputFolder(ValueError):
+class UnsafeOutputFolder(DecentrlError, ValueError):
     """The output folder holds something the export must not replace; the message says what is
     there and what to do."""
 
@@ -167,9 +169,7 @@ def write_hf_folder(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any],
     replaced only then."""
     for name in extra_files:
         check_extra_name(name)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_folder(out_dir) as staging:
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         (staging / "config.json").write_text(
             json.dumps(export_config(hf_config, dtype), indent=2, sort_keys=True) + "\n")
@@ -192,9 +192,6 @@ def write_hf_folder(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any],
         else:
             # A rename replaces an empty folder and fails on one that filled up meanwhile.
             staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -21,11 +21,13 @@ from pathlib import Path
 import msgspec
 import torch
 
+from decentrl.errors import DecentrlError
 from decentrl.learn.checkpoints import CheckpointLayout
 from decentrl.model.loading import file_sha256
 from decentrl.net.identity import Identity, SignatureError, verify
-from decentrl.net.protocol import SHARD_CHUNK_BYTES, ShardChunk, ShardRequest
+from decentrl.net.protocol import SHARD_CHUNK_BYTES
 from decentrl.net.text import peer_text
+from decentrl.net.training_messages import ShardChunk, ShardRequest
 
 MANIFEST_FILE = "shards.json"
 SHA256_HEX_CHARS = 64
@@ -55,7 +57,7 @@ class ShardManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shards: list[ShardRecord]
 
 
-class ShardError(RuntimeError):
+class ShardError(DecentrlError, RuntimeError):
     """A shard that is missing, or is not the one the run owner signed."""
 
 

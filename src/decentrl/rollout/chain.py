@@ -2,7 +2,7 @@
 sequences; hidden states hop stage to stage and the last stage samples, so only token ids, their
 behaviour log-probs and the weight versions that computed them come back (never a [batch, vocab]
 logits tensor). `LocalChain` runs every stage in this process; the swarm's chain
-(swarm/sessions.py) runs the same protocol over the network."""
+(client/sessions.py) runs the same protocol over the network."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ class StepResult(NamedTuple):
     tokens: torch.Tensor  # [B], the sampled next token of every row
     logprobs: torch.Tensor  # [B], their behaviour log-probs
     versions: tuple[int, ...]  # the weight version of every stage that computed this step
+    # A mixture of experts' routing of the step's new positions, [B, T, every sparse layer of
+    # the model, top_k]; None: a dense model, or a chain that does not record it.
+    routing: torch.Tensor | None = None
 
 
 class InferenceSession(Protocol):
@@ -70,12 +73,16 @@ class LocalSession:
              sampling: SamplingConfig, seed: int | None) -> StepResult:
         if self.caches is None:
             raise RuntimeError("session is closed")
-        x = tokens
+        x, records = tokens, []
         for stage, cache in zip(self.stages, self.caches):
-            x = stage(x, positions, key_valid, cache,
-                      head_positions=last_position(tokens) if stage.is_last else None)
+            x, experts = stage.forward_routed(
+                x, positions, key_valid, cache,
+                head_positions=last_position(tokens) if stage.is_last else None)
+            if experts is not None:
+                records.append(experts)
         return StepResult(*sample(x, sampling, step_generator(seed)),
-                          tuple(stage.version for stage in self.stages))
+                          tuple(stage.version for stage in self.stages),
+                          torch.cat(records, dim=2) if records else None)
 
     def close(self) -> None:
         self.caches = None

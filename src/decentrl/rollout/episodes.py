@@ -112,17 +112,17 @@ class EpisodeTokens:
 
 def generate_episodes(chain: InferenceChain, episodes: list[Episode], tokenizer: Any,
                       max_new_tokens: int, sampling: SamplingConfig, seed: int | None = None,
-                      on_session: Callable[[InferenceSession], None] | None = None
-                      ) -> list[EpisodeRollout]:
+                      on_session: Callable[[InferenceSession], None] | None = None,
+                      record_routing: bool = False) -> list[EpisodeRollout]:
     """One row per episode, all in one session, until every episode is over or a row's
     `max_new_tokens` (the environment's tokens count) run out; such an episode is left
-    unfinished (no reward)."""
+    unfinished (no reward). `record_routing`: as `generate`'s."""
     rows = [EpisodeTokens(e, tokenizer) for e in episodes]
     prompts = [row.prompt() for row in rows]
     generations = generate(chain, prompts, max_new_tokens, sampling,
                            {tokenizer.eos_token_id}, tokenizer.pad_token_id, seed, on_session,
                            lambda row, tokens: rows[row].turn_ended(tokens),
-                           tool_call_stops(tokenizer))
+                           tool_call_stops(tokenizer), record_routing)
     return [EpisodeRollout(g, e, p) for g, e, p in zip(generations, episodes, prompts)]
 
 

@@ -8,7 +8,11 @@ version of every position is the step's, as in single-turn generation. A forced 
 sampled: it carries no behaviour log-prob and no gradient (`Generation.generated` says which).
 
 A row also stops when its sampled tokens end with one of `stop_sequences` (a tool call's closing
-tag, so that a turn ends with its call instead of running on past it)."""
+tag, so that a turn ends with its call instead of running on past it).
+
+With `record_routing` (a mixture of experts, train.routing_replay), each row also keeps the
+experts each of its completion tokens went to when the next step read it (the step after it was
+sampled): the learner replays them. A row's last token is read by no step: FREE_ROUTE."""
 
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from decentrl.rollout.chain import InferenceChain, InferenceSession
+from decentrl.model.moe import FREE_ROUTE
+from decentrl.rollout.chain import InferenceChain, InferenceSession, StepResult
+from decentrl.rollout.routing import routing_record
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan, oldest_versions
 
@@ -29,6 +35,8 @@ class Generation:
     finished: bool  # ended with a stop token rather than at max_new_tokens
     spans: list[VersionSpan]  # the weights that sampled the tokens (only spans that cover one)
     generated: list[bool]  # per token: sampled by the model (True) or forced by on_stop (False)
+    # [tokens, sparse layers, top_k]: each token's experts (record_routing); None: not recorded
+    routing: torch.Tensor | None = None
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -42,7 +50,8 @@ def rollout_group(group_id: str, task: str, problem_index: int, prompt: list[int
     `sampling_seed`: what a spot-check re-executes (trust/verify.py)."""
     rollouts = [Rollout(prompt_tokens=prompt, completion_tokens=g.tokens,
                         behaviour_logprobs=g.logprobs, finished=g.finished,
-                        generated=None if all(g.generated) else g.generated)
+                        generated=None if all(g.generated) else g.generated,
+                        routing=None if g.routing is None else routing_record(g.routing))
                 for g in rows]
     # The rows share the session's steps: each row's spans are a prefix of the longest's.
     spans = max(rows, key=lambda g: len(g.tokens)).spans
@@ -111,13 +120,15 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
              seed: int | None = None,
              on_session: Callable[[InferenceSession], None] | None = None,
              on_stop: OnStop | None = None,
-             stop_sequences: Sequence[Sequence[int]] = ()) -> list[Generation]:
+             stop_sequences: Sequence[Sequence[int]] = (),
+             record_routing: bool = False) -> list[Generation]:
     """Sample up to `max_new_tokens` per prompt (forced tokens count). Every step draws with its
     own seed derived from `seed` (None: torch's global generator), so a seed gives the same
     samples on any chain. Stage weights may change between steps: each generation's spans say
     which versions sampled which of its tokens. `on_session` is handed the session (a swarm
     session records who computed what, for spot-checks); `on_stop` continues a row past a stop
-    token or a stop sequence (see the module docstring)."""
+    token or a stop sequence; `record_routing` keeps each token's experts (see the module
+    docstring)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and no empty prompt")
     if max_new_tokens < 1:
@@ -134,16 +145,25 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
     forced: list[list[int]] = [[] for _ in range(batch)]  # per row, tokens still to force
     is_forced = torch.zeros(batch, dtype=torch.bool)
     tokens_out, logprobs_out, versions_out, forced_out = [], [], [], []
+    routing_out: list[torch.Tensor] = []  # per step after the first, [B, layers, top_k]
     # Each row's tokens so far on the host, for stop sequences and on_stop: appended a step at a
     # time, since stacking the whole history at every step is quadratic in the episode's length.
     row_tokens_so_far: list[list[int]] = [[] for _ in range(batch)]
     row_sampled_so_far: list[list[bool]] = [[] for _ in range(batch)]
+    routing_template: torch.Tensor | None = None
     session = chain.open_session(batch, prompt_length + max_new_tokens)
     if on_session is not None:
         on_session(session)
     try:
-        tokens, logprobs, versions = session.step(ids, positions, valid[:, :prompt_length],
-                                                  sampling, step_seed(seed, 0))
+        result = session.step(ids, positions, valid[:, :prompt_length], sampling,
+                              step_seed(seed, 0))
+        tokens, logprobs, versions = result.tokens, result.logprobs, result.versions
+        if record_routing:
+            if result.routing is None:
+                raise ValueError("record_routing needs a chain that records routing: a mixture "
+                                 "of experts' stages in this process (LocalChain)")
+            # The prefill's: what a row's experts look like, for the tokens no step read.
+            routing_template = step_routing(result)
         for step in range(max_new_tokens):
             tokens = tokens.masked_fill(done, pad_id)
             if on_stop is not None:
@@ -174,15 +194,20 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
             # Finished rows keep decoding padding (cheaper than reshaping the batch and caches);
             # their keys are masked out and their tokens dropped below.
             valid[:, prompt_length + step] = ~done_before
-            tokens, logprobs, versions = session.step(tokens[:, None], next_position,
-                                                      valid[:, :prompt_length + step + 1],
-                                                      sampling, step_seed(seed, step + 1))
+            result = session.step(tokens[:, None], next_position,
+                                  valid[:, :prompt_length + step + 1], sampling,
+                                  step_seed(seed, step + 1))
+            tokens, logprobs, versions = result.tokens, result.logprobs, result.versions
+            if record_routing:
+                routing_out.append(step_routing(result))
             next_position = next_position + 1
     finally:
         session.close()
     all_tokens = torch.stack(tokens_out, 1).cpu()
     all_logprobs = torch.stack(logprobs_out, 1).float().cpu()
     all_forced = torch.stack(forced_out, 1)
+    all_routing = (None if routing_template is None else
+                   completion_routing(routing_out, all_tokens.shape[1], routing_template))
     spans = version_spans(versions_out)
     longest_stop = max((len(stop) for stop in stop_sequences), default=1)
     results = []
@@ -203,8 +228,26 @@ def generate(chain: InferenceChain, prompts: list[list[int]], max_new_tokens: in
                 break
         results.append(Generation(row_tokens[:length], all_logprobs[row, :length].tolist(),
                                   finished, [span for span in spans if span.start < length],
-                                  row_generated[:length]))
+                                  row_generated[:length],
+                                  None if all_routing is None else all_routing[row, :length]))
     return results
+
+
+def step_routing(result: StepResult) -> torch.Tensor:
+    """The experts [B, layers, top_k] of the last position a step read."""
+    if result.routing is None:
+        raise ValueError("the chain stopped recording routing mid-session")
+    return result.routing[:, -1].cpu()
+
+
+def completion_routing(steps: list[torch.Tensor], tokens: int, template: torch.Tensor
+                       ) -> torch.Tensor:
+    """[B, tokens, layers, top_k]: completion token j's experts are those of the step that read
+    it (steps[j]); a token no step read (the last) gets FREE_ROUTE. `template` [B, layers,
+    top_k] gives the shape and dtype."""
+    unread = torch.full((template.shape[0], tokens - len(steps), *template.shape[1:]),
+                        FREE_ROUTE, dtype=template.dtype)
+    return torch.cat([*(step[:, None] for step in steps), unread], 1)
 
 
 def force_tokens(tokens: torch.Tensor, logprobs: torch.Tensor, forced: list[list[int]],

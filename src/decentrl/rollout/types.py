@@ -7,6 +7,35 @@ from collections.abc import Sequence
 
 import msgspec
 
+# The bytes of one recorded expert index, by the dtype's name (model/moe.py routing_dtype).
+ROUTING_ITEMSIZE = {"int8": 1, "int16": 2}
+
+
+class RoutingRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The experts each completion token went to in every sparse mixture-of-experts layer of the
+    model, as its sampler's forward chose them (rollout/routing.py): `experts` holds
+    [tokens, layers, top_k] little-endian indices of `dtype`, row-major, -1 (FREE_ROUTE) where
+    none was recorded (a row's last token, which no forward has read)."""
+
+    layers: int
+    top_k: int
+    dtype: str  # a key of ROUTING_ITEMSIZE
+    experts: bytes
+
+    def check(self, tokens: int) -> None:
+        """Raise ValueError unless the record is well formed for `tokens` completion tokens."""
+        if self.dtype not in ROUTING_ITEMSIZE:
+            raise ValueError(f"routing dtype {self.dtype!r} is not one of "
+                             f"{sorted(ROUTING_ITEMSIZE)}")
+        if self.layers < 1 or self.top_k < 1:
+            raise ValueError(f"a routing record needs layers and top_k >= 1, got {self.layers} "
+                             f"and {self.top_k}")
+        expected = tokens * self.layers * self.top_k * ROUTING_ITEMSIZE[self.dtype]
+        if len(self.experts) != expected:
+            raise ValueError(f"the routing record holds {len(self.experts)} bytes; {tokens} "
+                             f"tokens x {self.layers} layers x {self.top_k} experts of "
+                             f"{self.dtype} take {expected}")
+
 
 class Rollout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One sampled completion of one prompt."""
@@ -18,11 +47,15 @@ class Rollout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     # Per completion token: sampled by the model (True) or an environment's, fed in by the
     # episode (False: no behaviour log-prob, no gradient). None: every token was sampled.
     generated: list[bool] | None = None
+    # A mixture of experts' routing of the completion tokens, recorded for the learner to replay
+    # (train.routing_replay); None: not recorded.
+    routing: RoutingRecord | None = None
 
     def check_lengths(self) -> None:
         """Raise ValueError naming the problem unless the per-token lists agree: a non-empty
         prompt and completion, one behaviour log-prob per completion token, and a generated
-        mask (if any) that covers the completion and marks at least one sampled token. Ingestion
+        mask (if any) that covers the completion and marks at least one sampled token, and a
+        routing record (if any) of one entry per completion token. Ingestion
         runs it on every rollout a peer sends; whatever reads a rollout after that relies on it."""
         if not self.prompt_tokens or not self.completion_tokens:
             raise ValueError("a rollout needs a prompt and a completion")
@@ -34,6 +67,8 @@ class Rollout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
             raise ValueError(f"the generated mask has {len(self.generated)} entries for "
                              f"{len(self.completion_tokens)} completion tokens, and must mark "
                              "at least one sampled")
+        if self.routing is not None:
+            self.routing.check(len(self.completion_tokens))
 
     def generated_mask(self) -> list[bool]:
         """Per completion token, whether the model sampled it (lengths checked by

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decentrl.config import SyncConfig
+from decentrl.errors import DecentrlError
 from decentrl.net.node import Reply, Request, SwarmNode
 from decentrl.net.protocol import SYNC_CHUNK, ChunkRequest, Empty, UpdateManifest
 from decentrl.net.wire import WireError
@@ -158,6 +159,6 @@ class UpdateServer:
         self.node.unserve(SYNC_CHUNK)
 
 
-class ChunkUnavailable(RuntimeError):
+class ChunkUnavailable(DecentrlError, RuntimeError):
     """A well-formed chunk request this peer cannot answer (it does not hold that update, or
     not that chunk yet): refused without a strike."""

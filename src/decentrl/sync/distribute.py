@@ -45,6 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from decentrl.config import SyncConfig
+from decentrl.errors import DecentrlError
 from decentrl.net.compute import Priority
 from decentrl.net.link import MessageLost
 from decentrl.net.node import PeerRefused, RemoteError, Reply, Request, SwarmNode
@@ -64,6 +65,7 @@ from decentrl.net.protocol import (
 from decentrl.net.records import decode_records
 from decentrl.net.session import owner_session, session_mismatch
 from decentrl.net.wire import WireError
+from decentrl.sync.chunks import StoredUpdate, UpdateServer, count_bytes
 from decentrl.sync.delta import (
     PublishedState,
     TensorChange,
@@ -78,7 +80,6 @@ from decentrl.sync.delta import (
     state_hash,
     undo_changes,
 )
-from decentrl.sync.chunks import StoredUpdate, UpdateServer, count_bytes
 from decentrl.sync.sources import ChunkSources, Source
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ MAX_CHUNK_BYTES = 2 * 2**20
 KEPT_UPDATES = 4
 
 
-class SyncError(RuntimeError):
+class SyncError(DecentrlError, RuntimeError):
     """An update could not be fetched or did not check out; the follower tries again later."""
 
 
@@ -132,7 +133,7 @@ class WeightPublisher(UpdateServer):
         self._lock = threading.Lock()
         # Called on the encoding thread with each new published state and what the update changed
         # (None: the state was replaced whole, a rollback or a dense update): a training peer
-        # keeps its copy of what the replicas serve by it (swarm/replica.py `ServedWeights`).
+        # keeps its copy of what the replicas serve by it (stage/replica.py `ServedWeights`).
         self.on_published: Callable[[PublishedState, Mapping[str, TensorChange] | None],
                                     None] = lambda state, changes: None
         node.serve(SYNC_PLAN, self._serve_plan)

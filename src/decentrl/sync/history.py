@@ -16,12 +16,13 @@ from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
+from decentrl.errors import DecentrlError
 from decentrl.sync.delta import TensorChange
 
 Changes = Mapping[str, TensorChange]
 
 
-class VersionUnavailable(ValueError):
+class VersionUnavailable(DecentrlError, ValueError):
     """The weights of a requested version cannot be rebuilt here."""
 
 

@@ -154,8 +154,8 @@ class SplitDrawn(ABC):
 
 def difficulty_of(problem: Problem) -> str:
     """The problem's difficulty bucket within its task (the coordinator's pass-rate estimates are
-    kept per bucket, swarm/curriculum.py): what the task wrote in `metadata["difficulty"]`, else
-    the question's length in words rounded to a power of two, since longer questions tend to be
+    kept per bucket, coordinator/curriculum.py): what the task wrote in `metadata["difficulty"]`,
+    else the question's length in words rounded to a power of two, since longer questions tend to be
     harder."""
     stated = problem.metadata.get(DIFFICULTY)
     if isinstance(stated, str):

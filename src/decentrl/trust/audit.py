@@ -2,7 +2,7 @@
 another training peer of the same stage recomputes the step from the same state and the same
 micro-batches, and the coordinator compares the two. This module holds what the comparison needs
 and decides nothing about the network: a training state as one flat vector and its digest, and
-the checks; swarm/training_client.py (`TrainAudit`) runs the audit.
+the checks; client/training.py (`TrainAudit`) runs the audit.
 
 The trust argument. Every reply to a training step commits the digest of the peer's whole
 training state after it (trainable weights, Adam moments, step count: `FlatState`), and the
@@ -145,9 +145,9 @@ def load_flat_state(trainer: StageTrainer, state: FlatState) -> None:
 
 def learning_rate(train: TrainConfig, version: int) -> float:
     """The learning rate of the step that makes `version` (StageTrainer.step)."""
-    if not train.warmup_steps:
+    if not train.lr_warmup_steps:
         return train.lr
-    return train.lr * min(1.0, version / train.warmup_steps)
+    return train.lr * min(1.0, version / train.lr_warmup_steps)
 
 
 def _norm(t: torch.Tensor) -> float:

@@ -41,8 +41,8 @@ class CommitTolerance:
     Subtler changes only show in the mean: over at least `mean_min_points` positions, a mean
     error over `max_mean_error` fails every position whose own error is over it.
 
-    Calibrated on honest computation (bench/commit_sensitivity.py; tests/test_commit.py repeats
-    it in small): KV-cache decoding of a left-padded batch of 8 rows against teacher-forced
+    Calibrated on honest computation (bench/commit_sensitivity.py;
+    tests/unit/trust/test_commit.py repeats it in small): KV-cache decoding of a left-padded batch of 8 rows against teacher-forced
     recomputation of the batch with 3 more padding columns, bf16 vs fp32 both ways, through the
     bf16 or the int8 activation codec on both sides (delivery and the verifier's reply), a sketch
     of 32 dims at every position, 20 secret matrices. Honest error, worst / worst mean:

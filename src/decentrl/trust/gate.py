@@ -32,6 +32,7 @@ import random
 import secrets
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
@@ -79,11 +80,17 @@ class RecentIds:
 
 class Trust:
     def __init__(self, config: RunConfig, node: SwarmNode, directory: Directory,
-                 hidden_size: int, pad_id: int, console: Console | None = None) -> None:
+                 hidden_size: int, pad_id: int, console: Console | None = None,
+                 vouched: Callable[[str], bool] = lambda peer: False,
+                 admitted: Callable[[str], bool] = lambda peer: False,
+                 stage_routing: Sequence[slice] = ()) -> None:
+        """`vouched`, `admitted`: the peers the operator admitted, training peers and inference
+        replicas (trust/reputation.py `Reputation`), asked afresh at each look.
+        `stage_routing`: a mixture of experts' routing record, each stage's part (Verifier)."""
         self.config = config
         self.console = console or Console()
         self.reputation = Reputation(config.trust.ban_score, config.trust.ban_s,
-                                     config.trust.probation_checks)
+                                     config.trust.probation_checks, vouched, admitted)
         self.reputation.on_ban.append(self._banned)
         directory.distrusted = self.reputation.banned
         directory.on_probation = self.reputation.on_probation
@@ -94,7 +101,7 @@ class Trust:
         self.reputation.on_ban.append(self._shrink_probation_budget)
         node.strikes_to_block, node.block_s = config.trust.strikes_to_block, config.trust.block_s
         node.on_strike = lambda peer, reason: self.reputation.record(peer, "malformed", reason)
-        self.verifier = Verifier(node, directory, config, hidden_size, pad_id)
+        self.verifier = Verifier(node, directory, config, hidden_size, pad_id, stage_routing)
         self.lock = threading.Lock()
         self.provenance: OrderedDict[str, Provenance] = OrderedDict()
         self.verified = RecentIds(GROUPS_TRACKED)

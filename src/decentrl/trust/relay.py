@@ -1,13 +1,17 @@
-"""What the coordinator checks in an inference stage's reply before it uses it or relays it to
-the next stage, whole: hidden states of the model's width, floating, finite and within a
-magnitude bound; at the last stage, token ids in the vocabulary and log-probs that are
-log-probabilities. A reply that fails was the producing replica's doing (it signed it), so the
-coordinator blames that replica and never forwards the reply: the honest next stage would refuse
-it, or overflow on it, and strike the coordinator that relayed it."""
+"""What the coordinator checks in an inference stage's reply before it uses it or relays it to the
+next stage, whole: hidden states of the model's width, floating, finite and within a magnitude
+bound; at the last stage, token ids in the vocabulary and log-probs that are log-probabilities;
+from a stage with mixture-of-experts layers, the experts its positions went to (distinct expert
+indices of the model's routing dtype). A reply that fails was the producing replica's doing (it
+signed it), so the coordinator blames that replica and never forwards the reply: the honest next
+stage would refuse it, or overflow on it, and strike the coordinator that relayed it."""
 
 from __future__ import annotations
 
 import torch
+
+from decentrl.errors import SenderFault
+from decentrl.model.moe import MoESpec, RoutingReplayError, checked_replay
 
 # The largest |value| a relayed hidden state may carry. Honest residual streams have a few
 # "massive activation" channels, far over the rest: measured on SmolLM2-135M (prompts of 46 and
@@ -19,7 +23,7 @@ import torch
 MAX_ACTIVATION = 2.0**20
 
 
-class BadReply(ValueError):
+class BadReply(SenderFault):
     """A reply whose content breaks the protocol; the message names the check it failed."""
 
 
@@ -62,3 +66,24 @@ def check_samples(tokens: torch.Tensor | None, logprobs: torch.Tensor | None, ba
     if not bool(torch.isfinite(logprobs).all()) or bool((logprobs > 0).any()):
         raise BadReply("logprobs must be finite and <= 0")
     return tokens, logprobs
+
+
+def check_experts(experts: torch.Tensor | None, batch: int, length: int, layers: int,
+                  moe: MoESpec) -> torch.Tensor:
+    """`experts`, if it is the routing a stage with `layers` sparse layers must reply for
+    [batch, length] positions: [batch, length, layers, top_k] of the model's routing dtype,
+    every index an expert, a token's experts distinct; else BadReply."""
+    expected = (batch, length, layers, moe.top_k)
+    if experts is None:
+        raise BadReply(f"no experts {list(expected)} from a stage with {layers} sparse layers")
+    if experts.dtype != moe.routing_dtype:
+        raise BadReply(f"experts must be {moe.routing_dtype}, got {experts.dtype}")
+    if tuple(experts.shape) != expected:
+        raise BadReply(f"experts must be {list(expected)}, got {list(experts.shape)}")
+    try:
+        rows = checked_replay(experts, experts.shape[:-1], moe, experts.device)
+    except RoutingReplayError as error:
+        raise BadReply(f"experts: {error}") from error
+    if bool((rows < 0).any()):  # a replay may leave a row free; a record never does
+        raise BadReply("experts name no expert for some token")
+    return experts

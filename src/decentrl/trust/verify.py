@@ -28,36 +28,42 @@ What is compared:
   the sampling the session asked for (`Provenance.sampling`: an evaluation's greedy session is
   judged greedy, its margin the top log-prob minus the token's). Tokens an
   environment forced into a multi-turn episode are fed but not judged here (nothing sampled them).
+- a stage with mixture-of-experts layers, where the rollouts recorded their routing (the learner
+  replays it): each claimed token's routing gap in the re-execution (model/moe.py
+  `routing_gaps`, nats), judged like the last stage's tokens (`judge_routing`), so a replica
+  whose activations were honest but whose claimed experts were not fails too.
 
 Blame: among the stages whose sketches fail, the one with the earliest failing position (ties:
 the lower stage), at the replica that served that column. A lie at stage s at position q fails
 stage s at q, and stage s+1 (fed the lie, re-executed on the truth) only at q and later (causal
-attention): the liar is blamed, not the honest stage after it. The last stage is judged only
-when every earlier one passed; there the column is the first failure of the replica whose own
-tokens fail most beyond the tolerated share, not the group's first failing column (after a
-failover, that may be an honest replica's rare miss). Tolerances are calibrated so that bf16 and
-fp32 replicas agree."""
+attention): the liar is blamed, not the honest stage after it. Claimed experts are judged next,
+stage by stage, then the last stage's tokens, each only when everything before passed; there
+the column is the first failure of the replica whose own tokens fail most beyond the tolerated
+share, not the group's first failing column (after a failover, that may be an honest replica's
+rare miss). Tolerances are calibrated so that bf16 and fp32 replicas agree."""
 
 from __future__ import annotations
 
 import logging
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from decentrl.config import RunConfig, TrustConfig
+from decentrl.model.moe import FREE_ROUTE
 from decentrl.net.directory import Directory
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, SwarmNode
 from decentrl.net.protocol import CLOSE_SESSION, VERIFY_STEP, CloseSession, VerifyStep
 from decentrl.net.wire import WireError
 from decentrl.rollout.generate import left_pad
+from decentrl.rollout.routing import routing_tensor
 from decentrl.rollout.sampling import sampling_config
-from decentrl.rollout.types import RolloutGroup
+from decentrl.rollout.types import Rollout, RolloutGroup
 from decentrl.trust.commit import CommitTolerance, Sketches, check_sketches, earliest_failure
 from decentrl.trust.provenance import Provenance, StageProvenance
 from decentrl.trust.relay import BadReply, check_hidden_states
@@ -76,6 +82,9 @@ class Layout:
     targets: torch.Tensor  # [B, W] int64
     claimed: torch.Tensor  # [B, W] float32 behaviour log-prob of each target (0: none)
     prompt_columns: int
+    # A mixture of experts whose rollouts recorded their routing: the experts each fed column
+    # went to, [B, W, every sparse layer, top_k] (FREE_ROUTE where nothing was recorded).
+    experts: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -94,7 +103,10 @@ def session_layout(group: RolloutGroup, pad_id: int, prompt_columns: int | None 
     In a multi-turn episode some completion tokens were forced (an environment's reply, fed in
     place of the step's sample): they are fed like any other token, so the whole episode is
     teacher-forced and every stage's sketches are checked at their columns too, but they have
-    no target (-1) and no claimed log-prob, since the model never sampled them."""
+    no target (-1) and no claimed log-prob, since the model never sampled them.
+
+    A rollout's routing record (a mixture of experts) names the experts of each completion
+    token where it was fed: token k at column P + k."""
     rows = group.rollouts
     ids, prompt_valid = left_pad([r.prompt_tokens for r in rows], pad_id, torch.device("cpu"))
     batch, prompt = ids.shape
@@ -127,7 +139,27 @@ def session_layout(group: RolloutGroup, pad_id: int, prompt_columns: int | None 
             tokens, dtype=torch.long).masked_fill(~sampled, -1)
         claimed[row, prompt - 1:prompt - 1 + len(tokens)] = torch.tensor(
             rollout.behaviour_logprobs, dtype=torch.float32).masked_fill(~sampled, 0.0)
-    return Layout(full, valid, positions, targets, claimed, prompt)
+    return Layout(full, valid, positions, targets, claimed, prompt,
+                  layout_experts(rows, prompt, width))
+
+
+def layout_experts(rows: Sequence[Rollout], prompt: int, width: int) -> torch.Tensor | None:
+    """The rows' routing records in a session's columns (see `Layout.experts`), or None when no
+    row carries one. ValueError if the records disagree on their layers or experts per token."""
+    records = [(row, routing_tensor(r.routing)) for row, r in enumerate(rows)
+               if r.routing is not None]
+    if not records:
+        return None
+    shape = records[0][1].shape[1:]
+    experts = torch.full((len(rows), width, *shape), FREE_ROUTE, dtype=records[0][1].dtype)
+    for row, record in records:
+        if record.shape[1:] != shape or record.dtype != experts.dtype:
+            raise ValueError(f"row {row}'s routing record is {tuple(record.shape[1:])} "
+                             f"{record.dtype}, row {records[0][0]}'s {tuple(shape)} "
+                             f"{experts.dtype}")
+        fed = min(record.shape[0], width - prompt)
+        experts[row, prompt:prompt + fed] = record[:fed]
+    return experts
 
 
 def segments(group: RolloutGroup, layout: Layout, cuts: Iterable[int] = ()
@@ -162,13 +194,20 @@ class Verdict:
     # behaviour log-prob and its seeded sampling margin (what the tolerances are set against).
     token_gaps: torch.Tensor | None = None
     token_margins: torch.Tensor | None = None
+    # A mixture of experts' recorded routing, where it was judged: every claimed token's
+    # routing gap (model/moe.py routing_gaps, the largest over a stage's sparse layers) at
+    # each judged stage with sparse layers, in stage order.
+    routing_gaps: torch.Tensor | None = None
 
 
 class Verifier:
     def __init__(self, node: SwarmNode, directory: Directory, config: RunConfig,
-                 hidden_size: int, pad_id: int) -> None:
+                 hidden_size: int, pad_id: int, stage_routing: Sequence[slice] = ()) -> None:
+        """`stage_routing`: each stage's part of a whole model's routing record
+        (model/stages.py routing_layers); empty for a dense model."""
         self.node, self.directory, self.config = node, directory, config
         self.hidden_size, self.pad_id = hidden_size, pad_id
+        self.stage_routing = tuple(stage_routing)
         self.tolerance = CommitTolerance.for_codec(config.swarm.activation_codec)
         # Who verifies must be unpredictable to peers: a liar that knew would pick its partner.
         self.random = secrets.SystemRandom()
@@ -242,7 +281,8 @@ class Verifier:
                 verifiers: tuple[str, ...], session: str, checked: tuple[int, ...]
                 ) -> tuple[tuple[int, int, str] | None, tuple[torch.Tensor | None, ...]]:
         """Re-execute every segment on the verifiers: (stage, column, why) of the first lie
-        among the `checked` stages, or None; and the token gaps and margins if judged."""
+        among the `checked` stages, or None; and the token gaps and margins and the routing
+        gaps where judged."""
         rollout, trust = self.config.rollout, self.config.trust
         stages = self.config.num_stages
         batch = layout.ids.shape[0]
@@ -250,6 +290,7 @@ class Verifier:
         # of a sketch check needs many positions, more than one segment may have.
         hidden_states = torch.zeros((stages - 1, batch, layout.width, self.hidden_size))
         scores = torch.zeros((2, batch, layout.width))
+        routing = torch.zeros((stages, batch, layout.width))  # each stage's routing gaps
         rebuilt = [set(provenance.stages[stage].rebuilt) for stage in range(stages)]
         sampling = (sampling_config(rollout) if provenance.sampling is None
                     else provenance.sampling)
@@ -276,9 +317,21 @@ class Verifier:
                     targets = layout.targets[:, start:end].clone()
                     targets[:, :first - start] = -1  # sampled (and scored) before the replay
                     tensors["targets"] = targets
+                claims = self._claims(stage, layout)
+                if claims is not None:
+                    tensors["experts"] = claims = claims[:, start:end].clone()
+                    claims[:, :first - start] = FREE_ROUTE  # judged before the replay
                 _, out = self.node.call_sync(peer, VERIFY_STEP, body, tensors,
                                              self.config.swarm.activation_codec,
                                              self.config.swarm.request_timeout_s)
+                if claims is not None:
+                    gaps = out.get("routing_gaps")
+                    if gaps is None or not gaps.is_floating_point() \
+                            or gaps.shape != (batch, end - start) \
+                            or not bool(torch.isfinite(gaps).all()) or bool((gaps < 0).any()):
+                        raise WireError(f"verifier {peer[-8:]} replied no routing gaps "
+                                        f"[{batch}, {end - start}] (finite, >= 0)")
+                    routing[stage, :, first:end] = gaps[:, first - start:].float()
                 if last:
                     for index, name in enumerate(("logprobs", "margins")):
                         value = out.get(name)
@@ -309,48 +362,99 @@ class Verifier:
             detail = (f"stage {stage}: {check.failed} of {check.checked} positions differ from "
                       f"the re-execution (worst relative error {check.worst:.3f}, mean "
                       f"{check.mean:.3f})")
-            return (stage, column, detail), (None, None)
+            return (stage, column, detail), (None, None, None)
+        routed = [(stage, claims) for stage in checked
+                  if (claims := self._claims(stage, layout)) is not None]
+        routing_gaps = (torch.cat([routing[stage][claimed_tokens(claims)]
+                                   for stage, claims in routed]) if routed else None)
+        for stage, claims in routed:
+            found = judge_routing(stage, claimed_tokens(claims), routing[stage],
+                                  provenance.stages[stage], trust)
+            if found is not None:
+                return (stage, *found), (None, None, routing_gaps)
         if stages - 1 not in checked:
-            return None, (None, None)
+            return None, (None, None, routing_gaps)
         scored = layout.targets >= 0
         gaps = (layout.claimed - scores[0]).abs()[scored]
         margins = scores[1][scored]
         found = judge_tokens(layout, gaps, margins, provenance.stages[stages - 1], trust)
         if found is None:
-            return None, (gaps, margins)
+            return None, (gaps, margins, routing_gaps)
         column, detail = found
-        return (stages - 1, column, detail), (gaps, margins)
+        return (stages - 1, column, detail), (gaps, margins, routing_gaps)
+
+    def _claims(self, stage: int, layout: Layout) -> torch.Tensor | None:
+        """The experts the rollouts claim for `stage`'s sparse layers, [B, W, its layers,
+        top_k]; None where the stage has none or the rollouts recorded no routing."""
+        if layout.experts is None or stage >= len(self.stage_routing):
+            return None
+        part = self.stage_routing[stage]
+        return layout.experts[:, :, part] if part.stop > part.start else None
+
+
+def claimed_tokens(claims: torch.Tensor) -> torch.Tensor:
+    """[B, W] bool: the positions `claims` [B, W, layers, top_k] name experts for."""
+    return (claims != FREE_ROUTE).flatten(2).any(-1)
+
+
+def blame_excess(bad: torch.Tensor, columns: torch.Tensor, served: StageProvenance,
+                 allowed: float) -> tuple[str, int, int, int] | None:
+    """Among the replicas that served `columns` (of the judged items, `bad` marking those that
+    failed), the one with the most failures beyond the `allowed` share of its own items: (the
+    replica, its first failing column, its failures, its items). None when the failures are
+    within the `allowed` share of all items. After a failover, the replica that did the bad
+    work is blamed, not the first column to fail, which may be an honest replica's rare
+    numeric miss."""
+    if int(bad.sum()) <= allowed * bad.numel():
+        return None
+    replica_of_column = {c: served.peer_at(c) for c in sorted(set(columns.tolist()))}
+    served_by = [replica_of_column[int(column)] for column in columns]
+    replicas = list(dict.fromkeys(replica_of_column.values()))  # in column order
+
+    def share(peer: str) -> torch.Tensor:
+        return torch.tensor([p == peer for p in served_by], dtype=torch.bool)
+
+    def excess(peer: str) -> float:
+        theirs = share(peer)
+        return int((bad & theirs).sum()) - allowed * int(theirs.sum())
+    blamed = max(replicas, key=excess)  # the first of equals
+    theirs = share(blamed)
+    return (blamed, int(columns[bad & theirs].min()), int((bad & theirs).sum()),
+            int(theirs.sum()))
+
+
+def judge_routing(stage: int, claimed: torch.Tensor, gaps: torch.Tensor,
+                  served: StageProvenance, trust: TrustConfig) -> tuple[int, str] | None:
+    """A sparse stage's verdict on the experts its replicas claimed at the `claimed` [B, W]
+    positions, from the re-execution's routing `gaps` [B, W]: None when the share of claims
+    beyond `trust.routing_tolerance` is within `trust.max_mismatch_fraction`, else (a failing
+    column, why)."""
+    scored = gaps[claimed]
+    bad = scored > trust.routing_tolerance
+    found = blame_excess(bad, claimed.nonzero()[:, 1], served, trust.max_mismatch_fraction)
+    if found is None:
+        return None
+    blamed, column, failed, total = found
+    return column, (f"stage {stage}: {int(bad.sum())} of {bad.numel()} tokens' claimed experts "
+                    f"are not the router's choice in the re-execution, {failed} of the {total} "
+                    f"its replica {blamed[-8:]} served (worst routing gap "
+                    f"{float(scored.max()):.2f} nats)")
 
 
 def judge_tokens(layout: Layout, gaps: torch.Tensor, margins: torch.Tensor,
                  served: StageProvenance, trust: TrustConfig) -> tuple[int, str] | None:
     """The last stage's verdict from every scored token's log-prob gap and sampling margin (in
     the row-major order of `layout.targets >= 0`): None when the group's share of tokens that do
-    not re-execute is within `trust.max_mismatch_fraction`, else (a failing column, why). The
-    column is the first failing one of the replica with the most failures beyond that share of
-    its own tokens: after a failover, the replica that sampled the bad tokens is blamed, not the
-    first column to fail, which may be an honest replica's rare numeric miss."""
+    not re-execute is within `trust.max_mismatch_fraction`, else (a failing column, why): the
+    first failing column of the replica `blame_excess` names."""
     bad = (gaps > trust.logprob_tolerance) | (margins > trust.sampling_tolerance)
-    count, total = int(bad.sum()), bad.numel()
-    if count <= trust.max_mismatch_fraction * total:
+    found = blame_excess(bad, (layout.targets >= 0).nonzero()[:, 1], served,
+                         trust.max_mismatch_fraction)
+    if found is None:
         return None
-    columns = (layout.targets >= 0).nonzero()[:, 1]
-    replica_of_column = {c: served.peer_at(c) for c in sorted(set(columns.tolist()))}
-    sampled_by = [replica_of_column[int(column)] for column in columns]
-    replicas = list(dict.fromkeys(replica_of_column.values()))  # in column order
-
-    def share(peer: str) -> torch.Tensor:
-        return torch.tensor([p == peer for p in sampled_by], dtype=torch.bool)
-
-    def excess(peer: str) -> float:
-        """Its failures beyond the share of its own tokens an honest replica may miss."""
-        theirs = share(peer)
-        return int((bad & theirs).sum()) - trust.max_mismatch_fraction * int(theirs.sum())
-    blamed = max(replicas, key=excess)  # the first of equals
-    theirs = share(blamed)
-    column = int(columns[bad & theirs].min())
-    detail = (f"last stage: {count} of {total} tokens do not re-execute, "
-              f"{int((bad & theirs).sum())} of the {int(theirs.sum())} tokens its replica "
-              f"{blamed[-8:]} sampled (worst log-prob gap {float(gaps.max()):.2f}, worst "
-              f"sampling margin {float(margins.max()):.2f})")
+    blamed, column, failed, total = found
+    detail = (f"last stage: {int(bad.sum())} of {bad.numel()} tokens do not re-execute, "
+              f"{failed} of the {total} tokens its replica {blamed[-8:]} sampled (worst "
+              f"log-prob gap {float(gaps.max()):.2f}, worst sampling margin "
+              f"{float(margins.max()):.2f})")
     return column, detail

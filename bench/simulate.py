@@ -1,0 +1,197 @@
+"""A thousand peers: a discrete-event simulation of a decentrl run (src/decentrl/sim/), checked
+against runs measured here and projected to an 8B-class model on consumer machines.
+
+Scenarios (`--scenario`):
+- `demo`: `decentrl demo` on this machine (sim/presets.py loopback_demo), its compute calibrated
+  first by micro-benchmarks of SmolLM2-135M's stages on this host (sim/calibration.py); with
+  `--measured RUN_DIR` (a demo's run folder) the measured figures are printed beside the
+  simulated ones with their error.
+- `netns`: `decentrl demo --netns` (sim/presets.py netns_demo), calibrated the same way.
+- `internet`: `--model` (8b: Llama-3.1-8B's shape; 135m) in `--stages` stages on `--peers`
+  machines of sim/hardware.py's table over five regions (sim/presets.py internet_swarm), `--nat`
+  of them behind NAT, sessions of mean `--session-s`, `--adversaries` of the replicas lying;
+  `--plane coordinator`, `peer_to_peer` or `both` (today's design and issue #36's).
+  `--sweep 25,100,1000` runs each peer count and plots throughput, staleness, spot-check share
+  and the coordinator's use against it (bench/figures/simulate_*.png).
+
+Every run prints the figures a real run reports (sim/run.py) and the busiest resources: the
+first one is what saturates.
+
+Run: python -m bench.simulate [--scenario demo|netns|internet] [--measured RUN_DIR] [--speed D,P,T]
+     [--model 8b|135m] [--stages 8] [--peers 100] [--plane both] [--duration 1800]
+     [--nat 0.3] [--session-s 7200] [--adversaries 0] [--sweep N,N,...] [--seed 0]
+     [--json PATH]"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from bench import common
+from decentrl.config import RunConfig
+from decentrl.config.loading import load_config
+from decentrl.sim.costs import Speed
+from decentrl.sim.presets import internet_swarm, loopback_demo, netns_demo
+from decentrl.sim.run import SimReport, simulate
+from decentrl.sim.scenario import DataPlane, Workload
+from decentrl.sim.shapes import LLAMA_8B, SMOLLM2_135M
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ROOT / "bench" / "figures"
+SHAPES = {"8b": LLAMA_8B, "135m": SMOLLM2_135M}
+# An RL recipe at the 8B scale: groups of 8, 64 prompts a step, answers of up to 1,024 tokens
+# after prompts of 256 (reasoning tasks), staleness bound 4, the run's trust defaults.
+INTERNET_RECIPE: dict[str, Any] = {
+    "rollout": {"group_size": 8, "prompts_per_step": 64, "max_new_tokens": 1024},
+    "train": {"max_staleness": 4, "micro_batch_size": 8},
+    "swarm": {"max_session_tokens": 1 << 20, "max_cached_tokens_per_sender": 1 << 20,
+              "kv_pool_tokens": 1 << 21, "activation_codec": "bf16"},
+    "trust": {"history_versions": 8}}
+INTERNET_WORKLOAD = Workload(prompt_tokens=256, completion_share=(0.2, 1.0), spread_share=0.6)
+# The figures of a run, in the order the tables show them.
+SHOWN = ("steps", "generated_tokens_per_s", "rows_stepped_per_s", "step_s", "step_wait_s", "step_train_s",
+         "staleness_mean", "policy_rows_per_s", "policy_round_trip_s", "decode_round_trip_s", "decode_network_s", "decode_replica_s",
+         "decode_coordinator_s", "decode_failover_s", "spot_checks",
+         "verify_share_of_replica_compute", "update_propagation_s", "coordinator_sent_mb",
+         "coordinator_received_mb", "peer_bytes_mean_mb", "relayed_mb", "failovers", "bans")
+
+
+def internet_config(stages: int) -> RunConfig:
+    return RunConfig.model_validate({"name": "projection", "num_stages": stages,
+                                     **INTERNET_RECIPE})
+
+
+def planes(choice: str) -> list[DataPlane]:
+    return ["coordinator", "peer_to_peer"] if choice == "both" else [choice]  # type: ignore
+
+
+def show(title: str, reports: dict[str, SimReport]) -> None:
+    names = list(reports)
+    rows: list[list[Any]] = [[key, *(reports[name].figures[key] for name in names)]
+                             for key in SHOWN]
+    for name in names:
+        top = list(reports[name].utilization.items())[:3]
+        rows.append([f"busiest ({name})", *["; ".join(f"{k} {v:.0%}" for k, v in top)
+                                            if n == name else "" for n in names]])
+    common.print_table(title, ["figure", *names], rows)
+
+
+def run_internet(args: argparse.Namespace, peers: int) -> dict[str, SimReport]:
+    config = internet_config(args.stages)
+    return {plane: simulate(internet_swarm(
+        config, SHAPES[args.model], peers, behind_nat=args.nat,
+        mean_session_s=args.session_s or None, adversaries=args.adversaries,
+        duration_s=args.duration, seed=args.seed, data_plane=plane,
+        workload=INTERNET_WORKLOAD)) for plane in planes(args.plane)}
+
+
+def plot_sweep(args: argparse.Namespace, counts: list[int],
+               runs: list[dict[str, SimReport]]) -> None:
+    import matplotlib.pyplot as plt
+
+    panels = [("generated_tokens_per_s", "generated tokens / s"),
+              ("staleness_mean", "mean staleness of trained groups"),
+              ("verify_share_of_replica_compute", "spot checks' share of replica compute")]
+    figure, axes = plt.subplots(1, len(panels) + 1, figsize=(18, 4))
+    for axis, (key, label) in zip(axes, panels):
+        for plane in runs[0]:
+            axis.plot(counts, [run[plane].figures[key] for run in runs], marker="o",
+                      label=plane)
+        axis.set(xscale="log", xlabel="peers", title=label)
+        axis.legend()
+    for plane in runs[0]:
+        axes[-1].plot(counts, [run[plane].utilization["coordinator uplink"] for run in runs],
+                      marker="o", label=f"{plane}: uplink")
+        axes[-1].plot(counts, [run[plane].utilization["coordinator CPU"] for run in runs],
+                      marker="x", linestyle="--", label=f"{plane}: CPU")
+    axes[-1].set(xscale="log", xlabel="peers", title="coordinator busy share")
+    axes[-1].legend()
+    figure.suptitle(f"{args.model} in {args.stages} stages, {args.nat:.0%} behind NAT, "
+                    f"{args.duration:.0f} s simulated")
+    common.save_figure(figure, FIGURES / f"simulate_{args.model}_{args.stages}stages.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="decentrl bench simulate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", choices=("demo", "netns", "internet"), default="demo")
+    parser.add_argument("--measured", type=Path, help="a demo's run folder to compare with")
+    parser.add_argument("--speed", help="the host's fitted speeds DECODE,PREFILL,TRAIN (skips "
+                        "the calibration's stage timings)")
+    parser.add_argument("--model", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--stages", type=int, default=8)
+    parser.add_argument("--peers", type=int, default=100)
+    parser.add_argument("--plane", choices=("coordinator", "peer_to_peer", "both"),
+                        default="both")
+    parser.add_argument("--duration", type=float, default=1800.0, help="simulated seconds")
+    parser.add_argument("--nat", type=float, default=0.3, help="share of peers behind NAT")
+    parser.add_argument("--session-s", type=float, default=7200.0,
+                        help="mean seconds a peer stays (0: nobody leaves)")
+    parser.add_argument("--adversaries", type=float, default=0.0,
+                        help="share of replicas that lie")
+    parser.add_argument("--sweep", help="peer counts to run and plot (internet)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write every figure to this file")
+    args = parser.parse_args(argv)
+    if args.stages < 1 or args.peers < 2 * args.stages:
+        parser.error("--stages >= 1 and --peers >= 2 x --stages (a training peer and a replica "
+                     "per stage) are needed")
+    if not 0 <= args.nat <= 1 or not 0 <= args.adversaries < 1:
+        parser.error("--nat must lie in [0, 1] and --adversaries in [0, 1)")
+    results: dict[str, Any] = {}
+    if args.scenario in ("demo", "netns"):
+        from decentrl.sim.calibration import (
+            calibrate_host,
+            coordinator_costs,
+            hop_overhead_s,
+            measured_demo,
+            sampling_seconds_per_logit,
+        )
+
+        config = load_config(ROOT / "examples" / "demo.toml")
+        given = None if args.speed is None else Speed(*map(float, args.speed.split(",")))
+        host, cores, speed = calibrate_host(given)
+        relay, hop, draw = coordinator_costs(), hop_overhead_s(), sampling_seconds_per_logit()
+        print(f"calibration: the coordinator relays a message in {relay[0] * 1e6:.0f} us + "
+              f"{relay[1] * 1e9:.2f} ns a byte; a request and its reply take {hop * 1e3:.1f} "
+              f"ms beyond their link; a draw costs {draw * 1e9:.1f} ns of CPU a logit")
+        preset = loopback_demo if args.scenario == "demo" else netns_demo
+        reports = {plane: simulate(preset(config, host, cores, speed, relay, seed=args.seed,
+                                          data_plane=plane, hop_overhead_s=hop,
+                                          sampling_s_per_logit=draw))
+                   for plane in planes(args.plane)}
+        show(f"decentrl demo ({args.scenario}) on this host ({cores} cores; speed: decode "
+             f"{speed.decode:.2f}, prefill {speed.prefill:.2f}, train {speed.train:.2f})",
+             reports)
+        if args.measured is not None:
+            measured = measured_demo(args.measured)
+            simulated = reports["coordinator"].figures
+            common.print_table("measured vs simulated (coordinator data plane)",
+                               ["figure", "measured", "simulated", "error"],
+                               [[key, value, simulated[key],
+                                 f"{simulated[key] / value - 1:+.0%}" if value else "-"]
+                                for key, value in measured.items()])
+            results["measured"] = measured
+        results["demo"] = {plane: r.figures for plane, r in reports.items()}
+    elif args.sweep:
+        counts = [int(n) for n in args.sweep.split(",")]
+        runs = [run_internet(args, count) for count in counts]
+        for count, run in zip(counts, runs):
+            show(f"{args.model} in {args.stages} stages on {count} peers", run)
+        plot_sweep(args, counts, runs)
+        results["sweep"] = {count: {plane: r.figures for plane, r in run.items()}
+                            for count, run in zip(counts, runs)}
+    else:
+        reports = run_internet(args, args.peers)
+        show(f"{args.model} in {args.stages} stages on {args.peers} peers", reports)
+        results["internet"] = {plane: r.figures for plane, r in reports.items()}
+    flat = {f"{plane}_{key}": value for part in results.values() if isinstance(part, dict)
+            for plane, figures in part.items() if isinstance(figures, dict)
+            for key, value in figures.items() if isinstance(value, float)}
+    common.print_figures("simulate", flat)
+    common.write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()

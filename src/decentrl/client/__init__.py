@@ -1,0 +1,1 @@
+"""What the coordinator calls stage peers with: inference sessions, the training client."""

@@ -1,0 +1,122 @@
+"""The bodies of the RPCs that drive a training peer (net/protocol.py declares the RPCs): a
+micro-batch's forward and backward, the optimizer step, checkpoints and their shards, and the
+training state an audit reads and loads. The bodies of its published weights (what its replicas
+are brought to) are in net/protocol.py, beside the weight updates."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from decentrl.net.wire import Body
+
+
+class TrainForward(Body):
+    """One micro-batch through one training stage. Tensors: the micro-batch (TrainBatch fields),
+    `prompt_in` / `completion_in` (token ids at stage 0, hidden states after), at the last
+    stage optionally `proximal` / `reference` log-probs, and with routing replay (a stage with
+    mixture-of-experts layers) `routing`: the experts [B, C, the stage's sparse layers, top_k]
+    each completion token went to when it was sampled, to replay."""
+
+    micro: int
+    version: int  # the learner version this step starts from; a peer at another version refuses
+    last: bool  # compute the loss here (the coordinator's view of the chain)
+    total_sequences: int  # the minibatch's sampled rows, whose policy loss it normalises
+    total_tokens: int  # their sampled tokens
+    audit: bool = False  # on the audit's state (TRAIN_AUDIT_LOAD), not the peer's own
+    # The minibatch's supervised rows' tokens (the coordinator's demonstrations, learn/batch.py).
+    total_supervised_tokens: int = 0
+
+
+class TrainForwardReply(Body):
+    """`prompt_out` / `completion_out` tensors, or at the last stage the loss metrics."""
+
+    metrics: dict[str, float]
+
+
+class TrainBackward(Body):
+    """Tensors `prompt_grad` / `completion_grad` (none at the last stage)."""
+
+    micro: int
+    audit: bool = False
+
+
+class GradNorm(Body):
+    square_norm: float
+
+
+class TrainStep(Body):
+    grad_scale: float
+    version: int  # the version after this step; a peer at another version refuses
+    audit: bool = False  # step the audit's state: nothing is published
+    commit: bool = False  # keep the states before and after, and reply the digest of the latter
+
+
+class VersionReply(Body):
+    version: int
+    # A step's reply when asked to commit (TrainStep.commit): the digest of the peer's training
+    # state at `version` (trust/audit.py), which the peer commits to.
+    state_digest: str = ""
+
+
+class CheckpointReply(Body):
+    version: int
+    # A save's: the sha256 and size of the stage shard the peer wrote (the coordinator signs
+    # them into the checkpoint's manifest, and checks a shard it fetches against them).
+    shard_sha256: str = ""
+    shard_bytes: int = 0
+
+
+class ShardRequest(Body):
+    """Bytes [offset, offset + count) of a training peer's checkpoint shard at `version`."""
+
+    version: int
+    offset: int
+    count: int  # at most SHARD_CHUNK_BYTES
+
+
+class ShardChunk(Body):
+    """Tensor `data`: uint8, the bytes asked for (fewer at the end of the file)."""
+
+    version: int
+    total: int  # the shard's size in bytes
+
+
+class CheckpointRequest(Body):
+    action: Literal["save", "load"]
+    version: int
+    # The coordinator's last committed checkpoint (-1: none): a training peer may delete its
+    # older ones after a save.
+    committed: int = -1
+
+
+class StateRequest(Body):
+    """A stretch of a training peer's flat training state (trust/audit.py FlatState)."""
+
+    version: int
+    offset: int  # in floats
+    count: int  # floats wanted, at most STATE_CHUNK_FLOATS (0: the header alone)
+    audit: bool = False  # the audit's recomputed state instead of the peer's own
+
+
+class StateChunk(Body):
+    """Tensor `data`: float32 [min(count, total - offset)]."""
+
+    version: int
+    step: int  # the optimizer's step count
+    total: int  # floats in the whole state
+    digest: str
+    names: tuple[str, ...]  # the trainable parameters, in the optimizer's order
+    sizes: tuple[int, ...]
+
+
+class AuditLoad(Body):
+    """A stretch of the state an audit starts from, in order (tensor `data`, float32); the last
+    one makes the peer check the digest and load it."""
+
+    version: int
+    step: int
+    offset: int
+    total: int
+    digest: str
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]

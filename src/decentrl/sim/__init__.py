@@ -1,0 +1,1 @@
+"""A discrete-event simulator of a decentrl run (`decentrl bench simulate`) and its cost models."""

@@ -1,0 +1,216 @@
+"""Calibrating the simulator on this machine, and reading what a real demo measured.
+
+`calibrate_host` measures the host's single-core matmul rate and memory bandwidth
+(sim/hardware.py `measure_host`), then times SmolLM2-135M's real stages (model/stages.py) at the
+demo's sizes and dtypes, one thread as each demo peer has: a decoding step of a batch, a
+prefill, a training micro-batch's forward and backward. Each kind of work gets its own fitted
+speed (measured over the roofline's prediction), printed, so a reader sees how far the roofline
+is from this CPU. `coordinator_costs` times the coordinator's real relaying of a reply. Nothing
+here is fitted to a run: the run-level figures (steps, rows per second, staleness) are
+predictions checked against `measured_demo`."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from decentrl.sim.costs import Speed, StageCosts
+from decentrl.sim.hardware import HardwareProfile, measure_host, median_seconds
+from decentrl.sim.shapes import SMOLLM2_135M
+
+# The demo's sizes: sessions of 8 groups of 8 rows, prompts of about 40 tokens, completions of
+# about 16, training micro-batches of 32 rows.
+DECODE_ROWS, CONTEXT, PROMPT, MICRO_ROWS, ROW_TOKENS = 64, 48, 40, 32, 56
+REPEATS = 3
+
+
+def _median_s(work: Callable[[], object], repeats: int = REPEATS) -> float:
+    work()  # warm
+    return median_seconds(work, repeats)
+
+
+def stage_timings(threads: int = 1) -> dict[str, float]:
+    """Seconds of SmolLM2-135M's stage 0 of 2 (15 layers, the embedding) on this host, in the
+    dtype a demo peer picks here (device.py compute_dtype: bf16 where the CPU has it; training
+    in float32 under autocast to it): a decoding step of DECODE_ROWS rows at PROMPT cached
+    positions, a prefill of PROMPT tokens for DECODE_ROWS rows, and a training micro-batch
+    (forward and backward) of MICRO_ROWS rows of ROW_TOKENS tokens."""
+    from decentrl.device import compute_dtype
+    from decentrl.model.loading import load_model
+    from decentrl.model.stages import StageCache, StagePlan, build_stages
+
+    torch.set_num_threads(threads)
+    cpu = torch.device("cpu")
+    dtype = compute_dtype(cpu)
+    model = load_model()
+    plan = StagePlan.even(model.spec.num_layers, 2)
+    served = build_stages(model.spec, plan, model.tensors, cpu, dtype)[0]
+    trained = build_stages(model.spec, plan, model.tensors, cpu, torch.float32)[0]
+    ids = torch.randint(0, model.spec.vocab_size, (DECODE_ROWS, PROMPT))
+
+    def prefill() -> StageCache:
+        cache = StageCache(model.spec, len(served.layers), DECODE_ROWS, PROMPT + 1, dtype, cpu)
+        with torch.inference_mode():
+            served.body(ids, torch.arange(PROMPT).expand(DECODE_ROWS, PROMPT),
+                        torch.ones(DECODE_ROWS, PROMPT, dtype=torch.bool), cache)
+        return cache
+
+    prefilled = prefill()
+
+    def decode() -> None:
+        prefilled.length = PROMPT
+        with torch.inference_mode():
+            served.body(ids[:, :1], torch.full((DECODE_ROWS, 1), PROMPT),
+                        torch.ones(DECODE_ROWS, PROMPT + 1, dtype=torch.bool), prefilled)
+
+    rows = torch.randint(0, model.spec.vocab_size, (MICRO_ROWS, ROW_TOKENS))
+
+    def train() -> None:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            hidden = trained.body(rows, torch.arange(ROW_TOKENS).expand(MICRO_ROWS, ROW_TOKENS),
+                                  torch.ones(MICRO_ROWS, ROW_TOKENS, dtype=torch.bool))
+        hidden.float().square().mean().backward()
+
+    return {"decode": _median_s(decode), "prefill": _median_s(prefill),
+            "train": _median_s(train)}
+
+
+def predicted_timings(host: HardwareProfile) -> dict[str, float]:
+    """The simulator's seconds (sim/costs.py on `host`, at speed 1) for what `stage_timings`
+    measures."""
+    costs = StageCosts(host, SMOLLM2_135M, SMOLLM2_135M.layers // 2, True, False)
+    tokens = MICRO_ROWS * ROW_TOKENS
+    return {"decode": costs.forward_s(DECODE_ROWS, 1, PROMPT),
+            "prefill": costs.forward_s(DECODE_ROWS, PROMPT, 0),
+            "train": costs.train_forward_s(tokens, MICRO_ROWS)
+            + costs.train_backward_s(tokens, MICRO_ROWS)}
+
+
+def calibrate_host(speed: Speed | None = None, threads: int = 1
+                   ) -> tuple[HardwareProfile, int, Speed]:
+    """(this host's single-core profile, its cores, the fitted speed of each kind of work:
+    `speed` if given)."""
+    host = measure_host(threads)
+    cores = os.cpu_count() or 1
+    if speed is not None:
+        return host, cores, speed
+    measured, predicted = stage_timings(threads), predicted_timings(host)
+    ratios = {op: predicted[op] / measured[op] for op in measured}
+    for op, ratio in ratios.items():
+        print(f"calibration: {op} measured {measured[op] * 1000:.1f} ms, roofline at speed 1 "
+              f"{predicted[op] * 1000:.1f} ms: speed {ratio:.2f}")
+    return host, cores, Speed(**ratios)
+
+
+def sampling_seconds_per_logit(rows: int = DECODE_ROWS, vocab: int = SMOLLM2_135M.vocab,
+                               threads: int = 1) -> float:
+    """A seeded draw's CPU seconds per logit (rollout/sampling.py `sample` at T=1, the noise on
+    the CPU), over `rows` rows of `vocab` logits."""
+    from decentrl.rollout.sampling import SamplingConfig, sample
+
+    torch.set_num_threads(threads)
+    logits = torch.randn(rows, vocab)
+    generator = torch.Generator().manual_seed(0)
+    return _median_s(lambda: sample(logits, SamplingConfig(), generator)) / (rows * vocab)
+
+
+def relay_seconds(rows: int, positions: int, hidden: int) -> float:
+    """The coordinator's CPU for one relayed reply of hidden states [rows, positions, hidden]
+    (client/sessions.py): its signature checked and its tensors decoded, the relay checks
+    (trust/relay.py), the secret sketches of every position (trust/commit.py), and the next
+    hop's request encoded and signed. The real functions, timed."""
+    from decentrl.net.identity import Identity
+    from decentrl.net.signing import Envelope, signed_envelope, verify_envelope
+    from decentrl.net.wire import decode_struct, decode_tensors, encode_tensors
+    from decentrl.trust.commit import sketch_matrix, take_sketches
+    from decentrl.trust.relay import check_hidden_states
+
+    peer, coordinator = Identity.generate(), Identity.generate()
+    states = torch.randn(rows, positions, hidden)
+    matrix = sketch_matrix(0, 32, hidden)
+    where = torch.arange(positions).expand(rows, positions)
+    valid = torch.ones(rows, positions, dtype=torch.bool)
+    parts, manifest = encode_tensors({"hidden": states}, "fp32")
+    metadata = signed_envelope(peer, "reply", "inference_step", "r", b"", manifest, parts)
+
+    def relay() -> None:
+        envelope = decode_struct(metadata, Envelope)
+        verify_envelope(peer.peer_id, "reply", "inference_step", "r", envelope, parts)
+        received = decode_tensors(parts, envelope.manifest)["hidden"]
+        checked = check_hidden_states(received, rows, positions, hidden)
+        take_sketches(checked, where, valid, matrix)
+        out_parts, out_manifest = encode_tensors({"inputs": checked}, "fp32")
+        signed_envelope(coordinator, "request", "inference_step", "s", b"", out_manifest,
+                        out_parts)
+
+    return _median_s(relay)
+
+
+def coordinator_costs(hidden: int = SMOLLM2_135M.hidden) -> tuple[float, float]:
+    """(seconds per relayed message, seconds per relayed byte) on this host: `relay_seconds` at
+    a decoding step's size and at a prefill's, a line through both."""
+    small_rows, small_positions = DECODE_ROWS, 1
+    large_rows, large_positions = DECODE_ROWS, PROMPT
+    small = relay_seconds(small_rows, small_positions, hidden)
+    large = relay_seconds(large_rows, large_positions, hidden)
+    small_bytes = small_rows * small_positions * hidden * 4
+    large_bytes = large_rows * large_positions * hidden * 4
+    per_byte = max(0.0, (large - small) / (large_bytes - small_bytes))
+    return max(0.0, small - per_byte * small_bytes), per_byte
+
+
+def hop_overhead_s(rows: int = DECODE_ROWS, hidden: int = SMOLLM2_135M.hidden,
+                   calls: int = 20) -> float:
+    """A hop's software cost beyond compute and the emulated link: the median round trip of a
+    signed request of hidden states [rows, 1, hidden] and its reply of the same size between two
+    nodes on loopback (net/node.py: encoding, signatures, the p2p daemons, the guard's checks),
+    the handler doing nothing. Starts two p2p daemons and shuts them down."""
+    from decentrl.net.link import LinkProfile
+    from decentrl.net.node import Reply, Request, SwarmNode
+    from decentrl.net.protocol import Empty, Rpc, TensorRule
+    from decentrl.net.wire import TensorLimits
+
+    echo = Rpc("calibration_echo", Empty, Empty, "any peer", {"hidden": TensorRule("float")},
+               ("hidden",), 64 * 2**20, 64 * 2**20)
+    server = SwarmNode.start("calibration-server", [], LinkProfile(), TensorLimits())
+    try:
+        client = SwarmNode.start("calibration-client", server.addresses(), LinkProfile(),
+                                 TensorLimits())
+        try:
+            async def answer(request: Request[Empty]) -> Reply:
+                return Reply(Empty(), {"hidden": request.tensors["hidden"]})
+
+            server.serve(echo, answer)
+            states = {"hidden": torch.randn(rows, 1, hidden)}
+            return _median_s(lambda: client.call_sync(server.peer_id, echo, Empty(), states),
+                             calls)
+        finally:
+            client.shutdown()
+    finally:
+        server.shutdown()
+
+
+def measured_demo(run_dir: Path) -> dict[str, float]:
+    """What a demo's run folder (its metrics.jsonl) says of the figures the simulator predicts:
+    optimizer steps, the mean staleness of trained groups, the mean training time of a step, and
+    what the rows-in-flight policy reported at each step (rows stepped per second, a decoding
+    step's round trip)."""
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"event":"step"' in line.replace(" ", "")]
+    if not steps:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no step events")
+    groups = sum(s["groups"] for s in steps)
+    return {
+        "steps": float(len(steps)),
+        "staleness_mean": sum(s["staleness_mean"] * s["groups"] for s in steps) / groups,
+        "step_train_s": statistics.fmean(s["train_s"] for s in steps),
+        # The rows-in-flight policy's own figures at each step (coordinator/inflight.py): its
+        # recent peak of rows stepped per second, its floor of a decoding step's round trip.
+        "policy_rows_per_s": statistics.fmean(s["rows_stepped_per_s"] for s in steps),
+        "policy_round_trip_s": statistics.fmean(s["step_round_trip_s"] for s in steps),
+    }

@@ -1,1 +1,0 @@
-"""The roles of a run: rollout workers, the coordinator, and the loop that joins them."""

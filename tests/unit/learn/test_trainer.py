@@ -1,0 +1,297 @@
+"""The training chain: batch layout, gradient accumulation and stage boundaries that change nothing,
+learning that happens, several updates per batch, the KL term, checkpoints that resume exactly, and
+a non-finite gradient that is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ADVANTAGES, MAX_NEW, SAMPLING, build, max_difference, weights
+
+from decentrl.config import TrainConfig
+from decentrl.learn.batch import TrainBatch, build_batch
+from decentrl.learn.losses import LOSS_NAMES
+from decentrl.learn.trainer import PipelineTrainer, loss_config_from, stage_forward
+from decentrl.model.loading import LoadedModel
+from decentrl.model.stages import StageModule
+from decentrl.rollout.types import Rollout
+
+
+def make_trainer(model: LoadedModel, num_stages: int = 2, *,
+                 reference: list[StageModule] | None = None, **train: object) -> PipelineTrainer:
+    config = TrainConfig(**{"lr": 1e-4, **train})
+    return PipelineTrainer.local(build(model, num_stages), config,
+                                 loss_config_from(config, MAX_NEW), SAMPLING, torch.float32,
+                                 reference_stages=reference)
+
+
+@pytest.fixture(scope="module")
+def batch(rollouts: list[Rollout], tiny_model: LoadedModel) -> TrainBatch:
+    return build_batch(rollouts, ADVANTAGES, [0] * len(rollouts), tiny_model.tokenizer.pad_token_id)
+
+
+# ------------------------------------------------------------------------------------ batch layout
+
+def rollout(prompt: list[int], completion: list[int], logprobs: list[float]) -> Rollout:
+    return Rollout(prompt_tokens=prompt, completion_tokens=completion,
+                   behaviour_logprobs=logprobs, finished=True)
+
+
+def test_batch_layout_by_hand() -> None:
+    pad = 9
+    batch = build_batch([rollout([5, 6, 7], [8, 3], [-0.1, -0.2]),
+                         rollout([1], [2, 3, 4], [-0.3, -0.4, -0.5]),
+                         rollout([5, 6, 7], [4], [-0.6])],
+                        [0.5, -0.5, 0.25], [0, 2, 1], pad)
+    # Each distinct prompt once, left-padded to 3; rows 0 and 2 share prompt 0.
+    assert batch.prompts.tolist() == [[5, 6, 7], [pad, pad, 1]]
+    assert batch.prompt_valid.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert batch.prompt_positions.tolist() == [[0, 1, 2], [0, 0, 0]]
+    assert batch.prompt_of.tolist() == [0, 1, 0]
+    # Completions right-padded to 3; their positions continue after each prompt's real length.
+    assert batch.completions.tolist() == [[8, 3, pad], [2, 3, 4], [4, pad, pad]]
+    assert batch.completion_valid.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    assert batch.completion_positions.tolist() == [[3, 4, 5], [1, 2, 3], [3, 4, 5]]
+    assert torch.allclose(batch.behaviour_logprobs,
+                          torch.tensor([[-0.1, -0.2, 0], [-0.3, -0.4, -0.5], [-0.6, 0, 0]]))
+    assert batch.advantages.tolist() == [0.5, -0.5, 0.25]
+    assert batch.staleness.tolist() == [0, 2, 1]
+    assert batch.num_sequences == 3 and batch.num_target_tokens == 6
+    assert [b.num_sequences for b in batch.split(2)] == [2, 1]
+    # A selection keeps only the prompts its rows use, re-indexed.
+    tail = batch.select(slice(1, 3))
+    assert tail.prompts.tolist() == [[5, 6, 7], [pad, pad, 1]]
+    assert tail.prompt_of.tolist() == [1, 0]
+    last = batch.select(slice(2, 3))
+    assert last.prompts.tolist() == [[5, 6, 7]] and last.prompt_of.tolist() == [0]
+
+
+def test_shared_prompt_forward_equals_the_flat_forward(tiny_model: LoadedModel,
+                                                       batch: TrainBatch) -> None:
+    """Running each prompt once and gathering its keys/values for every completion gives the
+    same logits as running every (prompt + completion) row in full."""
+    stages = build(tiny_model, 2)
+    x: object = (batch.prompts, batch.completions)
+    for stage in stages:
+        x = stage_forward(stage, x, batch)  # type: ignore[arg-type]
+    shared_logits = x
+    # Flat: each row is its prompt (left-padded) followed by its completion.
+    tokens = torch.cat([batch.prompts[batch.prompt_of], batch.completions], dim=1)
+    valid = torch.cat([batch.prompt_valid[batch.prompt_of], batch.completion_valid], dim=1)
+    positions = torch.cat([batch.prompt_positions[batch.prompt_of],
+                           batch.completion_positions], dim=1)
+    flat = tokens
+    for stage in stages:
+        flat = stage(flat, positions, valid)
+    prompt_length = batch.prompts.shape[1]
+    predicting = flat[:, prompt_length - 1:-1][batch.completion_valid]
+    assert torch.allclose(shared_logits, predicting, atol=1e-5)
+
+
+@pytest.mark.parametrize(("rollouts_", "advantages", "staleness", "message"), [
+    ([], [], [], "no rollouts"),
+    ([rollout([1], [2], [-0.1])], [1.0, 2.0], [0], "1 rollouts but 2 advantages"),
+    ([rollout([1], [2], [-0.1])], [1.0], [], "0 staleness"),
+])
+def test_batch_errors(rollouts_: list[Rollout], advantages: list[float], staleness: list[int],
+                      message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_batch(rollouts_, advantages, staleness, 0)
+
+
+@pytest.mark.parametrize(("prompt", "completion", "logprobs", "generated", "message"), [
+    ([1], [2, 3], [-0.1], None, "2 completion tokens but 1 behaviour log-probs"),
+    ([], [2], [-0.1], None, "needs a prompt and a completion"),
+    ([1], [], [], None, "needs a prompt and a completion"),
+    ([1], [2, 3], [-0.1, 0.0], [True], "the generated mask has 1 entries for 2"),
+    ([1], [2], [-0.1], [False], "must mark at least one sampled"),
+])
+def test_a_rollouts_lists_must_agree(prompt: list[int], completion: list[int],
+                                     logprobs: list[float], generated: list[bool] | None,
+                                     message: str) -> None:
+    # Ingestion runs this check on every rollout a peer sends; batching relies on it.
+    broken = Rollout(prompt_tokens=prompt, completion_tokens=completion,
+                     behaviour_logprobs=logprobs, finished=True, generated=generated)
+    with pytest.raises(ValueError, match=message):
+        broken.check_lengths()
+    rollout([1], [2, 3], [-0.1, -0.2]).check_lengths()  # a consistent one passes
+
+
+# -------------------------------------------------------- the same update however the work is cut
+
+@pytest.mark.parametrize("loss", LOSS_NAMES)
+def test_gradient_accumulation_matches_full_batch(tiny_model: LoadedModel, batch: TrainBatch,
+                                                  loss: str) -> None:
+    initial = weights(make_trainer(tiny_model))
+    results = []
+    for micro_batch_size in (1, 3, batch.num_sequences):
+        trainer = make_trainer(tiny_model, loss=loss, micro_batch_size=micro_batch_size)
+        metrics = trainer.train_step(batch)
+        results.append((weights(trainer), metrics["grad_norm"]))
+    (full, full_norm) = results[-1]
+    # Adam's first step moves every weight with a real gradient by ~lr = 1e-4.
+    assert max_difference(full, initial) > 5e-5
+    for accumulated, norm in results[:-1]:
+        # The gradients agree to ~1e-6 relative (fp32 sums in another order). Adam's first step
+        # is lr * g / (|g| + 1e-8): it amplifies that noise only where |g| ~ 1e-8, which a
+        # few weights always have; measured worst case 3e-7, so 1e-6 is 1% of the step size.
+        assert max_difference(accumulated, full) < 1e-6
+        # Adam hides a uniform gradient scale (a wrong normaliser); the norm does not.
+        assert norm == pytest.approx(full_norm, rel=1e-5)
+
+
+def test_stage_boundaries_change_nothing(tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    results = []
+    for num_stages in (1, 3, 4):
+        trainer = make_trainer(tiny_model, num_stages, micro_batch_size=4)
+        metrics = trainer.train_step(batch)
+        results.append((weights(trainer), metrics))
+    (one, one_metrics) = results[0]
+    for many, metrics in results[1:]:
+        assert max_difference(many, one) < 1e-6
+        assert metrics["grad_norm"] == pytest.approx(one_metrics["grad_norm"], rel=1e-5)
+        assert metrics["policy_loss"] == pytest.approx(one_metrics["policy_loss"], abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------- learning
+
+def completion_logprobs(trainer: PipelineTrainer, batch: TrainBatch) -> torch.Tensor:
+    """Summed log-prob of each sequence's completion under the trainer's current weights."""
+    logprobs = trainer._chain_logprobs([t.stage for t in trainer.stage_trainers], batch)
+    return (logprobs * batch.completion_valid).sum(1)
+
+
+def test_positive_advantage_raises_the_completion_logprob(tiny_model: LoadedModel,
+                                                          rollouts: list[Rollout]) -> None:
+    # Two completions of the same prompt: the first rewarded, the second punished.
+    batch = build_batch(rollouts[:2], [1.0, -1.0], [0, 0], tiny_model.tokenizer.pad_token_id)
+    trainer = make_trainer(tiny_model, lr=1e-2)
+    before = completion_logprobs(trainer, batch)
+    for _ in range(5):
+        trainer.train_step(batch)
+    after = completion_logprobs(trainer, batch)
+    assert trainer.version == 5
+    # Each completion is ~12 tokens at ~-4.4 nats under a near-uniform start; five steps of
+    # lr 1e-2 move them by whole nats, far beyond any numerical noise.
+    assert after[0] > before[0] + 1.0
+    assert after[1] < before[1] - 1.0
+
+
+def test_two_updates_per_batch(tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    trainer = make_trainer(tiny_model, lr=5e-2, updates_per_batch=2, micro_batch_size=2)
+    metrics = trainer.train_step(batch)
+    assert trainer.version == 2
+    assert all(t.stage.version == 2 for t in trainer.stage_trainers)
+    for key in ("clip_fraction", "ratio_mean", "tis_weight_mean", "policy_loss", "grad_norm",
+                "entropy"):
+        assert key in metrics
+    # The second minibatch is scored against the proximal policy fixed before the first step,
+    # so its ratios move away from 1 and some get clipped.
+    assert metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
+    assert 0 < metrics["clip_fraction"] <= 1
+
+
+def test_kl_to_reference(tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    trainer = make_trainer(tiny_model, lr=1e-2, kl_coef=0.1, reference=build(tiny_model, 2))
+    first = trainer.train_step(batch)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
+    for _ in range(2):
+        last = trainer.train_step(batch)
+    assert last["kl"] > 1e-4
+    with pytest.raises(ValueError, match="reference stages"):
+        make_trainer(tiny_model, kl_coef=0.1)
+
+
+# -------------------------------------------------------------------------------------- checkpoints
+
+def test_checkpoint_resumes_exactly(tiny_model: LoadedModel, batch: TrainBatch,
+                                    tmp_path: Path) -> None:
+    config = {"lr": 1e-2, "lr_warmup_steps": 4, "micro_batch_size": 3}
+    straight = make_trainer(tiny_model, **config)
+    for _ in range(3):
+        straight.train_step(batch)
+
+    first = make_trainer(tiny_model, **config)
+    for _ in range(2):
+        first.train_step(batch)
+    first.save(tmp_path / "ckpt", {"step": 2})
+    resumed = make_trainer(tiny_model, **config)
+    assert resumed.load(tmp_path / "ckpt") == {"version": 2, "step": 2}
+    assert resumed.version == 2
+    resumed.train_step(batch)
+    assert resumed.version == 3
+    # Weights, Adam moments, step counts and the warmup position all came back: bitwise equal.
+    straight_weights, resumed_weights = weights(straight), weights(resumed)
+    assert all(torch.equal(straight_weights[k], resumed_weights[k]) for k in straight_weights)
+
+
+def test_checkpoint_missing_files(tiny_model: LoadedModel, batch: TrainBatch,
+                                  tmp_path: Path) -> None:
+    trainer = make_trainer(tiny_model)
+    trainer.train_step(batch)
+    trainer.save(tmp_path / "ckpt", {})
+    fresh = make_trainer(tiny_model)
+    before = weights(fresh)
+    with pytest.raises(FileNotFoundError, match="no 'latest' pointer"):
+        fresh.load(tmp_path / "elsewhere")
+    # Resuming needs the optimizer state beside the weights (an export does not).
+    (tmp_path / "ckpt" / "v1" / "stage1.optimizer.pt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has no stage1\.optimizer\.pt"):
+        fresh.load(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "v1" / "stage1.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="stage1.pt"):
+        fresh.load(tmp_path / "ckpt")
+    # A checkpoint that cannot load whole changes nothing: stage 0 was not loaded on its own.
+    assert max_difference(weights(fresh), before) == 0
+    assert fresh.version == 0
+
+
+def test_checkpoint_keeps_the_previous_one_until_the_new_one_is_complete(
+        tiny_model: LoadedModel, batch: TrainBatch, tmp_path: Path) -> None:
+    trainer = make_trainer(tiny_model)
+    trainer.train_step(batch)
+    trainer.save(tmp_path / "ckpt", {"step": 1})
+    trainer.train_step(batch)
+    # A save that died before moving the pointer: v2 is half written, v1 stays the checkpoint.
+    (tmp_path / "ckpt" / "v2").mkdir()
+    (tmp_path / "ckpt" / "v2" / "stage0.pt").write_bytes(b"partial")
+    fresh = make_trainer(tiny_model)
+    assert fresh.load(tmp_path / "ckpt") == {"version": 1, "step": 1}
+    # A complete save moves the pointer and removes the older folders.
+    trainer.save(tmp_path / "ckpt", {"step": 2})
+    assert (tmp_path / "ckpt" / "latest").read_text() == "v2"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "v2"]
+
+
+def test_checkpoint_with_mismatched_stage_versions_is_refused(
+        tiny_model: LoadedModel, batch: TrainBatch, tmp_path: Path) -> None:
+    trainer = make_trainer(tiny_model)
+    trainer.train_step(batch)
+    folder = trainer.save(tmp_path / "ckpt", {})
+    state = torch.load(folder / "stage1.pt", weights_only=True)
+    state["version"] = 7
+    torch.save(state, folder / "stage1.pt")
+    fresh = make_trainer(tiny_model)
+    with pytest.raises(ValueError, match="holds version 7"):
+        fresh.load(tmp_path / "ckpt")
+    assert fresh.version == 0
+
+
+# ------------------------------------------------------------------------------ non-finite gradient
+
+def test_non_finite_gradient_is_refused(tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    trainer = make_trainer(tiny_model)
+    before = weights(trainer)
+    layer = trainer.stage_trainers[0].stage.layers[0]
+    hook = layer.mlp.up_proj.weight.register_hook(lambda grad: grad * float("nan"))
+    with pytest.raises(FloatingPointError, match="gradient norm is nan"):
+        trainer.train_step(batch)
+    assert max_difference(weights(trainer), before) == 0
+    assert trainer.version == 0
+    assert all(p.grad is None for t in trainer.stage_trainers for p in t.stage.parameters())
+    hook.remove()
+    trainer.train_step(batch)  # the discarded update left nothing behind to trip the next one
+    assert trainer.version == 1
+    assert max_difference(weights(trainer), before) > 5e-5

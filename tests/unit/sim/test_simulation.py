@@ -1,0 +1,125 @@
+"""The simulator's invariants on small runs (sim/): work is conserved (every byte sent is received,
+every group produced is trained, dropped for a stated reason or still pending), no count goes
+negative, a seed gives the same run and another seed another, the real policies bound what they
+bound (staleness, rows in flight), and the designs and trust work change what they should."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from decentrl.config import RunConfig
+from decentrl.sim.machines import HARDWARE
+from decentrl.sim.run import SimReport, Simulation
+from decentrl.sim.scenario import CoordinatorSpec, LinkSpec, PeerSpec, Scenario, Workload
+from decentrl.sim.shapes import SMOLLM2_135M
+
+GPU = next(name for name, profile in HARDWARE.items() if profile.kind == "nvidia")
+LINKS = LinkSpec({("eu", "eu"): 20.0, ("eu", "us"): 100.0, ("us", "us"): 20.0},
+                 uplink_mbps=50.0, downlink_mbps=200.0)
+
+
+def config(max_new_tokens: int = 12, **trust: Any) -> RunConfig:
+    return RunConfig.model_validate({
+        "name": "sim", "num_stages": 2,
+        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": max_new_tokens},
+        "train": {"max_staleness": 2, "micro_batch_size": 8},
+        "trust": {"history_versions": 4, **trust}})
+
+
+def peers(**changes: Any) -> tuple[PeerSpec, ...]:
+    """A training peer and two replicas per stage, one of them in another region behind NAT."""
+    found = []
+    for stage in range(2):
+        found.append(PeerSpec(f"train{stage}", stage, "training", GPU, "eu"))
+        for index in range(2):
+            found.append(PeerSpec(f"infer{stage}.{index}", stage, "inference", GPU,
+                                  "eu" if index == 0 else "us", behind_nat=index == 1))
+    return tuple(dataclasses.replace(p, **changes.get(p.name, {})) for p in found)
+
+
+def scenario(**fields: Any) -> Scenario:
+    values: dict[str, Any] = {
+        "config": config(), "shape": SMOLLM2_135M, "peers": peers(),
+        "coordinator": CoordinatorSpec("eu"), "links": LINKS,
+        "workload": Workload(prompt_tokens=16), "duration_s": 60.0, "seed": 1}
+    values.update(fields)
+    return Scenario(**values)
+
+
+def run(**fields: Any) -> tuple[SimReport, Simulation]:
+    simulation = Simulation(scenario(**fields))
+    return simulation.run(), simulation
+
+
+def test_work_is_conserved_and_no_count_goes_negative() -> None:
+    report, simulation = run()
+    world = simulation.world
+    endpoints = world.network.endpoints.values()
+    # Every byte sent arrived (a message is counted once delivered).
+    assert sum(e.sent for e in endpoints) == sum(e.received for e in endpoints) > 0
+    # Every group produced is trained, dropped for a reason, or still pending.
+    groups = report.groups
+    dropped = sum(count for reason, count in groups.items() if reason.startswith("dropped"))
+    assert groups["produced"] == groups["trained"] + dropped + simulation.groups_pending()
+    assert groups["trained"] == world.config.rollout.prompts_per_step * report.figures["steps"]
+    assert report.figures["steps"] > 0 and report.figures["generated_tokens_per_s"] > 0
+    # Counts of open sessions never go negative, and the sessions respect the policy's limit.
+    assert all(r.sessions >= 0 for stage in world.replicas for r in stage)
+    assert 0 <= simulation.generation.running <= simulation.generation.inflight.max_sessions
+    # What the real staleness check admits is what was trained.
+    assert max(report.staleness) <= world.config.train.max_staleness
+    assert sum(report.staleness.values()) == groups["trained"]
+    assert all(0 <= share <= 1.0 + 1e-9 for share in report.utilization.values())
+    # A decoding step's time is all accounted for: links, replicas, the coordinator's CPU (the
+    # parts also hold the steps under way when the run ends, a few in thousands).
+    figures = report.figures
+    parts = sum(figures[f"decode_{part}_s"] for part in ("network", "replica", "coordinator"))
+    assert parts == pytest.approx(figures["decode_round_trip_s"], rel=0.01)
+
+
+def test_a_seed_gives_the_same_run_and_another_seed_another() -> None:
+    first, _ = run(seed=3)
+    again, _ = run(seed=3)
+    other, _ = run(seed=4)
+    assert first == again
+    assert other != first
+
+
+def test_activations_peer_to_peer_leave_the_coordinator_the_tokens() -> None:
+    relayed, _ = run(data_plane="coordinator")
+    direct, _ = run(data_plane="peer_to_peer")
+    through = relayed.figures["coordinator_received_mb"] + relayed.figures["coordinator_sent_mb"]
+    assert direct.figures["coordinator_received_mb"] + direct.figures["coordinator_sent_mb"] \
+        < through / 3
+    # The NAT'd replicas of two stages now talk to each other: through a relay.
+    assert direct.figures["relayed_mb"] > 0 == relayed.figures["relayed_mb"]
+
+
+def test_a_checked_adversary_is_banned_and_none_of_its_groups_train() -> None:
+    report, simulation = run(config=config(verify_fraction=1.0),
+                             peers=peers(**{"infer0.0": {"adversary": True}}))
+    assert report.figures["bans"] == 1 and "infer0.0" in simulation.world.banned
+    assert report.groups["dropped: failed its spot check"] >= 1
+    assert "trained unchecked from an adversary" not in report.groups
+    assert report.figures["spot_checks"] == report.groups["produced"] \
+        - report.groups.get("dropped: producer banned", 0)
+    assert 0 < report.figures["verify_share_of_replica_compute"] < 1
+
+
+def test_a_replica_that_leaves_mid_run_is_failed_over() -> None:
+    # Long sessions: both stage-1 replicas serve one when infer1.0 leaves.
+    report, simulation = run(config=config(max_new_tokens=256),
+                             peers=peers(**{"infer1.0": {"leaves_at_s": 5.0}}),
+                             duration_s=240.0)
+    assert report.figures["failovers"] > 0 and report.figures["decode_failover_s"] > 0
+    assert not simulation.world.replicas[1][0].alive
+    steps_after = [end for end, _, _ in simulation.world.tally.step_times if end > 5.0]
+    assert steps_after  # the run goes on with the other replica
+
+
+def test_a_scenario_missing_a_role_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"stages \[1\] have no training peer"):
+        scenario(peers=tuple(p for p in peers() if p.name != "train1"))
