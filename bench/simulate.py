@@ -7,6 +7,11 @@ Scenarios (`--scenario`):
   `--measured RUN_DIR` (a demo's run folder) the measured figures are printed beside the
   simulated ones with their error.
 - `netns`: `decentrl demo --netns` (sim/presets.py netns_demo), calibrated the same way.
+- `chaos`: `decentrl demo --chaos` (sim/presets.py chaos_demo): the kills of `--measured`'s
+  run (its "chaos" records) replayed at the same times.
+- `operator`: the multi-host guide walked in network namespaces with a tiny model
+  (sim/presets.py operator_swarm; tests/netns/test_operator_netns.py): `--config` the walk's
+  run.toml, whose model folder gives the shape.
 - `internet`: `--model` (8b: Llama-3.1-8B's shape; 135m) in `--stages` stages on `--peers`
   machines of sim/hardware.py's table over five regions (sim/presets.py internet_swarm), `--nat`
   of them behind NAT, sessions of mean `--session-s`, `--adversaries` of the replicas lying;
@@ -17,7 +22,8 @@ Scenarios (`--scenario`):
 Every run prints the figures a real run reports (sim/run.py) and the busiest resources: the
 first one is what saturates.
 
-Run: python -m bench.simulate [--scenario demo|netns|internet] [--measured RUN_DIR] [--speed D,P,T]
+Run: python -m bench.simulate [--scenario demo|netns|chaos|operator|internet] [--measured RUN_DIR]
+     [--config TOML] [--speed D,P,T]
      [--model 8b|135m] [--stages 8] [--peers 100] [--plane both] [--duration 1800]
      [--nat 0.3] [--session-s 7200] [--adversaries 0] [--sweep N,N,...] [--seed 0]
      [--json PATH]"""
@@ -32,9 +38,15 @@ from bench import common
 from decentrl.config import RunConfig
 from decentrl.config.loading import load_config
 from decentrl.sim.costs import Speed
-from decentrl.sim.presets import internet_swarm, loopback_demo, netns_demo
+from decentrl.sim.presets import (
+    chaos_demo,
+    internet_swarm,
+    loopback_demo,
+    netns_demo,
+    operator_swarm,
+)
 from decentrl.sim.run import SimReport, simulate
-from decentrl.sim.scenario import DataPlane, Workload
+from decentrl.sim.scenario import DataPlane, Scenario, Workload
 from decentrl.sim.shapes import LLAMA_8B, SMOLLM2_135M
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,12 +61,15 @@ INTERNET_RECIPE: dict[str, Any] = {
               "kv_pool_tokens": 1 << 21, "activation_codec": "bf16"},
     "trust": {"history_versions": 8}}
 INTERNET_WORKLOAD = Workload(prompt_tokens=256, completion_share=(0.2, 1.0), spread_share=0.6)
+# The runs of this host the simulator is checked against (simulate_measured).
+MEASURED_SCENARIOS = ("demo", "netns", "chaos", "operator")
 # The figures of a run, in the order the tables show them.
-SHOWN = ("steps", "generated_tokens_per_s", "rows_stepped_per_s", "step_s", "step_wait_s", "step_train_s",
+SHOWN = ("steps", "generated_tokens_per_s", "trained_tokens_per_s", "rows_stepped_per_s", "step_s", "step_wait_s", "step_train_s",
          "staleness_mean", "policy_rows_per_s", "policy_round_trip_s", "decode_round_trip_s", "decode_network_s", "decode_replica_s",
          "decode_coordinator_s", "decode_failover_s", "spot_checks",
          "verify_share_of_replica_compute", "update_propagation_s", "coordinator_sent_mb",
-         "coordinator_received_mb", "peer_bytes_mean_mb", "relayed_mb", "failovers", "bans")
+         "coordinator_received_mb", "peer_bytes_mean_mb", "relayed_mb", "failovers", "bans",
+         "kills", "rollbacks")
 
 
 def internet_config(stages: int) -> RunConfig:
@@ -112,11 +127,66 @@ def plot_sweep(args: argparse.Namespace, counts: list[int],
     common.save_figure(figure, FIGURES / f"simulate_{args.model}_{args.stages}stages.png")
 
 
+def simulate_measured(args: argparse.Namespace) -> dict[str, Any]:
+    """A run of this host's (`--scenario`), its compute and relaying calibrated here first, then
+    simulated; with `--measured`, side by side with what that run's folder measured."""
+    from decentrl.model.loading import model_spec
+    from decentrl.sim.calibration import (
+        calibrate_host,
+        coordinator_costs,
+        hop_overhead_s,
+        measured_run,
+        sampling_seconds_per_logit,
+    )
+    from decentrl.sim.shapes import ModelShape
+
+    config = load_config(args.config or ROOT / "examples" / "demo.toml")
+    measured = None if args.measured is None else measured_run(args.measured)
+    given = None if args.speed is None else Speed(*map(float, args.speed.split(",")))
+    host, cores, speed = calibrate_host(given)
+    relay, hop, draw = coordinator_costs(), hop_overhead_s(), sampling_seconds_per_logit()
+    print(f"calibration: the coordinator relays a message in {relay[0] * 1e6:.0f} us + "
+          f"{relay[1] * 1e9:.2f} ns a byte; a request and its reply take {hop * 1e3:.1f} ms "
+          f"beyond their link; a draw costs {draw * 1e9:.1f} ns of CPU a logit")
+    calibrated: dict[str, Any] = {"speed": speed, "relay_costs": relay, "seed": args.seed,
+                                  "hop_overhead_s": hop, "sampling_s_per_logit": draw}
+
+    def scenario(plane: DataPlane) -> Scenario:
+        if args.scenario == "netns":
+            return netns_demo(config, host, cores, data_plane=plane, **calibrated)
+        if args.scenario == "chaos":
+            assert measured is not None
+            return chaos_demo(config, host, cores, measured.kills, data_plane=plane,
+                              **calibrated)
+        if args.scenario == "operator":
+            shape = ModelShape.from_spec(model_spec(Path(config.model)), name="tiny")
+            return operator_swarm(config, shape, host, cores, data_plane=plane, **calibrated)
+        return loopback_demo(config, host, cores, data_plane=plane, **calibrated)
+
+    reports = {plane: simulate(scenario(plane)) for plane in planes(args.plane)}
+    show(f"{args.scenario} on this host ({cores} cores; speed: decode {speed.decode:.2f}, "
+         f"prefill {speed.prefill:.2f}, train {speed.train:.2f})", reports)
+    results: dict[str, Any] = {args.scenario: {p: r.figures for p, r in reports.items()}}
+    if measured is not None:
+        simulated = reports[planes(args.plane)[0]].figures
+        common.print_table(f"measured vs simulated ({planes(args.plane)[0]} data plane)",
+                           ["figure", "measured", "simulated", "error"],
+                           [[key, value, simulated[key],
+                             f"{simulated[key] / value - 1:+.0%}" if value else "-"]
+                            for key, value in measured.figures.items()])
+        results["measured"] = measured.figures
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="decentrl bench simulate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", choices=("demo", "netns", "internet"), default="demo")
-    parser.add_argument("--measured", type=Path, help="a demo's run folder to compare with")
+    parser.add_argument("--scenario", choices=(*MEASURED_SCENARIOS, "internet"),
+                        default="demo")
+    parser.add_argument("--measured", type=Path, help="the run folder of the scenario's real "
+                        "run, to compare with (chaos: needed, its kills are replayed)")
+    parser.add_argument("--config", type=Path, help="the measured run's config (default: "
+                        "examples/demo.toml; operator: the walk's run.toml)")
     parser.add_argument("--speed", help="the host's fitted speeds DECODE,PREFILL,TRAIN (skips "
                         "the calibration's stage timings)")
     parser.add_argument("--model", choices=sorted(SHAPES), default="8b")
@@ -139,41 +209,13 @@ def main(argv: list[str] | None = None) -> None:
                      "per stage) are needed")
     if not 0 <= args.nat <= 1 or not 0 <= args.adversaries < 1:
         parser.error("--nat must lie in [0, 1] and --adversaries in [0, 1)")
+    if args.scenario == "chaos" and args.measured is None:
+        parser.error("--scenario chaos replays a measured run's kills: give --measured RUN_DIR")
+    if args.scenario == "operator" and args.config is None:
+        parser.error("--scenario operator needs the walk's --config (its run.toml)")
     results: dict[str, Any] = {}
-    if args.scenario in ("demo", "netns"):
-        from decentrl.sim.calibration import (
-            calibrate_host,
-            coordinator_costs,
-            hop_overhead_s,
-            measured_demo,
-            sampling_seconds_per_logit,
-        )
-
-        config = load_config(ROOT / "examples" / "demo.toml")
-        given = None if args.speed is None else Speed(*map(float, args.speed.split(",")))
-        host, cores, speed = calibrate_host(given)
-        relay, hop, draw = coordinator_costs(), hop_overhead_s(), sampling_seconds_per_logit()
-        print(f"calibration: the coordinator relays a message in {relay[0] * 1e6:.0f} us + "
-              f"{relay[1] * 1e9:.2f} ns a byte; a request and its reply take {hop * 1e3:.1f} "
-              f"ms beyond their link; a draw costs {draw * 1e9:.1f} ns of CPU a logit")
-        preset = loopback_demo if args.scenario == "demo" else netns_demo
-        reports = {plane: simulate(preset(config, host, cores, speed, relay, seed=args.seed,
-                                          data_plane=plane, hop_overhead_s=hop,
-                                          sampling_s_per_logit=draw))
-                   for plane in planes(args.plane)}
-        show(f"decentrl demo ({args.scenario}) on this host ({cores} cores; speed: decode "
-             f"{speed.decode:.2f}, prefill {speed.prefill:.2f}, train {speed.train:.2f})",
-             reports)
-        if args.measured is not None:
-            measured = measured_demo(args.measured)
-            simulated = reports["coordinator"].figures
-            common.print_table("measured vs simulated (coordinator data plane)",
-                               ["figure", "measured", "simulated", "error"],
-                               [[key, value, simulated[key],
-                                 f"{simulated[key] / value - 1:+.0%}" if value else "-"]
-                                for key, value in measured.items()])
-            results["measured"] = measured
-        results["demo"] = {plane: r.figures for plane, r in reports.items()}
+    if args.scenario in MEASURED_SCENARIOS:
+        results.update(simulate_measured(args))
     elif args.sweep:
         counts = [int(n) for n in args.sweep.split(",")]
         runs = [run_internet(args, count) for count in counts]

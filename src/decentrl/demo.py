@@ -13,7 +13,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from decentrl.config import RUN_MODEL_DIR, RunConfig, is_run_folder, read_toml
+from decentrl.observe.metrics import ChaosRecord, MetricsLog
 from decentrl.observe.terminal import terminal_text
 
 # The heavy modules (torch, the swarm, matplotlib) are imported where they are used: `decentrl
@@ -232,6 +233,18 @@ def netns_placement() -> dict[str, str]:
     return placement
 
 
+def chaos_reporter(console: Console, metrics: MetricsLog) -> Callable[[str, str, str], None]:
+    """What `--chaos` did, on the terminal and as "chaos" records in metrics.jsonl (what the
+    simulator replays: bench/simulate.py --scenario chaos)."""
+    said = {"killed": "killing {peer}", "back": "{peer} is back",
+            "not back": "{peer} did not come back: {detail}"}
+
+    def report(peer: str, action: str, detail: str) -> None:
+        console.print(f"chaos: {said[action].format(peer=peer, detail=detail)}", markup=False)
+        metrics.write(ChaosRecord(peer=peer, action=action, detail=detail[:500]))
+    return report
+
+
 def run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | None,
                    adversaries: bool = False, netns: bool = False) -> None:
     """Peers as processes on this machine, the coordinator here; then the release. With
@@ -296,8 +309,9 @@ def _run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | No
                 {c.info.get("peer_id", "") for c in swarm.children.values() if c.name in home})
             coordinator.hooks.append(throttle)
         if chaos_every is not None:
-            threading.Thread(target=swarm.chaos, args=(stop_chaos, chaos_every, config.seed,
-                                                       console.print), daemon=True).start()
+            threading.Thread(target=swarm.chaos, daemon=True, args=(
+                stop_chaos, chaos_every, config.seed,
+                chaos_reporter(console, coordinator.metrics))).start()
         summary = coordinator.run()
     finally:
         stop_chaos.set()

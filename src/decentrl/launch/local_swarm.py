@@ -299,18 +299,20 @@ class LocalSwarm:
         self._wait_ready(child, timeout_s=300)
 
     def chaos(self, stop: threading.Event, every_s: float, seed: int,
-              on_event: callable = print) -> None:  # type: ignore[valid-type]
-        """Kill and restart a random peer every `every_s` seconds until `stop` is set."""
+              on_event: Callable[[str, str, str], None]) -> None:
+        """Kill and restart a random peer `every_s` seconds after the last one is back, until
+        `stop` is set; `on_event(peer, action, detail)` hears each kill ("killed") and its end
+        ("back", or "not back" with the error)."""
         rng = random.Random(seed)
         while not stop.wait(every_s):
             name = rng.choice(sorted(self.children))
-            on_event(f"chaos: killing {name}")
+            on_event(name, "killed", "")
             try:
                 self.restart(name)
-                on_event(f"chaos: {name} is back")
+                on_event(name, "back", "")
             except (RuntimeError, TimeoutError) as error:
                 if not stop.is_set():  # at the end, shutting the swarm down stops a restart
-                    on_event(f"chaos: {name} did not come back: {error}")
+                    on_event(name, "not back", str(error))
 
     def _remove_sockets(self, child: Child) -> None:
         with self._sockets_lock:

@@ -1,5 +1,5 @@
 """The schema of metrics.jsonl, its writer and its reader: one JSON object a line, tagged by
-`event` ("step", "supervised", "eval", "swarm", "trust"), with `elapsed_s` since the run's start. The training
+`event` ("step", "supervised", "eval", "swarm", "trust", "chaos"), with `elapsed_s` since the run's start. The training
 loop, the swarm observer, the dashboard, the report and the benchmarks all go through these types,
 so a field is added, renamed or read in one place.
 
@@ -171,9 +171,19 @@ class TrustRecord(Record, tag="trust"):
     time: float = 0.0  # wall clock of the event
 
 
-AnyRecord = StepRecord | SupervisedRecord | EvalRecord | SwarmRecord | TrustRecord
+class ChaosRecord(Record, tag="chaos"):
+    """`decentrl demo --chaos` killed a peer, or the peer it killed is serving again (or not:
+    `detail` says why); launch/local_swarm.py `chaos`."""
+
+    peer: str
+    action: str  # "killed", "back" or "not back"
+    detail: str = ""
+
+
+AnyRecord = StepRecord | SupervisedRecord | EvalRecord | SwarmRecord | TrustRecord | ChaosRecord
 KINDS: dict[str, type[Record]] = {"step": StepRecord, "supervised": SupervisedRecord,
-                                  "eval": EvalRecord, "swarm": SwarmRecord, "trust": TrustRecord}
+                                  "eval": EvalRecord, "swarm": SwarmRecord, "trust": TrustRecord,
+                                  "chaos": ChaosRecord}
 R = TypeVar("R", bound=Record)
 
 
@@ -192,11 +202,13 @@ class RunRecords:
     snapshots: list[SwarmRecord]
     trust: list[TrustRecord]
     supervised: list[SupervisedRecord]
+    chaos: list[ChaosRecord]
 
     @property
     def wall_s(self) -> float:
         times = [r.elapsed_s for kind in (self.steps, self.supervised, self.evals,
-                                          self.snapshots, self.trust) for r in kind]
+                                          self.snapshots, self.trust, self.chaos)
+                 for r in kind]
         return max(times, default=0.0)
 
 
@@ -217,7 +229,7 @@ def read_metrics(path: Path) -> RunRecords:
         except msgspec.DecodeError as error:  # a ValidationError too
             raise ValueError(f"{path}, line {number}: malformed metrics record: {error}") from None
     return RunRecords(found["step"], found["eval"], found["swarm"], found["trust"],
-                      found["supervised"])
+                      found["supervised"], found["chaos"])
 
 
 # The verification events the dashboard lists, newest last.
@@ -228,7 +240,8 @@ EVENTS_SHOWN = 200
 # newest events, so only those are held. Every record is in the file.
 RECORDS_HELD: dict[type[Record], int | None] = {StepRecord: None, SupervisedRecord: None,
                                                 EvalRecord: None, SwarmRecord: 1,
-                                                TrustRecord: EVENTS_SHOWN}
+                                                TrustRecord: EVENTS_SHOWN,
+                                                ChaosRecord: EVENTS_SHOWN}
 
 
 class MetricsLog:

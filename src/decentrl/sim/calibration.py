@@ -11,16 +11,18 @@ predictions checked against `measured_demo`."""
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from decentrl.observe.metrics import read_metrics
 from decentrl.sim.costs import Speed, StageCosts
 from decentrl.sim.hardware import HardwareProfile, measure_host, median_seconds
+from decentrl.sim.scenario import Kill
 from decentrl.sim.shapes import SMOLLM2_135M
 
 # The demo's sizes: sessions of 8 groups of 8 rows, prompts of about 40 tokens, completions of
@@ -195,22 +197,46 @@ def hop_overhead_s(rows: int = DECODE_ROWS, hidden: int = SMOLLM2_135M.hidden,
         server.shutdown()
 
 
-def measured_demo(run_dir: Path) -> dict[str, float]:
-    """What a demo's run folder (its metrics.jsonl) says of the figures the simulator predicts:
-    optimizer steps, the mean staleness of trained groups, the mean training time of a step, and
-    what the rows-in-flight policy reported at each step (rows stepped per second, a decoding
-    step's round trip)."""
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if '"event":"step"' in line.replace(" ", "")]
+@dataclass(frozen=True)
+class MeasuredRun:
+    """What a demo's run folder says of the figures the simulator predicts, and the chaos kills
+    it went through (times from the start of training), for the simulation to replay."""
+
+    figures: dict[str, float]
+    kills: tuple[Kill, ...]
+
+
+def measured_run(run_dir: Path) -> MeasuredRun:
+    """From a demo's metrics.jsonl (observe/metrics.py): optimizer steps (the last step's number:
+    a rollback's steps count once), the mean staleness of trained groups, the mean training
+    time of a step, the completion tokens trained per second between the first step and the
+    last (the dashboard's `tokens_per_s`), what the rows-in-flight policy reported at each step
+    (rows stepped per second, a decoding step's round trip), and `--chaos`'s kills."""
+    records = read_metrics(run_dir / "metrics.jsonl")
+    steps = records.steps
     if not steps:
         raise ValueError(f"{run_dir}/metrics.jsonl has no step events")
-    groups = sum(s["groups"] for s in steps)
-    return {
-        "steps": float(len(steps)),
-        "staleness_mean": sum(s["staleness_mean"] * s["groups"] for s in steps) / groups,
-        "step_train_s": statistics.fmean(s["train_s"] for s in steps),
+    first, last = steps[0], steps[-1]
+    started = first.elapsed_s - (first.wait_s or 0.0) - (first.train_s or 0.0)
+    groups = sum(s.groups for s in steps)
+    figures = {
+        "steps": float(last.step),
+        "staleness_mean": sum(s.staleness_mean * s.groups for s in steps) / groups,
+        "step_train_s": statistics.fmean(s.train_s or 0.0 for s in steps),
+        "trained_tokens_per_s": sum(s.generated_tokens or 0.0 for s in steps[1:])
+        / (last.elapsed_s - first.elapsed_s) if len(steps) > 1 else 0.0,
         # The rows-in-flight policy's own figures at each step (coordinator/inflight.py): its
         # recent peak of rows stepped per second, its floor of a decoding step's round trip.
-        "policy_rows_per_s": statistics.fmean(s["rows_stepped_per_s"] for s in steps),
-        "policy_round_trip_s": statistics.fmean(s["step_round_trip_s"] for s in steps),
+        "policy_rows_per_s": statistics.fmean(s.rows_stepped_per_s or 0.0 for s in steps),
+        "policy_round_trip_s": statistics.fmean(s.step_round_trip_s or 0.0 for s in steps),
     }
+    kills = []
+    for index, event in enumerate(records.chaos):
+        if event.action != "killed":
+            continue
+        end = next((later for later in records.chaos[index + 1:] if later.peer == event.peer),
+                   None)
+        back_after = (end.elapsed_s - event.elapsed_s if end is not None and end.action == "back"
+                      else records.wall_s)  # never back within the run
+        kills.append(Kill(max(0.0, event.elapsed_s - started), event.peer, back_after))
+    return MeasuredRun(figures, tuple(kills))

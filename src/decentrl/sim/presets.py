@@ -5,6 +5,9 @@
   cores, every pair of nodes on an emulated link of 60-120 ms round trip (net/link.py draws one per
   pair) with 10 ms of jitter and no bandwidth limit.
 - `netns_demo`: `decentrl demo --netns`: the same with four peers behind two home NATs.
+- `chaos_demo`: `decentrl demo --chaos`: the loopback demo with peers killed and restarted.
+- `operator_swarm`: the multi-host guide's commands, walked in network namespaces (4 or 6
+  stages of a tiny model, tests/netns/test_operator_netns.py).
 - `internet_swarm`: a model on `peers` consumer machines drawn from sim/hardware.py's table,
   spread over five regions with the round trips between them, a share behind NAT, sessions of a
   given mean length (churn) and a share of adversaries; one training peer per stage (the
@@ -16,6 +19,7 @@ import dataclasses
 import itertools
 import random
 from collections.abc import Sequence
+from typing import Any
 
 from decentrl.config import RunConfig
 from decentrl.demo import (
@@ -30,6 +34,7 @@ from decentrl.sim.machines import HARDWARE
 from decentrl.sim.scenario import (
     CoordinatorSpec,
     DataPlane,
+    Kill,
     LinkSpec,
     PeerSpec,
     Scenario,
@@ -120,6 +125,50 @@ def netns_demo(config: RunConfig, host: HardwareProfile, cores: int, speed: Spee
     halfway = loopback.duration_s / 2
     return dataclasses.replace(loopback, peers=peers,
                                uplink_changes=((halfway, throttled, NETNS_THROTTLE_MBIT),))
+
+
+def chaos_demo(config: RunConfig, host: HardwareProfile, cores: int, kills: tuple[Kill, ...],
+               **calibrated: Any) -> Scenario:
+    """`decentrl demo --chaos`: the loopback demo with `kills` (a measured run's, read by
+    sim/calibration.py `measured_run`, so the simulation meets the same peers killed at the same
+    times); `calibrated`: loopback_demo's keywords."""
+    return dataclasses.replace(loopback_demo(config, host, cores, **calibrated), kills=kills)
+
+
+# The operator walk's homes (tests/netns/test_operator_netns.py): veth pairs without emulation,
+# round trips of about 0.1 ms, home uplinks shaped to 50 Mbit/s (net/netns.py).
+OPERATOR_RTT_MS = 0.1
+OPERATOR_UPLINK_MBIT = 50.0
+
+
+def operator_swarm(config: RunConfig, shape: ModelShape, host: HardwareProfile, cores: int,
+                   speed: Speed = Speed(), relay_costs: tuple[float, float] = (2e-4, 2e-9),
+                   seed: int = 0, data_plane: DataPlane = "coordinator",
+                   hop_overhead_s: float = 0.0,
+                   sampling_s_per_logit: float = SAMPLING_S_PER_LOGIT) -> Scenario:
+    """The multi-host guide walked by an operator (tests/netns/test_operator_netns.py): every
+    stage's training peer (home 1 for even stages, home 2 for odd ones) and one replica (the
+    other home), each a process of its own behind its home's NAT on a 50 Mbit/s uplink, the
+    coordinator and the relay on the public segment; every process on this host's `cores`. The
+    run ends after `config.train.steps`."""
+    stages = config.num_stages
+    peers = []
+    for stage in range(stages):
+        peers.append(PeerSpec(f"train{stage}", stage, "training", host, "lan", True,
+                              host="this", speed=speed, uplink_mbps=OPERATOR_UPLINK_MBIT))
+        peers.append(PeerSpec(f"infer{stage}", stage, "inference", host, "lan", True,
+                              host="this", speed=speed, uplink_mbps=OPERATOR_UPLINK_MBIT))
+    links = LinkSpec({("lan", "lan"): OPERATOR_RTT_MS}, uplink_mbps=LOOPBACK_MBPS,
+                     downlink_mbps=LOOPBACK_MBPS, relay_extra_rtt_ms=OPERATOR_RTT_MS,
+                     message_overhead_ms=hop_overhead_s * 500.0)
+    coordinator = CoordinatorSpec("lan", LOOPBACK_MBPS, LOOPBACK_MBPS, cores,
+                                  seconds_per_message=relay_costs[0],
+                                  seconds_per_byte=relay_costs[1], host="this")
+    # A random model rarely ends its answer before max_new_tokens.
+    workload = dataclasses.replace(DEMO_WORKLOAD, completion_share=(1.0, 1.0))
+    return Scenario(config, shape, tuple(peers), coordinator, links, workload, data_plane,
+                    config.train.time_budget_s or 600.0, seed, {"this": cores},
+                    sampling_s_per_logit=sampling_s_per_logit)
 
 
 def internet_swarm(config: RunConfig, shape: ModelShape, peers: int, *,

@@ -51,14 +51,19 @@ class Simulation:
             tally.policy_round_trips.append(state.round_trip_s)
 
     def run(self) -> SimReport:
-        self.world.env.run(until=self.world.scenario.duration_s)
+        """Until the scenario's duration, or the config's `train.steps` if they come first."""
+        env = self.world.env
+        env.run(until=env.any_of([self.training.finished,
+                                  env.timeout(self.world.scenario.duration_s)]))
         return report(self.world)
 
     def groups_pending(self) -> int:
-        """Groups produced and neither trained nor dropped yet: in the inbox or the pool, held
-        for a spot check, or in the step under way."""
-        return len(self.world.inbox.items) + len(self.training.pool) + self.checks.pending \
-            + self.training.in_step
+        """Groups produced and neither trained nor dropped yet: in the inbox or waiting for room
+        in it, in the pool, held for a spot check, gathered for the next step, or in the step
+        under way."""
+        inbox = self.world.inbox
+        return len(inbox.items) + len(inbox.put_queue) + len(self.training.pool) \
+            + self.checks.pending + len(self.training.collecting) + self.training.in_step
 
 
 def simulate(scenario: Scenario) -> SimReport:
@@ -70,12 +75,13 @@ def _mean(values: list[float]) -> float:
 
 
 def report(world: World) -> SimReport:
-    tally, duration = world.tally, world.scenario.duration_s
+    tally, duration = world.tally, world.env.now
     replicas = [r for stage in world.replicas for r in stage]
     trainers = [t for stage in world.trainers for t in stage]
     peers = [*replicas, *trainers]
     replica_busy = sum(sum(r.busy.values()) for r in replicas)
     verify_busy = sum(r.busy["verify"] for r in replicas)
+    ends = [end for end, _, _ in tally.step_times]
     waits = [wait for _, wait, _ in tally.step_times]
     trains = [train for _, _, train in tally.step_times]
     coordinator = world.coordinator
@@ -83,6 +89,10 @@ def report(world: World) -> SimReport:
         "steps": float(tally.steps_done),
         "generated_tokens_per_s": tally.generated_tokens / duration,
         "rows_stepped_per_s": tally.rows_stepped / duration,
+        # As the dashboard reports it: the completion tokens of each step's batch after the
+        # first, over the time between the first step and the last.
+        "trained_tokens_per_s": sum(tally.step_tokens[1:]) / (ends[-1] - ends[0])
+        if len(ends) > 1 else 0.0,
         "step_s": _mean([w + t for w, t in zip(waits, trains)]),
         "step_wait_s": _mean(waits),
         "step_train_s": _mean(trains),
@@ -108,6 +118,8 @@ def report(world: World) -> SimReport:
         "relayed_mb": sum(e.relayed_bytes for e in world.network.endpoints.values()) / MB,
         "failovers": float(tally.failovers),
         "bans": float(tally.bans),
+        "kills": float(tally.kills),
+        "rollbacks": float(tally.rollbacks),
     }
     busy = {
         "coordinator uplink": coordinator.busy_up_s / duration,

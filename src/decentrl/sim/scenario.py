@@ -103,6 +103,17 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Kill:
+    """A peer killed at `at_s` and serving again `back_after_s` later (`decentrl demo --chaos`:
+    launch/local_swarm.py `chaos` restarts it under the same name; a training peer comes back
+    from its last checkpoint)."""
+
+    at_s: float
+    peer: str
+    back_after_s: float
+
+
+@dataclass(frozen=True)
 class Scenario:
     config: RunConfig
     shape: ModelShape
@@ -123,6 +134,7 @@ class Scenario:
     uplink_changes: tuple[tuple[float, tuple[str, ...], float], ...] = ()
     # The peers' CPU seconds of sampling per logit (sim/costs.py SAMPLING_S_PER_LOGIT).
     sampling_s_per_logit: float = SAMPLING_S_PER_LOGIT
+    kills: tuple[Kill, ...] = ()
 
     def __post_init__(self) -> None:
         stages = self.config.num_stages
@@ -148,5 +160,8 @@ class Scenario:
             if at_s < 0 or mbps <= 0 or not set(changed) <= names:
                 raise ValueError(f"an uplink change needs a time >= 0, a rate > 0 and known "
                                  f"peers, got {at_s}, {mbps}, {changed}")
+        for kill in self.kills:
+            if kill.peer not in names or kill.at_s < 0 or kill.back_after_s < 0:
+                raise ValueError(f"a kill needs a known peer and times >= 0, got {kill}")
         if self.duration_s <= 0:
             raise ValueError(f"duration_s must be positive, got {self.duration_s}")

@@ -49,6 +49,11 @@ class Training:
         self.after_step: Callable[[], None] = lambda: None  # what a real step records beside
         self.pool: list[Group] = []
         self.in_step = 0  # groups of the step under way
+        self.collecting: list[tuple[Group, int]] = []  # the next step's, gathered so far
+        # The groups of each step since the last checkpoint (a rollback returns them).
+        self.since_checkpoint: list[list[tuple[Group, int]]] = []
+        world.on_trainer_back = self.roll_back
+        self.finished = world.env.event()  # the run's `train.steps` are done
         world.env.process(self._loop())
 
     def add(self, group: Group) -> None:
@@ -65,13 +70,19 @@ class Training:
         train = world.config.train
         needed = world.config.rollout.prompts_per_step
         limit = needed * DYNAMIC_SAMPLING_LIMIT if train.dynamic_sampling else needed
-        batch: list[tuple[Group, int]] = []
-        teaching = 0
-        while teaching < needed and len(batch) < limit:
+        batch = self.collecting  # a rollback may take its groups back meanwhile
+
+        def teaching() -> int:
+            return sum(g.has_spread or not train.dynamic_sampling for g, _ in batch)
+
+        while teaching() < needed and len(batch) < limit:
             if self.pool:
                 group = self.pool.pop(0)
                 if group.producers & world.banned:
                     world.tally.groups["dropped: producer banned"] += 1
+                    continue
+                if max(group.stage_versions) > world.version:
+                    world.tally.groups["dropped: sampled by a rolled-back version"] += 1
                     continue
                 try:
                     staleness = check_staleness(world.version, group.stage_versions,
@@ -80,7 +91,6 @@ class Training:
                     world.tally.groups["dropped: stale"] += 1
                     continue
                 batch.append((group, staleness))
-                teaching += group.has_spread or not train.dynamic_sampling
                 continue
             arrival = world.inbox.get()
             yield arrival | world.env.timeout(POOL_POLL_S)
@@ -88,7 +98,9 @@ class Training:
                 self.accept(arrival.value)
             else:
                 arrival.cancel()
-        return batch
+        collected = list(batch)
+        batch.clear()
+        return collected
 
     def _loop(self) -> Generator[Any, Any, None]:
         world = self.world
@@ -104,8 +116,8 @@ class Training:
             began = env.now
             try:
                 yield from self._step(batch)
-            except PeerGone:  # a training peer left: the step is lost, its groups too
-                world.tally.groups["dropped: training peer left"] += len(collected)
+            except PeerGone:  # a training peer left: the step failed, its groups wait again
+                self.pool[:0] = [group for group, _ in collected]
                 yield env.timeout(POOL_POLL_S)
                 continue
             finally:
@@ -115,9 +127,50 @@ class Training:
             world.tally.groups["trained"] += len(collected)
             world.tally.staleness += [staleness for _, staleness in collected]
             world.tally.step_times.append((env.now, began - waited_from, env.now - began))
+            world.tally.step_tokens.append(sum(group.tokens for group, _ in collected))
+            self.since_checkpoint.append(collected)
+            if world.version % world.config.train.checkpoint_every == 0:
+                self.since_checkpoint = []
             self.after_step()
+            if world.tally.steps_done >= world.config.train.steps:
+                self.finished.succeed()
+                return
             for stage in range(world.config.num_stages):
                 env.process(self._publish(stage, world.version))
+
+    def roll_back(self, trainer: TrainingPeer) -> None:
+        """A training peer restarted from its last checkpoint, behind the others: the run goes
+        back to that checkpoint (coordinator/loop.py `reconcile`). The steps after it are undone
+        and their groups pending again; groups sampled by an undone version are dropped; every
+        training peer is at the checkpoint and every replica re-syncs to it by a keyframe."""
+        world, tally = self.world, self.world.tally
+        checkpoint = world.version - len(self.since_checkpoint)
+        trainer.version = checkpoint
+        undone = self.since_checkpoint
+        self.since_checkpoint = []
+        returned = [group for collected in undone for group, _ in collected]
+        if returned:
+            tally.groups["trained"] -= len(returned)
+            del tally.staleness[-len(returned):]
+        tally.rollbacks += 1
+        tally.steps_undone += len(undone)
+        tally.steps_done -= len(undone)
+        world.version = checkpoint
+        kept = []
+        gathered = [group for group, _ in self.collecting]
+        self.collecting.clear()
+        for group in returned + gathered + self.pool:
+            if max(group.stage_versions) > checkpoint:
+                tally.groups["dropped: sampled by a rolled-back version"] += 1
+            else:
+                kept.append(group)
+        self.pool = kept
+        for stage in range(world.config.num_stages):
+            for peer in world.trainers[stage]:
+                peer.version = min(peer.version, checkpoint)
+            for replica in world.replicas[stage]:
+                replica.version = min(replica.version, checkpoint)
+            world.env.process(self._publish(stage, checkpoint, keyframe=True))
 
     def _step(self, batch: list[Group]) -> Generator[Any, Any, None]:
         world = self.world
@@ -168,29 +221,35 @@ class Training:
         yield from world.coordinator_work(1, nbytes)
         yield from world.network.send(world.coordinator, trainers[stage].endpoint, nbytes)
 
-    def _publish(self, stage: int, version: int) -> Generator[Any, Any, None]:
-        """The stage's update reaches every live replica, in `sync.chunks_per_update` chunks,
-        `sync.parallel_fetches` at a time; each replica applies it once it has every chunk."""
+    def _publish(self, stage: int, version: int, keyframe: bool = False
+                 ) -> Generator[Any, Any, None]:
+        """The stage's update (its whole state with `keyframe`) reaches every live replica, in
+        `sync.chunks_per_update` chunks, `sync.parallel_fetches` at a time; each replica applies
+        it once it has every chunk."""
         world = self.world
         publisher = world.trainer(stage)
         if publisher is None:
             return
         sync = world.config.sync
         chunks = sync.chunks_per_update
-        chunk_bytes = math.ceil(update_bytes(world.stage_parameters(stage), version, sync)
-                                / chunks)
+        parameters = world.stage_parameters(stage)
+        size = (parameters * KEYFRAME_BYTES_PER_PARAMETER if keyframe
+                else update_bytes(parameters, version, sync))
+        chunk_bytes = math.ceil(size / chunks)
         began = world.env.now
         holders: list[list[SimPeer]] = [[publisher] for _ in range(chunks)]
-        fetches = [world.env.process(self._fetch(replica, holders, chunk_bytes, version))
+        fetches = [world.env.process(self._fetch(replica, holders, chunk_bytes, version,
+                                                 keyframe))
                    for replica in world.live_replicas(stage)]
         yield world.env.all_of(fetches)
         if fetches:
             world.tally.propagation_s.append(world.env.now - began)
 
     def _fetch(self, replica: Replica, holders: list[list[SimPeer]], chunk_bytes: int,
-               version: int) -> Generator[Any, Any, None]:
+               version: int, keyframe: bool) -> Generator[Any, Any, None]:
         """One replica's fetch of every chunk, starting at a chunk of its own (so that replicas
-        hold different chunks early and can trade them, with `sync.peer_exchange`)."""
+        hold different chunks early and can trade them, with `sync.peer_exchange`). An update a
+        rollback undid while it travelled is not applied; a rollback's keyframe replaces."""
         world = self.world
         sync = world.config.sync
         offset = world.random.randrange(len(holders))
@@ -199,8 +258,8 @@ class Training:
         yield world.env.all_of([world.env.process(self._fetch_lane(replica, holders, lane,
                                                                     chunk_bytes))
                                 for lane in lanes if lane])
-        if replica.alive:
-            replica.version = max(replica.version, version)
+        if replica.alive and version <= world.version:
+            replica.version = version if keyframe else max(replica.version, version)
 
     def _fetch_lane(self, replica: Replica, holders: list[list[SimPeer]], chunks: list[int],
                     chunk_bytes: int) -> Generator[Any, Any, None]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import Counter
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,7 @@ from decentrl.model.stages import StagePlan
 from decentrl.sim.costs import Speed, StageCosts
 from decentrl.sim.network import Endpoint, Network
 from decentrl.sim.peers import Replica, SimPeer, TrainingPeer
-from decentrl.sim.scenario import PeerSpec, Scenario
+from decentrl.sim.scenario import Kill, PeerSpec, Scenario
 
 
 @dataclass
@@ -47,12 +47,18 @@ class Tally:
     steps_done: int = 0
     groups: Counter[str] = field(default_factory=Counter)  # produced, trained, dropped: why
     staleness: list[int] = field(default_factory=list)  # per trained group
-    step_times: list[tuple[float, float, float]] = field(default_factory=list)  # end, wait, train
+    # Per step, undone ones included (as the real metrics.jsonl keeps them): end, wait, train;
+    # and the completion tokens of its groups.
+    step_times: list[tuple[float, float, float]] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
     propagation_s: list[float] = field(default_factory=list)  # publish -> last replica applied
     spot_checks: int = 0
     failovers: int = 0
     bans: int = 0
     rejoins: int = 0
+    kills: int = 0
+    rollbacks: int = 0
+    steps_undone: int = 0
     session_step_s: list[float] = field(default_factory=list)  # decoding steps' round trips
     rows_stepped: int = 0  # rows of decoding steps (a session's finished rows included)
     decode_steps: int = 0
@@ -94,6 +100,10 @@ class World:
         self.banned: set[str] = set()
         for change in scenario.uplink_changes:
             self.env.process(self._change_uplinks(*change))
+        # A training peer back from a kill: the training loop rolls the run back (sim/training.py).
+        self.on_trainer_back: Callable[[TrainingPeer], None] = lambda trainer: None
+        for kill in scenario.kills:
+            self.env.process(self._kill(kill))
 
     def stage_costs(self, spec: PeerSpec, speed: Speed) -> StageCosts:
         stage = spec.stage
@@ -103,10 +113,12 @@ class World:
                           self.config.swarm.activation_codec, speed,
                           self.scenario.sampling_s_per_logit)
 
-    def add_peer(self, spec: PeerSpec, serving: bool = True) -> SimPeer:
-        """`spec` joins; with `serving` False it is not alive (taking work) until it is set."""
+    def add_peer(self, spec: PeerSpec, serving: bool = True, endpoint: Endpoint | None = None
+                 ) -> SimPeer:
+        """`spec` joins; with `serving` False it is not alive (taking work) until it is set. A
+        peer restarted on its machine keeps its `endpoint` (its link and what it carried)."""
         links = self.scenario.links
-        endpoint = self.network.endpoint(
+        endpoint = endpoint or self.network.endpoint(
             spec.name, spec.region, spec.behind_nat, spec.uplink_mbps or links.uplink_mbps,
             spec.downlink_mbps or links.downlink_mbps)
         device = (self.hosts[spec.host] if spec.host is not None
@@ -139,6 +151,30 @@ class World:
         yield from self.fetch_weights(newcomer)
         newcomer.alive = True
         self.env.process(self._leave_later(newcomer, self.env.now + at_s - joined))
+
+    def _kill(self, kill: Kill) -> Generator[Any, Any, None]:
+        """A chaos kill: the peer is out at once (its queued work fails over) and back under its
+        own name `back_after_s` later: a replica once it has fetched its stage's weights, a
+        training peer from its last checkpoint (`on_trainer_back`)."""
+        yield self.env.timeout(kill.at_s)
+        victim = next((p for p in self.peers() if p.name == kill.peer and p.alive), None)
+        if victim is None:  # left or banned before
+            return
+        self.remove(victim)
+        self.tally.kills += 1
+        yield self.env.timeout(kill.back_after_s)
+        if isinstance(victim, Replica):
+            back = self.add_peer(dataclasses.replace(victim.spec, leaves_at_s=None),
+                                 serving=False, endpoint=victim.endpoint)
+            yield from self.fetch_weights(back)
+            back.alive = True
+        else:
+            victim.alive = True
+            self.on_trainer_back(victim)
+
+    def peers(self) -> list[SimPeer]:
+        return [*(r for stage in self.replicas for r in stage),
+                *(t for stage in self.trainers for t in stage)]
 
     def _change_uplinks(self, at_s: float, peers: tuple[str, ...], mbps: float
                         ) -> Generator[Any, Any, None]:
@@ -173,8 +209,7 @@ class World:
         """A spot check failed the peer: it is out, as the reputation's ban puts it out."""
         self.banned.add(name)
         self.tally.bans += 1
-        for peer in [*(r for stage in self.replicas for r in stage),
-                     *(t for stage in self.trainers for t in stage)]:
+        for peer in self.peers():
             if peer.name == name:
                 self.remove(peer)
 

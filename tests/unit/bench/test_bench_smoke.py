@@ -426,6 +426,17 @@ def test_simulate_projects_both_data_planes(capsys: pytest.CaptureFixture[str]) 
     assert values["peer_to_peer_coordinator_received_mb"] < relayed / 3
 
 
+def test_simulate_refuses_a_measured_scenario_without_what_it_replays(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("simulate")
+    with pytest.raises(SystemExit):
+        bench.main(["--scenario", "chaos"])
+    assert "give --measured RUN_DIR" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--scenario", "operator"])
+    assert "needs the walk's --config" in capsys.readouterr().err
+
+
 def test_family_conformance_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("family_conformance")
     bench.main(["--families", "qwen3"])

@@ -13,7 +13,14 @@ import pytest
 from decentrl.config import RunConfig
 from decentrl.sim.machines import HARDWARE
 from decentrl.sim.run import SimReport, Simulation
-from decentrl.sim.scenario import CoordinatorSpec, LinkSpec, PeerSpec, Scenario, Workload
+from decentrl.sim.scenario import (
+    CoordinatorSpec,
+    Kill,
+    LinkSpec,
+    PeerSpec,
+    Scenario,
+    Workload,
+)
 from decentrl.sim.shapes import SMOLLM2_135M
 
 GPU = next(name for name, profile in HARDWARE.items() if profile.kind == "nvidia")
@@ -21,11 +28,13 @@ LINKS = LinkSpec({("eu", "eu"): 20.0, ("eu", "us"): 100.0, ("us", "us"): 20.0},
                  uplink_mbps=50.0, downlink_mbps=200.0)
 
 
-def config(max_new_tokens: int = 12, **trust: Any) -> RunConfig:
+def config(max_new_tokens: int = 12, checkpoint_every: int = 25, steps: int = 100,
+           **trust: Any) -> RunConfig:
     return RunConfig.model_validate({
         "name": "sim", "num_stages": 2,
         "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": max_new_tokens},
-        "train": {"max_staleness": 2, "micro_batch_size": 8},
+        "train": {"max_staleness": 2, "micro_batch_size": 8,
+                  "checkpoint_every": checkpoint_every, "steps": steps},
         "trust": {"history_versions": 4, **trust}})
 
 
@@ -123,3 +132,39 @@ def test_a_replica_that_leaves_mid_run_is_failed_over() -> None:
 def test_a_scenario_missing_a_role_is_refused() -> None:
     with pytest.raises(ValueError, match=r"stages \[1\] have no training peer"):
         scenario(peers=tuple(p for p in peers() if p.name != "train1"))
+
+
+def test_a_killed_training_peer_rolls_the_run_back_to_its_checkpoint() -> None:
+    # Checkpoints every 3 steps; train1 dies at 27 s, mid-step, and is back at 42 s; a replica
+    # is out at 20-30 s.
+    kills = (Kill(20.0, "infer0.1", 10.0), Kill(27.0, "train1", 15.0))
+    report, simulation = run(config=config(checkpoint_every=3), kills=kills, duration_s=240.0)
+    world, tally = simulation.world, simulation.world.tally
+    assert tally.kills == 2 and tally.rollbacks == 1
+    assert 1 <= tally.steps_undone < 3
+    # The run goes on after it (once the replicas have the checkpoint's keyframe).
+    assert any(end > 42.0 for end, _, _ in tally.step_times)
+    # The versions agree again: the learner's is its steps, no peer is ahead of it.
+    assert world.version == report.figures["steps"] == tally.steps_done > 0
+    assert all(peer.version <= world.version for peer in world.peers())
+    # The replica came back under its name and serves; the training peer too.
+    assert [r.alive for r in world.replicas[0] if r.name == "infer0.1"] == [False, True]
+    assert world.trainer(1) is not None
+    # Nothing is lost: the undone steps' groups are pending again, trained again or dropped.
+    groups = report.groups
+    dropped = sum(count for reason, count in groups.items() if reason.startswith("dropped"))
+    assert groups["produced"] == groups["trained"] + dropped + simulation.groups_pending()
+    assert groups["trained"] == world.config.rollout.prompts_per_step * report.figures["steps"]
+    assert sum(report.staleness.values()) == groups["trained"]
+
+
+def test_a_kill_of_an_unknown_peer_is_refused() -> None:
+    with pytest.raises(ValueError, match="a kill needs a known peer"):
+        scenario(kills=(Kill(1.0, "nobody", 1.0),))
+
+
+def test_the_run_ends_after_its_steps() -> None:
+    report, simulation = run(config=config(steps=3), duration_s=600.0)
+    assert report.figures["steps"] == 3
+    ended = simulation.world.env.now
+    assert ended == simulation.world.tally.step_times[-1][0] < 600.0
