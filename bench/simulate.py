@@ -16,8 +16,10 @@ Scenarios (`--scenario`):
   machines of sim/hardware.py's table over five regions (sim/presets.py internet_swarm), `--nat`
   of them behind NAT, sessions of mean `--session-s`, `--adversaries` of the replicas lying;
   `--plane coordinator`, `peer_to_peer` or `both` (today's design and issue #36's).
-  `--sweep 25,100,1000` runs each peer count and plots throughput, staleness, spot-check share
-  and the coordinator's use against it (bench/figures/simulate_*.png).
+  `--recipe` the RL recipe (RECIPES), `--seeds` how many seeds to average (the figures are
+  means). `--sweep 100,300,1000` runs each peer count and plots throughput, staleness,
+  spot-check share and the coordinator's use against it, the seeds' range shaded
+  (bench/figures/simulate_*.png).
 
 Every run prints the figures a real run reports (sim/run.py) and the busiest resources: the
 first one is what saturates.
@@ -25,12 +27,14 @@ first one is what saturates.
 Run: python -m bench.simulate [--scenario demo|netns|chaos|operator|internet] [--measured RUN_DIR]
      [--config TOML] [--speed D,P,T]
      [--model 8b|135m] [--stages 8] [--peers 100] [--plane both] [--duration 1800]
-     [--nat 0.3] [--session-s 7200] [--adversaries 0] [--sweep N,N,...] [--seed 0]
-     [--json PATH]"""
+     [--nat 0.3] [--session-s 7200] [--adversaries 0] [--recipe short|reasoning]
+     [--sweep N,N,...] [--seed 0] [--seeds 1] [--json PATH]"""
 
 from __future__ import annotations
 
 import argparse
+import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -52,29 +56,39 @@ from decentrl.sim.shapes import LLAMA_8B, SMOLLM2_135M
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "bench" / "figures"
 SHAPES = {"8b": LLAMA_8B, "135m": SMOLLM2_135M}
-# An RL recipe at the 8B scale: groups of 8, 64 prompts a step, answers of up to 1,024 tokens
-# after prompts of 256 (reasoning tasks), staleness bound 4, the run's trust defaults.
-INTERNET_RECIPE: dict[str, Any] = {
-    "rollout": {"group_size": 8, "prompts_per_step": 64, "max_new_tokens": 1024},
-    "train": {"max_staleness": 4, "micro_batch_size": 8},
+# RL recipes at the 8B scale (groups of 8, staleness bound 4, the run's trust defaults,
+# activations in bf16), by what they ask of the swarm:
+# - reasoning: 64 prompts of 256 tokens a step, answers of up to 1,024 tokens (what verl and
+#   prime-rl runs on reasoning tasks use, smaller);
+# - short: 16 prompts a step, answers of up to 256 tokens: what an operator of a swarm on home
+#   links would pick, so that a step's sessions end in minutes, not hours.
+SWARM_SETTINGS: dict[str, Any] = {
     "swarm": {"max_session_tokens": 1 << 20, "max_cached_tokens_per_sender": 1 << 20,
               "kv_pool_tokens": 1 << 21, "activation_codec": "bf16"},
     "trust": {"history_versions": 8}}
-INTERNET_WORKLOAD = Workload(prompt_tokens=256, completion_share=(0.2, 1.0), spread_share=0.6)
+RECIPES: dict[str, tuple[dict[str, Any], Workload]] = {
+    "reasoning": ({"rollout": {"group_size": 8, "prompts_per_step": 64, "max_new_tokens": 1024},
+                   "train": {"max_staleness": 4, "micro_batch_size": 8}},
+                  Workload(prompt_tokens=256, completion_share=(0.2, 1.0), spread_share=0.6)),
+    "short": ({"rollout": {"group_size": 8, "prompts_per_step": 16, "max_new_tokens": 256},
+               "train": {"max_staleness": 4, "micro_batch_size": 8}},
+              Workload(prompt_tokens=128, completion_share=(0.3, 1.0), spread_share=0.6)),
+}
 # The runs of this host the simulator is checked against (simulate_measured).
 MEASURED_SCENARIOS = ("demo", "netns", "chaos", "operator")
 # The figures of a run, in the order the tables show them.
-SHOWN = ("steps", "generated_tokens_per_s", "trained_tokens_per_s", "rows_stepped_per_s", "step_s", "step_wait_s", "step_train_s",
-         "staleness_mean", "policy_rows_per_s", "policy_round_trip_s", "decode_round_trip_s", "decode_network_s", "decode_replica_s",
+SHOWN = ("steps", "generated_tokens_per_s", "trained_tokens_per_s", "rows_stepped_per_s",
+         "step_s", "step_wait_s", "step_train_s", "staleness_mean", "policy_rows_per_s",
+         "policy_round_trip_s", "decode_round_trip_s", "decode_network_s", "decode_replica_s",
          "decode_coordinator_s", "decode_failover_s", "spot_checks",
          "verify_share_of_replica_compute", "update_propagation_s", "coordinator_sent_mb",
          "coordinator_received_mb", "peer_bytes_mean_mb", "relayed_mb", "failovers", "bans",
          "kills", "rollbacks")
 
 
-def internet_config(stages: int) -> RunConfig:
+def internet_config(stages: int, recipe: str) -> RunConfig:
     return RunConfig.model_validate({"name": "projection", "num_stages": stages,
-                                     **INTERNET_RECIPE})
+                                     **SWARM_SETTINGS, **RECIPES[recipe][0]})
 
 
 def planes(choice: str) -> list[DataPlane]:
@@ -92,39 +106,60 @@ def show(title: str, reports: dict[str, SimReport]) -> None:
     common.print_table(title, ["figure", *names], rows)
 
 
-def run_internet(args: argparse.Namespace, peers: int) -> dict[str, SimReport]:
-    config = internet_config(args.stages)
+def run_internet(args: argparse.Namespace, peers: int, seed: int) -> dict[str, SimReport]:
+    config = internet_config(args.stages, args.recipe)
     return {plane: simulate(internet_swarm(
         config, SHAPES[args.model], peers, behind_nat=args.nat,
         mean_session_s=args.session_s or None, adversaries=args.adversaries,
-        duration_s=args.duration, seed=args.seed, data_plane=plane,
-        workload=INTERNET_WORKLOAD)) for plane in planes(args.plane)}
+        duration_s=args.duration, seed=seed, data_plane=plane,
+        workload=RECIPES[args.recipe][1])) for plane in planes(args.plane)}
+
+
+def over_seeds(args: argparse.Namespace, peers: int) -> list[dict[str, SimReport]]:
+    return [run_internet(args, peers, seed) for seed in range(args.seed, args.seed + args.seeds)]
+
+
+def mean_report(reports: list[SimReport]) -> SimReport:
+    """The seeds' mean figures and busy shares (their groups and staleness summed)."""
+    def mean(key: str, part: str) -> float:
+        return statistics.fmean(getattr(r, part)[key] for r in reports)
+
+    utilization = {key: mean(key, "utilization") for key in reports[0].utilization}
+    groups: Counter[str] = Counter()
+    staleness: Counter[int] = Counter()
+    for r in reports:
+        groups.update(r.groups)
+        staleness.update(r.staleness)
+    return SimReport({key: mean(key, "figures") for key in reports[0].figures}, dict(groups),
+                     dict(sorted(staleness.items())),
+                     dict(sorted(utilization.items(), key=lambda item: -item[1])))
 
 
 def plot_sweep(args: argparse.Namespace, counts: list[int],
-               runs: list[dict[str, SimReport]]) -> None:
+               runs: list[list[dict[str, SimReport]]]) -> None:
+    """Per panel, each data plane's mean over the seeds, and their range shaded."""
     import matplotlib.pyplot as plt
 
-    panels = [("generated_tokens_per_s", "generated tokens / s"),
-              ("staleness_mean", "mean staleness of trained groups"),
-              ("verify_share_of_replica_compute", "spot checks' share of replica compute")]
-    figure, axes = plt.subplots(1, len(panels) + 1, figsize=(18, 4))
-    for axis, (key, label) in zip(axes, panels):
-        for plane in runs[0]:
-            axis.plot(counts, [run[plane].figures[key] for run in runs], marker="o",
-                      label=plane)
+    panels = [("generated_tokens_per_s", "figures", "generated tokens / s"),
+              ("staleness_mean", "figures", "mean staleness of trained groups"),
+              ("verify_share_of_replica_compute", "figures",
+               "spot checks' share of replica compute"),
+              ("coordinator uplink", "utilization", "coordinator uplink busy share"),
+              ("coordinator CPU", "utilization", "coordinator CPU busy share")]
+    figure, axes = plt.subplots(1, len(panels), figsize=(22, 4))
+    for axis, (key, part, label) in zip(axes, panels):
+        for plane in runs[0][0]:
+            values = [[getattr(seeded[plane], part)[key] for seeded in run] for run in runs]
+            axis.plot(counts, [statistics.fmean(v) for v in values], marker="o", label=plane)
+            axis.fill_between(counts, [min(v) for v in values], [max(v) for v in values],
+                              alpha=0.2)
         axis.set(xscale="log", xlabel="peers", title=label)
         axis.legend()
-    for plane in runs[0]:
-        axes[-1].plot(counts, [run[plane].utilization["coordinator uplink"] for run in runs],
-                      marker="o", label=f"{plane}: uplink")
-        axes[-1].plot(counts, [run[plane].utilization["coordinator CPU"] for run in runs],
-                      marker="x", linestyle="--", label=f"{plane}: CPU")
-    axes[-1].set(xscale="log", xlabel="peers", title="coordinator busy share")
-    axes[-1].legend()
-    figure.suptitle(f"{args.model} in {args.stages} stages, {args.nat:.0%} behind NAT, "
-                    f"{args.duration:.0f} s simulated")
-    common.save_figure(figure, FIGURES / f"simulate_{args.model}_{args.stages}stages.png")
+    figure.suptitle(f"{args.model} in {args.stages} stages, recipe {args.recipe!r}, "
+                    f"{args.nat:.0%} behind NAT, {args.duration / 3600:.0f} h simulated, "
+                    f"{args.seeds} seeds")
+    common.save_figure(figure, FIGURES / f"simulate_{args.model}_{args.stages}stages_"
+                                         f"{args.recipe}.png")
 
 
 def simulate_measured(args: argparse.Namespace) -> dict[str, Any]:
@@ -202,11 +237,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="share of replicas that lie")
     parser.add_argument("--sweep", help="peer counts to run and plot (internet)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1, help="internet: seeds from --seed on; "
+                        "figures are their mean, plots shade their range")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="short",
+                        help="internet: the RL recipe (RECIPES)")
     parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args(argv)
     if args.stages < 1 or args.peers < 2 * args.stages:
         parser.error("--stages >= 1 and --peers >= 2 x --stages (a training peer and a replica "
                      "per stage) are needed")
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
     if not 0 <= args.nat <= 1 or not 0 <= args.adversaries < 1:
         parser.error("--nat must lie in [0, 1] and --adversaries in [0, 1)")
     if args.scenario == "chaos" and args.measured is None:
@@ -218,15 +259,20 @@ def main(argv: list[str] | None = None) -> None:
         results.update(simulate_measured(args))
     elif args.sweep:
         counts = [int(n) for n in args.sweep.split(",")]
-        runs = [run_internet(args, count) for count in counts]
-        for count, run in zip(counts, runs):
-            show(f"{args.model} in {args.stages} stages on {count} peers", run)
+        runs = [over_seeds(args, count) for count in counts]
+        means = [{plane: mean_report([seeded[plane] for seeded in run]) for plane in run[0]}
+                 for run in runs]
+        for count, mean in zip(counts, means):
+            show(f"{args.model} in {args.stages} stages on {count} peers, recipe "
+                 f"{args.recipe!r}, mean of {args.seeds} seeds", mean)
         plot_sweep(args, counts, runs)
-        results["sweep"] = {count: {plane: r.figures for plane, r in run.items()}
-                            for count, run in zip(counts, runs)}
+        results["sweep"] = {count: {plane: r.figures for plane, r in mean.items()}
+                            for count, mean in zip(counts, means)}
     else:
-        reports = run_internet(args, args.peers)
-        show(f"{args.model} in {args.stages} stages on {args.peers} peers", reports)
+        run = over_seeds(args, args.peers)
+        reports = {plane: mean_report([seeded[plane] for seeded in run]) for plane in run[0]}
+        show(f"{args.model} in {args.stages} stages on {args.peers} peers, recipe "
+             f"{args.recipe!r}, mean of {args.seeds} seeds", reports)
         results["internet"] = {plane: r.figures for plane, r in reports.items()}
     flat = {f"{plane}_{key}": value for part in results.values() if isinstance(part, dict)
             for plane, figures in part.items() if isinstance(figures, dict)

@@ -16,7 +16,9 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
+import msgspec
 import torch
 
 from decentrl.observe.metrics import read_metrics
@@ -41,10 +43,17 @@ def stage_timings(threads: int = 1) -> dict[str, float]:
     dtype a demo peer picks here (device.py compute_dtype: bf16 where the CPU has it; training
     in float32 under autocast to it): a decoding step of DECODE_ROWS rows at PROMPT cached
     positions, a prefill of PROMPT tokens for DECODE_ROWS rows, and a training micro-batch
-    (forward and backward) of MICRO_ROWS rows of ROW_TOKENS tokens."""
+    (forward and backward) of MICRO_ROWS rows of ROW_TOKENS tokens. The decoding step is timed as
+    a replica serves it, through its InferenceService, not the bare stage."""
+    from decentrl.config.loading import load_config
+    from decentrl.demo import EXAMPLES_DIR
     from decentrl.device import compute_dtype
     from decentrl.model.loading import load_model
     from decentrl.model.stages import StageCache, StagePlan, build_stages
+    from decentrl.net.node import SwarmNode
+    from decentrl.net.protocol import InferenceStep
+    from decentrl.stage.inbound import InboundChecks
+    from decentrl.stage.inference import InferenceService
 
     torch.set_num_threads(threads)
     cpu = torch.device("cpu")
@@ -62,13 +71,24 @@ def stage_timings(threads: int = 1) -> dict[str, float]:
                         torch.ones(DECODE_ROWS, PROMPT, dtype=torch.bool), cache)
         return cache
 
-    prefilled = prefill()
+    # A decoding step as a replica serves it (stage/inference.py `InferenceService.run_steps`):
+    # the session's lookup and checks, the forward on its cache, the reply's tensors.
+    config = load_config(EXAMPLES_DIR / "demo.toml")
+    service = InferenceService(config, served, cast(SwarmNode, None),
+                               InboundChecks(model.spec, 0, 2, config.swarm.max_session_tokens))
+    steps = 2 + REPEATS
+    session = InferenceStep(session="calibration", start=0, batch=DECODE_ROWS,
+                            max_length=PROMPT + steps)
+    service.infer("coordinator", session, {
+        "inputs": ids, "positions": torch.arange(PROMPT).expand(DECODE_ROWS, PROMPT),
+        "key_valid": torch.ones(DECODE_ROWS, PROMPT, dtype=torch.bool)})
+    position = iter(range(PROMPT, PROMPT + steps))
 
     def decode() -> None:
-        prefilled.length = PROMPT
-        with torch.inference_mode():
-            served.body(ids[:, :1], torch.full((DECODE_ROWS, 1), PROMPT),
-                        torch.ones(DECODE_ROWS, PROMPT + 1, dtype=torch.bool), prefilled)
+        at = next(position)
+        service.infer("coordinator", msgspec.structs.replace(session, start=at), {
+            "inputs": ids[:, :1], "positions": torch.full((DECODE_ROWS, 1), at),
+            "key_valid": torch.ones(DECODE_ROWS, at + 1, dtype=torch.bool)})
 
     rows = torch.randint(0, model.spec.vocab_size, (MICRO_ROWS, ROW_TOKENS))
 

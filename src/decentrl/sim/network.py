@@ -2,8 +2,10 @@
 holds for its bytes' serialisation time (first come, first served), and between them the one-way
 delay of the pair's round trip. A pair that are both behind NAT go through a relay, as net/reach.py
 and net/circuits.py route them: a longer round trip and go-libp2p's window per relayed
-connection, which caps such a flow at window / round trip. Bytes are counted per endpoint and
-direction, so the run reports what each peer and the coordinator sent and received."""
+connection, which caps such a flow at window / round trip. A message's software work (encoding,
+signatures, the p2p daemons) runs on the cores of its ends where they share a host's cores with
+compute, and only delays it elsewhere. Bytes are counted per endpoint and direction, so the run
+reports what each peer and the coordinator sent and received."""
 
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ class Endpoint:
     busy_down_s: float = 0.0
     messages: int = 0  # messages it sent
     extra: dict[str, float] = field(default_factory=dict)
+    # The cores its messages' software work runs on, where they are shared with compute (a
+    # host of the loopback demo); None: that work only delays the message.
+    cpu: simpy.PriorityResource | None = None
+    cpu_s: float = 0.0  # seconds of it spent on messages
 
 
 class Network:
@@ -83,10 +89,23 @@ class Network:
             if capped > max(serialise, receive):
                 yield env.timeout(capped - max(serialise, receive))
             source.relayed_bytes += nbytes
-        yield env.timeout(rtt / 2 + self.links.message_overhead_ms / 1000.0)
+        yield env.timeout(rtt / 2)
+        # Encoding, signing, the daemons: half at each end.
+        overhead = self.links.message_overhead_ms / 1000.0 / 2
+        yield from self._software(source, overhead)
+        yield from self._software(target, overhead)
         source.sent += nbytes
         source.messages += 1
         target.received += nbytes
+
+    def _software(self, endpoint: Endpoint, seconds: float) -> Generator[Any, Any, None]:
+        if endpoint.cpu is None:
+            yield self.env.timeout(seconds)
+            return
+        with endpoint.cpu.request(priority=0) as turn:
+            yield turn
+            yield self.env.timeout(seconds)
+        endpoint.cpu_s += seconds
 
     def _hold(self, pipe: simpy.Resource, seconds: float) -> Generator[Any, Any, None]:
         with pipe.request() as turn:

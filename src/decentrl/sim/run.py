@@ -143,6 +143,7 @@ def report(world: World) -> SimReport:
         used = sum(sum(p.busy.values()) for p in peers if p.spec.host == host)
         if world.scenario.coordinator.host == host:
             used += world.coordinator_cpu_s
+        used += sum(e.cpu_s for e in world.network.endpoints.values() if e.cpu is resource)
         busy[f"host {host} cores"] = used / (resource.capacity * duration)
     staleness: dict[int, int] = {}
     for value in tally.staleness:

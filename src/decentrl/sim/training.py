@@ -1,13 +1,15 @@
 """Simulated training and weight sync. Finished groups wait in the coordinator's inbox (one
 batch of them: net/swarm_transport.py; a full inbox holds generation back) and its pool
 (coordinator/pool.py); a step collects its groups as the real pool does, dropping those past
-the staleness bound with the real check (learn/losses.py `check_staleness`). Its micro-batches go forward through
-every stage's training peer and backward in reverse, one after another (learn/trainer.py
+the staleness bound with the real check (learn/losses.py `check_staleness`). Its micro-batches
+go forward through every stage's training peer and backward in reverse, one after another
+(learn/trainer.py
 `PipelineTrainer.train_step`), their activations and gradients through the coordinator or from
 peer to peer; then every stage steps its optimizer, the version moves on, and each training peer
 publishes its update (sync/distribute.py): a sparse int8 delta of `sync.density` of its
 parameters, a dense keyframe every `sync.keyframe_every` versions. Replicas fetch it from the
-publisher or, with `sync.peer_exchange`, from a replica that has it already."""
+publisher or, with `sync.peer_exchange`, from a replica that has it already. A training peer
+back from a kill rolls the run back to the last checkpoint (`roll_back`)."""
 
 from __future__ import annotations
 

@@ -87,6 +87,8 @@ class World:
             coordinator.downlink_mbps)
         self.coordinator_cpu = (self.hosts[coordinator.host] if coordinator.host is not None
                                 else simpy.PriorityResource(self.env, coordinator.cpu_cores))
+        if coordinator.host is not None:
+            self.coordinator.cpu = self.coordinator_cpu
         self.coordinator_cpu_s = 0.0
         self.plan = StagePlan.even(scenario.shape.layers, self.config.num_stages)
         self.replicas: list[list[Replica]] = [[] for _ in range(self.config.num_stages)]
@@ -123,6 +125,8 @@ class World:
             spec.downlink_mbps or links.downlink_mbps)
         device = (self.hosts[spec.host] if spec.host is not None
                   else simpy.PriorityResource(self.env, 1))
+        if spec.host is not None:
+            endpoint.cpu = device
         costs = self.stage_costs(spec, spec.speed)
         peer: SimPeer
         if spec.role == "inference":

@@ -168,3 +168,21 @@ def test_the_run_ends_after_its_steps() -> None:
     assert report.figures["steps"] == 3
     ended = simulation.world.env.now
     assert ended == simulation.world.tally.step_times[-1][0] < 600.0
+
+
+def test_on_a_shared_host_a_messages_software_work_takes_its_cores() -> None:
+    """The loopback demo's processes share the host's cores: what a message costs beyond its
+    bytes (encoding, signatures, the daemons) is CPU there, half at each end."""
+    links = dataclasses.replace(LINKS, message_overhead_ms=4.0)
+    on_host = tuple(dataclasses.replace(p, host="this") for p in peers())
+    shared = CoordinatorSpec("eu", host="this")
+    report, simulation = run(peers=on_host, coordinator=shared, links=links,
+                             host_cores={"this": 2})
+    endpoints = simulation.world.network.endpoints.values()
+    messages = sum(e.messages for e in endpoints)
+    assert messages > 0
+    assert sum(e.cpu_s for e in endpoints) == pytest.approx(messages * 0.004)
+    # Elsewhere the same work only delays the message.
+    _, apart = run(links=links)
+    assert sum(e.cpu_s for e in apart.world.network.endpoints.values()) == 0
+    assert report.utilization["host this cores"] > 0
