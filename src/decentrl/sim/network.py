@@ -1,6 +1,7 @@
 """Links between simulated peers: every endpoint's uplink and downlink are queues that a message
-holds for its bytes' serialisation time (first come, first served), and between them the one-way
-delay of the pair's round trip. A pair that are both behind NAT go through a relay, as net/reach.py
+holds for its bytes' serialisation time, a frame at a time (so messages sharing a pipe take
+turns, as streams multiplexed on a connection do), and between them the one-way delay of the
+pair's round trip. A pair that are both behind NAT go through a relay, as net/reach.py
 and net/circuits.py route them: a longer round trip and go-libp2p's window per relayed
 connection, which caps such a flow at window / round trip. A message's software work (encoding,
 signatures, the p2p daemons) runs on the cores of its ends where they share a host's cores with
@@ -43,6 +44,11 @@ class Endpoint:
     cpu_s: float = 0.0  # seconds of it spent on messages
 
 
+# The bytes a pipe carries of one message before another message's turn (yamux's window per
+# stream is 256 KiB; a coarser frame keeps the event count down).
+FRAME_BYTES = 1 << 20
+
+
 class Network:
     def __init__(self, env: simpy.Environment, links: LinkSpec, seed: int) -> None:
         self.env, self.links = env, links
@@ -79,8 +85,12 @@ class Network:
         env = self.env
         rtt = self.round_trip_s(source, target)
         serialise, receive = nbytes * 8 / source.uplink_bps, nbytes * 8 / target.downlink_bps
-        yield env.process(self._hold(source.uplink, serialise)) \
-            & env.process(self._hold(target.downlink, receive))
+        # Frame by frame: the messages sharing a pipe take turns, as streams multiplexed on a
+        # connection do, so a small one is not stuck behind a keyframe.
+        for frame in range(0, max(nbytes, 1), FRAME_BYTES):
+            size = min(FRAME_BYTES, nbytes - frame)
+            yield env.process(self._hold(source.uplink, size * 8 / source.uplink_bps)) \
+                & env.process(self._hold(target.downlink, size * 8 / target.downlink_bps))
         source.busy_up_s += serialise
         target.busy_down_s += receive
         if self.relayed(source, target):

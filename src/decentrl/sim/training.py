@@ -21,13 +21,12 @@ from decentrl.config import SyncConfig
 from decentrl.coordinator.pool import DYNAMIC_SAMPLING_LIMIT
 from decentrl.learn.losses import StaleRolloutError, check_staleness
 from decentrl.sim.peers import PeerGone, Replica, SimPeer, TrainingPeer
-from decentrl.sim.world import Group, World
+from decentrl.sim.world import KEYFRAME_BYTES_PER_PARAMETER, Group, World
 
 # An update entry on the wire (sync/delta.py): its int32 index and its value (int8 with a
-# float32 scale per QUANT_BLOCK = 256 values, or a bf16 value); a keyframe is the float32 state.
+# float32 scale per QUANT_BLOCK = 256 values, or a bf16 value).
 INDEX_BYTES = 4
 VALUE_BYTES = {"int8_delta": 1 + 4 / 256, "bf16_value": 2}
-KEYFRAME_BYTES_PER_PARAMETER = 4
 # How often the training loop looks at the pool when it cannot fill a batch.
 POOL_POLL_S = 0.2
 
@@ -249,29 +248,9 @@ class Training:
 
     def _fetch(self, replica: Replica, holders: list[list[SimPeer]], chunk_bytes: int,
                version: int, keyframe: bool) -> Generator[Any, Any, None]:
-        """One replica's fetch of every chunk, starting at a chunk of its own (so that replicas
-        hold different chunks early and can trade them, with `sync.peer_exchange`). An update a
-        rollback undid while it travelled is not applied; a rollback's keyframe replaces."""
+        """One replica's fetch of the update (World.fetch_chunks). An update a rollback undid
+        while it travelled is not applied; a rollback's keyframe replaces."""
         world = self.world
-        sync = world.config.sync
-        offset = world.random.randrange(len(holders))
-        order = [(offset + i) % len(holders) for i in range(len(holders))]
-        lanes = [order[lane::sync.parallel_fetches] for lane in range(sync.parallel_fetches)]
-        yield world.env.all_of([world.env.process(self._fetch_lane(replica, holders, lane,
-                                                                    chunk_bytes))
-                                for lane in lanes if lane])
+        yield from world.fetch_chunks(replica, holders, chunk_bytes)
         if replica.alive and version <= world.version:
             replica.version = version if keyframe else max(replica.version, version)
-
-    def _fetch_lane(self, replica: Replica, holders: list[list[SimPeer]], chunks: list[int],
-                    chunk_bytes: int) -> Generator[Any, Any, None]:
-        world = self.world
-        for chunk in chunks:
-            sources = [p for p in holders[chunk] if p.alive]
-            if not world.config.sync.peer_exchange:
-                sources = sources[:1]
-            if not sources or not replica.alive:
-                return
-            source = world.random.choice(sources)
-            yield from world.network.send(source.endpoint, replica.endpoint, chunk_bytes)
-            holders[chunk].append(replica)

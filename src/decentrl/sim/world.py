@@ -19,6 +19,9 @@ from decentrl.sim.network import Endpoint, Network
 from decentrl.sim.peers import Replica, SimPeer, TrainingPeer
 from decentrl.sim.scenario import Kill, PeerSpec, Scenario
 
+# A keyframe is the stage's float32 published state (sync/distribute.py).
+KEYFRAME_BYTES_PER_PARAMETER = 4
+
 
 @dataclass
 class Group:
@@ -192,15 +195,45 @@ class World:
             len(self.plan.layers(stage)), stage == 0, stage == self.config.num_stages - 1)
 
     def fetch_weights(self, peer: SimPeer) -> Generator[Any, Any, None]:
-        """A joining replica's first sync: the stage's whole state (a keyframe, bf16) from its
-        training peer."""
+        """A joining replica's first sync (sync/distribute.py): the stage's latest keyframe, its
+        float32 state, in `sync.chunks_per_update` chunks from the training peer or, with
+        `sync.peer_exchange`, from the stage's live replicas, which hold it."""
         stage = peer.stage
         trainer = self.trainer(stage)
         if trainer is None:
             return
-        yield from self.network.send(trainer.endpoint, peer.endpoint,
-                                     2 * self.stage_parameters(stage))
+        chunks = self.config.sync.chunks_per_update
+        chunk_bytes = -(-KEYFRAME_BYTES_PER_PARAMETER * self.stage_parameters(stage) // chunks)
+        holders: list[list[SimPeer]] = [[trainer, *self.live_replicas(stage)]
+                                        for _ in range(chunks)]
+        yield from self.fetch_chunks(peer, holders, chunk_bytes)
         peer.version = trainer.version
+
+    def fetch_chunks(self, peer: SimPeer, holders: list[list[SimPeer]], chunk_bytes: int
+                     ) -> Generator[Any, Any, None]:
+        """`peer`'s fetch of every chunk, `sync.parallel_fetches` at a time, starting at a chunk
+        of its own (so that replicas hold different chunks early and can trade them); each chunk
+        from a live holder (the first only, without `sync.peer_exchange`), which `peer` then is
+        too."""
+        sync = self.config.sync
+        offset = self.random.randrange(len(holders))
+        order = [(offset + i) % len(holders) for i in range(len(holders))]
+        lanes = [order[lane::sync.parallel_fetches] for lane in range(sync.parallel_fetches)]
+        yield self.env.all_of([self.env.process(self._fetch_lane(peer, holders, lane,
+                                                                 chunk_bytes))
+                               for lane in lanes if lane])
+
+    def _fetch_lane(self, peer: SimPeer, holders: list[list[SimPeer]], chunks: list[int],
+                    chunk_bytes: int) -> Generator[Any, Any, None]:
+        for chunk in chunks:
+            sources = [p for p in holders[chunk] if p.alive]
+            if not self.config.sync.peer_exchange:
+                sources = sources[:1]
+            if not sources or not peer.alive:
+                return
+            source = self.random.choice(sources)
+            yield from self.network.send(source.endpoint, peer.endpoint, chunk_bytes)
+            holders[chunk].append(peer)
 
     def remove(self, peer: SimPeer) -> None:
         """The peer leaves (churn) or is banned: its queued work fails over."""
