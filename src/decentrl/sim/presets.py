@@ -65,6 +65,8 @@ _BETWEEN = {("na", "eu"): 90, ("na", "asia"): 160, ("na", "sa"): 150, ("na", "oc
 # ~100-250 Mbit/s in the large markets, upload far lower outside fiber).
 ACCESS_LINKS = ((10.0, 100.0), (40.0, 300.0), (300.0, 500.0))
 ACCESS_SHARE = (0.3, 0.4, 0.3)
+# A training peer's link: the operator admits them (admitted.txt), and picks fiber.
+TRAINING_LINK = ACCESS_LINKS[-1]
 # The positions of a training micro-batch a training peer must hold activations for.
 TRAIN_TOKENS = 8 * 1280
 INTERNET_RTT_MS = {**{(r, r): 30.0 for r in REGIONS},
@@ -178,7 +180,8 @@ def internet_swarm(config: RunConfig, shape: ModelShape, peers: int, *,
                    hardware: Sequence[str] | None = None, coordinator_mbps: float = 1000.0,
                    rejoin_after_s: float | None = 300.0) -> Scenario:
     """`peers` machines drawn (seeded) from `hardware` (default: every GPU and Mac of the
-    table), the first of each stage's draw that holds a training stage training it. A peer
+    table), the first of each stage's draw that holds a training stage training it, on a fiber
+    link (TRAINING_LINK). A peer
     leaves after an exponential session of mean `mean_session_s` (None: nobody leaves); a share
     `adversaries` of the replicas lie; one that leaves is replaced `rejoin_after_s` later. Each
     peer's access link is drawn from ACCESS_LINKS; the
@@ -213,6 +216,8 @@ def internet_swarm(config: RunConfig, shape: ModelShape, peers: int, *,
         leaves = (draw.expovariate(1.0 / mean_session_s)
                   if mean_session_s is not None and role == "inference" else None)
         up, down = draw.choices(ACCESS_LINKS, ACCESS_SHARE)[0]
+        if role == "training":  # the operator admits training peers: well-connected ones
+            up, down = TRAINING_LINK
         specs.append(PeerSpec(
             f"peer{index}", stage, role, machines[index], draw.choices(REGIONS, REGION_SHARE)[0],
             draw.random() < behind_nat,
