@@ -3,9 +3,8 @@ batch of them: net/swarm_transport.py; a full inbox holds generation back) and i
 (coordinator/pool.py); a step collects its groups as the real pool does, dropping those past
 the staleness bound with the real check (learn/losses.py `check_staleness`). Its micro-batches
 go forward through every stage's training peer and backward in reverse, one after another
-(learn/trainer.py
-`PipelineTrainer.train_step`), their activations and gradients through the coordinator or from
-peer to peer; then every stage steps its optimizer, the version moves on, and each training peer
+(learn/trainer.py `PipelineTrainer.train_step`), their activations and gradients through the
+coordinator or from peer to peer; then every stage steps its optimizer, the version moves on, and each training peer
 publishes its update (sync/distribute.py): a sparse int8 delta of `sync.density` of its
 parameters, a dense keyframe every `sync.keyframe_every` versions. Replicas fetch it from the
 publisher or, with `sync.peer_exchange`, from a replica that has it already. A training peer
@@ -147,6 +146,8 @@ class Training:
         world, tally = self.world, self.world.tally
         checkpoint = world.version - len(self.since_checkpoint)
         trainer.version = checkpoint
+        if checkpoint == world.version:  # it died at a checkpoint: every stage agrees
+            return
         undone = self.since_checkpoint
         self.since_checkpoint = []
         returned = [group for collected in undone for group, _ in collected]
