@@ -166,40 +166,28 @@ def simulate_measured(args: argparse.Namespace) -> dict[str, Any]:
     """A run of this host's (`--scenario`), its compute and relaying calibrated here first, then
     simulated; with `--measured`, side by side with what that run's folder measured."""
     from decentrl.model.loading import model_spec
-    from decentrl.sim.calibration import (
-        calibrate_host,
-        coordinator_costs,
-        hop_overhead_s,
-        measured_run,
-        sampling_seconds_per_logit,
-    )
+    from decentrl.sim.calibration import calibrate, measured_run
     from decentrl.sim.shapes import ModelShape
 
     config = load_config(args.config or ROOT / "examples" / "demo.toml")
     measured = None if args.measured is None else measured_run(args.measured)
-    given = None if args.speed is None else Speed(*map(float, args.speed.split(",")))
-    host, cores, speed = calibrate_host(given)
-    relay, hop, draw = coordinator_costs(), hop_overhead_s(), sampling_seconds_per_logit()
-    print(f"calibration: the coordinator relays a message in {relay[0] * 1e6:.0f} us + "
-          f"{relay[1] * 1e9:.2f} ns a byte; a request and its reply take {hop * 1e3:.1f} ms "
-          f"beyond their link; a draw costs {draw * 1e9:.1f} ns of CPU a logit")
-    calibrated: dict[str, Any] = {"speed": speed, "relay_costs": relay, "seed": args.seed,
-                                  "hop_overhead_s": hop, "sampling_s_per_logit": draw}
+    host = calibrate(None if args.speed is None
+                     else Speed(*map(float, args.speed.split(","))))
 
     def scenario(plane: DataPlane) -> Scenario:
         if args.scenario == "netns":
-            return netns_demo(config, host, cores, data_plane=plane, **calibrated)
+            return netns_demo(config, host, args.seed, plane)
         if args.scenario == "chaos":
             assert measured is not None
-            return chaos_demo(config, host, cores, measured.kills, data_plane=plane,
-                              **calibrated)
+            return chaos_demo(config, host, measured.kills, args.seed, plane)
         if args.scenario == "operator":
             shape = ModelShape.from_spec(model_spec(Path(config.model)), name="tiny")
-            return operator_swarm(config, shape, host, cores, data_plane=plane, **calibrated)
-        return loopback_demo(config, host, cores, data_plane=plane, **calibrated)
+            return operator_swarm(config, shape, host, args.seed, plane)
+        return loopback_demo(config, host, seed=args.seed, data_plane=plane)
 
     reports = {plane: simulate(scenario(plane)) for plane in planes(args.plane)}
-    show(f"{args.scenario} on this host ({cores} cores; speed: decode {speed.decode:.2f}, "
+    speed = host.speed
+    show(f"{args.scenario} on this host ({host.cores} cores; speed: decode {speed.decode:.2f}, "
          f"prefill {speed.prefill:.2f}, train {speed.train:.2f})", reports)
     results: dict[str, Any] = {args.scenario: {p: r.figures for p, r in reports.items()}}
     if measured is not None:

@@ -1,18 +1,20 @@
 """Calibrating the simulator on this machine, and reading what a real demo measured.
 
-`calibrate_host` measures the host's single-core matmul rate and memory bandwidth
+`calibrate` measures the host's single-core matmul rate and memory bandwidth
 (sim/hardware.py `measure_host`), then times SmolLM2-135M's real stages (model/stages.py) at the
 demo's sizes and dtypes, one thread as each demo peer has: a decoding step of a batch, a
 prefill, a training micro-batch's forward and backward. Each kind of work gets its own fitted
 speed (measured over the roofline's prediction), printed, so a reader sees how far the roofline
-is from this CPU. `coordinator_costs` times the coordinator's real relaying of a reply. Nothing
-here is fitted to a run: the run-level figures (steps, rows per second, staleness) are
-predictions checked against `measured_demo`."""
+is from this CPU. It then times the coordinator's real relaying of a reply, a request and its
+reply between two real nodes, a seeded draw and a checkpoint's write. Nothing here is fitted to
+a run: the run-level figures (steps, tokens per second, staleness) are predictions checked
+against what `measured_run` reads from a run's folder."""
 
 from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 from decentrl.observe.metrics import read_metrics
 from decentrl.sim.costs import Speed, StageCosts
 from decentrl.sim.hardware import HardwareProfile, measure_host, median_seconds
+from decentrl.sim.presets import HostCalibration
 from decentrl.sim.scenario import Kill
 from decentrl.sim.shapes import SMOLLM2_135M
 
@@ -113,20 +116,43 @@ def predicted_timings(host: HardwareProfile) -> dict[str, float]:
             + costs.train_backward_s(tokens, MICRO_ROWS)}
 
 
-def calibrate_host(speed: Speed | None = None, threads: int = 1
-                   ) -> tuple[HardwareProfile, int, Speed]:
-    """(this host's single-core profile, its cores, the fitted speed of each kind of work:
-    `speed` if given)."""
-    host = measure_host(threads)
+def calibrate(speed: Speed | None = None, threads: int = 1) -> HostCalibration:
+    """This host, measured: its single-core profile and cores, the fitted speed of each kind of
+    work (`speed` if given: the stage timings are skipped), the coordinator's relaying, a hop's
+    software time, a draw's CPU and a checkpoint's write. Prints what it measured."""
+    profile = measure_host(threads)
     cores = os.cpu_count() or 1
-    if speed is not None:
-        return host, cores, speed
-    measured, predicted = stage_timings(threads), predicted_timings(host)
-    ratios = {op: predicted[op] / measured[op] for op in measured}
-    for op, ratio in ratios.items():
-        print(f"calibration: {op} measured {measured[op] * 1000:.1f} ms, roofline at speed 1 "
-              f"{predicted[op] * 1000:.1f} ms: speed {ratio:.2f}")
-    return host, cores, Speed(**ratios)
+    if speed is None:
+        measured, predicted = stage_timings(threads), predicted_timings(profile)
+        ratios = {op: predicted[op] / measured[op] for op in measured}
+        for op, ratio in ratios.items():
+            print(f"calibration: {op} measured {measured[op] * 1000:.1f} ms, roofline at speed "
+                  f"1 {predicted[op] * 1000:.1f} ms: speed {ratio:.2f}")
+        speed = Speed(**ratios)
+    host = HostCalibration(profile, cores, speed, coordinator_costs(), hop_overhead_s(),
+                           sampling_seconds_per_logit(threads), checkpoint_seconds_per_byte())
+    print(f"calibration: the coordinator relays a message in {host.relay_costs[0] * 1e6:.0f} us"
+          f" + {host.relay_costs[1] * 1e9:.2f} ns a byte; a request and its reply take "
+          f"{host.hop_overhead_s * 1e3:.1f} ms beyond their link; a draw costs "
+          f"{host.sampling_s_per_logit * 1e9:.1f} ns of CPU a logit; a checkpoint "
+          f"{host.checkpoint_s_per_byte * 1e9:.2f} ns a byte")
+    return host
+
+
+def checkpoint_seconds_per_byte(megabytes: int = 128) -> float:
+    """A checkpoint's write and hash per byte here (learn/checkpoints.py `write_stage`'s save,
+    model/loading.py `file_sha256`), on `megabytes` of float32 weights in a temporary folder."""
+    from decentrl.learn.checkpoints import CheckpointLayout
+    from decentrl.model.loading import file_sha256
+
+    tensors = {"weights": torch.randn(megabytes * 2**20 // 4),
+               "optimizer": {}, "version": 1}
+    with tempfile.TemporaryDirectory() as folder:
+        layout = CheckpointLayout(Path(folder))
+
+        def save() -> None:
+            file_sha256(layout.write_stage(1, 0, tensors))
+        return _median_s(save) / (megabytes * 2**20)
 
 
 def sampling_seconds_per_logit(rows: int = DECODE_ROWS, vocab: int = SMOLLM2_135M.vocab,

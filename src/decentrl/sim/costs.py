@@ -18,6 +18,12 @@ ID_BYTES, FLAG_BYTES = 8, 1
 # (rollout/sampling.py sampling_noise), rows x vocabulary of it per decoding step. Measured on
 # the development machine's CPU, one thread (sim/calibration.py sampling_seconds_per_logit).
 SAMPLING_S_PER_LOGIT = 1.2e-8
+# A training peer's checkpoint (stage/training.py `_save`): its float32 weights, Adam's two
+# moments and the served bf16 copy, written and the weights file hashed.
+CHECKPOINT_BYTES_PER_PARAMETER = 4 + 8 + 2
+# Seconds per byte to write and hash it where the host was not measured: a consumer NVMe drive
+# writing about 1 GB/s (sim/calibration.py checkpoint_seconds_per_byte measures this host's).
+CHECKPOINT_S_PER_BYTE = 1e-9
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class StageCosts:
     codec: ActivationCodec = "fp32"
     speed: Speed = Speed()
     sampling_s_per_logit: float = SAMPLING_S_PER_LOGIT
+    checkpoint_s_per_byte: float = CHECKPOINT_S_PER_BYTE
 
     def forward_s(self, rows: int, positions: int, context: int) -> float:
         """One inference forward of `rows` rows of `positions` new positions each (a batch's
@@ -73,6 +80,11 @@ class StageCosts:
         """The optimizer's pass over the stage's parameters."""
         return self.profile.optimizer_step_s(self.shape, self.layers, self.first,
                                              self.last) / self.speed.train
+
+    def checkpoint_s(self) -> float:
+        """Saving the stage's training state (every `train.checkpoint_every` steps)."""
+        parameters = self.shape.stage_parameters(self.layers, self.first, self.last)
+        return parameters * CHECKPOINT_BYTES_PER_PARAMETER * self.checkpoint_s_per_byte
 
     def _train_compute_s(self, tokens: int, rows: int) -> float:
         step = self.profile.train_step_s(self.shape, self.layers, tokens, self.first, self.last,

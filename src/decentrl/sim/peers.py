@@ -141,3 +141,6 @@ class TrainingPeer(SimPeer):
 
     def optimizer_step(self, purpose: str = "train") -> Generator[Any, Any, None]:
         yield from self.compute(self.costs.optimizer_s(), purpose)
+
+    def checkpoint(self) -> Generator[Any, Any, None]:
+        yield from self.compute(self.costs.checkpoint_s(), "checkpoint")

@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 import random
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 from decentrl.config import RunConfig
 from decentrl.demo import (
@@ -28,7 +28,7 @@ from decentrl.demo import (
     NETNS_THROTTLED_HOME,
     NETNS_UPLINK_MBIT,
 )
-from decentrl.sim.costs import SAMPLING_S_PER_LOGIT, Speed
+from decentrl.sim.costs import CHECKPOINT_S_PER_BYTE, SAMPLING_S_PER_LOGIT, Speed
 from decentrl.sim.hardware import HardwareProfile
 from decentrl.sim.machines import HARDWARE
 from decentrl.sim.scenario import (
@@ -73,25 +73,35 @@ INTERNET_RTT_MS = {**{(r, r): 30.0 for r in REGIONS},
                    **{pair: float(ms) for pair, ms in _BETWEEN.items()}}
 
 
-def loopback_demo(config: RunConfig, host: HardwareProfile, cores: int, speed: Speed = Speed(),
-                  relay_costs: tuple[float, float] = (2e-4, 2e-9),
-                  duration_s: float | None = None, seed: int = 0,
-                  data_plane: DataPlane = "coordinator", hop_overhead_s: float = 0.0,
-                  sampling_s_per_logit: float = SAMPLING_S_PER_LOGIT) -> Scenario:
-    """The demo of `config` (examples/demo.toml) on a host of `cores` cores, each peer computing
-    on one of them with `host`'s single-core profile times `speed` (the calibration's), the
-    coordinator's relaying costing `relay_costs` (seconds per message, per byte:
-    sim/calibration.py coordinator_costs), a request and its reply `hop_overhead_s` beyond
-    their link (sim/calibration.py hop_overhead_s), a draw `sampling_s_per_logit` of CPU per
-    logit."""
+@dataclass(frozen=True)
+class HostCalibration:
+    """This host as the runs measured on it are simulated (sim/calibration.py `calibrate`
+    measures every field): its single-core profile and cores, the fitted speed of each kind of
+    work, the coordinator's CPU per relayed message and byte, a request and its reply's
+    software time beyond their link, a seeded draw's CPU per logit, and a checkpoint's seconds
+    per byte."""
+
+    profile: HardwareProfile
+    cores: int
+    speed: Speed = Speed()
+    relay_costs: tuple[float, float] = (2e-4, 2e-9)
+    hop_overhead_s: float = 0.0
+    sampling_s_per_logit: float = SAMPLING_S_PER_LOGIT
+    checkpoint_s_per_byte: float = CHECKPOINT_S_PER_BYTE
+
+
+def loopback_demo(config: RunConfig, host: HostCalibration, duration_s: float | None = None,
+                  seed: int = 0, data_plane: DataPlane = "coordinator") -> Scenario:
+    """The demo of `config` (examples/demo.toml) on `host`, each peer computing on one of its
+    cores with its single-core profile times the fitted speeds."""
     stages = config.num_stages
     replicas = config.swarm.inference_replicas
     peers = []
     for stage in range(stages):
-        peers.append(PeerSpec(f"train{stage}", stage, "training", host, f"train{stage}",
-                              host="this", speed=speed))
-        peers += [PeerSpec(f"infer{stage}.{index}", stage, "inference", host,
-                           f"infer{stage}.{index}", host="this", speed=speed)
+        peers.append(PeerSpec(f"train{stage}", stage, "training", host.profile,
+                              f"train{stage}", host="this", speed=host.speed))
+        peers += [PeerSpec(f"infer{stage}.{index}", stage, "inference", host.profile,
+                           f"infer{stage}.{index}", host="this", speed=host.speed)
                   for index in range(replicas)]
     draw = random.Random(seed)
     regions = ["coordinator", *(p.region for p in peers)]
@@ -99,26 +109,28 @@ def loopback_demo(config: RunConfig, host: HardwareProfile, cores: int, speed: S
     rtt = {(a, b): (0.0 if a == b else draw.uniform(low, high))
            for a, b in itertools.combinations_with_replacement(regions, 2)}
     links = LinkSpec(rtt, uplink_mbps=LOOPBACK_MBPS, downlink_mbps=LOOPBACK_MBPS,
-                     jitter_ms=DEMO_JITTER_MS, message_overhead_ms=hop_overhead_s * 500.0)
-    coordinator = CoordinatorSpec("coordinator", LOOPBACK_MBPS, LOOPBACK_MBPS, cores,
-                                  seconds_per_message=relay_costs[0],
-                                  seconds_per_byte=relay_costs[1], host="this")
-    return Scenario(config, SMOLLM2_135M, tuple(peers), coordinator, links, DEMO_WORKLOAD,
-                    data_plane, duration_s or config.train.time_budget_s or 720.0, seed,
-                    {"this": cores}, sampling_s_per_logit=sampling_s_per_logit)
+                     jitter_ms=DEMO_JITTER_MS, message_overhead_ms=host.hop_overhead_s * 500.0)
+    return Scenario(config, SMOLLM2_135M, tuple(peers), _coordinator(host, "coordinator"),
+                    links, DEMO_WORKLOAD, data_plane,
+                    duration_s or config.train.time_budget_s or 720.0, seed, {"this": host.cores},
+                    sampling_s_per_logit=host.sampling_s_per_logit,
+                    checkpoint_s_per_byte=host.checkpoint_s_per_byte)
 
 
-def netns_demo(config: RunConfig, host: HardwareProfile, cores: int, speed: Speed = Speed(),
-               relay_costs: tuple[float, float] = (2e-4, 2e-9), seed: int = 0,
-               data_plane: DataPlane = "coordinator", hop_overhead_s: float = 0.0,
-               sampling_s_per_logit: float = SAMPLING_S_PER_LOGIT) -> Scenario:
+def _coordinator(host: HostCalibration, region: str) -> CoordinatorSpec:
+    """The coordinator as a process of `host`, on its cores, on loopback."""
+    return CoordinatorSpec(region, LOOPBACK_MBPS, LOOPBACK_MBPS, host.cores,
+                           seconds_per_message=host.relay_costs[0],
+                           seconds_per_byte=host.relay_costs[1], host="this")
+
+
+def netns_demo(config: RunConfig, host: HostCalibration, seed: int = 0,
+               data_plane: DataPlane = "coordinator") -> Scenario:
     """`decentrl demo --netns` (demo.py NETNS_HOMES): the loopback demo with four of the six
     peers behind two home NATs on 50 Mbit/s uplinks, home2's dropping to 0.5 Mbit/s halfway
     through the training budget. (Each home peer has its own uplink here; the real two share
     their router's.)"""
-    loopback = loopback_demo(config, host, cores, speed, relay_costs, seed=seed,
-                             data_plane=data_plane, hop_overhead_s=hop_overhead_s,
-                             sampling_s_per_logit=sampling_s_per_logit)
+    loopback = loopback_demo(config, host, seed=seed, data_plane=data_plane)
     homes = {peer: home for home, peers in NETNS_HOMES for peer in peers}
     peers = tuple(dataclasses.replace(p, behind_nat=True, uplink_mbps=NETNS_UPLINK_MBIT)
                   if p.name in homes else p for p in loopback.peers)
@@ -129,12 +141,13 @@ def netns_demo(config: RunConfig, host: HardwareProfile, cores: int, speed: Spee
                                uplink_changes=((halfway, throttled, NETNS_THROTTLE_MBIT),))
 
 
-def chaos_demo(config: RunConfig, host: HardwareProfile, cores: int, kills: tuple[Kill, ...],
-               **calibrated: Any) -> Scenario:
+def chaos_demo(config: RunConfig, host: HostCalibration, kills: tuple[Kill, ...],
+               seed: int = 0, data_plane: DataPlane = "coordinator") -> Scenario:
     """`decentrl demo --chaos`: the loopback demo with `kills` (a measured run's, read by
     sim/calibration.py `measured_run`, so the simulation meets the same peers killed at the same
-    times); `calibrated`: loopback_demo's keywords."""
-    return dataclasses.replace(loopback_demo(config, host, cores, **calibrated), kills=kills)
+    times)."""
+    return dataclasses.replace(loopback_demo(config, host, seed=seed, data_plane=data_plane),
+                               kills=kills)
 
 
 # The operator walk's homes (tests/netns/test_operator_netns.py): veth pairs without emulation,
@@ -143,34 +156,28 @@ OPERATOR_RTT_MS = 0.1
 OPERATOR_UPLINK_MBIT = 50.0
 
 
-def operator_swarm(config: RunConfig, shape: ModelShape, host: HardwareProfile, cores: int,
-                   speed: Speed = Speed(), relay_costs: tuple[float, float] = (2e-4, 2e-9),
-                   seed: int = 0, data_plane: DataPlane = "coordinator",
-                   hop_overhead_s: float = 0.0,
-                   sampling_s_per_logit: float = SAMPLING_S_PER_LOGIT) -> Scenario:
+def operator_swarm(config: RunConfig, shape: ModelShape, host: HostCalibration, seed: int = 0,
+                   data_plane: DataPlane = "coordinator") -> Scenario:
     """The multi-host guide walked by an operator (tests/netns/test_operator_netns.py): every
     stage's training peer (home 1 for even stages, home 2 for odd ones) and one replica (the
     other home), each a process of its own behind its home's NAT on a 50 Mbit/s uplink, the
-    coordinator and the relay on the public segment; every process on this host's `cores`. The
-    run ends after `config.train.steps`."""
+    coordinator and the relay on the public segment; every process on `host`'s cores. The run
+    ends after `config.train.steps`."""
     stages = config.num_stages
     peers = []
     for stage in range(stages):
-        peers.append(PeerSpec(f"train{stage}", stage, "training", host, "lan", True,
-                              host="this", speed=speed, uplink_mbps=OPERATOR_UPLINK_MBIT))
-        peers.append(PeerSpec(f"infer{stage}", stage, "inference", host, "lan", True,
-                              host="this", speed=speed, uplink_mbps=OPERATOR_UPLINK_MBIT))
+        for role, name in (("training", f"train{stage}"), ("inference", f"infer{stage}")):
+            peers.append(PeerSpec(name, stage, role, host.profile, "lan", True, host="this",
+                                  speed=host.speed, uplink_mbps=OPERATOR_UPLINK_MBIT))
     links = LinkSpec({("lan", "lan"): OPERATOR_RTT_MS}, uplink_mbps=LOOPBACK_MBPS,
                      downlink_mbps=LOOPBACK_MBPS, relay_extra_rtt_ms=OPERATOR_RTT_MS,
-                     message_overhead_ms=hop_overhead_s * 500.0)
-    coordinator = CoordinatorSpec("lan", LOOPBACK_MBPS, LOOPBACK_MBPS, cores,
-                                  seconds_per_message=relay_costs[0],
-                                  seconds_per_byte=relay_costs[1], host="this")
+                     message_overhead_ms=host.hop_overhead_s * 500.0)
     # A random model rarely ends its answer before max_new_tokens.
     workload = dataclasses.replace(DEMO_WORKLOAD, completion_share=(1.0, 1.0))
-    return Scenario(config, shape, tuple(peers), coordinator, links, workload, data_plane,
-                    config.train.time_budget_s or 600.0, seed, {"this": cores},
-                    sampling_s_per_logit=sampling_s_per_logit)
+    return Scenario(config, shape, tuple(peers), _coordinator(host, "lan"), links, workload,
+                    data_plane, config.train.time_budget_s or 600.0, seed, {"this": host.cores},
+                    sampling_s_per_logit=host.sampling_s_per_logit,
+                    checkpoint_s_per_byte=host.checkpoint_s_per_byte)
 
 
 def internet_swarm(config: RunConfig, shape: ModelShape, peers: int, *,

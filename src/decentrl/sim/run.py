@@ -144,6 +144,7 @@ def report(world: World) -> SimReport:
         if world.scenario.coordinator.host == host:
             used += world.coordinator_cpu_s
         used += sum(e.cpu_s for e in world.network.endpoints.values() if e.cpu is resource)
+        used += world.restart_cpu_s[host]
         busy[f"host {host} cores"] = used / (resource.capacity * duration)
     staleness: dict[int, int] = {}
     for value in tally.staleness:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from decentrl.config import RunConfig
-from decentrl.sim.costs import SAMPLING_S_PER_LOGIT, Speed
+from decentrl.sim.costs import CHECKPOINT_S_PER_BYTE, SAMPLING_S_PER_LOGIT, Speed
 from decentrl.sim.hardware import HardwareProfile
 from decentrl.sim.machines import HARDWARE
 from decentrl.sim.shapes import ModelShape
@@ -135,6 +135,8 @@ class Scenario:
     # The peers' CPU seconds of sampling per logit (sim/costs.py SAMPLING_S_PER_LOGIT).
     sampling_s_per_logit: float = SAMPLING_S_PER_LOGIT
     kills: tuple[Kill, ...] = ()
+    # A training peer's seconds per byte of checkpoint (sim/costs.py CHECKPOINT_S_PER_BYTE).
+    checkpoint_s_per_byte: float = CHECKPOINT_S_PER_BYTE
 
     def __post_init__(self) -> None:
         stages = self.config.num_stages

@@ -130,13 +130,32 @@ class Training:
             world.tally.step_tokens.append(sum(group.tokens for group, _ in collected))
             self.since_checkpoint.append(collected)
             if world.version % world.config.train.checkpoint_every == 0:
-                self.since_checkpoint = []
+                # Every stage saves before the next step (coordinator/loop.py `checkpoint`).
+                yield from self._checkpoint()
             self.after_step()
             if world.tally.steps_done >= world.config.train.steps:
                 self.finished.succeed()
                 return
             for stage in range(world.config.num_stages):
                 env.process(self._publish(stage, world.version))
+
+    def _checkpoint(self) -> Generator[Any, Any, None]:
+        """Each stage's training peer saves its state. A save that fails (the peer is gone)
+        costs the run this checkpoint only, as a periodic save's failure does."""
+        world = self.world
+        trainers = [world.trainer(stage) for stage in range(world.config.num_stages)]
+        saved = yield world.env.all_of([world.env.process(self._save(t))
+                                        for t in trainers if t is not None])
+        if None not in trainers and all(saved.values()):
+            self.since_checkpoint = []
+
+    @staticmethod
+    def _save(trainer: TrainingPeer) -> Generator[Any, Any, bool]:
+        try:
+            yield from trainer.checkpoint()
+        except PeerGone:
+            return False
+        return True
 
     def roll_back(self, trainer: TrainingPeer) -> None:
         """A training peer restarted from its last checkpoint, behind the others: the run goes

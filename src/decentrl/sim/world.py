@@ -93,6 +93,7 @@ class World:
         if coordinator.host is not None:
             self.coordinator.cpu = self.coordinator_cpu
         self.coordinator_cpu_s = 0.0
+        self.restart_cpu_s: Counter[str] = Counter()  # per host: restarted processes' start
         self.plan = StagePlan.even(scenario.shape.layers, self.config.num_stages)
         self.replicas: list[list[Replica]] = [[] for _ in range(self.config.num_stages)]
         self.trainers: list[list[TrainingPeer]] = [[] for _ in range(self.config.num_stages)]
@@ -116,7 +117,8 @@ class World:
         return StageCosts(spec.profile(), self.scenario.shape, layers, stage == 0,
                           stage == self.config.num_stages - 1,
                           self.config.swarm.activation_codec, speed,
-                          self.scenario.sampling_s_per_logit)
+                          self.scenario.sampling_s_per_logit,
+                          self.scenario.checkpoint_s_per_byte)
 
     def add_peer(self, spec: PeerSpec, serving: bool = True, endpoint: Endpoint | None = None
                  ) -> SimPeer:
@@ -169,7 +171,7 @@ class World:
             return
         self.remove(victim)
         self.tally.kills += 1
-        yield self.env.timeout(kill.back_after_s)
+        yield from self._restart(victim.spec, kill.back_after_s)
         if isinstance(victim, Replica):
             back = self.add_peer(dataclasses.replace(victim.spec, leaves_at_s=None),
                                  serving=False, endpoint=victim.endpoint)
@@ -178,6 +180,17 @@ class World:
         else:
             victim.alive = True
             self.on_trainer_back(victim)
+
+    def _restart(self, spec: PeerSpec, seconds: float) -> Generator[Any, Any, None]:
+        """A restart's own work (the process's imports, its stage loaded, its join): on a shared
+        host, a core for the time it took."""
+        if spec.host is None:
+            yield self.env.timeout(seconds)
+            return
+        with self.hosts[spec.host].request(priority=0) as turn:
+            yield turn
+            yield self.env.timeout(seconds)
+        self.restart_cpu_s[spec.host] += seconds
 
     def peers(self) -> list[SimPeer]:
         return [*(r for stage in self.replicas for r in stage),

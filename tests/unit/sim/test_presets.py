@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from decentrl.config import RunConfig
 from decentrl.sim.machines import HARDWARE
-from decentrl.sim.presets import chaos_demo, operator_swarm
-from decentrl.sim.run import simulate
-from decentrl.sim.scenario import Kill
+from decentrl.sim.presets import HostCalibration, chaos_demo, operator_swarm
+from decentrl.sim.run import Simulation, simulate
+from decentrl.sim.scenario import Kill, Scenario
 from decentrl.sim.shapes import ModelShape
 
 TINY = ModelShape(name="tiny", layers=8, hidden=64, intermediate=128, heads=4, kv_heads=2,
                   head_dim=16, vocab=512, tied_embeddings=True)
-HOST = HARDWARE["ryzen-9-7950x"]
+HOST = HostCalibration(HARDWARE["ryzen-9-7950x"], cores=2, hop_overhead_s=0.007)
 
 
 def config(stages: int, **train: int) -> RunConfig:
@@ -24,7 +24,7 @@ def config(stages: int, **train: int) -> RunConfig:
 
 
 def test_the_operator_walk_ends_after_its_steps_with_its_nat_pairs_relayed() -> None:
-    scenario = operator_swarm(config(4, steps=3), TINY, HOST, cores=2, hop_overhead_s=0.007)
+    scenario = operator_swarm(config(4, steps=3), TINY, HOST)
     assert sorted(p.name for p in scenario.peers) == sorted(
         [*(f"train{s}" for s in range(4)), *(f"infer{s}" for s in range(4))])
     assert all(p.behind_nat for p in scenario.peers)
@@ -38,8 +38,16 @@ def test_the_operator_walk_ends_after_its_steps_with_its_nat_pairs_relayed() -> 
 
 def test_the_chaos_demo_meets_the_kills_it_is_given() -> None:
     kills = (Kill(30.0, "infer1.1", 20.0), Kill(120.0, "train0", 25.0))
-    scenario = chaos_demo(config(2, checkpoint_every=5), HOST, 2, kills)
+    scenario = chaos_demo(config(2, checkpoint_every=5), HOST, kills)
     assert scenario.kills == kills
     report = simulate(scenario)
     assert report.figures["kills"] == 2
     assert report.figures["rollbacks"] <= 1 and report.figures["steps"] > 0
+    # The restarts' own work (imports, loading a stage) took a core of the host meanwhile.
+    assert simulate_restarts(scenario) == 20.0 + 25.0
+
+
+def simulate_restarts(scenario: Scenario) -> float:
+    simulation = Simulation(scenario)
+    simulation.run()
+    return simulation.world.restart_cpu_s["this"]

@@ -141,7 +141,7 @@ def test_a_killed_training_peer_rolls_the_run_back_to_its_checkpoint() -> None:
     report, simulation = run(config=config(checkpoint_every=3), kills=kills, duration_s=240.0)
     world, tally = simulation.world, simulation.world.tally
     assert tally.kills == 2 and tally.rollbacks == 1
-    assert 1 <= tally.steps_undone < 3
+    assert 1 <= tally.steps_undone <= 3  # 3: it died saving the checkpoint of its step
     # The run goes on after it (once the replicas have the checkpoint's keyframe).
     assert any(end > 42.0 for end, _, _ in tally.step_times)
     # The versions agree again: the learner's is its steps, no peer is ahead of it.
