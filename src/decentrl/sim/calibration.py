@@ -129,11 +129,12 @@ def calibrate(speed: Speed | None = None, threads: int = 1) -> HostCalibration:
             print(f"calibration: {op} measured {measured[op] * 1000:.1f} ms, roofline at speed "
                   f"1 {predicted[op] * 1000:.1f} ms: speed {ratio:.2f}")
         speed = Speed(**ratios)
-    host = HostCalibration(profile, cores, speed, coordinator_costs(), hop_overhead_s(),
+    host = HostCalibration(profile, cores, speed, coordinator_costs(), hop_overhead(),
                            sampling_seconds_per_logit(threads), checkpoint_seconds_per_byte())
     print(f"calibration: the coordinator relays a message in {host.relay_costs[0] * 1e6:.0f} us"
           f" + {host.relay_costs[1] * 1e9:.2f} ns a byte; a request and its reply take "
-          f"{host.hop_overhead_s * 1e3:.1f} ms beyond their link; a draw costs "
+          f"{host.hop_overhead[0] * 1e3:.1f} ms + {host.hop_overhead[1] * 1e9:.1f} ns a byte "
+          f"beyond their link; a draw costs "
           f"{host.sampling_s_per_logit * 1e9:.1f} ns of CPU a logit; a checkpoint "
           f"{host.checkpoint_s_per_byte * 1e9:.2f} ns a byte")
     return host
@@ -212,12 +213,13 @@ def coordinator_costs(hidden: int = SMOLLM2_135M.hidden) -> tuple[float, float]:
     return max(0.0, small - per_byte * small_bytes), per_byte
 
 
-def hop_overhead_s(rows: int = DECODE_ROWS, hidden: int = SMOLLM2_135M.hidden,
-                   calls: int = 20) -> float:
-    """A hop's software cost beyond compute and the emulated link: the median round trip of a
-    signed request of hidden states [rows, 1, hidden] and its reply of the same size between two
-    nodes on loopback (net/node.py: encoding, signatures, the p2p daemons, the guard's checks),
-    the handler doing nothing. Starts two p2p daemons and shuts them down."""
+def hop_overhead(rows: int = DECODE_ROWS, hidden: int = SMOLLM2_135M.hidden,
+                 calls: int = 20) -> tuple[float, float]:
+    """A hop's software cost beyond compute and the emulated link, as (seconds per request and
+    reply, seconds per byte they carry): the median round trips of a signed request of hidden
+    states [1, 1, hidden] and of [rows, 1, hidden], each answered with the same tensor, between
+    two nodes on loopback (net/node.py: encoding, signatures, the p2p daemons, the guard's
+    checks), the handler doing nothing. Starts two p2p daemons and shuts them down."""
     from decentrl.net.link import LinkProfile
     from decentrl.net.node import Reply, Request, SwarmNode
     from decentrl.net.protocol import Empty, Rpc, TensorRule
@@ -234,13 +236,20 @@ def hop_overhead_s(rows: int = DECODE_ROWS, hidden: int = SMOLLM2_135M.hidden,
                 return Reply(Empty(), {"hidden": request.tensors["hidden"]})
 
             server.serve(echo, answer)
-            states = {"hidden": torch.randn(rows, 1, hidden)}
-            return _median_s(lambda: client.call_sync(server.peer_id, echo, Empty(), states),
-                             calls)
+
+            def round_trip(batch: int) -> float:
+                states = {"hidden": torch.randn(batch, 1, hidden)}
+                return _median_s(lambda: client.call_sync(server.peer_id, echo, Empty(),
+                                                          states), calls)
+
+            small, large = round_trip(1), round_trip(rows)
         finally:
             client.shutdown()
     finally:
         server.shutdown()
+    extra_bytes = 2 * (rows - 1) * hidden * 4  # the request's and the reply's
+    per_byte = max(0.0, (large - small) / extra_bytes)
+    return small - 2 * hidden * 4 * per_byte, per_byte
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,8 @@ class Network:
             source.relayed_bytes += nbytes
         yield env.timeout(rtt / 2)
         # Encoding, signing, the daemons: half at each end.
-        overhead = self.links.message_overhead_ms / 1000.0 / 2
+        overhead = (self.links.message_overhead_ms / 1000.0
+                    + self.links.message_overhead_s_per_byte * nbytes) / 2
         yield from self._software(source, overhead)
         yield from self._software(target, overhead)
         source.sent += nbytes

@@ -78,14 +78,14 @@ class HostCalibration:
     """This host as the runs measured on it are simulated (sim/calibration.py `calibrate`
     measures every field): its single-core profile and cores, the fitted speed of each kind of
     work, the coordinator's CPU per relayed message and byte, a request and its reply's
-    software time beyond their link, a seeded draw's CPU per logit, and a checkpoint's seconds
-    per byte."""
+    software time beyond their link (seconds, and seconds per byte they carry), a seeded draw's
+    CPU per logit, and a checkpoint's seconds per byte."""
 
     profile: HardwareProfile
     cores: int
     speed: Speed = Speed()
     relay_costs: tuple[float, float] = (2e-4, 2e-9)
-    hop_overhead_s: float = 0.0
+    hop_overhead: tuple[float, float] = (0.0, 0.0)
     sampling_s_per_logit: float = SAMPLING_S_PER_LOGIT
     checkpoint_s_per_byte: float = CHECKPOINT_S_PER_BYTE
 
@@ -109,12 +109,18 @@ def loopback_demo(config: RunConfig, host: HostCalibration, duration_s: float | 
     rtt = {(a, b): (0.0 if a == b else draw.uniform(low, high))
            for a, b in itertools.combinations_with_replacement(regions, 2)}
     links = LinkSpec(rtt, uplink_mbps=LOOPBACK_MBPS, downlink_mbps=LOOPBACK_MBPS,
-                     jitter_ms=DEMO_JITTER_MS, message_overhead_ms=host.hop_overhead_s * 500.0)
+                     jitter_ms=DEMO_JITTER_MS, **_software(host))
     return Scenario(config, SMOLLM2_135M, tuple(peers), _coordinator(host, "coordinator"),
                     links, DEMO_WORKLOAD, data_plane,
                     duration_s or config.train.time_budget_s or 720.0, seed, {"this": host.cores},
                     sampling_s_per_logit=host.sampling_s_per_logit,
                     checkpoint_s_per_byte=host.checkpoint_s_per_byte)
+
+
+def _software(host: HostCalibration) -> dict[str, float]:
+    """A message's software time on `host` (half of a request and its reply's fixed part)."""
+    fixed, per_byte = host.hop_overhead
+    return {"message_overhead_ms": fixed * 500.0, "message_overhead_s_per_byte": per_byte}
 
 
 def _coordinator(host: HostCalibration, region: str) -> CoordinatorSpec:
@@ -171,7 +177,7 @@ def operator_swarm(config: RunConfig, shape: ModelShape, host: HostCalibration, 
                                   speed=host.speed, uplink_mbps=OPERATOR_UPLINK_MBIT))
     links = LinkSpec({("lan", "lan"): OPERATOR_RTT_MS}, uplink_mbps=LOOPBACK_MBPS,
                      downlink_mbps=LOOPBACK_MBPS, relay_extra_rtt_ms=OPERATOR_RTT_MS,
-                     message_overhead_ms=host.hop_overhead_s * 500.0)
+                     **_software(host))
     # A random model rarely ends its answer before max_new_tokens.
     workload = dataclasses.replace(DEMO_WORKLOAD, completion_share=(1.0, 1.0))
     return Scenario(config, shape, tuple(peers), _coordinator(host, "lan"), links, workload,

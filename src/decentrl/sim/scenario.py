@@ -65,9 +65,10 @@ class LinkSpec:
     relay_window_bytes: int = 128 * 2**10
     relay_extra_rtt_ms: float = 40.0
     jitter_ms: float = 0.0
-    # Software time per message beyond its bytes and the link: encoding, signatures, the p2p
-    # daemons (sim/calibration.py hop_overhead_s measures a round trip of two on loopback).
+    # Software time per message beyond the link: encoding, signatures, the p2p daemons; a fixed
+    # part and a part per byte (sim/calibration.py hop_overhead measures both on loopback).
     message_overhead_ms: float = 0.0
+    message_overhead_s_per_byte: float = 0.0
 
     def rtt_s(self, a: str, b: str) -> float:
         found = self.rtt_ms.get((a, b), self.rtt_ms.get((b, a)))

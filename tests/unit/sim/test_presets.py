@@ -13,7 +13,7 @@ from decentrl.sim.shapes import ModelShape
 
 TINY = ModelShape(name="tiny", layers=8, hidden=64, intermediate=128, heads=4, kv_heads=2,
                   head_dim=16, vocab=512, tied_embeddings=True)
-HOST = HostCalibration(HARDWARE["ryzen-9-7950x"], cores=2, hop_overhead_s=0.007)
+HOST = HostCalibration(HARDWARE["ryzen-9-7950x"], cores=2, hop_overhead=(0.007, 1e-9))
 
 
 def config(stages: int, **train: int) -> RunConfig:
