@@ -58,8 +58,8 @@ FIGURES = ROOT / "bench" / "figures"
 SHAPES = {"8b": LLAMA_8B, "135m": SMOLLM2_135M}
 # RL recipes at the 8B scale (groups of 8, staleness bound 4, the run's trust defaults,
 # activations in bf16), by what they ask of the swarm:
-# - reasoning: 64 prompts of 256 tokens a step, answers of up to 1,024 tokens (what verl and
-#   prime-rl runs on reasoning tasks use, smaller);
+# - reasoning: 64 prompts of 256 tokens a step, answers of up to 1,024 tokens (a reasoning
+#   task, kept small);
 # - short: 16 prompts a step, answers of up to 256 tokens: what an operator of a swarm on home
 #   links would pick, so that a step's sessions end in minutes, not hours.
 SWARM_SETTINGS: dict[str, Any] = {
@@ -254,15 +254,17 @@ def main(argv: list[str] | None = None) -> None:
             show(f"{args.model} in {args.stages} stages on {count} peers, recipe "
                  f"{args.recipe!r}, mean of {args.seeds} seeds", mean)
         plot_sweep(args, counts, runs)
-        results["sweep"] = {count: {plane: r.figures for plane, r in mean.items()}
-                            for count, mean in zip(counts, means)}
+        results.update({f"{count}peers": {plane: r.figures for plane, r in mean.items()}
+                        for count, mean in zip(counts, means)})
     else:
         run = over_seeds(args, args.peers)
         reports = {plane: mean_report([seeded[plane] for seeded in run]) for plane in run[0]}
         show(f"{args.model} in {args.stages} stages on {args.peers} peers, recipe "
              f"{args.recipe!r}, mean of {args.seeds} seeds", reports)
         results["internet"] = {plane: r.figures for plane, r in reports.items()}
-    flat = {f"{plane}_{key}": value for part in results.values() if isinstance(part, dict)
+    prefix = len(results) > 1  # a sweep's figures are named after their peer count
+    flat = {f"{name}_{plane}_{key}" if prefix else f"{plane}_{key}": value
+            for name, part in results.items() if isinstance(part, dict)
             for plane, figures in part.items() if isinstance(figures, dict)
             for key, value in figures.items() if isinstance(value, float)}
     common.print_figures("simulate", flat)
