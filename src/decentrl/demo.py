@@ -23,7 +23,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from decentrl.config import RUN_MODEL_DIR, RunConfig, is_run_folder, read_toml
-from decentrl.observe.metrics import ChaosRecord, MetricsLog
+from decentrl.observe.metrics import ChaosAction, ChaosRecord, MetricsLog
 from decentrl.observe.terminal import terminal_text
 
 # The heavy modules (torch, the swarm, matplotlib) are imported where they are used: `decentrl
@@ -233,13 +233,14 @@ def netns_placement() -> dict[str, str]:
     return placement
 
 
-def chaos_reporter(console: Console, metrics: MetricsLog) -> Callable[[str, str, str], None]:
+def chaos_reporter(console: Console, metrics: MetricsLog
+                   ) -> Callable[[str, ChaosAction, str], None]:
     """What `--chaos` did, on the terminal and as "chaos" records in metrics.jsonl (what the
     simulator replays: bench/simulate.py --scenario chaos)."""
     said = {"killed": "killing {peer}", "back": "{peer} is back",
             "not back": "{peer} did not come back: {detail}"}
 
-    def report(peer: str, action: str, detail: str) -> None:
+    def report(peer: str, action: ChaosAction, detail: str) -> None:
         console.print(f"chaos: {said[action].format(peer=peer, detail=detail)}", markup=False)
         metrics.write(ChaosRecord(peer=peer, action=action, detail=detail[:500]))
     return report

@@ -39,6 +39,7 @@ from decentrl.net.node import LOOPBACK_ONLY, SwarmNode
 from decentrl.net.reach import NetworkOptions
 from decentrl.net.session import new_session
 from decentrl.net.wire import TensorLimits
+from decentrl.observe.metrics import ChaosAction
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ class LocalSwarm:
         self._wait_ready(child, timeout_s=300)
 
     def chaos(self, stop: threading.Event, every_s: float, seed: int,
-              on_event: Callable[[str, str, str], None]) -> None:
+              on_event: Callable[[str, ChaosAction, str], None]) -> None:
         """Kill and restart a random peer `every_s` seconds after the last one is back, until
         `stop` is set; `on_event(peer, action, detail)` hears each kill ("killed") and its end
         ("back", or "not back" with the error)."""

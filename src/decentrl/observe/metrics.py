@@ -1,7 +1,7 @@
 """The schema of metrics.jsonl, its writer and its reader: one JSON object a line, tagged by
-`event` ("step", "supervised", "eval", "swarm", "trust", "chaos"), with `elapsed_s` since the run's start. The training
-loop, the swarm observer, the dashboard, the report and the benchmarks all go through these types,
-so a field is added, renamed or read in one place.
+`event` ("step", "supervised", "eval", "swarm", "trust", "chaos"), with `elapsed_s` since the
+run's start. The training loop, the swarm observer, the dashboard, the report and the benchmarks
+all go through these types, so a field is added, renamed or read in one place.
 
 Fields a record gained over time have defaults, so runs written before them still read; a field
 that is None is left out of the line."""
@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -171,12 +171,15 @@ class TrustRecord(Record, tag="trust"):
     time: float = 0.0  # wall clock of the event
 
 
+ChaosAction = Literal["killed", "back", "not back"]
+
+
 class ChaosRecord(Record, tag="chaos"):
     """`decentrl demo --chaos` killed a peer, or the peer it killed is serving again (or not:
     `detail` says why); launch/local_swarm.py `chaos`."""
 
     peer: str
-    action: str  # "killed", "back" or "not back"
+    action: ChaosAction
     detail: str = ""
 
 
