@@ -262,8 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         show(f"{args.model} in {args.stages} stages on {args.peers} peers, recipe "
              f"{args.recipe!r}, mean of {args.seeds} seeds", reports)
         results["internet"] = {plane: r.figures for plane, r in reports.items()}
-    prefix = len(results) > 1  # a sweep's figures are named after their peer count
-    flat = {f"{name}_{plane}_{key}" if prefix else f"{plane}_{key}": value
+    swept = args.scenario == "internet" and bool(args.sweep)  # named after their peer count
+    flat = {f"{name}_{plane}_{key}" if swept else f"{plane}_{key}": value
             for name, part in results.items() if isinstance(part, dict)
             for plane, figures in part.items() if isinstance(figures, dict)
             for key, value in figures.items() if isinstance(value, float)}

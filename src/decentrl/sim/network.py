@@ -110,6 +110,8 @@ class Network:
         target.received += nbytes
 
     def _software(self, endpoint: Endpoint, seconds: float) -> Generator[Any, Any, None]:
+        if seconds <= 0:  # none measured (the projections): no event to schedule
+            return
         if endpoint.cpu is None:
             yield self.env.timeout(seconds)
             return
