@@ -292,6 +292,6 @@ def measured_run(run_dir: Path) -> MeasuredRun:
         end = next((later for later in records.chaos[index + 1:] if later.peer == event.peer),
                    None)
         back_after = (end.elapsed_s - event.elapsed_s if end is not None and end.action == "back"
-                      else records.wall_s)  # never back within the run
+                      else None)  # never back within the run
         kills.append(Kill(max(0.0, event.elapsed_s - started), event.peer, back_after))
     return MeasuredRun(figures, tuple(kills))

@@ -111,7 +111,7 @@ class Kill:
 
     at_s: float
     peer: str
-    back_after_s: float
+    back_after_s: float | None  # None: it did not come back
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class Scenario:
                 raise ValueError(f"an uplink change needs a time >= 0, a rate > 0 and known "
                                  f"peers, got {at_s}, {mbps}, {changed}")
         for kill in self.kills:
-            if kill.peer not in names or kill.at_s < 0 or kill.back_after_s < 0:
+            if kill.peer not in names or kill.at_s < 0 or (kill.back_after_s or 0) < 0:
                 raise ValueError(f"a kill needs a known peer and times >= 0, got {kill}")
         if self.duration_s <= 0:
             raise ValueError(f"duration_s must be positive, got {self.duration_s}")

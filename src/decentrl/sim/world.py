@@ -171,6 +171,8 @@ class World:
             return
         self.remove(victim)
         self.tally.kills += 1
+        if kill.back_after_s is None:  # its restart failed: gone for good
+            return
         yield from self._restart(victim.spec, kill.back_after_s)
         if isinstance(victim, Replica):
             back = self.add_peer(dataclasses.replace(victim.spec, leaves_at_s=None),

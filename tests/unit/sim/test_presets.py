@@ -51,3 +51,12 @@ def simulate_restarts(scenario: Scenario) -> float:
     simulation = Simulation(scenario)
     simulation.run()
     return simulation.world.restart_cpu_s["this"]
+
+
+def test_a_peer_that_did_not_come_back_stays_out_and_takes_no_core() -> None:
+    kills = (Kill(30.0, "infer1.1", None),)
+    simulation = Simulation(chaos_demo(config(2), HOST, kills))
+    report = simulation.run()
+    assert report.figures["kills"] == 1
+    assert [r.alive for r in simulation.world.replicas[1] if r.name == "infer1.1"] == [False]
+    assert simulation.world.restart_cpu_s["this"] == 0
