@@ -27,8 +27,9 @@ from decentrl.net.dialback import keep_routes_announced
 from decentrl.net.link import LinkProfile
 from decentrl.net.netns import HomeSpec, Internet
 from decentrl.net.node import RemoteError, Reply, Request, SwarmNode
-from decentrl.net.protocol import Empty, Rpc, TensorRule, with_envelope
+from decentrl.net.protocol import Empty, Rpc, TensorRule
 from decentrl.net.reach import RouteRecord, relay_circuit, through_relay
+from decentrl.net.sizes import with_envelope
 from decentrl.net.wire import TensorLimits
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig

@@ -60,8 +60,9 @@ from decentrl.model.spec import ModelSpec
 from decentrl.model.stages import StagePlan, routing_layers
 from decentrl.net.directory import Directory, SwarmUnavailable
 from decentrl.net.node import SwarmNode
-from decentrl.net.protocol import SHARD_CHUNK_BYTES, PeerRecord, RosterEntry, RunSizes, layer_span
+from decentrl.net.protocol import SHARD_CHUNK_BYTES, PeerRecord, RosterEntry, layer_span
 from decentrl.net.session import new_session
+from decentrl.net.sizes import RunSizes
 from decentrl.net.swarm_transport import HivemindTransport
 from decentrl.net.text import peer_text
 from decentrl.observe.dashboard import DashboardServer

@@ -63,7 +63,6 @@ from decentrl.net.link import MessageLost
 from decentrl.net.node import Handler, RemoteError, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
     INFERENCE_STEP,
-    MAX_SUBMISSION_BYTES,
     SUBMIT_ROLLOUTS,
     VERIFY_STEP,
     Empty,
@@ -75,6 +74,7 @@ from decentrl.net.protocol import (
     stage_key,
 )
 from decentrl.net.records import decode_records
+from decentrl.net.sizes import MAX_SUBMISSION_BYTES
 from decentrl.net.wire import TensorManifest, TensorSpec, WireError
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
 from decentrl.stage.inference import InferenceService

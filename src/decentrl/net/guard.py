@@ -24,8 +24,9 @@ from hivemind.proto import runtime_pb2
 
 from decentrl.net.authority import CallerPolicy, only_any_peer
 from decentrl.net.identity import Identity
-from decentrl.net.protocol import Rpc, RunSizes, size_limit
+from decentrl.net.protocol import Rpc
 from decentrl.net.signing import Envelope, signed_envelope, verify_envelope
+from decentrl.net.sizes import RunSizes, size_limit
 from decentrl.net.wire import (
     ActivationCodec,
     TensorLimits,

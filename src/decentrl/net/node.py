@@ -48,12 +48,13 @@ from decentrl.net.dht_storage import BoundedDHTStorage
 from decentrl.net.guard import Guard, Handler, Reply, ReplyContentError, Request
 from decentrl.net.identity import Identity
 from decentrl.net.link import LinkEmulator, LinkProfile, MessageLost
-from decentrl.net.protocol import Rpc, RunSizes
+from decentrl.net.protocol import Rpc
 from decentrl.net.reach import NetworkOptions, RouteRecord
 from decentrl.net.records import SignedRecordValidator
 from decentrl.net.route_screen import RouteScreen
 from decentrl.net.routing import Routing
 from decentrl.net.serving import MAX_STREAMS_PER_SENDER, READ_TIMEOUT_S, Server
+from decentrl.net.sizes import RunSizes
 from decentrl.net.strikes import BLOCK_S, STRIKE_WINDOW_S, STRIKES_TO_BLOCK, Strikes
 from decentrl.net.wire import ActivationCodec, TensorLimits
 

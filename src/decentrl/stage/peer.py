@@ -35,7 +35,8 @@ from decentrl.model.stages import StageModule
 from decentrl.net.authority import RunAuthority
 from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.node import Handler, SwarmNode
-from decentrl.net.protocol import PeerRecord, Role, Rpc, RunSizes, stage_key
+from decentrl.net.protocol import PeerRecord, Role, Rpc, stage_key
+from decentrl.net.sizes import RunSizes
 from decentrl.net.wire import encode_struct
 from decentrl.rollout.sampling import sampling_config
 from decentrl.stage.inbound import InboundChecks

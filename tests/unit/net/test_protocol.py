@@ -17,15 +17,14 @@ from decentrl.net.protocol import (
     CLOSE_SESSION,
     INFERENCE_STEP,
     RPCS,
-    SMALL_REQUEST_BYTES,
     SUBMIT_ROLLOUTS,
     TRAIN_AUDIT_LOAD,
     TRAIN_FORWARD,
     Callers,
     InferenceStep,
-    RunSizes,
     forward_request_bytes,
 )
+from decentrl.net.sizes import SMALL_REQUEST_BYTES, RunSizes
 from decentrl.net.wire import (
     TensorLimits,
     WireError,
