@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decentrl.client.push_sessions import PushSession
 from decentrl.config import SwarmConfig, TrustConfig
 from decentrl.model.spec import ModelSpec
 from decentrl.model.stages import StagePlan, routing_layers
@@ -228,17 +229,21 @@ class RemoteSession:
 
 
 class RemoteChain:
-    """An InferenceChain over the swarm: every session picks one replica per stage, and keeps a
-    secret sketch of the activations of every stage but the last and who computed what
-    (`RemoteSession.provenance`) for spot-checks."""
+    """An InferenceChain over the swarm: every session picks one replica per stage, and keeps
+    who computed what (`provenance`) for spot-checks, with a secret sketch of the activations of
+    every stage but the last (a relayed session) or their stages' signed commitments (a
+    peer-to-peer session, client/push_sessions.py)."""
 
     def __init__(self, node: SwarmNode, directory: Directory, swarm: SwarmConfig,
                  trust: TrustConfig, spec: ModelSpec, reputation: Reputation | None = None,
-                 on_step: Callable[[int, int, int, float], None] | None = None) -> None:
+                 on_step: Callable[[int, int, int, float], None] | None = None,
+                 run: str = "", run_session: str = "") -> None:
         """`on_step` is told of every step of its sessions: (rows, positions fed per row, the
         session's max_length, seconds through the whole chain); the rows in flight are sized
-        from it."""
+        from it. `run` and `run_session` (net/session.py) bind the routes of peer-to-peer
+        sessions (`swarm.data_plane`) to this start of the run."""
         self.node, self.directory, self.swarm, self.trust = node, directory, swarm, trust
+        self.run, self.run_session = run, run_session
         self.num_stages = directory.num_stages
         self.vocab_size, self.hidden_size = spec.vocab_size, spec.hidden_size
         # Each stage's sparse layers (the swarm's stages split the layers evenly), whose experts
@@ -259,5 +264,7 @@ class RemoteChain:
         stages = self.directory.stage_summary()
         return tuple(max((r.version for r in records), default=-1) for records in stages)
 
-    def open_session(self, batch: int, max_length: int) -> RemoteSession:
+    def open_session(self, batch: int, max_length: int) -> RemoteSession | PushSession:
+        if self.swarm.data_plane == "peer_to_peer":
+            return PushSession(self, batch, max_length)
         return RemoteSession(self, batch, max_length)

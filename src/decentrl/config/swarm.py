@@ -18,6 +18,15 @@ class SwarmConfig(Section):
     activation_codec: Literal["fp32", "bf16", "int8"] = Field(
         "bf16", description="how hidden states cross from one stage to the next: fp32 as they "
         "are, bf16 (half the bytes), or int8 (a quarter, quantized)")
+    data_plane: Literal["coordinator", "peer_to_peer"] = Field(
+        "coordinator", description="how a generation session's activations travel: through the "
+        "coordinator, which relays every hop (client/sessions.py), or pushed from stage to "
+        "stage along a route the coordinator signs, with each stage's signed commitment to "
+        "what it sent, revealed on a spot-check (client/push_sessions.py, stage/push.py)")
+    kept_activations_mb: float = Field(1024.0, gt=0, description="peer_to_peer: MiB of the "
+                                       "activations a stage peer sent on that it keeps, for a "
+                                       "failover's replay and for spot-checks' reveals; a new "
+                                       "session is refused while it holds more")
     sessions_in_flight: int | None = Field(None, ge=1, description="generation sessions open "
                                            "at once; None: sized from the measured round trip "
                                            "and throughput (coordinator/inflight.py)")

@@ -48,6 +48,11 @@ class TrustConfig(Section):
                                  "admitted.txt for training peers) get sessions or verify; "
                                  "listed ones start with a record (no probation), as admitted "
                                  "training peers do")
+    reveal_window_s: float = Field(900.0, gt=0, description="peer_to_peer data plane: how long "
+                                   "after its session closes a stage peer must still reveal "
+                                   "what it sent (a spot-check asks); a peer that cannot "
+                                   "within it is blamed, and a check later than that is "
+                                   "skipped")
     history_versions: int = Field(4, ge=0, description="updates a replica can rewind, so it can "
                                   "re-execute at the versions a rollout recorded")
     training_peer_verifies: bool = Field(True, description="a training peer keeps a copy of the "

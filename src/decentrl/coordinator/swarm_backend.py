@@ -32,6 +32,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from decentrl.client.push_sessions import PushSession
 from decentrl.client.sessions import RemoteChain, RemoteSession
 from decentrl.client.training import RemoteStageWorker, TrainAudit
 from decentrl.config import SWARM_SUPPORT_RULES, ConfigError, RunConfig, apply_rules
@@ -149,7 +150,8 @@ class SwarmBackend:
         # Sessions of `groups_per_session` groups; how many run at once follows the swarm.
         self.inflight = RowsInFlight(config, self._usable_replicas)
         self.chain = RemoteChain(node, self.directory, config.swarm, config.trust, self.spec,
-                                 self.trust.reputation, on_step=self.inflight.observe)
+                                 self.trust.reputation, on_step=self.inflight.observe,
+                                 run=config.name, run_session=self.manifest.session)
         self.lineage = LineageSigner(node, config, self.manifest.session)
         # A stage's second training peer recomputes a random share of its steps (trust/audit.py).
         self.audit = (TrainAudit(node, self.directory, config, self.admitted,
@@ -349,7 +351,7 @@ class SwarmBackend:
         """Each group's share of the provenance of `session`, which generated them all."""
         if isinstance(session, SlottedSession):  # an evaluation's
             session = session.session
-        assert isinstance(session, RemoteSession)
+        assert isinstance(session, RemoteSession | PushSession)
         return group_shares(session.provenance, groups, self.config.trust.sketch_dims)
 
     def generated(self, groups: list[RolloutGroup], sessions: list[InferenceSession]) -> None:

@@ -15,6 +15,9 @@ by the wrapper every handler is served through (net/guard.py, its policy `Guard.
   strangers calling in a loop cannot turn every request into a DHT search): a replica that just
   joined gets through; a stranger is refused, without a strike (it may be a replica whose
   announcement has not spread yet).
+- "previous stage": the owner and the peers announced in the stage before this one (a pushed
+  activation, stage/push.py; at stage 0 the owner only). Which of them may push into a session
+  is the owner's signed route's business, checked once the request is read.
 
 A node with no authority set serves "any peer" RPCs only (`only_any_peer`)."""
 
@@ -72,6 +75,7 @@ class RunAuthority:
         public_key_of(owner)  # a SignatureError (ValueError) names a malformed owner id
         self.node, self.run, self.owner, self.stage = node, run, owner, stage
         self.members: frozenset[str] = frozenset()
+        self.previous_members: frozenset[str] = frozenset()  # of stage - 1
         self._looked_up = float("-inf")
         self._lookup_lock = asyncio.Lock()
 
@@ -81,22 +85,33 @@ class RunAuthority:
         rule = rpc.callers
         if rule == "any peer" or sender == self.owner:
             return
-        if rule == "coordinator":
+        if rule == "coordinator" or (rule == "previous stage" and self.stage == 0):
             raise CallerRefused(f"{rpc.method} is for the run's coordinator "
                                 f"({self.owner[-8:]}) only, not for {sender[-8:]}")
-        if sender not in self.members:
+        stage = self.stage if rule == "same stage" else self.stage - 1
+        if sender not in self.members_of(stage):
             arrived = time.monotonic()
             async with self._lookup_lock:  # unknown callers wait for one lookup together
-                if sender not in self.members and self._looked_up < arrived:
+                if sender not in self.members_of(stage) and self._looked_up < arrived:
                     await asyncio.sleep(self._looked_up + MEMBER_REFRESH_S - time.monotonic())
                     await self.refresh()
-        if sender not in self.members:
+        if sender not in self.members_of(stage):
             raise CallerUnknown(f"{rpc.method} is for the coordinator and the peers announced "
-                                f"in stage {self.stage}; {sender[-8:]} is not announced there")
+                                f"in stage {stage}; {sender[-8:]} is not announced there")
+
+    def members_of(self, stage: int) -> frozenset[str]:
+        """The peers announced in `stage` (this one's or the one before) at the last lookup."""
+        return self.members if stage == self.stage else self.previous_members
 
     async def refresh(self) -> None:
-        """Look the stage's announced peers up again (from the node's loop)."""
+        """Look the announced peers of this stage and of the one before up again (from the
+        node's loop)."""
         self._looked_up = time.monotonic()
-        found, _ = decode_records(await self.node.lookup(stage_key(self.run, self.stage)),
-                                  PeerRecord, self.stage)
-        self.members = frozenset(found)
+        self.members = await self._announced(self.stage)
+        if self.stage > 0:
+            self.previous_members = await self._announced(self.stage - 1)
+
+    async def _announced(self, stage: int) -> frozenset[str]:
+        found, _ = decode_records(await self.node.lookup(stage_key(self.run, stage)),
+                                  PeerRecord, stage)
+        return frozenset(found)

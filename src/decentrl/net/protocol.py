@@ -13,12 +13,15 @@ from typing import Any, Generic, Literal, NamedTuple, TypeVar
 import torch
 
 from decentrl.learn.batch import BATCH_FIELDS
+from decentrl.net import push_messages as push
 from decentrl.net import training_messages as training
 from decentrl.net.sizes import (
     SMALL_REQUEST_BYTES,
     SizeLimit,
     activation_pair_bytes,
     forward_request_bytes,
+    outcome_reply_bytes,
+    push_request_bytes,
     step_reply_bytes,
     step_request_bytes,
     submission_bytes,
@@ -326,8 +329,9 @@ class ChunkRequest(Body):
 # cannot skip the checks and a caller cannot send another body.
 
 # Who may call (net/authority.py enforces it before a request is read): any peer; the run's
-# coordinator (its owner) only; the coordinator and the peers announced in the served stage.
-Callers = Literal["any peer", "coordinator", "same stage"]
+# coordinator (its owner) only; the coordinator and the peers announced in the served stage; the
+# coordinator and the peers announced in the stage before it (a pushed activation).
+Callers = Literal["any peer", "coordinator", "same stage", "previous stage"]
 # A tensor's dtype: "float" is any floating dtype (activations travel compressed); "ids or float"
 # is stage 0's token ids or a later stage's hidden states (the handler knows which it serves);
 # "experts" is a mixture of experts' recorded expert indices (int8 or int16, model/moe.py
@@ -449,8 +453,20 @@ SUBMIT_ROLLOUTS = Rpc("submit_rollouts", RolloutGroup, RolloutsQueued, "any peer
                       max_bytes=submission_bytes)
 DIAL_BACK = Rpc("dial_back", DialBackRequest, DialBackReply, "any peer")
 
+# Sessions whose activations go from peer to peer (net/push_messages.py, stage/push.py).
+INFERENCE_PUSH = Rpc(
+    "inference_push", push.PushStep, push.PushAck, "previous stage",
+    {**STEP_TENSORS, "routing": TensorRule("experts", required=False)},
+    max_bytes=push_request_bytes)
+INFERENCE_RESULT = Rpc("inference_result", push.ResultRequest, push.StepOutcome, "coordinator",
+                       reply_tensors=("tokens", "logprobs", "experts"),
+                       max_reply_bytes=outcome_reply_bytes)
+INFERENCE_RESUME = Rpc("inference_resume", push.ResumeRequest, push.PushAck, "coordinator")
+REVEAL = Rpc("reveal", push.RevealRequest, push.Revealed, "coordinator",
+             reply_tensors=("outputs",), max_reply_bytes=step_reply_bytes)
+
 RPCS: dict[str, Rpc[Any, Any]] = {rpc.method: rpc for rpc in (
-    INFERENCE_STEP, CLOSE_SESSION, VERIFY_STEP, TRAIN_FORWARD, TRAIN_BACKWARD, TRAIN_GRAD_NORM,
+    INFERENCE_PUSH, INFERENCE_RESULT, INFERENCE_RESUME, REVEAL, INFERENCE_STEP, CLOSE_SESSION, VERIFY_STEP, TRAIN_FORWARD, TRAIN_BACKWARD, TRAIN_GRAD_NORM,
     TRAIN_STEP, TRAIN_DISCARD, CHECKPOINT, CHECKPOINT_SHARD, TRAIN_PUBLISHED, TRAIN_STATE,
     TRAIN_AUDIT_LOAD,
     SYNC_PLAN, SYNC_CHUNK, SUBMIT_ROLLOUTS, DIAL_BACK)}

@@ -31,6 +31,8 @@ MAX_SUBMISSION_BYTES = 8 * 2**20
 ID_BYTES, FLOAT_BYTES, FLAG_BYTES = 8, 4, 1
 # An expert index at its widest (int16, model/moe.py routing_dtype).
 ROUTING_BYTES = 2
+# A sha256 digest (a stage's commitment to one row of a step).
+DIGEST_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,14 @@ class RunSizes:
     max_session_tokens: int
     micro_batch_size: int
     routing_bytes: int = 0
+    num_stages: int = 1
 
     @classmethod
     def of(cls, spec: ModelSpec, config: RunConfig) -> RunSizes:
         routing = 0 if spec.moe is None else \
             len(spec.sparse_layers) * spec.moe.top_k * ROUTING_BYTES
         return cls(spec.hidden_size, spec.max_positions, config.swarm.max_session_tokens,
-                   config.train.micro_batch_size, routing)
+                   config.train.micro_batch_size, routing, config.num_stages)
 
     @property
     def activation_bytes(self) -> int:
@@ -84,6 +87,26 @@ def step_reply_bytes(sizes: RunSizes) -> int:
     the model's)."""
     return with_envelope(sizes.max_session_tokens
                          * (sizes.activation_bytes + sizes.routing_bytes))
+
+
+def commits_bytes(sizes: RunSizes) -> int:
+    """Every stage's signed commitment to one step (net/push_messages.py StepCommit): a digest
+    per row (a session has at most max_session_tokens rows) and a few hundred bytes besides."""
+    return sizes.num_stages * (sizes.max_session_tokens * (DIGEST_BYTES + 2) + 512)
+
+
+def push_request_bytes(sizes: RunSizes) -> int:
+    """A pushed step (or a failover's replay): an inference step and the earlier stages'
+    commitments."""
+    return step_request_bytes(sizes) + commits_bytes(sizes)
+
+
+def outcome_reply_bytes(sizes: RunSizes) -> int:
+    """A sampled step collected from the last stage: per row its token and log-prob, every new
+    position's experts (a mixture of experts), and every stage's commitment."""
+    return with_envelope(sizes.max_session_tokens * (ID_BYTES + FLOAT_BYTES
+                                                     + sizes.routing_bytes)) \
+        + commits_bytes(sizes)
 
 
 def verify_reply_bytes(sizes: RunSizes) -> int:

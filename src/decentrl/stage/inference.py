@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -103,6 +104,8 @@ class InferenceService:
         # Sessions' first steps reuse the prompt prefixes earlier sessions ran (not spot-checks:
         # they run rewound weights, stage/verification.py).
         self.prefix_cache = PrefixCache(model, config.swarm.prefix_cache_tokens)
+        # Told (on the node's loop) of every session closed or dropped: (opener, session id).
+        self.on_close: list[Callable[[str, str], None]] = []
 
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
         return [(INFERENCE_STEP, self._inference_step), (CLOSE_SESSION, self._close_session)]
@@ -117,8 +120,12 @@ class InferenceService:
     def drop_idle_sessions(self) -> None:
         cutoff = time.monotonic() - SESSION_IDLE_S
         with self._sessions_lock:
-            for key in [k for k, session in self.sessions.items() if session.last_used < cutoff]:
+            dropped = [k for k, session in self.sessions.items() if session.last_used < cutoff]
+            for key in dropped:
                 del self.sessions[key]
+        for key in dropped:
+            for listener in self.on_close:
+                listener(*key)
 
     # ---- sessions ------------------------------------------------------------------------
 
@@ -295,6 +302,8 @@ class InferenceService:
         with self._sessions_lock:
             self.sessions.pop((request.sender, request.body.session), None)
         self.batcher.forget(request.sender, request.body.session)
+        for listener in self.on_close:
+            listener(request.sender, request.body.session)
         return Reply(Empty())
 
 

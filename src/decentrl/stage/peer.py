@@ -36,11 +36,13 @@ from decentrl.net.authority import RunAuthority
 from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.node import Handler, SwarmNode
 from decentrl.net.protocol import PeerRecord, Role, Rpc, stage_key
+from decentrl.net.session import owner_session
 from decentrl.net.sizes import RunSizes
 from decentrl.net.wire import encode_struct
 from decentrl.rollout.sampling import sampling_config
 from decentrl.stage.inbound import InboundChecks
 from decentrl.stage.inference import InferenceService
+from decentrl.stage.push import PushService
 from decentrl.stage.replica import ReplicaWeights, published_tensors
 from decentrl.stage.training import TrainingService
 from decentrl.stage.verification import VerifyService
@@ -86,6 +88,7 @@ class StagePeer:
         self.inference: InferenceService | None = None
         self.replica: ReplicaWeights | None = None
         self.verification: VerifyService | None = None
+        self.push: PushService | None = None
         checks: InboundChecks | None = None
         if trains:
             assert checkpoint_dir is not None
@@ -113,6 +116,7 @@ class StagePeer:
                 self.replica = ReplicaWeights(config, stage, node, model, published,
                                               self.announce, name, owner)
             self.inference = InferenceService(config, model, node, checks)
+            self.push = PushService(config, stage, self.inference, node, owner)
             if self.replica is not None:
                 self.verification = VerifyService(self.inference, self.replica.served,
                                                   closes_sessions=False)
@@ -131,7 +135,7 @@ class StagePeer:
         assert module is not None  # a peer serves or trains
         self.spec, self.layers = checks.spec, (module.layer_ids.start, module.layer_ids.stop)
         node.sizes = RunSizes.of(self.spec, config)  # bounds the requests it serves
-        self.services: list[Service] = [s for s in (self.training, self.inference,
+        self.services: list[Service] = [s for s in (self.training, self.inference, self.push,
                                                     self.verification) if s is not None]
         if wrap_inference is not None:
             if self.inference is None:
@@ -232,6 +236,10 @@ class StagePeer:
                     else self.inference
                 if sessions is not None:
                     sessions.drop_idle_sessions()
+                if self.push is not None:
+                    self.push.expire()
+                    self.push.run_session = await owner_session(
+                        self.node, self.config.name, self.authority.owner)
                 await self.announce()
                 await self.authority.refresh()
             except Exception as error:  # noqa: BLE001 - the next round retries

@@ -23,6 +23,19 @@ from decentrl.rollout.types import RolloutGroup
 from decentrl.trust.commit import Sketches, sketch_matrix
 
 
+@dataclass(frozen=True)
+class Commitment:
+    """A stage's signed commitment to what it sent on in a peer-to-peer session (net/
+    push_messages.py StepCommit): columns [start, start + new) under route `epoch`, one digest
+    per row of the session (or of a group's share)."""
+
+    peer: str
+    epoch: int
+    start: int
+    new: int
+    rows: tuple[bytes, ...]
+
+
 @dataclass
 class StageProvenance:
     served: list[tuple[int, str]] = field(default_factory=list)  # (first column, peer), in order
@@ -34,6 +47,9 @@ class StageProvenance:
     # every earlier column's keys and values with that replica's weights, the version the step
     # reports, not the versions recorded for the earlier steps: a spot-check replays there too.
     rebuilt: list[int] = field(default_factory=list)
+    # A peer-to-peer session's (swarm.data_plane): what the stage committed to instead of the
+    # sketches, which a spot-check takes from its reveals (trust/reveal.py).
+    commitments: list[Commitment] = field(default_factory=list)
 
     def peer_at(self, column: int) -> str:
         """The replica whose output the session used at `column`."""
@@ -66,7 +82,9 @@ class StageProvenance:
             list(self.served),
             [Sketches(sketches.rows[kept] - first, sketches.positions[kept],
                       sketches.values[kept])],
-            self.seed, list(self.rebuilt))
+            self.seed, list(self.rebuilt),
+            [Commitment(c.peer, c.epoch, c.start, c.new, c.rows[first:first + count])
+             for c in self.commitments])
 
 
 @dataclass
@@ -79,6 +97,10 @@ class Provenance:
     # How the session's last stage was asked to sample (None: the run's rollout sampling); an
     # evaluation's greedy sessions sample at temperature 0.
     sampling: SamplingConfig | None = None
+    # A peer-to-peer session's id, under which its stages reveal what they sent ("": relayed),
+    # and when its last step was answered (time.monotonic): the reveal window runs from there.
+    session: str = ""
+    finished: float = 0.0
 
     @classmethod
     def empty(cls, num_stages: int) -> Provenance:
@@ -99,6 +121,7 @@ def group_shares(session: Provenance, groups: list[RolloutGroup], dims: int) -> 
     for group in groups:
         count = len(group.rollouts)
         shares.append(Provenance([stage.of_rows(first, count, dims) for stage in session.stages],
-                                 first, prompt_columns, session.sampling))
+                                 first, prompt_columns, session.sampling, session.session,
+                                 session.finished))
         first += count
     return shares

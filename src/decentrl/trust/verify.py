@@ -67,6 +67,7 @@ from decentrl.rollout.types import Rollout, RolloutGroup
 from decentrl.trust.commit import CommitTolerance, Sketches, check_sketches, earliest_failure
 from decentrl.trust.provenance import Provenance, StageProvenance
 from decentrl.trust.relay import BadReply, check_hidden_states
+from decentrl.trust.reveal import RevealExpired, RevealFailed, RevealShape, revealed_sketches
 
 log = logging.getLogger(__name__)
 
@@ -255,9 +256,20 @@ class Verifier:
         if not checked:
             return Verdict(group.group_id, "skipped", None, None, "no replica to re-execute on",
                            (), time.monotonic() - started, panel)
+        stages = self.config.num_stages
+        try:
+            revealed = self._revealed(provenance, layout, [s for s in checked if s < stages - 1])
+        except RevealExpired as expired:
+            return Verdict(group.group_id, "skipped", None, None, str(expired), (),
+                           time.monotonic() - started, panel)
+        except RevealFailed as failed:
+            return Verdict(group.group_id, "failed", failed.stage, failed.peer, str(failed),
+                           tuple(s for s in checked if s <= failed.stage),
+                           time.monotonic() - started, panel)
         session = secrets.token_hex(8)
         try:
-            failure, scores = self._replay(group, layout, provenance, panel, session, checked)
+            failure, scores = self._replay(group, layout, provenance, panel, session, checked,
+                                           revealed)
         except (RemoteError, WireError, MessageLost, ValueError, TimeoutError) as error:
             return Verdict(group.group_id, "skipped", None, None, f"re-execution failed: {error}",
                            (), time.monotonic() - started, panel)
@@ -277,12 +289,25 @@ class Verifier:
         return Verdict(group.group_id, "failed", stage, peer, detail,
                        tuple(s for s in checked if s <= stage), seconds, panel, *scores)
 
+    def _revealed(self, provenance: Provenance, layout: Layout, stages: list[int]
+                  ) -> dict[int, Sketches]:
+        """A peer-to-peer session's delivered activations of `stages`, from its replicas'
+        reveals (trust/reveal.py); nothing for a relayed session (its sketches are kept)."""
+        if not provenance.session or not stages:
+            return {}
+        return revealed_sketches(
+            self.node, provenance, stages,
+            RevealShape(layout.positions, layout.valid, self.hidden_size),
+            self.config.trust.sketch_dims, self.config.trust.reveal_window_s,
+            self.config.swarm.request_timeout_s)
+
     def _replay(self, group: RolloutGroup, layout: Layout, provenance: Provenance,
-                verifiers: tuple[str, ...], session: str, checked: tuple[int, ...]
+                verifiers: tuple[str, ...], session: str, checked: tuple[int, ...],
+                revealed: dict[int, Sketches]
                 ) -> tuple[tuple[int, int, str] | None, tuple[torch.Tensor | None, ...]]:
         """Re-execute every segment on the verifiers: (stage, column, why) of the first lie
         among the `checked` stages, or None; and the token gaps and margins and the routing
-        gaps where judged."""
+        gaps where judged. The delivered activations are the kept sketches, or `revealed`."""
         rollout, trust = self.config.rollout, self.config.trust
         stages = self.config.num_stages
         batch = layout.ids.shape[0]
@@ -351,8 +376,10 @@ class Verifier:
         for stage in (s for s in checked if s < stages - 1):
             record = provenance.stages[stage]
             matrix = record.matrix(trust.sketch_dims, self.hidden_size)
+            delivered = revealed[stage] if stage in revealed \
+                else Sketches.concat(record.sketches, trust.sketch_dims)
             checks.append((stage, check_sketches(
-                Sketches.concat(record.sketches, trust.sketch_dims), matrix,
+                delivered, matrix,
                 hidden_states[stage], layout.positions, layout.valid, self.tolerance)))
         blamed = earliest_failure(checks)
         if blamed is not None:
