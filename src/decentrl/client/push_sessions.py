@@ -25,7 +25,7 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -84,6 +84,7 @@ class PushSession:
         stages = chain.num_stages
         self.peers: list[str | None] = [None] * stages
         self.used: set[str] = set()  # every peer of any epoch (closed at the end)
+        self.lost: frozenset[str] = frozenset()  # peers this session lost, avoided where it can
         self.epoch = -1
         self.signed_route = b""
         # Stage 0's inputs so far (token ids, positions, key mask), for its rebuild.
@@ -151,10 +152,10 @@ class PushSession:
         for stage, peer in enumerate(self.peers):
             if peer is not None:
                 continue
-            peer = directory.choose_inference(stage)
+            peer = directory.choose_inference(stage, avoid=self.lost)
             if peer is None:
                 directory.refresh()
-                peer = directory.choose_inference(stage, allow_banned=True)
+                peer = directory.choose_inference(stage, allow_banned=True, avoid=self.lost)
             if peer is None:
                 raise StageLost(stage, "no inference peer serves it", own=False)
             self.peers[stage] = peer
@@ -180,6 +181,7 @@ class PushSession:
             directory.ban(peer, lost.detail)
         directory.release(peer)
         self.peers[lost.stage] = None
+        self.lost |= {peer}
 
     async def _attempt(self, tokens: torch.Tensor, positions: torch.Tensor,
                        new_valid: torch.Tensor, sampling: SamplingConfig, seed: int | None
@@ -187,7 +189,7 @@ class PushSession:
         """Start the step (a push to stage 0, or a resume where a later replica changed) and
         collect its tokens from the last stage; StageLost names the stage a failure is put
         down to."""
-        node, swarm = self.chain.node, self.chain.swarm
+        node = self.chain.node
         peers = [p for p in self.peers if p is not None]
         if not self.changed or 0 in self.changed:
             starter = 0
@@ -199,43 +201,60 @@ class PushSession:
         ack_task: asyncio.Future[tuple[PushAck, dict[str, torch.Tensor]]] = \
             asyncio.ensure_future(start_call)
         ack_task.add_done_callback(_consume)
+        return await self._collect(ack_task, starter, peers, tokens.shape[1])
+
+    async def _collect(self, ack_task: asyncio.Future[tuple[PushAck, dict[str, torch.Tensor]]],
+                       starter: int, peers: list[str], new: int) -> StepResult:
+        """The step's tokens from the last stage, asked for until they are in; StageLost where
+        the answer to the push (`ack_task`, sent to stage `starter`) names a lost stage first,
+        or the last stage does not hand over a step the chain says it took."""
+        node, last = self.chain.node, len(peers) - 1
         ack: PushAck | None = None
         collect_error: Exception | None = None
         poll: asyncio.Future[tuple[StepOutcome, dict[str, torch.Tensor]]] | None = None
-        while True:
-            if poll is None:
-                poll = asyncio.ensure_future(node.call(
-                    peers[-1], INFERENCE_RESULT, ResultRequest(self.id, self.length),
-                    timeout=swarm.request_timeout_s))
-            waiting = {poll} if ack is not None else {poll, ack_task}
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if poll in done:
-                try:
-                    outcome, out = poll.result()
-                    return self._accept(outcome, out, tokens.shape[1], peers)
-                except (RemoteError, MessageLost, TimeoutError) as failure:
-                    collect_error = failure  # not in yet, or the last stage is gone
-                except WireError as failure:
-                    raise StageLost(len(peers) - 1, f"its step's answer: {failure}", own=True,
-                                    proof=isinstance(failure, BadReply | ReplyContentError)
-                                    ) from None
-                poll = None
-            if ack is None and ack_task.done():
-                try:
-                    ack, _ = ack_task.result()
-                except PeerRefused as refused:  # alive, but it does not hold the session
-                    raise StageLost(starter, f"refused: {refused}", own=starter == 0) from None
-                except CALL_ERRORS as failure:
-                    raise StageLost(starter, f"{type(failure).__name__}: {failure}",
-                                    own=True) from None
-                if ack.failed_stage != -1:
-                    lost = min(max(ack.failed_stage, starter + 1), len(peers) - 1)
-                    raise StageLost(lost, f"by stage {lost - 1}'s account: {ack.detail}",
-                                    own=False)
-            if ack is not None and collect_error is not None and poll is None:
-                # The chain says the last stage took the step, yet it does not hand it over.
-                raise StageLost(len(peers) - 1, f"does not hand the step over: {collect_error}",
-                                own=True)
+        try:
+            while True:
+                if poll is None:
+                    poll = asyncio.ensure_future(node.call(
+                        peers[last], INFERENCE_RESULT, ResultRequest(self.id, self.length),
+                        timeout=self.chain.swarm.request_timeout_s))
+                waiting = {poll} if ack is not None else {poll, ack_task}
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if poll in done:
+                    try:
+                        outcome, out = poll.result()
+                        return self._accept(outcome, out, new, peers)
+                    except (RemoteError, MessageLost, TimeoutError) as failure:
+                        collect_error = failure  # not in yet, or the last stage is gone
+                    except WireError as failure:
+                        raise StageLost(last, f"its step's answer: {failure}", own=True,
+                                        proof=isinstance(failure, ReplyContentError)) from None
+                    poll = None
+                if ack is None and ack_task.done():
+                    ack = self._chain_answer(ack_task, starter, last)
+                if ack is not None and collect_error is not None and poll is None:
+                    raise StageLost(last, f"does not hand over a step the chain says it took: "
+                                          f"{collect_error}", own=True)
+        finally:
+            if poll is not None and not poll.done():
+                poll.cancel()
+                poll.add_done_callback(_consume)
+
+    @staticmethod
+    def _chain_answer(ack_task: asyncio.Future[tuple[PushAck, dict[str, torch.Tensor]]],
+                      starter: int, last: int) -> PushAck:
+        """The answer to the step's push (or resume) at stage `starter`: every stage took it,
+        or StageLost for the stage the chain lost."""
+        try:
+            ack, _ = ack_task.result()
+        except PeerRefused as refused:  # alive, but it does not hold the session
+            raise StageLost(starter, f"refused: {refused}", own=starter == 0) from None
+        except CALL_ERRORS as failure:
+            raise StageLost(starter, f"{type(failure).__name__}: {failure}", own=True) from None
+        if ack.failed_stage != -1:
+            lost = min(max(ack.failed_stage, starter + 1), last)
+            raise StageLost(lost, f"by stage {lost - 1}'s account: {ack.detail}", own=False)
+        return ack
 
     async def _push_first(self, peer: str, tokens: torch.Tensor, positions: torch.Tensor,
                           new_valid: torch.Tensor, sampling: SamplingConfig, seed: int | None
@@ -277,7 +296,8 @@ class PushSession:
             record.serve(self.length, peer, rebuilt=commit.replayed)
             if stage < last:
                 record.commitments.append(Commitment(peer, commit.epoch, commit.start,
-                                                     commit.new, tuple(commit.outputs)))
+                                                     commit.new, tuple(commit.outputs),
+                                                     peers[stage + 1]))
         return StepResult(tokens, logprobs, tuple(c.version for c in commits), routing)
 
     def _check_commits(self, commits: list[StepCommit], new: int, tokens: torch.Tensor, logprobs: torch.Tensor,
@@ -336,7 +356,8 @@ class PushSession:
                 pass  # the peer drops idle sessions itself
 
 
-def _consume(task: asyncio.Future[object]) -> None:
-    """A push's answer nobody waited for (its step's tokens came first): errors are logged."""
+def _consume(task: asyncio.Future[Any]) -> None:
+    """A call's answer nobody waits for (a push's, when its step's tokens came first; a
+    collection given up): errors are logged."""
     if not task.cancelled() and task.exception() is not None:
         log.debug("a push answered after its step: %s", task.exception())

@@ -77,6 +77,7 @@ from decentrl.net.records import decode_records
 from decentrl.net.sizes import MAX_SUBMISSION_BYTES
 from decentrl.net.wire import TensorManifest, TensorSpec, WireError
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
+from decentrl.stage.batching import Outcome, StepRequest
 from decentrl.stage.inference import InferenceService
 from decentrl.stage.peer import StagePeer
 from decentrl.stage.verification import VerifyService
@@ -162,17 +163,22 @@ class HostileInference:
         self.tokenizer = load_tokenizer(resolve_model(service.config.model)) \
             if adversary == "inject-answers" else None
 
+        # Every step this peer computes goes through its batcher's ticks, whoever drives the
+        # session (the coordinator's relayed steps, or pushes from the previous stage): the lie
+        # goes in there.
+        self.honest_tick = service.batcher.run_tick
+        service.batcher.run_tick = self._run_tick
+
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
-        return [(rpc, self._inference_step if rpc is INFERENCE_STEP else handler)
-                for rpc, handler in self.service.handlers()]
+        return self.service.handlers()
 
-    async def _inference_step(self, request: Request[InferenceStep]) -> Reply:
-        return await self.service.node.compute(self._infer, request.sender, request.body,
-                                               request.tensors, priority=Priority.GENERATION)
+    def _run_tick(self, requests: list[StepRequest]) -> list[Outcome]:
+        return [self._lie(request.body, request.tensors, outcome)
+                if isinstance(outcome, Reply) else outcome
+                for request, outcome in zip(requests, self.honest_tick(requests), strict=True)]
 
-    def _infer(self, sender: str, body: InferenceStep, tensors: dict[str, torch.Tensor]
-               ) -> Reply:
-        reply = self.service.infer(sender, body, tensors)
+    def _lie(self, body: InferenceStep, tensors: dict[str, torch.Tensor], reply: Reply
+             ) -> Reply:
         result = dict(reply.tensors or {})
         if self.adversary == "malformed-activations":
             return self._malform(reply, result["hidden"].float())

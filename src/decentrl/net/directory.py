@@ -126,7 +126,8 @@ class Directory:
                 if s.record.stage == stage and s.banned_until <= now
                 and not self.distrusted(peer)]
 
-    def choose_inference(self, stage: int, allow_banned: bool = False) -> str | None:
+    def choose_inference(self, stage: int, allow_banned: bool = False,
+                         avoid: frozenset[str] = frozenset()) -> str | None:
         """A replica for a new session: the newest weights (fresher rollouts), then the fewest
         sessions this process has open there, then the lowest latency. With `allow_banned`, when
         every replica of the stage is banned, the one whose ban ends first: a peer that failed
@@ -139,10 +140,13 @@ class Directory:
         established replica has room (`probation`: net/probation.py), so neither a burst of
         new identities nor one liar renewing its key can take over generation; a replica the
         operator did not admit (`replica_admitted`), or one on probation past its address's
-        limit, gets nothing."""
+        limit, gets nothing. `avoid`: peers the session asking has lost already (by another
+        peer's account: a claim, not this process's own observation), taken only when nobody
+        else has room."""
         self.probation.observe_hosts()
         with self.lock:
             replicas = self._with_room(stage)
+            replicas = [r for r in replicas if r[0] not in avoid] or replicas
             if not replicas:
                 return None
             now = time.monotonic()

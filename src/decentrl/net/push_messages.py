@@ -211,15 +211,17 @@ class ResumeRequest(Body):
 
 class RevealRequest(Body):
     """From the coordinator (a spot-check): rows [first_row, first_row + rows) of every step this
-    stage sent on in session `id`."""
+    stage sent on in session `id`, or with `received` every step it was pushed (the previous
+    stage's outputs, which it checked against their sender's digests when they came)."""
 
     id: str
     first_row: int
     rows: int
+    received: bool = False
 
 
 class Revealed(Body):
     """Tensor `outputs` [rows, sum of new, hidden]: the steps' outputs side by side, in their wire
-    form; `steps`: each step's (epoch, start, new), in the order sent."""
+    form; `steps`: each step's (epoch, start, new) as its sender committed to it, in order."""
 
     steps: list[tuple[int, int, int]]

@@ -94,6 +94,9 @@ class PushedSession:
     key_valid: torch.Tensor  # [B, L] the session's key mask so far
     positions: torch.Tensor  # [B, L]
     segments: list[Segment] = field(default_factory=list)
+    # What the previous stage pushed (checked against its commitments), under the epoch of its
+    # commitment: a reveal of its outputs where it cannot reveal them itself (it left).
+    received: list[Segment] = field(default_factory=list)
     # The last step's: its first new column, the earlier stages' commitments, this stage's
     # input digest and sampling; what a resume sends on again.
     step_start: int = 0
@@ -113,8 +116,8 @@ class PushedSession:
 
     @property
     def kept_bytes(self) -> int:
-        return sum(s.output.nbytes for s in self.segments) + self.key_valid.nbytes \
-            + self.positions.nbytes
+        return sum(s.output.nbytes for s in (*self.segments, *self.received)) \
+            + self.key_valid.nbytes + self.positions.nbytes
 
     def columns(self) -> torch.Tensor:
         """Every column's latest output [B, L, hidden] (a replay's rebuild overrides what came
@@ -161,7 +164,7 @@ class PushService:
         if owner == self.owner and state is not None and state.closed_at is None:
             state.closed_at = time.monotonic()
         for key in [k for k in self.results if k[0] == session]:
-            self.results.pop(key).cancel()
+            _settle(self.results.pop(key), PeerBusy(f"session {session} was closed"))
 
     def expire(self, now: float | None = None) -> None:
         """Forget sessions closed longer than the reveal window ago, or idle past it."""
@@ -187,7 +190,7 @@ class PushService:
         if not 1 <= fresh <= inputs.shape[1] or new_valid.shape != positions.shape:
             raise PeerError(f"a push of {inputs.shape[1]} columns with {fresh} new, positions "
                             f"{tuple(positions.shape)} and key_valid {tuple(new_valid.shape)}")
-        input_digest = self._check_commits(route, body, inputs)
+        input_digest, previous = self._check_commits(route, body, inputs)
         state = self.sessions.get(route.id)
         if body.start == 0:
             if state is not None and state.route.epoch == route.epoch \
@@ -219,6 +222,8 @@ class PushService:
         else:
             state.key_valid = key_valid
             state.positions = torch.cat([state.positions, positions], 1)
+        if previous is not None:
+            state.received.append(Segment(previous.epoch, body.start, inputs, sent=True))
         version: int = reply.body.version
         state.route, state.last_used, state.version = route, time.monotonic(), version
         state.step_start = body.start + inputs.shape[1] - fresh
@@ -298,7 +303,8 @@ class PushService:
             found["experts"] = state.routing
         session = state.route.id
         for key in [k for k in self.results if k[0] == session and k[1] < state.step_start]:
-            self.results.pop(key).cancel()  # an earlier step nobody collected
+            _settle(self.results.pop(key), PeerBusy(f"step {key[1]} of session {session} was "
+                                                    "not collected before the next"))
         future = self.results.get((session, state.step_start))
         if future is None or future.done():
             future = self.node.loop.create_future()
@@ -310,6 +316,8 @@ class PushService:
         """The coordinator collects a sampled step (waiting for it, a while, if it is not in)."""
         if not self.last:
             raise PeerError(f"stage {self.stage} samples nothing: ask the last stage")
+        # A waiter for a step not pushed yet (asked for as the step starts), bounded per session
+        # and in all.
         key = (request.body.id, request.body.start)
         future = self.results.get(key)
         if future is None:
@@ -325,8 +333,6 @@ class PushService:
         except TimeoutError:
             raise PeerBusy(f"step {key[1]} of session {key[0]} has not reached the last stage "
                            f"within {wait_s:.0f}s") from None
-        except asyncio.CancelledError:
-            raise PeerBusy(f"session {key[0]} was closed") from None
         # Kept until the next step's arrives (or the session closes): an answer lost on the way
         # is asked for again.
         return Reply(outcome, exact=tensors)
@@ -354,16 +360,18 @@ class PushService:
     async def _reveal(self, request: Request[RevealRequest]) -> Reply:
         body = request.body
         state = self.sessions.get(body.id)
-        sent = [s for s in state.segments if s.sent] if state is not None else []
-        if not sent:
-            raise PeerBusy(f"session {body.id}: nothing sent is kept here")
-        batch = sent[0].output.shape[0]
+        kept = [] if state is None else state.received if body.received \
+            else [s for s in state.segments if s.sent]
+        if not kept:
+            raise PeerBusy(f"session {body.id}: nothing {'received' if body.received else 'sent'}"
+                           " is kept here")
+        batch = kept[0].output.shape[0]
         if not (0 <= body.first_row and 1 <= body.rows and body.first_row + body.rows <= batch):
             raise PeerError(f"rows [{body.first_row}, {body.first_row + body.rows}) of a "
                             f"session of {batch}")
         rows = slice(body.first_row, body.first_row + body.rows)
-        outputs = torch.cat([s.output[rows] for s in sent], 1)
-        return Reply(Revealed([(s.epoch, s.start, s.new) for s in sent]),
+        outputs = torch.cat([s.output[rows] for s in kept], 1)
+        return Reply(Revealed([(s.epoch, s.start, s.new) for s in kept]),
                      {"outputs": outputs}, exact_codec(outputs))
 
     # ---- checks --------------------------------------------------------------------------
@@ -382,8 +390,9 @@ class PushService:
         return route
 
     def _check_commits(self, route: SessionRoute, body: PushStep, inputs: torch.Tensor
-                       ) -> bytes:
-        """This stage's input digest, once every earlier stage's commitment is its own, to this
+                       ) -> tuple[bytes, StepCommit | None]:
+        """This stage's input digest and the previous stage's commitment (stage 0: none), once
+        every earlier stage's commitment is its own, to this
         session and step, and one chain: each stage's inputs its predecessor's outputs, and the
         previous stage's outputs the inputs pushed. The last stage vouches for the whole list
         to the coordinator, so each stage checks all of it."""
@@ -391,7 +400,7 @@ class PushService:
             raise PeerError(f"a push to stage {self.stage} carries {len(body.commits)} "
                             "commitments")
         if self.stage == 0:
-            return chain_digest(row_digests(inputs))
+            return chain_digest(row_digests(inputs)), None
         commits = [open_commit(raw, route.peers[stage]) for stage, raw in enumerate(body.commits)]
         for stage, commit in enumerate(commits):
             if commit.id != route.id or commit.stage != stage or commit.epoch > route.epoch \
@@ -410,7 +419,7 @@ class PushService:
         if previous.outputs != row_digests(inputs):
             raise PeerError(f"the pushed inputs do not hash to what stage {self.stage - 1} "
                             "signed")
-        return chain_digest(previous.outputs)
+        return chain_digest(previous.outputs), previous
 
     def _check_room(self) -> None:
         self.expire()
@@ -430,3 +439,11 @@ class PushService:
         if len(parts) == 2 and parts[0].shape[3] != parts[1].shape[3]:
             raise PeerError("routing of another top_k than this stage's")
         return torch.cat(parts, 2) if len(parts) == 2 else (parts[0] if parts else None)
+
+
+def _settle(future: asyncio.Future[Any], error: Exception) -> None:
+    """End a kept step's future with `error` for whoever still waits on it (and nobody else:
+    the error counts as seen)."""
+    if not future.done():
+        future.set_exception(error)
+        future.exception()

@@ -34,6 +34,7 @@ class Commitment:
     start: int
     new: int
     rows: tuple[bytes, ...]
+    receiver: str = ""  # the next stage's replica it was pushed to (it keeps it too)
 
 
 @dataclass
@@ -83,8 +84,8 @@ class StageProvenance:
             [Sketches(sketches.rows[kept] - first, sketches.positions[kept],
                       sketches.values[kept])],
             self.seed, list(self.rebuilt),
-            [Commitment(c.peer, c.epoch, c.start, c.new, c.rows[first:first + count])
-             for c in self.commitments])
+            [Commitment(c.peer, c.epoch, c.start, c.new, c.rows[first:first + count],
+                        c.receiver) for c in self.commitments])
 
 
 @dataclass

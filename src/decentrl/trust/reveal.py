@@ -7,11 +7,14 @@ served a checked stage to reveal the group's rows of everything it sent on in th
 (stage/push.py keeps them for `trust.reveal_window_s` after the session ends), hashes every
 revealed row against the digest its sender signed, and sketches the rows with the session's
 secret matrix, drawn by the coordinator: from there the check is the relayed one (trust/commit.py,
-trust/verify.py). A replica that does not reveal what it signed (it answers nothing, refuses, or
-reveals rows that do not hash to its digests) is blamed: an honest replica keeps what it sent for
-the whole window (it refuses new sessions rather than forget), so only a liar cannot reveal. What
-changed against relaying: the hidden states reach the coordinator only for the groups it checks,
-after the fact, and a stage whose replica is gone past the window cannot be checked.
+trust/verify.py). What a stage sent is kept twice: by its sender and by the replica of the next
+stage it was pushed to (which checked it against the sender's digests when it came), so a
+replica that left or restarted is revealed for by its receiver. A revealed row that does not
+hash to its sender's digest is proof against whoever revealed it; a sender that is still
+announced and for which nobody reveals is blamed (an honest replica keeps what it sent for the
+whole window, refusing new sessions rather than forgetting); where the sender left and its
+receivers reveal nothing, the check is skipped. What changed against relaying: the hidden
+states reach the coordinator only for the groups it checks, after the fact.
 
 Each column is checked where it was first delivered: a failover's replay resends kept columns
 (checked against their digests like the rest, not sketched twice)."""
@@ -19,7 +22,7 @@ Each column is checked where it was first delivered: a failover's replay resends
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +59,14 @@ class RevealShape:
 
 
 def revealed_sketches(node: SwarmNode, provenance: Provenance, stages: Sequence[int],
-                      shape: RevealShape, dims: int, window_s: float, timeout_s: float
-                      ) -> dict[int, Sketches]:
+                      shape: RevealShape, dims: int, window_s: float, timeout_s: float,
+                      alive: Callable[[str], bool]) -> dict[int, Sketches]:
     """The sketches of what each of `stages` delivered to the next stage at the group's rows,
-    from its replicas' reveals checked against their commitments. RevealFailed names a replica
-    that did not reveal; RevealExpired: the session is past the window."""
+    from reveals checked against the senders' commitments: each sender's own, or where it
+    reveals nothing (it left, or lost what it kept in a restart), the next stage's replicas',
+    which kept what they were pushed. RevealFailed names a replica that revealed something its
+    sender never signed, or a sender still `alive` (announced) whom nobody could reveal for;
+    RevealExpired: the session is past the window, or nobody is left to reveal it."""
     if time.monotonic() - provenance.finished > window_s:
         raise RevealExpired(f"the session ended {time.monotonic() - provenance.finished:.0f}s "
                             f"ago, past trust.reveal_window_s ({window_s:.0f}s)")
@@ -69,9 +75,9 @@ def revealed_sketches(node: SwarmNode, provenance: Provenance, stages: Sequence[
         record = provenance.stages[stage]
         matrix = record.matrix(dims, shape.hidden_size)
         parts, covered = [], torch.zeros_like(shape.valid)
-        for peer, commitments in _by_peer(record.commitments).items():
-            for commitment, rows in _reveal(node, provenance, stage, peer, commitments,
-                                            shape, timeout_s):
+        for sender, commitments in _grouped(record.commitments, "peer").items():
+            for commitment, rows in _revealed(node, provenance, stage, sender, commitments,
+                                              shape, timeout_s, alive):
                 end = min(commitment.start + commitment.new, shape.valid.shape[1])
                 if end <= commitment.start:
                     continue
@@ -84,26 +90,54 @@ def revealed_sketches(node: SwarmNode, provenance: Provenance, stages: Sequence[
     return found
 
 
-def _by_peer(commitments: list[Commitment]) -> dict[str, list[Commitment]]:
+class _Unrevealed(Exception):
+    """A peer revealed nothing (unreachable, or it keeps nothing): no proof of anything."""
+
+
+def _grouped(commitments: list[Commitment], by: str) -> dict[str, list[Commitment]]:
     grouped: dict[str, list[Commitment]] = {}
     for commitment in commitments:
-        grouped.setdefault(commitment.peer, []).append(commitment)
+        grouped.setdefault(getattr(commitment, by), []).append(commitment)
     return grouped
 
 
-def _reveal(node: SwarmNode, provenance: Provenance, stage: int, peer: str,
-            commitments: list[Commitment], shape: RevealShape, timeout_s: float
-            ) -> list[tuple[Commitment, torch.Tensor]]:
-    """Each of `peer`'s commitments with its revealed rows [B, new, hidden], checked."""
-    first = commitments[0].start
+def _revealed(node: SwarmNode, provenance: Provenance, stage: int, sender: str,
+              commitments: list[Commitment], shape: RevealShape, timeout_s: float,
+              alive: Callable[[str], bool]) -> list[tuple[Commitment, torch.Tensor]]:
+    """Each of `sender`'s commitments with its revealed rows [B, new, hidden], checked: from the
+    sender, else from the replicas it pushed them to."""
+    try:
+        return _ask(node, provenance, stage, sender, commitments, shape, timeout_s, False)
+    except _Unrevealed as silence:
+        from_sender = silence
+    found = []
+    for receiver, theirs in _grouped(commitments, "receiver").items():
+        try:
+            found += _ask(node, provenance, stage + 1, receiver, theirs, shape, timeout_s, True)
+        except _Unrevealed as silence:
+            why = (f"revealed nothing ({from_sender}), nor did replica {receiver[-8:]} it pushed "
+                   f"them to ({silence})")
+            if not alive(sender):
+                raise RevealExpired(f"stage {stage}: replica {sender[-8:]} left and {why}")\
+                    from None
+            raise RevealFailed(stage, sender, theirs[0].start, why) from None
+    return found
+
+
+def _ask(node: SwarmNode, provenance: Provenance, stage: int, peer: str,
+         commitments: list[Commitment], shape: RevealShape, timeout_s: float, received: bool
+         ) -> list[tuple[Commitment, torch.Tensor]]:
+    """`peer`'s reveal of `commitments` (what it sent, or with `received` what it was pushed),
+    each checked against its digests; RevealFailed (proof) where one does not match."""
     rows = shape.valid.shape[0]
     try:
         body, out = node.call_sync(peer, REVEAL, RevealRequest(
-            provenance.session, provenance.first_row, rows), timeout=timeout_s)
+            provenance.session, provenance.first_row, rows, received), timeout=timeout_s)
     except (RemoteError, WireError, MessageLost, TimeoutError) as error:
-        raise RevealFailed(stage, peer, first, f"revealed nothing: {error}") from None
+        raise _Unrevealed(str(error)) from None
     outputs = out.get("outputs")
     total = sum(new for _, _, new in body.steps)
+    first = commitments[0].start
     if outputs is None or not outputs.is_floating_point() \
             or tuple(outputs.shape) != (rows, total, shape.hidden_size):
         raise RevealFailed(stage, peer, first, f"revealed outputs "
@@ -118,11 +152,10 @@ def _reveal(node: SwarmNode, provenance: Provenance, stage: int, peer: str,
         at = offsets.get((commitment.epoch, commitment.start, commitment.new))
         span = f"columns [{commitment.start}, {commitment.start + commitment.new})"
         if at is None:
-            raise RevealFailed(stage, peer, commitment.start, f"did not reveal the {span} it "
-                               f"signed for (epoch {commitment.epoch})")
+            raise _Unrevealed(f"it keeps no {span} of epoch {commitment.epoch}")
         revealed = outputs[:, at:at + commitment.new]
         if tuple(row_digests(revealed)) != commitment.rows:
             raise RevealFailed(stage, peer, commitment.start, f"revealed {span} that do not "
-                               "hash to what it signed")
+                               "hash to what their sender signed")
         checked.append((commitment, revealed))
     return checked

@@ -299,7 +299,20 @@ class Verifier:
             self.node, provenance, stages,
             RevealShape(layout.positions, layout.valid, self.hidden_size),
             self.config.trust.sketch_dims, self.config.trust.reveal_window_s,
-            self.config.swarm.request_timeout_s)
+            self.config.swarm.request_timeout_s, self._announced)
+
+    def _announced(self, peer: str) -> bool:
+        """Whether `peer` is still here: it announces itself (looked up again) and answers (a
+        close of a session nobody opened: every inference peer serves it)."""
+        self.directory.refresh()
+        if peer not in self.directory.records():
+            return False
+        try:
+            self.node.call_sync(peer, CLOSE_SESSION, CloseSession(session=secrets.token_hex(8)),
+                                timeout=5)
+        except (RemoteError, WireError, MessageLost, TimeoutError):
+            return False
+        return True
 
     def _replay(self, group: RolloutGroup, layout: Layout, provenance: Provenance,
                 verifiers: tuple[str, ...], session: str, checked: tuple[int, ...],
