@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from swarm_helpers import (
     ObservedChain,
     Swarm,
     local_chain,
     serving,
+    start_node,
     start_peer,
     start_swarm,
     tiny_run_config,
@@ -22,10 +25,27 @@ from decentrl.coordinator.scheduler import PromptScheduler
 from decentrl.coordinator.worker import RolloutWorker
 from decentrl.launch.adversary import HostileInference
 from decentrl.model.loading import LoadedModel, load_model
-from decentrl.net.protocol import Role
+from decentrl.net.directory import SwarmUnavailable
+from decentrl.net.link import LinkProfile
+from decentrl.net.node import RemoteError
+from decentrl.net.protocol import INFERENCE_PUSH, INFERENCE_RESULT, INFERENCE_RESUME, REVEAL, Role
+from decentrl.net.push_messages import (
+    PushStep,
+    ResultRequest,
+    ResumeRequest,
+    RevealRequest,
+    StepCommit,
+    open_route,
+    row_digests,
+    sign_commit,
+    sign_route,
+)
+from decentrl.net.wire import TensorLimits
 from decentrl.rollout.generate import generate
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.rollout.types import RolloutGroup
+from decentrl.stage.inference import SESSION_IDLE_S
+from decentrl.stage.peer import StagePeer
 from decentrl.tasks import make_task
 from decentrl.trust.verify import Verifier
 
@@ -167,3 +187,94 @@ def test_a_lie_pushed_on_is_revealed_and_blamed(adversary: str, stage: int,
         verdict = check.verify(group, session.provenance, panel)
         assert (verdict.outcome, verdict.stage, verdict.peer) \
             == ("failed", stage, liar.node.peer_id), verdict
+
+
+def test_pushes_from_anyone_but_the_route_are_refused_and_struck(
+        tiny_sharp_dir: Path, sharp: LoadedModel) -> None:
+    """Stage 1 takes a session's pushes from the stage-0 replica its route names only, with
+    inputs that hash to what that replica signed, under a route the run's owner signed; every
+    other push is refused, and counted against its sender. The coordinator's own RPCs (collect,
+    resume, reveal) are refused from anyone else."""
+    config = push_config(tiny_sharp_dir, 2)
+    layout: list[tuple[int, Role]] = [(0, "inference"), (0, "inference"), (1, "inference")]
+    with start_swarm(config, layout) as swarm:
+        chain = ObservedChain(swarm.chain(sharp.spec))
+        one_group(swarm, config, sharp, chain)
+        [session] = chain.sessions
+        routed, other = (swarm.by_id(p) for p in (
+            session.peers[0], next(p.node.peer_id for p in swarm.peers
+                                   if p.index == 0 and p.node.peer_id != session.peers[0])))
+        target = swarm.peer(1)
+        hidden = torch.randn(4, 1, sharp.spec.hidden_size)
+        valid = torch.ones(4, 1, dtype=torch.bool)
+        positions = torch.full((4, 1), 3)
+
+        def push(sender: StagePeer, route: bytes, signer: StagePeer, sent: torch.Tensor
+                 ) -> None:
+            commit = StepCommit(session.id, session.epoch, 0, session.length, 1, 0, b"",
+                                row_digests(sent))
+            body = PushStep(route=route, start=session.length,
+                            commits=[sign_commit(signer.node.identity, commit)],
+                            sampling=GREEDY, seed=None)
+            sender.node.call_sync(target.node.peer_id, INFERENCE_PUSH, body,
+                                  {"inputs": hidden, "positions": positions, "key_valid": valid},
+                                  timeout=10)
+
+        forged_route = sign_route(other.node.identity, open_route(session.signed_route,
+                                                                  swarm.client.peer_id))
+        cases = [
+            ("a stage-0 replica the route does not name", other, session.signed_route, other,
+             hidden),
+            ("inputs that do not hash to the signed digests", routed, session.signed_route,
+             routed, hidden + 1),
+            ("a route the owner did not sign", routed, forged_route, routed, hidden),
+        ]
+        for why, sender, route, signer, signed in cases:
+            before = target.node.strikes(sender.node.peer_id)
+            with pytest.raises(RemoteError):
+                push(sender, route, signer, signed)
+            assert target.node.strikes(sender.node.peer_id) == before + 1, why
+        for rpc, body in [(INFERENCE_RESULT, ResultRequest(session.id, 0)),
+                          (REVEAL, RevealRequest(session.id, 0, 1)),
+                          (INFERENCE_RESUME, ResumeRequest(session.signed_route, 0))]:
+            before = routed.node.strikes(other.node.peer_id)
+            with pytest.raises(RemoteError, match="coordinator"):
+                other.node.call_sync(routed.node.peer_id, rpc, body, timeout=10)
+            assert routed.node.strikes(other.node.peer_id) == before + 1, rpc.method
+        # A stranger that is not announced at stage 0 is refused before its push is read.
+        stranger = start_node(config, "stranger", swarm.client.addresses(), TensorLimits(),
+                              LinkProfile())
+        try:
+            with pytest.raises(RemoteError, match="not announced"):
+                stranger.call_sync(target.node.peer_id, INFERENCE_PUSH, PushStep(
+                    route=session.signed_route, start=0), {"inputs": hidden,
+                                                           "positions": positions,
+                                                           "key_valid": valid}, timeout=10)
+        finally:
+            stranger.shutdown()
+        # What the session's stage 1 keeps reveals only to the owner, and the honest push is
+        # still what it revealed.
+        _, out = swarm.client.call_sync(target.node.peer_id, REVEAL,
+                                        RevealRequest(session.id, 0, 4, received=True))
+        assert out["outputs"].shape[:2] == (4, session.length)
+
+
+def test_kept_activations_are_bounded(tiny_sharp_dir: Path, sharp: LoadedModel) -> None:
+    """A peer that keeps as much of what it sent as `swarm.kept_activations_mb` allows takes no
+    new session (the session moves on, nothing kept is forgotten early); sessions closed longer
+    than the reveal window ago are forgotten."""
+    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"data_plane": "peer_to_peer",
+                                                       "kept_activations_mb": 0.001})
+    with start_swarm(config, [(0, "inference"), (1, "inference")]) as swarm:
+        chain = swarm.chain(sharp.spec)
+        run(chain)  # 3 rows x 14 columns x 32 floats: over the 1 KiB allowed
+        push = swarm.peer(0).push
+        assert push is not None and push.kept_bytes > 1024
+        with pytest.raises(SwarmUnavailable, match="kept_activations_mb"):
+            run(chain)
+        later = time.monotonic() + SESSION_IDLE_S + config.trust.reveal_window_s + 1
+        for peer in swarm.peers:
+            assert peer.push is not None
+            peer.push.expire(now=later)
+            assert peer.push.kept_bytes == 0
+        run(chain)

@@ -19,7 +19,7 @@ class SwarmConfig(Section):
         "bf16", description="how hidden states cross from one stage to the next: fp32 as they "
         "are, bf16 (half the bytes), or int8 (a quarter, quantized)")
     data_plane: Literal["coordinator", "peer_to_peer"] = Field(
-        "coordinator", description="how a generation session's activations travel: through the "
+        "peer_to_peer", description="how a generation session's activations travel: through the "
         "coordinator, which relays every hop (client/sessions.py), or pushed from stage to "
         "stage along a route the coordinator signs, with each stage's signed commitment to "
         "what it sent, revealed on a spot-check (client/push_sessions.py, stage/push.py)")
