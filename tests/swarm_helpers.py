@@ -128,7 +128,7 @@ class Swarm:
 
     def chain(self, spec: ModelSpec) -> RemoteChain:
         return RemoteChain(self.client, self.directory(), self.config.swarm, self.config.trust,
-                           spec, run=self.config.name)
+                           spec)
 
     def workers(self) -> list[RemoteStageWorker]:
         directory = self.directory()

@@ -54,6 +54,7 @@ from decentrl.net.protocol import (
     lineage_key,
     stage_key,
 )
+from decentrl.net.push_messages import PushStep, ResultRequest, ResumeRequest, RevealRequest
 from decentrl.net.session import new_session
 from decentrl.net.training_messages import (
     AuditLoad,
@@ -90,6 +91,8 @@ CALLERS: dict[str, Callers] = {
     "train_state": "coordinator", "train_audit_load": "coordinator",
     "sync_plan": "same stage", "sync_chunk": "same stage",
     "submit_rollouts": "any peer", "dial_back": "any peer",
+    "inference_push": "previous stage", "inference_result": "coordinator",
+    "inference_resume": "coordinator", "reveal": "coordinator",
 }
 
 
@@ -118,6 +121,10 @@ STRANGER_CALLS: dict[str, tuple[Role, object]] = {
     "sync_plan": ("training", SyncPlanRequest(stage=0, version=0, state_hash="")),
     "sync_chunk": ("inference", ChunkRequest(stage=0, kind="keyframe", version=0, index=0,
                                              wait_s=0.0)),
+    "inference_push": ("inference", PushStep(route=b"", start=0, session="s")),
+    "inference_result": ("inference", ResultRequest(id="s", start=0)),
+    "inference_resume": ("inference", ResumeRequest(route=b"", start=0)),
+    "reveal": ("inference", RevealRequest(id="s", first_row=0, rows=1)),
 }
 # What each rule answers a stranger (net/authority.py), and whether the refusal is a strike: an
 # unknown caller of a "same stage" RPC may be a replica whose announcement has not spread yet.
@@ -126,6 +133,9 @@ REFUSALS: dict[Callers, tuple[str, int]] = {
                     "{stranger}", 1),
     "same stage": ("{method} is for the coordinator and the peers announced in stage 0; "
                    "{stranger} is not announced there", 0),
+    # Stage 0 takes pushes from the coordinator only (the swarm here has one stage).
+    "previous stage": ("{method} is for the run's coordinator \\({owner}\\) only, not for "
+                       "{stranger}", 1),
 }
 
 

@@ -48,13 +48,12 @@ from decentrl.net.protocol import (
     InferenceStep,
     PeerRecord,
     Rpc,
-    RunSizes,
     SyncPlanRequest,
-    size_limit,
     stage_key,
 )
 from decentrl.net.serving import MAX_STREAMS_PER_SENDER, READ_TIMEOUT_S
 from decentrl.net.signing import signed_envelope
+from decentrl.net.sizes import RunSizes, size_limit
 from decentrl.net.streams import (
     FRAME_HEADER_BYTES,
     ErrorFrame,

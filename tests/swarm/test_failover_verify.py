@@ -50,13 +50,15 @@ from tests.swarm.test_swarm import make_batch
 KILL_AFTER_STEP = 2
 
 
-def failover_config(model_dir: Path, num_stages: int) -> RunConfig:
+def failover_config(model_dir: Path, num_stages: int, data_plane: str = "peer_to_peer"
+                    ) -> RunConfig:
     # A large learning rate: one update moves the tiny model's log-probs by tenths of a nat.
     return tiny_run_config(
         model_dir, num_stages,
         rollout={"group_size": 4, "max_new_tokens": 8, "temperature": 0.9},
         train={"micro_batch_size": 8, "lr": 0.1},
-        swarm={"announce_every_s": 1.0, "request_timeout_s": 10.0, "avoid_failed_peer_s": 60.0},
+        swarm={"announce_every_s": 1.0, "request_timeout_s": 10.0, "avoid_failed_peer_s": 60.0,
+               "data_plane": data_plane},
         trust={"verify_fraction": 1.0, "history_versions": 4})
 
 
@@ -168,9 +170,10 @@ def route(chain: RemoteChain, stage: int, order: list[str], killed: list[str]) -
     own choice, by version, room and latency, is not the test's to steer)."""
     directory, choose = chain.directory, chain.directory.choose_inference
 
-    def routed(at: int, allow_banned: bool = False) -> str | None:
+    def routed(at: int, allow_banned: bool = False, avoid: frozenset[str] = frozenset()
+               ) -> str | None:
         if at != stage:
-            return choose(at, allow_banned)
+            return choose(at, allow_banned, avoid)
         return next(peer for peer in order if peer not in killed)
     directory.choose_inference = routed  # type: ignore[method-assign]
 
@@ -213,8 +216,10 @@ def test_a_replica_that_rebuilds_its_own_session_is_re_executed_there(
         tiny_sharp_dir: Path) -> None:
     """After a weight update the session's replica refuses one step (busy); the session comes
     back to it and replays from position 0, and the replica rebuilds the session it held at the
-    new version: no other replica served, but the cache was rebuilt all the same."""
-    config = failover_config(tiny_sharp_dir, 2)
+    new version: no other replica served, but the cache was rebuilt all the same. (A relayed
+    session; peer to peer, a stage that refused a step still holds the session, and the step
+    is pushed to it again without a rebuild.)"""
+    config = failover_config(tiny_sharp_dir, 2, data_plane="coordinator")
     model = load_model(str(tiny_sharp_dir))
     with start_swarm(config, swarm_layout(2, 0)) as swarm:
         replica = swarm.peer(1, "inference")

@@ -91,9 +91,8 @@ class ForgedExperts(HostileInference):
         super().__init__(service, "malformed-activations")
         self.forge, self.from_position = forge, from_position
 
-    def _infer(self, sender: str, body: InferenceStep, tensors: dict[str, torch.Tensor]
-               ) -> Reply:
-        reply = self.service.infer(sender, body, tensors)
+    def _lie(self, body: InferenceStep, tensors: dict[str, torch.Tensor], reply: Reply
+             ) -> Reply:
         if body.start < self.from_position:
             return reply
         result = dict(reply.tensors or {})
@@ -117,10 +116,11 @@ def test_a_replica_replying_malformed_experts_is_refused_and_banned(
         detail: str, from_position: int) -> None:
     """The only stage-0 replica known at first forges its experts: the session refuses its
     reply (a proof in its reputation, a ban) and completes through an honest one, with the
-    routing a local chain records."""
+    routing a local chain records. (Relayed through the coordinator, which checks every reply
+    whole; peer to peer, the next stage refuses the push.)"""
     monkeypatch.setattr(sessions, "backoff", lambda attempt: 0.01)
     folder, model = qwen3_moe
-    config = tiny_run_config(folder, 2, swarm={"retries": 3})
+    config = tiny_run_config(folder, 2, swarm={"retries": 3, "data_plane": "coordinator"})
     with start_swarm(config, [(1, "inference")]) as swarm:
         wrappers: list[ForgedExperts] = []
 

@@ -296,8 +296,11 @@ def test_session_survives_a_timeout_on_its_only_replica(tiny_sharp_dir: Path,
                                                         fast_backoff: None) -> None:
     """The replica answers one step too late: the client gives up on that call and replays the
     session from position 0 to the same replica (the only one), which must rebuild the session
-    it still holds rather than refuse the replay."""
-    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"request_timeout_s": 2.0, "avoid_failed_peer_s": 0.0})
+    it still holds rather than refuse the replay (a relayed session: the client calls every
+    stage itself)."""
+    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"request_timeout_s": 2.0,
+                                                       "avoid_failed_peer_s": 0.0,
+                                                       "data_plane": "coordinator"})
     with start_swarm(config, [(0, "inference"), (1, "inference")]) as swarm:
         # The client's calls, watched for the one it gives up on.
         client_gave_up = threading.Event()

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -39,6 +39,7 @@ from decentrl.net.protocol import (
     INFERENCE_RESULT,
     INFERENCE_RESUME,
     CloseSession,
+    Rpc,
 )
 from decentrl.net.push_messages import (
     PushAck,
@@ -66,6 +67,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CALL_ERRORS = (RemoteError, WireError, MessageLost, TimeoutError)
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
 
 
 class StageLost(Exception):
@@ -85,8 +88,10 @@ class PushSession:
         self.peers: list[str | None] = [None] * stages
         self.used: set[str] = set()  # every peer of any epoch (closed at the end)
         self.lost: frozenset[str] = frozenset()  # peers this session lost, avoided where it can
+        self.claims: dict[str, int] = {}  # by peer: the next stage's replicas it said failed
         self.epoch = -1
         self.signed_route = b""
+        self.routed_to: tuple[str, int] | None = None  # stage 0's peer that holds the route
         # Stage 0's inputs so far (token ids, positions, key mask), for its rebuild.
         self.inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.length = 0
@@ -173,14 +178,24 @@ class PushSession:
         self.failovers += 1
         if peer is None:
             return
-        directory = self.chain.directory
+        accuser = self.peers[lost.stage - 1] if not lost.own and lost.stage > 0 else None
+        if accuser is not None:
+            self.claims[accuser] = self.claims.get(accuser, 0) + 1
+            if self.claims[accuser] >= 2:
+                # Its second replica lost by its own account: it may be the one failing them.
+                self._drop(lost.stage - 1, accuser)
+        self._drop(lost.stage, peer)
         if lost.own:
             if lost.proof and self.chain.reputation is not None:
                 self.chain.reputation.record(peer, "proved", f"stage {lost.stage} {lost.detail}",
                                              lost.stage)
-            directory.ban(peer, lost.detail)
+            self.chain.directory.ban(peer, lost.detail)
+
+    def _drop(self, stage: int, peer: str) -> None:
+        """Move the session off `peer` at `stage` (released, avoided by this session)."""
+        directory = self.chain.directory
         directory.release(peer)
-        self.peers[lost.stage] = None
+        self.peers[stage] = None
         self.lost |= {peer}
 
     async def _attempt(self, tokens: torch.Tensor, positions: torch.Tensor,
@@ -189,14 +204,13 @@ class PushSession:
         """Start the step (a push to stage 0, or a resume where a later replica changed) and
         collect its tokens from the last stage; StageLost names the stage a failure is put
         down to."""
-        node = self.chain.node
         peers = [p for p in self.peers if p is not None]
         if not self.changed or 0 in self.changed:
             starter = 0
             start_call = self._push_first(peers[0], tokens, positions, new_valid, sampling, seed)
         else:
             starter = min(self.changed) - 1
-            start_call = node.call(peers[starter], INFERENCE_RESUME, ResumeRequest(
+            start_call = self._call(peers[starter], INFERENCE_RESUME, ResumeRequest(
                 self.signed_route, self.length, sampling, seed), timeout=self._deadline())
         ack_task: asyncio.Future[tuple[PushAck, dict[str, torch.Tensor]]] = \
             asyncio.ensure_future(start_call)
@@ -208,14 +222,14 @@ class PushSession:
         """The step's tokens from the last stage, asked for until they are in; StageLost where
         the answer to the push (`ack_task`, sent to stage `starter`) names a lost stage first,
         or the last stage does not hand over a step the chain says it took."""
-        node, last = self.chain.node, len(peers) - 1
+        last = len(peers) - 1
         ack: PushAck | None = None
         collect_error: Exception | None = None
         poll: asyncio.Future[tuple[StepOutcome, dict[str, torch.Tensor]]] | None = None
         try:
             while True:
                 if poll is None:
-                    poll = asyncio.ensure_future(node.call(
+                    poll = asyncio.ensure_future(self._call(
                         peers[last], INFERENCE_RESULT, ResultRequest(self.id, self.length),
                         timeout=self.chain.swarm.request_timeout_s))
                 waiting = {poll} if ack is not None else {poll, ack_task}
@@ -266,14 +280,32 @@ class PushSession:
                 else [(tokens, positions, new_valid)]
             inputs = torch.cat([p[0] for p in parts], 1)
             self.sent_digests.append(chain_digest(row_digests(inputs)))
-            push = PushStep(route=self.signed_route, start=0 if whole else self.length,
-                            fresh=tokens.shape[1], sampling=sampling, seed=seed)
-            ack, out = await self.chain.node.call(peer, INFERENCE_PUSH, push, {
+            # The route goes once per peer and epoch.
+            routed = self.routed_to == (peer, self.epoch) and not whole
+            push = PushStep(route=b"" if routed else self.signed_route,
+                            start=0 if whole else self.length, fresh=tokens.shape[1],
+                            session=self.id, sampling=sampling, seed=seed)
+            ack, out = await self._call(peer, INFERENCE_PUSH, push, {
                 "inputs": inputs, "positions": torch.cat([p[1] for p in parts], 1),
-                "key_valid": torch.cat([p[2] for p in parts], 1)}, "fp32", self._deadline())
+                "key_valid": torch.cat([p[2] for p in parts], 1)}, timeout=self._deadline())
             if not (ack.missing and ack.failed_stage == 0):
+                self.routed_to = (peer, self.epoch)
                 return ack, out
         return PushAck(0, "does not take the session even whole"), {}
+
+    async def _call(self, peer: str, rpc: Rpc[Req, Rep], body: Req,
+                    tensors: dict[str, torch.Tensor] | None = None, timeout: float = 30.0
+                    ) -> tuple[Rep, dict[str, torch.Tensor]]:
+        """`node.call`, sent again with the same request id when the link lost it (the peer
+        answers a request once, its reply cache answers the repeats)."""
+        request_id = secrets.token_hex(8)
+        for attempt in range(self.chain.swarm.retries):
+            try:
+                return await self.chain.node.call(peer, rpc, body, tensors, "fp32", timeout,
+                                                   request_id)
+            except MessageLost:
+                await asyncio.sleep(backoff(attempt))
+        return await self.chain.node.call(peer, rpc, body, tensors, "fp32", timeout, request_id)
 
     def _accept(self, outcome: StepOutcome, out: dict[str, torch.Tensor], new: int,
                 peers: list[str]) -> StepResult:
@@ -300,7 +332,8 @@ class PushSession:
                                                      peers[stage + 1]))
         return StepResult(tokens, logprobs, tuple(c.version for c in commits), routing)
 
-    def _check_commits(self, commits: list[StepCommit], new: int, tokens: torch.Tensor, logprobs: torch.Tensor,
+    def _check_commits(self, commits: list[StepCommit], new: int, tokens: torch.Tensor,
+                       logprobs: torch.Tensor,
                        out: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """BadReply unless the commitments are one chain from the tokens sent to those received,
         each of this session, its stage and this step's columns; the step's experts (a mixture

@@ -237,13 +237,14 @@ class RemoteChain:
     def __init__(self, node: SwarmNode, directory: Directory, swarm: SwarmConfig,
                  trust: TrustConfig, spec: ModelSpec, reputation: Reputation | None = None,
                  on_step: Callable[[int, int, int, float], None] | None = None,
-                 run: str = "", run_session: str = "") -> None:
+                 run_session: str = "") -> None:
         """`on_step` is told of every step of its sessions: (rows, positions fed per row, the
         session's max_length, seconds through the whole chain); the rows in flight are sized
-        from it. `run` and `run_session` (net/session.py) bind the routes of peer-to-peer
-        sessions (`swarm.data_plane`) to this start of the run."""
+        from it. The routes of peer-to-peer sessions (`swarm.data_plane`) are bound to the
+        directory's run and `run_session` (net/session.py), this start of it (a peer that knows
+        the owner's manifest refuses a route of another)."""
         self.node, self.directory, self.swarm, self.trust = node, directory, swarm, trust
-        self.run, self.run_session = run, run_session
+        self.run, self.run_session = directory.run, run_session
         self.num_stages = directory.num_stages
         self.vocab_size, self.hidden_size = spec.vocab_size, spec.hidden_size
         # Each stage's sparse layers (the swarm's stages split the layers evenly), whose experts

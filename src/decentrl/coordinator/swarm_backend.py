@@ -151,7 +151,7 @@ class SwarmBackend:
         self.inflight = RowsInFlight(config, self._usable_replicas)
         self.chain = RemoteChain(node, self.directory, config.swarm, config.trust, self.spec,
                                  self.trust.reputation, on_step=self.inflight.observe,
-                                 run=config.name, run_session=self.manifest.session)
+                                 run_session=self.manifest.session)
         self.lineage = LineageSigner(node, config, self.manifest.session)
         # A stage's second training peer recomputes a random share of its steps (trust/audit.py).
         self.audit = (TrainAudit(node, self.directory, config, self.admitted,

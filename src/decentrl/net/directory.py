@@ -141,12 +141,13 @@ class Directory:
         new identities nor one liar renewing its key can take over generation; a replica the
         operator did not admit (`replica_admitted`), or one on probation past its address's
         limit, gets nothing. `avoid`: peers the session asking has lost already (by another
-        peer's account: a claim, not this process's own observation), taken only when nobody
-        else has room."""
+        peer's account: a claim, not this process's own observation), taken only as a last
+        resort (`allow_banned`) when nobody else has room."""
         self.probation.observe_hosts()
         with self.lock:
             replicas = self._with_room(stage)
-            replicas = [r for r in replicas if r[0] not in avoid] or replicas
+            fresh = [r for r in replicas if r[0] not in avoid]
+            replicas = fresh if fresh or not allow_banned else replicas
             if not replicas:
                 return None
             now = time.monotonic()

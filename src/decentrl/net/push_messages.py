@@ -155,7 +155,7 @@ def tensor_digest(tensor: torch.Tensor | None) -> bytes:
 
 class PushStep(Body):
     """Positions [start, start + T) of a session, pushed to the stage the signed `route` names
-    next (stage 0: by the coordinator). Tensors: `inputs` (stage 0: token ids [B, T]; later
+    next (stage 0: by the coordinator), or the route it holds for `session`. Tensors: `inputs` (stage 0: token ids [B, T]; later
     stages: the previous stage's hidden states [B, T, hidden] in their wire form), `positions`
     and `key_valid` [B, T] of the new positions (each stage keeps the session's mask), and
     `routing` [B, T, sparse layers so far, top_k] of the earlier stages' experts (a mixture of
@@ -166,6 +166,9 @@ class PushStep(Body):
     route: bytes
     start: int
     fresh: int = 0
+    # With no `route` (b""): the session, whose route the sender pushed here before under the
+    # same epoch (a route goes once per peer and epoch, not with every step).
+    session: str = ""
     commits: list[bytes] = msgspec.field(default_factory=list)
     sampling: SamplingConfig | None = None
     seed: int | None = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,8 @@ from typing import Any
 import torch
 
 from decentrl.config import RunConfig
+from decentrl.model.stages import StagePlan
+from decentrl.net.directory import backoff
 from decentrl.net.link import MessageLost
 from decentrl.net.node import Handler, RemoteError, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
@@ -64,6 +67,7 @@ from decentrl.net.wire import ActivationCodec, WireError
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.stage.inbound import PeerBusy, PeerError
 from decentrl.stage.inference import SESSION_IDLE_S, InferenceService
+from decentrl.trust.relay import BadReply, check_experts
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +97,8 @@ class PushedSession:
     route: SessionRoute
     key_valid: torch.Tensor  # [B, L] the session's key mask so far
     positions: torch.Tensor  # [B, L]
+    signed_route: bytes = b""  # the route as its owner signed it (passed on to the next stage)
+    routed_to: tuple[str, int] | None = None  # the next peer that holds the route, and its epoch
     segments: list[Segment] = field(default_factory=list)
     # What the previous stage pushed (checked against its commitments), under the epoch of its
     # commitment: a reveal of its outputs where it cannot reveal them itself (it left).
@@ -148,6 +154,10 @@ class PushService:
         self.results: dict[tuple[str, int], asyncio.Future[tuple[StepOutcome,
                                                                   dict[str, torch.Tensor]]]] = {}
         self.run_session: str | None = None  # the owner's manifest's (net/session.py), if known
+        # The sparse layers of the stages before this one, whose experts a push carries.
+        spec = inference.checks.spec
+        plan = StagePlan.even(spec.num_layers, config.num_stages)
+        self.routed_before = spec.sparse_before(plan.layers(stage).start)
         inference.on_close.append(self.closed)
 
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
@@ -180,7 +190,14 @@ class PushService:
 
     async def _push(self, request: Request[PushStep]) -> Reply:
         body, tensors = request.body, request.tensors
-        route = self._route(body.route)
+        if body.route:
+            route = self._route(body.route)
+        else:
+            held = self.sessions.get(body.session)
+            if held is None or held.closed_at is not None:
+                return Reply(PushAck(self.stage, f"session {body.session} is not held here",
+                                     missing=True))
+            route = held.route
         expected = self.owner if self.stage == 0 else route.peers[self.stage - 1]
         if request.sender != expected:
             raise PeerError(f"a push of session {route.id} from {request.sender[-8:]}: its "
@@ -215,7 +232,7 @@ class PushService:
         reply = await self.inference.batcher.submit(
             self.owner, step, {"inputs": inputs, "positions": positions, "key_valid": key_valid})
         if state is None:
-            state = PushedSession(route, key_valid, positions)
+            state = PushedSession(route, key_valid, positions, signed_route=body.route)
             self.sessions[route.id] = state
         elif body.start == 0:  # rebuilt: what it sent before stays kept for reveals
             state.key_valid, state.positions = key_valid, positions
@@ -226,6 +243,7 @@ class PushService:
             state.received.append(Segment(previous.epoch, body.start, inputs, sent=True))
         version: int = reply.body.version
         state.route, state.last_used, state.version = route, time.monotonic(), version
+        state.signed_route = body.route or state.signed_route
         state.step_start = body.start + inputs.shape[1] - fresh
         state.commits, state.input_digest = list(body.commits), input_digest
         state.sampling, state.seed = body.sampling, body.seed
@@ -240,23 +258,23 @@ class PushService:
         kept = wire_form(hidden, self.codec)
         if rebuilt:  # every column recomputed, the new ones sent on
             state.segments.append(Segment(route.epoch, 0, kept, sent=False))
-        return await self._send_on(state, body.route, hidden[:, -fresh:], kept[:, -fresh:],
-                                   self.codec, rebuilt)
+        return await self._send_on(state, hidden[:, -fresh:], kept[:, -fresh:], self.codec,
+                                   rebuilt)
 
-    async def _send_on(self, state: PushedSession, route: bytes, send: torch.Tensor,
-                       sent: torch.Tensor, codec: ActivationCodec, rebuilt: bool) -> Reply:
+    async def _send_on(self, state: PushedSession, send: torch.Tensor, sent: torch.Tensor,
+                       codec: ActivationCodec, rebuilt: bool) -> Reply:
         """Push the last step's new columns (`send`, which the next stage decodes as `sent`) to
         the route's next stage, with this stage's signed commitment; where the next stage does
         not hold the session, the whole session. Answers with what the rest of the chain
         answered."""
         start = state.step_start
         state.segments.append(Segment(state.route.epoch, start, sent, sent=True))
-        ack = await self._push_next(state, route, send, sent, start, codec, rebuilt)
+        ack = await self._push_next(state, send, sent, start, codec, rebuilt)
         if ack.missing and ack.failed_stage == self.stage + 1:
             whole = state.columns()
             state.segments.append(Segment(state.route.epoch, 0, whole, sent=True))
-            ack = await self._push_next(state, route, whole, whole, 0, exact_codec(whole),
-                                        rebuilt)
+            ack = await self._push_next(state, whole, whole, 0, exact_codec(whole), rebuilt,
+                                        with_route=True)
             if ack.missing:
                 ack = PushAck(self.stage + 1, "does not take the session even whole")
         if ack.failed_stage != -1 and ack.failed_stage <= self.stage:
@@ -264,14 +282,19 @@ class PushService:
             ack = PushAck(self.stage + 1, f"answered nonsense: {ack.detail}"[:500])
         return Reply(ack)
 
-    async def _push_next(self, state: PushedSession, route: bytes, send: torch.Tensor,
-                         sent: torch.Tensor, start: int, codec: ActivationCodec, rebuilt: bool
-                         ) -> PushAck:
+    async def _push_next(self, state: PushedSession, send: torch.Tensor, sent: torch.Tensor,
+                         start: int, codec: ActivationCodec, rebuilt: bool,
+                         with_route: bool = False) -> PushAck:
+        """One push to the next stage; the route goes along unless that peer took it already
+        under this epoch."""
         end = start + send.shape[1]
+        next_peer = state.route.peers[self.stage + 1]
+        routed = state.routed_to == (next_peer, state.route.epoch) and not with_route
         commit = StepCommit(state.route.id, state.route.epoch, self.stage, start,
                             send.shape[1], state.version, state.input_digest,
                             row_digests(sent), state.experts, replayed=rebuilt)
-        push = PushStep(route=route, start=start, fresh=state.length - state.step_start,
+        push = PushStep(route=b"" if routed else state.signed_route, start=start,
+                        fresh=state.length - state.step_start, session=state.route.id,
                         commits=[*state.commits, sign_commit(self.node.identity, commit)],
                         sampling=state.sampling, seed=state.seed)
         tensors = {"inputs": send, "positions": state.positions[:, start:end],
@@ -282,11 +305,21 @@ class PushService:
         # so the stage that did not answer is the one named.
         timeout = self.config.swarm.request_timeout_s \
             * (self.config.num_stages - 1 - self.stage)
-        try:
-            ack, _ = await self.node.call(state.route.peers[self.stage + 1], INFERENCE_PUSH,
-                                          push, tensors, codec, timeout)
-        except (RemoteError, WireError, MessageLost, TimeoutError) as failure:
+        request_id = secrets.token_hex(8)
+        for attempt in range(self.config.swarm.retries + 1):
+            try:
+                ack, _ = await self.node.call(next_peer, INFERENCE_PUSH, push, tensors, codec,
+                                              timeout, request_id)
+                break
+            except MessageLost as lost:  # the same request again: the peer answers it once
+                failure: Exception = lost
+                await asyncio.sleep(backoff(attempt))
+            except (RemoteError, WireError, TimeoutError) as error:
+                return PushAck(self.stage + 1, f"{type(error).__name__}: {error}"[:500])
+        else:
             return PushAck(self.stage + 1, f"{type(failure).__name__}: {failure}"[:500])
+        if not ack.missing:
+            state.routed_to = (next_peer, state.route.epoch)
         return ack
 
     def _sampled(self, state: PushedSession, out: dict[str, torch.Tensor], length: int,
@@ -322,8 +355,8 @@ class PushService:
         future = self.results.get(key)
         if future is None:
             waiting = sum(k[0] == key[0] for k in self.results)
-            if waiting >= RESULTS_PER_SESSION \
-                    or len(self.results) >= RESULTS_PER_SESSION * self.config.swarm.max_sessions_per_peer:
+            limit = RESULTS_PER_SESSION * self.config.swarm.max_sessions_per_peer
+            if waiting >= RESULTS_PER_SESSION or len(self.results) >= limit:
                 raise PeerBusy(f"too many steps awaited here ({len(self.results)})")
             future = self.node.loop.create_future()
             self.results[key] = future
@@ -351,9 +384,10 @@ class PushService:
                             f"{route.epoch}; it holds {state.length} columns, its last step "
                             f"from {state.step_start}, epoch {state.route.epoch}")
         state.route, state.last_used = route, time.monotonic()
+        state.signed_route = body.route
         last_step = state.columns()[:, state.step_start:]
-        return await self._send_on(state, body.route, last_step, last_step,
-                                   exact_codec(last_step), rebuilt=False)
+        return await self._send_on(state, last_step, last_step, exact_codec(last_step),
+                                   rebuilt=False)
 
     # ---- reveals -------------------------------------------------------------------------
 
@@ -430,14 +464,21 @@ class PushService:
 
     def _routing(self, before: torch.Tensor | None, experts: torch.Tensor | None, fresh: int,
                  batch: int) -> torch.Tensor | None:
-        """The experts of the step's new columns at every stage so far (a mixture of experts)."""
-        if before is not None and (before.dim() != 4 or tuple(before.shape[:2]) != (batch, fresh)):
-            raise PeerError(f"routing must be [{batch}, {fresh}, layers, top_k], got "
-                            f"{tuple(before.shape)}")
+        """The experts of the step's new columns at every stage so far (a mixture of experts):
+        the earlier stages', checked as the coordinator checks a relayed reply's, then this
+        stage's own."""
+        spec = self.inference.checks.spec
+        if self.routed_before == 0 or spec.moe is None:
+            if before is not None:
+                raise PeerError(f"routing from stages before {self.stage}, which have no "
+                                "sparse layer")
+        else:
+            try:
+                check_experts(before, batch, fresh, self.routed_before, spec.moe)
+            except BadReply as bad:
+                raise PeerError(f"routing of stages before {self.stage}: {bad}") from None
         own = None if experts is None else experts[:, -fresh:]
         parts = [t for t in (before, own) if t is not None]
-        if len(parts) == 2 and parts[0].shape[3] != parts[1].shape[3]:
-            raise PeerError("routing of another top_k than this stage's")
         return torch.cat(parts, 2) if len(parts) == 2 else (parts[0] if parts else None)
 
 

@@ -22,9 +22,8 @@ from decentrl.net.protocol import (
     TRAIN_FORWARD,
     Callers,
     InferenceStep,
-    forward_request_bytes,
 )
-from decentrl.net.sizes import SMALL_REQUEST_BYTES, RunSizes
+from decentrl.net.sizes import SMALL_REQUEST_BYTES, RunSizes, forward_request_bytes
 from decentrl.net.wire import (
     TensorLimits,
     WireError,
@@ -41,7 +40,7 @@ STEP = {"inputs": torch.tensor([[1, 2]]), "positions": torch.tensor([[0, 1]]),
 
 
 def test_every_rpc_is_declared_once_with_strict_bodies_and_known_callers() -> None:
-    assert len(RPCS) == 17
+    assert len(RPCS) == 21
     for method, rpc in RPCS.items():
         assert rpc.method == method
         assert rpc.callers in typing.get_args(Callers), method

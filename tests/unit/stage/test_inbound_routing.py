@@ -14,14 +14,11 @@ from decentrl.model.moe import FREE_ROUTE
 from decentrl.model.spec import ModelSpec
 from decentrl.net.protocol import (
     INFERENCE_STEP,
-    MAX_SUBMISSION_BYTES,
     SUBMIT_ROLLOUTS,
     TRAIN_FORWARD,
     VERIFY_STEP,
-    RunSizes,
-    size_limit,
-    step_reply_bytes,
 )
+from decentrl.net.sizes import MAX_SUBMISSION_BYTES, RunSizes, size_limit, step_reply_bytes
 from decentrl.net.wire import WireError
 from decentrl.stage.inbound import InboundChecks, PeerError
 
