@@ -7,10 +7,13 @@ sessions grows.
 What runs:
 - `swarm`: `--stages` stages, `--replicas` inference peers per stage (default 1), each peer a
   separate `decentrl join` process on loopback holding only its stage's layers, `--threads` torch
-  threads per peer (default 1). The bench process is the client: its SwarmNode carries the
-  emulated link (`LinkProfile(rtt_ms=(R, R))`, `--rtt-ms` R = 100 by default; the emulator sits on
-  the caller's side of every hop, and in the swarm the client calls every stage itself, so every
-  hop of every decoding step costs R). It drives C concurrent sessions (`--concurrency`, default
+  threads per peer (default 1). The bench process is the client. Every node carries the emulated
+  link (`LinkProfile(rtt_ms=(R, R))`, `--rtt-ms` R = 100 by default), which sits on the caller's
+  side of every hop: a request costs R/2 one way, its reply R/2 back. `--planes` sets the swarm's
+  `swarm.data_plane`: with activations relayed (`coordinator`, "(relayed)") the client calls
+  every stage itself, so a decoding step costs `stages` x R; pushed peer to peer (the default)
+  the client pushes the tokens to stage 0 while asking the last stage for the step's tokens, and
+  each stage pushes to the next: (stages + 1) x R / 2. `both` runs the two side by side. It drives C concurrent sessions (`--concurrency`, default
   1,2,4,8,16), each a Python thread calling `generate` on one shared `RemoteChain` with its own
   batch of `--batch` B sums prompts. Activations travel with `--codec` (default bf16, the swarm's
   default). `--batching on|off|both` (default both) sets the peers' `swarm.batching`: `off` is
@@ -31,9 +34,9 @@ over the wall time of the level: for the session variants from releasing the C t
 last one finishing, after `--warmup` untimed rounds in which every session thread generates once
 (the threads are reused across levels); for `batched`, its `--steps` generate calls after
 `--warmup` untimed ones of the same rows at every level (a batch shape's first call is slower).
-A decoding step of one swarm session cannot take less than stages x R (its hops are
-sequential), so one session is bounded by B / (stages x R) tokens/s whatever the compute
-("latency bound" column); concurrency is what hides the latency: while one session waits on the
+A decoding step of one swarm session cannot take less than its hops (sequential), so one session
+is bounded by B / (stages x R) tokens/s relayed and B / ((stages + 1) x R / 2) peer to peer,
+whatever the compute ("latency bound" columns); concurrency is what hides the latency: while one session waits on the
 network, the peers compute the others.
 
 On a CPU-only machine the peers and the baselines share the same cores, so the ratios do not
@@ -46,7 +49,8 @@ client process (which only relays) runs 1 thread. Each variant runs in its own p
 Run: decentrl bench swarm-generation [--model smollm2-135m-instruct|tiny|PATH] [--stages 2]
      [--replicas 1] [--threads 1] [--rtt-ms 100] [--batch 8] [--max-new-tokens 32]
      [--concurrency 1,2,4,8,16] [--steps 1] [--codec bf16] [--variants local,batched,swarm]
-     [--batching both|on|off] [--plot PATH|none] [--json PATH]
+     [--batching both|on|off] [--planes peer_to_peer|coordinator|both] [--plot PATH|none]
+     [--json PATH]
 """
 
 from __future__ import annotations
@@ -69,7 +73,16 @@ TARGET_VS_BATCHED = 0.90  # issue #20, at TARGET_SESSIONS
 TARGET_SESSIONS = 16
 DEFAULT_PLOT = "runs/bench/swarm_generation.png"
 LABELS = {"local": "per-session local", "batched": "one batch (HF)", "swarm-off": "swarm off",
-          "swarm-on": "swarm on"}
+          "swarm-on": "swarm on", "swarm-off-relayed": "swarm off (relayed)",
+          "swarm-on-relayed": "swarm on (relayed)"}
+# --planes: the swarm's data planes (swarm.data_plane); a relayed variant's name ends so.
+PLANES = {"peer_to_peer": ("peer_to_peer",), "coordinator": ("coordinator",),
+          "both": ("coordinator", "peer_to_peer")}
+TARGET_PUSH_VS_RELAYED = 1.5  # issue #36, at 4 stages and 100 ms per hop
+# Swarm variants set side by side: (numerator, denominator, figure name).
+COMPARED = (("swarm-on", "swarm-off", "swarm_on_vs_off"),
+            ("swarm-on", "swarm-on-relayed", "swarm_on_vs_relayed"),
+            ("swarm-off", "swarm-off-relayed", "swarm_off_vs_relayed"))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,6 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batching", default="both", choices=tuple(BATCHING),
                         help="the swarm peers' swarm.batching (both: run the swarm once with "
                              "each)")
+    parser.add_argument("--planes", default="peer_to_peer", choices=tuple(PLANES),
+                        help="the swarm's swarm.data_plane (both: run the swarm with each, "
+                             "activations relayed through the client and pushed peer to peer)")
     parser.add_argument("--plot", default=DEFAULT_PLOT, help="plot file, or 'none'")
     args = parser.parse_args(argv)
     try:
@@ -102,7 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--variants must name some of {', '.join(VARIANTS)}")
     # The swarm runs once per batching setting, each a variant of its own (own worker process).
     args.variants = [name for v in variants for name in
-                     ([f"swarm-{b}" for b in BATCHING[args.batching]] if v == "swarm" else [v])]
+                     ([f"swarm-{b}{'-relayed' if plane == 'coordinator' else ''}"
+                       for b in BATCHING[args.batching] for plane in PLANES[args.planes]]
+                      if v == "swarm" else [v])]
     if not args.concurrency or min(args.concurrency) < 1:
         parser.error("--concurrency needs numbers >= 1")
     if min(args.stages, args.replicas, args.threads, args.batch, args.steps,
@@ -181,20 +199,21 @@ def run_batched(args: argparse.Namespace, loaded: Any, device: torch.device,
 
 
 def run_swarm(args: argparse.Namespace, loaded: Any, folder: Path,
-              batching: bool) -> dict[str, Any]:
-    torch.set_num_threads(1)  # the client only relays; the peers compute
+              batching: bool, plane: str) -> dict[str, Any]:
+    torch.set_num_threads(1)  # the client only relays or collects; the peers compute
     config = common.inference_swarm_config("swarm-generation", folder, loaded.path, args, {
         "activation_codec": args.codec, "inference_replicas": args.replicas,
-        "batching": batching},
-        # Peers never call each other while generating; only the client's link matters.
+        "batching": batching, "data_plane": plane},
+        # Every node's link: the client's (relayed, it calls every stage) and each peer's (peer
+        # to peer, each stage calls the next).
         host={"link": {"rtt_ms": [args.rtt_ms, args.rtt_ms]}})
     with common.inference_swarm(config, loaded.spec) as (swarm, chain):
         prompts = common.sums_prompts(loaded.tokenizer, max(args.concurrency) * args.batch)
         label = f"swarm ({'batching' if batching else 'one request at a time'})"
         levels = common.sweep_sessions(chain, prompts, args, loaded.tokenizer.pad_token_id,
                                        label, common.peer_pids(swarm))
-        return {"threads": args.threads, "batching": batching, "peers": swarm.layout(),
-                "failovers": chain.failovers, "levels": levels}
+        return {"threads": args.threads, "batching": batching, "data_plane": plane,
+                "peers": swarm.layout(), "failovers": chain.failovers, "levels": levels}
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -206,7 +225,10 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
             result = run_batched(args, loaded, device, dtype)
         else:
             loaded.tensors.clear()  # the peers load their own stages
-            result = run_swarm(args, loaded, Path(folder), batching=variant == "swarm-on")
+            result = run_swarm(args, loaded, Path(folder),
+                               batching=variant.startswith("swarm-on"),
+                               plane="coordinator" if variant.endswith("-relayed")
+                               else "peer_to_peer")
     prompt_lengths = [len(p) for p in common.sums_prompts(loaded.tokenizer, args.batch)]
     return {"variant": variant, "device": str(device),
             "dtype": str(dtype).removeprefix("torch."), "machine": common.machine(device),
@@ -226,13 +248,16 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     # (numerator, denominator) variants -> {sessions: ratio of their tokens/s}
     ratios: dict[tuple[str, str], dict[int, float]] = {}
     for i, concurrency in enumerate(args.concurrency):
-        bound = concurrency * args.batch / (args.stages * args.rtt_ms / 1000) \
-            if args.rtt_ms > 0 else float("inf")
+        # A relayed step makes `stages` round trips; a pushed one stages + 1 one-way hops.
+        rtt_s = args.rtt_ms / 1000
+        bound = concurrency * args.batch / (args.stages * rtt_s) if rtt_s else float("inf")
+        push_bound = concurrency * args.batch / ((args.stages + 1) * rtt_s / 2) if rtt_s \
+            else float("inf")
         speed = {name: by_name[name]["levels"][i]["tokens_per_s"] for name in names}
         for name, value in speed.items():
             figures[f"{name.replace('-', '_')}_tokens_per_s_c{concurrency}"] = value
         rows.append([concurrency, concurrency * args.batch,
-                     *(speed.get(name, "-") for name in LABELS), bound])
+                     *(speed.get(name, "-") for name in LABELS), bound, push_bound])
         for swarm in swarms:
             for baseline in ("batched", "local"):
                 key = (swarm, baseline)
@@ -240,10 +265,11 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                     ratio = speed[swarm] / speed[baseline]
                     ratios.setdefault(key, {})[concurrency] = ratio
                     figures[f"{swarm.replace('-', '_')}_vs_{baseline}_c{concurrency}"] = ratio
-        if len(swarms) == 2:
-            ratios.setdefault(("swarm-on", "swarm-off"), {})[concurrency] = \
-                speed["swarm-on"] / speed["swarm-off"]
-            figures[f"swarm_on_vs_off_c{concurrency}"] = speed["swarm-on"] / speed["swarm-off"]
+        for faster, slower, figure in COMPARED:
+            if faster in speed and slower in speed:
+                ratios.setdefault((faster, slower), {})[concurrency] = \
+                    speed[faster] / speed[slower]
+                figures[f"{figure}_c{concurrency}"] = speed[faster] / speed[slower]
         ratio_rows.append([concurrency, *(by_level[concurrency] for by_level in ratios.values())])
     first = results[0]
     lengths = first["prompt_lengths"]
@@ -255,11 +281,14 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                f"per row (no stop ids), {args.steps} generation(s) per session per level; one "
                f"batch (HF) = HF generate of all sessions' rows as one batch in one process; "
                f"per-session local = the same sessions on a LocalChain in one process; swarm "
-               f"off/on = the peers' swarm.batching; latency bound = C x B / (stages x rtt)\n"
+               f"off/on = the peers' swarm.batching, (relayed) = swarm.data_plane "
+               f"coordinator, else peer_to_peer; latency bounds = C x B / (stages x rtt) "
+               f"relayed, C x B / ((stages + 1) x rtt / 2) peer to peer\n"
                f"{first['machine']}")
     common.print_table("swarm generation: new tokens/s by concurrent sessions",
                        ["sessions", "sequences", *(f"{label} tok/s" for label in LABELS.values()),
-                        "latency bound tok/s"], rows, caption)
+                        "latency bound tok/s (relayed)", "latency bound tok/s (peer to peer)"],
+                       rows, caption)
     if ratios:
         common.print_table("swarm generation: ratios of new tokens/s",
                            ["sessions", *(ratio_label(key) for key in ratios)], ratio_rows,
@@ -269,8 +298,15 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     for key, by_level in ratios.items():
         if key[1] == "batched" and TARGET_SESSIONS in by_level:
             reached = by_level[TARGET_SESSIONS] >= TARGET_VS_BATCHED
-            print(f"{ratio_label(key)} at {TARGET_SESSIONS} sessions: {by_level[TARGET_SESSIONS]:.2f}; target "
-                  f">= {TARGET_VS_BATCHED:.2f} " + ("reached" if reached else "not reached"))
+            print(f"{ratio_label(key)} at {TARGET_SESSIONS} sessions: "
+                  f"{by_level[TARGET_SESSIONS]:.2f}; target >= {TARGET_VS_BATCHED:.2f} "
+                  + ("reached" if reached else "not reached"))
+        if key[1].endswith("-relayed"):
+            worst = min(by_level, key=lambda c: by_level[c])
+            print(f"{ratio_label(key)}: {by_level[worst]:.2f} at worst ({worst} sessions); "
+                  f"target >= {TARGET_PUSH_VS_RELAYED:.1f} (issue #36, 4 stages, 100 ms per "
+                  f"hop) " + ("reached" if by_level[worst] >= TARGET_PUSH_VS_RELAYED
+                              else "not reached"))
         if key[1] == "local":
             best = max(by_level, key=lambda c: by_level[c])
             print(f"{ratio_label(key)}: best {by_level[best]:.2f} at {best} sessions; target >= "

@@ -209,30 +209,33 @@ def test_pushes_from_anyone_but_the_route_are_refused_and_struck(
         valid = torch.ones(4, 1, dtype=torch.bool)
         positions = torch.full((4, 1), 3)
 
-        def push(sender: StagePeer, route: bytes, signer: StagePeer, sent: torch.Tensor
-                 ) -> None:
+        def push(sender: StagePeer, route: bytes, signer: StagePeer, signed: torch.Tensor,
+                 inputs: torch.Tensor) -> None:
             commit = StepCommit(session.id, session.epoch, 0, session.length, 1, 0, b"",
-                                row_digests(sent))
+                                row_digests(signed))
             body = PushStep(route=route, start=session.length,
                             commits=[sign_commit(signer.node.identity, commit)],
                             sampling=GREEDY, seed=None)
             sender.node.call_sync(target.node.peer_id, INFERENCE_PUSH, body,
-                                  {"inputs": hidden, "positions": positions, "key_valid": valid},
+                                  {"inputs": inputs, "positions": positions, "key_valid": valid},
                                   timeout=10)
 
         forged_route = sign_route(other.node.identity, open_route(session.signed_route,
                                                                   swarm.client.peer_id))
+        narrow = hidden[..., :sharp.spec.hidden_size // 2].contiguous()
         cases = [
             ("a stage-0 replica the route does not name", other, session.signed_route, other,
-             hidden),
+             hidden, hidden),
             ("inputs that do not hash to the signed digests", routed, session.signed_route,
-             routed, hidden + 1),
-            ("a route the owner did not sign", routed, forged_route, routed, hidden),
+             routed, hidden + 1, hidden),
+            ("a route the owner did not sign", routed, forged_route, routed, hidden, hidden),
+            ("hidden states of the wrong width, signed as such", routed, session.signed_route,
+             routed, narrow, narrow),
         ]
-        for why, sender, route, signer, signed in cases:
+        for why, sender, route, signer, signed, inputs in cases:
             before = target.node.strikes(sender.node.peer_id)
             with pytest.raises(RemoteError):
-                push(sender, route, signer, signed)
+                push(sender, route, signer, signed, inputs)
             assert target.node.strikes(sender.node.peer_id) == before + 1, why
         for rpc, body in [(INFERENCE_RESULT, ResultRequest(session.id, 0)),
                           (REVEAL, RevealRequest(session.id, 0, 1)),

@@ -65,15 +65,7 @@ class InboundChecks:
             raise PeerError(f"batch {body.batch} x max_length {body.max_length} out of range "
                             f"(max_length <= {spec.max_positions}, batch x max_length <= "
                             f"{self.max_session_tokens})")
-        if self.is_first:
-            if inputs.dtype != torch.long or inputs.dim() != 2:
-                raise PeerError(f"stage 0 takes token ids [B, T] (int64), got "
-                                f"{inputs.dtype} {tuple(inputs.shape)}")
-            check_ids("token ids", inputs, spec.vocab_size)
-        elif not inputs.is_floating_point() or inputs.dim() != 3 \
-                or inputs.shape[2] != spec.hidden_size:
-            raise PeerError(f"stage {self.stage} takes hidden states [B, T, {spec.hidden_size}], "
-                            f"got {inputs.dtype} {tuple(inputs.shape)}")
+        self.inputs(inputs)
         batch, new = inputs.shape[0], inputs.shape[1]
         if batch != body.batch or new < 1 or body.start + new > body.max_length:
             raise PeerError(f"inputs {tuple(inputs.shape)} do not fit batch {body.batch}, start "
@@ -88,6 +80,20 @@ class InboundChecks:
         if self.is_last and body.sampling is None:
             raise PeerError("the last stage needs sampling parameters")
         return inputs, positions, key_valid
+
+    def inputs(self, inputs: torch.Tensor) -> None:
+        """A step's inputs: token ids in the vocabulary at stage 0, hidden states of the model's
+        width at any other."""
+        spec = self.spec
+        if self.is_first:
+            if inputs.dtype != torch.long or inputs.dim() != 2:
+                raise PeerError(f"stage 0 takes token ids [B, T] (int64), got "
+                                f"{inputs.dtype} {tuple(inputs.shape)}")
+            check_ids("token ids", inputs, spec.vocab_size)
+        elif not inputs.is_floating_point() or inputs.dim() != 3 \
+                or inputs.shape[2] != spec.hidden_size:
+            raise PeerError(f"stage {self.stage} takes hidden states [B, T, {spec.hidden_size}], "
+                            f"got {inputs.dtype} {tuple(inputs.shape)}")
 
     def targets(self, body: VerifyStep, tensors: dict[str, torch.Tensor], shape: torch.Size
                 ) -> torch.Tensor | None:

@@ -207,6 +207,7 @@ class PushService:
         if not 1 <= fresh <= inputs.shape[1] or new_valid.shape != positions.shape:
             raise PeerError(f"a push of {inputs.shape[1]} columns with {fresh} new, positions "
                             f"{tuple(positions.shape)} and key_valid {tuple(new_valid.shape)}")
+        self._check_inputs(route, inputs)
         input_digest, previous = self._check_commits(route, body, inputs)
         state = self.sessions.get(route.id)
         if body.start == 0:
@@ -422,6 +423,13 @@ class PushService:
             raise PeerError(f"route {route.id} names {route.peers[self.stage][-8:]} at stage "
                             f"{self.stage}, not this peer")
         return route
+
+    def _check_inputs(self, route: SessionRoute, inputs: torch.Tensor) -> None:
+        """The stage's kind of inputs for the route's batch, before anything else is done with
+        them (the rest is checked with the session, stage/inbound.py)."""
+        self.inference.checks.inputs(inputs)
+        if inputs.shape[0] != route.batch:
+            raise PeerError(f"a push of {inputs.shape[0]} rows into a session of {route.batch}")
 
     def _check_commits(self, route: SessionRoute, body: PushStep, inputs: torch.Tensor
                        ) -> tuple[bytes, StepCommit | None]:

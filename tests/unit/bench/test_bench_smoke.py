@@ -147,6 +147,34 @@ def test_swarm_generation_reports_swarm_against_both_baselines(
     assert "swarm off / one batch (HF) at 16 sessions: 0.40; target >= 0.90 not reached" in output
 
 
+def test_swarm_generation_sets_the_data_planes_side_by_side(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("swarm_generation")
+    args = bench.parse_args(["--concurrency", "1,4", "--plot", "none", "--variants", "swarm",
+                             "--batching", "on", "--planes", "both", "--stages", "4"])
+    assert args.variants == ["swarm-on-relayed", "swarm-on"]
+    bench.report([sweep_result("swarm-on-relayed", [20.0, 70.0]),
+                  sweep_result("swarm-on", [32.0, 84.0])], args)
+    output = capsys.readouterr().out
+    values = figures(output, "swarm_generation")
+    assert values["swarm_on_vs_relayed_c1"] == pytest.approx(1.6)
+    assert values["swarm_on_vs_relayed_c4"] == pytest.approx(1.2)
+    assert "swarm on / swarm on (relayed): 1.20 at worst (4 sessions); target >= 1.5" in output
+
+
+@pytest.mark.network
+def test_coordinator_bytes_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    """Both data planes of a 2-stage swarm of a tiny model, one replica a stage (no check)."""
+    bench = load_bench("coordinator_bytes")
+    bench.main(["--model", "tiny", "--widths", "", "--stage-counts", "2", "--groups", "1",
+                "--group-size", "2", "--max-new-tokens", "3", "--replicas", "1",
+                "--in-process"])
+    values = figures(capsys.readouterr().out, "coordinator_bytes")
+    assert_positive(values, ["tiny_2stages_coordinator_bytes_per_token",
+                             "tiny_2stages_peer_to_peer_bytes_per_token",
+                             "tiny_2stages_peer_to_peer_reduction"])
+
+
 @pytest.mark.network
 def test_peer_batching_prints_figures(tiny_model_dir: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:

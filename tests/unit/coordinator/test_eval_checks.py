@@ -352,7 +352,8 @@ def request_kinds(received: list[tuple[InferenceStep, dict[str, tuple[int, ...]]
 @pytest.mark.network
 def test_a_replica_receives_the_same_requests_from_evaluation_as_from_training(
         tiny_sharp_dir: Path) -> None:
-    config = eval_config(tiny_sharp_dir)
+    # Relayed: the recorder sees every step's request as the coordinator sends it.
+    config = eval_config(tiny_sharp_dir, swarm={"data_plane": "coordinator"})
     model = load_model(str(tiny_sharp_dir))
     with start_swarm(config, LAYOUT) as swarm:
         recorders: list[RecordingInference] = []

@@ -45,11 +45,11 @@ def sharp(tiny_sharp_dir: Path) -> LoadedModel:
     return load_model(str(tiny_sharp_dir))
 
 
-def run_config(model_dir: Path, num_stages: int, group_size: int, max_new_tokens: int
-               ) -> RunConfig:
+def run_config(model_dir: Path, num_stages: int, group_size: int, max_new_tokens: int,
+               data_plane: str = "peer_to_peer") -> RunConfig:
     return tiny_run_config(model_dir, num_stages, rollout={
         "group_size": group_size, "prompts_per_step": 2, "max_new_tokens": max_new_tokens,
-        "temperature": 0.9, "top_k": 30})
+        "temperature": 0.9, "top_k": 30}, swarm={"data_plane": data_plane})
 
 
 def rollout_worker(chain: Any, config: RunConfig, model: LoadedModel,
@@ -281,7 +281,9 @@ def publish_and_follow(swarm: Swarm, training_peer: StagePeer, replica_peer: Sta
 @pytest.mark.network
 def test_swarm_replica_update_mid_generation_is_recorded(
         sharp: LoadedModel, tiny_sharp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = run_config(tiny_sharp_dir, 3, group_size=3, max_new_tokens=10)
+    # Relayed: the coordinator's calls show every stage's reply and its version.
+    config = run_config(tiny_sharp_dir, 3, group_size=3, max_new_tokens=10,
+                        data_plane="coordinator")
     layout: list[tuple[int, Role]] = [(0, "inference"), (1, "training"), (1, "inference"),
                                       (2, "inference")]
     with start_swarm(config, layout) as swarm:

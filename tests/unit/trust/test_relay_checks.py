@@ -115,7 +115,9 @@ def test_malformed_activations_are_refused_before_the_next_stage_and_blamed_on_t
     hostile replica in turn, refuses its reply, bans it (a proof in its reputation), then finds
     the honest replica and completes."""
     monkeypatch.setattr(sessions, "backoff", lambda attempt: 0.01)
-    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"retries": 6})
+    # Relayed: the coordinator checks each reply before the next stage gets it (peer to peer,
+    # the next stage refuses the push: tests/swarm/test_push_sessions.py).
+    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"retries": 6, "data_plane": "coordinator"})
     sharp = load_model(str(tiny_sharp_dir))
     with start_swarm(config, [(1, "inference")]) as swarm:
         hostile: dict[str, HostileInference] = {}
