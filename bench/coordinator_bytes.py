@@ -1,6 +1,7 @@
-"""Bytes in and out of the coordinator per generated token, by data plane, stages and width.
+"""Bytes in and out of the coordinator per generated and trained token, by data plane and width.
 
-What goes through the coordinator's link when it generates, with activations relayed through it
+What goes through the coordinator's link when it generates and trains, with activations relayed
+through it
 (`swarm.data_plane = "coordinator"`, before issue #36) and pushed from stage to stage
 (`"peer_to_peer"`, after), at each stage count, for the demo's model and for tiny random models
 of several hidden widths (the figure must not grow with the width after).
@@ -12,17 +13,22 @@ loopback with a perfect link (bytes do not depend on latency). The client genera
 groups of `--group-size` samples of sums prompts, one session per group as the coordinator's
 generation threads do, exactly `--max-new-tokens` new tokens per row (no stop ids), then
 spot-checks the first group as the coordinator's gate does (trust/verify.py: re-executed on the
-other replicas; after, the serving replicas reveal what they sent, trust/reveal.py). Bytes come
+other replicas; after, the serving replicas reveal what they sent, trust/reveal.py), and with
+`--train` (the default) runs one training step on the groups through a training peer per stage
+(`--micro-batch 4` sequences per micro-batch; after, micro-batches pushed down the chain of
+training peers, client/training_push.py). Bytes come
 from the client's link emulators, which count every message of every RPC it makes, both ways
 (hivemind messages, framing and metadata included; DHT traffic not counted): in both planes
 the coordinator only calls, it serves nothing.
 
-Figures: generation bytes per generated token, and a spot-check's bytes per checked group and
-amortised per generated token at the run's default `trust.verify_fraction`.
+Figures: generation bytes per generated token, training bytes per trained (completion) token,
+and a spot-check's bytes per checked group and amortised per generated token at the run's
+default `trust.verify_fraction`.
 
 Run: decentrl bench coordinator-bytes [--model smollm2-135m-instruct] [--stage-counts 2,4,8]
      [--widths 64,512,2048] [--planes coordinator,peer_to_peer] [--groups 2] [--group-size 4]
-     [--max-new-tokens 16] [--replicas 2] [--codec bf16] [--json PATH]
+     [--max-new-tokens 16] [--replicas 2] [--codec bf16] [--no-train] [--micro-batch 4]
+     [--json PATH]
 """
 
 from __future__ import annotations
@@ -52,6 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=2,
                         help="inference peers per stage (2: a spot-check has a re-executor)")
     parser.add_argument("--codec", default="bf16", choices=("fp32", "bf16", "int8"))
+    parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
+                        help="also one training step on the groups, through a training peer "
+                             "per stage (--micro-batch sequences per micro-batch)")
+    parser.add_argument("--micro-batch", type=int, default=4)
     args = parser.parse_args(argv)
     try:
         stage_counts = [int(s) for s in args.stage_counts.split(",") if s.strip()]
@@ -109,13 +119,19 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
             "host": {"run_dir": str(Path(folder) / "runs"), "device": args.device,
                      "dtype": args.dtype},
             "rollout": {"group_size": args.group_size, "max_new_tokens": args.max_new_tokens},
+            "train": {"micro_batch_size": args.micro_batch},
             "swarm": {"activation_codec": args.codec, "data_plane": plane,
                       "announce_every_s": 60.0, "request_timeout_s": 300.0},
         })
         client = SwarmNode.start("client", [], LinkProfile(), TensorLimits())
-        peers = []
+        peers, trainers = [], []
         try:
+            trainers = []
             for stage in range(stages):
+                if args.train:
+                    trainers.append(start_peer(config, stage, "training", client.addresses(),
+                                               client.peer_id, Path(folder) / "checkpoints",
+                                               f"train{stage}"))
                 for replica in range(args.replicas):
                     peers.append(start_peer(config, stage, "inference", client.addresses(),
                                             client.peer_id, Path(folder) / "checkpoints",
@@ -147,19 +163,56 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
                     if panel is not None else None
                 check = delta(link_bytes(client), before)
                 outcome = verdict.outcome if verdict is not None else "no panel"
+            trained = train_bytes(client, directory, config, groups, tokenizer.pad_token_id,
+                                  trainers) if args.train else None
             return {"variant": variant, "model": name, "stages": stages, "plane": plane,
+                    "train": trained,
                     "hidden_size": loaded.spec.hidden_size, "new_tokens": new_tokens,
                     "generation": generation, "check": check, "check_outcome": outcome,
                     "group_tokens": sum(len(r.completion_tokens) for r in groups[0].rollouts),
                     "verify_fraction": config.trust.verify_fraction,
                     "failovers": chain.failovers}
         finally:
-            for peer in peers:
+            for peer in [*peers, *trainers]:
                 try:
                     peer.stop()
                 finally:
                     peer.node.shutdown()
             client.shutdown()
+
+
+def train_bytes(client: Any, directory: Any, config: Any, groups: list[Any], pad_id: int,
+                trainers: list[Any]) -> dict[str, int]:
+    """The coordinator's bytes for one training step on `groups` (advantages +1/-1 in each,
+    so no row is dropped), through the stages' training peers, and the tokens it trained."""
+    import torch
+
+    from decentrl.client.training import RemoteStageWorker
+    from decentrl.client.training_push import PushedTraining
+    from decentrl.coordinator.lineage import LineageSigner
+    from decentrl.learn.batch import build_batch
+    from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+    from decentrl.net.session import new_session
+    from decentrl.rollout.sampling import sampling_config
+
+    rollouts = [r for g in groups for r in g.rollouts]
+    batch = build_batch(rollouts, [1.0 if i % 2 == 0 else -1.0 for i in range(len(rollouts))],
+                        [0] * len(rollouts), pad_id)
+    admitted = {p.node.peer_id for p in trainers}.__contains__
+    lineage = LineageSigner(client, config, new_session())  # closed with the client's node
+    workers = [RemoteStageWorker(client, directory, stage, config.num_stages, config.swarm,
+                                 admitted, lineage) for stage in range(config.num_stages)]
+    for worker in workers:
+        worker.connect()
+    chain = PushedTraining(client, workers, config.swarm, config.name, "") \
+        if config.swarm.data_plane == "peer_to_peer" else None
+    trainer = PipelineTrainer(workers, config.train,
+                              loss_config_from(config.train, config.rollout.max_new_tokens),
+                              sampling_config(config.rollout), torch.device("cpu"), chain=chain)
+    before = link_bytes(client)
+    trainer.train_step(batch)
+    return {"bytes": total(delta(link_bytes(client), before)),
+            "tokens": int(batch.num_target_tokens)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -176,8 +229,15 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         relayed = by_key.get((r["model"], r["stages"], "coordinator"))
         ratio = (total(relayed["generation"]) / relayed["new_tokens"]) / per_token \
             if relayed is not None and r["plane"] != "coordinator" else None
+        trained = r.get("train")
+        per_trained = trained["bytes"] / trained["tokens"] if trained else None
+        relayed_trained = relayed.get("train") if relayed is not None else None
+        train_ratio = (relayed_trained["bytes"] / relayed_trained["tokens"]) / per_trained \
+            if per_trained and relayed_trained and r["plane"] != "coordinator" else None
         rows.append([r["model"], r["hidden_size"], r["stages"], r["plane"], per_token,
-                     ratio if ratio is not None else "-", check if check else "-",
+                     ratio if ratio is not None else "-",
+                     per_trained if per_trained is not None else "-",
+                     train_ratio if train_ratio is not None else "-", check if check else "-",
                      amortised if amortised is not None else "-", r["check_outcome"]])
         key = f"{r['model']}_{r['stages']}stages_{r['plane']}".replace("-", "_")
         figures[f"{key}_bytes_per_token"] = per_token
@@ -185,10 +245,15 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             figures[f"{key}_reduction"] = ratio
         if check:
             figures[f"{key}_check_bytes"] = float(check)
+        if per_trained is not None:
+            figures[f"{key}_bytes_per_trained_token"] = per_trained
+        if train_ratio is not None:
+            figures[f"{key}_train_reduction"] = train_ratio
     common.print_table(
         "coordinator bytes per generated token",
         ["model", "hidden", "stages", "data plane", "generation B/token", "x less than relayed",
-         "one spot-check B", "checks B/token (amortised)", "check"], rows,
+         "training B/trained token", "x less", "one spot-check B",
+         "checks B/token (amortised)", "check"], rows,
         f"activations {args.codec}; {args.groups} groups x {args.group_size} samples of sums "
         f"prompts, {args.max_new_tokens} new tokens each, one session per group; bytes are "
         f"whole messages both ways on the coordinator's links; a spot-check re-executes the "

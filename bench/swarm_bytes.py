@@ -135,8 +135,10 @@ def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
             "rollout": {"group_size": args.group_size, "max_new_tokens": args.max_new_tokens},
             "train": {"micro_batch_size": args.micro_batch},
             # Replicas look for new weights every announce_every_s / 2.
+            # Relayed: every boundary's bytes cross the client's links, where they are counted
+            # (peer to peer they leave the client: bench/coordinator_bytes.py).
             "swarm": {"activation_codec": codec, "announce_every_s": 1.0,
-                      "request_timeout_s": 300.0},
+                      "request_timeout_s": 300.0, "data_plane": "coordinator"},
         })
         client = SwarmNode.start("client", [], LinkProfile(), TensorLimits())
         peers: list[StagePeer] = []

@@ -25,6 +25,7 @@ from hivemind.proto import runtime_pb2
 
 from decentrl.client.sessions import RemoteChain
 from decentrl.client.training import RemoteStageWorker
+from decentrl.client.training_push import PushedTraining
 from decentrl.config import RunConfig, parse_config
 from decentrl.coordinator.lineage import LineageSigner
 from decentrl.launch.local_swarm import LocalSwarm
@@ -142,9 +143,14 @@ class Swarm:
         return workers
 
     def remote_trainer(self) -> PipelineTrainer:
+        """The coordinator's trainer over this swarm's training peers: micro-batches pushed
+        down the chain, or relayed stage by stage, as `config.swarm.data_plane` says."""
         loss = loss_config_from(self.config.train, self.config.rollout.max_new_tokens)
-        return PipelineTrainer(self.workers(), self.config.train, loss,
-                               sampling_config(self.config.rollout), CPU)
+        workers = self.workers()
+        chain = PushedTraining(self.client, workers, self.config.swarm, self.config.name, "") \
+            if self.config.swarm.data_plane == "peer_to_peer" else None
+        return PipelineTrainer(workers, self.config.train, loss,
+                               sampling_config(self.config.rollout), CPU, chain=chain)
 
     def peer(self, stage: int, role: Role | None = None, index: int = 0) -> StagePeer:
         found = [p for p in self.peers if p.index == stage and role in (None, p.role)]

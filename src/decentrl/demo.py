@@ -253,6 +253,12 @@ def run_swarm_demo(config: RunConfig, console: Console, chaos_every: float | Non
     if netns:
         from decentrl.net.netns import HomeSpec, Internet
 
+        # Peers in different homes reach each other only through a relay here (no hole punching
+        # between the namespaces' private addresses), and a relayed connection refuses a message
+        # over its window: a prefill's push would be refused, so activations go through the
+        # coordinator, which every home dials (docs/networking.md).
+        config = config.model_copy(update={"swarm": config.swarm.model_copy(
+            update={"data_plane": "coordinator"})})
         internet = Internet.start(NETNS_PUBLIC, [HomeSpec([home], NETNS_UPLINK_MBIT)
                                                  for home, _ in NETNS_HOMES])
         try:

@@ -61,7 +61,9 @@ from decentrl.net.training_messages import (
     CheckpointRequest,
     ShardRequest,
     StateRequest,
+    TapeRequest,
     TrainBackward,
+    TrainChain,
     TrainForward,
     TrainStep,
 )
@@ -93,6 +95,7 @@ CALLERS: dict[str, Callers] = {
     "submit_rollouts": "any peer", "dial_back": "any peer",
     "inference_push": "previous stage", "inference_result": "coordinator",
     "inference_resume": "coordinator", "reveal": "coordinator",
+    "train_chain": "previous stage", "train_tape": "coordinator",
 }
 
 
@@ -124,7 +127,9 @@ STRANGER_CALLS: dict[str, tuple[Role, object]] = {
     "inference_push": ("inference", PushStep(route=b"", start=0, session="s")),
     "inference_result": ("inference", ResultRequest(id="s", start=0)),
     "inference_resume": ("inference", ResumeRequest(route=b"", start=0)),
-    "reveal": ("inference", RevealRequest(id="s", first_row=0, rows=1)),
+    "reveal": ("inference", RevealRequest(id="s", first_row=0, rows=1, steps=[(0, 0, 1)])),
+    "train_chain": ("training", TrainChain(route=b"", forward=COORDINATOR_ONLY[0][1])),
+    "train_tape": ("training", TapeRequest(version=0, micro=0)),
 }
 # What each rule answers a stranger (net/authority.py), and whether the refusal is a strike: an
 # unknown caller of a "same stage" RPC may be a replica whose announcement has not spread yet.

@@ -35,6 +35,7 @@ from decentrl.net.push_messages import (
     ResumeRequest,
     RevealRequest,
     StepCommit,
+    chain_digest,
     open_route,
     row_digests,
     sign_commit,
@@ -212,7 +213,7 @@ def test_pushes_from_anyone_but_the_route_are_refused_and_struck(
         def push(sender: StagePeer, route: bytes, signer: StagePeer, signed: torch.Tensor,
                  inputs: torch.Tensor) -> None:
             commit = StepCommit(session.id, session.epoch, 0, session.length, 1, 0, b"",
-                                row_digests(signed))
+                                chain_digest(row_digests(signed)))
             body = PushStep(route=route, start=session.length,
                             commits=[sign_commit(signer.node.identity, commit)],
                             sampling=GREEDY, seed=None)
@@ -255,11 +256,14 @@ def test_pushes_from_anyone_but_the_route_are_refused_and_struck(
                                                            "key_valid": valid}, timeout=10)
         finally:
             stranger.shutdown()
-        # What the session's stage 1 keeps reveals only to the owner, and the honest push is
-        # still what it revealed.
-        _, out = swarm.client.call_sync(target.node.peer_id, REVEAL,
-                                        RevealRequest(session.id, 0, 4, received=True))
+        # Stage 1 still reveals (to the owner) what the routed replica pushed it, and that is
+        # what the routed replica committed to.
+        sent = session.provenance.stages[0].commitments
+        steps = [(c.epoch, c.start, c.new) for c in sent]
+        reply, out = swarm.client.call_sync(target.node.peer_id, REVEAL, RevealRequest(
+            session.id, 0, 4, steps, received=True))
         assert out["outputs"].shape[:2] == (4, session.length)
+        assert [chain_digest(d) for d in reply.digests] == [c.digest for c in sent]
 
 
 def test_kept_activations_are_bounded(tiny_sharp_dir: Path, sharp: LoadedModel) -> None:

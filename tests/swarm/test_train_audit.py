@@ -19,6 +19,7 @@ from rich.console import Console
 from swarm_helpers import Swarm, start_node, start_swarm, tiny_run_config
 
 from decentrl.client.training import RemoteStageWorker, TrainAudit
+from decentrl.client.training_push import PushedTraining
 from decentrl.config import RunConfig, TrainConfig
 from decentrl.coordinator.lineage import LineageSigner
 from decentrl.coordinator.loop import RunHooks, TrainingLoop
@@ -119,10 +120,13 @@ def audited_trainer(swarm: Swarm, admitted: Callable[[str], bool]
                for stage in range(config.num_stages)]
     for worker in workers:
         worker.connect()
+    # Peer to peer (the default), the audited step's tape comes from the peer's reveal.
+    chain = PushedTraining(swarm.client, workers, config.swarm, config.name, "") \
+        if config.swarm.data_plane == "peer_to_peer" else None
     trainer = PipelineTrainer(workers, config.train,
                               loss_config_from(config.train, config.rollout.max_new_tokens,
                                                config.trust),
-                              sampling_config(config.rollout), CPU)
+                              sampling_config(config.rollout), CPU, chain=chain)
     return trainer, audit, reputation
 
 

@@ -139,6 +139,9 @@ class RemoteStageWorker:
         self._version = 0
         self.tape = StepTape()
         self.committed: dict[int, str] = {}  # version -> the state digest the peer committed to
+        # Micro-batches pushed down the chain (client/training_push.py) pass no activation
+        # through here: an audit gets the step's tape from the peer's reveal, by version.
+        self.revealed: Callable[[int], StepTape] | None = None
 
     def connect(self) -> int:
         """Find this stage's admitted training peer (from a fresh look at the DHT: after a
@@ -252,6 +255,8 @@ class RemoteStageWorker:
         if commit:
             self.committed[reply.version] = reply.state_digest
         if self.audit is not None and self.audit.drawn():
+            if self.revealed is not None:
+                tape = self.revealed(reply.version - 1)
             self.audit.audit(self, tape, grad_scale)
         # Signed only once it stands: replicas never take a step an audit reverted.
         self.lineage.published(self.stage, self.peer, reply.version)

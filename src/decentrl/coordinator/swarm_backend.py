@@ -35,6 +35,7 @@ from rich.table import Table
 from decentrl.client.push_sessions import PushSession
 from decentrl.client.sessions import RemoteChain, RemoteSession
 from decentrl.client.training import RemoteStageWorker, TrainAudit
+from decentrl.client.training_push import PushedTraining
 from decentrl.config import SWARM_SUPPORT_RULES, ConfigError, RunConfig, apply_rules
 from decentrl.coordinator.backend import Generation, RunSummary, RunView, TrainingUnavailable
 from decentrl.coordinator.inflight import RowsInFlight, SlottedChain, SlottedSession
@@ -164,8 +165,14 @@ class SwarmBackend:
         self.directory.version_ceiling = lambda stage: self.workers[stage].version
         loss = loss_config_from(config.train, config.rollout.max_new_tokens, config.trust,
                                 config.supervised)
+        # Peer to peer, micro-batches go down the chain of training peers and only their row
+        # statistics come back here (client/training_push.py).
+        chain = PushedTraining(node, self.workers, config.swarm, config.name,
+                               self.manifest.session) \
+            if config.swarm.data_plane == "peer_to_peer" else None
         self.trainer = PipelineTrainer(self.workers, config.train, loss,
-                                       sampling_config(config.rollout), torch.device("cpu"))
+                                       sampling_config(config.rollout), torch.device("cpu"),
+                                       chain=chain)
         # Rollouts arrive through the transport, from this process's generation loops (no other
         # peer may submit: net/swarm_transport.py). The inbox holds one batch: more would wait
         # there until the staleness bound drops it.

@@ -282,13 +282,27 @@ class StageTrainer:
         self.stage.version = int(state["version"])
 
 
+class MicroBatchChain(Protocol):
+    """Micro-batches run through every stage by the stages themselves (a chain of remote
+    training peers that push activations to each other, client/training_push.py), instead of
+    stage by stage from here."""
+
+    def run(self, micro_batches: Sequence[tuple[int, TrainBatch, LossInputs]]
+            ) -> list[tuple[dict[str, float], RowStats]]:
+        """Forward and backward of each (micro id, micro-batch, the loss's inputs) through
+        every stage, gradients accumulated there: each one's metrics and RowStats, in order."""
+        ...
+
+
 class PipelineTrainer:
     def __init__(self, workers: Sequence[StageWorker], train: TrainConfig, loss: LossConfig,
                  sampling: SamplingConfig, device: torch.device,
-                 reference_stages: list[StageModule] | None = None) -> None:
+                 reference_stages: list[StageModule] | None = None,
+                 chain: MicroBatchChain | None = None) -> None:
         """`device` is where the driver keeps batch-wide tensors (proximal/reference log-probs).
         Fixed proximal log-probs and the KL reference run the whole chain here, so they need
-        local stages (see `local`)."""
+        local stages (see `local`). `chain`: where the micro-batches' forward and backward run
+        (None: through `workers`, stage by stage); gradient norms and steps go to `workers`."""
         if loss.kl_coef > 0 and reference_stages is None:
             raise ValueError("kl_coef > 0 needs reference stages")
         if train.updates_per_batch > 1 and not all(isinstance(w, StageTrainer) for w in workers):
@@ -298,6 +312,7 @@ class PipelineTrainer:
         self.train, self.loss, self.sampling = train, loss, sampling
         self.reference_stages = reference_stages
         self.device = device
+        self.chain = chain
         # The last step's RowStats of every batch row, in batch order.
         self.row_stats: RowStats | None = None
 
@@ -365,19 +380,22 @@ class PipelineTrainer:
             minibatch = batch.select(rows)
             counts = LossInputs(None, None, minibatch.num_policy_sequences,
                                 minibatch.num_target_tokens, minibatch.num_supervised_tokens)
+            micro_batches = []
             for micro_start in range(0, minibatch.num_sequences, self.train.micro_batch_size):
                 micro_slice = slice(micro_start, micro_start + self.train.micro_batch_size)
-                metrics, row_stats = self._micro_step(
-                    micro_count, minibatch.select(micro_slice), replace(
-                        counts, proximal=_rows(proximal, rows, micro_slice),
-                        reference=_rows(reference, rows, micro_slice)))
+                micro_batches.append((micro_count, minibatch.select(micro_slice), replace(
+                    counts, proximal=_rows(proximal, rows, micro_slice),
+                    reference=_rows(reference, rows, micro_slice))))
+                micro_count += 1
+            results = self.chain.run(micro_batches) if self.chain is not None \
+                else [self._micro_step(*micro) for micro in micro_batches]
+            for metrics, row_stats in results:
                 rows_seen.append(row_stats)
                 # A metric is the mean over the micro-batches that report it (sft_* only come
                 # from micro-batches with supervised rows, the policy's from the others).
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
                     reported[key] = reported.get(key, 0) + 1
-                micro_count += 1
             grad_norm += self._step()
         # Minibatches are disjoint slices in order: their micro-batches' rows are the batch's.
         self.row_stats = (torch.cat([r[0].float().cpu() for r in rows_seen]),

@@ -22,9 +22,13 @@ from decentrl.net.sizes import (
     forward_request_bytes,
     outcome_reply_bytes,
     push_request_bytes,
+    reveal_reply_bytes,
     step_reply_bytes,
     step_request_bytes,
     submission_bytes,
+    tape_reply_bytes,
+    train_chain_reply_bytes,
+    train_chain_request_bytes,
     verify_reply_bytes,
     with_envelope,
 )
@@ -453,6 +457,16 @@ SUBMIT_ROLLOUTS = Rpc("submit_rollouts", RolloutGroup, RolloutsQueued, "any peer
                       max_bytes=submission_bytes)
 DIAL_BACK = Rpc("dial_back", DialBackRequest, DialBackReply, "any peer")
 
+# Training micro-batches pushed down the chain, gradients back up (stage/training_push.py).
+TRAIN_CHAIN = Rpc(
+    "train_chain", training.TrainChain, training.TrainChainReply, "previous stage",
+    TRAIN_FORWARD.tensors, ("prompt_grad", "completion_grad", "row_surprise", "row_log_ratio"),
+    train_chain_request_bytes, train_chain_reply_bytes)
+TRAIN_TAPE = Rpc("train_tape", training.TapeRequest, training.TapeReply, "coordinator",
+                 reply_tensors=("prompt_in", "completion_in", "prompt_out", "completion_out",
+                                "row_surprise", "row_log_ratio", "prompt_grad_in",
+                                "completion_grad_in", "prompt_grad", "completion_grad"),
+                 max_reply_bytes=tape_reply_bytes)
 # Sessions whose activations go from peer to peer (net/push_messages.py, stage/push.py).
 INFERENCE_PUSH = Rpc(
     "inference_push", push.PushStep, push.PushAck, "previous stage",
@@ -463,10 +477,11 @@ INFERENCE_RESULT = Rpc("inference_result", push.ResultRequest, push.StepOutcome,
                        max_reply_bytes=outcome_reply_bytes)
 INFERENCE_RESUME = Rpc("inference_resume", push.ResumeRequest, push.PushAck, "coordinator")
 REVEAL = Rpc("reveal", push.RevealRequest, push.Revealed, "coordinator",
-             reply_tensors=("outputs",), max_reply_bytes=step_reply_bytes)
+             reply_tensors=("outputs",), max_reply_bytes=reveal_reply_bytes)
 
 RPCS: dict[str, Rpc[Any, Any]] = {rpc.method: rpc for rpc in (
-    INFERENCE_PUSH, INFERENCE_RESULT, INFERENCE_RESUME, REVEAL, INFERENCE_STEP, CLOSE_SESSION, VERIFY_STEP, TRAIN_FORWARD, TRAIN_BACKWARD, TRAIN_GRAD_NORM,
+    INFERENCE_PUSH, INFERENCE_RESULT, INFERENCE_RESUME, REVEAL, TRAIN_CHAIN, TRAIN_TAPE,
+    INFERENCE_STEP, CLOSE_SESSION, VERIFY_STEP, TRAIN_FORWARD, TRAIN_BACKWARD, TRAIN_GRAD_NORM,
     TRAIN_STEP, TRAIN_DISCARD, CHECKPOINT, CHECKPOINT_SHARD, TRAIN_PUBLISHED, TRAIN_STATE,
     TRAIN_AUDIT_LOAD,
     SYNC_PLAN, SYNC_CHUNK, SUBMIT_ROLLOUTS, DIAL_BACK)}

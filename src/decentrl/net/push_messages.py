@@ -72,12 +72,13 @@ def open_route(data: bytes, owner: str) -> SessionRoute:
 
 class StepCommit(Body):
     """What stage `stage` computed for positions [start, start + new) of session `id` under
-    route `epoch`, at weight `version`: the digest of its inputs (stage 0: of the token ids the
-    coordinator sent; later stages: `chain_digest` of the previous stage's `outputs`), and per
-    row the digest of its outputs (`row_digests`: hidden states in their wire form, or at the
-    last stage the sampled token and its log-prob). `experts`: the digest of the experts its
-    sparse layers chose ("" for a dense stage). `replayed`: the step rebuilt the stage's cache
-    from position 0 (a failover), so its inputs are every position's, not only the new ones."""
+    route `epoch`, at weight `version`: the digest of its inputs (the previous stage's
+    `outputs`; stage 0: of the token ids the coordinator sent) and of its outputs: the
+    `chain_digest` of one `row_digests` entry per row (hidden states in their wire form, or at
+    the last stage the sampled token and its log-prob), so that one row can be revealed alone.
+    `experts`: the digest of the experts its sparse layers chose ("" for a dense stage).
+    `replayed`: the step rebuilt the stage's cache from position 0 (a failover), so its inputs
+    are every position's, not only the new ones."""
 
     id: str
     epoch: int
@@ -86,7 +87,7 @@ class StepCommit(Body):
     new: int
     version: int
     inputs: bytes
-    outputs: list[bytes]
+    outputs: bytes
     experts: bytes = b""
     replayed: bool = False
 
@@ -98,6 +99,58 @@ def sign_commit(identity: Identity, commit: StepCommit) -> bytes:
 def open_commit(data: bytes, signer: str) -> StepCommit:
     """The commitment in `data` if `signer` signed it; WireError otherwise."""
     return _open(data, COMMIT_DOMAIN, StepCommit, signer)
+
+
+TRAINING_ROUTE_DOMAIN = b"decentrl/training-route/1"
+TRAIN_COMMIT_DOMAIN = b"decentrl/train-commit/1"
+
+
+class TrainingRoute(Body):
+    """The training peer of each stage for the step from learner `version` on, bound to the run
+    and its session nonce: a stage takes a pushed micro-batch only from the peer named before
+    it (stage 0: the owner)."""
+
+    run: str
+    session: str
+    version: int
+    peers: list[str]
+
+
+def sign_training_route(identity: Identity, route: TrainingRoute) -> bytes:
+    return _sign(identity, TRAINING_ROUTE_DOMAIN, encode_struct(route))
+
+
+def open_training_route(data: bytes, owner: str) -> TrainingRoute:
+    return _open(data, TRAINING_ROUTE_DOMAIN, TrainingRoute, owner)
+
+
+class TrainCommit(Body):
+    """What training stage `stage` received and sent for micro-batch `micro` of the step from
+    `version`: digests (`chain_digest` of `row_digests`, in their wire form) of its inputs
+    (stage 0: the token ids), its outputs (none at the last stage), the gradients it received
+    for them (none at the last stage) and those it sent back (none at stage 0). Adjacent stages
+    sign the same digests for what passed between them; an audit reveals the tensors."""
+
+    version: int
+    micro: int
+    stage: int
+    inputs: bytes
+    outputs: bytes
+    grads_in: bytes
+    grads_out: bytes
+
+
+def sign_train_commit(identity: Identity, commit: TrainCommit) -> bytes:
+    return _sign(identity, TRAIN_COMMIT_DOMAIN, encode_struct(commit))
+
+
+def open_train_commit(data: bytes, signer: str) -> TrainCommit:
+    return _open(data, TRAIN_COMMIT_DOMAIN, TrainCommit, signer)
+
+
+def pair_digest(pair: tuple[torch.Tensor, torch.Tensor] | None) -> bytes:
+    """The digest of a (prompt, completion) pair of activations or gradients ("" for none)."""
+    return b"" if pair is None else chain_digest(row_digests(*pair))
 
 
 def _sign(identity: Identity, domain: bytes, body: bytes) -> bytes:
@@ -213,18 +266,26 @@ class ResumeRequest(Body):
 
 
 class RevealRequest(Body):
-    """From the coordinator (a spot-check): rows [first_row, first_row + rows) of every step this
-    stage sent on in session `id`, or with `received` every step it was pushed (the previous
-    stage's outputs, which it checked against their sender's digests when they came)."""
+    """From the coordinator (a spot-check): rows [first_row, first_row + rows) of the `steps`
+    ((epoch, start, new) each, as their sender committed to them) this stage sent on in session
+    `id`, or with `received`, that it was pushed (the previous stage's outputs, which it checked
+    against their sender's digests when they came). At most MAX_REVEALED_STEPS steps, of at
+    most a session's positions together."""
 
     id: str
     first_row: int
     rows: int
+    steps: list[tuple[int, int, int]]
     received: bool = False
 
 
 class Revealed(Body):
     """Tensor `outputs` [rows, sum of new, hidden]: the steps' outputs side by side, in their wire
-    form; `steps`: each step's (epoch, start, new) as its sender committed to it, in order."""
+    form, in the order asked; `digests`: every row's digest of each step (all the session's
+    rows: their `chain_digest` is the step's commitment)."""
 
-    steps: list[tuple[int, int, int]]
+    digests: list[list[bytes]]
+
+
+# Steps one reveal may ask for (a request without tensors stays small).
+MAX_REVEALED_STEPS = 1024

@@ -109,6 +109,12 @@ def outcome_reply_bytes(sizes: RunSizes) -> int:
         + commits_bytes(sizes)
 
 
+def reveal_reply_bytes(sizes: RunSizes) -> int:
+    """A reveal: the rows asked for of at most a session's positions, and every row's digest of
+    each step (a session holds at most max_session_tokens rows x steps)."""
+    return step_reply_bytes(sizes) + sizes.max_session_tokens * (DIGEST_BYTES + 2)
+
+
 def verify_reply_bytes(sizes: RunSizes) -> int:
     """A re-execution's reply: per position its hidden state, or at the last stage a few
     scores, and (claimed experts judged) its routing gap."""
@@ -138,6 +144,23 @@ def activation_pair_bytes(sizes: RunSizes) -> int:
     outputs, a backward's request and reply), and two floats per row."""
     return with_envelope(2 * sizes.batch_positions * sizes.activation_bytes
                          + 2 * sizes.micro_batch_size * FLOAT_BYTES)
+
+
+def train_chain_request_bytes(sizes: RunSizes) -> int:
+    """A micro-batch pushed down the training chain: a training forward's request."""
+    return forward_request_bytes(sizes)
+
+
+def train_chain_reply_bytes(sizes: RunSizes) -> int:
+    """The gradients of a micro-batch's inputs, its row statistics, and every stage's signed
+    commitment (four digests and a signature: under 1 KiB each)."""
+    return activation_pair_bytes(sizes) + sizes.num_stages * 2**10
+
+
+def tape_reply_bytes(sizes: RunSizes) -> int:
+    """What a training stage received and sent for one micro-batch: inputs, outputs and two
+    gradients, each an activation pair at most."""
+    return 4 * activation_pair_bytes(sizes)
 
 
 def submission_bytes(sizes: RunSizes) -> int:

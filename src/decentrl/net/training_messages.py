@@ -120,3 +120,39 @@ class AuditLoad(Body):
     digest: str
     names: tuple[str, ...]
     sizes: tuple[int, ...]
+
+
+class TrainChain(Body):
+    """One micro-batch pushed down the training chain (`swarm.data_plane = "peer_to_peer"`):
+    `forward` as a TrainForward would say it (each stage sets `last` for itself), the owner's
+    signed TrainingRoute. Tensors: the micro-batch's fields, `prompt_in` / `completion_in` (token
+    ids to stage 0, the previous stage's outputs after), and for the stages that use them
+    `proximal` / `reference` and the whole `routing` record (each stage replays its part). The
+    reply, once every later stage answered: the gradients of the inputs (none from stage 0), the
+    last stage's row statistics and metrics, and every stage's signed TrainCommit from this one
+    on, in stage order."""
+
+    route: bytes
+    forward: TrainForward
+
+
+class TrainChainReply(Body):
+    metrics: dict[str, float]
+    commits: list[bytes]
+
+
+class TapeRequest(Body):
+    """An audit's reveal of what a training peer received and sent for micro-batch `micro` of
+    the step from `version` (kept for the last two versions)."""
+
+    version: int
+    micro: int
+
+
+class TapeReply(Body):
+    """Tensors `prompt_in` / `completion_in` (what it received), `prompt_out` /
+    `completion_out` or at the last stage `row_surprise` / `row_log_ratio` (what it sent on),
+    `prompt_grad_in` / `completion_grad_in` (the gradients it received; none at the last stage)
+    and `prompt_grad` / `completion_grad` (those it sent back; none at stage 0)."""
+
+    metrics: dict[str, float]

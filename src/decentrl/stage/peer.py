@@ -45,6 +45,7 @@ from decentrl.stage.inference import InferenceService
 from decentrl.stage.push import PushService
 from decentrl.stage.replica import ReplicaWeights, published_tensors
 from decentrl.stage.training import TrainingService
+from decentrl.stage.training_push import TrainingChainService
 from decentrl.stage.verification import VerifyService
 from decentrl.sync.delta import PublishedState
 
@@ -89,6 +90,7 @@ class StagePeer:
         self.replica: ReplicaWeights | None = None
         self.verification: VerifyService | None = None
         self.push: PushService | None = None
+        self.training_chain: TrainingChainService | None = None
         checks: InboundChecks | None = None
         if trains:
             assert checkpoint_dir is not None
@@ -100,6 +102,7 @@ class StagePeer:
                 sampling_config(config.rollout), dtype, config.supervised)
             self.training = TrainingService(config, trainer, node, checks, checkpoint_dir,
                                             self.announce, name)
+            self.training_chain = TrainingChainService(config, self.training, node, owner)
         if role in ("inference", "both"):
             # The published state (float32, on the CPU) is the exact version-0 state every peer
             # of the stage builds from the same file; the model serves a copy in the compute dtype.
@@ -135,7 +138,8 @@ class StagePeer:
         assert module is not None  # a peer serves or trains
         self.spec, self.layers = checks.spec, (module.layer_ids.start, module.layer_ids.stop)
         node.sizes = RunSizes.of(self.spec, config)  # bounds the requests it serves
-        self.services: list[Service] = [s for s in (self.training, self.inference, self.push,
+        self.services: list[Service] = [s for s in (self.training, self.training_chain,
+                                                    self.inference, self.push,
                                                     self.verification) if s is not None]
         if wrap_inference is not None:
             if self.inference is None:
@@ -238,8 +242,10 @@ class StagePeer:
                     sessions.drop_idle_sessions()
                 if self.push is not None:
                     self.push.expire()
-                    self.push.run_session = await owner_session(
-                        self.node, self.config.name, self.authority.owner)
+                session = await owner_session(self.node, self.config.name, self.authority.owner)
+                for chain in (self.push, self.training_chain):
+                    if chain is not None:
+                        chain.run_session = session
                 await self.announce()
                 await self.authority.refresh()
             except Exception as error:  # noqa: BLE001 - the next round retries

@@ -46,6 +46,7 @@ from decentrl.net.protocol import (
     Rpc,
 )
 from decentrl.net.push_messages import (
+    MAX_REVEALED_STEPS,
     PushAck,
     PushStep,
     ResultRequest,
@@ -293,7 +294,7 @@ class PushService:
         routed = state.routed_to == (next_peer, state.route.epoch) and not with_route
         commit = StepCommit(state.route.id, state.route.epoch, self.stage, start,
                             send.shape[1], state.version, state.input_digest,
-                            row_digests(sent), state.experts, replayed=rebuilt)
+                            chain_digest(row_digests(sent)), state.experts, replayed=rebuilt)
         push = PushStep(route=b"" if routed else state.signed_route, start=start,
                         fresh=state.length - state.step_start, session=state.route.id,
                         commits=[*state.commits, sign_commit(self.node.identity, commit)],
@@ -329,7 +330,8 @@ class PushService:
         tokens, logprobs = out["tokens"], out["logprobs"].float()
         commit = StepCommit(state.route.id, state.route.epoch, self.stage, state.step_start,
                             fresh, state.version, state.input_digest,
-                            row_digests(tokens, logprobs), state.experts, replayed=replayed)
+                            chain_digest(row_digests(tokens, logprobs)), state.experts,
+                            replayed=replayed)
         outcome = StepOutcome(version=state.version, length=length, commits=[
             *state.commits, sign_commit(self.node.identity, commit)])
         found = {"tokens": tokens, "logprobs": logprobs}
@@ -397,17 +399,26 @@ class PushService:
         state = self.sessions.get(body.id)
         kept = [] if state is None else state.received if body.received \
             else [s for s in state.segments if s.sent]
-        if not kept:
-            raise PeerBusy(f"session {body.id}: nothing {'received' if body.received else 'sent'}"
-                           " is kept here")
-        batch = kept[0].output.shape[0]
-        if not (0 <= body.first_row and 1 <= body.rows and body.first_row + body.rows <= batch):
-            raise PeerError(f"rows [{body.first_row}, {body.first_row + body.rows}) of a "
-                            f"session of {batch}")
+        by_step = {(s.epoch, s.start, s.new): s for s in kept}
+        side = "received" if body.received else "sent"
+        if not 1 <= len(body.steps) <= MAX_REVEALED_STEPS:
+            raise PeerError(f"a reveal of {len(body.steps)} steps (1 to {MAX_REVEALED_STEPS})")
+        found = []
+        for step in body.steps:
+            segment = by_step.get(step)
+            if segment is None:
+                raise PeerBusy(f"session {body.id}: no {side} step {step} is kept here")
+            found.append(segment)
+        batch = found[0].output.shape[0]
+        columns = sum(s.new for s in found)
+        if not (0 <= body.first_row and 1 <= body.rows and body.first_row + body.rows <= batch) \
+                or body.rows * columns > self.config.swarm.max_session_tokens:
+            raise PeerError(f"rows [{body.first_row}, {body.first_row + body.rows}) of "
+                            f"{columns} columns of a session of {batch} rows")
         rows = slice(body.first_row, body.first_row + body.rows)
-        outputs = torch.cat([s.output[rows] for s in kept], 1)
-        return Reply(Revealed([(s.epoch, s.start, s.new) for s in kept]),
-                     {"outputs": outputs}, exact_codec(outputs))
+        outputs = torch.cat([s.output[rows] for s in found], 1)
+        return Reply(Revealed([row_digests(s.output) for s in found]), {"outputs": outputs},
+                     exact_codec(outputs))
 
     # ---- checks --------------------------------------------------------------------------
 
@@ -445,12 +456,10 @@ class PushService:
             return chain_digest(row_digests(inputs)), None
         commits = [open_commit(raw, route.peers[stage]) for stage, raw in enumerate(body.commits)]
         for stage, commit in enumerate(commits):
-            if commit.id != route.id or commit.stage != stage or commit.epoch > route.epoch \
-                    or len(commit.outputs) != route.batch:
+            if commit.id != route.id or commit.stage != stage or commit.epoch > route.epoch:
                 raise PeerError(f"stage {stage}'s commitment is to stage {commit.stage} of "
-                                f"session {commit.id} epoch {commit.epoch}, "
-                                f"{len(commit.outputs)} rows")
-            if stage > 0 and commit.inputs != chain_digest(commits[stage - 1].outputs):
+                                f"session {commit.id} epoch {commit.epoch}")
+            if stage > 0 and commit.inputs != commits[stage - 1].outputs:
                 raise PeerError(f"stage {stage} committed to inputs stage {stage - 1} never "
                                 "sent")
         previous = commits[-1]
@@ -458,10 +467,10 @@ class PushService:
             raise PeerError(f"stage {self.stage - 1}'s commitment is to columns "
                             f"[{previous.start}, {previous.start + previous.new}), the push to "
                             f"[{body.start}, {body.start + inputs.shape[1]})")
-        if previous.outputs != row_digests(inputs):
+        if previous.outputs != chain_digest(row_digests(inputs)):
             raise PeerError(f"the pushed inputs do not hash to what stage {self.stage - 1} "
                             "signed")
-        return chain_digest(previous.outputs), previous
+        return previous.outputs, previous
 
     def _check_room(self) -> None:
         self.expire()

@@ -26,14 +26,14 @@ from decentrl.trust.commit import Sketches, sketch_matrix
 @dataclass(frozen=True)
 class Commitment:
     """A stage's signed commitment to what it sent on in a peer-to-peer session (net/
-    push_messages.py StepCommit): columns [start, start + new) under route `epoch`, one digest
-    per row of the session (or of a group's share)."""
+    push_messages.py StepCommit): columns [start, start + new) under route `epoch`, the digest
+    of the session's row digests of them."""
 
     peer: str
     epoch: int
     start: int
     new: int
-    rows: tuple[bytes, ...]
+    digest: bytes
     receiver: str = ""  # the next stage's replica it was pushed to (it keeps it too)
 
 
@@ -83,9 +83,7 @@ class StageProvenance:
             list(self.served),
             [Sketches(sketches.rows[kept] - first, sketches.positions[kept],
                       sketches.values[kept])],
-            self.seed, list(self.rebuilt),
-            [Commitment(c.peer, c.epoch, c.start, c.new, c.rows[first:first + count],
-                        c.receiver) for c in self.commitments])
+            self.seed, list(self.rebuilt), list(self.commitments))
 
 
 @dataclass

@@ -30,7 +30,12 @@ import torch
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, SwarmNode
 from decentrl.net.protocol import REVEAL
-from decentrl.net.push_messages import RevealRequest, row_digests
+from decentrl.net.push_messages import (
+    MAX_REVEALED_STEPS,
+    RevealRequest,
+    chain_digest,
+    row_digests,
+)
 from decentrl.net.wire import WireError
 from decentrl.trust.commit import Sketches, take_sketches
 from decentrl.trust.provenance import Commitment, Provenance
@@ -128,33 +133,54 @@ def _ask(node: SwarmNode, provenance: Provenance, stage: int, peer: str,
          commitments: list[Commitment], shape: RevealShape, timeout_s: float, received: bool
          ) -> list[tuple[Commitment, torch.Tensor]]:
     """`peer`'s reveal of `commitments` (what it sent, or with `received` what it was pushed),
-    each checked against its digests; RevealFailed (proof) where one does not match."""
+    each checked against its digest; RevealFailed (proof) where one does not match. Asked in
+    parts of at most a session's positions (a failover's replays resend a session whole)."""
+    checked = []
+    for part in _parts(commitments, shape.valid.shape[1]):
+        checked += _ask_part(node, provenance, stage, peer, part, shape, timeout_s, received)
+    return checked
+
+
+def _parts(commitments: list[Commitment], columns: int) -> list[list[Commitment]]:
+    """`commitments` in runs of at most `columns` columns (one alone may be longer: a session's
+    whole is at most the session) and MAX_REVEALED_STEPS steps."""
+    parts: list[list[Commitment]] = [[]]
+    for commitment in commitments:
+        run = parts[-1]
+        if run and (sum(c.new for c in run) + commitment.new > columns
+                    or len(run) == MAX_REVEALED_STEPS):
+            parts.append(run := [])
+        run.append(commitment)
+    return [run for run in parts if run]
+
+
+def _ask_part(node: SwarmNode, provenance: Provenance, stage: int, peer: str,
+              commitments: list[Commitment], shape: RevealShape, timeout_s: float,
+              received: bool) -> list[tuple[Commitment, torch.Tensor]]:
     rows = shape.valid.shape[0]
+    first = commitments[0].start
+    steps = [(c.epoch, c.start, c.new) for c in commitments]
     try:
         body, out = node.call_sync(peer, REVEAL, RevealRequest(
-            provenance.session, provenance.first_row, rows, received), timeout=timeout_s)
+            provenance.session, provenance.first_row, rows, steps, received), timeout=timeout_s)
     except (RemoteError, WireError, MessageLost, TimeoutError) as error:
         raise _Unrevealed(str(error)) from None
     outputs = out.get("outputs")
-    total = sum(new for _, _, new in body.steps)
-    first = commitments[0].start
+    total = sum(c.new for c in commitments)
     if outputs is None or not outputs.is_floating_point() \
-            or tuple(outputs.shape) != (rows, total, shape.hidden_size):
+            or tuple(outputs.shape) != (rows, total, shape.hidden_size) \
+            or len(body.digests) != len(commitments):
         raise RevealFailed(stage, peer, first, f"revealed outputs "
-                           f"{None if outputs is None else tuple(outputs.shape)}, not "
-                           f"[{rows}, {total}, {shape.hidden_size}]")
-    offsets, offset = {}, 0
-    for epoch, start, new in body.steps:
-        offsets.setdefault((epoch, start, new), offset)
-        offset += new
-    checked = []
-    for commitment in commitments:
-        at = offsets.get((commitment.epoch, commitment.start, commitment.new))
+                           f"{None if outputs is None else tuple(outputs.shape)} and "
+                           f"{len(body.digests)} steps' digests, not [{rows}, {total}, "
+                           f"{shape.hidden_size}] and {len(commitments)}")
+    checked, at = [], 0
+    for commitment, digests in zip(commitments, body.digests, strict=True):
         span = f"columns [{commitment.start}, {commitment.start + commitment.new})"
-        if at is None:
-            raise _Unrevealed(f"it keeps no {span} of epoch {commitment.epoch}")
         revealed = outputs[:, at:at + commitment.new]
-        if tuple(row_digests(revealed)) != commitment.rows:
+        at += commitment.new
+        own = digests[provenance.first_row:provenance.first_row + rows]
+        if chain_digest(digests) != commitment.digest or row_digests(revealed) != own:
             raise RevealFailed(stage, peer, commitment.start, f"revealed {span} that do not "
                                "hash to what their sender signed")
         checked.append((commitment, revealed))

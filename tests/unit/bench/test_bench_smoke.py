@@ -168,11 +168,13 @@ def test_coordinator_bytes_prints_figures(capsys: pytest.CaptureFixture[str]) ->
     bench = load_bench("coordinator_bytes")
     bench.main(["--model", "tiny", "--widths", "", "--stage-counts", "2", "--groups", "1",
                 "--group-size", "2", "--max-new-tokens", "3", "--replicas", "1",
-                "--in-process"])
+                "--micro-batch", "2", "--in-process"])
     values = figures(capsys.readouterr().out, "coordinator_bytes")
     assert_positive(values, ["tiny_2stages_coordinator_bytes_per_token",
                              "tiny_2stages_peer_to_peer_bytes_per_token",
-                             "tiny_2stages_peer_to_peer_reduction"])
+                             "tiny_2stages_peer_to_peer_reduction",
+                             "tiny_2stages_coordinator_bytes_per_trained_token",
+                             "tiny_2stages_peer_to_peer_bytes_per_trained_token"])
 
 
 @pytest.mark.network

@@ -1,0 +1,236 @@
+"""Training micro-batches pushed down the chain of training peers, gradients back up
+(`swarm.data_plane = "peer_to_peer"`; the coordinator's side is client/training_push.py).
+
+The coordinator sends stage 0 a micro-batch (its fields and token ids) with the step's route,
+the training peer of every stage, signed by the run's owner. Each stage runs its forward as a
+relayed `train_forward` would (stage/training.py), pushes its outputs and the micro-batch's
+fields to the next stage and waits: the next stage's answer carries the gradients of those
+outputs, and this stage runs its backward with them and answers its own input gradients. The
+last stage computes the loss and starts the backward. Every answer also carries the last
+stage's row statistics and metrics, and each stage's signed `TrainCommit` (digests of its
+inputs, outputs, and the gradients it received and sent), which each stage checks against what
+passed between it and the next, and the coordinator as one chain. The coordinator's link carries
+the micro-batch and the row statistics, never an activation; its micro-batches are in flight
+together, so the stages pipeline them.
+
+What a stage takes: a micro-batch only under a route its owner signed for this run and this
+learner version, naming this peer at this stage, from the peer named before it (stage 0: the
+owner); else a strike. What it keeps (where audits are on): what it received and sent for each
+micro-batch of its last two versions' steps, which an audit reveals (`train_tape`) and checks
+against the commitments, then replays on another training peer as for a relayed step."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from decentrl.config import RunConfig
+from decentrl.model.stages import StagePlan, routing_layers
+from decentrl.net.link import MessageLost
+from decentrl.net.node import Handler, RemoteError, Reply, Request, SwarmNode
+from decentrl.net.protocol import TRAIN_CHAIN, TRAIN_TAPE, Rpc
+from decentrl.net.push_messages import (
+    TrainCommit,
+    open_train_commit,
+    open_training_route,
+    pair_digest,
+    sign_train_commit,
+    wire_form,
+)
+from decentrl.net.training_messages import (
+    TapeReply,
+    TapeRequest,
+    TrainBackward,
+    TrainChain,
+    TrainChainReply,
+)
+from decentrl.net.wire import ActivationCodec, WireError
+from decentrl.stage.inbound import PeerBusy, PeerError
+from decentrl.stage.training import TrainingService
+
+log = logging.getLogger(__name__)
+
+# Versions whose tapes a training peer keeps: the step an audit may still ask about (an audit
+# follows its step) and the one under way.
+TAPE_VERSIONS = 2
+# What only the last stage uses, and what each stage takes its own part of.
+LAST_STAGE_ONLY = ("proximal", "reference")
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Tape:
+    """One micro-batch as a training stage saw it, each tensor in its wire form."""
+
+    inputs: Pair
+    sent: dict[str, torch.Tensor]  # prompt_out / completion_out, or the last stage's row stats
+    grads_in: Pair | None  # received from the next stage (none at the last)
+    grads_out: Pair | None  # sent back (none at stage 0)
+    metrics: dict[str, float]
+
+
+def tensor_codec(tensor: torch.Tensor) -> ActivationCodec:
+    """The codec that sends a tensor in its wire form unchanged."""
+    return "bf16" if tensor.dtype == torch.bfloat16 else "fp32"
+
+
+class TrainingChainService:
+    """A training peer's side of micro-batches pushed down the chain."""
+
+    def __init__(self, config: RunConfig, training: TrainingService, node: SwarmNode,
+                 owner: str) -> None:
+        self.config, self.training, self.node, self.owner = config, training, node, owner
+        self.stage = training.stage
+        self.last = self.stage == config.num_stages - 1
+        self.codec: ActivationCodec = config.swarm.activation_codec
+        spec = training.checks.spec
+        self.routing_part = routing_layers(
+            spec, StagePlan.even(spec.num_layers, config.num_stages).layers(self.stage))
+        self.keeps_tapes = config.trust.train_audit_fraction > 0
+        self.tapes: dict[int, dict[int, Tape]] = {}  # version -> micro -> what it saw
+        self.run_session: str | None = None  # the owner's manifest's, once looked up
+
+    def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
+        return [(TRAIN_CHAIN, self._chain), (TRAIN_TAPE, self._tape)]
+
+    async def _chain(self, request: Request[TrainChain]) -> Reply:
+        body, tensors = request.body, request.tensors
+        peers = self._route(body, request.sender)
+        forward = msgspec.structs.replace(body.forward, last=self.last, audit=False)
+        own = {name: tensor for name, tensor in tensors.items()
+               if name != "routing" and (self.last or name not in LAST_STAGE_ONLY)}
+        routing = tensors.get("routing")
+        if routing is not None:
+            if routing.dim() != 4 or routing.shape[2] < self.routing_part.stop:
+                raise PeerError(f"routing must be [rows, completion, every sparse layer, top_k],"
+                                f" got {tuple(routing.shape)}")
+            if self.routing_part.stop > self.routing_part.start:
+                own["routing"] = routing[:, :, self.routing_part].contiguous()
+        reply = await self.training._compute(self.training._forward, forward, own)
+        inputs = (tensors["prompt_in"], tensors["completion_in"])
+        out = dict(reply.tensors or {})
+        if self.last:
+            sent, grads_in, later = out, None, []
+            metrics: dict[str, float] = reply.body.metrics
+            stats = out
+        else:
+            sent = {name: wire_form(out[name], self.codec)
+                    for name in ("prompt_out", "completion_out")}
+            grads_in, stats, metrics, later = await self._down(
+                body, tensors, out, (sent["prompt_out"], sent["completion_out"]), peers)
+        back = await self.training._compute(
+            self.training._backward, TrainBackward(micro=forward.micro),
+            {} if grads_in is None else {"prompt_grad": grads_in[0],
+                                         "completion_grad": grads_in[1]})
+        grads_out = None if not back.tensors else \
+            tuple(wire_form(back.tensors[name], self.codec)
+                  for name in ("prompt_grad", "completion_grad"))
+        commit = TrainCommit(forward.version, forward.micro, self.stage, pair_digest(inputs),
+                             b"" if self.last else pair_digest((sent["prompt_out"],
+                                                                sent["completion_out"])),
+                             pair_digest(grads_in), pair_digest(grads_out))  # type: ignore[arg-type]
+        if self.keeps_tapes:
+            self._keep(forward.version, forward.micro, Tape(
+                inputs, sent, grads_in, grads_out, metrics))  # type: ignore[arg-type]
+        replied = {} if back.tensors is None else dict(back.tensors)
+        return Reply(TrainChainReply(metrics=metrics,
+                                     commits=[sign_train_commit(self.node.identity, commit),
+                                              *later]),
+                     replied, self.codec,
+                     exact={name: stats[name].float() for name in ("row_surprise",
+                                                                    "row_log_ratio")})
+
+    async def _down(self, body: TrainChain, tensors: dict[str, torch.Tensor],
+                    out: dict[str, torch.Tensor], sent: Pair, peers: list[str]
+                    ) -> tuple[Pair, dict[str, torch.Tensor], dict[str, float], list[bytes]]:
+        """Push this stage's outputs to the next and wait for its answer: the gradients of
+        them (checked against its commitment), the row statistics, the metrics, and the later
+        stages' commitments (checked as a chain)."""
+        batch = {name: tensor for name, tensor in tensors.items()
+                 if name not in ("prompt_in", "completion_in")}
+        timeout = self.config.swarm.request_timeout_s \
+            * (self.config.num_stages - 1 - self.stage)
+        try:
+            reply, back = await self.node.call(
+                peers[self.stage + 1], TRAIN_CHAIN, body,
+                {"prompt_in": out["prompt_out"], "completion_in": out["completion_out"]},
+                self.codec, timeout, exact=batch)
+        except (RemoteError, WireError, MessageLost, TimeoutError) as failure:
+            raise PeerBusy(f"training stage {self.stage + 1} failed: {failure}"[:500]) from None
+        grads = (back.get("prompt_grad"), back.get("completion_grad"))
+        stats = {name: back.get(name) for name in ("row_surprise", "row_log_ratio")}
+        if grads[0] is None or grads[1] is None or any(v is None for v in stats.values()) \
+                or grads[0].shape != sent[0].shape or grads[1].shape != sent[1].shape:
+            raise PeerBusy(f"training stage {self.stage + 1} answered without the gradients "
+                           f"{tuple(sent[0].shape)}, {tuple(sent[1].shape)} and row statistics")
+        received: Pair = (grads[0], grads[1])
+        self._check_later(body, reply.commits, peers, sent, received)
+        return received, stats, reply.metrics, reply.commits  # type: ignore[return-value]
+
+    def _check_later(self, body: TrainChain, commits: list[bytes], peers: list[str],
+                     sent: Pair, received: Pair) -> None:
+        """PeerBusy unless the later stages' commitments are theirs, of this micro-batch, and
+        one chain starting from what this stage sent and received."""
+        later = list(range(self.stage + 1, len(peers)))
+        try:
+            opened = [open_train_commit(raw, peers[stage]) for stage, raw in
+                      zip(later, commits, strict=True)]
+        except (ValueError, WireError) as bad:
+            raise PeerBusy(f"training stage {self.stage + 1} answered commitments that are not "
+                           f"the later stages': {bad}") from None
+        expected = (body.forward.version, body.forward.micro)
+        previous_out, previous_grads = pair_digest(sent), pair_digest(received)
+        for stage, commit in zip(later, opened, strict=True):
+            if (commit.version, commit.micro, commit.stage) != (*expected, stage) \
+                    or commit.inputs != previous_out or commit.grads_out != previous_grads:
+                raise PeerBusy(f"training stage {stage}'s commitment does not chain with what "
+                               f"stage {stage - 1} sent and received")
+            previous_out, previous_grads = commit.outputs, commit.grads_in
+
+    def _route(self, body: TrainChain, sender: str) -> list[str]:
+        """The route's peers, once the owner signed it for this run, naming this peer here and
+        the sender before it."""
+        route = open_training_route(body.route, self.owner)
+        if route.run != self.config.name or len(route.peers) != self.config.num_stages \
+                or route.version != body.forward.version:
+            raise PeerError(f"a training route of run {route.run!r}, {len(route.peers)} stages, "
+                            f"version {route.version} for a micro-batch of version "
+                            f"{body.forward.version}")
+        if self.run_session is not None and route.session != self.run_session:
+            raise PeerBusy(f"a training route of run session {route.session[:8]}, not the "
+                           f"manifest's {self.run_session[:8]}")
+        if route.peers[self.stage] != self.node.peer_id:
+            raise PeerError(f"the training route names {route.peers[self.stage][-8:]} at stage "
+                            f"{self.stage}, not this peer")
+        expected = self.owner if self.stage == 0 else route.peers[self.stage - 1]
+        if sender != expected:
+            raise PeerError(f"a micro-batch from {sender[-8:]}: the route names "
+                            f"{expected[-8:]} before stage {self.stage}")
+        return route.peers
+
+    def _keep(self, version: int, micro: int, tape: Tape) -> None:
+        self.tapes.setdefault(version, {})[micro] = tape
+        for old in sorted(self.tapes)[:-TAPE_VERSIONS]:
+            del self.tapes[old]
+
+    async def _tape(self, request: Request[TapeRequest]) -> Reply:
+        """An audit's reveal of one micro-batch's tape."""
+        tape = self.tapes.get(request.body.version, {}).get(request.body.micro)
+        if tape is None:
+            raise PeerBusy(f"no tape of micro-batch {request.body.micro} of version "
+                           f"{request.body.version} is kept here")
+        tensors = {"prompt_in": tape.inputs[0], "completion_in": tape.inputs[1], **tape.sent}
+        if tape.grads_in is not None:
+            tensors.update(prompt_grad_in=tape.grads_in[0], completion_grad_in=tape.grads_in[1])
+        if tape.grads_out is not None:
+            tensors.update(prompt_grad=tape.grads_out[0], completion_grad=tape.grads_out[1])
+        activations = {n: t for n, t in tensors.items() if t.is_floating_point()
+                       and n not in ("row_surprise", "row_log_ratio")}
+        exact = {n: t for n, t in tensors.items() if n not in activations}
+        codec = tensor_codec(next(iter(activations.values()))) if activations else "fp32"
+        return Reply(TapeReply(metrics=tape.metrics), activations, codec, exact)
