@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,9 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
                      "dtype": args.dtype},
             "rollout": {"group_size": args.group_size, "max_new_tokens": args.max_new_tokens},
             "train": {"micro_batch_size": args.micro_batch},
+            # Announcements rarely (records live 5x this: the DHT keeps them 120 s at most).
             "swarm": {"activation_codec": args.codec, "data_plane": plane,
-                      "announce_every_s": 60.0, "request_timeout_s": 300.0},
+                      "announce_every_s": 20.0, "request_timeout_s": 300.0},
         })
         client = SwarmNode.start("client", [], LinkProfile(), TensorLimits())
         peers, trainers = [], []
@@ -202,6 +204,13 @@ def train_bytes(client: Any, directory: Any, config: Any, groups: list[Any], pad
     lineage = LineageSigner(client, config, new_session())  # closed with the client's node
     workers = [RemoteStageWorker(client, directory, stage, config.num_stages, config.swarm,
                                  admitted, lineage) for stage in range(config.num_stages)]
+    deadline = time.monotonic() + 60  # until every training peer's announcement is found
+    while True:
+        directory.refresh()
+        if all(directory.training_peer(s, admitted) for s in range(config.num_stages)) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     for worker in workers:
         worker.connect()
     chain = PushedTraining(client, workers, config.swarm, config.name, "") \

@@ -76,7 +76,7 @@ def test_pushed_generation_matches_local(tiny_sharp_dir: Path, sharp: LoadedMode
         assert [g.tokens for g in got] == [g.tokens for g in expected]
         assert isinstance(sessions[0], PushSession)
         commitments = sessions[0].provenance.stages[0].commitments
-        assert len(commitments) == 10 and all(len(c.rows) == 3 for c in commitments)
+        assert len(commitments) == 10 and all(len(c.digest) == 32 for c in commitments)
         sampled = run(chain, SAMPLED, seed=7)
         assert [g.tokens for g in sampled] == [g.tokens for g in run(local_chain(sharp, 3),
                                                                     SAMPLED, seed=7)]
@@ -239,7 +239,7 @@ def test_pushes_from_anyone_but_the_route_are_refused_and_struck(
                 push(sender, route, signer, signed, inputs)
             assert target.node.strikes(sender.node.peer_id) == before + 1, why
         for rpc, body in [(INFERENCE_RESULT, ResultRequest(session.id, 0)),
-                          (REVEAL, RevealRequest(session.id, 0, 1)),
+                          (REVEAL, RevealRequest(session.id, 0, 1, [(0, 0, 1)])),
                           (INFERENCE_RESUME, ResumeRequest(session.signed_route, 0))]:
             before = routed.node.strikes(other.node.peer_id)
             with pytest.raises(RemoteError, match="coordinator"):

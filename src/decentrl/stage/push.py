@@ -136,6 +136,20 @@ class PushedSession:
         return out
 
 
+def check_route(what: str, run: str, session: str, peers: list[str], config: RunConfig,
+                run_session: str | None, stage: int, peer: str) -> None:
+    """PeerError unless an owner-signed route (`what`) is of this run, names one peer a stage
+    and `peer` at `stage`; PeerBusy where it is of another start of the run than the owner's
+    manifest says (`run_session`, when known)."""
+    if run != config.name or len(peers) != config.num_stages:
+        raise PeerError(f"a {what} of run {run!r} with {len(peers)} stages")
+    if run_session is not None and session != run_session:
+        raise PeerBusy(f"a {what} of run session {session[:8]}, not the manifest's "
+                       f"{run_session[:8]}")
+    if peers[stage] != peer:
+        raise PeerError(f"the {what} names {peers[stage][-8:]} at stage {stage}, not this peer")
+
+
 def exact_codec(tensor: torch.Tensor) -> ActivationCodec:
     """The codec that sends a tensor already in its wire form unchanged."""
     return "bf16" if tensor.dtype == torch.bfloat16 else "fp32"
@@ -425,14 +439,8 @@ class PushService:
     def _route(self, signed: bytes) -> SessionRoute:
         """The owner's route, for this run and session, naming this peer at this stage."""
         route = open_route(signed, self.owner)
-        if route.run != self.config.name or len(route.peers) != self.config.num_stages:
-            raise PeerError(f"a route of run {route.run!r} with {len(route.peers)} stages")
-        if self.run_session is not None and route.session != self.run_session:
-            raise PeerBusy(f"a route of run session {route.session[:8]}, not the manifest's "
-                           f"{self.run_session[:8]}")
-        if route.peers[self.stage] != self.node.peer_id:
-            raise PeerError(f"route {route.id} names {route.peers[self.stage][-8:]} at stage "
-                            f"{self.stage}, not this peer")
+        check_route("route", route.run, route.session, route.peers, self.config,
+                    self.run_session, self.stage, self.node.peer_id)
         return route
 
     def _check_inputs(self, route: SessionRoute, inputs: torch.Tensor) -> None:

@@ -50,6 +50,7 @@ from decentrl.net.training_messages import (
 )
 from decentrl.net.wire import ActivationCodec, WireError
 from decentrl.stage.inbound import PeerBusy, PeerError
+from decentrl.stage.push import check_route, exact_codec
 from decentrl.stage.training import TrainingService
 
 log = logging.getLogger(__name__)
@@ -72,11 +73,6 @@ class Tape:
     grads_in: Pair | None  # received from the next stage (none at the last)
     grads_out: Pair | None  # sent back (none at stage 0)
     metrics: dict[str, float]
-
-
-def tensor_codec(tensor: torch.Tensor) -> ActivationCodec:
-    """The codec that sends a tensor in its wire form unchanged."""
-    return "bf16" if tensor.dtype == torch.bfloat16 else "fp32"
 
 
 class TrainingChainService:
@@ -196,17 +192,11 @@ class TrainingChainService:
         """The route's peers, once the owner signed it for this run, naming this peer here and
         the sender before it."""
         route = open_training_route(body.route, self.owner)
-        if route.run != self.config.name or len(route.peers) != self.config.num_stages \
-                or route.version != body.forward.version:
-            raise PeerError(f"a training route of run {route.run!r}, {len(route.peers)} stages, "
-                            f"version {route.version} for a micro-batch of version "
-                            f"{body.forward.version}")
-        if self.run_session is not None and route.session != self.run_session:
-            raise PeerBusy(f"a training route of run session {route.session[:8]}, not the "
-                           f"manifest's {self.run_session[:8]}")
-        if route.peers[self.stage] != self.node.peer_id:
-            raise PeerError(f"the training route names {route.peers[self.stage][-8:]} at stage "
-                            f"{self.stage}, not this peer")
+        check_route("training route", route.run, route.session, route.peers, self.config,
+                    self.run_session, self.stage, self.node.peer_id)
+        if route.version != body.forward.version:
+            raise PeerError(f"a training route of version {route.version} for a micro-batch of "
+                            f"version {body.forward.version}")
         expected = self.owner if self.stage == 0 else route.peers[self.stage - 1]
         if sender != expected:
             raise PeerError(f"a micro-batch from {sender[-8:]}: the route names "
@@ -232,5 +222,5 @@ class TrainingChainService:
         activations = {n: t for n, t in tensors.items() if t.is_floating_point()
                        and n not in ("row_surprise", "row_log_ratio")}
         exact = {n: t for n, t in tensors.items() if n not in activations}
-        codec = tensor_codec(next(iter(activations.values()))) if activations else "fp32"
+        codec = exact_codec(next(iter(activations.values()))) if activations else "fp32"
         return Reply(TapeReply(metrics=tape.metrics), activations, codec, exact)
