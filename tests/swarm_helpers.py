@@ -36,6 +36,7 @@ from decentrl.net.calls import TRUNCATED_REPLY_RETRIES
 from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.directory import Directory
 from decentrl.net.link import LinkProfile
+from decentrl.net.local_node import LocalNetwork
 from decentrl.net.node import RemoteError, SwarmNode
 from decentrl.net.protocol import Role
 from decentrl.net.session import new_session
@@ -105,6 +106,7 @@ class Swarm:
     sockets: list[str] = field(default_factory=list)
     killed: list[StagePeer] = field(default_factory=list)
     lineage: LineageSigner | None = None  # made by the first workers()
+    network: LocalNetwork | None = None  # where its nodes are, in local mode
 
     def admitted(self, peer_id: str) -> bool:
         """The swarm's own training peers (those started with it or added later, not killed)."""
@@ -163,7 +165,8 @@ class Swarm:
     def add(self, stage: int, role: Role) -> StagePeer:
         """A peer that joins the running swarm (shut down with the others)."""
         peer = start_peer(self.config, stage, role, self.client.addresses(), self.client.peer_id,
-                          checkpoint_dir=self.checkpoint_dir, name=f"s{stage}{role[0]}late")
+                          checkpoint_dir=self.checkpoint_dir, name=f"s{stage}{role[0]}late",
+                          network=self.network)
         self.peers.append(peer)
         self.sockets.extend(peer.node.socket_paths())
         return peer
@@ -176,8 +179,14 @@ class Swarm:
 
 
 def start_node(config: RunConfig, name: str, initial_peers: Sequence[str],
-               limits: TensorLimits, link: LinkProfile) -> SwarmNode:
-    """A SwarmNode that blocks senders of malformed requests as `config.trust` says."""
+               limits: TensorLimits, link: LinkProfile, network: LocalNetwork | None = None
+               ) -> SwarmNode:
+    """A SwarmNode that blocks senders of malformed requests as `config.trust` says: over its
+    own p2p daemon, or on `network` in this process (net/local_node.py)."""
+    if network is not None:
+        return network.start_node(name, link, limits,
+                                  strikes_to_block=config.trust.strikes_to_block,
+                                  block_s=config.trust.block_s)
     return SwarmNode.start(name, initial_peers, link, limits,
                            strikes_to_block=config.trust.strikes_to_block,
                            block_s=config.trust.block_s)
@@ -188,12 +197,12 @@ def start_peer(config: RunConfig, stage: int, role: Role, initial_peers: Sequenc
                checkpoint_dir: Path | None = None, name: str = "peer",
                link: LinkProfile = LinkProfile(),
                wrap_inference: Callable[[InferenceService], Service] | None = None,
-               wrap_verification: Callable[[VerifyService], Service] | None = None
-               ) -> StagePeer:
+               wrap_verification: Callable[[VerifyService], Service] | None = None,
+               network: LocalNetwork | None = None) -> StagePeer:
     """A SwarmNode and a started StagePeer on it, of the run the peer id `owner` owns (its
     inference or verification wrapped by a hostile peer's wrapper); the node is shut down if
     the peer fails."""
-    node = start_node(config, name, initial_peers, limits, link)
+    node = start_node(config, name, initial_peers, limits, link, network)
     try:
         peer = StagePeer(config, stage, role, node, owner, checkpoint_dir=checkpoint_dir,
                          name=name, wrap_inference=wrap_inference,
@@ -208,10 +217,13 @@ def start_peer(config: RunConfig, stage: int, role: Role, initial_peers: Sequenc
 @contextmanager
 def start_swarm(config: RunConfig, layout: Sequence[tuple[int, Role]],
                 limits: TensorLimits = TensorLimits(),
-                client_link: LinkProfile = LinkProfile()) -> Iterator[Swarm]:
+                client_link: LinkProfile = LinkProfile(), local: bool = False,
+                peer_link: LinkProfile = LinkProfile()) -> Iterator[Swarm]:
     """A client node and one peer per (stage, role) of `layout`, every one shut down on exit.
-    On a normal exit it also asserts that no node left its unix sockets behind."""
-    client = start_node(config, "client", [], TensorLimits(), client_link)
+    On a normal exit it also asserts that no node left its unix sockets behind. `local`: every
+    node in this process without a p2p daemon (the protocols' local mode, net/local_node.py)."""
+    network = LocalNetwork() if local else None
+    client = start_node(config, "client", [], TensorLimits(), client_link, network)
     # Before the peers announce themselves, so that the client keeps their records too.
     client.dht_storage.join(RunNamespace.of(config, client.peer_id))
     sockets: list[str] = []
@@ -225,10 +237,11 @@ def start_swarm(config: RunConfig, layout: Sequence[tuple[int, Role]],
             addresses = client.addresses()
             for number, (stage, role) in enumerate(layout):
                 peer = start_peer(config, stage, role, addresses, client.peer_id, limits,
-                                  Path(folder), name=f"s{stage}{role[0]}{number}")
+                                  Path(folder), name=f"s{stage}{role[0]}{number}",
+                                  link=peer_link, network=network)
                 peers.append(peer)
                 sockets += peer.node.socket_paths()
-            swarm = Swarm(config, client, peers, Path(folder), sockets)
+            swarm = Swarm(config, client, peers, Path(folder), sockets, network=network)
             yield swarm
             failed = False
         finally:

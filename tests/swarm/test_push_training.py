@@ -31,8 +31,13 @@ def client_bytes(node: SwarmNode) -> int:
 @pytest.mark.parametrize("stages", [2, 3])
 def test_a_pushed_step_moves_no_activation_through_the_coordinator(
         stages: int, tiny_model_dir: Path) -> None:
+    relayed_and_pushed_step(stages, tiny_model_dir, local=False)
+
+
+def relayed_and_pushed_step(stages: int, tiny_model_dir: Path, local: bool) -> None:
     """The same step relayed and pushed: the same weights after it, and the coordinator's
-    bytes of the pushed one are the micro-batch and a few hundred bytes per stage."""
+    bytes of the pushed one are the micro-batch and a few hundred bytes per stage. `local`:
+    in the protocols' local mode (net/local_node.py)."""
     moved = {}
     weights = {}
     for plane in ("coordinator", "peer_to_peer"):
@@ -40,7 +45,8 @@ def test_a_pushed_step_moves_no_activation_through_the_coordinator(
                                  train={"lr": 0.05, "micro_batch_size": 2},
                                  swarm={"data_plane": plane},
                                  trust={"train_audit_fraction": 1.0})  # peers keep tapes
-        with start_swarm(config, [(s, "training") for s in range(stages)]) as swarm:
+        with start_swarm(config, [(s, "training") for s in range(stages)],
+                         local=local) as swarm:
             trainer = swarm.remote_trainer()
             batch = make_batch()
             before = client_bytes(swarm.client)
@@ -62,7 +68,11 @@ def test_a_pushed_step_moves_no_activation_through_the_coordinator(
                               for p in swarm.peers if p.training is not None]
     for relayed, pushed in zip(weights["coordinator"], weights["peer_to_peer"], strict=True):
         for name, value in relayed.items():
-            torch.testing.assert_close(pushed[name], value, atol=1e-5, rtol=0)
+            # Adam's first step moves a weight by about ±lr (0.05) whatever its gradient's size,
+            # except where the gradient is near eps: there a last-bit difference in a sum
+            # (thread scheduling differs between runs) moves it by up to ~1e-5 of lr's scale.
+            # A gradient lost or misrouted moves weights by a good fraction of lr.
+            torch.testing.assert_close(pushed[name], value, atol=5e-4, rtol=0)
     assert moved["peer_to_peer"] < moved["coordinator"] / 2, moved
 
 

@@ -335,8 +335,8 @@ class SwarmNode:
         # loop is too starved to run it (a machine out of memory); then it is a lost message,
         # which callers retry or fail over like any other.
         try:
-            return self.run(self.calls.call(peer, rpc, body, tensors, codec, timeout,
-                                            request_id, exact), timeout=timeout + 10)
+            return self.run(self.call(peer, rpc, body, tensors, codec, timeout, request_id,
+                                      exact), timeout=timeout + 10)
         except TimeoutError:
             raise MessageLost(f"{rpc.method} at {peer[-8:]}: no answer within {timeout + 10:.0f}s "
                               f"(this node's event loop did not get to it)") from None

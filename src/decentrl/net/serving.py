@@ -193,7 +193,7 @@ class Server:
                 cached.cancel()
                 raise
             except Exception as error:
-                self._refused(sender, method, error)
+                account_refusal(self.strikes, self.daemon.name, sender, method, error)
                 # A refusal that is the sender's fault stays, so a retry of this signed request
                 # (its reply was lost) is refused again without a second strike; any other may
                 # pass if asked again (the peer was busy, or failed here).
@@ -209,19 +209,19 @@ class Server:
         self.circuits.seen(sender, address, message_bytes(messages), message_bytes(responses))
         return responses
 
-    def _refused(self, sender: str, method: str, error: Exception) -> None:
-        """Account for a request its handler (or the checks before it) did not answer: a strike
-        where the error says the sender was at fault; otherwise a refusal the handler meant (a
-        timeout, a peer busy), or this peer's own failure, which is not held against the
-        sender."""
-        if strikes_sender(error):
-            self.strikes.strike(sender, method, error)
-        elif isinstance(error, DecentrlError):
-            log.info("%s: %s from %s refused: %s", self.daemon.name, method, sender[-8:],
-                     peer_text(error))
-        else:
-            log.warning("%s: %s from %s failed here: %s", self.daemon.name, method, sender[-8:],
-                        peer_text(f"{type(error).__name__}: {error}"))
+
+def account_refusal(strikes: Strikes, name: str, sender: str, method: str,
+                    error: Exception) -> None:
+    """Account for a request its handler (or the checks before it) did not answer: a strike
+    where the error says the sender was at fault; otherwise a refusal the handler meant (a
+    timeout, a peer busy), or this peer's own failure, which is not held against the sender."""
+    if strikes_sender(error):
+        strikes.strike(sender, method, error)
+    elif isinstance(error, DecentrlError):
+        log.info("%s: %s from %s refused: %s", name, method, sender[-8:], peer_text(error))
+    else:
+        log.warning("%s: %s from %s failed here: %s", name, method, sender[-8:],
+                    peer_text(f"{type(error).__name__}: {error}"))
 
 
 async def _unless_caller_leaves(stream: FrameReader, work: Coroutine[Any, Any, T]) -> T:
