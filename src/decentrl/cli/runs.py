@@ -197,3 +197,44 @@ def coordinate(
         if dial_back is not None:
             node.run(dial_back.close(), timeout=30)
         node.shutdown()
+
+
+@command()
+def plan(
+    peers: Annotated[list[str], typer.Argument(
+        help="One MEMORY_GIB:SPEED per stage, in order: the memory its peers give the weights, "
+             "and their speed in any unit that is the same for all (announced tokens/s, or 1 "
+             "for alike machines).")],
+    model: Annotated[str, typer.Option(help="The model: a name, Hugging Face folder or .gguf "
+                                            "file, as a config's `model`.")
+                     ] = "smollm2-135m-instruct",
+    role: Annotated[str, typer.Option(help="What the peers hold: inference (bf16 weights), "
+                                           "training (fp32 master and AdamW), lora or "
+                                           "lora-int8 (the frozen base in bf16 or int8).")
+                    ] = "inference",
+) -> None:
+    """Choose how many layers each stage gets, from its peers' memory and speed.
+
+    Prints the plan, why each stage got what it got, and the `stage_layers` line to put in
+    the run's config."""
+    from decentrl.model.loading import model_spec, resolve_model
+    from decentrl.model.planner import BYTES_PER_PARAMETER, GIB, PlanError, StageHost, plan_stages
+
+    if role not in BYTES_PER_PARAMETER:
+        fail(f"--role must be one of {', '.join(BYTES_PER_PARAMETER)}, got {role!r}")
+    hosts = []
+    for number, item in enumerate(peers):
+        memory, sep, speed = item.partition(":")
+        try:
+            hosts.append(StageHost(int(float(memory) * GIB), float(speed) if sep else 1.0))
+        except ValueError as error:
+            fail(f"stage {number}'s peer {item!r} must be MEMORY_GIB:SPEED with both > 0 "
+                 f"({error})")
+    try:
+        choice = plan_stages(model_spec(resolve_model(model)), hosts, role)
+    except PlanError as error:
+        fail(str(error))
+        return
+    console.print(choice.describe(), highlight=False)
+    console.print(f"num_stages = {len(hosts)}\nstage_layers = {list(choice.plan.stage_layers)}",
+                  highlight=False)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -237,20 +237,20 @@ class RemoteChain:
     def __init__(self, node: SwarmNode, directory: Directory, swarm: SwarmConfig,
                  trust: TrustConfig, spec: ModelSpec, reputation: Reputation | None = None,
                  on_step: Callable[[int, int, int, float], None] | None = None,
-                 run_session: str = "") -> None:
+                 run_session: str = "", stage_layers: Sequence[int] = ()) -> None:
         """`on_step` is told of every step of its sessions: (rows, positions fed per row, the
         session's max_length, seconds through the whole chain); the rows in flight are sized
         from it. The routes of peer-to-peer sessions (`swarm.data_plane`) are bound to the
         directory's run and `run_session` (net/session.py), this start of it (a peer that knows
-        the owner's manifest refuses a route of another)."""
+        the owner's manifest refuses a route of another). `stage_layers`: the run's plan
+        (config `stage_layers`; empty: even)."""
         self.node, self.directory, self.swarm, self.trust = node, directory, swarm, trust
         self.run, self.run_session = directory.run, run_session
         self.num_stages = directory.num_stages
         self.vocab_size, self.hidden_size = spec.vocab_size, spec.hidden_size
-        # Each stage's sparse layers (the swarm's stages split the layers evenly), whose experts
-        # its replies carry.
+        # Each stage's sparse layers, whose experts its replies carry.
         self.moe = spec.moe
-        plan = StagePlan.even(spec.num_layers, self.num_stages)
+        plan = StagePlan.of(spec.num_layers, self.num_stages, stage_layers)
         slices = [routing_layers(spec, plan.layers(stage)) for stage in range(self.num_stages)]
         self.stage_sparse_layers = [part.stop - part.start for part in slices]
         self.reputation = reputation

@@ -41,7 +41,11 @@ class RunConfig(Section):
                        "Hugging Face folder of a supported family (README's model section), or "
                        "a .gguf file of one (converted once into a cache folder)")
     num_stages: int = Field(2, ge=1, description="pipeline stages the model's layers are cut "
-                            "into, evenly; each stage is served by its own peers")
+                            "into; each stage is served by its own peers")
+    stage_layers: tuple[int, ...] = Field((), description="layers of each stage, from the "
+                                          "first (they must add up to the model's layers); "
+                                          "empty: as even as the layers allow. `decentrl plan` "
+                                          "chooses them from the peers' memory and speed")
     task: TaskConfig = TaskConfig()
     rollout: RolloutConfig = RolloutConfig()
     curriculum: CurriculumConfig = CurriculumConfig()

@@ -70,7 +70,7 @@ class LocalBackend:
         self.model = model or load_model(config.model)
         self.tokenizer = self.model.tokenizer
         spec = self.model.spec
-        self.plan = StagePlan.even(spec.num_layers, config.num_stages)
+        self.plan = StagePlan.of(spec.num_layers, config.num_stages, config.stage_layers)
         tensors = self.model.tensors
         # fp32 master weights for the learner; the inference replicas run in the compute dtype.
         learner = with_lora(build_stages(spec, self.plan, tensors, self.device, torch.float32),

@@ -102,7 +102,7 @@ def config_hash(config: RunConfig) -> str:
 
 
 def stage_layers(config: RunConfig, spec: ModelSpec) -> list[tuple[int, int]]:
-    plan = StagePlan.even(spec.num_layers, config.num_stages)
+    plan = StagePlan.of(spec.num_layers, config.num_stages, config.stage_layers)
     return [(plan.layers(stage).start, plan.layers(stage).stop)
             for stage in range(config.num_stages)]
 

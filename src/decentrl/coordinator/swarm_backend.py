@@ -93,7 +93,7 @@ log = logging.getLogger(__name__)
 def check_swarm_config(config: RunConfig, spec: ModelSpec) -> None:
     """Raise ConfigError for a config the swarm cannot run on a model of `spec`."""
     try:
-        StagePlan.even(spec.num_layers, config.num_stages)
+        StagePlan.of(spec.num_layers, config.num_stages, config.stage_layers)
         routing_replay_needs_experts(spec, config.train)
     except ValueError as error:
         raise ConfigError(f"invalid configuration: {error}") from None
@@ -134,7 +134,7 @@ class SwarmBackend:
         # "both" too), read again at every announce round as well.
         self.admitted_replicas = admitted_peers(config.path, ADMITTED_REPLICAS_FILE)
         admit_replicas = config.trust.admit_replicas
-        plan = StagePlan.even(self.spec.num_layers, config.num_stages)
+        plan = StagePlan.of(self.spec.num_layers, config.num_stages, config.stage_layers)
         # Each stage's part of a routing record: its training peer replays it, its verifiers
         # judge the experts claimed in it.
         stage_routing = [routing_layers(self.spec, plan.layers(stage))
@@ -152,7 +152,8 @@ class SwarmBackend:
         self.inflight = RowsInFlight(config, self._usable_replicas)
         self.chain = RemoteChain(node, self.directory, config.swarm, config.trust, self.spec,
                                  self.trust.reputation, on_step=self.inflight.observe,
-                                 run_session=self.manifest.session)
+                                 run_session=self.manifest.session,
+                                 stage_layers=config.stage_layers)
         self.lineage = LineageSigner(node, config, self.manifest.session)
         # A stage's second training peer recomputes a random share of its steps (trust/audit.py).
         self.audit = (TrainAudit(node, self.directory, config, self.admitted,

@@ -27,7 +27,7 @@ def load_stage(config: RunConfig, index: int, device: torch.device, dtype: torch
     seed: every peer of a stage builds the same ones."""
     folder = resolve_model(config.model)
     spec = model_spec(folder)
-    plan = StagePlan.even(spec.num_layers, config.num_stages)
+    plan = StagePlan.of(spec.num_layers, config.num_stages, config.stage_layers)
     names = stage_tensor_names(spec, plan, index, tensor_names(folder) if spec.moe else ())
     # The head's stage of a tied model also reads any lm_head.weight, to refuse one that differs.
     tied_head = {HEAD} if spec.tie_word_embeddings and index == plan.num_stages - 1 else set()
@@ -43,7 +43,8 @@ def stage_shapes(config: RunConfig, spec: ModelSpec, index: int) -> dict[str, to
     """Stage `index`'s state dict as the run trains it (LoRA adapters included), on the meta
     device: every tensor's shape and dtype, with nothing read or allocated."""
     with torch.device("meta"):
-        stage = StageModule(spec, StagePlan.even(spec.num_layers, config.num_stages), index)
+        stage = StageModule(spec, StagePlan.of(spec.num_layers, config.num_stages,
+                                                  config.stage_layers), index)
     add_run_lora(stage, config)
     return stage.state_dict()
 

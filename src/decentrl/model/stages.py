@@ -74,9 +74,34 @@ class StagePlan:
             start += base + (1 if stage < extra else 0)
         return cls(num_layers, tuple(starts))
 
+    @classmethod
+    def sized(cls, num_layers: int, stage_layers: Sequence[int]) -> StagePlan:
+        """Stages of the given numbers of layers, from the first; ValueError unless they add up
+        to the model's."""
+        if sum(stage_layers) != num_layers:
+            raise ValueError(f"stage layers {list(stage_layers)} add up to {sum(stage_layers)}, "
+                             f"not the model's {num_layers} layers")
+        starts = [sum(stage_layers[:stage]) for stage in range(len(stage_layers))]
+        return cls(num_layers, tuple(starts))
+
+    @classmethod
+    def of(cls, num_layers: int, num_stages: int, stage_layers: Sequence[int] = ()
+           ) -> StagePlan:
+        """A run's plan: `stage_layers` where given (config `stage_layers`), else even."""
+        if stage_layers:
+            if len(stage_layers) != num_stages:
+                raise ValueError(f"stage layers {list(stage_layers)} name {len(stage_layers)} "
+                                 f"stages, not {num_stages}")
+            return cls.sized(num_layers, stage_layers)
+        return cls.even(num_layers, num_stages)
+
     @property
     def num_stages(self) -> int:
         return len(self.starts)
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        return tuple(len(self.layers(stage)) for stage in range(self.num_stages))
 
     def layers(self, stage: int) -> range:
         if not 0 <= stage < self.num_stages:

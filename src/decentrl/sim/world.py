@@ -94,7 +94,8 @@ class World:
             self.coordinator.cpu = self.coordinator_cpu
         self.coordinator_cpu_s = 0.0
         self.restart_cpu_s: Counter[str] = Counter()  # per host: restarted processes' start
-        self.plan = StagePlan.even(scenario.shape.layers, self.config.num_stages)
+        self.plan = StagePlan.of(scenario.shape.layers, self.config.num_stages,
+                                 self.config.stage_layers)
         self.replicas: list[list[Replica]] = [[] for _ in range(self.config.num_stages)]
         self.trainers: list[list[TrainingPeer]] = [[] for _ in range(self.config.num_stages)]
         for spec in scenario.peers:

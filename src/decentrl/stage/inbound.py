@@ -44,6 +44,7 @@ class InboundChecks:
     stage: int
     num_stages: int
     max_session_tokens: int
+    stage_layers: tuple[int, ...] = ()  # the run's plan (config `stage_layers`); () even
 
     @property
     def is_first(self) -> bool:
@@ -179,8 +180,8 @@ class InboundChecks:
     def _sparse_part(self, purpose: str) -> slice:
         """The stage's part of a whole model's routing record; PeerError if it has none."""
         spec = self.spec
-        part = routing_layers(spec, StagePlan.even(spec.num_layers, self.num_stages)
-                              .layers(self.stage))
+        plan = StagePlan.of(spec.num_layers, self.num_stages, self.stage_layers)
+        part = routing_layers(spec, plan.layers(self.stage))
         if spec.moe is None or part.stop == part.start:
             raise PeerError(f"stage {self.stage} has no mixture-of-experts layer to {purpose}")
         return part

@@ -155,7 +155,7 @@ class StagePeer:
 
     def _checks(self, module: StageModule) -> InboundChecks:
         return InboundChecks(module.spec, self.index, module.plan.num_stages,
-                             self.config.swarm.max_session_tokens)
+                             self.config.swarm.max_session_tokens, module.plan.stage_layers)
 
     @property
     def version(self) -> int:

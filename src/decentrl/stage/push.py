@@ -171,7 +171,7 @@ class PushService:
         self.run_session: str | None = None  # the owner's manifest's (net/session.py), if known
         # The sparse layers of the stages before this one, whose experts a push carries.
         spec = inference.checks.spec
-        plan = StagePlan.even(spec.num_layers, config.num_stages)
+        plan = StagePlan.of(spec.num_layers, config.num_stages, config.stage_layers)
         self.routed_before = spec.sparse_before(plan.layers(stage).start)
         inference.on_close.append(self.closed)
 

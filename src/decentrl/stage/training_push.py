@@ -85,8 +85,8 @@ class TrainingChainService:
         self.last = self.stage == config.num_stages - 1
         self.codec: ActivationCodec = config.swarm.activation_codec
         spec = training.checks.spec
-        self.routing_part = routing_layers(
-            spec, StagePlan.even(spec.num_layers, config.num_stages).layers(self.stage))
+        plan = StagePlan.of(spec.num_layers, config.num_stages, config.stage_layers)
+        self.routing_part = routing_layers(spec, plan.layers(self.stage))
         self.keeps_tapes = config.trust.train_audit_fraction > 0
         self.tapes: dict[int, dict[int, Tape]] = {}  # version -> micro -> what it saw
         self.run_session: str | None = None  # the owner's manifest's, once looked up
