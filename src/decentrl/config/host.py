@@ -44,6 +44,10 @@ class HostConfig(Section):
         "natively, else fp32")
     threads: int = Field(0, ge=0, le=4096, description="torch CPU threads of this process (0: "
                          "torch's default, every core; a joined peer without it takes 1)")
+    memory_limit_mb: int = Field(0, ge=0, description="the most memory, in MiB, each peer "
+                                 "process that this process launches (decentrl demo, the "
+                                 "benches' swarms) may hold: a memory cgroup it cannot exceed "
+                                 "(Linux, as root); 0: no cap")
     run_dir: Path = Field(Path("runs"), description="the folder under which the run's own "
                           "folder (RUN_DIR/NAME: config, store, checkpoints, metrics, logs, the "
                           "exported model/) is written")

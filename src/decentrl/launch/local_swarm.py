@@ -32,6 +32,7 @@ from decentrl.launch.adversary import (
     adversary_stages,
 )
 from decentrl.launch.join import INFERENCE_NICENESS, READY, link_profile, yield_cpu
+from decentrl.launch.memory_limit import MIB, MemoryCgroup
 from decentrl.net.dialback import DialBackService
 from decentrl.net.identity import Identity
 from decentrl.net.netns import Internet
@@ -53,6 +54,7 @@ class Child:
     info: dict = field(default_factory=dict)
     restarts: int = 0
     spawned_at: float = 0.0  # monotonic
+    memory: MemoryCgroup | None = None  # its cap (host.memory_limit_mb), kept across restarts
 
     def started(self, process: subprocess.Popen) -> None:
         """`process` runs this child now: what an earlier one reported is void."""
@@ -222,11 +224,21 @@ class LocalSwarm:
         command = [sys.executable, "-m", "decentrl.cli", *child.args]
         if self.internet is not None:
             command = self.internet.command(self._host(child.name), command)
+        limit_mb = self.config.host.memory_limit_mb
+        if limit_mb and child.memory is None:
+            child.memory = MemoryCgroup.create(child.name, limit_mb * MIB)
+        memory = child.memory
+
+        def before_exec() -> None:  # in the child: capped before it loads anything
+            if memory is not None:
+                memory.preexec()
+            if niceness:
+                yield_cpu(niceness)
         with child.log_path.open("a") as log_file:
             child.started(subprocess.Popen(
                 command, stdout=subprocess.PIPE,
                 stderr=log_file, text=True, start_new_session=True,
-                preexec_fn=(lambda: yield_cpu(niceness)) if niceness else None))
+                preexec_fn=before_exec if memory is not None or niceness else None))
 
     def _wait_ready(self, child: Child, timeout_s: float) -> None:
         assert child.process is not None and child.process.stdout is not None
@@ -338,6 +350,8 @@ class LocalSwarm:
                 os.killpg(child.process.pid, signal.SIGKILL)
                 child.process.wait()
             self._remove_sockets(child)
+            if child.memory is not None:
+                child.memory.remove()
         if self.bootstrap is not None:
             if self.dial_back is not None:
                 self.bootstrap.run(self.dial_back.close(), timeout=30)
