@@ -10,7 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,6 +225,35 @@ def read_tensors(folder: Path, wanted: Callable[[str], bool] | None = None
     return {k: v.float() for k, v in tensors.items()}
 
 
+class StoredTensors(Mapping[str, torch.Tensor]):
+    """The checkpoint's tensors named by `wanted`, each read from its file when asked for, in
+    the dtype it is stored in: a stage loads its weights one tensor at a time, never holding a
+    second copy of them (an 8B model's stage in bf16 would otherwise take twice its size)."""
+
+    def __init__(self, folder: Path, wanted: Callable[[str], bool]) -> None:
+        self.folder = folder
+        weight_map = _weight_map(folder)
+        self._files: dict[str, Path] = {}
+        if weight_map:
+            self._files = {name: folder / file for name, file in weight_map.items()
+                           if wanted(name)}
+        else:
+            for path in _safetensors_files(folder):
+                with safe_open(path, framework="pt") as f:
+                    self._files.update({name: path for name in f.keys() if wanted(name)})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path = self._files[name]
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
 def load_tokenizer(folder: Path) -> Any:
     """The folder's tokenizer. Without a pad token it pads with its end-of-sequence token (a
     padded position is masked everywhere, so which token pads does not matter). Without a chat
@@ -257,7 +286,7 @@ def stage_tensor_names(spec: ModelSpec, plan: StagePlan, index: int,
     return names
 
 
-def require_tensors(folder: Path, needed: set[str], tensors: dict[str, torch.Tensor]) -> None:
+def require_tensors(folder: Path, needed: set[str], tensors: Mapping[str, torch.Tensor]) -> None:
     """Refuse a checkpoint that lacks tensors its config implies, naming them."""
     missing = sorted(needed - set(tensors))
     if missing:
@@ -267,7 +296,7 @@ def require_tensors(folder: Path, needed: set[str], tensors: dict[str, torch.Ten
                          f"{shown}")
 
 
-def check_tied_head(folder: Path, spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
+def check_tied_head(folder: Path, spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> None:
     """transformers ties a tied config's head to the embedding only when the checkpoint holds no
     other lm_head.weight; one that differs it keeps apart, as if untied. Refuse that
     contradiction rather than pick a side."""

@@ -56,7 +56,8 @@ class LoRALinear(nn.Module):
     """A frozen `nn.Linear` plus a trainable low-rank update."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float,
-                 generator: torch.Generator) -> None:
+                 generator: torch.Generator, dtype: torch.dtype | None = None) -> None:
+        """`dtype`: the adapters' (default: the base's)."""
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.rank, self.scale = rank, alpha / rank
@@ -68,7 +69,7 @@ class LoRALinear(nn.Module):
         # fp32 on the CPU from `generator`, so the adapters are the same on every device.
         bound = 1.0 / math.sqrt(self.in_features)
         a = (torch.rand(rank, self.in_features, generator=generator) * 2 - 1) * bound
-        device, dtype = base.weight.device, base.weight.dtype
+        device, dtype = base.weight.device, dtype or base.weight.dtype
         self.lora_a = nn.Parameter(a.to(device=device, dtype=dtype))
         self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, device=device, dtype=dtype))
 
@@ -137,10 +138,10 @@ def resolve_targets(layer: DecoderLayer, targets: Sequence[str], model_type: str
 
 
 def add_lora(stage: StageModule, rank: int, alpha: float, targets: Sequence[str],
-             seed: int) -> None:
+             seed: int, dtype: torch.dtype | None = None) -> None:
     """Wrap the `targets` projections of every layer of `stage` in adapters (a sparse layer's
-    attention projections only) and freeze every other parameter of the stage (embedding, norms,
-    head, routers and experts included)."""
+    attention projections only, in `dtype`, default the base's) and freeze every other
+    parameter of the stage (embedding, norms, head, routers and experts included)."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     if not alpha > 0:
@@ -159,7 +160,8 @@ def add_lora(stage: StageModule, rank: int, alpha: float, targets: Sequence[str]
         for target in resolve_targets(layer, layer_targets, stage.spec.model_type):
             block = projections[target]
             generator = adapter_generator(seed, layer_id, target)
-            setattr(block, target, LoRALinear(getattr(block, target), rank, alpha, generator))
+            setattr(block, target, LoRALinear(getattr(block, target), rank, alpha, generator,
+                                              dtype))
     for name, param in stage.named_parameters():
         param.requires_grad_(name.endswith(ADAPTER_SUFFIXES))
 

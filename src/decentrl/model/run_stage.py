@@ -8,9 +8,9 @@ import torch
 
 from decentrl.config import RunConfig
 from decentrl.model.loading import (
+    StoredTensors,
     check_tied_head,
     model_spec,
-    read_tensors,
     require_tensors,
     resolve_model,
     stage_tensor_names,
@@ -21,22 +21,27 @@ from decentrl.model.spec import ModelSpec
 from decentrl.model.stages import HEAD, StageModule, StagePlan, build_stage
 
 
-def load_stage(config: RunConfig, index: int, device: torch.device, dtype: torch.dtype
-               ) -> StageModule:
-    """Stage `index` of the run's even plan at version 0. LoRA adapters are seeded by the run's
-    seed: every peer of a stage builds the same ones."""
+def load_stage(config: RunConfig, index: int, device: torch.device, dtype: torch.dtype,
+               frozen_dtype: torch.dtype | None = None) -> StageModule:
+    """Stage `index` of the run's plan at version 0, in `dtype`. LoRA adapters are seeded by the
+    run's seed: every peer of a stage builds the same ones. `frozen_dtype`: in a LoRA run, the
+    dtype of the frozen base, the adapters alone taking `dtype` (a training peer's fp32 master
+    holds its base in the compute dtype it would be cast to anyway, once)."""
     folder = resolve_model(config.model)
     spec = model_spec(folder)
     plan = StagePlan.of(spec.num_layers, config.num_stages, config.stage_layers)
     names = stage_tensor_names(spec, plan, index, tensor_names(folder) if spec.moe else ())
     # The head's stage of a tied model also reads any lm_head.weight, to refuse one that differs.
     tied_head = {HEAD} if spec.tie_word_embeddings and index == plan.num_stages - 1 else set()
-    tensors = read_tensors(folder, (names | tied_head).__contains__)
+    tensors = StoredTensors(folder, (names | tied_head).__contains__)
     require_tensors(folder, names, tensors)
     check_tied_head(folder, spec, tensors)
-    stage = build_stage(spec, plan, index, tensors, device, torch.float32)
-    add_run_lora(stage, config)
-    return stage.to(dtype)
+    # Built from the stored tensors one at a time: the stage is never held twice.
+    lora = config.train.lora_rank > 0
+    base_dtype = frozen_dtype if lora and frozen_dtype is not None else dtype
+    stage = build_stage(spec, plan, index, tensors, device, base_dtype)
+    add_run_lora(stage, config, dtype)
+    return stage
 
 
 def stage_shapes(config: RunConfig, spec: ModelSpec, index: int) -> dict[str, torch.Tensor]:
@@ -49,8 +54,11 @@ def stage_shapes(config: RunConfig, spec: ModelSpec, index: int) -> dict[str, to
     return stage.state_dict()
 
 
-def add_run_lora(stage: StageModule, config: RunConfig) -> None:
-    """The run's LoRA adapters on `stage`, if it trains adapters only."""
+def add_run_lora(stage: StageModule, config: RunConfig, dtype: torch.dtype | None = None
+                 ) -> None:
+    """The run's LoRA adapters on `stage` (in `dtype`, default its base's), if it trains
+    adapters only."""
     train = config.train
     if train.lora_rank > 0:
-        add_lora(stage, train.lora_rank, train.lora_alpha, train.lora_targets, config.seed)
+        add_lora(stage, train.lora_rank, train.lora_alpha, train.lora_targets, config.seed,
+                 dtype)

@@ -17,7 +17,7 @@ them. A dense stage returns no record and pays nothing for it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -509,10 +509,11 @@ class StageModule(nn.Module):
         return {f"layers.{i}.mlp.{name}" for i in self.sparse_prefixes()
                 for name in self.layers[i].mlp.state_dict()}
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Load this stage's slice of a full Hugging Face state dict (untying a tied head; a
-        sparse layer's experts from either checkpoint form)."""
-        own: dict[str, torch.Tensor] = {}
+        sparse layer's experts from either checkpoint form), copied into the stage's own tensors
+        one at a time, in their dtype (`tensors` may read each from disk as it is asked)."""
+        own: dict[str, torch.Tensor | str] = {}  # a tensor, or the checkpoint name to read
         experts = self._expert_names()
         for i, prefix in self.sparse_prefixes().items():
             assert self.spec.moe is not None
@@ -529,8 +530,19 @@ class StageModule(nn.Module):
                 source = EMBEDDING
             if source not in tensors:
                 raise KeyError(f"checkpoint has no tensor {source!r} needed by stage {self.index}")
-            own[local] = tensors[source]
-        self.load_state_dict(own, strict=True)
+            own[local] = source
+        state = self.state_dict()
+        if set(own) != set(state):
+            raise KeyError(f"stage {self.index}: the checkpoint gives {sorted(set(own) - set(state))}"
+                           f" and lacks {sorted(set(state) - set(own))}")
+        with torch.no_grad():
+            for local, target in state.items():
+                given = own.pop(local)
+                source = tensors[given] if isinstance(given, str) else given
+                if source.shape != target.shape:
+                    raise ValueError(f"stage {self.index}: {local} is {tuple(source.shape)} in "
+                                     f"the checkpoint, {tuple(target.shape)} in the model")
+                target.copy_(source)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The stage's tensors under their checkpoint names; a sparse layer's experts one matrix
@@ -546,16 +558,17 @@ class StageModule(nn.Module):
         return out
 
 
-def build_stage(spec: ModelSpec, plan: StagePlan, index: int, tensors: dict[str, torch.Tensor],
+def build_stage(spec: ModelSpec, plan: StagePlan, index: int,
+                tensors: Mapping[str, torch.Tensor],
                 device: torch.device, dtype: torch.dtype) -> StageModule:
     """One stage from a Hugging Face state dict holding (at least) that stage's tensors."""
     if plan.num_layers != spec.num_layers:
         raise ValueError(f"stage plan covers {plan.num_layers} layers, the model has {spec.num_layers}")
     with torch.device("meta"):
-        stage = StageModule(spec, plan, index)
+        stage = StageModule(spec, plan, index).to(dtype)  # cast before any memory is taken
     stage = stage.to_empty(device=device)
     stage.load_hf_state_dict(tensors)
-    return stage.to(dtype)
+    return stage
 
 
 def build_stages(spec: ModelSpec, plan: StagePlan, tensors: dict[str, torch.Tensor],

@@ -94,7 +94,9 @@ class StagePeer:
         checks: InboundChecks | None = None
         if trains:
             assert checkpoint_dir is not None
-            master = load_stage(config, stage, device, torch.float32)
+            # A LoRA run's frozen base is held once, in the compute dtype (autocast would cast
+            # it to that anyway); only the adapters are fp32 master weights.
+            master = load_stage(config, stage, device, torch.float32, frozen_dtype=dtype)
             checks = self._checks(master)
             trainer = StageTrainer(
                 master, config.train, loss_config_from(config.train, config.rollout.max_new_tokens,
