@@ -30,6 +30,7 @@ import torch
 from decentrl.config import RunConfig
 from decentrl.device import compute_dtype, pick_device
 from decentrl.learn.trainer import StageTrainer, loss_config_from
+from decentrl.model.lora import share_frozen_base
 from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule
 from decentrl.net.authority import RunAuthority
@@ -63,7 +64,8 @@ def serve_learner_weights(served: StageModule, learner: StageModule, version: in
     weights = learner.state_dict()
     with torch.no_grad():
         for name, param in served.state_dict().items():
-            param.copy_(weights[name])
+            if param.data_ptr() != weights[name].data_ptr():  # a shared frozen base: as it is
+                param.copy_(weights[name])
     served.version = version
 
 
@@ -108,12 +110,17 @@ class StagePeer:
         if role in ("inference", "both"):
             # The published state (float32, on the CPU) is the exact version-0 state every peer
             # of the stage builds from the same file; the model serves a copy in the compute dtype.
-            base = load_stage(config, stage, torch.device("cpu"), torch.float32)
+            # (A LoRA run publishes its adapters only: its frozen base is loaded in the compute
+            # dtype straight away, and shared with the learner's where this peer trains too.)
+            base = load_stage(config, stage, torch.device("cpu"), torch.float32,
+                              frozen_dtype=dtype)
             checks = checks or self._checks(base)
             published = PublishedState.of(0, published_tensors(base))
             model = base.to(device, dtype)
             if self.training is not None:
                 training = self.training
+                if config.train.lora_rank > 0:
+                    share_frozen_base(model, training.model)
                 serve_learner_weights(model, training.model, training.version)
                 training.on_new_weights = lambda trainer: serve_learner_weights(
                     model, trainer.stage, trainer.version)
@@ -127,8 +134,11 @@ class StagePeer:
                                                   closes_sessions=False)
         if self.training is not None and config.trust.training_peer_verifies:
             assert checks is not None
-            served = self.training.served_copy(
-                load_stage(config, stage, torch.device("cpu"), torch.float32).to(device, dtype))
+            copy = load_stage(config, stage, torch.device("cpu"), torch.float32,
+                              frozen_dtype=dtype).to(device, dtype)
+            if config.train.lora_rank > 0:
+                share_frozen_base(copy, self.training.model)
+            served = self.training.served_copy(copy)
             # A peer that serves no inference keeps the re-executions' sessions in a table of
             # its own, whose inference is never served.
             sessions = self.inference or InferenceService(config, served.model, node, checks)
