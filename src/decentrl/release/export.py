@@ -15,41 +15,49 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, get_args
 
 import torch
-from safetensors.torch import save_file
 
 from decentrl.config import is_run_folder, load_config
 from decentrl.errors import DecentrlError
 from decentrl.evaluate.suite import SuiteResult
 from decentrl.learn.checkpoints import CheckpointLayout
+from decentrl.model.families import spec_from_hf_config
 from decentrl.model.loading import (
     base_origin,
     file_sha256,
     load_model,
     load_tokenizer,
+    model_spec,
     resolve_model,
 )
 from decentrl.model.lora import has_lora, merge_lora
+from decentrl.model.planner import parameter_counts
 from decentrl.model.run_stage import load_stage
+from decentrl.model.spec import ModelSpec
 from decentrl.model.stages import StageModule, StagePlan, build_stages
 from decentrl.net.identity import Identity
 from decentrl.observe.metrics import read_metrics
 from decentrl.observe.report_data import read_evaluation
+from decentrl.release.assembly import (
+    EXPORT_DTYPES,
+    MAX_SINGLE_FILE_BYTES,
+    SHARD_INDEX,
+    SHARD_NAME,
+    SINGLE_FILE,
+    ModelAssembly,
+    write_weights,
+)
 from decentrl.release.card import ModelSize, model_card
 from decentrl.release.shards import ShardRecord, check_shard, read_manifest
 from decentrl.staging import staged_folder
 
-EXPORT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-REQUIRED_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
-LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
-WRITTEN_FILES = ("model.safetensors", "config.json", "generation_config.json")
+WRITTEN_FILES = (SINGLE_FILE, SHARD_INDEX, "config.json", "generation_config.json")
 CHECKSUMS = "SHA256SUMS"
 Weights = Literal["served", "learner"]
 WEIGHTS: tuple[str, ...] = get_args(Weights)
@@ -60,43 +68,6 @@ SHOWN_NAMES = 3  # entries a refusal names before "..."
 class UnsafeOutputFolder(DecentrlError, ValueError):
     """The output folder holds something the export must not replace; the message says what is
     there and what to do."""
-
-
-def merge_stage_tensors(stages: list[StageModule], num_layers: int) -> dict[str, torch.Tensor]:
-    """Every stage's tensors under their Hugging Face names, checked to form exactly one model:
-    each layer 0..num_layers-1 held by exactly one stage; the embedding, final norm and head
-    present."""
-    if not stages:
-        raise ValueError("cannot export a model from no stages")
-    merged: dict[str, torch.Tensor] = {}
-    owner: dict[str, int] = {}  # tensor name -> position of the stage in `stages`
-    layer_owner: dict[int, int] = {}
-    for position, stage in enumerate(stages):
-        for name, tensor in stage.hf_state_dict().items():
-            if name in merged:
-                raise ValueError(f"tensor {name!r} appears in stage {owner[name]} and stage "
-                                 f"{position}: the stages overlap")
-            match = LAYER_NAME.match(name)
-            if match:
-                layer = int(match.group(1))
-                if layer_owner.setdefault(layer, position) != position:
-                    raise ValueError(f"layer {layer} appears in stage {layer_owner[layer]} and "
-                                     f"stage {position}: the stages overlap")
-            merged[name] = tensor
-            owner[name] = position
-    missing_layers = sorted(set(range(num_layers)) - set(layer_owner))
-    if missing_layers:
-        raise ValueError(f"the stages hold no weights for layers {missing_layers} of a "
-                         f"{num_layers}-layer model: every stage must be exported")
-    extra_layers = sorted(set(layer_owner) - set(range(num_layers)))
-    if extra_layers:
-        raise ValueError(f"the stages hold layers {extra_layers}, beyond the {num_layers} layers "
-                         "the config declares")
-    missing = [name for name in REQUIRED_TENSORS if name not in merged]
-    if missing:
-        raise ValueError(f"the stages lack {missing}: the first stage (embedding) and the last "
-                         "stage (final norm and head) must be exported")
-    return merged
 
 
 def plain_stage(stage: StageModule) -> StageModule:
@@ -124,25 +95,8 @@ def check_extra_name(name: str) -> None:
     path = PurePosixPath(name)
     if not name or path.is_absolute() or ".." in path.parts or "\\" in name:
         raise ValueError(f"extra file name {name!r} must be a relative path inside the folder")
-    if name in WRITTEN_FILES:
+    if name in WRITTEN_FILES or SHARD_NAME.match(name):
         raise ValueError(f"extra file name {name!r} would overwrite the exported {name}")
-
-
-def release_tensors(stages: list[StageModule], hf_config: dict[str, Any],
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The model of `stages` (all of them, any order) as the tensors of one Hugging Face
-    checkpoint in `dtype`, on the CPU, LoRA adapters merged."""
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"dtype must be one of {list(EXPORT_DTYPES)}, got {dtype}")
-    if not stages:
-        raise ValueError("cannot export a model from no stages")
-    num_layers = stages[0].spec.num_layers
-    if hf_config.get("num_hidden_layers") != num_layers:
-        raise ValueError(f"hf_config has num_hidden_layers={hf_config.get('num_hidden_layers')} "
-                         f"but the stages were built for {num_layers} layers")
-    merged = merge_stage_tensors([plain_stage(stage) for stage in stages], num_layers)
-    return {name: t.detach().to(device="cpu", dtype=dtype).contiguous()
-            for name, t in sorted(merged.items())}
 
 
 def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], tokenizer: Any,
@@ -156,21 +110,42 @@ def export_hf_folder(stages: list[StageModule], hf_config: dict[str, Any], token
     a download)."""
     out_dir = Path(out_dir)
     check_output_folder(out_dir, force)
-    return write_hf_folder(release_tensors(stages, hf_config, dtype), hf_config, tokenizer,
-                           out_dir, extra_files or {}, dtype, force)
+    if not stages:
+        raise ValueError("cannot export a model from no stages")
+    assembly = model_assembly(stages[0].spec, hf_config, dtype)
+    converted = (assembly.add(position, plain_stage(stage).hf_state_dict())
+                 for position, stage in enumerate(stages))
+    return write_hf_folder(converted, len(stages), assembly, hf_config, tokenizer, out_dir,
+                           lambda size: extra_files or {}, force)
 
 
-def write_hf_folder(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any], tokenizer: Any,
-                    out_dir: Path, extra_files: dict[str, str], dtype: torch.dtype,
+def model_assembly(spec: ModelSpec, hf_config: dict[str, Any], dtype: torch.dtype
+                   ) -> ModelAssembly:
+    """The assembly of a model of `spec` exported in `dtype`, checked against its config."""
+    if hf_config.get("num_hidden_layers") != spec.num_layers:
+        raise ValueError(f"hf_config has num_hidden_layers={hf_config.get('num_hidden_layers')} "
+                         f"but the stages were built for {spec.num_layers} layers")
+    return ModelAssembly(spec.num_layers, dtype)
+
+
+def write_hf_folder(stages: Iterable[dict[str, torch.Tensor]], count: int,
+                    assembly: ModelAssembly, hf_config: dict[str, Any], tokenizer: Any,
+                    out_dir: Path, extra_files: Callable[[ModelSize], dict[str, str]],
                     force: bool) -> Path:
-    """Write `tensors` and the rest of the folder at `out_dir`, which the caller has checked
-    (check_output_folder). The folder is written under a temporary name next to `out_dir` and
-    renamed into place, so a reader never sees half a model, and an earlier export (`force`) is
-    replaced only then."""
-    for name in extra_files:
-        check_extra_name(name)
+    """Write the `count` stages' tensors (converted by `assembly`, which checks them) and the
+    rest of the folder at `out_dir`, which the caller has checked (check_output_folder); the
+    extra files (a model card) are made from what was written. A model over
+    MAX_SINGLE_FILE_BYTES is written a shard a stage, each stage as it comes. The folder is
+    written under a temporary name next to `out_dir` and renamed into place, so a reader never
+    sees half a model, and an earlier export (`force`) is replaced only then."""
+    dtype = assembly.dtype
     with staged_folder(out_dir) as staging:
-        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        sharded = count > 1 and export_bytes(hf_config, dtype) > MAX_SINGLE_FILE_BYTES
+        write_weights(stages, count, sharded, staging)
+        size = assembly.finish(bool(hf_config.get("tie_word_embeddings")))
+        files = extra_files(size)
+        for name in files:
+            check_extra_name(name)
         (staging / "config.json").write_text(
             json.dumps(export_config(hf_config, dtype), indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(staging)
@@ -178,7 +153,7 @@ def write_hf_folder(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any],
                       "eos_token_id": tokenizer.eos_token_id,
                       "pad_token_id": tokenizer.pad_token_id}
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        for name, text in extra_files.items():
+        for name, text in files.items():
             path = staging / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
@@ -193,6 +168,13 @@ def write_hf_folder(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any],
             # A rename replaces an empty folder and fails on one that filled up meanwhile.
             staging.rename(out_dir)
     return out_dir
+
+
+def export_bytes(hf_config: dict[str, Any], dtype: torch.dtype) -> int:
+    """What the exported weights take, from the model's config alone (nothing read)."""
+    # The stages untie a tied head (model/stages.py), and so does the export: both count.
+    embed, head, layers = parameter_counts(spec_from_hf_config(hf_config))
+    return (embed + head + sum(layers)) * torch.empty(0, dtype=dtype).element_size()
 
 
 def names_text(names: list[str]) -> str:
@@ -322,7 +304,7 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
     check_output_folder(out_dir, force, {"the run folder": run_dir, "the checkpoint": checkpoint,
                                          "the base model's folder": folder})
     signed = signed_shards(run_dir, layout, version)
-    stages, versions, hashes, served = [], set(), [], []
+    hashes = []
     for index in range(config.num_stages):
         path = layout.stage_file(version, index)
         if index in signed:  # a shard the coordinator signed, fetched or not
@@ -331,21 +313,38 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
             hashes.append(file_sha256(path))
         else:
             raise FileNotFoundError(f"checkpoint {checkpoint} lacks {path.name}")
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        stage = load_stage(config, index, torch.device("cpu"), torch.float32)
-        served.append(weights == "served" and "served" in state)
-        try:
-            # In LoRA mode only the adapters were published; the rest is the learner's (frozen).
-            stage.load_state_dict({**state["weights"], **(state["served"] if served[-1] else {})})
-        except (KeyError, RuntimeError) as error:
-            raise ValueError(f"{path} does not hold stage {index} of this run: {error}") from None
-        stage.version = int(state["version"])
-        versions.add(stage.version)
-        stages.append(stage)
-    if len(versions) != 1:
-        raise ValueError(f"checkpoint {checkpoint} mixes stage versions {sorted(versions)}")
-    if len(set(served)) != 1:
-        raise ValueError(f"checkpoint {checkpoint} carries served weights for some stages only")
+    hf_config = json.loads((folder / "config.json").read_text())
+    assembly = model_assembly(model_spec(folder), hf_config, dtype)
+    versions: set[int] = set()
+    served: list[bool] = []
+
+    def stages() -> Iterator[dict[str, torch.Tensor]]:
+        """Each stage with the checkpoint's weights, LoRA merged, converted: one at a time."""
+        for index in range(config.num_stages):
+            path = layout.stage_file(version, index)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            stage = load_stage(config, index, torch.device("cpu"), torch.float32)
+            served.append(weights == "served" and "served" in state)
+            try:
+                # In LoRA mode only the adapters were published; the rest is the learner's
+                # (frozen).
+                stage.load_state_dict({**state["weights"],
+                                       **(state["served"] if served[-1] else {})})
+            except (KeyError, RuntimeError) as error:
+                raise ValueError(f"{path} does not hold stage {index} of this run: "
+                                 f"{error}") from None
+            versions.add(int(state["version"]))
+            if len(versions) != 1:
+                raise ValueError(f"checkpoint {checkpoint} mixes stage versions "
+                                 f"{sorted(versions)}")
+            if len(set(served)) != 1:
+                raise ValueError(f"checkpoint {checkpoint} carries served weights for some "
+                                 f"stages only")
+            del state
+            if has_lora(stage):
+                merge_lora(stage)  # in place: this stage is the export's own
+            yield assembly.add(index, stage.hf_state_dict())
+
     evaluations = [read_evaluation(run_dir / name) for name in ("eval_before.json",
                                                                 "eval_after.json")]
     suite_path = run_dir / "evaluation.json"
@@ -355,23 +354,14 @@ def export_run(run_dir: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
     records = read_metrics(metrics) if metrics.is_file() else None
     steps = max((r.step for r in records.steps), default=0) if records else 0
     snapshot = records.snapshots[-1] if records and records.snapshots else None
-    hf_config = json.loads((folder / "config.json").read_text())
-    tensors = release_tensors(stages, hf_config, dtype)
-    card = model_card(config, base_origin(config.model), model_size(tensors, hf_config),
-                      versions.pop(), steps, hashes, *evaluations, suite, snapshot,
-                      "served" if served[0] else "learner")
-    return write_hf_folder(tensors, hf_config, load_tokenizer(folder), out_dir,
-                           {"README.md": card}, dtype, force)
 
+    def card(size: ModelSize) -> dict[str, str]:
+        return {"README.md": model_card(config, base_origin(config.model), size,
+                                        next(iter(versions)), steps, hashes, *evaluations,
+                                        suite, snapshot, "served" if served[0] else "learner")}
 
-def model_size(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> ModelSize:
-    """What the exported `tensors` hold, and what the base held: a base that ties its head to
-    its embedding stores that matrix once."""
-    parameters = sum(t.numel() for t in tensors.values())
-    tied = tensors["lm_head.weight"].numel() if hf_config.get("tie_word_embeddings") else 0
-    dtype = EXPORT_DTYPES[next(iter(tensors.values())).dtype]
-    return ModelSize(parameters, parameters - tied, dtype,
-                     sum(t.numel() * t.element_size() for t in tensors.values()))
+    return write_hf_folder(stages(), config.num_stages, assembly, hf_config,
+                           load_tokenizer(folder), out_dir, card, force)
 
 
 def load_stages_from_folder(path: Path, num_stages: int, device: torch.device,

@@ -529,3 +529,29 @@ def test_the_default_models_origin_and_config(tmp_path: Path) -> None:
     assert (origin.hub_id, origin.license) == (DEFAULT_MODEL_HUB_ID, "apache-2.0")
     hf_config = json.loads((resolve_model(DEFAULT_MODEL) / "config.json").read_text())
     assert not [key for key in export_config(hf_config, torch.float32) if key.startswith("_")]
+
+
+def test_a_large_model_is_written_a_shard_a_stage(trained: list[StageModule], sharp: LoadedModel,
+                                                  tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the single-file size (made tiny here), each stage goes into a shard of its own as
+    it comes, and the folder loads into the same model: in transformers and in stages."""
+    monkeypatch.setattr("decentrl.release.export.MAX_SINGLE_FILE_BYTES", 1024)
+    out = export_hf_folder(trained, sharp.hf_config, sharp.tokenizer, tmp_path / "model")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert not (out / "model.safetensors").exists()
+    first = load_file(out / shards[0])
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" not in first
+    assert all(not name.startswith("model.layers.") or int(name.split(".")[2]) in
+               trained[0].layer_ids for name in first)
+    sums = (out / "SHA256SUMS").read_text()
+    assert all(shard in sums for shard in shards)
+    loaded, expected = state(load_stages_from_folder(out, 2, CPU, torch.float32)), state(trained)
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert torch.equal(hf.lm_head.weight, trained[1].lm_head.weight)
