@@ -37,6 +37,7 @@ from decentrl.net.dialback import DialBackService
 from decentrl.net.identity import Identity
 from decentrl.net.netns import Internet
 from decentrl.net.node import LOOPBACK_ONLY, SwarmNode
+from decentrl.net.protocol import Role
 from decentrl.net.reach import NetworkOptions
 from decentrl.net.session import new_session
 from decentrl.net.wire import TensorLimits
@@ -75,9 +76,14 @@ class LocalSwarm:
     def __init__(self, config: RunConfig, config_path: Path, replicas: int,
                  training: bool = True, adversaries: Sequence[str] = (),
                  internet: Internet | None = None, placement: Mapping[str, str] | None = None,
-                 relays: Sequence[str] = ()) -> None:
+                 relays: Sequence[str] = (), training_role: Role = "training") -> None:
         """`training=False` starts inference replicas only (generation benchmarks).
-        `adversaries` adds hostile peers (launch/adversary.py) beside the honest ones."""
+        `adversaries` adds hostile peers (launch/adversary.py) beside the honest ones.
+        `training_role="both"`: the training peers serve inference too (one process a stage
+        can then hold a model's slice once, for training and generation)."""
+        if training_role not in ("training", "both"):
+            raise ValueError(f"training peers join as training or both, not {training_role!r}")
+        self.training_role = training_role
         if internet is None and (placement or relays):
             raise ValueError("placement and relays need an internet (net/netns.py)")
         self.config, self.config_path, self.replicas = config, config_path, replicas
@@ -134,7 +140,7 @@ class LocalSwarm:
                 name = f"train{stage}" + (f".{index}" if index else "")
                 key = keys / f"{name}.key"
                 admit(self.config.path, [Identity.from_file(key).peer_id])
-                self._add(name, ["join", "--stage", str(stage), "--role", "training",
+                self._add(name, ["join", "--stage", str(stage), "--role", self.training_role,
                                  "--checkpoint-dir", str(self._checkpoint_dir(name)),
                                  "--identity", str(key)],
                           addresses)
