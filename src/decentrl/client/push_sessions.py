@@ -31,10 +31,12 @@ import torch
 
 from decentrl.net.calls import PeerRefused
 from decentrl.net.directory import SwarmUnavailable, backoff
+from decentrl.net.evidence import EvidenceRequest
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, ReplyContentError
 from decentrl.net.protocol import (
     CLOSE_SESSION,
+    EVIDENCE,
     INFERENCE_PUSH,
     INFERENCE_RESULT,
     INFERENCE_RESUME,
@@ -58,6 +60,8 @@ from decentrl.net.push_messages import (
 from decentrl.net.wire import WireError
 from decentrl.rollout.chain import StepResult
 from decentrl.rollout.sampling import SamplingConfig
+from decentrl.stage.inbound import InboundChecks
+from decentrl.trust.evidence import proven_fault
 from decentrl.trust.provenance import Commitment, Provenance
 from decentrl.trust.relay import BadReply, check_experts, check_samples
 
@@ -180,6 +184,11 @@ class PushSession:
             return
         accuser = self.peers[lost.stage - 1] if not lost.own and lost.stage > 0 else None
         if accuser is not None:
+            proof = self._proof_against(accuser, peer, lost.stage)
+            if proof is not None:  # the accuser pushed what no honest stage sends
+                lost, peer, accuser = StageLost(lost.stage - 1, proof, own=True, proof=True), \
+                    accuser, None
+        if accuser is not None:
             self.claims[accuser] = self.claims.get(accuser, 0) + 1
             if self.claims[accuser] >= 2:
                 # Its second replica lost by its own account: it may be the one failing them.
@@ -190,6 +199,25 @@ class PushSession:
                 self.chain.reputation.record(peer, "proved", f"stage {lost.stage} {lost.detail}",
                                              lost.stage)
             self.chain.directory.ban(peer, lost.detail)
+
+    def _proof_against(self, accuser: str, accused: str, stage: int) -> str | None:
+        """Why a push `accuser` signed, which `accused` (at `stage`) refused and kept as
+        evidence (net/evidence.py), proves the accuser at fault (trust/evidence.py), or None:
+        the claim stands unproven either way."""
+        chain = self.chain
+        try:
+            reply, _ = chain.node.call_sync(accused, EVIDENCE, EvidenceRequest(
+                accuser, INFERENCE_PUSH.method), timeout=chain.swarm.request_timeout_s)
+        except (*CALL_ERRORS, PeerRefused):
+            return None
+        checks = InboundChecks(chain.spec, stage, chain.num_stages,
+                               chain.swarm.max_session_tokens, chain.stage_layers)
+        for copy in reply.copies:
+            reason = proven_fault(copy, accuser, INFERENCE_PUSH,
+                                  lambda tensors: checks.pushed_inputs(tensors["inputs"]))
+            if reason is not None:
+                return reason
+        return None
 
     def _drop(self, stage: int, peer: str) -> None:
         """Move the session off `peer` at `stage` (released, avoided by this session)."""

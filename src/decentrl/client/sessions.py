@@ -247,6 +247,7 @@ class RemoteChain:
         self.node, self.directory, self.swarm, self.trust = node, directory, swarm, trust
         self.run, self.run_session = directory.run, run_session
         self.num_stages = directory.num_stages
+        self.spec, self.stage_layers = spec, tuple(stage_layers)
         self.vocab_size, self.hidden_size = spec.vocab_size, spec.hidden_size
         # Each stage's sparse layers, whose experts its replies carry.
         self.moe = spec.moe

@@ -62,6 +62,7 @@ from decentrl.net.compute import Priority
 from decentrl.net.link import MessageLost
 from decentrl.net.node import Handler, RemoteError, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
+    INFERENCE_PUSH,
     INFERENCE_STEP,
     SUBMIT_ROLLOUTS,
     VERIFY_STEP,
@@ -74,8 +75,9 @@ from decentrl.net.protocol import (
     stage_key,
 )
 from decentrl.net.records import decode_records
+from decentrl.net.signing import signed_envelope
 from decentrl.net.sizes import MAX_SUBMISSION_BYTES
-from decentrl.net.wire import TensorManifest, TensorSpec, WireError
+from decentrl.net.wire import TensorManifest, TensorSpec, WireError, encode_struct, to_messages
 from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
 from decentrl.stage.batching import Outcome, StepRequest
 from decentrl.stage.inference import InferenceService
@@ -135,6 +137,29 @@ def unchecked_encoding(tensors: Mapping[str, torch.Tensor]
     return parts, TensorManifest(tuple(specs))
 
 
+def push_unchecked(node: SwarmNode) -> None:
+    """Make `node` push activations without the sender's checks (NaNs, any width or size go
+    through, in fp32), as a peer running modified code would: its pushes' encoding, and the
+    form it keeps of what it sent (stage/push.py), which is what it sent."""
+    import decentrl.stage.push as push_module
+
+    guard = node.guard
+    honest = guard.signed_request
+
+    def signed_request(rpc: Rpc[Any, Any], body: Any, request_id: str,
+                       tensors: Mapping[str, torch.Tensor] | None, codec: Any,
+                       exact: Mapping[str, torch.Tensor] | None) -> list[Any]:
+        if rpc.method != INFERENCE_PUSH.method or not tensors:
+            return honest(rpc, body, request_id, tensors, codec, exact)
+        parts, manifest = unchecked_encoding(tensors)
+        metadata = signed_envelope(guard.identity, "request", rpc.method, request_id,
+                                   encode_struct(body), manifest, parts)
+        return to_messages(runtime_pb2.ExpertRequest, metadata, parts, uid=request_id)
+
+    guard.signed_request = signed_request  # type: ignore[method-assign]
+    push_module.wire_form = lambda tensor, codec: tensor.float()
+
+
 class HostileInference:
     """An honest inference service, wrapped: its steps run as they would, and the wrapper lies
     about the result. It uses only the service's public face, as an attacker running our code
@@ -168,6 +193,8 @@ class HostileInference:
         # goes in there.
         self.honest_tick = service.batcher.run_tick
         service.batcher.run_tick = self._run_tick
+        if adversary == "malformed-activations":
+            push_unchecked(service.node)  # peer to peer, its lie is what it pushes on
 
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
         return self.service.handlers()
@@ -211,7 +238,8 @@ class HostileInference:
         else:
             hidden = hidden.clone()
             hidden[:, :, 0] = float("nan")
-        return Reply(reply.body, encoded=unchecked_encoding({"hidden": hidden}))
+        # Relayed, the encoding goes back to the coordinator; pushed, the tensor goes on.
+        return Reply(reply.body, {"hidden": hidden}, encoded=unchecked_encoding({"hidden": hidden}))
 
     def _spy(self, body: InferenceStep, tensors: dict[str, torch.Tensor]) -> None:
         """Leave the correct answer of a new session's prompt for the last-stage partner."""

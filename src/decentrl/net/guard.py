@@ -22,7 +22,9 @@ from typing import Any, Generic, TypeVar
 import torch
 from hivemind.proto import runtime_pb2
 
+from decentrl.errors import SenderFault
 from decentrl.net.authority import CallerPolicy, only_any_peer
+from decentrl.net.evidence import EvidenceLocker
 from decentrl.net.identity import Identity
 from decentrl.net.protocol import Rpc
 from decentrl.net.signing import Envelope, signed_envelope, verify_envelope
@@ -107,6 +109,9 @@ class Guard:
         self.limits = limits
         self.sizes: RunSizes | None = None
         self.authorize: CallerPolicy = only_any_peer
+        # Pushes from the previous stage refused as their sender's fault, as they were signed
+        # (net/evidence.py): the coordinator's proof against a stage that pushed them.
+        self.evidence = EvidenceLocker()
 
     def wrap(self, rpc: Rpc[Req, Any], handler: Handler[Req]) -> Guarded[Req]:
         return Guarded(self, rpc, handler)
@@ -189,10 +194,18 @@ class Guarded(Generic[Req]):
         """The handler's signed reply, once the body decodes as the RPC's request and the
         tensors are the ones it takes (else a WireError)."""
         rpc = self.rpc
-        body = decode_struct(request.envelope.body, rpc.request)
-        tensors = decode_tensors(request.parts, request.envelope.manifest, self.guard.limits)
-        rpc.check_tensors(tensors)
-        reply = await self.handler(Request(body, tensors, sender, address))
+        try:
+            body = decode_struct(request.envelope.body, rpc.request)
+            tensors = decode_tensors(request.parts, request.envelope.manifest,
+                                     self.guard.limits)
+            rpc.check_tensors(tensors)
+            reply = await self.handler(Request(body, tensors, sender, address))
+        except SenderFault as fault:
+            if rpc.callers == "previous stage":
+                self.guard.evidence.keep(sender, rpc.method, request.request_id,
+                                         encode_struct(request.envelope), request.parts,
+                                         str(fault))
+            raise
         if not isinstance(reply.body, rpc.reply):  # a bug here, not the sender's fault
             raise TypeError(f"the {rpc.method} handler replied with {type(reply.body).__name__}, "
                             f"not {rpc.reply.__name__}")

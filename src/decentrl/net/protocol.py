@@ -15,10 +15,12 @@ import torch
 from decentrl.learn.batch import BATCH_FIELDS
 from decentrl.net import push_messages as push
 from decentrl.net import training_messages as training
+from decentrl.net.evidence import EvidenceReply, EvidenceRequest
 from decentrl.net.sizes import (
     SMALL_REQUEST_BYTES,
     SizeLimit,
     activation_pair_bytes,
+    evidence_reply_bytes,
     forward_request_bytes,
     outcome_reply_bytes,
     push_request_bytes,
@@ -478,9 +480,12 @@ INFERENCE_RESULT = Rpc("inference_result", push.ResultRequest, push.StepOutcome,
 INFERENCE_RESUME = Rpc("inference_resume", push.ResumeRequest, push.PushAck, "coordinator")
 REVEAL = Rpc("reveal", push.RevealRequest, push.Revealed, "coordinator",
              reply_tensors=("outputs",), max_reply_bytes=reveal_reply_bytes)
+# The pushes a peer refused from one sender, as signed (net/evidence.py): proof for the owner.
+EVIDENCE = Rpc("evidence", EvidenceRequest, EvidenceReply, "coordinator",
+               max_reply_bytes=evidence_reply_bytes)
 
 RPCS: dict[str, Rpc[Any, Any]] = {rpc.method: rpc for rpc in (
-    INFERENCE_PUSH, INFERENCE_RESULT, INFERENCE_RESUME, REVEAL, TRAIN_CHAIN, TRAIN_TAPE,
+    INFERENCE_PUSH, INFERENCE_RESULT, INFERENCE_RESUME, REVEAL, EVIDENCE, TRAIN_CHAIN, TRAIN_TAPE,
     INFERENCE_STEP, CLOSE_SESSION, VERIFY_STEP, TRAIN_FORWARD, TRAIN_BACKWARD, TRAIN_GRAD_NORM,
     TRAIN_STEP, TRAIN_DISCARD, CHECKPOINT, CHECKPOINT_SHARD, TRAIN_PUBLISHED, TRAIN_STATE,
     TRAIN_AUDIT_LOAD,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from decentrl.config import RunConfig
 from decentrl.learn.batch import BATCH_FIELDS, Layout
 from decentrl.model.spec import ModelSpec
+from decentrl.net.evidence import MAX_PER_SENDER
 
 # A request without tensors is a few hundred bytes; this leaves room, and nothing more. Also the
 # room a message of tensors gets for its envelope and its manifest.
@@ -99,6 +100,11 @@ def push_request_bytes(sizes: RunSizes) -> int:
     """A pushed step (or a failover's replay): an inference step and the earlier stages'
     commitments."""
     return step_request_bytes(sizes) + commits_bytes(sizes)
+
+
+def evidence_reply_bytes(sizes: RunSizes) -> int:
+    """A peer's kept pushes from one sender (net/evidence.py), each with its envelope."""
+    return MAX_PER_SENDER * with_envelope(push_request_bytes(sizes))
 
 
 def outcome_reply_bytes(sizes: RunSizes) -> int:

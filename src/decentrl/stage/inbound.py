@@ -19,6 +19,7 @@ from decentrl.model.moe import FREE_ROUTE, RoutingReplayError, checked_replay
 from decentrl.model.spec import ModelSpec
 from decentrl.model.stages import StagePlan, routing_layers
 from decentrl.net.protocol import InferenceStep, VerifyStep
+from decentrl.trust.relay import check_hidden_states
 
 
 class PeerError(SenderFault):
@@ -95,6 +96,15 @@ class InboundChecks:
                 or inputs.shape[2] != spec.hidden_size:
             raise PeerError(f"stage {self.stage} takes hidden states [B, T, {spec.hidden_size}], "
                             f"got {inputs.dtype} {tuple(inputs.shape)}")
+
+    def pushed_inputs(self, inputs: torch.Tensor) -> None:
+        """A pushed step's inputs (stage/push.py), checked whole as the coordinator checks a
+        relayed reply: `inputs`, and hidden states finite and within the bound no honest
+        activation reaches (trust/relay.py). The coordinator runs the same check on a refused
+        push shown to it as evidence (client/push_sessions.py)."""
+        self.inputs(inputs)
+        if not self.is_first:
+            check_hidden_states(inputs, inputs.shape[0], inputs.shape[1], self.spec.hidden_size)
 
     def targets(self, body: VerifyStep, tensors: dict[str, torch.Tensor], shape: torch.Size
                 ) -> torch.Tensor | None:

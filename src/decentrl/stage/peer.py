@@ -35,8 +35,9 @@ from decentrl.model.run_stage import load_stage
 from decentrl.model.stages import StageModule
 from decentrl.net.authority import RunAuthority
 from decentrl.net.dht_storage import RunNamespace
-from decentrl.net.node import Handler, SwarmNode
-from decentrl.net.protocol import PeerRecord, Role, Rpc, stage_key
+from decentrl.net.evidence import EvidenceReply, EvidenceRequest
+from decentrl.net.node import Handler, Reply, Request, SwarmNode
+from decentrl.net.protocol import EVIDENCE, PeerRecord, Role, Rpc, stage_key
 from decentrl.net.session import owner_session
 from decentrl.net.sizes import RunSizes
 from decentrl.net.wire import encode_struct
@@ -165,6 +166,11 @@ class StagePeer:
                              for s in self.services]
         self._tasks: list[asyncio.Task[Any]] = []
 
+    async def _evidence(self, request: Request[EvidenceRequest]) -> Reply:
+        """The pushes this peer refused from a sender, as signed (net/evidence.py)."""
+        body = request.body
+        return Reply(EvidenceReply(self.node.guard.evidence.copies(body.sender, body.method)))
+
     def _checks(self, module: StageModule) -> InboundChecks:
         return InboundChecks(module.spec, self.index, module.plan.num_stages,
                              self.config.swarm.max_session_tokens, module.plan.stage_layers)
@@ -193,6 +199,7 @@ class StagePeer:
         for service in self.services:
             for rpc, handler in service.handlers():
                 self.node.serve(rpc, handler)
+        self.node.serve(EVIDENCE, self._evidence)
         # Announced first: the stage's peers serve weight updates only to peers announced there.
         # The announcement says which version this peer serves, so until it has caught up the
         # directory prefers others.

@@ -446,7 +446,7 @@ class PushService:
     def _check_inputs(self, route: SessionRoute, inputs: torch.Tensor) -> None:
         """The stage's kind of inputs for the route's batch, before anything else is done with
         them (the rest is checked with the session, stage/inbound.py)."""
-        self.inference.checks.inputs(inputs)
+        self.inference.checks.pushed_inputs(inputs)
         if inputs.shape[0] != route.batch:
             raise PeerError(f"a push of {inputs.shape[0]} rows into a session of {route.batch}")
 

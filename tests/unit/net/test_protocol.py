@@ -40,7 +40,7 @@ STEP = {"inputs": torch.tensor([[1, 2]]), "positions": torch.tensor([[0, 1]]),
 
 
 def test_every_rpc_is_declared_once_with_strict_bodies_and_known_callers() -> None:
-    assert len(RPCS) == 23
+    assert len(RPCS) == 24
     for method, rpc in RPCS.items():
         assert rpc.method == method
         assert rpc.callers in typing.get_args(Callers), method

@@ -13,7 +13,7 @@ import pytest
 import torch
 from swarm_helpers import local_chain, start_peer, start_swarm, tiny_run_config
 
-from decentrl.client import sessions
+from decentrl.client import push_sessions, sessions
 from decentrl.client.sessions import RemoteChain
 from decentrl.launch.adversary import MALFORMATIONS, HostileInference
 from decentrl.model.loading import load_model
@@ -108,16 +108,20 @@ def test_honest_experts_pass() -> None:
 
 
 @pytest.mark.network
-def test_malformed_activations_are_refused_before_the_next_stage_and_blamed_on_their_producer(
-        tiny_sharp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("plane", ["coordinator", "peer_to_peer"])
+def test_malformed_activations_are_refused_and_proved_against_their_producer(
+        plane: str, tiny_sharp_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three hostile stage-0 replicas, one per malformation, are the only stage-0 replicas the
     coordinator knows when generation starts; an honest one joins after. The session tries each
-    hostile replica in turn, refuses its reply, bans it (a proof in its reputation), then finds
-    the honest replica and completes."""
+    hostile replica in turn, bans it with a proof in its reputation, then finds the honest
+    replica and completes. Relayed, the coordinator refuses the reply before the next stage
+    gets it; peer to peer, the next stage refuses the push (a strike against its sender) and
+    keeps it as signed, and the coordinator, told by the hostile replica that the next stage
+    failed, asks the next stage for its evidence and finds the proof in what the hostile
+    replica signed (net/evidence.py, trust/evidence.py)."""
     monkeypatch.setattr(sessions, "backoff", lambda attempt: 0.01)
-    # Relayed: the coordinator checks each reply before the next stage gets it (peer to peer,
-    # the next stage refuses the push: tests/swarm/test_push_sessions.py).
-    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"retries": 6, "data_plane": "coordinator"})
+    monkeypatch.setattr(push_sessions, "backoff", lambda attempt: 0.01)
+    config = tiny_run_config(tiny_sharp_dir, 2, swarm={"retries": 6, "data_plane": plane})
     sharp = load_model(str(tiny_sharp_dir))
     with start_swarm(config, [(1, "inference")]) as swarm:
         hostile: dict[str, HostileInference] = {}
@@ -150,8 +154,10 @@ def test_malformed_activations_are_refused_before_the_next_stage_and_blamed_on_t
 
         assert [g.tokens for g in got] == [g.tokens for g in expected]
         assert chain.failovers == len(MALFORMATIONS)
-        details = {"wrong-width": r"hidden states must be \[2, 4, 32\], got \[2, 4, 16\]",
-                   "non-finite": "non-finite values", "huge": "over the bound"}
+        width = (r"hidden states must be \[2, 4, 32\], got \[2, 4, 16\]" if plane == "coordinator"
+                 else r"stage 1 takes hidden states \[B, T, 32\], got torch.float32 \(2, 4, 16\)")
+        details = {"wrong-width": width, "non-finite": "non-finite values",
+                   "huge": "over the bound"}
         for kind, peer_id in hostile_ids.items():
             assert hostile[kind].malformed == 1  # it attacked once, and was never asked again
             assert reputation.banned(peer_id)
@@ -159,6 +165,9 @@ def test_malformed_activations_are_refused_before_the_next_stage_and_blamed_on_t
             assert (event.outcome, event.stage) == ("proved", 0)
             assert re.search(details[kind], event.detail), event.detail
         assert not reputation.banned(honest.node.peer_id)
-        # The next stage never received a malformed tensor: no strike against the coordinator.
-        assert strikes == []
+        assert not reputation.banned(next_stage.node.peer_id)  # the accused, cleared
+        # Relayed, the next stage never received a malformed tensor; peer to peer it struck
+        # each hostile replica once. Never the coordinator.
         assert next_stage.node.strikes(swarm.client.peer_id) == 0
+        assert sorted(peer for peer, _ in strikes) == (
+            [] if plane == "coordinator" else sorted(hostile_ids.values()))
