@@ -139,6 +139,12 @@ def swarm_trains_async(config: RunConfig) -> None:
 LINK_RULES = (rtt_range_is_ordered,)
 SWARM_RULES = (sender_budget_holds_a_session, kv_pool_holds_a_session)
 TRUST_RULES = (someone_established_judges,)
+def int8_base_needs_lora(config: RunConfig) -> None:
+    if config.train.lora_base == "int8" and config.train.lora_rank == 0:
+        raise ValueError("train.lora_base = \"int8\" quantizes a LoRA run's frozen base: set "
+                         "train.lora_rank > 0, or keep lora_base = \"compute\"")
+
+
 def stage_layers_name_every_stage(config: RunConfig) -> None:
     layers = config.stage_layers
     if layers and (len(layers) != config.num_stages or min(layers) < 1):
@@ -146,7 +152,7 @@ def stage_layers_name_every_stage(config: RunConfig) -> None:
                          f"({config.num_stages}) stages at least one layer")
 
 
-RUN_RULES = (stage_layers_name_every_stage, mis_bounds_are_ordered, mis_bounds_need_decoupled,
+RUN_RULES = (stage_layers_name_every_stage, int8_base_needs_lora, mis_bounds_are_ordered, mis_bounds_need_decoupled,
              dynamic_sampling_drops_flat_groups, corrections_need_behaviour_logprobs,
              replicas_rewind_past_the_staleness_bound, supervised_steps_leave_rl_steps,
              session_groups_fit_a_session)

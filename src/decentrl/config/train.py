@@ -117,6 +117,11 @@ class TrainConfig(Section):
     lora_rank: int = Field(0, ge=0, description="0: full fine-tuning; >0: train only rank-r "
                            "adapters (model/lora.py)")
     lora_alpha: float = Field(16.0, gt=0, description="adapter scale is lora_alpha / lora_rank")
+    lora_base: Literal["compute", "int8"] = Field("compute", description="a LoRA run's frozen "
+                                                  "projections: in the compute dtype, or int8 "
+                                                  "weight-only with a scale per row, the same on "
+                                                  "every peer (model/quant.py): half the memory "
+                                                  "of bf16; needs lora_rank > 0")
     lora_targets: tuple[str, ...] = Field(LORA_TARGETS, description="projections of every layer "
                                           "that get adapters; a family that fuses some (Phi-3's "
                                           "qkv_proj, gate_up_proj) takes the fused name or all "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from decentrl.config import (
 )
 from decentrl.model.blocks import DecoderLayer
 from decentrl.model.moe import SparseMoE
+from decentrl.model.quant import dequantize_rows, quantize_rows
 from decentrl.model.spec import ModelSpec
 from decentrl.model.stages import StageModule
 
@@ -56,37 +58,69 @@ class LoRALinear(nn.Module):
     """A frozen `nn.Linear` plus a trainable low-rank update."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float,
-                 generator: torch.Generator, dtype: torch.dtype | None = None) -> None:
-        """`dtype`: the adapters' (default: the base's)."""
+                 generator: torch.Generator, dtype: torch.dtype | None = None,
+                 int8: bool = False) -> None:
+        """`dtype`: the adapters' (default: the base's). `int8`: hold the frozen weight as int8
+        with a scale per row (model/quant.py), `weight` and `weight_scale` in the state dict."""
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.rank, self.scale = rank, alpha / rank
-        # The base's own Parameter objects: no copy, and the state dict names stay those of a
-        # plain projection.
-        self.weight = base.weight
+        adapter_dtype = dtype or base.weight.dtype
+        self.int8 = int8
+        if int8:
+            values, row_scale = quantize_rows(base.weight)
+            self.weight = nn.Parameter(values, requires_grad=False)
+            self.register_buffer("weight_scale", row_scale)
+        else:
+            # The base's own Parameter objects: no copy, and the state dict names stay those of
+            # a plain projection.
+            self.weight = base.weight
         self.register_parameter("bias", base.bias)
         # PEFT's init, kaiming_uniform_(a=sqrt(5)), is uniform in +-1/sqrt(in_features). Drawn in
         # fp32 on the CPU from `generator`, so the adapters are the same on every device.
         bound = 1.0 / math.sqrt(self.in_features)
         a = (torch.rand(rank, self.in_features, generator=generator) * 2 - 1) * bound
-        device, dtype = base.weight.device, dtype or base.weight.dtype
+        device, dtype = base.weight.device, adapter_dtype
         self.lora_a = nn.Parameter(a.to(device=device, dtype=dtype))
         self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, device=device, dtype=dtype))
 
+    def _apply(self, fn: Any, recurse: bool = True) -> LoRALinear:
+        # The int8 scales stay fp32 whatever dtype the module is cast to: every peer computes
+        # the same weight from them (model/quant.py). They follow the weight's device.
+        scale = self._buffers.pop("weight_scale", None)
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            if scale is not None:
+                self._buffers["weight_scale"] = scale.to(self.weight.device)
+        return self
+
+    def base_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The frozen weight as the forward uses it, in `dtype`."""
+        if self.int8:
+            return dequantize_rows(self.weight, self.weight_scale, dtype)
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight, self.bias)
+        base = F.linear(x, self.base_weight(x.dtype), self.bias)
         # Two thin matmuls, never the dense B @ A: rank << in, out.
         return base + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
 
     def merged(self) -> nn.Linear:
         """The plain projection with the update folded into its weight (in place)."""
         with torch.no_grad():
-            # fp32 math, one rounding to the weight's dtype at the end.
+            # fp32 math, one rounding to the weight's dtype at the end (an int8 base: the
+            # adapters' dtype).
             update = (self.lora_b.float() @ self.lora_a.float()) * self.scale
-            self.weight.copy_((self.weight.float() + update).to(self.weight.dtype))
+            merged = self.base_weight(torch.float32) + update
+            if self.int8:
+                weight = nn.Parameter(merged.to(self.lora_a.dtype), requires_grad=False)
+            else:
+                self.weight.copy_(merged.to(self.weight.dtype))
+                weight = self.weight
         with torch.device("meta"):  # allocates nothing; the parameters are set just below
             linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
-        linear.weight, linear.bias = self.weight, self.bias
+        linear.weight, linear.bias = weight, self.bias
         return linear
 
     def extra_repr(self) -> str:
@@ -138,10 +172,11 @@ def resolve_targets(layer: DecoderLayer, targets: Sequence[str], model_type: str
 
 
 def add_lora(stage: StageModule, rank: int, alpha: float, targets: Sequence[str],
-             seed: int, dtype: torch.dtype | None = None) -> None:
+             seed: int, dtype: torch.dtype | None = None, int8: bool = False) -> None:
     """Wrap the `targets` projections of every layer of `stage` in adapters (a sparse layer's
-    attention projections only, in `dtype`, default the base's) and freeze every other
-    parameter of the stage (embedding, norms, head, routers and experts included)."""
+    attention projections only, in `dtype`, default the base's; `int8`: the wrapped frozen
+    weights held in int8, model/quant.py) and freeze every other parameter of the stage
+    (embedding, norms, head, routers and experts included)."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     if not alpha > 0:
@@ -161,7 +196,7 @@ def add_lora(stage: StageModule, rank: int, alpha: float, targets: Sequence[str]
             block = projections[target]
             generator = adapter_generator(seed, layer_id, target)
             setattr(block, target, LoRALinear(getattr(block, target), rank, alpha, generator,
-                                              dtype))
+                                              dtype, int8))
     for name, param in stage.named_parameters():
         param.requires_grad_(name.endswith(ADAPTER_SUFFIXES))
 

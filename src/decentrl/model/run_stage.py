@@ -61,4 +61,4 @@ def add_run_lora(stage: StageModule, config: RunConfig, dtype: torch.dtype | Non
     train = config.train
     if train.lora_rank > 0:
         add_lora(stage, train.lora_rank, train.lora_alpha, train.lora_targets, config.seed,
-                 dtype)
+                 dtype, int8=train.lora_base == "int8")
