@@ -9,7 +9,7 @@ CHROMIUM := /usr/bin/chromium
 # The network-namespace tests build home NAT routers with nftables (net/netns.py).
 NFT := /usr/sbin/nft
 
-.PHONY: demo test test-unit test-slow fuzz bench-trl clean
+.PHONY: demo test test-unit test-slow fuzz bench-trl gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ test-slow: $(STAMP) | $(NFT)
 fuzz: $(STAMP)
 	DECENTRL_FUZZ=1 $(BIN)/python -m pytest -q tests/unit/net/test_fuzz.py \
 		tests/unit/net/test_fuzz_records.py tests/swarm/test_fuzz_node.py
+
+# On a machine with CUDA: conformance, training and a local swarm on the GPU, with figures
+# (bench/gpu_check.py); elsewhere it refuses with a clear message.
+gpu-check: $(STAMP)
+	$(BIN)/python -m bench.gpu_check
 
 bench-trl: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
