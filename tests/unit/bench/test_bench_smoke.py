@@ -478,3 +478,15 @@ def test_family_conformance_prints_figures(capsys: pytest.CaptureFixture[str]) -
     assert all(0 <= values[key] <= 1e-5 for key in keys)
     with pytest.raises(SystemExit):
         bench.main(["--families", "gpt2"])
+
+
+def test_mixed_precision_prints_figures(tiny_model_dir: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("mixed_precision")
+    bench.main(["--model", str(tiny_model_dir), "--groups", "2", "--group-size", "2",
+                "--max-new-tokens", "3", "--threads", "1"])
+    values = figures(capsys.readouterr().out, "mixed_precision")
+    # The same dtype twice computes the same hidden states; bf16 against fp32 does not.
+    assert values["bf16_bf16_hidden_error_max"] == 0.0
+    assert_positive(values, ["bf16_fp32_hidden_error_mean", "fp32_bf16_logprob_gap_max"])
+    assert values["bf16_fp32_hidden_error_max"] < 0.25  # within the sketch tolerance
