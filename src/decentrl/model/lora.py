@@ -222,29 +222,3 @@ def merge_lora(stage: StageModule) -> None:
         lora = getattr(parent, attribute)
         setattr(parent, attribute, lora.merged())
 
-
-def share_frozen_base(served: StageModule, learner: StageModule) -> int:
-    """Make `served`'s frozen parameters `learner`'s own (the same tensors, where the dtype and
-    device agree): a peer that trains a LoRA stage and also serves it, or re-executes it, holds
-    the base once. The base never changes in a LoRA run, so nothing is lost; the adapters stay
-    apart (the served ones lag the learner's by the versions in flight). Returns the bytes that
-    `served` no longer holds."""
-    if not (has_lora(served) and has_lora(learner)):
-        raise ValueError("only LoRA stages share a frozen base")
-    own = dict(learner.named_parameters())
-    freed = 0
-    for prefix, module in served.named_modules():
-        for name, param in list(module._parameters.items()):
-            full = f"{prefix}.{name}" if prefix else name
-            base = own.get(full)
-            if param is None or base is None or base.requires_grad or base is param \
-                    or (base.dtype, base.device, base.shape) != (param.dtype, param.device,
-                                                                  param.shape):
-                continue
-            with torch.no_grad():
-                if not torch.equal(base, param):
-                    raise ValueError(f"{full} differs between the served and the learner's "
-                                     f"stage: they are not the same base")
-            freed += param.numel() * param.element_size()
-            module._parameters[name] = base
-    return freed

@@ -62,3 +62,33 @@ def add_run_lora(stage: StageModule, config: RunConfig, dtype: torch.dtype | Non
     if train.lora_rank > 0:
         add_lora(stage, train.lora_rank, train.lora_alpha, train.lora_targets, config.seed,
                  dtype, int8=train.lora_base == "int8")
+
+
+def lora_serving_copy(config: RunConfig, learner: StageModule, dtype: torch.dtype
+                      ) -> StageModule:
+    """`learner`, a LoRA stage whose frozen base is in `dtype`, as a peer that trains it also
+    serves or re-executes it: the very same frozen tensors and buffers (held once: the base
+    never changes in a LoRA run) and its own copy of the adapters in `dtype` (the served ones
+    lag the learner's by the versions in flight). Nothing of the base is allocated again, so a
+    peer holds a model's slice once whatever roles it plays."""
+    if config.train.lora_rank == 0:
+        raise ValueError("only a LoRA stage's base can be shared between roles")
+    with torch.device("meta"):
+        copy = StageModule(learner.spec, learner.plan, learner.index)
+        add_run_lora(copy, config, dtype)
+    params, buffers = dict(learner.named_parameters()), dict(learner.named_buffers())
+    for prefix, module in copy.named_modules():
+        here = f"{prefix}." if prefix else ""
+        for name in [n for n, p in module._parameters.items() if p is not None]:
+            param = params[here + name]
+            if param.requires_grad:  # an adapter
+                module._parameters[name] = torch.nn.Parameter(param.detach().to(dtype).clone())
+            else:
+                if param.dtype not in (dtype, torch.int8):
+                    raise ValueError(f"{here + name} is {param.dtype} in the learner, not the "
+                                     f"serving {dtype}: load it with frozen_dtype={dtype}")
+                module._parameters[name] = param
+        for name in [n for n, b in module._buffers.items() if b is not None]:
+            module._buffers[name] = buffers[here + name]
+    copy.version = learner.version
+    return copy

@@ -30,8 +30,7 @@ import torch
 from decentrl.config import RunConfig
 from decentrl.device import compute_dtype, pick_device
 from decentrl.learn.trainer import StageTrainer, loss_config_from
-from decentrl.model.lora import share_frozen_base
-from decentrl.model.run_stage import load_stage
+from decentrl.model.run_stage import load_stage, lora_serving_copy
 from decentrl.model.stages import StageModule
 from decentrl.net.authority import RunAuthority
 from decentrl.net.dht_storage import RunNamespace
@@ -112,20 +111,17 @@ class StagePeer:
             # The published state (float32, on the CPU) is the exact version-0 state every peer
             # of the stage builds from the same file; the model serves a copy in the compute dtype.
             # (A LoRA run publishes its adapters only: its frozen base is loaded in the compute
-            # dtype straight away, and shared with the learner's where this peer trains too.)
-            base = load_stage(config, stage, torch.device("cpu"), torch.float32,
-                              frozen_dtype=dtype)
-            checks = checks or self._checks(base)
-            published = PublishedState.of(0, published_tensors(base))
-            model = base.to(device, dtype)
+            # dtype straight away; a peer that also trains serves from its learner's base.)
+            model, published = self._served_model(device, dtype,
+                                                  publish=self.training is None)
+            checks = checks or self._checks(model)
             if self.training is not None:
                 training = self.training
-                if config.train.lora_rank > 0:
-                    share_frozen_base(model, training.model)
                 serve_learner_weights(model, training.model, training.version)
                 training.on_new_weights = lambda trainer: serve_learner_weights(
                     model, trainer.stage, trainer.version)
             else:
+                assert published is not None
                 self.replica = ReplicaWeights(config, stage, node, model, published,
                                               self.announce, name, owner)
             self.inference = InferenceService(config, model, node, checks)
@@ -135,11 +131,7 @@ class StagePeer:
                                                   closes_sessions=False)
         if self.training is not None and config.trust.training_peer_verifies:
             assert checks is not None
-            copy = load_stage(config, stage, torch.device("cpu"), torch.float32,
-                              frozen_dtype=dtype).to(device, dtype)
-            if config.train.lora_rank > 0:
-                share_frozen_base(copy, self.training.model)
-            served = self.training.served_copy(copy)
+            served = self.training.served_copy(self._served_model(device, dtype)[0])
             # A peer that serves no inference keeps the re-executions' sessions in a table of
             # its own, whose inference is never served.
             sessions = self.inference or InferenceService(config, served.model, node, checks)
@@ -165,6 +157,19 @@ class StagePeer:
             self.services = [wrap_verification(s) if s is self.verification else s
                              for s in self.services]
         self._tasks: list[asyncio.Task[Any]] = []
+
+    def _served_model(self, device: torch.device, dtype: torch.dtype, publish: bool = False
+                      ) -> tuple[StageModule, PublishedState | None]:
+        """A model of this stage in the compute dtype to serve or re-execute, and (`publish`)
+        the exact version-0 state a replica follows updates from. A training peer's copy takes
+        its learner's weights instead, and in a LoRA run is its learner's base itself."""
+        config = self.config
+        if self.training is not None and config.train.lora_rank > 0:
+            return lora_serving_copy(config, self.training.model, dtype), None
+        base = load_stage(config, self.index, torch.device("cpu"), torch.float32,
+                          frozen_dtype=dtype)
+        published = PublishedState.of(0, published_tensors(base)) if publish else None
+        return base.to(device, dtype), published  # (.to casts in place: published first)
 
     async def _evidence(self, request: Request[EvidenceRequest]) -> Reply:
         """The pushes this peer refused from a sender, as signed (net/evidence.py)."""

@@ -27,9 +27,8 @@ from decentrl.model.lora import (
     has_lora,
     lora_tensors,
     merge_lora,
-    share_frozen_base,
 )
-from decentrl.model.run_stage import load_stage
+from decentrl.model.run_stage import load_stage, lora_serving_copy
 from decentrl.model.stages import StageModule, StagePlan
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.generate import generate, left_pad
@@ -306,6 +305,7 @@ def test_lora_run_trains_and_exports_a_plain_model(tiny_model_dir: Path, tmp_pat
                    for name, t in trained.state_dict().items())
 
 
+
 def test_a_peer_that_trains_and_serves_holds_the_frozen_base_once(tiny_model_dir: Path) -> None:
     config = tiny_run_config(tiny_model_dir, 2, train={"lora_rank": 4})
     cpu = torch.device("cpu")
@@ -313,21 +313,20 @@ def test_a_peer_that_trains_and_serves_holds_the_frozen_base_once(tiny_model_dir
     learner = load_stage(config, 0, cpu, torch.float32, frozen_dtype=torch.bfloat16)
     assert {p.dtype for p in learner.parameters() if p.requires_grad} == {torch.float32}
     assert {p.dtype for p in learner.parameters() if not p.requires_grad} == {torch.bfloat16}
-    served = load_stage(config, 0, cpu, torch.float32, frozen_dtype=torch.bfloat16
-                        ).to(cpu, torch.bfloat16)
-    tokens, positions = torch.tensor([[3, 4, 5, 6]]), torch.arange(4)[None]
-    valid = torch.ones(1, 4, dtype=torch.bool)
-    before = served(tokens, positions, valid)
-    frozen = sum(p.numel() * p.element_size() for p in served.parameters()
-                 if not p.requires_grad)
-    assert share_frozen_base(served, learner) == frozen
+    served = lora_serving_copy(config, learner, torch.bfloat16)
     own = dict(learner.named_parameters())
     for name, param in served.named_parameters():
-        assert (param is own[name]) == (not own[name].requires_grad)
-    torch.testing.assert_close(served(tokens, positions, valid), before, atol=0, rtol=0)
-    other = load_stage(tiny_run_config(tiny_model_dir, 2, train={"lora_rank": 4}), 0, cpu,
-                       torch.float32, frozen_dtype=torch.bfloat16).to(cpu, torch.bfloat16)
-    with torch.no_grad():
-        other.embed_tokens.weight.add_(1.0)
-    with pytest.raises(ValueError, match="not the same base"):
-        share_frozen_base(other, learner)
+        if own[name].requires_grad:  # its own adapters, in the serving dtype
+            assert param is not own[name] and param.dtype == torch.bfloat16
+            assert torch.equal(param, own[name].to(torch.bfloat16))
+        else:  # the learner's very tensors
+            assert param is own[name]
+    # It computes what a stage loaded apart in the serving dtype computes.
+    apart = load_stage(config, 0, cpu, torch.float32, frozen_dtype=torch.bfloat16
+                       ).to(cpu, torch.bfloat16)
+    tokens, positions = torch.tensor([[3, 4, 5, 6]]), torch.arange(4)[None]
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    torch.testing.assert_close(served(tokens, positions, valid), apart(tokens, positions, valid),
+                               atol=0, rtol=0)
+    with pytest.raises(ValueError, match="frozen_dtype"):
+        lora_serving_copy(config, load_stage(config, 0, cpu, torch.float32), torch.bfloat16)
