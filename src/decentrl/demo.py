@@ -51,6 +51,12 @@ ADVERSARIES_ANNOUNCE_EVERY_S = 5.0
 # (about 1 GB each) the OOM killer took a training peer of this 24 GiB machine within 16 steps
 # (docs/results.md).
 ADVERSARIES_HONEST_REPLICAS = 1
+# What each of its 10 inference processes keeps of its sessions for reveals (stage/push.py):
+# the defaults (15 minutes, 1 GiB) would keep every session of the run, a few GB across them,
+# and the OOM killer took a training peer at step 18 (2026-12-07). A check that comes later
+# than this finds nothing to reveal and is skipped, which charges nobody.
+ADVERSARIES_REVEAL_WINDOW_S = 180.0
+ADVERSARIES_KEPT_ACTIVATIONS_MB = 256.0
 
 
 def demo_config(task: str) -> dict[str, Any]:

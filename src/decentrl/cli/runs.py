@@ -65,6 +65,8 @@ def demo(
     from decentrl.demo import (
         ADVERSARIES_ANNOUNCE_EVERY_S,
         ADVERSARIES_HONEST_REPLICAS,
+        ADVERSARIES_KEPT_ACTIVATIONS_MB,
+        ADVERSARIES_REVEAL_WINDOW_S,
         demo_config,
         fresh_run_folder,
         run_local,
@@ -85,7 +87,9 @@ def demo(
         changes.append(f"trust.verify_fraction={verify_fraction!r}")
     if adversaries:
         changes += [f"swarm.announce_every_s={ADVERSARIES_ANNOUNCE_EVERY_S!r}",
-                    f"swarm.inference_replicas={ADVERSARIES_HONEST_REPLICAS!r}"]
+                    f"swarm.inference_replicas={ADVERSARIES_HONEST_REPLICAS!r}",
+                    f"trust.reveal_window_s={ADVERSARIES_REVEAL_WINDOW_S!r}",
+                    f"swarm.kept_activations_mb={ADVERSARIES_KEPT_ACTIVATIONS_MB!r}"]
     config = parse_config({**demo_config(task), "name": name}, [*changes, *(settings or [])])
     if fresh:
         fresh_run_folder(config, console)
