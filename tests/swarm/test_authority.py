@@ -24,6 +24,7 @@ from decentrl.coordinator.manifest import (
     run_manifest,
 )
 from decentrl.learn.trainer import Activations, LossInputs
+from decentrl.net.evidence import EvidenceRequest
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import PeerRefused, SwarmNode
 from decentrl.net.protocol import (
@@ -94,7 +95,7 @@ CALLERS: dict[str, Callers] = {
     "sync_plan": "same stage", "sync_chunk": "same stage",
     "submit_rollouts": "any peer", "dial_back": "any peer",
     "inference_push": "previous stage", "inference_result": "coordinator",
-    "inference_resume": "coordinator", "reveal": "coordinator",
+    "inference_resume": "coordinator", "reveal": "coordinator", "evidence": "coordinator",
     "train_chain": "previous stage", "train_tape": "coordinator",
 }
 
@@ -128,6 +129,7 @@ STRANGER_CALLS: dict[str, tuple[Role, object]] = {
     "inference_result": ("inference", ResultRequest(id="s", start=0)),
     "inference_resume": ("inference", ResumeRequest(route=b"", start=0)),
     "reveal": ("inference", RevealRequest(id="s", first_row=0, rows=1, steps=[(0, 0, 1)])),
+    "evidence": ("inference", EvidenceRequest(sender="s", method="inference_push")),
     "train_chain": ("training", TrainChain(route=b"", forward=COORDINATOR_ONLY[0][1])),
     "train_tape": ("training", TapeRequest(version=0, micro=0)),
 }

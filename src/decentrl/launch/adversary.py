@@ -139,10 +139,7 @@ def unchecked_encoding(tensors: Mapping[str, torch.Tensor]
 
 def push_unchecked(node: SwarmNode) -> None:
     """Make `node` push activations without the sender's checks (NaNs, any width or size go
-    through, in fp32), as a peer running modified code would: its pushes' encoding, and the
-    form it keeps of what it sent (stage/push.py), which is what it sent."""
-    import decentrl.stage.push as push_module
-
+    through, in fp32), as a peer running modified code would."""
     guard = node.guard
     honest = guard.signed_request
 
@@ -157,7 +154,6 @@ def push_unchecked(node: SwarmNode) -> None:
         return to_messages(runtime_pb2.ExpertRequest, metadata, parts, uid=request_id)
 
     guard.signed_request = signed_request  # type: ignore[method-assign]
-    push_module.wire_form = lambda tensor, codec: tensor.float()
 
 
 class HostileInference:

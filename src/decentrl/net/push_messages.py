@@ -172,7 +172,11 @@ def _open(data: bytes, domain: bytes, kind: type[Body], signer: str):  # type: i
 # ---- digests ------------------------------------------------------------------------------
 
 def wire_form(tensor: torch.Tensor, codec: ActivationCodec) -> torch.Tensor:
-    """`tensor` as the receiver of it in `codec` decodes it (the form a digest is taken of)."""
+    """`tensor` as the receiver of it in `codec` decodes it (the form a digest is taken of). A
+    tensor with non-finite values is kept cast to the codec's dtype: the encoder refuses to send
+    it, and the receiver to take it, so only a peer that bypasses both ever pushes one."""
+    if not bool(torch.isfinite(tensor).all()):
+        return tensor.to(torch.bfloat16 if codec == "bf16" else torch.float32)
     parts, spec = encode_tensor(tensor, codec)
     return decode_tensor(parts, spec)
 

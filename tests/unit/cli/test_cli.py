@@ -330,7 +330,7 @@ def test_debug_shows_the_traceback_and_a_bug_is_one_line_with_exit_code_1(
 
 def test_help_reads_as_sentences_and_names_every_benchmark() -> None:
     commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
-    assert len(commands) == 9
+    assert len(commands) == 10
     for name, command in commands.items():
         paragraphs = (command.help or "").split("\n\n")
         assert paragraphs[0] and paragraphs[0].endswith("."), name
