@@ -71,6 +71,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CALL_ERRORS = (RemoteError, WireError, MessageLost, TimeoutError)
+# The accused answers from what it keeps, at once; one that is gone must not hold up the
+# failover it caused for a whole request timeout.
+EVIDENCE_TIMEOUT_S = 5.0
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
@@ -207,7 +210,8 @@ class PushSession:
         chain = self.chain
         try:
             reply, _ = chain.node.call_sync(accused, EVIDENCE, EvidenceRequest(
-                accuser, INFERENCE_PUSH.method), timeout=chain.swarm.request_timeout_s)
+                accuser, INFERENCE_PUSH.method),
+                timeout=min(chain.swarm.request_timeout_s, EVIDENCE_TIMEOUT_S))
         except (*CALL_ERRORS, PeerRefused):
             return None
         checks = InboundChecks(chain.spec, stage, chain.num_stages,
