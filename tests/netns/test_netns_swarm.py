@@ -150,5 +150,8 @@ def test_a_swarm_half_behind_nat_matches_the_loopback_one_and_survives_its_relay
     train0 = local.children["train0"].info["peer_id"]
     routes = [line["message"] for line in json_log(local.children["infer0.0"].log_path)
               if f"connected to {train0[-8:]} through" in line["message"]]
-    assert [relay in route for route in routes] == [True, False], routes
-    assert coordinator in routes[1]
+    # A relayed connection is renewed when its circuit's limits run out, so the relay may carry
+    # several connections before it dies; every later one goes through the coordinator.
+    relayed = [relay in route for route in routes]
+    assert relayed[0] and not relayed[-1] and relayed == sorted(relayed, reverse=True), routes
+    assert all(coordinator in route for route, by_relay in zip(routes, relayed) if not by_relay)

@@ -34,6 +34,8 @@ from decentrl.net.link import LinkProfile
 from decentrl.net.node import PeerRefused, RemoteError, Reply, Request, SwarmNode
 from decentrl.net.protocol import (
     CLOSE_SESSION,
+    INFERENCE_PUSH,
+    INFERENCE_RESUME,
     INFERENCE_STEP,
     MAX_SYNC_PLAN_BYTES,
     SUBMIT_ROLLOUTS,
@@ -51,6 +53,7 @@ from decentrl.net.protocol import (
     SyncPlanRequest,
     stage_key,
 )
+from decentrl.net.push_messages import PushAck
 from decentrl.net.serving import MAX_STREAMS_PER_SENDER, READ_TIMEOUT_S
 from decentrl.net.signing import signed_envelope
 from decentrl.net.sizes import RunSizes, size_limit
@@ -299,6 +302,19 @@ def test_a_mixture_of_experts_limits_admit_its_routing(rpc: Rpc[Any, Any], kind:
     assert limit is not None
     honest = wire_bytes(kind, rpc, tensors)
     assert honest <= limit < 2 * honest + 2**17, (honest, limit)
+
+
+@pytest.mark.parametrize("rpc", [INFERENCE_PUSH, INFERENCE_RESUME], ids=lambda rpc: rpc.method)
+def test_a_push_ack_fits_its_small_limit_with_the_longest_detail(rpc: Rpc[Any, Any]) -> None:
+    """A failure's detail is cut to 500 characters (stage/push.py); at 4 bytes a character it
+    still fits, and the limit leaves most of a relayed connection to the requests."""
+    ack = PushAck(failed_stage=7, detail="\U0001f4a5" * 500, missing=True)
+    metadata = signed_envelope(Identity.generate(), "reply", rpc.method, "0123456789abcdef",
+                               encode_struct(ack), [], [])
+    messages = to_messages(runtime_pb2.ExpertResponse, metadata, [])
+    honest = sum(FRAME_HEADER_BYTES + m.ByteSize() for m in messages) + FRAME_HEADER_BYTES
+    limit = size_limit(rpc.max_reply_bytes, None)
+    assert limit is not None and honest <= limit <= 8 * 2**10, (honest, limit)
 
 
 def test_a_limit_that_depends_on_the_run_needs_its_sizes() -> None:

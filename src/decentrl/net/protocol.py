@@ -17,6 +17,7 @@ from decentrl.net import push_messages as push
 from decentrl.net import training_messages as training
 from decentrl.net.evidence import EvidenceReply, EvidenceRequest
 from decentrl.net.sizes import (
+    ACK_REPLY_BYTES,
     SMALL_REQUEST_BYTES,
     SizeLimit,
     activation_pair_bytes,
@@ -473,11 +474,12 @@ TRAIN_TAPE = Rpc("train_tape", training.TapeRequest, training.TapeReply, "coordi
 INFERENCE_PUSH = Rpc(
     "inference_push", push.PushStep, push.PushAck, "previous stage",
     {**STEP_TENSORS, "routing": TensorRule("experts", required=False)},
-    max_bytes=push_request_bytes)
+    max_bytes=push_request_bytes, max_reply_bytes=ACK_REPLY_BYTES)
 INFERENCE_RESULT = Rpc("inference_result", push.ResultRequest, push.StepOutcome, "coordinator",
                        reply_tensors=("tokens", "logprobs", "experts"),
                        max_reply_bytes=outcome_reply_bytes)
-INFERENCE_RESUME = Rpc("inference_resume", push.ResumeRequest, push.PushAck, "coordinator")
+INFERENCE_RESUME = Rpc("inference_resume", push.ResumeRequest, push.PushAck, "coordinator",
+                       max_reply_bytes=ACK_REPLY_BYTES)
 REVEAL = Rpc("reveal", push.RevealRequest, push.Revealed, "coordinator",
              reply_tensors=("outputs",), max_reply_bytes=reveal_reply_bytes)
 # The pushes a peer refused from one sender, as signed (net/evidence.py): proof for the owner.

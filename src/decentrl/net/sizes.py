@@ -16,6 +16,11 @@ from decentrl.net.evidence import MAX_PER_SENDER
 # A request without tensors is a few hundred bytes; this leaves room, and nothing more. Also the
 # room a message of tensors gets for its envelope and its manifest.
 SMALL_REQUEST_BYTES = 64 * 2**10
+# A push's acknowledgement: a failure's detail is cut to 500 characters, and the signed envelope
+# is a few hundred bytes more. Kept small because a call over a relayed connection reserves its
+# reply's limit of the connection's 100 KiB (net/circuits.py): with 64 KiB, each push to a peer
+# behind a relay would dial a fresh circuit.
+ACK_REPLY_BYTES = 8 * 2**10
 # A rollout group is token ids and log-probs, a few hundred KiB even for long completions (and a
 # mixture of experts' routing records beside them: submission_bytes).
 MAX_SUBMISSION_BYTES = 8 * 2**20
