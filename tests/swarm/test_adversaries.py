@@ -150,6 +150,7 @@ def test_hostile_replica_is_caught_blamed_and_banned(
             assert summary.steps == config.train.steps
 
 
+@pytest.mark.slow  # half a minute of daemons: make test-slow (CI runs it)
 def test_a_colluding_judge_neither_saves_its_partner_nor_gets_an_honest_replica_blamed(
         tiny_sharp_dir: Path, tmp_path: Path) -> None:
     # Every group checked, every pass repeated: the judge sits on many rulings. Two honest
@@ -176,6 +177,7 @@ def test_a_colluding_judge_neither_saves_its_partner_nor_gets_an_honest_replica_
             assert summary.steps == config.train.steps
 
 
+@pytest.mark.slow  # half a minute of daemons: make test-slow (CI runs it)
 def test_two_newcomers_lying_as_verifiers_frame_nobody(tiny_sharp_dir: Path,
                                                        tmp_path: Path) -> None:
     # Issue 32's attack: two new identities that serve honestly and lie only as verifiers, at the

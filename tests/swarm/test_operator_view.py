@@ -51,6 +51,7 @@ def fetch_state(url: str) -> dict[str, Any]:
         return json.load(response)
 
 
+@pytest.mark.slow  # half a minute of daemons: make test-slow (CI runs it)
 def test_a_swarm_run_is_watched_reported_and_released(tiny_sharp_dir: Path,
                                                       tmp_path: Path) -> None:
     config = tiny_run_config(

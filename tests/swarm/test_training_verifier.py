@@ -88,6 +88,7 @@ def verifier_for(swarm: Swarm, config: RunConfig, model: Any, directory: Directo
                     model.tokenizer.pad_token_id)
 
 
+@pytest.mark.slow  # half a minute of daemons: make test-slow (CI runs it)
 @pytest.mark.network
 def test_a_single_replicas_group_from_older_versions_is_judged_by_the_training_peers(
         tiny_sharp_dir: Path) -> None:

@@ -448,7 +448,7 @@ def test_simulate_projects_both_data_planes(capsys: pytest.CaptureFixture[str]) 
     designs train, and activations from peer to peer take the coordinator off the data plane."""
     bench = load_bench("simulate")
     bench.main(["--scenario", "internet", "--model", "135m", "--stages", "2", "--peers", "8",
-                "--duration", "1200", "--session-s", "0"])
+                "--duration", "150", "--session-s", "0"])
     values = figures(capsys.readouterr().out, "simulate")
     for plane in ("coordinator", "peer_to_peer"):
         assert values[f"{plane}_steps"] >= 1 and values[f"{plane}_rows_stepped_per_s"] > 0
