@@ -7,19 +7,24 @@ directory, strikes against honest peers) is unchanged, and training goes on."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from swarm_helpers import Swarm, start_node, start_swarm, tiny_run_config, weights_of
 
 from decentrl.config import HostConfig, LinkConfig, RunConfig
+from decentrl.coordinator import manifest as manifest_module
 from decentrl.coordinator.manifest import (
     ManifestMismatch,
     accept_manifest,
     admit,
     admitted_peers,
+    check_stage_files,
     config_hash,
     run_manifest,
 )
@@ -340,13 +345,14 @@ def test_a_peer_joins_only_with_the_config_and_model_its_owner_declares(
     with pytest.raises(ManifestMismatch, match="this peer's config differs from the one the "
                                                "owner of run"):
         accept_manifest(manifest, other)
-    # The owner declared another model's hash than the copy this peer holds.
-    with pytest.raises(ManifestMismatch, match="this peer's copy of model .* differs from the "
-                                               "owner's"):
-        accept_manifest(manifest.__class__(**{
-            **{f: getattr(manifest, f) for f in manifest.__struct_fields__},
-            "model_hash": run_manifest(tiny_run_config(tiny_model_dir, 1), [], new_session()).model_hash}),
-            None)
+    # The owner declared another model's weights (same config) than the copy this peer holds:
+    # refused once the peer knows its stage, before it loads any of them.
+    other_weights = msgspec.structs.replace(manifest, model_files=run_manifest(
+        tiny_run_config(tiny_model_dir, 1), [], new_session()).model_files)
+    assert accept_manifest(other_weights, config) == config
+    with pytest.raises(ManifestMismatch, match="this peer's copy of the model differs from the "
+                                               "owner's in model.safetensors"):
+        check_stage_files(other_weights, config, 0)
     # A manifest whose config does not hash to what it declares is refused whole.
     tampered = json.loads(manifest.config_json)
     tampered["seed"] += 1
@@ -355,6 +361,53 @@ def test_a_peer_joins_only_with_the_config_and_model_its_owner_declares(
         accept_manifest(manifest.__class__(**{
             **{f: getattr(manifest, f) for f in manifest.__struct_fields__},
             "config_json": json.dumps(tampered)}), None)
+
+
+def test_a_peer_hashes_only_the_shards_of_its_stage_and_is_refused_for_one_that_differs(
+        tiny_sharp_dir: Path, tmp_path: Path) -> None:
+    """The owner declares each file of a sharded model; a peer checks the config, the index and
+    the shards its own stage reads: a changed shard of stage 0's layers refuses stage 0 by the
+    file's name, and stage 1 (which never reads it) joins."""
+    folder = shutil.copytree(tiny_sharp_dir, tmp_path / "sharded")
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    shard_of = {name: f"layer-{name.split('.')[2]}.safetensors" if ".layers." in name
+                else "rest.safetensors" for name in tensors}
+    for shard in set(shard_of.values()):
+        save_file({n: t for n, t in tensors.items() if shard_of[n] == shard}, folder / shard)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shard_of}))
+    config = tiny_run_config(folder, 2)
+    manifest = run_manifest(config, roster=[], session=new_session())
+    assert set(manifest.model_files) == {"config.json", "model.safetensors.index.json",
+                                         *shard_of.values()}
+    hashed: list[set[str]] = []
+    real_hash = manifest_module.file_hashes
+
+    def recording(paths: list[Path]) -> dict[str, str]:
+        hashed.append({path.name for path in paths})
+        return real_hash(paths)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(manifest_module, "file_hashes", recording)
+        for stage in (0, 1):
+            check_stage_files(manifest, config, stage)
+    known = {"config.json", "model.safetensors.index.json", "rest.safetensors"}
+    assert hashed == [known | {"layer-0.safetensors", "layer-1.safetensors"},
+                      known | {"layer-2.safetensors", "layer-3.safetensors"}]
+    # A shard of stage 0's layers differs here.
+    changed = load_file(folder / "layer-0.safetensors")
+    save_file({name: tensor + 1 for name, tensor in changed.items()},
+              folder / "layer-0.safetensors")
+    assert accept_manifest(manifest, config) == config  # the config and the index are the same
+    with pytest.raises(ManifestMismatch, match="differs from the owner's in layer-0.safetensors"):
+        check_stage_files(manifest, config, 0)
+    check_stage_files(manifest, config, 1)  # it never reads that shard
+    # An owner whose copy is one file declares no index: this peer's sharded copy is another.
+    unsharded = {name: hash for name, hash in manifest.model_files.items()
+                 if name != "model.safetensors.index.json"}
+    with pytest.raises(ManifestMismatch, match="has model.safetensors.index.json, which the "
+                                               "owner's does not"):
+        accept_manifest(msgspec.structs.replace(manifest, model_files=unsharded), config)
 
 
 def test_peers_on_different_hardware_join_one_run_whose_settings_they_share(

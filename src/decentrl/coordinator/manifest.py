@@ -3,9 +3,10 @@
 The run's identity is its owner's key: the coordinator runs under `RUN/keys/owner.key` (made on
 the first start, kept across restarts, so a resumed run is the same run to its peers). The owner
 publishes a `RunManifest` (net/protocol.py) in the DHT under its own peer id: the run's config
-(without the owner's host section: each peer brings its own) and its hash, the model's hash, the
-stage plan, the roster of admitted training peers and the session drawn at this start of the
-coordinator (net/session.py). The record is signed
+(without the owner's host section: each peer brings its own) and its hash, the hash of each
+model file (a peer hashes only the files its stage reads: an 8B model is 15 GiB), the stage plan,
+the roster of admitted training peers and the session drawn at this start of the coordinator
+(net/session.py). The record is signed
 (net/records.py), and a peer reads it from the owner's subkey only, so nobody else can hand a peer
 a config. The owner's `RunEnded` names the session it ends: a peer stops only for the session of
 the owner's newest manifest, so the record of an earlier start (live for minutes, and anyone may
@@ -35,7 +36,8 @@ from rich.markup import escape
 
 from decentrl.config import RunConfig, parse_config
 from decentrl.errors import DecentrlError
-from decentrl.model.loading import model_fingerprint, model_spec, resolve_model
+from decentrl.model.loading import MODEL_INDEX, file_hashes, model_files, model_spec, resolve_model
+from decentrl.model.run_stage import StageSource
 from decentrl.model.spec import ModelSpec
 from decentrl.model.stages import StagePlan
 from decentrl.net.dht_storage import MAX_RECORD_TTL_S, RunNamespace
@@ -49,6 +51,9 @@ from decentrl.progress import progress_bar
 LOOKUP_TIMEOUT_S = 30.0
 ADMITTED_FILE = "admitted.txt"
 ADMITTED_REPLICAS_FILE = "admitted_replicas.txt"
+# The manifest is one signed DHT record (64 KiB at most, net/records.py), about 110 bytes a
+# model file: a model in more shards than this is re-saved in larger ones.
+MAX_MODEL_FILES = 256
 
 
 class ManifestMismatch(DecentrlError, ValueError):
@@ -110,8 +115,13 @@ def stage_layers(config: RunConfig, spec: ModelSpec) -> list[tuple[int, int]]:
 def run_manifest(config: RunConfig, roster: list[RosterEntry], session: str) -> RunManifest:
     """`session`: this start's (net/session.py `new_session`)."""
     folder = resolve_model(config.model)
+    files = model_files(folder)
+    if len(files) > MAX_MODEL_FILES:
+        raise ValueError(f"model {config.model!r} is {len(files)} files, more than a run's "
+                         f"manifest declares ({MAX_MODEL_FILES}): save it in larger shards "
+                         "(save_pretrained(max_shard_size=...))")
     return RunManifest(run=config.name, config_json=config.run_json(),
-                       config_hash=config_hash(config), model_hash=model_fingerprint(folder),
+                       config_hash=config_hash(config), model_files=file_hashes(files),
                        stages=stage_layers(config, model_spec(folder)), roster=roster,
                        session=session)
 
@@ -209,7 +219,8 @@ def wait_for_manifest(node: SwarmNode, run: str, owner: str, timeout_s: float,
 def accept_manifest(manifest: RunManifest, config: RunConfig | None) -> RunConfig:
     """The config to join with: the manifest's, or `config` (the peer's own file) if it is the
     same run (its host section may differ: the manifest carries none). Raises ManifestMismatch
-    if the peer's config or its copy of the model differs from what the owner declared."""
+    if the peer's config or its copy of the model's config and index differ from what the owner
+    declared (check_stage_files checks the shards, once the peer knows its stage)."""
     declared = parse_config(json.loads(manifest.config_json))
     if config_hash(declared) != manifest.config_hash:
         raise ManifestMismatch(f"the manifest of run {manifest.run!r} is inconsistent: its "
@@ -219,9 +230,28 @@ def accept_manifest(manifest: RunManifest, config: RunConfig | None) -> RunConfi
             f"this peer's config differs from the one the owner of run {manifest.run!r} "
             f"declares (hash {config_hash(config)[:12]} here, {manifest.config_hash[:12]} "
             "there); join without --config to take the owner's")
-    local = model_fingerprint(resolve_model(declared.model))
-    if local != manifest.model_hash:
-        raise ManifestMismatch(
-            f"this peer's copy of model {declared.model!r} differs from the owner's (hash "
-            f"{local[:12]} here, {manifest.model_hash[:12]} there)")
+    folder = resolve_model(declared.model)
+    index = [folder / MODEL_INDEX] if (folder / MODEL_INDEX).is_file() else []
+    check_model_files(manifest, [folder / "config.json", *index])
     return config if config is not None else declared
+
+
+def check_stage_files(manifest: RunManifest, config: RunConfig, stage: int) -> None:
+    """Raise ManifestMismatch unless the model files stage `stage` reads are the ones the owner
+    declared: the shards of that stage's tensors only, each hashed once per process."""
+    check_model_files(manifest, StageSource.of(config, stage).files())
+
+
+def check_model_files(manifest: RunManifest, files: list[Path]) -> None:
+    """Raise ManifestMismatch naming the first of this peer's `files` (read by name from its own
+    folder, never from a name in the manifest) whose hash is not the one the owner declared."""
+    declared = manifest.model_files
+    for name, local in file_hashes(files).items():
+        if name not in declared:
+            raise ManifestMismatch(
+                f"this peer's copy of the model has {name}, which the owner's does not (a "
+                "model saved differently)")
+        if declared[name] != local:
+            raise ManifestMismatch(
+                f"this peer's copy of the model differs from the owner's in {name} (hash "
+                f"{local[:12]} here, {declared[name][:12]} there)")

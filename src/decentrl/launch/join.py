@@ -22,6 +22,7 @@ from decentrl.coordinator.manifest import (
     RunEndWatch,
     accept_manifest,
     check_peer_id,
+    check_stage_files,
     wait_for_manifest,
 )
 from decentrl.launch.adversary import (
@@ -202,6 +203,7 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
             attack(node, config, owner, stop)
             return
         chosen = stage if stage is not None else choose_stage(node, config, role)
+        check_stage_files(manifest, config, chosen)
         if adversary == "rotate-keys":
             report({**ready, "stage": chosen, "num_stages": config.num_stages, "role": role})
             watcher = threading.Thread(target=until_stopped, daemon=True)

@@ -45,14 +45,16 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-@functools.lru_cache(maxsize=8)
+# Enough for every shard of a large sharded model (its files are hashed one by one) and a GGUF.
+@functools.lru_cache(maxsize=1024)
 def _sha256_while_unchanged(path: Path, size: int, mtime_ns: int) -> str:
     return file_sha256(path)
 
 
 def remembered_sha256(path: Path) -> str:
     """file_sha256, remembered per process while the file is unchanged (a multi-gigabyte GGUF
-    is named by its hash on every resolve)."""
+    is named by its hash on every resolve; a run's owner declares its model's shards by hash at
+    every manifest)."""
     stat = path.stat()
     return _sha256_while_unchanged(path.resolve(), stat.st_size, stat.st_mtime_ns)
 

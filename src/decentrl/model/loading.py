@@ -5,8 +5,6 @@ a cached folder keyed by its sha256: model/gguf.py). Nothing here reaches a hub.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import importlib.util
 import json
 import os
@@ -30,6 +28,7 @@ from decentrl.model.gguf import (
     gguf_metadata,
     gguf_source,
     recorded_source,
+    remembered_sha256,
 )
 from decentrl.model.spec import ModelSpec
 from decentrl.model.stages import EMBEDDING, HEAD, StageModule, StagePlan
@@ -87,20 +86,31 @@ def model_spec(folder: Path) -> ModelSpec:
     return spec_from_hf_config(json.loads((folder / "config.json").read_text()))
 
 
-@functools.lru_cache(maxsize=8)
-def _fingerprint(folder: Path, stamps: tuple[tuple[str, int, int], ...]) -> str:
-    digest = hashlib.sha256((folder / "config.json").read_bytes())
-    for path in _safetensors_files(folder):
-        digest.update(f"{path.name}:{file_sha256(path)}".encode())
-    return digest.hexdigest()
+MODEL_INDEX = "model.safetensors.index.json"
 
 
-def model_fingerprint(folder: Path) -> str:
-    """A hash of a model folder's config and weights: the peers of a run must hold the model its
-    owner declared (remembered per process while the files are unchanged)."""
-    files = [folder / "config.json", *_safetensors_files(folder)]
-    stamps = tuple((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in files)
-    return _fingerprint(folder.resolve(), stamps)
+def model_files(folder: Path) -> list[Path]:
+    """The files that make a model folder's weights: its config, its checkpoint's index (if
+    sharded) and every safetensors file."""
+    index = [folder / MODEL_INDEX] if (folder / MODEL_INDEX).is_file() else []
+    return [folder / "config.json", *index, *_safetensors_files(folder)]
+
+
+def stage_files(folder: Path, names: Collection[str]) -> list[Path]:
+    """The files a stage built from the checkpoint tensors `names` reads: the config, the
+    index, and only the shards that hold those tensors (an 8B model's stage reads a few of its
+    shards, not 15 GiB)."""
+    weight_map = _weight_map(folder)
+    if not weight_map:
+        return model_files(folder)
+    shards = sorted({weight_map[name] for name in names if name in weight_map})
+    return [folder / "config.json", folder / MODEL_INDEX, *(folder / name for name in shards)]
+
+
+def file_hashes(paths: Collection[Path]) -> dict[str, str]:
+    """sha256 of each file, by file name (remembered per process while the file is unchanged):
+    what a run's owner declares of its model and what a peer checks of the files it reads."""
+    return {path.name: remembered_sha256(path) for path in paths}
 
 
 def resolve_model(source: str) -> Path:
@@ -173,7 +183,7 @@ def base_origin(source: str) -> BaseOrigin:
 def _weight_map(folder: Path) -> dict[str, str]:
     """Tensor name -> the safetensors file holding it, from a sharded checkpoint's index; empty
     for a single-file checkpoint."""
-    index = folder / "model.safetensors.index.json"
+    index = folder / MODEL_INDEX
     if not index.is_file():
         return {}
     weight_map = json.loads(index.read_text()).get("weight_map")
@@ -195,9 +205,9 @@ def _safetensors_files(folder: Path) -> list[Path]:
 def tensor_names(folder: Path) -> set[str]:
     """The names of every tensor in the folder's checkpoint, nothing read but its headers (a
     sharded checkpoint's index)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
+    weight_map = _weight_map(folder)
+    if weight_map:
+        return set(weight_map)
     names: set[str] = set()
     for path in _safetensors_files(folder):
         with safe_open(path, framework="pt") as f:

@@ -4,6 +4,9 @@ this way, and so does the export of a run's checkpoint."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
 from decentrl.config import RunConfig
@@ -13,6 +16,7 @@ from decentrl.model.loading import (
     model_spec,
     require_tensors,
     resolve_model,
+    stage_files,
     stage_tensor_names,
     tensor_names,
 )
@@ -21,25 +25,48 @@ from decentrl.model.spec import ModelSpec
 from decentrl.model.stages import HEAD, StageModule, StagePlan, build_stage
 
 
+@dataclass(frozen=True)
+class StageSource:
+    """What stage `index` of a run is read from: the model folder, its sizes and plan, and the
+    checkpoint tensors the stage is built from (`names`; the head's stage of a tied model also
+    reads any lm_head.weight, `tied_head`, to refuse one that differs)."""
+
+    folder: Path
+    spec: ModelSpec
+    plan: StagePlan
+    index: int
+    names: frozenset[str]
+    tied_head: frozenset[str]
+
+    @classmethod
+    def of(cls, config: RunConfig, index: int) -> StageSource:
+        folder = resolve_model(config.model)
+        spec = model_spec(folder)
+        plan = StagePlan.of(spec.num_layers, config.num_stages, config.stage_layers)
+        names = stage_tensor_names(spec, plan, index, tensor_names(folder) if spec.moe else ())
+        tied = spec.tie_word_embeddings and index == plan.num_stages - 1
+        return cls(folder, spec, plan, index, frozenset(names),
+                   frozenset({HEAD} if tied else ()))
+
+    def files(self) -> list[Path]:
+        """The model files the stage reads (model/loading.py stage_files)."""
+        return stage_files(self.folder, self.names | self.tied_head)
+
+
 def load_stage(config: RunConfig, index: int, device: torch.device, dtype: torch.dtype,
                frozen_dtype: torch.dtype | None = None) -> StageModule:
     """Stage `index` of the run's plan at version 0, in `dtype`. LoRA adapters are seeded by the
     run's seed: every peer of a stage builds the same ones. `frozen_dtype`: in a LoRA run, the
     dtype of the frozen base, the adapters alone taking `dtype` (a training peer's fp32 master
     holds its base in the compute dtype it would be cast to anyway, once)."""
-    folder = resolve_model(config.model)
-    spec = model_spec(folder)
-    plan = StagePlan.of(spec.num_layers, config.num_stages, config.stage_layers)
-    names = stage_tensor_names(spec, plan, index, tensor_names(folder) if spec.moe else ())
-    # The head's stage of a tied model also reads any lm_head.weight, to refuse one that differs.
-    tied_head = {HEAD} if spec.tie_word_embeddings and index == plan.num_stages - 1 else set()
-    tensors = StoredTensors(folder, (names | tied_head).__contains__)
-    require_tensors(folder, names, tensors)
-    check_tied_head(folder, spec, tensors)
+    source = StageSource.of(config, index)
+    tensors = StoredTensors(source.folder, (source.names | source.tied_head).__contains__)
+    require_tensors(source.folder, set(source.names), tensors)
+    check_tied_head(source.folder, source.spec, tensors)
     # Built from the stored tensors one at a time: the stage is never held twice.
     lora = config.train.lora_rank > 0
     base_dtype = frozen_dtype if lora and frozen_dtype is not None else dtype
-    stage = build_stage(spec, plan, index, tensors, device, base_dtype)
+    stage = build_stage(source.spec, source.plan, index, tensors, device, base_dtype)
     add_run_lora(stage, config, dtype)
     return stage
 

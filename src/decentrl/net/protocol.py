@@ -108,12 +108,15 @@ class RunManifest(Body):
     """The run as its owner (the coordinator, whose key is the run's identity) declares it,
     under `coordinator_key(run)` with the owner's peer id as subkey: the DHT record's signature
     is the owner's, so a peer that knows the owner's id knows the manifest is genuine. A peer
-    joins only a run whose manifest names its config (by hash) and its model (by hash)."""
+    joins only a run whose manifest names its config (by hash) and the model files it reads (by
+    hash)."""
 
     run: str
     config_json: str  # the run config every peer builds its stage from
     config_hash: str  # sha256 of config_json
-    model_hash: str  # model/loading.py model_fingerprint of the base model
+    # sha256 of the base model's files by name (config.json, the shards' index, each shard):
+    # a peer checks those it reads (an 8B model's stage reads a few of its shards).
+    model_files: dict[str, str]
     stages: list[tuple[int, int]]  # each stage's layers [start, stop)
     roster: list[RosterEntry]  # the admitted training peers, one per stage once connected
     # Drawn at each start of the coordinator (net/session.py): every other record the owner

@@ -60,7 +60,7 @@ class OwnersRecords:
 
 
 def manifest(session: str) -> RunManifest:
-    return RunManifest(run=RUN, config_json="{}", config_hash="", model_hash="", stages=[],
+    return RunManifest(run=RUN, config_json="{}", config_hash="", model_files={}, stages=[],
                        roster=[], session=session)
 
 
