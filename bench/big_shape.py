@@ -278,7 +278,6 @@ def train_steps(swarm: Any, directory: Any, config: Any, prompts: list[list[int]
     from decentrl.coordinator.lineage import LineageSigner
     from decentrl.learn.batch import build_batch
     from decentrl.learn.trainer import PipelineTrainer, loss_config_from
-    from decentrl.net.session import new_session
     from decentrl.rollout.sampling import sampling_config
     from decentrl.rollout.types import Rollout
 
@@ -291,13 +290,13 @@ def train_steps(swarm: Any, directory: Any, config: Any, prompts: list[list[int]
 
     client = swarm.bootstrap
     admitted = admitted_peers(config.path).__contains__
-    lineage = LineageSigner(client, config, new_session())
+    lineage = LineageSigner(client, config, swarm.session)
     try:
         workers = [RemoteStageWorker(client, directory, stage, config.num_stages, config.swarm,
                                      admitted, lineage) for stage in range(config.num_stages)]
         for worker in workers:
             worker.connect()
-        chain = PushedTraining(client, workers, config.swarm, config.name, "")
+        chain = PushedTraining(client, workers, config.swarm, config.name, swarm.session)
         trainer = PipelineTrainer(workers, config.train,
                                   loss_config_from(config.train, config.rollout.max_new_tokens),
                                   sampling_config(config.rollout), torch.device("cpu"),

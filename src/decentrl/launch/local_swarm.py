@@ -96,6 +96,9 @@ class LocalSwarm:
         self.logs = config.path / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.bootstrap: SwarmNode | None = None
+        # The session of the manifest announced here until a coordinator announces its own: a
+        # bench that drives the peers without one signs its routes with it.
+        self.session = new_session()
         self.children: dict[str, Child] = {}
         self.sockets: set[str] = set()
         self._sockets_lock = threading.Lock()  # the report readers add to them
@@ -178,7 +181,7 @@ class LocalSwarm:
 
     def _announce_run(self, stop: threading.Event) -> None:
         assert self.bootstrap is not None
-        manifest = run_manifest(self.config, roster=[], session=new_session())
+        manifest = run_manifest(self.config, roster=[], session=self.session)
         every_s = self.config.swarm.announce_every_s
         while True:
             try:
