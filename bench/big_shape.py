@@ -19,9 +19,14 @@ random token ids, `--max-new-tokens` each; a LoRA training step's time (`--steps
 apart: it pays the optimizer's and the adapters' first touch). These are figures of what this
 machine can do with the shape, not a learning result: the weights are random.
 
+`--limit-mb A,B,...` gives each stage's peer its own cap (train0 first), as consumer machines
+differ; `--plan-from-offers` has the peers offer their caps and measured speeds and the stages
+planned from those offers (coordinator/planning.py) instead of an even plan, which a peer
+with a small cap may not survive (its cgroup kills it while it loads: the bench says so).
+
     decentrl bench big-shape [--folder DIR] [--stages 8] [--limit-mb 4096] [--threads 1]
         [--rtt-ms 100] [--prompts 2] [--prompt-tokens 16] [--max-new-tokens 8] [--steps 2]
-        [--lora-rank 8] [--layers 32] [--json PATH]
+        [--lora-rank 8] [--layers 32] [--plan-from-offers] [--json PATH]
 
 `--layers 4 --hidden 256 --vocab 1024` makes a small model of the same family for a smoke run.
 """
@@ -51,7 +56,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--folder", type=Path, help="where the random model is written once "
                         "(default: the decentrl cache)")
     parser.add_argument("--stages", type=int, default=8)
-    parser.add_argument("--limit-mb", type=int, default=4096, help="each peer's memory cap")
+    parser.add_argument("--limit-mb", default="4096",
+                        help="each peer's memory cap: one for all, or one per stage's peer "
+                             "(comma-separated, train0 first)")
+    parser.add_argument("--plan-from-offers", action="store_true",
+                        help="plan the stages from the peers' offers (their caps and measured "
+                             "speeds) instead of an even plan")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     parser.add_argument("--rtt-ms", type=float, default=100.0, help="every link's round trip")
     parser.add_argument("--prompts", type=int, default=2, help="rows generated at once")
@@ -65,7 +75,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args(argv)
-    if min(args.stages, args.limit_mb, args.threads, args.prompts, args.prompt_tokens,
+    try:
+        limits = [int(limit) for limit in args.limit_mb.split(",")]
+    except ValueError:
+        parser.error(f"--limit-mb takes MiB, one or one a stage: {args.limit_mb!r}")
+    if len(limits) not in (1, args.stages):
+        parser.error(f"--limit-mb gives {len(limits)} caps for {args.stages} stages")
+    args.limits_mb = limits * args.stages if len(limits) == 1 else limits
+    if min(args.stages, *args.limits_mb, args.threads, args.prompts, args.prompt_tokens,
            args.max_new_tokens, args.steps, args.lora_rank, args.layers) < 1 \
             or args.stages > args.layers or args.rtt_ms < 0:
         parser.error("every count must be >= 1, --stages at most --layers, --rtt-ms >= 0")
@@ -176,7 +193,7 @@ def run_config(args: argparse.Namespace, folder: Path, run_dir: Path) -> Any:
         "name": "big-shape", "model": str(folder), "num_stages": args.stages,
         "seed": args.seed,
         "host": {"run_dir": str(run_dir), "device": "cpu", "dtype": "bf16",
-                 "threads": args.threads, "memory_limit_mb": args.limit_mb,
+                 "threads": args.threads,
                  "link": {"rtt_ms": [args.rtt_ms, args.rtt_ms]}},
         "rollout": {"group_size": args.prompts, "max_new_tokens": args.max_new_tokens},
         "train": {"lora_rank": args.lora_rank, "micro_batch_size": args.prompts},
@@ -224,16 +241,30 @@ def run_swarm(args: argparse.Namespace, folder: Path, tmp: Path, whole: int) -> 
 
     config = run_config(args, folder, tmp / "runs")
     spec = model_spec(folder)
-    plan = StagePlan.of(spec.num_layers, config.num_stages, config.stage_layers)
     config_path = common.fresh_swarm_folder(config)
-    swarm = LocalSwarm(config, config_path, replicas=0, training=True, training_role="both")
+    swarm = LocalSwarm(config, config_path, replicas=0, training=True, training_role="both",
+                       memory_limits_mb={f"train{stage}": limit
+                                         for stage, limit in enumerate(args.limits_mb)},
+                       plan_from_offers=args.plan_from_offers)
     processes: list[dict[str, Any]] = []
     try:
         started = time.perf_counter()
-        swarm.start(lambda child: print(f"  {child.name} ready after "
-                                        f"{child.info.get('ready_after_s', 0):.0f}s", flush=True))
+        try:
+            swarm.start(lambda child: print(f"  {child.name} ready after "
+                                            f"{child.info.get('ready_after_s', 0):.0f}s",
+                                            flush=True))
+        except RuntimeError as error:
+            killed = {name: child.memory.oom_kills() for name, child in swarm.children.items()
+                      if child.memory is not None and child.memory.oom_kills()}
+            raise SystemExit(f"the swarm did not start: {error}\nkilled by their memory caps "
+                             f"(OOM kills by peer): {killed or 'none'}") from None
+        config = swarm.config  # planned from the offers, with --plan-from-offers
+        if swarm.planned is not None:
+            print("  stages planned from the peers' offers:\n    "
+                  + swarm.planned.describe().replace("\n", "\n    "), flush=True)
         print(f"  {len(swarm.children)} peers up in {time.perf_counter() - started:.0f}s",
               flush=True)
+        plan = StagePlan.of(spec.num_layers, config.num_stages, config.stage_layers)
         assert swarm.bootstrap is not None
         directory = Directory(swarm.bootstrap, config.name, config.num_stages, config.swarm)
         common.wait_for_peers(directory, 1, timeout_s=300)
@@ -255,7 +286,7 @@ def run_swarm(args: argparse.Namespace, folder: Path, tmp: Path, whole: int) -> 
               flush=True)
         step_s = train_steps(swarm, directory, config, prompts, out, args.steps)
         for name, child in swarm.children.items():
-            stage = int(name.removeprefix("train"))
+            stage = int(child.info["stage"])  # the planned one, with --plan-from-offers
             assert child.process is not None and child.memory is not None
             processes.append({
                 "name": name, "stage": stage, "layers": len(plan.layers(stage)),
@@ -267,7 +298,9 @@ def run_swarm(args: argparse.Namespace, folder: Path, tmp: Path, whole: int) -> 
         swarm.shutdown()
     return {"processes": processes, "generation_s": generation_s, "new_tokens": new_tokens,
             "first_token_call_s": first_s, "train_step_s": step_s, "rows": args.prompts,
-            "model_bytes": whole, "layers": spec.num_layers, "hidden": spec.hidden_size}
+            "model_bytes": whole, "layers": spec.num_layers, "hidden": spec.hidden_size,
+            "stage_layers": [len(plan.layers(stage)) for stage in range(plan.num_stages)],
+            "planned": swarm.planned.describe() if swarm.planned is not None else None}
 
 
 def train_steps(swarm: Any, directory: Any, config: Any, prompts: list[list[int]],
@@ -313,15 +346,15 @@ def train_steps(swarm: Any, directory: Any, config: Any, prompts: list[list[int]
 
 
 def report(args: argparse.Namespace, result: dict[str, Any], whole: int) -> None:
-    rows = [[p["name"], p["layers"], p["resident_peak_bytes"] / GIB,
+    rows = [[p["name"], p["stage"], p["layers"], p["resident_peak_bytes"] / GIB,
              p["cgroup_peak_bytes"] / GIB, p["limit_bytes"] / GIB,
              p["cgroup_peak_bytes"] / whole, p["oom_kills"], "yes" if p["alive"] else "no"]
-            for p in result["processes"]]
+            for p in sorted(result["processes"], key=lambda p: p["stage"])]
     largest = max(result["processes"], key=lambda p: p["resident_peak_bytes"])
     steps = result["train_step_s"]
     common.print_table(
         "one 8B-shaped model held slice by slice",
-        ["process", "layers", "resident peak GiB", "cgroup peak GiB", "limit GiB",
+        ["process", "stage", "layers", "resident peak GiB", "cgroup peak GiB", "limit GiB",
          "cgroup peak / model", "OOM kills", "alive"], rows,
         f"model {result['layers']} layers x hidden {result['hidden']}: "
         f"{whole / GIB:.2f} GiB of bf16 weights; peers --role both, LoRA rank {args.lora_rank}, "

@@ -112,8 +112,10 @@ def stage_layers(config: RunConfig, spec: ModelSpec) -> list[tuple[int, int]]:
             for stage in range(config.num_stages)]
 
 
-def run_manifest(config: RunConfig, roster: list[RosterEntry], session: str) -> RunManifest:
-    """`session`: this start's (net/session.py `new_session`)."""
+def run_manifest(config: RunConfig, roster: list[RosterEntry], session: str,
+                 planned: list[str] | None = None) -> RunManifest:
+    """`session`: this start's (net/session.py `new_session`); `planned`: the training peer of
+    each stage, where the stages were planned from the peers' offers."""
     folder = resolve_model(config.model)
     files = model_files(folder)
     if len(files) > MAX_MODEL_FILES:
@@ -123,7 +125,7 @@ def run_manifest(config: RunConfig, roster: list[RosterEntry], session: str) -> 
     return RunManifest(run=config.name, config_json=config.run_json(),
                        config_hash=config_hash(config), model_files=file_hashes(files),
                        stages=stage_layers(config, model_spec(folder)), roster=roster,
-                       session=session)
+                       session=session, planned=list(planned or []))
 
 
 def publish_manifest(node: SwarmNode, manifest: RunManifest, ttl_s: float) -> None:
@@ -225,6 +227,10 @@ def accept_manifest(manifest: RunManifest, config: RunConfig | None) -> RunConfi
     if config_hash(declared) != manifest.config_hash:
         raise ManifestMismatch(f"the manifest of run {manifest.run!r} is inconsistent: its "
                                "config does not hash to the hash it declares")
+    if config is not None and not config.stage_layers and declared.stage_layers:
+        # A peer that leaves the stage plan to the owner takes the owner's (which it may have
+        # planned from its peers' offers, coordinator/planning.py).
+        config = config.model_copy(update={"stage_layers": declared.stage_layers})
     if config is not None and config_hash(config) != manifest.config_hash:
         raise ManifestMismatch(
             f"this peer's config differs from the one the owner of run {manifest.run!r} "

@@ -31,6 +31,7 @@ from decentrl.launch.adversary import (
     rotate_keys,
     submit_replays,
 )
+from decentrl.launch.offer import OfferAnnouncer, host_offer
 from decentrl.net.dialback import start_reachable
 from decentrl.net.identity import Identity
 from decentrl.net.link import LinkProfile
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 READY = "DECENTRL-READY"
 LOOKUP_TIMEOUT_S = 30.0
 RUN_END_CHECK_S = 10.0
+# How often a waiting training peer renews its offer (a peer joining by the run's name knows no
+# announce period yet: the default one).
+ANNOUNCE_OFFER_S = 2.0
 # How long an owner keeps serving after it said its run ended: relays and bootstrap nodes keep no
 # run's records (net/dht_storage.py), and peers behind NAT store none, so once the owner leaves
 # nobody may hold its `RunEnded` any more; every joined peer reads it within RUN_END_CHECK_S
@@ -167,9 +171,17 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
         console.print(f"this training peer's id is {node.peer_id}: the run's operator admits "
                       "it (decentrl coordinate --admit ID, or a line in RUN/admitted.txt)",
                       markup=False, highlight=False, soft_wrap=True)
+    run_name = config.name if config is not None else str(run)
+    # A training peer offers its memory and speed while it waits: an owner that plans its
+    # stages from its peers (coordinator/planning.py) waits for these offers first.
+    offering = OfferAnnouncer(node, host_offer(run_name, role, host), ANNOUNCE_OFFER_S).start() \
+        if role != "inference" and adversary is None else None
     try:
-        manifest = wait_for_manifest(node, config.name if config is not None else str(run),
-                                     owner, config_wait_s, stop, console)
+        try:
+            manifest = wait_for_manifest(node, run_name, owner, config_wait_s, stop, console)
+        finally:
+            if offering is not None:
+                offering.stop()
         if manifest is None:
             return
         joined_by_name = config is None
@@ -202,7 +214,13 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
             attack = submit_replays if adversary == "replay" else flood
             attack(node, config, owner, stop)
             return
-        chosen = stage if stage is not None else choose_stage(node, config, role)
+        planned = manifest.planned.index(node.peer_id) \
+            if node.peer_id in manifest.planned else None
+        if stage is not None and planned is not None and stage != planned:
+            raise ValueError(f"--stage {stage}, but the run's owner planned stage {planned} for "
+                             "this peer (join with --stage auto)")
+        chosen = stage if stage is not None else planned if planned is not None \
+            else choose_stage(node, config, role)
         check_stage_files(manifest, config, chosen)
         if adversary == "rotate-keys":
             report({**ready, "stage": chosen, "num_stages": config.num_stages, "role": role})

@@ -22,10 +22,12 @@ from typing import Any
 from decentrl.config import RunConfig
 from decentrl.coordinator.manifest import (
     admit,
+    admitted_peers,
     owner_identity,
     publish_manifest,
     run_manifest,
 )
+from decentrl.coordinator.planning import OfferPlan, plan_from_offers, wait_for_offers
 from decentrl.launch.adversary import (
     ADVERSARIES,
     TRAINING_ADVERSARIES,
@@ -33,6 +35,8 @@ from decentrl.launch.adversary import (
 )
 from decentrl.launch.join import INFERENCE_NICENESS, READY, link_profile, yield_cpu
 from decentrl.launch.memory_limit import MIB, MemoryCgroup
+from decentrl.model.loading import model_spec, resolve_model
+from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.dialback import DialBackService
 from decentrl.net.identity import Identity
 from decentrl.net.netns import Internet
@@ -76,11 +80,25 @@ class LocalSwarm:
     def __init__(self, config: RunConfig, config_path: Path, replicas: int,
                  training: bool = True, adversaries: Sequence[str] = (),
                  internet: Internet | None = None, placement: Mapping[str, str] | None = None,
-                 relays: Sequence[str] = (), training_role: Role = "training") -> None:
+                 relays: Sequence[str] = (), training_role: Role = "training",
+                 memory_limits_mb: Mapping[str, int] | None = None,
+                 plan_from_offers: bool = False) -> None:
         """`training=False` starts inference replicas only (generation benchmarks).
         `adversaries` adds hostile peers (launch/adversary.py) beside the honest ones.
         `training_role="both"`: the training peers serve inference too (one process a stage
-        can then hold a model's slice once, for training and generation)."""
+        can then hold a model's slice once, for training and generation).
+        `memory_limits_mb`: a peer's own memory cap by name (train0, ...), instead of the
+        config's `host.memory_limit_mb`; the peer offers it as its memory.
+        `plan_from_offers`: the training peers start first and offer their memory and speed,
+        the stages are planned from those offers (coordinator/planning.py; the config must
+        leave `stage_layers` empty), and `config` becomes the planned one (`planned` says
+        why)."""
+        if plan_from_offers and (config.stage_layers or not training):
+            raise ValueError("planning from offers needs training peers and a config without "
+                             "stage_layers")
+        self.memory_limits_mb = dict(memory_limits_mb or {})
+        self.plan_from_offers = plan_from_offers
+        self.planned: OfferPlan | None = None
         if training_role not in ("training", "both"):
             raise ValueError(f"training peers join as training or both, not {training_role!r}")
         self.training_role = training_role
@@ -124,12 +142,6 @@ class LocalSwarm:
             self._spawn(relay)
             self._wait_ready(relay, timeout_s=60)
             self.relay_addresses += relay.info["addresses"]
-        # Until the coordinator announces it with its roster, this does (it expires unless
-        # renewed, and loading the peers may take minutes).
-        announced = threading.Event()
-        renewer = threading.Thread(target=self._announce_run, args=(announced,),
-                                   name="announce-run", daemon=True)
-        renewer.start()
         keys = self.config.path / "keys"
         hostile_trainers = {stage for kind in self.adversaries if kind in TRAINING_ADVERSARIES
                             for stage in adversary_stages(kind, self.config.num_stages)}
@@ -143,7 +155,8 @@ class LocalSwarm:
                 name = f"train{stage}" + (f".{index}" if index else "")
                 key = keys / f"{name}.key"
                 admit(self.config.path, [Identity.from_file(key).peer_id])
-                self._add(name, ["join", "--stage", str(stage), "--role", self.training_role,
+                planned = "auto" if self.plan_from_offers else str(stage)
+                self._add(name, ["join", "--stage", planned, "--role", self.training_role,
                                  "--checkpoint-dir", str(self._checkpoint_dir(name)),
                                  "--identity", str(key)],
                           addresses)
@@ -168,9 +181,21 @@ class LocalSwarm:
                 self._add(name, ["join", "--stage", str(stage), "--adversary", kind, "--role",
                                  *role], addresses)
         peers = [child for child in self.children.values() if child.process is None]
+        if self.plan_from_offers:  # the training peers offer while they wait for the plan
+            for child in peers:
+                if child.name.startswith("train"):
+                    self._spawn(child)
+            self._plan()
+        # Until the coordinator announces it with its roster, this does (it expires unless
+        # renewed, and loading the peers may take minutes).
+        announced = threading.Event()
+        renewer = threading.Thread(target=self._announce_run, args=(announced,),
+                                   name="announce-run", daemon=True)
+        renewer.start()
         try:
             for child in peers:
-                self._spawn(child)
+                if child.process is None:
+                    self._spawn(child)
             for child in peers:
                 self._wait_ready(child, timeout_s=300)
                 on_ready(child)
@@ -179,9 +204,25 @@ class LocalSwarm:
             renewer.join()
         return addresses
 
+    def _plan(self) -> None:
+        """Stage plan from the training peers' offers; `config` (and its file) become the
+        planned one."""
+        assert self.bootstrap is not None
+        self.bootstrap.dht_storage.join(RunNamespace.of(self.config, self.bootstrap.peer_id))
+        offers = wait_for_offers(self.bootstrap, self.config,
+                                 lambda: admitted_peers(self.config.path), timeout_s=300)
+        self.planned = plan_from_offers(model_spec(resolve_model(self.config.model)),
+                                        self.config, offers)
+        self.config = self.config.model_copy(
+            update={"stage_layers": self.planned.choice.plan.stage_layers})
+        self.config_path.write_text(self.config.model_dump_json())
+        log.info("stages planned from the training peers' offers:\n%s",
+                 self.planned.describe())
+
     def _announce_run(self, stop: threading.Event) -> None:
         assert self.bootstrap is not None
-        manifest = run_manifest(self.config, roster=[], session=self.session)
+        manifest = run_manifest(self.config, roster=[], session=self.session,
+                                planned=list(self.planned.peers) if self.planned else None)
         every_s = self.config.swarm.announce_every_s
         while True:
             try:
@@ -195,6 +236,8 @@ class LocalSwarm:
         assert self.bootstrap is not None
         full = [*args, "--config", str(self.config_path), "--owner", self.bootstrap.peer_id,
                 "--name", name, "--exit-with-parent", "--log-json"]
+        if name in self.memory_limits_mb:  # its own cap, which it offers as its memory
+            full += ["--set", f"host.memory_limit_mb={self.memory_limits_mb[name]}"]
         for address in addresses:
             full += ["--initial-peers", address]
         if self.internet is not None:
@@ -233,7 +276,7 @@ class LocalSwarm:
         command = [sys.executable, "-m", "decentrl.cli", *child.args]
         if self.internet is not None:
             command = self.internet.command(self._host(child.name), command)
-        limit_mb = self.config.host.memory_limit_mb
+        limit_mb = self.memory_limits_mb.get(child.name, self.config.host.memory_limit_mb)
         if limit_mb and child.memory is None:
             child.memory = MemoryCgroup.create(child.name, limit_mb * MIB)
         memory = child.memory

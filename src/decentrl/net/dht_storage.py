@@ -10,7 +10,8 @@ goes through `store_subkey`, which refuses (and counts by reason) before anythin
 
 - a key outside this node's run (`RunNamespace`: the run's name, its owner and its stages; a
   node that has joined no run keeps peers' route records only) or a record a key's kind does not
-  take from its writer (the owner's keys take the owner's record only, a route key its peer's);
+  take from its writer (the owner's keys take the owner's record only, a route key or an offer
+  key its peer's);
 - an expiry past `MAX_RECORD_TTL_S` from now (or a few of the run's announce periods);
 - a body over its kind's size (`KeyKind.max_body_bytes`);
 - a writer over `MAX_WRITER_BYTES` (the owner: one record per key of its run), a key over its
@@ -18,7 +19,8 @@ goes through `store_subkey`, which refuses (and counts by reason) before anythin
 
 A node learns its run when it takes a part in it: a stage peer from the config it serves
 (stage/peer.py `StagePeer.start`), the owner when it publishes the run's manifest
-(coordinator/manifest.py). Until then (a joiner waiting for the manifest, a relay, a bootstrap node)
+(coordinator/manifest.py), or as it waits for its training peers' offers
+(coordinator/planning.py). Until then (a joiner waiting for the manifest, a relay, a bootstrap node)
 it keeps peers' own route records only: it serves nobody in a run yet, and the run's nodes keep
 the run's records.
 
@@ -56,7 +58,7 @@ from hivemind.utils.timed_storage import (
 
 from decentrl.config import RunConfig
 from decentrl.errors import DecentrlError
-from decentrl.net.protocol import coordinator_key, ended_key, lineage_key, stage_key
+from decentrl.net.protocol import coordinator_key, ended_key, lineage_key, offer_key, stage_key
 from decentrl.net.reach import MAX_ADDRESS_CHARS, MAX_ROUTES, route_key
 from decentrl.net.records import MAX_RECORD_BYTES, stored_value_bytes
 
@@ -80,6 +82,8 @@ PEER_RECORD_BYTES = 2 * 2**10
 ROUTE_RECORD_BYTES = MAX_ROUTES * (MAX_ADDRESS_CHARS + 3) + 64
 # The owner's word that the run ended: the run's name and step count, with room for a session.
 RUN_END_BYTES = 2**10
+# A training peer's offer to a planning owner (HostOffer): a run name, a role and two numbers.
+OFFER_BYTES = 2**10
 # Writers kept under one stage key: twice the directory's PEERS_PER_STAGE (net/directory.py), so
 # a stage of a volunteer swarm (tens of replicas) fits many times over.
 STAGE_WRITERS = 512
@@ -118,6 +122,7 @@ MANIFEST = KeyKind("manifest", MAX_RECORD_BYTES, owner_only=True)
 LINEAGE = KeyKind("lineage", MAX_RECORD_BYTES, owner_only=True)
 RUN_END = KeyKind("run end", RUN_END_BYTES, owner_only=True)
 ROUTES = KeyKind("routes", ROUTE_RECORD_BYTES)
+OFFER = KeyKind("offer", OFFER_BYTES)
 # An Ed25519 peer id, as a subkey names its writer.
 PEER_ID_CHARS = 52
 
@@ -128,9 +133,9 @@ def entry_bytes(kind: KeyKind) -> int:
 
 
 # What a peer other than the owner keeps in a run: its announcement in its stage (and in the
-# stage it just left, until that one expires) and its route record. The owner may keep one record
-# under each key of its run (`RunNamespace.owner_bytes`).
-MAX_WRITER_BYTES = 2 * entry_bytes(STAGE) + entry_bytes(ROUTES)
+# stage it just left, until that one expires), its route record and its offer. The owner may
+# keep one record under each key of its run (`RunNamespace.owner_bytes`).
+MAX_WRITER_BYTES = 2 * entry_bytes(STAGE) + entry_bytes(ROUTES) + entry_bytes(OFFER)
 
 
 def key_id(key: str) -> DHTID:
@@ -197,6 +202,7 @@ class BoundedDHTStorage(DHTLocalStorage):
         self._lock = threading.Lock()
         self._kinds: dict[DHTID, KeyKind] = {}
         self._owner: str | None = None
+        self._run: str | None = None
         self._owner_bytes = 0
         self.max_ttl_s = MAX_RECORD_TTL_S
         self._entries: dict[tuple[DHTID, str], _Entry] = {}
@@ -212,6 +218,7 @@ class BoundedDHTStorage(DHTLocalStorage):
         what it kept of that run expires by itself)."""
         with self._lock:
             self._kinds, self._owner = namespace.kinds(), namespace.owner
+            self._run = namespace.run
             self._owner_bytes = namespace.owner_bytes
             self.max_ttl_s = namespace.max_ttl_s
 
@@ -268,11 +275,15 @@ class BoundedDHTStorage(DHTLocalStorage):
         writer = subkey
         with self._lock:
             kind, owner, owner_bytes = self._kinds.get(key), self._owner, self._owner_bytes
+            run = self._run
         if kind is None and key == key_id(route_key(writer)):
             kind = ROUTES
+        if kind is None and run is not None and key == key_id(offer_key(run, writer)):
+            kind = OFFER
         if kind is None:
             raise StorageRefused("outside this node's run", f"a record of {writer[-8:]} under a "
-                                 "key that is no route of its writer's nor a key of this run")
+                                 "key that is no route or offer of its writer's nor a key of "
+                                 "this run")
         if kind.owner_only and writer != owner:
             raise StorageRefused("not its writer's key", f"the run's {kind.name} is its owner's "
                                  f"record, not {writer[-8:]}'s")

@@ -95,6 +95,24 @@ def lineage_key(run: str, stage: int) -> str:
     return f"decentrl/{run}/lineage{stage}"
 
 
+def offer_key(run: str, peer_id: str) -> str:
+    """A training peer's own key for its `HostOffer` (only it may write there)."""
+    return f"decentrl/{run}/offer/{peer_id}"
+
+
+class HostOffer(Body):
+    """What a training peer offers a run whose owner plans the stages from its peers
+    (coordinator/planning.py), announced while it waits for the run's manifest: the memory it
+    gives the model (`memory_mb`: its memory limit, or what its device has) and its measured
+    speed (`speed`: a matrix product's GFLOP/s at its own device, dtype and threads). Only the
+    run's admitted training peers' offers count: a stranger's plan nobody."""
+
+    run: str
+    role: Role
+    memory_mb: int
+    speed: float
+
+
 class RosterEntry(Body):
     """A training peer the run's owner admitted: it trains `stage` and publishes its weights,
     since the learner version `since`."""
@@ -122,6 +140,9 @@ class RunManifest(Body):
     # Drawn at each start of the coordinator (net/session.py): every other record the owner
     # signs for the run names it, and counts only while it is this manifest's.
     session: str
+    # The training peer each stage was planned for, where the owner planned the stages from its
+    # peers' offers (coordinator/planning.py): that peer takes that stage. Empty otherwise.
+    planned: list[str] = []
 
 
 def ended_key(run: str) -> str:

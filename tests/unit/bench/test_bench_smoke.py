@@ -490,3 +490,32 @@ def test_mixed_precision_prints_figures(tiny_model_dir: Path,
     assert values["bf16_bf16_hidden_error_max"] == 0.0
     assert_positive(values, ["bf16_fp32_hidden_error_mean", "fp32_bf16_logprob_gap_max"])
     assert values["bf16_fp32_hidden_error_max"] < 0.25  # within the sketch tolerance
+
+
+def test_int8_base_halves_the_projections_and_stays_near_fp32(
+        tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("int8_base")
+    path = tmp_path / "int8.json"
+    bench.main(["--model", str(tiny_model_dir), "--variants", "bf16,int8,int8-fp32", "--rank",
+                "4", "--batch", "2", "--prompt-length", "6", "--max-new-tokens", "4", "--steps",
+                "1", "--warmup", "0", "--threads", "1", "--json", str(path)])
+    values = figures(capsys.readouterr().out, "int8_base")
+    assert json.loads(path.read_text())["figures"] == pytest.approx(values, rel=1e-5)
+    assert all(math.isfinite(value) for value in values.values()), values
+    variants = ("fp32", "bf16", "int8", "int8_fp32")  # fp32, the reference, always runs
+    assert_positive(values, [f"{v}_{name}" for v in variants for name in (
+        "frozen_bytes", "projection_bytes", "adapter_bytes", "new_tokens_per_s",
+        "train_step_s")])
+    # int8 values and an fp32 scale a row: about half of bf16's bytes, whatever the compute.
+    assert values["int8_projection_bytes"] < 0.6 * values["bf16_projection_bytes"]
+    assert values["int8_fp32_projection_bytes"] == values["int8_projection_bytes"]
+    assert values["bf16_projection_bytes"] == values["fp32_projection_bytes"] / 2
+    assert values["int8_frozen_bytes"] < values["bf16_frozen_bytes"]
+    # The learners' adapters are fp32 masters in every variant; the served ones take the compute.
+    assert len({values[f"{v}_adapter_bytes"] for v in variants}) == 1
+    assert values["int8_served_adapter_bytes"] == values["fp32_adapter_bytes"] / 2
+    # The base moves the log-probs, a little: quantized or rounded, never identical to fp32.
+    assert values["fp32_logprob_diff_max"] == 0.0
+    for variant in ("bf16", "int8", "int8_fp32"):
+        assert 0 < values[f"{variant}_logprob_diff_mean"] <= values[f"{variant}_logprob_diff_max"]
+        assert values[f"{variant}_logprob_diff_max"] < 0.5

@@ -22,6 +22,7 @@ from decentrl.net import dht_storage
 from decentrl.net.dht_storage import (
     MAX_KEY_BYTES,
     MAX_RECORD_TTL_S,
+    OFFER_BYTES,
     PEER_RECORD_BYTES,
     STAGE_WRITERS,
     BoundedDHTStorage,
@@ -32,7 +33,15 @@ from decentrl.net.directory import Directory
 from decentrl.net.identity import Identity
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import SwarmNode
-from decentrl.net.protocol import PeerRecord, coordinator_key, ended_key, lineage_key, stage_key
+from decentrl.net.protocol import (
+    HostOffer,
+    PeerRecord,
+    coordinator_key,
+    ended_key,
+    lineage_key,
+    offer_key,
+    stage_key,
+)
 from decentrl.net.reach import route_key
 from decentrl.net.records import MAX_RECORD_BYTES
 from decentrl.net.wire import TensorLimits, encode_struct
@@ -89,6 +98,25 @@ def test_only_the_runs_keys_and_the_owners_records_under_the_owners_keys(
     assert not storage.store(STAGE, value(300), NOW + 10)  # a plain value: no writer named
     assert storage.refused == {"not its writer's key": 3, "outside this node's run": 3,
                                "no subkey": 1}
+
+
+def test_a_training_peers_offer_is_kept_under_its_own_offer_key_only_and_small(
+        storage: BoundedDHTStorage) -> None:
+    """Offers (HostOffer) to a planning owner: a peer writes its own key of this run, never
+    another peer's (a stranger cannot speak for an admitted peer), nor one of another run, and
+    an offer is a kilobyte at most."""
+    own = key_id(offer_key(RUN, WRITER))
+    assert storage.store_subkey(own, WRITER, value(200), NOW + 10)
+    assert not storage.store_subkey(key_id(offer_key(RUN, OWNER)), WRITER, value(200), NOW + 10)
+    assert not storage.store_subkey(key_id(offer_key("another-run", WRITER)), WRITER,
+                                    value(200), NOW + 10)
+    assert not storage.store_subkey(own, WRITER, value(OFFER_BYTES + 8), NOW + 10)
+    largest = encode_struct(HostOffer(run="r" * 100, role="training", memory_mb=2**31,
+                                      speed=1e12))
+    assert len(largest) < OFFER_BYTES // 4
+    assert storage.refused == {"outside this node's run": 2, "over its kind's size": 1}
+    # A node that joined no run keeps no offer (it plans nothing and serves nobody yet).
+    assert not BoundedDHTStorage().store_subkey(own, WRITER, value(200), NOW + 10)
 
 
 def test_records_live_a_few_announce_periods_at_most(clock: list[float],
