@@ -139,6 +139,12 @@ def coordinate(
     announce: Annotated[Optional[list[str]], typer.Option(  # noqa: UP007
         help="The address to give peers instead of the listen one, repeatable: the host's "
              "public address, like /ip4/203.0.113.5/tcp/31337.")] = None,
+    plan_from_offers: Annotated[bool, typer.Option(
+        "--plan-from-offers",
+        help="Plan how many layers each stage gets from the admitted training peers' offers "
+             "(their memory and measured speed, announced while they wait) before the run "
+             "starts; the config leaves stage_layers out. The plan is kept in "
+             "RUN/stage_plan.json for a resumed run.")] = False,
     settings: Settings = None,
 ) -> None:
     """Coordinate a swarm run.
@@ -149,6 +155,7 @@ def coordinate(
     It prints the command that volunteers run to join."""
     from decentrl.coordinator.manifest import admit as admit_peers
     from decentrl.coordinator.manifest import admitted_peers, announce_run_end, owner_identity
+    from decentrl.coordinator.planning import planned_run
     from decentrl.coordinator.swarm_backend import swarm_run
     from decentrl.demo import before_after_table, release
     from decentrl.launch.join import RUN_END_LINGER_S, link_profile
@@ -172,14 +179,27 @@ def coordinate(
     dial_back = DialBackService(node) if network.reachability != "loopback" else None
     coordinator = None
     try:
-        coordinator = swarm_run(run_config, node, console)  # checks the whole config
-        joining = join_command(run_config.name, node.peer_id, node.addresses())
-        (run_config.path / "join.txt").write_text(joining + "\n")
-        console.print("peers join with this command (a training peer adds --role training "
-                      "--identity KEY_FILE --checkpoint-dir DIR, and waits to be admitted; it is "
-                      f"also in {run_config.path / 'join.txt'}):", highlight=False)
-        # One line, never wrapped: a terminal that wraps it copies a broken address.
-        console.print(joining, soft_wrap=True, highlight=False, markup=False)
+        def say_how_to_join() -> None:
+            joining = join_command(run_config.name, node.peer_id, node.addresses())
+            (run_config.path / "join.txt").write_text(joining + "\n")
+            console.print("peers join with this command (a training peer adds --role training "
+                          "--identity KEY_FILE --checkpoint-dir DIR, and waits to be admitted; "
+                          f"it is also in {run_config.path / 'join.txt'}):", highlight=False)
+            # One line, never wrapped: a terminal that wraps it copies a broken address.
+            console.print(joining, soft_wrap=True, highlight=False, markup=False)
+
+        planned: list[str] = []
+        if plan_from_offers:  # the training peers offer while they wait for the manifest
+            say_how_to_join()
+            try:
+                made = planned_run(node, run_config, console, wait)
+            except (ValueError, TimeoutError) as error:
+                fail(f"planning the stages from offers: {error}")
+                return
+            run_config, planned = made.config, made.peers
+        coordinator = swarm_run(run_config, node, console, planned=planned)  # checks it all
+        if not plan_from_offers:
+            say_how_to_join()
         summary = coordinator.run(wait_s=wait)
         console.print(f"{summary.steps} steps; after: pass@1 {summary.after.pass1.as_percent()}")
         # Its peers stop (those of this session: net/session.py).

@@ -9,18 +9,25 @@ model/planner.py `plan_stages`: each stage as many layers as its peer's memory h
 role (full training, or the frozen base of a LoRA run) and its speed's share of the pipeline.
 The two peers with the most memory take the first and the last stage, which also hold the
 embeddings and the head. The manifest then names the planned layers and, per stage, the peer
-planned for it (`RunManifest.planned`), which takes that stage."""
+planned for it (`RunManifest.planned`), which takes that stage. The plan is kept in the run's
+folder (`RUN/stage_plan.json`): a resumed run keeps it, since its checkpoints are per stage."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from rich.console import Console
+
 from decentrl.config import RunConfig
+from decentrl.coordinator.manifest import admitted_peers
+from decentrl.model.loading import model_spec, resolve_model
 from decentrl.model.planner import PlanChoice, StageHost, plan_stages
 from decentrl.model.spec import ModelSpec
+from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import HostOffer, offer_key
 from decentrl.net.records import decode_records
@@ -30,6 +37,7 @@ MIB = 2**20
 # 0.5-0.55 GiB (bench/README.md, big_shape), with room for a training step's activations.
 PEER_RESERVE_BYTES = 768 * MIB
 LOOKUP_TIMEOUT_S = 30.0
+PLAN_FILE = "stage_plan.json"
 
 
 @dataclass(frozen=True)
@@ -104,3 +112,42 @@ def wait_for_offers(node: SwarmNode, config: RunConfig, admitted: Callable[[], f
                 f"{timeout_s:.0f}s; planning {config.num_stages} stages needs one a stage (start "
                 "them with --role training or both, and admit them)")
         (stop or threading.Event()).wait(min(1.0, config.swarm.announce_every_s))
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """A run's config with its stage plan, the peer planned for each stage, and the plan made
+    from the offers (None where the plan was kept from the run's first start)."""
+
+    config: RunConfig
+    peers: list[str]
+    made: OfferPlan | None
+
+
+def planned_run(node: SwarmNode, config: RunConfig, console: Console, wait_s: float
+                ) -> PlannedRun:
+    """`config` with the stage plan of its run: the one kept in its folder (a resumed run), or
+    one planned now from the admitted training peers' offers on `node` (the owner's), kept for
+    the next start."""
+    if config.stage_layers:
+        raise ValueError("planning from offers needs a config without stage_layers (the "
+                         "planner chooses them)")
+    path = config.path / PLAN_FILE
+    if path.is_file():
+        kept = json.loads(path.read_text())
+        console.print(f"stage plan kept from the run's first start ({path}): "
+                      f"{kept['stage_layers']}", highlight=False)
+        return PlannedRun(config.model_copy(
+            update={"stage_layers": tuple(kept["stage_layers"])}), list(kept["peers"]), None)
+    node.dht_storage.join(RunNamespace.of(config, node.peer_id))  # keep the offers
+    console.print(f"waiting up to {wait_s:.0f}s for an offer from an admitted training peer "
+                  f"for each of the {config.num_stages} stages", highlight=False)
+    offers = wait_for_offers(node, config, lambda: admitted_peers(config.path), wait_s)
+    plan = plan_from_offers(model_spec(resolve_model(config.model)), config, offers)
+    console.print(f"stages planned from the peers' offers:\n{plan.describe()}", highlight=False)
+    layers = plan.choice.plan.stage_layers
+    config.path.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"stage_layers": list(layers), "peers": list(plan.peers),
+                                "why": list(plan.choice.reasons)}, indent=1))
+    return PlannedRun(config.model_copy(update={"stage_layers": layers}), list(plan.peers),
+                      plan)

@@ -107,9 +107,11 @@ class SwarmBackend:
     recoverable_step_errors: tuple[type[BaseException], ...] = (SwarmUnavailable,)
     checkpoint_at_start = True  # version 0: what a replacement training peer starts from
 
-    def __init__(self, config: RunConfig, node: SwarmNode, console: Console) -> None:
+    def __init__(self, config: RunConfig, node: SwarmNode, console: Console,
+                 planned: list[str] | None = None) -> None:
         """Checks everything about `config` that can be checked here (the model, the stages)
-        before anything is announced."""
+        before anything is announced. `planned`: the training peer planned for each stage,
+        where the stages were planned from the peers' offers (coordinator/planning.py)."""
         folder = resolve_model(config.model)
         self.spec = model_spec(folder)
         check_swarm_config(config, self.spec)
@@ -118,7 +120,7 @@ class SwarmBackend:
         self.config, self.node, self.console = config, node, console
         self.manifest_ttl_s = 5 * config.swarm.announce_every_s
         # Everything but the roster is fixed for this start: hashed once, not every announcement.
-        self.manifest = run_manifest(config, roster=[], session=new_session())
+        self.manifest = run_manifest(config, roster=[], session=new_session(), planned=planned)
         node.sizes = RunSizes.of(self.spec, config)  # bounds the replies it collects
         self.checkpoints = CheckpointLayout(config.path / "checkpoints")
         # What each stage's checkpoint shard may take: a training peer's report is bounded by it.
@@ -448,9 +450,11 @@ class ObserverHooks(RunHooks):
 
 
 def swarm_run(config: RunConfig, node: SwarmNode, console: Console | None = None,
-              hooks: list[RunHooks] | None = None) -> TrainingLoop[SwarmBackend]:
+              hooks: list[RunHooks] | None = None, planned: list[str] | None = None
+              ) -> TrainingLoop[SwarmBackend]:
     """The coordinator of a swarm run on `node`; `.run(wait_s)` waits for the peers and runs,
-    `.close()` releases it. Raises ConfigError for a config the swarm cannot run."""
+    `.close()` releases it. Raises ConfigError for a config the swarm cannot run. `planned`:
+    the peer of each stage, where the stages were planned from offers."""
     console = console or Console()
-    backend = SwarmBackend(config, node, console)
+    backend = SwarmBackend(config, node, console, planned)
     return TrainingLoop(config, backend, console, [*(hooks or []), ObserverHooks(backend)])

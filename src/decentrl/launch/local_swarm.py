@@ -19,15 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from decentrl.config import RunConfig
 from decentrl.coordinator.manifest import (
     admit,
-    admitted_peers,
     owner_identity,
     publish_manifest,
     run_manifest,
 )
-from decentrl.coordinator.planning import OfferPlan, plan_from_offers, wait_for_offers
+from decentrl.coordinator.planning import OfferPlan, planned_run
 from decentrl.launch.adversary import (
     ADVERSARIES,
     TRAINING_ADVERSARIES,
@@ -35,8 +36,6 @@ from decentrl.launch.adversary import (
 )
 from decentrl.launch.join import INFERENCE_NICENESS, READY, link_profile, yield_cpu
 from decentrl.launch.memory_limit import MIB, MemoryCgroup
-from decentrl.model.loading import model_spec, resolve_model
-from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.dialback import DialBackService
 from decentrl.net.identity import Identity
 from decentrl.net.netns import Internet
@@ -99,6 +98,7 @@ class LocalSwarm:
         self.memory_limits_mb = dict(memory_limits_mb or {})
         self.plan_from_offers = plan_from_offers
         self.planned: OfferPlan | None = None
+        self.planned_peers: list[str] = []
         if training_role not in ("training", "both"):
             raise ValueError(f"training peers join as training or both, not {training_role!r}")
         self.training_role = training_role
@@ -208,21 +208,15 @@ class LocalSwarm:
         """Stage plan from the training peers' offers; `config` (and its file) become the
         planned one."""
         assert self.bootstrap is not None
-        self.bootstrap.dht_storage.join(RunNamespace.of(self.config, self.bootstrap.peer_id))
-        offers = wait_for_offers(self.bootstrap, self.config,
-                                 lambda: admitted_peers(self.config.path), timeout_s=300)
-        self.planned = plan_from_offers(model_spec(resolve_model(self.config.model)),
-                                        self.config, offers)
-        self.config = self.config.model_copy(
-            update={"stage_layers": self.planned.choice.plan.stage_layers})
+        planned = planned_run(self.bootstrap, self.config, Console(stderr=True), wait_s=300)
+        self.config, self.planned_peers, self.planned = planned.config, planned.peers, \
+            planned.made
         self.config_path.write_text(self.config.model_dump_json())
-        log.info("stages planned from the training peers' offers:\n%s",
-                 self.planned.describe())
 
     def _announce_run(self, stop: threading.Event) -> None:
         assert self.bootstrap is not None
         manifest = run_manifest(self.config, roster=[], session=self.session,
-                                planned=list(self.planned.peers) if self.planned else None)
+                                planned=self.planned_peers)
         every_s = self.config.swarm.announce_every_s
         while True:
             try:

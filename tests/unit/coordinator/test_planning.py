@@ -5,6 +5,7 @@ a clear refusal when too few offered, and a peer that leaves the plan to the own
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from collections.abc import Coroutine
 from pathlib import Path
@@ -12,12 +13,15 @@ from typing import Any
 
 import pytest
 import torch
+from rich.console import Console
 
 from decentrl.config import HostConfig, RunConfig, parse_config
 from decentrl.coordinator import planning
-from decentrl.coordinator.manifest import accept_manifest, run_manifest
+from decentrl.coordinator.manifest import accept_manifest, admit, run_manifest
 from decentrl.coordinator.planning import (
+    PLAN_FILE,
     plan_from_offers,
+    planned_run,
     planning_role,
     read_offers,
     wait_for_offers,
@@ -26,6 +30,7 @@ from decentrl.launch.offer import host_memory_mb, host_offer, measured_gflops
 from decentrl.model.families import spec_from_hf_config
 from decentrl.model.planner import PlanError, parameter_counts
 from decentrl.model.spec import ModelSpec
+from decentrl.net.dht_storage import BoundedDHTStorage
 from decentrl.net.identity import Identity
 from decentrl.net.protocol import HostOffer, offer_key
 from decentrl.net.session import new_session
@@ -90,6 +95,8 @@ class FakeNode:
 
     def __init__(self, table: dict[str, dict[str, bytes]]) -> None:
         self.table = table
+        self.peer_id = Identity.generate().peer_id
+        self.dht_storage = BoundedDHTStorage()
 
     async def lookup(self, key: str) -> dict[str, bytes]:
         return self.table.get(key, {})
@@ -154,3 +161,22 @@ def test_a_peer_that_leaves_the_plan_to_the_owner_takes_the_owners(tiny_model_di
     with pytest.raises(ValueError, match="this peer's config differs"):
         accept_manifest(manifest, parse_config({"model": str(tiny_model_dir), "num_stages": 2,
                                                 "stage_layers": [2, 2]}))
+
+
+def test_a_run_keeps_the_plan_of_its_first_start(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = parse_config({"model": str(tiny_model_dir), "num_stages": 2,
+                           "host": {"run_dir": str(tmp_path)}})
+    admit(config.path, PEERS[:2])
+    node: Any = FakeNode({offer_key(config.name, peer): {peer: encode_struct(
+        offer(64_000, speed, run=config.name))} for peer, speed in zip(PEERS, (300.0, 100.0))})
+    console = Console(file=io.StringIO())
+    first = planned_run(node, config, console, wait_s=5)
+    assert first.made is not None and first.config.stage_layers == (3, 1)
+    assert first.peers == [PEERS[0], PEERS[1]]
+    assert json.loads((config.path / PLAN_FILE).read_text())["stage_layers"] == [3, 1]
+    # Resumed: the same plan, though nobody offers now (its checkpoints are per stage).
+    node.table.clear()
+    again = planned_run(node, config, console, wait_s=5)
+    assert (again.config.stage_layers, again.peers, again.made) == ((3, 1), first.peers, None)
+    with pytest.raises(ValueError, match="needs a config without stage_layers"):
+        planned_run(node, first.config, console, wait_s=5)
