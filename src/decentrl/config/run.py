@@ -44,8 +44,10 @@ class RunConfig(Section):
                             "into; each stage is served by its own peers")
     stage_layers: tuple[int, ...] = Field((), description="layers of each stage, from the "
                                           "first (they must add up to the model's layers); "
-                                          "empty: as even as the layers allow. `decentrl plan` "
-                                          "chooses them from the peers' memory and speed")
+                                          "empty: as even as the layers allow, or planned from "
+                                          "the training peers' offers (`decentrl coordinate "
+                                          "--plan-from-offers`). `decentrl plan` chooses them "
+                                          "from given memory and speed")
     task: TaskConfig = TaskConfig()
     rollout: RolloutConfig = RolloutConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
