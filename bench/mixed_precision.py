@@ -12,7 +12,8 @@ trained on by a learner that autocasts to either. This measures, on the demo's m
     decoding step by step) against the re-executed one, and its seeded sampling margin
     (rollout/sampling.py `sampling_margin`): the share over `trust.logprob_tolerance` and
     `trust.sampling_tolerance` (0.5 nats), and the share of groups that would fail a check (over
-    `trust.max_mismatch_fraction`, 5% of its tokens);
+    `trust.max_mismatch_fraction`, 5% of its tokens, and over `trust.mismatched_tokens_allowed`,
+    1 token);
   - the trainer's flags: rows whose mean log pi - log mu is over `trust.flag_log_ratio` (1.0)
     when the learner computes in the checking dtype (learn/losses.py `flagged_rows`).
 One process, on the CPU, no network: the dtypes' numerics are the point, not the swarm.
@@ -67,6 +68,7 @@ def measure_pair(stages: dict[str, list[Any]], served: str, check: str, prompts:
     from decentrl.rollout.chain import LocalChain, step_generator
     from decentrl.rollout.generate import generate, step_seed
     from decentrl.rollout.sampling import SamplingConfig, sampling_margin, sampling_noise
+    from decentrl.trust.verify import too_many_mismatches
 
     trust = TrustConfig()
     sampling = SamplingConfig(temperature=1.0)
@@ -94,7 +96,9 @@ def measure_pair(stages: dict[str, list[Any]], served: str, check: str, prompts:
             group_ratios.append(logprobs - behaviour[:, step])
         gap, margin = torch.stack(group_gaps, 1), torch.stack(group_margins, 1)
         bad = (gap > trust.logprob_tolerance) | (margin > trust.sampling_tolerance)
-        failed_groups += int(bad.float().mean() > trust.max_mismatch_fraction)
+        failed_groups += int(too_many_mismatches(int(bad.sum()), bad.numel(),
+                                                 trust.max_mismatch_fraction,
+                                                 trust.mismatched_tokens_allowed))
         row_ratios.append(torch.stack(group_ratios, 1).mean(1))  # per row, over its tokens
         gaps.append(gap.flatten())
         margins.append(margin.flatten())

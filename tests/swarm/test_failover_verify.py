@@ -289,6 +289,32 @@ def test_the_tokens_verdict_blames_the_replica_whose_tokens_fail() -> None:
     assert judge_tokens(layout, gaps, torch.zeros_like(gaps), provenance.stages[1], trust) is None
 
 
+def test_a_small_group_fails_on_two_missed_tokens_not_on_one() -> None:
+    """A group of 11 scored tokens (an evaluation's greedy group): 5% of it is half a token, so
+    one rare numeric miss of an honest replica (1 in 2560 tokens between fp32 and bf16 peers)
+    used to fail it. `trust.mismatched_tokens_allowed` (1) lets one pass; a second fails, and a
+    run that sets it to 0 fails on one."""
+    rollout = Rollout(prompt_tokens=[5, 6], completion_tokens=list(range(1, 12)),
+                      behaviour_logprobs=[-1.0] * 11, finished=False)
+    group = RolloutGroup(group_id="g", task="sums", problem_index=0, stage_versions=[0, 0],
+                         version_spans=[VersionSpan(start=0, versions=[0, 0])], sampling_seed=1,
+                         rollouts=[rollout])
+    layout = session_layout(group, pad_id=0)
+    provenance = Provenance.empty(2)
+    provenance.stages[1].serve(0, "replica")
+    gaps = torch.zeros(int((layout.targets >= 0).sum()))
+    assert gaps.numel() == 11
+    gaps[4] = 0.64  # the bench's worst honest margin, as a gap
+    trust = TrustConfig()
+    assert judge_tokens(layout, gaps, torch.zeros_like(gaps), provenance.stages[1], trust) is None
+    strict = TrustConfig(mismatched_tokens_allowed=0)
+    assert judge_tokens(layout, gaps, torch.zeros_like(gaps), provenance.stages[1],
+                        strict) is not None
+    gaps[9] = 3.0
+    found = judge_tokens(layout, gaps, torch.zeros_like(gaps), provenance.stages[1], trust)
+    assert found is not None and "2 of 11 tokens" in found[1], found
+
+
 def test_segments_are_cut_where_a_stage_was_rebuilt() -> None:
     rollout = Rollout(prompt_tokens=[5, 6, 7], completion_tokens=[1, 2, 3, 4, 5],
                       behaviour_logprobs=[-1.0] * 5, finished=False)

@@ -189,7 +189,8 @@ def test_two_steps_of_qwen3_moe_with_routing_replay_through_a_swarm(
 # The tiny model's routers are nearly flat (logits of std ~0.1): honest fp32 replicas agree with
 # the re-execution to rounding, a lie is a few hundredths of a nat off. No mismatch is allowed,
 # so a single forged token fails the check.
-CLAIM_TRUST = {"routing_tolerance": 1e-3, "max_mismatch_fraction": 0.0}
+CLAIM_TRUST = {"routing_tolerance": 1e-3, "max_mismatch_fraction": 0.0,
+               "mismatched_tokens_allowed": 0}
 GROUP_PROMPT = [1, 2, 3, 4]
 
 

@@ -36,7 +36,8 @@ def run_config(model_dir: Path) -> RunConfig:
     # tampered sample is caught and a single wrongly demanded forced token would be too.
     return tiny_run_config(model_dir, 2, rollout={"group_size": ROWS, "max_new_tokens": BUDGET,
                                                   "temperature": 0.9, "top_k": 30},
-                           trust={"max_mismatch_fraction": 0.0})
+                           trust={"max_mismatch_fraction": 0.0,
+                                  "mismatched_tokens_allowed": 0})
 
 
 def replies_once(reply: list[int]) -> OnStop:

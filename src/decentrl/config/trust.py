@@ -69,6 +69,11 @@ class TrustConfig(Section):
                                      "k-th best in the re-execution (near ties pass)")
     max_mismatch_fraction: float = Field(0.05, ge=0, lt=1, description="share of re-executed "
                                          "tokens allowed outside the tolerances")
+    mismatched_tokens_allowed: int = Field(1, ge=0, description="tokens of a checked group "
+                                           "allowed outside the tolerances whatever its size: "
+                                           "an honest replica's rare numeric miss (1 token in "
+                                           "2560 between fp32 and bf16 peers, bench "
+                                           "mixed-precision) fails no small group")
     flag_log_ratio: float | None = Field(1.0, gt=0, description="a rollout whose mean per-token "
                                          "|log pi - log mu| under the trainer exceeds this is "
                                          "flagged and left out of the loss")

@@ -437,15 +437,22 @@ def claimed_tokens(claims: torch.Tensor) -> torch.Tensor:
     return (claims != FREE_ROUTE).flatten(2).any(-1)
 
 
+def too_many_mismatches(failed: int, total: int, allowed: float, allowed_items: int) -> bool:
+    """Whether `failed` of `total` judged items fail a check: more than the `allowed` share of
+    them and more than `allowed_items`."""
+    return failed > max(allowed * total, allowed_items)
+
+
 def blame_excess(bad: torch.Tensor, columns: torch.Tensor, served: StageProvenance,
-                 allowed: float) -> tuple[str, int, int, int] | None:
+                 allowed: float, allowed_items: int = 0) -> tuple[str, int, int, int] | None:
     """Among the replicas that served `columns` (of the judged items, `bad` marking those that
     failed), the one with the most failures beyond the `allowed` share of its own items: (the
     replica, its first failing column, its failures, its items). None when the failures are
-    within the `allowed` share of all items. After a failover, the replica that did the bad
+    within the `allowed` share of all items, or no more than `allowed_items` (a small group
+    does not fail on one rare numeric miss). After a failover, the replica that did the bad
     work is blamed, not the first column to fail, which may be an honest replica's rare
     numeric miss."""
-    if int(bad.sum()) <= allowed * bad.numel():
+    if not too_many_mismatches(int(bad.sum()), bad.numel(), allowed, allowed_items):
         return None
     replica_of_column = {c: served.peer_at(c) for c in sorted(set(columns.tolist()))}
     served_by = [replica_of_column[int(column)] for column in columns]
@@ -471,7 +478,8 @@ def judge_routing(stage: int, claimed: torch.Tensor, gaps: torch.Tensor,
     column, why)."""
     scored = gaps[claimed]
     bad = scored > trust.routing_tolerance
-    found = blame_excess(bad, claimed.nonzero()[:, 1], served, trust.max_mismatch_fraction)
+    found = blame_excess(bad, claimed.nonzero()[:, 1], served, trust.max_mismatch_fraction,
+                         trust.mismatched_tokens_allowed)
     if found is None:
         return None
     blamed, column, failed, total = found
@@ -485,11 +493,12 @@ def judge_tokens(layout: Layout, gaps: torch.Tensor, margins: torch.Tensor,
                  served: StageProvenance, trust: TrustConfig) -> tuple[int, str] | None:
     """The last stage's verdict from every scored token's log-prob gap and sampling margin (in
     the row-major order of `layout.targets >= 0`): None when the group's share of tokens that do
-    not re-execute is within `trust.max_mismatch_fraction`, else (a failing column, why): the
+    not re-execute is within `trust.max_mismatch_fraction` (or their number within
+    `trust.mismatched_tokens_allowed`), else (a failing column, why): the
     first failing column of the replica `blame_excess` names."""
     bad = (gaps > trust.logprob_tolerance) | (margins > trust.sampling_tolerance)
     found = blame_excess(bad, (layout.targets >= 0).nonzero()[:, 1], served,
-                         trust.max_mismatch_fraction)
+                         trust.max_mismatch_fraction, trust.mismatched_tokens_allowed)
     if found is None:
         return None
     blamed, column, failed, total = found
