@@ -15,6 +15,7 @@ folder (`RUN/stage_plan.json`): a resumed run keeps it, since its checkpoints ar
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -67,13 +68,15 @@ def planning_role(config: RunConfig) -> str:
 def read_offers(node: SwarmNode, run: str, peers: Iterable[str]) -> dict[str, HostOffer]:
     """The offers that `peers` announced for `run`, by peer: each read from its own key and
     signed by it (a record anyone else wrote there is not read, net/dht_storage.py refuses to
-    keep it); one of another run, or malformed, is left out."""
+    keep it); one of another run, malformed, or offering no memory or a speed that is not a
+    positive number, is left out."""
     found: dict[str, HostOffer] = {}
     for peer in peers:
         entries = node.run(node.lookup(offer_key(run, peer)), timeout=LOOKUP_TIMEOUT_S)
         offers, _ = decode_records({w: b for w, b in entries.items() if w == peer}, HostOffer)
         offer = offers.get(peer)
-        if offer is not None and offer.run == run and offer.memory_mb > 0 and offer.speed > 0:
+        if offer is not None and offer.run == run and offer.memory_mb > 0 \
+                and math.isfinite(offer.speed) and offer.speed > 0:
             found[peer] = offer
     return found
 

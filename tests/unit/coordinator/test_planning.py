@@ -119,6 +119,9 @@ def test_only_the_admitted_peers_own_offers_of_this_run_are_read() -> None:
     assert read_offers(node, "run", admitted) == {admitted[0]: offer(4000)}
     table[offer_key("run", admitted[1])] = {admitted[1]: b"\x00garbage"}
     assert read_offers(node, "run", admitted) == {admitted[0]: offer(4000)}
+    for speed in (float("inf"), float("nan"), 0.0):
+        table[offer_key("run", admitted[1])] = {admitted[1]: encode_struct(offer(4000, speed))}
+        assert read_offers(node, "run", admitted) == {admitted[0]: offer(4000)}
 
 
 def test_waiting_for_offers_ends_with_a_clear_error(tiny_model_dir: Path) -> None:
