@@ -172,11 +172,12 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
                       "it (decentrl coordinate --admit ID, or a line in RUN/admitted.txt)",
                       markup=False, highlight=False, soft_wrap=True)
     run_name = config.name if config is not None else str(run)
-    # A training peer offers its memory and speed while it waits: an owner that plans its
-    # stages from its peers (coordinator/planning.py) waits for these offers first.
-    offering = OfferAnnouncer(node, host_offer(run_name, role, host), ANNOUNCE_OFFER_S).start() \
-        if role != "inference" and adversary is None else None
     try:
+        # A training peer offers its memory and speed while it waits: an owner that plans its
+        # stages from its peers (coordinator/planning.py) waits for these offers first.
+        offering = OfferAnnouncer(node, host_offer(run_name, role, host),
+                                  ANNOUNCE_OFFER_S).start() \
+            if role != "inference" and adversary is None else None
         try:
             manifest = wait_for_manifest(node, run_name, owner, config_wait_s, stop, console)
         finally:
@@ -215,7 +216,7 @@ def join(config: RunConfig | None, run: str | None, owner: str, stage: int | Non
             attack(node, config, owner, stop)
             return
         planned = manifest.planned.index(node.peer_id) \
-            if node.peer_id in manifest.planned else None
+            if node.peer_id in manifest.planned[:config.num_stages] else None
         if stage is not None and planned is not None and stage != planned:
             raise ValueError(f"--stage {stage}, but the run's owner planned stage {planned} for "
                              "this peer (join with --stage auto)")
