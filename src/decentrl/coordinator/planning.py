@@ -28,7 +28,6 @@ from decentrl.coordinator.manifest import admitted_peers
 from decentrl.model.loading import model_spec, resolve_model
 from decentrl.model.planner import PlanChoice, StageHost, plan_stages
 from decentrl.model.spec import ModelSpec
-from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import HostOffer, offer_key
 from decentrl.net.records import decode_records
@@ -72,7 +71,7 @@ def read_offers(node: SwarmNode, run: str, peers: Iterable[str]) -> dict[str, Ho
     positive number, is left out."""
     found: dict[str, HostOffer] = {}
     for peer in peers:
-        entries = node.run(node.lookup(offer_key(run, peer)), timeout=LOOKUP_TIMEOUT_S)
+        entries = node.run(node.lookup(offer_key(peer)), timeout=LOOKUP_TIMEOUT_S)
         offers, _ = decode_records({w: b for w, b in entries.items() if w == peer}, HostOffer)
         offer = offers.get(peer)
         if offer is not None and offer.run == run and offer.memory_mb > 0 \
@@ -142,7 +141,6 @@ def planned_run(node: SwarmNode, config: RunConfig, console: Console, wait_s: fl
                       f"{kept['stage_layers']}", highlight=False)
         return PlannedRun(config.model_copy(
             update={"stage_layers": tuple(kept["stage_layers"])}), list(kept["peers"]), None)
-    node.dht_storage.join(RunNamespace.of(config, node.peer_id))  # keep the offers
     console.print(f"waiting up to {wait_s:.0f}s for an offer from an admitted training peer "
                   f"for each of the {config.num_stages} stages", highlight=False)
     offers = wait_for_offers(node, config, lambda: admitted_peers(config.path), wait_s)

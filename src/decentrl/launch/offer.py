@@ -95,7 +95,7 @@ class OfferAnnouncer:
         self._thread.join(timeout=self.every_s + 30)
 
     def _run(self) -> None:
-        key = offer_key(self.offer.run, self.node.peer_id)
+        key = offer_key(self.node.peer_id)
         body = encode_struct(self.offer)
         while not self._stopped.is_set():
             try:

@@ -8,10 +8,10 @@ could read the stage any more. `BoundedDHTStorage` replaces the storage of the n
 (net/daemon.py): every record that a peer asks this node to store, and every record of its own,
 goes through `store_subkey`, which refuses (and counts by reason) before anything is kept:
 
-- a key outside this node's run (`RunNamespace`: the run's name, its owner and its stages; a
-  node that has joined no run keeps peers' route records only) or a record a key's kind does not
-  take from its writer (the owner's keys take the owner's record only, a route key or an offer
-  key its peer's);
+- a key outside this node's run (`RunNamespace`: the run's name, its owner and its stages) or a
+  record a key's kind does not take from its writer (the owner's keys take the owner's record
+  only, a route key or an offer key its peer's: those two a node keeps whatever run it joined,
+  if any);
 - an expiry past `MAX_RECORD_TTL_S` from now (or a few of the run's announce periods);
 - a body over its kind's size (`KeyKind.max_body_bytes`);
 - a writer over `MAX_WRITER_BYTES` (the owner: one record per key of its run), a key over its
@@ -19,10 +19,9 @@ goes through `store_subkey`, which refuses (and counts by reason) before anythin
 
 A node learns its run when it takes a part in it: a stage peer from the config it serves
 (stage/peer.py `StagePeer.start`), the owner when it publishes the run's manifest
-(coordinator/manifest.py), or as it waits for its training peers' offers
-(coordinator/planning.py). Until then (a joiner waiting for the manifest, a relay, a bootstrap node)
-it keeps peers' own route records only: it serves nobody in a run yet, and the run's nodes keep
-the run's records.
+(coordinator/manifest.py). Until then (a joiner waiting for the manifest, a relay, a bootstrap
+node) it keeps peers' own route records and offers only: it serves nobody in a run yet, and the
+run's nodes keep the run's records.
 
 A record already kept stays until it expires; its writer may renew it (a new body of the same
 kind replaces the old one) while every budget still holds. A key's first writers keep their
@@ -202,7 +201,6 @@ class BoundedDHTStorage(DHTLocalStorage):
         self._lock = threading.Lock()
         self._kinds: dict[DHTID, KeyKind] = {}
         self._owner: str | None = None
-        self._run: str | None = None
         self._owner_bytes = 0
         self.max_ttl_s = MAX_RECORD_TTL_S
         self._entries: dict[tuple[DHTID, str], _Entry] = {}
@@ -218,7 +216,6 @@ class BoundedDHTStorage(DHTLocalStorage):
         what it kept of that run expires by itself)."""
         with self._lock:
             self._kinds, self._owner = namespace.kinds(), namespace.owner
-            self._run = namespace.run
             self._owner_bytes = namespace.owner_bytes
             self.max_ttl_s = namespace.max_ttl_s
 
@@ -275,10 +272,9 @@ class BoundedDHTStorage(DHTLocalStorage):
         writer = subkey
         with self._lock:
             kind, owner, owner_bytes = self._kinds.get(key), self._owner, self._owner_bytes
-            run = self._run
         if kind is None and key == key_id(route_key(writer)):
             kind = ROUTES
-        if kind is None and run is not None and key == key_id(offer_key(run, writer)):
+        if kind is None and key == key_id(offer_key(writer)):
             kind = OFFER
         if kind is None:
             raise StorageRefused("outside this node's run", f"a record of {writer[-8:]} under a "

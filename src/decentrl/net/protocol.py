@@ -95,9 +95,11 @@ def lineage_key(run: str, stage: int) -> str:
     return f"decentrl/{run}/lineage{stage}"
 
 
-def offer_key(run: str, peer_id: str) -> str:
-    """A training peer's own key for its `HostOffer` (only it may write there)."""
-    return f"decentrl/{run}/offer/{peer_id}"
+def offer_key(peer_id: str) -> str:
+    """A training peer's own key for its `HostOffer` (only it may write there; any node keeps
+    it, as it keeps route records: the peer waits for a run's plan before any node of the run
+    would otherwise keep its records)."""
+    return f"decentrl/offers/{peer_id}"
 
 
 class HostOffer(Body):

@@ -108,25 +108,25 @@ class FakeNode:
 def test_only_the_admitted_peers_own_offers_of_this_run_are_read() -> None:
     admitted, stranger = PEERS[:2], PEERS[2]
     table = {
-        offer_key("run", admitted[0]): {admitted[0]: encode_struct(offer(4000))},
+        offer_key(admitted[0]): {admitted[0]: encode_struct(offer(4000))},
         # Someone else's record under an admitted peer's key, and an offer of another run.
-        offer_key("run", admitted[1]): {stranger: encode_struct(offer(99_000))},
-        offer_key("run", stranger): {stranger: encode_struct(offer(99_000))},
+        offer_key(admitted[1]): {stranger: encode_struct(offer(99_000))},
+        offer_key(stranger): {stranger: encode_struct(offer(99_000))},
     }
     node: Any = FakeNode(table)
     assert read_offers(node, "run", admitted) == {admitted[0]: offer(4000)}
-    table[offer_key("run", admitted[1])] = {admitted[1]: encode_struct(offer(4000, run="other"))}
+    table[offer_key(admitted[1])] = {admitted[1]: encode_struct(offer(4000, run="other"))}
     assert read_offers(node, "run", admitted) == {admitted[0]: offer(4000)}
-    table[offer_key("run", admitted[1])] = {admitted[1]: b"\x00garbage"}
+    table[offer_key(admitted[1])] = {admitted[1]: b"\x00garbage"}
     assert read_offers(node, "run", admitted) == {admitted[0]: offer(4000)}
     for speed in (float("inf"), float("nan"), 0.0):
-        table[offer_key("run", admitted[1])] = {admitted[1]: encode_struct(offer(4000, speed))}
+        table[offer_key(admitted[1])] = {admitted[1]: encode_struct(offer(4000, speed))}
         assert read_offers(node, "run", admitted) == {admitted[0]: offer(4000)}
 
 
 def test_waiting_for_offers_ends_with_a_clear_error(tiny_model_dir: Path) -> None:
     config = config_of(tiny_model_dir)
-    node: Any = FakeNode({offer_key(config.name, PEERS[0]): {PEERS[0]: encode_struct(
+    node: Any = FakeNode({offer_key(PEERS[0]): {PEERS[0]: encode_struct(
         offer(4000, run=config.name))}})
     now = [0.0]
 
@@ -137,7 +137,7 @@ def test_waiting_for_offers_ends_with_a_clear_error(tiny_model_dir: Path) -> Non
     with pytest.raises(TimeoutError, match="1 of the run's admitted training peers offered "
                                            "within 30s; planning 2 stages"):
         wait_for_offers(node, config, lambda: frozenset(PEERS[:2]), timeout_s=30, clock=clock)
-    node.table[offer_key(config.name, PEERS[1])] = {PEERS[1]: encode_struct(
+    node.table[offer_key(PEERS[1])] = {PEERS[1]: encode_struct(
         offer(4000, run=config.name))}
     assert set(wait_for_offers(node, config, lambda: frozenset(PEERS[:2]), timeout_s=30,
                                clock=clock)) == set(PEERS[:2])
@@ -170,7 +170,7 @@ def test_a_run_keeps_the_plan_of_its_first_start(tiny_model_dir: Path, tmp_path:
     config = parse_config({"model": str(tiny_model_dir), "num_stages": 2,
                            "host": {"run_dir": str(tmp_path)}})
     admit(config.path, PEERS[:2])
-    node: Any = FakeNode({offer_key(config.name, peer): {peer: encode_struct(
+    node: Any = FakeNode({offer_key(peer): {peer: encode_struct(
         offer(64_000, speed, run=config.name))} for peer, speed in zip(PEERS, (300.0, 100.0))})
     console = Console(file=io.StringIO())
     first = planned_run(node, config, console, wait_s=5)

@@ -102,21 +102,19 @@ def test_only_the_runs_keys_and_the_owners_records_under_the_owners_keys(
 
 def test_a_training_peers_offer_is_kept_under_its_own_offer_key_only_and_small(
         storage: BoundedDHTStorage) -> None:
-    """Offers (HostOffer) to a planning owner: a peer writes its own key of this run, never
-    another peer's (a stranger cannot speak for an admitted peer), nor one of another run, and
-    an offer is a kilobyte at most."""
-    own = key_id(offer_key(RUN, WRITER))
+    """Offers (HostOffer) to a planning owner: a peer writes its own offer key, never another
+    peer's (a stranger cannot speak for an admitted peer), an offer is a kilobyte at most, and
+    a node keeps offers whatever run it joined (the offering peers wait for a run whose nodes
+    do not exist yet), as it keeps route records."""
+    own = key_id(offer_key(WRITER))
     assert storage.store_subkey(own, WRITER, value(200), NOW + 10)
-    assert not storage.store_subkey(key_id(offer_key(RUN, OWNER)), WRITER, value(200), NOW + 10)
-    assert not storage.store_subkey(key_id(offer_key("another-run", WRITER)), WRITER,
-                                    value(200), NOW + 10)
+    assert not storage.store_subkey(key_id(offer_key(OWNER)), WRITER, value(200), NOW + 10)
     assert not storage.store_subkey(own, WRITER, value(OFFER_BYTES + 8), NOW + 10)
+    assert storage.refused == {"outside this node's run": 1, "over its kind's size": 1}
     largest = encode_struct(HostOffer(run="r" * 100, role="training", memory_mb=2**31,
                                       speed=1e12))
     assert len(largest) < OFFER_BYTES // 4
-    assert storage.refused == {"outside this node's run": 2, "over its kind's size": 1}
-    # A node that joined no run keeps no offer (it plans nothing and serves nobody yet).
-    assert not BoundedDHTStorage().store_subkey(own, WRITER, value(200), NOW + 10)
+    assert BoundedDHTStorage().store_subkey(own, WRITER, value(200), NOW + 10)
 
 
 def test_records_live_a_few_announce_periods_at_most(clock: list[float],
