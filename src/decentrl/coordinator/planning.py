@@ -14,7 +14,9 @@ folder (`RUN/stage_plan.json`): a resumed run keeps it, since its checkpoints ar
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 import threading
 import time
@@ -31,6 +33,8 @@ from decentrl.model.spec import ModelSpec
 from decentrl.net.node import SwarmNode
 from decentrl.net.protocol import HostOffer, offer_key
 from decentrl.net.records import decode_records
+
+log = logging.getLogger(__name__)
 
 MIB = 2**20
 # What a peer's process takes beside its weights: measured on the 8B shape's --role both peers,
@@ -69,9 +73,19 @@ def read_offers(node: SwarmNode, run: str, peers: Iterable[str]) -> dict[str, Ho
     signed by it (a record anyone else wrote there is not read, net/dht_storage.py refuses to
     keep it); one of another run, malformed, or offering no memory or a speed that is not a
     positive number, is left out."""
+    peers = list(peers)
+
+    async def lookups() -> list[dict[str, bytes]]:
+        async def one(peer: str) -> dict[str, bytes]:
+            try:
+                return await asyncio.wait_for(node.lookup(offer_key(peer)), LOOKUP_TIMEOUT_S)
+            except TimeoutError:
+                return {}  # not found this round
+        return list(await asyncio.gather(*(one(peer) for peer in peers)))
+
     found: dict[str, HostOffer] = {}
-    for peer in peers:
-        entries = node.run(node.lookup(offer_key(peer)), timeout=LOOKUP_TIMEOUT_S)
+    for peer, entries in zip(peers, node.run(lookups(), timeout=2 * LOOKUP_TIMEOUT_S),
+                             strict=True):
         offers, _ = decode_records({w: b for w, b in entries.items() if w == peer}, HostOffer)
         offer = offers.get(peer)
         if offer is not None and offer.run == run and offer.memory_mb > 0 \
@@ -104,10 +118,14 @@ def wait_for_offers(node: SwarmNode, config: RunConfig, admitted: Callable[[], f
     read again each round: the operator may admit peers meanwhile). TimeoutError naming how
     many offered after `timeout_s`."""
     deadline = clock() + timeout_s
+    seen = 0
     while True:
         offers = read_offers(node, config.name, sorted(admitted()))
         if len(offers) >= config.num_stages:
             return offers
+        if len(offers) != seen:
+            seen = len(offers)
+            log.info("%d of %d stages' offers so far", seen, config.num_stages)
         if clock() >= deadline or (stop is not None and stop.is_set()):
             raise TimeoutError(
                 f"{len(offers)} of the run's admitted training peers offered within "
