@@ -17,7 +17,7 @@ from decentrl.cli.common import (
     fail,
     network_options,
 )
-from decentrl.config import load_config, parse_config
+from decentrl.config import RunConfig, load_config, parse_config
 from decentrl.demo import DEMO_TASKS
 from decentrl.observe.logs import configure_logging
 
@@ -118,6 +118,17 @@ def join_command(run: str, owner: str, addresses: Sequence[str]) -> str:
                      *(f"--initial-peers {address}" for address in addresses)])
 
 
+def say_how_to_join(config: RunConfig, owner: str, addresses: Sequence[str]) -> None:
+    """Print the join command (and keep it in RUN/join.txt)."""
+    joining = join_command(config.name, owner, addresses)
+    (config.path / "join.txt").write_text(joining + "\n")
+    console.print("peers join with this command (a training peer adds --role training "
+                  "--identity KEY_FILE --checkpoint-dir DIR, and waits to be admitted; it is "
+                  f"also in {config.path / 'join.txt'}):", highlight=False)
+    # One line, never wrapped: a terminal that wraps it copies a broken address.
+    console.print(joining, soft_wrap=True, highlight=False, markup=False)
+
+
 @command()
 def coordinate(
     config: Annotated[Path, typer.Option("--config", help="The run's TOML file.")],
@@ -179,18 +190,9 @@ def coordinate(
     dial_back = DialBackService(node) if network.reachability != "loopback" else None
     coordinator = None
     try:
-        def say_how_to_join() -> None:
-            joining = join_command(run_config.name, node.peer_id, node.addresses())
-            (run_config.path / "join.txt").write_text(joining + "\n")
-            console.print("peers join with this command (a training peer adds --role training "
-                          "--identity KEY_FILE --checkpoint-dir DIR, and waits to be admitted; "
-                          f"it is also in {run_config.path / 'join.txt'}):", highlight=False)
-            # One line, never wrapped: a terminal that wraps it copies a broken address.
-            console.print(joining, soft_wrap=True, highlight=False, markup=False)
-
         planned: list[str] = []
         if plan_from_offers:  # the training peers offer while they wait for the manifest
-            say_how_to_join()
+            say_how_to_join(run_config, node.peer_id, node.addresses())
             try:
                 made = planned_run(node, run_config, console, wait)
             except (ValueError, TimeoutError) as error:
@@ -199,7 +201,7 @@ def coordinate(
             run_config, planned = made.config, made.peers
         coordinator = swarm_run(run_config, node, console, planned=planned)  # checks it all
         if not plan_from_offers:
-            say_how_to_join()
+            say_how_to_join(run_config, node.peer_id, node.addresses())
         summary = coordinator.run(wait_s=wait)
         console.print(f"{summary.steps} steps; after: pass@1 {summary.after.pass1.as_percent()}")
         # Its peers stop (those of this session: net/session.py).

@@ -139,7 +139,12 @@ class SwarmNode:
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            # Closed where it ran: a loop left to the garbage collector at the interpreter's
+            # exit is closed after its selector's files and prints a traceback on stderr.
+            self.loop.close()
 
     @property
     def closed(self) -> bool:
