@@ -29,6 +29,7 @@ from decentrl.coordinator.manifest import (
     run_manifest,
 )
 from decentrl.learn.trainer import Activations, LossInputs
+from decentrl.net.calls import TRUNCATED_REPLY_RETRIES
 from decentrl.net.evidence import EvidenceRequest
 from decentrl.net.link import LinkProfile
 from decentrl.net.node import PeerRefused, SwarmNode
@@ -176,7 +177,10 @@ def test_a_stranger_calling_any_guarded_rpc_is_refused(
     with pytest.raises(PeerRefused, match=refusal.format(
             method=method, owner=swarm.client.peer_id[-8:], stranger=stranger.peer_id[-8:])):
         stranger.call_sync(target.node.peer_id, rpc, body, timeout=20)
-    assert target.node.strikes(stranger.peer_id) == strikes + strike
+    # A caller is refused before its request is read, so a refusal whose frame the stream lost
+    # (about once in a thousand streams under load) is asked again and struck again.
+    struck = target.node.strikes(stranger.peer_id) - strikes
+    assert strike <= struck <= strike * (1 + TRUNCATED_REPLY_RETRIES), (struck, strike)
     assert target.node.strikes(swarm.client.peer_id) == 0
     # Nothing moved, and the coordinator is still served.
     assert target.version == 0 and trainer_peer.version == 0
