@@ -36,7 +36,13 @@ from rich.markup import escape
 
 from decentrl.config import RunConfig, parse_config
 from decentrl.errors import DecentrlError
-from decentrl.model.loading import MODEL_INDEX, file_hashes, model_files, model_spec, resolve_model
+from decentrl.model.loading import (
+    file_hashes,
+    model_files,
+    model_layout_files,
+    model_spec,
+    resolve_model,
+)
 from decentrl.model.run_stage import StageSource
 from decentrl.model.spec import ModelSpec
 from decentrl.model.stages import StagePlan
@@ -236,9 +242,7 @@ def accept_manifest(manifest: RunManifest, config: RunConfig | None) -> RunConfi
             f"this peer's config differs from the one the owner of run {manifest.run!r} "
             f"declares (hash {config_hash(config)[:12]} here, {manifest.config_hash[:12]} "
             "there); join without --config to take the owner's")
-    folder = resolve_model(declared.model)
-    index = [folder / MODEL_INDEX] if (folder / MODEL_INDEX).is_file() else []
-    check_model_files(manifest, [folder / "config.json", *index])
+    check_model_files(manifest, model_layout_files(resolve_model(declared.model)))
     return config if config is not None else declared
 
 

@@ -143,6 +143,7 @@ class LocalSwarm:
             self._wait_ready(relay, timeout_s=60)
             self.relay_addresses += relay.info["addresses"]
         keys = self.config.path / "keys"
+        trainers: list[str] = []  # they offer and start first when the stages are planned
         hostile_trainers = {stage for kind in self.adversaries if kind in TRAINING_ADVERSARIES
                             for stage in adversary_stages(kind, self.config.num_stages)}
         for stage in range(self.config.num_stages):
@@ -156,6 +157,7 @@ class LocalSwarm:
                 key = keys / f"{name}.key"
                 admit(self.config.path, [Identity.from_file(key).peer_id])
                 planned = "auto" if self.plan_from_offers else str(stage)
+                trainers.append(name)
                 self._add(name, ["join", "--stage", planned, "--role", self.training_role,
                                  "--checkpoint-dir", str(self._checkpoint_dir(name)),
                                  "--identity", str(key)],
@@ -182,9 +184,8 @@ class LocalSwarm:
                                  *role], addresses)
         peers = [child for child in self.children.values() if child.process is None]
         if self.plan_from_offers:  # the training peers offer while they wait for the plan
-            for child in peers:
-                if child.name.startswith("train"):
-                    self._spawn(child)
+            for name in trainers:
+                self._spawn(self.children[name])
             self._plan()
         # Until the coordinator announces it with its roster, this does (it expires unless
         # renewed, and loading the peers may take minutes).

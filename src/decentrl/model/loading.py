@@ -89,11 +89,17 @@ def model_spec(folder: Path) -> ModelSpec:
 MODEL_INDEX = "model.safetensors.index.json"
 
 
-def model_files(folder: Path) -> list[Path]:
-    """The files that make a model folder's weights: its config, its checkpoint's index (if
-    sharded) and every safetensors file."""
+def model_layout_files(folder: Path) -> list[Path]:
+    """The files that say what a model folder's weights are, without them: its config and its
+    checkpoint's index (if sharded)."""
     index = [folder / MODEL_INDEX] if (folder / MODEL_INDEX).is_file() else []
-    return [folder / "config.json", *index, *_safetensors_files(folder)]
+    return [folder / "config.json", *index]
+
+
+def model_files(folder: Path) -> list[Path]:
+    """The files that make a model folder's weights: model_layout_files and every safetensors
+    file."""
+    return [*model_layout_files(folder), *_safetensors_files(folder)]
 
 
 def stage_files(folder: Path, names: Collection[str]) -> list[Path]:
@@ -104,7 +110,7 @@ def stage_files(folder: Path, names: Collection[str]) -> list[Path]:
     if not weight_map:
         return model_files(folder)
     shards = sorted({weight_map[name] for name in names if name in weight_map})
-    return [folder / "config.json", folder / MODEL_INDEX, *(folder / name for name in shards)]
+    return [*model_layout_files(folder), *(folder / name for name in shards)]
 
 
 def file_hashes(paths: Collection[Path]) -> dict[str, str]:
