@@ -175,9 +175,12 @@ def wire_form(tensor: torch.Tensor, codec: ActivationCodec) -> torch.Tensor:
     """`tensor` as the receiver of it in `codec` decodes it (the form a digest is taken of). A
     tensor with non-finite values is kept cast to the codec's dtype: the encoder refuses to send
     it, and the receiver to take it, so only a peer that bypasses both ever pushes one."""
-    if not bool(torch.isfinite(tensor).all()):
+    try:
+        parts, spec = encode_tensor(tensor, codec)  # checks finiteness in the same pass
+    except WireError:
+        if not tensor.dtype.is_floating_point:
+            raise
         return tensor.to(torch.bfloat16 if codec == "bf16" else torch.float32)
-    parts, spec = encode_tensor(tensor, codec)
     return decode_tensor(parts, spec)
 
 
@@ -212,9 +215,10 @@ def tensor_digest(tensor: torch.Tensor | None) -> bytes:
 
 class PushStep(Body):
     """Positions [start, start + T) of a session, pushed to the stage the signed `route` names
-    next (stage 0: by the coordinator), or the route it holds for `session`. Tensors: `inputs` (stage 0: token ids [B, T]; later
-    stages: the previous stage's hidden states [B, T, hidden] in their wire form), `positions`
-    and `key_valid` [B, T] of the new positions (each stage keeps the session's mask), and
+    next (stage 0: by the coordinator), or the route it holds for `session`. Tensors: `inputs`
+    (stage 0: token ids [B, T]; later stages: the previous stage's hidden states [B, T, hidden]
+    in their wire form), `positions` and `key_valid` [B, T] of the new positions (each stage
+    keeps the session's mask), and
     `routing` [B, T, sparse layers so far, top_k] of the earlier stages' experts (a mixture of
     experts). `commits`: the signed StepCommits of the earlier stages for this step. The last
     stage samples with `sampling` and `seed`. `fresh`: how many of the last columns are the
