@@ -384,6 +384,11 @@ def test_a_peer_hashes_only_the_shards_of_its_stage_and_is_refused_for_one_that_
     manifest = run_manifest(config, roster=[], session=new_session())
     assert set(manifest.model_files) == {"config.json", "model.safetensors.index.json",
                                          *shard_of.values()}
+    # A model in more files than one signed record declares is refused at the owner.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(manifest_module, "MAX_MODEL_FILES", len(manifest.model_files) - 1)
+        with pytest.raises(ValueError, match="more than a run's manifest declares"):
+            run_manifest(config, roster=[], session=new_session())
     hashed: list[set[str]] = []
     real_hash = manifest_module.file_hashes
 

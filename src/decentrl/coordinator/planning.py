@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.console import Console
 
@@ -144,6 +145,25 @@ class PlannedRun:
     made: OfferPlan | None
 
 
+def kept_plan(path: Path, num_stages: int) -> tuple[tuple[int, ...], list[str]]:
+    """The layers per stage and the peer per stage that `path` (RUN/stage_plan.json) keeps;
+    ValueError naming the file where it is not a plan of `num_stages` stages."""
+    try:
+        kept = json.loads(path.read_text())
+        layers, peers = kept["stage_layers"], kept["peers"]
+        valid = isinstance(layers, list) and isinstance(peers, list) \
+            and len(layers) == num_stages and len(peers) <= num_stages \
+            and all(isinstance(n, int) and n > 0 for n in layers) \
+            and all(isinstance(peer, str) for peer in peers)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ValueError(f"{path} is not a stage plan: {error!r}; delete it to plan again") \
+            from None
+    if not valid:
+        raise ValueError(f"{path} is not a plan of {num_stages} stages (stage_layers: positive "
+                         "layer counts, one a stage; peers: peer ids); delete it to plan again")
+    return tuple(layers), list(peers)
+
+
 def planned_run(node: SwarmNode, config: RunConfig, console: Console, wait_s: float
                 ) -> PlannedRun:
     """`config` with the stage plan of its run: the one kept in its folder (a resumed run), or
@@ -154,11 +174,10 @@ def planned_run(node: SwarmNode, config: RunConfig, console: Console, wait_s: fl
                          "planner chooses them)")
     path = config.path / PLAN_FILE
     if path.is_file():
-        kept = json.loads(path.read_text())
-        console.print(f"stage plan kept from the run's first start ({path}): "
-                      f"{kept['stage_layers']}", highlight=False)
-        return PlannedRun(config.model_copy(
-            update={"stage_layers": tuple(kept["stage_layers"])}), list(kept["peers"]), None)
+        layers, peers = kept_plan(path, config.num_stages)
+        console.print(f"stage plan kept from the run's first start ({path}): {list(layers)}",
+                      highlight=False)
+        return PlannedRun(config.model_copy(update={"stage_layers": layers}), peers, None)
     console.print(f"waiting up to {wait_s:.0f}s for an offer from an admitted training peer "
                   f"for each of the {config.num_stages} stages", highlight=False)
     offers = wait_for_offers(node, config, lambda: admitted_peers(config.path), wait_s)

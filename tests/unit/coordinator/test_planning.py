@@ -183,3 +183,9 @@ def test_a_run_keeps_the_plan_of_its_first_start(tiny_model_dir: Path, tmp_path:
     assert (again.config.stage_layers, again.peers, again.made) == ((3, 1), first.peers, None)
     with pytest.raises(ValueError, match="needs a config without stage_layers"):
         planned_run(node, first.config, console, wait_s=5)
+    # A kept plan that is not one is refused by its file's name, not planned over.
+    for broken in ("{", '{"stage_layers": [4], "peers": []}',
+                   '{"stage_layers": [3, 0], "peers": []}', '{"peers": []}'):
+        (config.path / PLAN_FILE).write_text(broken)
+        with pytest.raises(ValueError, match=f"{PLAN_FILE} is not a"):
+            planned_run(node, config, console, wait_s=5)
