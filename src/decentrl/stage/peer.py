@@ -37,7 +37,7 @@ from decentrl.net.dht_storage import RunNamespace
 from decentrl.net.evidence import EvidenceReply, EvidenceRequest
 from decentrl.net.node import Handler, Reply, Request, SwarmNode
 from decentrl.net.protocol import EVIDENCE, PeerRecord, Role, Rpc, stage_key
-from decentrl.net.session import owner_session
+from decentrl.net.session import OwnerSession
 from decentrl.net.sizes import RunSizes
 from decentrl.net.wire import encode_struct
 from decentrl.rollout.sampling import sampling_config
@@ -84,6 +84,8 @@ class StagePeer:
             raise ValueError("a training peer needs a checkpoint folder")
         self.config, self.index, self.role, self.node, self.name = config, stage, role, node, name
         self.authority = RunAuthority(node, config.name, owner, stage)
+        # The session of the owner's manifest, which every route it signs must name.
+        self.run_session = OwnerSession(node, config.name, owner, config.swarm.announce_every_s)
         node.strikes_to_block, node.block_s = config.trust.strikes_to_block, config.trust.block_s
         device = pick_device(config.host.device)
         dtype = compute_dtype(device, config.host.dtype)
@@ -106,7 +108,8 @@ class StagePeer:
                 sampling_config(config.rollout), dtype, config.supervised)
             self.training = TrainingService(config, trainer, node, checks, checkpoint_dir,
                                             self.announce, name)
-            self.training_chain = TrainingChainService(config, self.training, node, owner)
+            self.training_chain = TrainingChainService(config, self.training, node, owner,
+                                                        self.run_session)
         if role in ("inference", "both"):
             # The published state (float32, on the CPU) is the exact version-0 state every peer
             # of the stage builds from the same file; the model serves a copy in the compute dtype.
@@ -125,7 +128,8 @@ class StagePeer:
                 self.replica = ReplicaWeights(config, stage, node, model, published,
                                               self.announce, name, owner)
             self.inference = InferenceService(config, model, node, checks)
-            self.push = PushService(config, stage, self.inference, node, owner)
+            self.push = PushService(config, stage, self.inference, node, owner,
+                                    self.run_session)
             if self.replica is not None:
                 self.verification = VerifyService(self.inference, self.replica.served,
                                                   closes_sessions=False)
@@ -266,10 +270,7 @@ class StagePeer:
                     sessions.drop_idle_sessions()
                 if self.push is not None:
                     self.push.expire()
-                session = await owner_session(self.node, self.config.name, self.authority.owner)
-                for chain in (self.push, self.training_chain):
-                    if chain is not None:
-                        chain.run_session = session
+                await self.run_session.refresh()
                 await self.announce()
                 await self.authority.refresh()
             except Exception as error:  # noqa: BLE001 - the next round retries

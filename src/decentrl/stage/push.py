@@ -64,6 +64,7 @@ from decentrl.net.push_messages import (
     tensor_digest,
     wire_form,
 )
+from decentrl.net.session import OwnerSession
 from decentrl.net.wire import ActivationCodec, WireError
 from decentrl.rollout.sampling import SamplingConfig
 from decentrl.stage.inbound import PeerBusy, PeerError
@@ -159,16 +160,15 @@ class PushService:
     """A stage peer's side of peer-to-peer sessions, over its inference service."""
 
     def __init__(self, config: RunConfig, stage: int, inference: InferenceService,
-                 node: SwarmNode, owner: str) -> None:
+                 node: SwarmNode, owner: str, run_session: OwnerSession) -> None:
         self.config, self.stage, self.inference, self.node = config, stage, inference, node
-        self.owner = owner
+        self.owner, self.run_session = owner, run_session
         self.last = stage == config.num_stages - 1
         self.codec: ActivationCodec = config.swarm.activation_codec
         self.sessions: dict[str, PushedSession] = {}  # by session id (the owner's)
         # The last stage's sampled steps, by (session, first new column), until collected.
         self.results: dict[tuple[str, int], asyncio.Future[tuple[StepOutcome,
                                                                   dict[str, torch.Tensor]]]] = {}
-        self.run_session: str | None = None  # the owner's manifest's (net/session.py), if known
         # The sparse layers of the stages before this one, whose experts a push carries.
         spec = inference.checks.spec
         plan = StagePlan.of(spec.num_layers, config.num_stages, config.stage_layers)
@@ -206,7 +206,7 @@ class PushService:
     async def _push(self, request: Request[PushStep]) -> Reply:
         body, tensors = request.body, request.tensors
         if body.route:
-            route = self._route(body.route)
+            route = await self._route(body.route)
         else:
             held = self.sessions.get(body.session)
             if held is None or held.closed_at is not None:
@@ -392,7 +392,7 @@ class PushService:
         body = request.body
         if self.last:
             raise PeerError("the last stage pushes to nobody")
-        route = self._route(body.route)
+        route = await self._route(body.route)
         state = self.sessions.get(route.id)
         if state is None or state.closed_at is not None or not state.segments:
             raise PeerBusy(f"session {route.id} is not held here")
@@ -436,11 +436,12 @@ class PushService:
 
     # ---- checks --------------------------------------------------------------------------
 
-    def _route(self, signed: bytes) -> SessionRoute:
+    async def _route(self, signed: bytes) -> SessionRoute:
         """The owner's route, for this run and session, naming this peer at this stage."""
         route = open_route(signed, self.owner)
         check_route("route", route.run, route.session, route.peers, self.config,
-                    self.run_session, self.stage, self.node.peer_id)
+                    await self.run_session.against(route.session), self.stage,
+                    self.node.peer_id)
         return route
 
     def _check_inputs(self, route: SessionRoute, inputs: torch.Tensor) -> None:

@@ -41,6 +41,7 @@ from decentrl.net.push_messages import (
     sign_train_commit,
     wire_form,
 )
+from decentrl.net.session import OwnerSession
 from decentrl.net.training_messages import (
     TapeReply,
     TapeRequest,
@@ -79,8 +80,9 @@ class TrainingChainService:
     """A training peer's side of micro-batches pushed down the chain."""
 
     def __init__(self, config: RunConfig, training: TrainingService, node: SwarmNode,
-                 owner: str) -> None:
+                 owner: str, run_session: OwnerSession) -> None:
         self.config, self.training, self.node, self.owner = config, training, node, owner
+        self.run_session = run_session
         self.stage = training.stage
         self.last = self.stage == config.num_stages - 1
         self.codec: ActivationCodec = config.swarm.activation_codec
@@ -89,14 +91,13 @@ class TrainingChainService:
         self.routing_part = routing_layers(spec, plan.layers(self.stage))
         self.keeps_tapes = config.trust.train_audit_fraction > 0
         self.tapes: dict[int, dict[int, Tape]] = {}  # version -> micro -> what it saw
-        self.run_session: str | None = None  # the owner's manifest's, once looked up
 
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
         return [(TRAIN_CHAIN, self._chain), (TRAIN_TAPE, self._tape)]
 
     async def _chain(self, request: Request[TrainChain]) -> Reply:
         body, tensors = request.body, request.tensors
-        peers = self._route(body, request.sender)
+        peers = await self._route(body, request.sender)
         forward = msgspec.structs.replace(body.forward, last=self.last, audit=False)
         own = {name: tensor for name, tensor in tensors.items()
                if name != "routing" and (self.last or name not in LAST_STAGE_ONLY)}
@@ -188,12 +189,13 @@ class TrainingChainService:
                                f"stage {stage - 1} sent and received")
             previous_out, previous_grads = commit.outputs, commit.grads_in
 
-    def _route(self, body: TrainChain, sender: str) -> list[str]:
+    async def _route(self, body: TrainChain, sender: str) -> list[str]:
         """The route's peers, once the owner signed it for this run, naming this peer here and
         the sender before it."""
         route = open_training_route(body.route, self.owner)
         check_route("training route", route.run, route.session, route.peers, self.config,
-                    self.run_session, self.stage, self.node.peer_id)
+                    await self.run_session.against(route.session), self.stage,
+                    self.node.peer_id)
         if route.version != body.forward.version:
             raise PeerError(f"a training route of version {route.version} for a micro-batch of "
                             f"version {body.forward.version}")

@@ -477,14 +477,28 @@ def coordinate_and_run(config: RunConfig, swarm: Swarm, hooks: list[RunHooks],
     return loop, verdicts
 
 
-class ReplaceLastStage(RunHooks):
-    """After step `at_step`, the only last-stage replica goes away; a new one joins once its
-    announcement has expired and the coordinator has been waiting a while."""
+class WatchedOutput(io.StringIO):
+    """A console's output that sets `seen` once `text` was written."""
 
-    def __init__(self, swarm: Swarm, config: RunConfig, at_step: int, join_after_s: float
-                 ) -> None:
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.seen = text, threading.Event()
+
+    def write(self, chunk: str) -> int:
+        written = super().write(chunk)
+        if self.text in self.getvalue():
+            self.seen.set()
+        return written
+
+
+class ReplaceLastStage(RunHooks):
+    """After step `at_step`, the only last-stage replica goes away; a new one joins once the
+    coordinator says it waits for one (`waiting`: its announcement expired, the stage is empty)."""
+
+    def __init__(self, swarm: Swarm, config: RunConfig, at_step: int,
+                 waiting: threading.Event) -> None:
         self.swarm, self.config = swarm, config
-        self.at_step, self.join_after_s = at_step, join_after_s
+        self.at_step, self.waiting = at_step, waiting
         self.joined = threading.Event()
 
     def after_step(self, loop: TrainingLoop, record: Any) -> None:
@@ -493,10 +507,11 @@ class ReplaceLastStage(RunHooks):
         self.swarm.kill(self.swarm.peer(1, "inference"))
 
         def replace() -> None:
-            join(self.swarm, self.config, "replacement")
-            self.joined.set()
+            if self.waiting.wait(timeout=120):
+                join(self.swarm, self.config, "replacement")
+                self.joined.set()
 
-        threading.Timer(self.join_after_s, replace).start()
+        threading.Thread(target=replace, name="replace last stage", daemon=True).start()
 
 
 @pytest.mark.network
@@ -509,10 +524,11 @@ def test_a_run_whose_last_stage_lost_its_replica_waits_for_a_new_one(
                "zero_variance_groups": "keep", "lr": 1e-3},
         swarm={"sessions_in_flight": 2, "announce_every_s": 1.0, "avoid_failed_peer_s": 2.0, "retries": 2},
         trust={"verify_fraction": 0.0})
-    out = io.StringIO()
+    out = WatchedOutput("waiting for peers: stage 1 has no inference replica")
     with start_swarm(config, [*LAYOUT, (1, "inference")]) as swarm:
-        # The dead replica's announcement lives 5 announcements (5 s): then the stage is empty.
-        replacing = ReplaceLastStage(swarm, config, at_step, join_after_s=10.0)
+        # The dead replica's announcement lives 5 announcements (5 s): then the stage is empty,
+        # and the coordinator waits (which the replacement waits for, not for a time).
+        replacing = ReplaceLastStage(swarm, config, at_step, out.seen)
         loop, _ = coordinate_and_run(config, swarm, [replacing],
                                      Console(file=out, width=200))
         assert replacing.joined.is_set()

@@ -23,7 +23,7 @@ from decentrl.net.protocol import (
     ended_key,
     lineage_key,
 )
-from decentrl.net.session import new_session
+from decentrl.net.session import OwnerSession, new_session
 from decentrl.net.wire import encode_struct
 from decentrl.sync.delta import PublishedState
 from decentrl.sync.distribute import WeightFollower
@@ -42,6 +42,7 @@ class OwnersRecords:
 
     def __init__(self) -> None:
         self.records: dict[str, dict[str, bytes]] = {}
+        self.lookups = 0
 
     def sign(self, key: str, record: Any) -> None:
         self.records.setdefault(key, {})[OWNER] = encode_struct(record)
@@ -50,6 +51,7 @@ class OwnersRecords:
         self.records.pop(key, None)
 
     async def lookup(self, key: str) -> dict[str, bytes]:
+        self.lookups += 1
         return dict(self.records.get(key, {}))
 
     def run(self, work: Coroutine[Any, Any, T], timeout: float) -> T:
@@ -108,3 +110,33 @@ def test_a_lineage_of_an_earlier_start_moves_no_replica() -> None:
     dht.expire(coordinator_key(RUN))
     dht.sign(lineage_key(RUN, 0), old)
     assert asyncio.run(follower.lineage()) is None and follower.stale_records == 2
+
+
+def test_a_route_of_the_restarted_owners_session_is_taken_before_the_next_round() -> None:
+    """A resumed coordinator's first routes may reach a peer before its announce round reads the
+    new manifest: the peer reads it at once (that route was refused in a CI run). A replayed
+    route of an earlier start makes it read again at most once per round."""
+    dht, joined, restarted = OwnersRecords(), new_session(), new_session()
+    now = [0.0]
+    known = OwnerSession(cast(SwarmNode, dht), RUN, OWNER, min_gap_s=0.5, clock=lambda: now[0])
+
+    async def scenario() -> None:
+        assert await known.against(joined) is None  # nothing read yet: nothing to check against
+        dht.sign(coordinator_key(RUN), manifest(joined))
+        assert await known.refresh() == joined and dht.lookups == 1
+        assert await known.against(joined) == joined and dht.lookups == 1
+        dht.sign(coordinator_key(RUN), manifest(restarted))
+        now[0] += 0.5
+        assert await known.against(restarted) == restarted and dht.lookups == 2
+        # The earlier start's routes, replayed many times within a round: one read, then none.
+        now[0] += 0.5
+        answers = await asyncio.gather(*(known.against(joined) for _ in range(20)))
+        assert answers == [restarted] * 20 and dht.lookups == 3
+        now[0] += 0.1
+        assert await known.against(joined) == restarted and dht.lookups == 3
+        # A manifest that expired (the owner stopped) keeps the session last read.
+        dht.expire(coordinator_key(RUN))
+        now[0] += 1.0
+        assert await known.against(joined) == restarted and dht.lookups == 4
+
+    asyncio.run(scenario())
