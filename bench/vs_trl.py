@@ -63,6 +63,7 @@ from decentrl.demo import demo_config
 from decentrl.device import compute_dtype, pick_device
 from decentrl.evaluate.runner import EvalResult, evaluate
 from decentrl.evaluate.stats import Accuracy
+from decentrl.learn.trainer import loss_config_from
 from decentrl.model.loading import load_model
 from decentrl.model.stages import StagePlan, build_stages
 from decentrl.observe.metrics import StepRecord, read_metrics
@@ -300,7 +301,7 @@ def run_trl(config: RunConfig, budget_s: float, out: Path) -> dict[str, Any]:
         adam_beta2=train.betas[1], weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm or 0.0,
         loss_type=train.loss, beta=train.kl_coef, epsilon=train.clip_low,
-        epsilon_high=train.clip_high,
+        epsilon_high=loss_config_from(train, rollout.max_new_tokens).upper_clip,
         scale_rewards="group" if train.scale_advantages_by_std else "none",
     )
     plan = StagePlan.even(loaded.spec.num_layers, config.num_stages)

@@ -66,6 +66,8 @@ from decentrl.net.session import new_session
 from decentrl.net.training_messages import (
     AuditLoad,
     CheckpointRequest,
+    LogprobsChain,
+    LogprobsForward,
     ShardRequest,
     StateRequest,
     TapeRequest,
@@ -103,6 +105,7 @@ CALLERS: dict[str, Callers] = {
     "inference_push": "previous stage", "inference_result": "coordinator",
     "inference_resume": "coordinator", "reveal": "coordinator", "evidence": "coordinator",
     "train_chain": "previous stage", "train_tape": "coordinator",
+    "train_logprobs": "coordinator", "train_logprobs_chain": "previous stage",
 }
 
 
@@ -138,6 +141,9 @@ STRANGER_CALLS: dict[str, tuple[Role, object]] = {
     "evidence": ("inference", EvidenceRequest(sender="s", method="inference_push")),
     "train_chain": ("training", TrainChain(route=b"", forward=COORDINATOR_ONLY[0][1])),
     "train_tape": ("training", TapeRequest(version=0, micro=0)),
+    "train_logprobs": ("training", LogprobsForward(micro=0, version=0, last=True)),
+    "train_logprobs_chain": ("training", LogprobsChain(
+        route=b"", forward=LogprobsForward(micro=0, version=0, last=True))),
 }
 # What each rule answers a stranger (net/authority.py), and whether the refusal is a strike: an
 # unknown caller of a "same stage" RPC may be a replica whose announcement has not spread yet.

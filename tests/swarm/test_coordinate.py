@@ -271,11 +271,14 @@ def test_swarm_refuses_what_it_cannot_run(tiny_model_dir: Path, tmp_path: Path) 
     base = swarm_config(tiny_model_dir, tmp_path, 1).model_dump()
     spec = model_spec(tiny_model_dir)
     for section, field, value, message in [("train", "kl_coef", 0.1, "kl_coef"),
-                                           ("train", "updates_per_batch", 2, "updates_per_batch"),
                                            ("train", "mode", "sync", "async")]:
         data = {**base, section: {**base[section], field: value}}
         with pytest.raises(ConfigError, match=message):
             check_swarm_config(parse_config(data), spec)
+    # Several optimizer steps per batch run in the swarm (a forward-only pass fixes the
+    # proximal log-probs): nothing refuses them.
+    check_swarm_config(parse_config({**base, "train": {
+        **base["train"], "minibatches_per_batch": 2, "epochs_per_batch": 2}}), spec)
     layers = spec.num_layers
     too_many = rf"num_stages must be in \[1, {layers}\].*got {layers + 1}"
     with pytest.raises(ConfigError, match=too_many):

@@ -42,6 +42,7 @@ from decentrl.net.protocol import (
     TRAIN_DISCARD,
     TRAIN_FORWARD,
     TRAIN_GRAD_NORM,
+    TRAIN_LOGPROBS,
     TRAIN_STATE,
     TRAIN_STEP,
     Empty,
@@ -51,6 +52,7 @@ from decentrl.net.training_messages import (
     AuditLoad,
     CheckpointReply,
     CheckpointRequest,
+    LogprobsForward,
     ShardChunk,
     ShardRequest,
     StateRequest,
@@ -69,6 +71,9 @@ Rep = TypeVar("Rep")
 # The per-row statistics of the last stage are compared in nats where they are near zero.
 ROW_STATS_FLOOR = 0.1
 ROW_STATS = ("row_surprise", "row_log_ratio")
+# The least log-prob the last stage answers for a target (rollout/sampling.py's floor for a
+# token outside the sampler's kept set).
+LOGPROB_FLOOR = -1e4
 
 
 class VersionWitness(Protocol):
@@ -117,6 +122,22 @@ def call_retrying(node: SwarmNode, swarm: SwarmConfig, peer: str, rpc: Rpc[Req, 
         except MessageLost:
             time.sleep(backoff(attempt))
     raise MessageLost(f"{swarm.retries + 1} messages to {peer[-8:]} lost in a row")
+
+
+def checked_logprobs(logprobs: torch.Tensor | None, batch: TrainBatch, who: str) -> torch.Tensor:
+    """`logprobs` as a last stage answers a forward-only pass of `batch`: [rows, C], in
+    [LOGPROB_FLOOR, 0] at every completion target and 0 past a row's end; SwarmUnavailable if
+    they are not (nothing else is checked: they are the proximal policy's, which nobody
+    recomputes)."""
+    valid = batch.completion_valid.cpu()
+    if logprobs is None or tuple(logprobs.shape) != tuple(valid.shape):
+        raise SwarmUnavailable(f"{who} answered no log-probs of shape {tuple(valid.shape)}")
+    logprobs = logprobs.float()
+    if not (bool(((logprobs <= 0) & (logprobs >= LOGPROB_FLOOR))[valid].all())
+            and bool((logprobs[~valid] == 0).all())):
+        raise SwarmUnavailable(f"{who} answered log-probs outside [{LOGPROB_FLOOR:g}, 0], or "
+                               "not 0 past a row's end")
+    return logprobs
 
 
 class RemoteStageWorker:
@@ -223,6 +244,24 @@ class RemoteStageWorker:
                                        f"the wrong shape (expected [{rows}])")
             return (out[names[0]].float(), out[names[1]].float()), reply.metrics
         return (out[names[0]].float(), out[names[1]].float()), {}
+
+    def forward_only(self, micro: int, inputs: Activations, batch: TrainBatch
+                     ) -> Activations | torch.Tensor:
+        """The peer's forward of micro-batch `micro` without gradient (`train_logprobs`): its
+        outputs, or at the last stage the log-probs [rows, C]. Not taped: an audit replays the
+        steps, and this pass changes nothing a step starts from."""
+        exact = {name: tensor.cpu() for name, tensor in batch.tensors().items()}
+        if batch.routing is not None and self.routing_part.stop > self.routing_part.start:
+            exact["routing"] = batch.routing[:, :, self.routing_part].cpu().contiguous()
+        _, out = self._call(TRAIN_LOGPROBS, LogprobsForward(micro=micro, version=self._version,
+                                                            last=self.last),
+                            {"prompt_in": inputs[0].cpu(), "completion_in": inputs[1].cpu()},
+                            self.swarm.activation_codec, exact)
+        if self.last:
+            return checked_logprobs(out.get("logprobs"), batch, f"training stage {self.stage}")
+        if "prompt_out" not in out or "completion_out" not in out:
+            raise SwarmUnavailable(f"training stage {self.stage} replied without its outputs")
+        return out["prompt_out"].float(), out["completion_out"].float()
 
     def backward(self, micro: int, grad_outputs: Activations | None) -> Activations | None:
         tensors = {} if grad_outputs is None else {"prompt_grad": grad_outputs[0].cpu(),

@@ -8,7 +8,10 @@ stage's row statistics and metrics with every stage's signed commitment, checked
 (the tokens it sent; each stage's inputs its predecessor's outputs, each stage's received
 gradients its successor's sent ones). The micro-batches of a minibatch are in flight together,
 as many as there are stages, so the stages pipeline them. Gradient norms, steps and discards go
-to each stage as before (client/training.py RemoteStageWorker): they are small.
+to each stage as before (client/training.py RemoteStageWorker): they are small. A batch that
+takes several optimizer steps first goes down the same chain forward only (`logprobs`,
+`train_logprobs_chain`): the last stage's log-probs come back with every stage's signed
+`ForwardCommit`, checked as one chain from the token ids sent to the log-probs received.
 
 An audited step's tape (what the audited peer received and sent, which the relayed path records
 as it relays) is revealed by the peer after the step (`train_tape`) and checked against the
@@ -20,30 +23,42 @@ from __future__ import annotations
 import asyncio
 import functools
 import secrets
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
-from decentrl.client.training import RemoteStageWorker, StepTape
+from decentrl.client.training import RemoteStageWorker, StepTape, checked_logprobs
 from decentrl.config import SwarmConfig
 from decentrl.learn.batch import TrainBatch
 from decentrl.learn.trainer import LossInputs, RowStats
 from decentrl.net.directory import SwarmUnavailable, backoff
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, SwarmNode
-from decentrl.net.protocol import TRAIN_CHAIN, TRAIN_TAPE
+from decentrl.net.protocol import TRAIN_CHAIN, TRAIN_LOGPROBS_CHAIN, TRAIN_TAPE, Rpc
 from decentrl.net.push_messages import (
     TrainCommit,
     TrainingRoute,
+    open_forward_commit,
     open_train_commit,
     pair_digest,
     sign_training_route,
+    tensor_digest,
 )
-from decentrl.net.training_messages import TapeRequest, TrainBackward, TrainChain, TrainForward
+from decentrl.net.training_messages import (
+    LogprobsChain,
+    LogprobsForward,
+    TapeRequest,
+    TrainBackward,
+    TrainChain,
+    TrainForward,
+)
 from decentrl.net.wire import WireError
 
 ROW_STATS = ("row_surprise", "row_log_ratio")
+Answer = TypeVar("Answer")
+Rep = TypeVar("Rep")
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,27 @@ class PushedTraining:
 
     def run(self, micro_batches: Sequence[tuple[int, TrainBatch, LossInputs]]
             ) -> list[tuple[dict[str, float], RowStats]]:
+        route, peers, version = self._route()
+        for old in [v for v in self.pushed if v < version - 1]:
+            del self.pushed[old]
+        deadline = self.swarm.request_timeout_s * (len(peers) + 1) * len(micro_batches)
+        return self.node.run(self._all(peers, [  # type: ignore[arg-type]
+            functools.partial(self._one, route, peers, version, *micro)
+            for micro in micro_batches]), timeout=deadline)
+
+    def logprobs(self, micro_batches: Sequence[tuple[int, TrainBatch]]) -> list[torch.Tensor]:
+        """The forward-only pass (learn/trainer.py `MicroBatchChain.logprobs`): each
+        micro-batch down the chain under the route of the learner's version, the last stage's
+        log-probs back with every stage's ForwardCommit, checked as one chain."""
+        route, peers, version = self._route()
+        deadline = self.swarm.request_timeout_s * (len(peers) + 1) * len(micro_batches)
+        return self.node.run(self._all(peers, [  # type: ignore[arg-type]
+            functools.partial(self._forward_only, route, peers, version, *micro)
+            for micro in micro_batches]), timeout=deadline)
+
+    def _route(self) -> tuple[bytes, list[str], int]:
+        """The owner's signed route of this step: every stage's training peer, all at one
+        version (else SwarmUnavailable: the loop brings them back to one)."""
         for worker in self.workers:
             if worker.peer is None:
                 worker.connect()
@@ -79,23 +115,66 @@ class PushedTraining:
         assert all(peer is not None for peer in peers)
         route = sign_training_route(self.node.identity, TrainingRoute(
             self.run_name, self.run_session, version, peers))  # type: ignore[arg-type]
-        for old in [v for v in self.pushed if v < version - 1]:
-            del self.pushed[old]
-        deadline = self.swarm.request_timeout_s * (len(peers) + 1) * len(micro_batches)
-        return self.node.run(self._all(route, peers, version, micro_batches),  # type: ignore[arg-type]
-                             timeout=deadline)
+        return route, peers, version  # type: ignore[return-value]
 
-    async def _all(self, route: bytes, peers: list[str], version: int,
-                   micro_batches: Sequence[tuple[int, TrainBatch, LossInputs]]
-                   ) -> list[tuple[dict[str, float], RowStats]]:
-        """Every micro-batch, as many in flight as there are stages."""
+    async def _all(self, peers: list[str],
+                   calls: Sequence[Callable[[], Awaitable[Answer]]]) -> list[Answer]:
+        """Every micro-batch's call, as many in flight as there are stages."""
         room = asyncio.Semaphore(len(peers))
 
-        async def one(micro: tuple[int, TrainBatch, LossInputs]
-                      ) -> tuple[dict[str, float], RowStats]:
+        async def one(call: Callable[[], Awaitable[Answer]]) -> Answer:
             async with room:
-                return await self._one(route, peers, version, *micro)
-        return list(await asyncio.gather(*(one(micro) for micro in micro_batches)))
+                return await call()
+        return list(await asyncio.gather(*(one(call) for call in calls)))
+
+    async def _forward_only(self, route: bytes, peers: list[str], version: int, micro_id: int,
+                            micro: TrainBatch) -> torch.Tensor:
+        exact = {name: tensor.cpu() for name, tensor in micro.tensors().items()}
+        if micro.routing is not None:
+            exact["routing"] = micro.routing.cpu().contiguous()
+        inputs = (micro.prompts.cpu(), micro.completions.cpu())
+        reply, out = await self._call_stage_0(
+            peers, TRAIN_LOGPROBS_CHAIN, LogprobsChain(route=route, forward=LogprobsForward(
+                micro=micro_id, version=version, last=False)), inputs, exact, micro_id)
+        logprobs = checked_logprobs(out.get("logprobs"), micro, "the training chain")
+        try:
+            commits = [open_forward_commit(c, peer)
+                       for c, peer in zip(reply.commits, peers, strict=True)]
+        except (ValueError, WireError) as bad:
+            raise SwarmUnavailable(f"training stage 0 answered commitments that are not the "
+                                   f"stages': {bad}") from None
+        previous = pair_digest(inputs)
+        for stage, commit in enumerate(commits):
+            if (commit.version, commit.micro, commit.stage, commit.inputs) \
+                    != (version, micro_id, stage, previous):
+                raise SwarmUnavailable(f"training stage 0 answered forward-only micro-batch "
+                                       f"{micro_id}'s commitments that do not chain")
+            previous = commit.outputs
+        if previous != tensor_digest(out["logprobs"].float()):
+            raise SwarmUnavailable(f"the last training stage's commitment of forward-only "
+                                   f"micro-batch {micro_id} is not to the log-probs answered")
+        return logprobs
+
+    async def _call_stage_0(self, peers: list[str], rpc: Rpc[Any, Rep], body: Any,
+                            inputs: tuple[torch.Tensor, torch.Tensor],
+                            exact: dict[str, torch.Tensor], micro_id: int
+                            ) -> tuple[Rep, dict[str, torch.Tensor]]:
+        """A micro-batch to the chain's stage 0, sent again with the same request id (the peer
+        answers it once) while messages are lost; SwarmUnavailable on any other failure."""
+        request_id = secrets.token_hex(8)
+        for attempt in range(self.swarm.retries + 1):
+            try:
+                return await self.node.call(
+                    peers[0], rpc, body, {"prompt_in": inputs[0], "completion_in": inputs[1]},
+                    self.swarm.activation_codec,
+                    self.swarm.request_timeout_s * (len(peers) + 1), request_id, exact)
+            except MessageLost:
+                await asyncio.sleep(backoff(attempt))
+            except (RemoteError, WireError, TimeoutError) as failure:
+                raise SwarmUnavailable(f"the training chain failed micro-batch {micro_id}: "
+                                       f"{failure}") from failure
+        raise SwarmUnavailable(f"micro-batch {micro_id}: {self.swarm.retries + 1} messages "
+                               "to training stage 0 lost in a row")
 
     async def _one(self, route: bytes, peers: list[str], version: int, micro_id: int,
                    micro: TrainBatch, loss_inputs: LossInputs
@@ -112,23 +191,9 @@ class PushedTraining:
                                total_tokens=loss_inputs.total_tokens,
                                total_supervised_tokens=loss_inputs.total_supervised_tokens)
         inputs = (micro.prompts.cpu(), micro.completions.cpu())
-        request_id = secrets.token_hex(8)
-        for attempt in range(self.swarm.retries + 1):
-            try:
-                reply, out = await self.node.call(
-                    peers[0], TRAIN_CHAIN, TrainChain(route=route, forward=forward),
-                    {"prompt_in": inputs[0], "completion_in": inputs[1]},
-                    self.swarm.activation_codec,
-                    self.swarm.request_timeout_s * (len(peers) + 1), request_id, exact)
-                break
-            except MessageLost:
-                await asyncio.sleep(backoff(attempt))
-            except (RemoteError, WireError, TimeoutError) as failure:
-                raise SwarmUnavailable(f"the training chain failed micro-batch {micro_id}: "
-                                       f"{failure}") from failure
-        else:
-            raise SwarmUnavailable(f"micro-batch {micro_id}: {self.swarm.retries + 1} messages "
-                                   "to training stage 0 lost in a row")
+        reply, out = await self._call_stage_0(peers, TRAIN_CHAIN,
+                                              TrainChain(route=route, forward=forward), inputs,
+                                              exact, micro_id)
         rows = micro.completions.shape[0]
         stats = tuple(out.get(name) for name in ROW_STATS)
         if any(s is None or tuple(s.shape) != (rows,) for s in stats):

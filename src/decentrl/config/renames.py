@@ -20,6 +20,8 @@ RENAMED = {
     "supervised.warmup_steps": "supervised.steps",
     "swarm.ban_s": "swarm.avoid_failed_peer_s",
     "host.link.loss": "host.link.drop_probability",
+    # It meant optimizer steps per batch and was read as PPO epochs: the two are separate now.
+    "train.updates_per_batch": "train.minibatches_per_batch",
 }
 
 

@@ -125,12 +125,6 @@ def swarm_has_no_reference_model(config: RunConfig) -> None:
                          "model would have to live on the training peers)")
 
 
-def swarm_updates_once_per_batch(config: RunConfig) -> None:
-    if config.train.updates_per_batch > 1:
-        raise ValueError("train.updates_per_batch > 1 is not supported in the swarm yet (fixed "
-                         "proximal log-probs need a forward-only pass through the peers)")
-
-
 def swarm_trains_async(config: RunConfig) -> None:
     if config.train.mode != "async":
         raise ValueError("the swarm coordinator runs train.mode = 'async' only")
@@ -156,5 +150,4 @@ RUN_RULES = (stage_layers_name_every_stage, int8_base_needs_lora, mis_bounds_are
              dynamic_sampling_drops_flat_groups, corrections_need_behaviour_logprobs,
              replicas_rewind_past_the_staleness_bound, supervised_steps_leave_rl_steps,
              session_groups_fit_a_session)
-SWARM_SUPPORT_RULES = (swarm_has_no_reference_model, swarm_updates_once_per_batch,
-                       swarm_trains_async)
+SWARM_SUPPORT_RULES = (swarm_has_no_reference_model, swarm_trains_async)

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from decentrl.config.base import Section
+from decentrl.config.entropy import EntropyConfig
 
 # The projections of a decoder layer that can carry LoRA adapters (model/lora.py), the default
 # targets: every projection. Kept here, not in model/lora.py, so reading a config does not import
@@ -55,8 +56,8 @@ class TrainConfig(Section):
     lr: float = Field(1e-5, gt=0, lt=1, description="AdamW's learning rate for RL steps (the "
                       "supervised steps may have their own: supervised.lr)")
     lr_warmup_steps: int = Field(0, ge=0, description="the learning rate ramps linearly over "
-                                 "this many first steps of the run, from 1/N of its value (0: "
-                                 "none)")
+                                 "this many first optimizer steps (versions) of the run, from "
+                                 "1/N of its value (0: none)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW's (beta1, beta2): decay "
                                        "rates of its gradient and squared-gradient averages")
@@ -66,7 +67,15 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(16, ge=1, description="rows per forward and backward pass; a "
                                   "batch's gradient is the sum over its micro-batches, so this "
                                   "trades memory for passes without changing the step")
-    updates_per_batch: int = Field(1, ge=1, description="optimizer steps per batch (PPO epochs)")
+    minibatches_per_batch: int = Field(1, ge=1, description="each batch is split into this "
+                                       "many minibatches of consecutive rows (sizes within one "
+                                       "of each other; a batch of fewer rows into one a row), "
+                                       "one optimizer step each")
+    epochs_per_batch: int = Field(1, ge=1, description="passes over each batch's minibatches, in "
+                                  "the same order (PPO epochs): a batch takes "
+                                  "minibatches_per_batch x epochs_per_batch optimizer steps, each "
+                                  "a new version, all scored against the proximal log-probs "
+                                  "fixed before the first by a forward-only pass")
     scale_advantages_by_std: bool = Field(True, description="a row's advantage is its reward "
                                           "minus its group's mean, divided by the group's "
                                           "standard deviation (false: not divided, as Dr.GRPO "
@@ -79,10 +88,13 @@ class TrainConfig(Section):
                                    "dynamic sampling): groups without spread are recorded and "
                                    "skipped, at most 4 x prompts_per_step groups a step")
     clip_low: float = Field(0.2, gt=0, lt=1, description="PPO's clip range on pi / pi_prox "
-                            "starts at 1 - clip_low (grpo and dr_grpo clip symmetrically, at 1 "
-                            "+ clip_low too)")
-    clip_high: float = Field(0.28, gt=0, description="dapo's clip range ends at 1 + clip_high "
-                             "(clip-higher); the other losses ignore it")
+                            "starts at 1 - clip_low (grpo, dr_grpo, dapo); it acts from a "
+                            "batch's second optimizer step on")
+    clip_high: float | None = Field(None, gt=0, description="the clip range ends at 1 + "
+                                    "clip_high (grpo, dr_grpo, dapo; None: the loss's own, "
+                                    "clip_low for grpo and dr_grpo, PPO's symmetric range, and "
+                                    "0.28 for dapo, its clip-higher); gspo and cispo keep their "
+                                    "own published ranges")
     kl_coef: float = Field(0.0, ge=0, description="weight of the k3 estimate of the KL "
                            "divergence to the base model (0: none; one process only)")
     tis_cap: float | None = Field(2.0, ge=1, description="truncated importance sampling: each "
@@ -104,7 +116,10 @@ class TrainConfig(Section):
     off_policy_correction: bool = Field(True, description="False: the loss ignores the behaviour "
                                         "log-probs, stale tokens count as the learner's own (the "
                                         "staleness bench's baseline)")
-    max_staleness: int = Field(2, ge=0, description="drop rollouts more versions behind than this")
+    max_staleness: int = Field(2, ge=0, description="drop rollouts more versions behind the "
+                               "learner than this; a version is one optimizer step, and a batch "
+                               "takes minibatches_per_batch x epochs_per_batch of them, so scale "
+                               "this with them")
     routing_replay: bool = Field(False, description="rollout routing replay, for a "
                                  "mixture-of-experts model (Qwen3-MoE, Mixtral): generation "
                                  "records the experts each completion token went to, and the "
@@ -126,6 +141,14 @@ class TrainConfig(Section):
                                           "that get adapters; a family that fuses some (Phi-3's "
                                           "qkv_proj, gate_up_proj) takes the fused name or all "
                                           "of its parts")
+
+    @property
+    def optimizer_steps_per_batch(self) -> int:
+        """The optimizer steps (versions) a batch of at least minibatches_per_batch rows takes."""
+        return self.minibatches_per_batch * self.epochs_per_batch
+
+    entropy: EntropyConfig = Field(EntropyConfig(), description="entropy control "
+                                   "(learn/entropy.py): Clip-Cov, KL-Cov, an adaptive bonus")
 
     @field_validator("lora_targets")
     @classmethod

@@ -88,9 +88,11 @@ SLOT_WAIT_S = 0.5
 
 def groups_in_flight(config: RunConfig) -> int:
     """The most groups worth generating at once: a group in flight when a step takes its batch is
-    trained about (groups in flight / groups per step) versions later, so more than
-    `train.max_staleness` steps' worth only goes stale (one step's worth when none is allowed)."""
-    return config.rollout.prompts_per_step * max(1, config.train.max_staleness)
+    trained about (groups in flight / groups per step) steps later, each step
+    `train.optimizer_steps_per_batch` versions, so more than the steps' worth of
+    `train.max_staleness` versions only goes stale (one step's worth when that is none)."""
+    steps = config.train.max_staleness // config.train.optimizer_steps_per_batch
+    return config.rollout.prompts_per_step * max(1, steps)
 
 
 def session_room(swarm: SwarmConfig) -> int:

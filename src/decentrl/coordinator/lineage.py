@@ -8,7 +8,11 @@ see it make, moves no replica.
 
 The queries run on one background thread, in order: the training loop does not wait for the
 publisher's encoding, and a version is signed only after every earlier event of its stage. A
-query that fails is retried; a version still unsigned is signed with its stage's next one.
+query that fails is retried; a version still unsigned is signed with its stage's next one. A
+batch of several optimizer steps publishes a version per step in a burst: a step's event that
+a later event of its stage already follows in the queue is left to that one, which signs every
+version in between (a dense publisher keeps only its newest state, and a replica of a dense
+stage only ever fetches that: there only the newest is signed).
 
 Each answer also says how far the published state is from the training peer's learner
 (`ServedFidelity`); the newest of each stage goes into the step metrics (`fidelity_fields`)."""
@@ -61,7 +65,9 @@ class LineageSigner:
         self.ttl_s = 5 * config.swarm.announce_every_s
         self.timeout_s = config.swarm.request_timeout_s
         self.retry_pause_s = config.swarm.announce_every_s
+        self.dense = config.sync.mode == "dense"
         self.records: dict[int, LineageRecord] = {}
+        self._queued: dict[int, int] = {}  # by stage: its events in the queue
         self.fidelity: dict[int, ServedFidelity] = {}  # by stage, of its newest signed version
         self._lock = threading.Lock()
         self._events: queue.Queue[Published | None] = queue.Queue()
@@ -69,6 +75,8 @@ class LineageSigner:
         self._thread.start()
 
     def published(self, stage: int, peer: str, version: int, restart: bool = False) -> None:
+        with self._lock:
+            self._queued[stage] = self._queued.get(stage, 0) + 1
         self._events.put(Published(stage, peer, version, restart))
 
     def fidelity_fields(self) -> dict[str, Any]:
@@ -108,8 +116,14 @@ class LineageSigner:
 
     def _work(self) -> None:
         while (event := self._events.get()) is not None:
+            with self._lock:
+                self._queued[event.stage] -= 1
+                # A restart is never left out: the events after it must not continue the chain
+                # it voids.
+                superseded = self._queued[event.stage] > 0 and not event.restart
             try:
-                self._sign_with_retries(event)
+                if not superseded:
+                    self._sign_with_retries(event)
             finally:
                 self._events.task_done()
         self._events.task_done()
@@ -132,7 +146,7 @@ class LineageSigner:
             old = self.records.get(event.stage)
         continues = old is not None and not event.restart and old.publisher == event.peer
         signed: dict[int, str] = {}
-        if old is not None and continues:
+        if old is not None and continues and not self.dense:
             # A version whose signing failed before is signed with the next one (the publisher
             # keeps the hashes of its recent updates): a replica cannot step over an unsigned one.
             for version in range(max(max(old.hashes) + 1, event.version - self.keep),

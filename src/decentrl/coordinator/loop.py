@@ -267,9 +267,13 @@ class TrainingLoop(Generic[AnyBackend]):
 
     def _train_batch(self, batch: TrainBatch,
                      scored: Sequence[Pooled] = ()) -> dict[str, float] | None:
-        """One optimizer step on `batch` (of `scored`'s groups) and the new weights published;
-        None when the step failed and the stages were recovered instead (`scored` go back to
-        the pending pool first: still pending in the store, the recovery keeps them once)."""
+        """The optimizer steps of `batch` (of `scored`'s groups: train.minibatches_per_batch x
+        epochs_per_batch, each a version) and the new weights published; None when the step
+        failed and the stages were recovered instead (`scored` go back to the pending pool
+        first: still pending in the store, the recovery keeps them once). A step that fails
+        after some of its updates leaves the stages past the store's version: the recovery
+        brings them back to the last checkpoint, as for a step that failed between two stages'
+        updates."""
         try:
             losses = self.trainer.train_step(batch)
         except self.backend.recoverable_step_errors as error:

@@ -143,6 +143,15 @@ class TrainBatch:
                           routing=None if self.routing is None else self.routing.to(device))
 
 
+def minibatch_rows(rows: int, minibatches: int) -> list[slice]:
+    """The rows of each minibatch of a batch of `rows`: `minibatches` runs of consecutive rows
+    whose sizes are within one of each other (one a row when the batch has fewer): every
+    minibatch, so every optimizer step, gets its share of the batch."""
+    count = min(minibatches, max(rows, 1))
+    bounds = [rows * i // count for i in range(count + 1)]
+    return [slice(low, high) for low, high in zip(bounds, bounds[1:], strict=False)]
+
+
 BATCH_FIELDS: dict[str, BatchField] = {f.name: f.metadata[_DECLARATION]
                                        for f in fields(TrainBatch) if _DECLARATION in f.metadata}
 

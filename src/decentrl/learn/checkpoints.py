@@ -17,6 +17,7 @@ stage is written, so a crash mid-save leaves the previous one in charge."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -122,6 +123,39 @@ class CheckpointLayout:
         for old in self.root.glob("v*"):
             if old.is_dir() and old != kept:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def write_checkpoint(root: Path, version: int, states: dict[int, dict[str, Any]],
+                     extra: dict[str, Any]) -> Path:
+    """Write every stage's training state (by stage index) of `version` under `root`, with the
+    local trainer's bookkeeping `extra`, then put the checkpoint in charge; its folder."""
+    layout = CheckpointLayout(root)
+    folder = layout.folder(version)
+    folder.mkdir(parents=True, exist_ok=True)
+    for stage, state in states.items():
+        layout.write_stage(version, stage, state)
+    layout.meta_file(version).write_text(json.dumps({"version": version, **extra}))
+    layout.commit(version)
+    return folder
+
+
+def read_checkpoint(root: Path, stages: list[int], device: torch.device
+                    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The checkpoint in charge under `root`: its bookkeeping and each of `stages`' training
+    state, all read and checked before the caller loads any (a bad checkpoint changes nothing)."""
+    layout = CheckpointLayout(root)
+    version = layout.latest_version()
+    if version is None:
+        raise FileNotFoundError(f"{root} holds no checkpoint (no 'latest' pointer)")
+    meta = layout.meta_file(version)
+    if not meta.is_file():
+        raise FileNotFoundError(f"checkpoint {layout.folder(version)} has no {meta.name}")
+    states = [layout.read_stage(version, stage, device) for stage in stages]
+    info = json.loads(meta.read_text())
+    if info["version"] != version:
+        raise ValueError(f"{meta} describes version {info['version']}, the checkpoint is "
+                         f"version {version}")
+    return info, states
 
 
 def _save(path: Path, value: dict[str, Any]) -> None:

@@ -32,6 +32,12 @@ micro-batch: a `micro_batch_size` of the whole batch makes it the paper's per-ba
 `off_policy_correction=False` ignores mu (mu := pi_prox): no weight, no mask, stale tokens count
 as if the learner had sampled them. It is the staleness bench's "no correction" baseline.
 
+Entropy control (learn/entropy.py): `covariance_method` acts on the tokens the driver selected
+for the whole batch (`selected`): clip_cov stops their gradient (their loss still counts in the
+value), kl_cov adds `kl_cov_coef * |log pi - log pi_prox|` to each. Either composes with every
+loss above and with every correction: it changes the selected tokens' term after the behaviour
+weight, never the weight or the masks.
+
 Normalisers: the loss of a micro-batch is divided by counts of the *whole* batch
 (`total_sequences`, `total_tokens`), so summing the micro-batch losses gives exactly the loss, and
 so the gradient, of the whole batch. Sequences masked by MIS leave the numerator only (of the
@@ -49,6 +55,7 @@ from typing import Literal, get_args
 import torch
 
 from decentrl.errors import DecentrlError
+from decentrl.learn.entropy import COVARIANCE_METHODS, CovarianceMethod
 
 LossName = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
 LOSS_NAMES: tuple[str, ...] = get_args(LossName)
@@ -56,6 +63,8 @@ LOSS_NAMES: tuple[str, ...] = get_args(LossName)
 SEQUENCE_MEAN_LOSSES = ("grpo", "gspo")
 # Every token of the batch weighs the same (DAPO's token-level loss, CISPO).
 TOKEN_MEAN_LOSSES = ("dapo", "cispo")
+# DAPO's clip-higher (Yu et al. 2025): its upper clip when none is set.
+DAPO_CLIP_HIGH = 0.28
 
 
 class StaleRolloutError(DecentrlError):
@@ -74,9 +83,9 @@ class StaleRolloutError(DecentrlError):
 class LossConfig:
     """Which objective, and its clipping and off-policy knobs.
 
-    clip_low / clip_high: PPO clip range [1 - clip_low, 1 + clip_high] on r = pi / pi_prox.
-        DAPO uses both (clip-higher, Yu et al. 2025: 0.2 / 0.28). GRPO and Dr.GRPO use the
-        symmetric PPO range [1 - clip_low, 1 + clip_low] and ignore clip_high.
+    clip_low / clip_high: PPO clip range [1 - clip_low, 1 + clip_high] on r = pi / pi_prox, for
+        GRPO, Dr.GRPO and DAPO. clip_high None is the loss's own (`upper_clip`): clip_low for
+        GRPO and Dr.GRPO (PPO's symmetric range), 0.28 for DAPO (clip-higher, Yu et al. 2025).
     gspo_clip_low / gspo_clip_high: the range on GSPO's length-normalised sequence ratio; its
         ratio stays near 1, hence the tiny values (Zheng et al. 2025 use 3e-4 / 4e-4).
     cispo_clip_high: eps_high^IS, CISPO's detached IS weight is min(r, 1 + cispo_clip_high).
@@ -97,6 +106,8 @@ class LossConfig:
         docstring); `behaviour_kl` and `behaviour_m2` still measure them.
     supervised_coef: the weight of a supervised row's negative log-likelihood beside the policy
         loss (learn/trainer.py `micro_batch_loss`); policy_loss itself never sees those rows.
+    covariance_method / kl_cov_coef: entropy control on the tokens `policy_loss` is given as
+        `selected` (see the module docstring and learn/entropy.py).
     flag_log_ratio / flag_surprise: rollouts the trainer's own log-probs expose as off-policy
         poison are left out of the loss and reported (`flagged_rows`): mean per-token
         |log pi - log mu| above flag_log_ratio (forged behaviour log-probs), or mean per-token
@@ -106,7 +117,7 @@ class LossConfig:
 
     name: LossName
     clip_low: float = 0.2
-    clip_high: float = 0.28
+    clip_high: float | None = None
     gspo_clip_low: float = 3e-4
     gspo_clip_high: float = 4e-4
     cispo_clip_high: float = 3.0
@@ -121,6 +132,15 @@ class LossConfig:
     supervised_coef: float = 1.0
     flag_log_ratio: float | None = None
     flag_surprise: float | None = None
+    covariance_method: CovarianceMethod = "none"
+    kl_cov_coef: float = 1.0
+
+    @property
+    def upper_clip(self) -> float:
+        """The clip range's upper end is 1 + this, for grpo, dr_grpo and dapo."""
+        if self.clip_high is not None:
+            return self.clip_high
+        return DAPO_CLIP_HIGH if self.name == "dapo" else self.clip_low
 
     def __post_init__(self) -> None:
         if self.name not in LOSS_NAMES:
@@ -132,8 +152,15 @@ class LossConfig:
                 raise ValueError(f"{field_name} must be in (0, 1), got {value}")
         for field_name in ("clip_high", "gspo_clip_high", "cispo_clip_high"):
             value = getattr(self, field_name)
+            if field_name == "clip_high" and value is None:
+                continue
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{field_name} must be a finite number > 0, got {value}")
+        if self.covariance_method not in COVARIANCE_METHODS:
+            raise ValueError(f"covariance_method must be one of {COVARIANCE_METHODS}, got "
+                             f"{self.covariance_method!r}")
+        if not (math.isfinite(self.kl_cov_coef) and self.kl_cov_coef > 0):
+            raise ValueError(f"kl_cov_coef must be a finite number > 0, got {self.kl_cov_coef}")
         for field_name in ("kl_coef", "supervised_coef"):
             value = getattr(self, field_name)
             if not (math.isfinite(value) and value >= 0):
@@ -224,12 +251,15 @@ def policy_loss(
     reference_logprobs: torch.Tensor | None = None,
     total_sequences: int | None = None,
     total_tokens: int | None = None,
+    selected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The scalar loss to minimise for one (micro-)batch, and metrics to log.
 
     Per-token tensors are [B, T]; `advantages` is [B], one per sequence; `mask` (bool or 0/1
     float) marks the completion tokens that count. `total_sequences` / `total_tokens` are the
     counts of the whole batch this micro-batch belongs to (None: this micro-batch's own counts).
+    `selected` (bool [B, T]): the tokens `config.covariance_method` acts on, selected over the
+    whole batch (learn/entropy.py `covariance_selection`); required by a method, refused without.
 
     Dr.GRPO (Liu et al. 2025) also drops the std scaling of advantages; that is chosen where the
     advantages are computed (`group_advantages(..., scale_by_std=False)`), not here.
@@ -237,13 +267,14 @@ def policy_loss(
     Metrics (means over counted tokens of this micro-batch): policy_loss, clip_fraction (share of
     tokens whose gradient the clip removed, or whose CISPO weight was capped), ratio_mean,
     tis_weight_mean, tis_truncated_fraction, mis_masked_fraction (share of sequences),
-    m2_masked_fraction (share of tokens), behaviour_kl (k3 estimate of KL(mu || pi_prox), how
+    m2_masked_fraction (share of tokens), cov_selected_fraction (share of tokens the entropy
+    method acts on, with one), behaviour_kl (k3 estimate of KL(mu || pi_prox), how
     off-policy the batch is), behaviour_m2 (mean (log pi_prox / mu)^2, M2PO's second moment,
     before its mask), and kl (k3 to the reference) when reference_logprobs is given.
     """
     _check_inputs(
         logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask, config,
-        reference_logprobs,
+        reference_logprobs, selected,
     )
     # The proximal and behaviour policies are fixed targets: no gradient may reach them.
     proximal_logprobs = proximal_logprobs.detach()
@@ -289,13 +320,13 @@ def policy_loss(
         # GRPO (Shao et al. 2024) and Dr.GRPO (Liu et al. 2025): PPO's symmetric clip.
         ratio = log_ratio.exp()
         token_loss, clipped = _clipped_surrogate(
-            ratio, advantages, config.clip_low, config.clip_low
+            ratio, advantages, config.clip_low, config.upper_clip
         )
     elif config.name == "dapo":
         # DAPO (Yu et al. 2025): clip-higher, a wider upper range keeps exploration tokens alive.
         ratio = log_ratio.exp()
         token_loss, clipped = _clipped_surrogate(
-            ratio, advantages, config.clip_low, config.clip_high
+            ratio, advantages, config.clip_low, config.upper_clip
         )
     elif config.name == "gspo":
         # GSPO (Zheng et al. 2025): s_i = exp(mean_t log(pi / pi_prox)), clipped per sequence.
@@ -314,6 +345,14 @@ def policy_loss(
         token_loss = -ratio.detach().clamp(max=cap) * advantages * logprobs
         clipped = ratio.detach() > cap
     token_loss = token_loss * behaviour_weight
+    if selected is not None and config.covariance_method == "clip_cov":
+        # Clip-Cov: the selected tokens keep their value in the loss, not their gradient.
+        token_loss = torch.where(selected, token_loss.detach(), token_loss)
+    elif selected is not None:
+        # KL-Cov: pulled back towards the proximal policy; zero (and so is its gradient) until
+        # the learner has moved away from it within the batch.
+        distance = (logprobs - proximal_logprobs).abs()
+        token_loss = token_loss + config.kl_cov_coef * distance * selected.to(token_loss.dtype)
     loss = _reduce(token_loss, loss_mask, sequence_lengths, config.name, normaliser)
 
     metrics = {
@@ -329,6 +368,8 @@ def policy_loss(
         "behaviour_kl": _masked_mean(behaviour_kl, mask),
         "behaviour_m2": behaviour_m2,
     }
+    if selected is not None:
+        metrics["cov_selected_fraction"] = _masked_mean(selected.to(mask.dtype), loss_mask)
     if reference_logprobs is not None:
         # k3 estimator (Schulman 2020, "Approximating KL divergence") of KL(pi || pi_ref):
         # exp(d) - d - 1 with d = log pi_ref - log pi, >= 0 per token; unbiased for tokens
@@ -468,9 +509,20 @@ def _check_inputs(
     mask: torch.Tensor,
     config: LossConfig,
     reference_logprobs: torch.Tensor | None,
+    selected: torch.Tensor | None,
 ) -> None:
     if not isinstance(config, LossConfig):
         raise ValueError(f"config must be a LossConfig, got {type(config).__name__}")
+    if (selected is None) != (config.covariance_method == "none"):
+        raise ValueError(f"covariance_method={config.covariance_method!r} needs the selected "
+                         "tokens, and only it takes them" if selected is None else
+                         "selected tokens were given, but covariance_method is 'none'")
+    if selected is not None and (not isinstance(selected, torch.Tensor)
+                                 or selected.dtype != torch.bool
+                                 or selected.shape != logprobs.shape):
+        raise ValueError(f"selected must be a bool tensor of shape {tuple(logprobs.shape)} like "
+                         f"logprobs, got {getattr(selected, 'dtype', type(selected).__name__)} "
+                         f"{tuple(getattr(selected, 'shape', ()))}")
     if config.kl_coef > 0 and reference_logprobs is None:
         raise ValueError(f"kl_coef={config.kl_coef} > 0 needs reference_logprobs, got None")
     per_token = {

@@ -8,7 +8,6 @@ crossing a stage boundary keeps a graph, so the same driver works over a network
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -18,8 +17,8 @@ from typing import Protocol
 import torch
 
 from decentrl.config import SupervisedConfig, TrainConfig, TrustConfig
-from decentrl.learn.batch import TrainBatch
-from decentrl.learn.checkpoints import CheckpointLayout
+from decentrl.learn.batch import TrainBatch, minibatch_rows
+from decentrl.learn.checkpoints import read_checkpoint, write_checkpoint
 from decentrl.learn.losses import LossConfig, flagged_rows, policy_loss
 from decentrl.model.prefix import predicting_hidden, shared_prompt_body
 from decentrl.model.spec import ModelSpec
@@ -44,6 +43,7 @@ def loss_config_from(train: TrainConfig, max_new_tokens: int,
         flag_log_ratio=trust.flag_log_ratio if trust else None,
         flag_surprise=trust.flag_surprise if trust else None,
         supervised_coef=supervised.coef if supervised else 1.0,
+        covariance_method=train.entropy.method, kl_cov_coef=train.entropy.kl_cov_coef,
     )
 
 
@@ -66,6 +66,10 @@ class LossInputs:
     total_sequences: int
     total_tokens: int
     total_supervised_tokens: int = 0
+    # Entropy control (learn/entropy.py): [B, C] bool, the tokens train.entropy.method acts on,
+    # selected over the whole batch (None: no method); the adaptive entropy bonus's weight.
+    selected: torch.Tensor | None = None
+    entropy_coef: float = 0.0
 
 
 def micro_batch_loss(logits: torch.Tensor, batch: TrainBatch, inputs: LossInputs,
@@ -79,7 +83,8 @@ def micro_batch_loss(logits: torch.Tensor, batch: TrainBatch, inputs: LossInputs
     (`sft_nll` is the micro-batch's mean per token). A supervised row's statistics are zeros
     and it is never flagged: it is the coordinator's own demonstration."""
     valid = batch.completion_valid
-    picked, entropy = sampling_logprobs_and_entropy(logits, batch.completions[valid], sampling)
+    picked, entropy = sampling_logprobs_and_entropy(logits, batch.completions[valid], sampling,
+                                                    entropy_gradient=inputs.entropy_coef > 0)
     logprobs = torch.zeros(valid.shape, dtype=torch.float32, device=logits.device)
     logprobs = logprobs.masked_scatter(valid, picked)
     # Only the tokens the model sampled count: an environment's tokens are context (they were
@@ -104,8 +109,14 @@ def micro_batch_loss(logits: torch.Tensor, batch: TrainBatch, inputs: LossInputs
             (inputs.proximal if inputs.proximal is not None else logprobs.detach())[policy],
             batch.behaviour_logprobs[policy], batch.advantages[policy], counted, loss,
             reference_logprobs=None if inputs.reference is None else inputs.reference[policy],
-            total_sequences=inputs.total_sequences, total_tokens=inputs.total_tokens)
+            total_sequences=inputs.total_sequences, total_tokens=inputs.total_tokens,
+            selected=None if inputs.selected is None else inputs.selected[policy])
         metrics["entropy"] = float(entropy[policy_mask[valid]].mean())
+        if inputs.entropy_coef > 0:
+            # The adaptive bonus: -coef x the counted tokens' entropy, a token mean over the
+            # minibatch's policy tokens whatever the loss (learn/entropy.py).
+            counted_entropy = entropy[(policy_mask & ~flagged[:, None])[valid]].sum()
+            value = value - inputs.entropy_coef * counted_entropy / inputs.total_tokens
         metrics["flagged_fraction"] = float(flagged[policy].float().mean())
     if bool(supervised.any()):
         supervised_mask = mask & supervised[:, None]
@@ -145,6 +156,17 @@ def stage_forward(stage: StageModule, inputs: Activations, batch: TrainBatch
     return stage.head(hidden[batch.completion_valid])
 
 
+def completion_logprobs(logits: torch.Tensor, batch: TrainBatch, sampling: SamplingConfig
+                        ) -> torch.Tensor:
+    """[B, C] float32: the sampling-transformed log-prob of every completion target from the last
+    stage's `logits` [N, vocab] (stage_forward's), 0 past a row's end: what `micro_batch_loss`
+    scores as the current policy's log-probs, computed the same way."""
+    valid = batch.completion_valid
+    picked = sampling_logprobs(logits, batch.completions[valid], sampling)
+    out = torch.zeros(valid.shape, dtype=torch.float32, device=logits.device)
+    return out.masked_scatter(valid, picked.float())
+
+
 class StageWorker(Protocol):
     """One stage of the training chain, local or remote."""
 
@@ -159,6 +181,13 @@ class StageWorker(Protocol):
         ...
 
     def backward(self, micro: int, grad_outputs: Activations | None) -> Activations | None: ...
+
+    def forward_only(self, micro: int, inputs: Activations, batch: TrainBatch
+                     ) -> Activations | torch.Tensor:
+        """The stage's outputs for the next stage without gradient, or at the last stage the
+        `completion_logprobs` [rows, C] of micro-batch `micro`: nothing is kept, no weight or
+        optimizer state changes (the proximal log-probs, `PipelineTrainer.proximal_logprobs`)."""
+        ...
 
     def grad_square_norm(self) -> float: ...
 
@@ -220,7 +249,8 @@ class StageTrainer:
             loss_inputs = replace(loss_inputs, **{
                 name: None if tensor is None else tensor.to(self.device)
                 for name, tensor in (("proximal", loss_inputs.proximal),
-                                     ("reference", loss_inputs.reference))})
+                                     ("reference", loss_inputs.reference),
+                                     ("selected", loss_inputs.selected))})
             loss, metrics, rows = micro_batch_loss(out, batch, loss_inputs, self.loss,
                                                    self.sampling)
             self.saved[micro] = (leaves, [loss])
@@ -239,6 +269,21 @@ class StageTrainer:
         if not leaves:
             return None
         return leaves[0].grad, leaves[1].grad
+
+    def forward_only(self, micro: int, inputs: Activations, batch: TrainBatch
+                     ) -> Activations | torch.Tensor:
+        """This stage on micro-batch `micro` without gradient, keeping nothing: the detached
+        outputs for the next stage, or at the last stage the `completion_logprobs` [rows, C],
+        from the same forward and autocast as `forward`'s (so a batch's first update scores its
+        proximal log-probs against the same numbers)."""
+        batch = batch.to(self.device)
+        xs = (inputs[0].to(self.device), inputs[1].to(self.device))
+        with torch.no_grad():
+            with self.autocast():
+                out = stage_forward(self.stage, xs, batch)
+            if isinstance(out, torch.Tensor):
+                return completion_logprobs(out, batch, self.sampling)
+        return out[0], out[1]
 
     def discard(self) -> None:
         """Forget a step that cannot finish (a peer failed mid-step): activations and gradients."""
@@ -293,6 +338,12 @@ class MicroBatchChain(Protocol):
         every stage, gradients accumulated there: each one's metrics and RowStats, in order."""
         ...
 
+    def logprobs(self, micro_batches: Sequence[tuple[int, TrainBatch]]) -> list[torch.Tensor]:
+        """Forward only of each (micro id, micro-batch) through every stage at the learner's
+        version, nothing kept and nothing changed there: the last stage's
+        `completion_logprobs` [rows, C] of each, in order."""
+        ...
+
 
 class PipelineTrainer:
     def __init__(self, workers: Sequence[StageWorker], train: TrainConfig, loss: LossConfig,
@@ -300,20 +351,17 @@ class PipelineTrainer:
                  reference_stages: list[StageModule] | None = None,
                  chain: MicroBatchChain | None = None) -> None:
         """`device` is where the driver keeps batch-wide tensors (proximal/reference log-probs).
-        Fixed proximal log-probs and the KL reference run the whole chain here, so they need
-        local stages (see `local`). `chain`: where the micro-batches' forward and backward run
+        The KL reference runs the whole chain here, so it needs local stages (see `local`).
+        `chain`: where the micro-batches' forward and backward (and forward-only passes) run
         (None: through `workers`, stage by stage); gradient norms and steps go to `workers`."""
         if loss.kl_coef > 0 and reference_stages is None:
             raise ValueError("kl_coef > 0 needs reference stages")
-        if train.updates_per_batch > 1 and not all(isinstance(w, StageTrainer) for w in workers):
-            raise ValueError("updates_per_batch > 1 needs every stage local (its proximal "
-                             "log-probs run the whole chain in this process)")
         self.workers = list(workers)
         self.train, self.loss, self.sampling = train, loss, sampling
         self.reference_stages = reference_stages
         self.device = device
         self.chain = chain
-        # The last step's RowStats of every batch row, in batch order.
+        # The last batch's RowStats of every row, in batch order, from its first pass.
         self.row_stats: RowStats | None = None
 
     @property
@@ -355,53 +403,112 @@ class PipelineTrainer:
                 for stage in stages:
                     x = stage_forward(stage, x, micro)  # type: ignore[arg-type]
                 assert isinstance(x, torch.Tensor)
-                rows = out[start:start + size]
-                rows[micro.completion_valid] = sampling_logprobs(
-                    x, micro.completions[micro.completion_valid], self.sampling)
+                out[start:start + size] = completion_logprobs(x, micro, self.sampling)
         return out
 
+    @property
+    def needs_proximal(self) -> bool:
+        """Whether a batch's loss needs proximal log-probs fixed before its first update (a
+        forward-only pass, `proximal_logprobs`): with one optimizer step per batch the proximal
+        policy is the current one, and the loss takes its detached log-probs; with several the
+        policy moves between them."""
+        return self.train.optimizer_steps_per_batch > 1
+
+    def _split(self, batch: TrainBatch, minibatches: int
+               ) -> list[tuple[slice, TrainBatch, list[tuple[slice, TrainBatch]]]]:
+        """Each of the `minibatches` minibatches (`minibatch_rows`) of `batch`: its rows, itself,
+        and its micro-batches (their rows of it, each one). The forward-only pass runs the first
+        update's micro-batches, so its log-probs come from the same computation."""
+        split = []
+        size = self.train.micro_batch_size
+        for rows in minibatch_rows(batch.num_sequences, minibatches):
+            minibatch = batch.select(rows)
+            micros = [(slice(start, start + size), minibatch.select(slice(start, start + size)))
+                      for start in range(0, minibatch.num_sequences, size)]
+            split.append((rows, minibatch, micros))
+        return split
+
+    def proximal_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, C] float32 on `device`: the `completion_logprobs` of every row of `batch` under the
+        learner as it is now, forward only, through whatever runs the stages (the pushed chain,
+        or each worker in turn: local stages, or training peers the coordinator relays for).
+        Nothing is kept anywhere and no weight or optimizer state changes."""
+        batch = batch.to(self.device)
+        micro_batches = [(micro_id, micro) for micro_id, micro in enumerate(
+            micro for _, _, micros in self._split(batch, self.train.minibatches_per_batch)
+            for _, micro in micros)]
+        parts = self.chain.logprobs(micro_batches) if self.chain is not None \
+            else [self._forward_only(*micro) for micro in micro_batches]
+        if [tuple(p.shape) for p in parts] != [tuple(m.completions.shape)
+                                                for _, m in micro_batches]:
+            raise RuntimeError(f"the forward-only pass answered log-probs of shapes "
+                               f"{[tuple(p.shape) for p in parts]} for micro-batches of "
+                               f"{[tuple(m.completions.shape) for _, m in micro_batches]}")
+        return torch.cat([p.to(self.device, torch.float32) for p in parts])
+
+    def _forward_only(self, micro_id: int, micro: TrainBatch) -> torch.Tensor:
+        x: Activations | torch.Tensor = (micro.prompts, micro.completions)
+        for worker in self.workers:
+            if isinstance(x, torch.Tensor):
+                raise RuntimeError("a stage before the last answered log-probs")
+            x = worker.forward_only(micro_id, x, micro)
+        if not isinstance(x, torch.Tensor):
+            raise RuntimeError("the last stage answered hidden states, not log-probs")
+        return x
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One policy update on one batch: `updates_per_batch` optimizer steps on its minibatches."""
+        """One batch: `epochs_per_batch` passes over its `minibatches_per_batch` minibatches, one
+        optimizer step (a version) each. Each metric is the mean over every micro-batch of every
+        update that reports it (ratio_mean and clip_fraction too: the first update's ratios are
+        1, the later ones' show how far the policy moved within the batch); `grad_norm` is the
+        mean over the updates. `row_stats` (the trust flags) come from the first pass, whose
+        every row was scored by a policy at most minibatches_per_batch - 1 updates past the
+        batch's start, not by one trained on that row already. A batch of demonstrations only
+        (the supervised warm-up's) takes one optimizer step: its versions count the warm-up's
+        steps (supervised.steps: their learning rate, the keyframe after them), and without a
+        sampled row no ratio needs a proximal policy."""
         batch = batch.to(self.device)
         reference = (self._chain_logprobs(self.reference_stages, batch)
                      if self.reference_stages is not None and self.loss.kl_coef > 0 else None)
+        sampled = batch.num_policy_sequences > 0
         # With one optimizer step per batch the proximal policy is the current one, so its
         # log-probs are the detached current log-probs; with several, fix them before the first.
-        proximal = (self._chain_logprobs([t.stage for t in self.stage_trainers], batch)
-                    if self.train.updates_per_batch > 1 else None)
-        minibatch_size = math.ceil(batch.num_sequences / self.train.updates_per_batch)
+        proximal = self.proximal_logprobs(batch) if self.needs_proximal and sampled else None
+        split = self._split(batch, self.train.minibatches_per_batch if sampled else 1)
         totals: dict[str, float] = {}
         reported: dict[str, int] = {}
         grad_norm = 0.0
-        micro_count = 0
+        updates = 0
+        micro_count = 0  # unique within the step: a peer keeps a step's micro-batches by id
         rows_seen: list[RowStats] = []
-        for start in range(0, batch.num_sequences, minibatch_size):
-            rows = slice(start, start + minibatch_size)
-            minibatch = batch.select(rows)
-            counts = LossInputs(None, None, minibatch.num_policy_sequences,
-                                minibatch.num_target_tokens, minibatch.num_supervised_tokens)
-            micro_batches = []
-            for micro_start in range(0, minibatch.num_sequences, self.train.micro_batch_size):
-                micro_slice = slice(micro_start, micro_start + self.train.micro_batch_size)
-                micro_batches.append((micro_count, minibatch.select(micro_slice), replace(
-                    counts, proximal=_rows(proximal, rows, micro_slice),
-                    reference=_rows(reference, rows, micro_slice))))
-                micro_count += 1
-            results = self.chain.run(micro_batches) if self.chain is not None \
-                else [self._micro_step(*micro) for micro in micro_batches]
-            for metrics, row_stats in results:
-                rows_seen.append(row_stats)
-                # A metric is the mean over the micro-batches that report it (sft_* only come
-                # from micro-batches with supervised rows, the policy's from the others).
-                for key, value in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + value
-                    reported[key] = reported.get(key, 0) + 1
-            grad_norm += self._step()
-        # Minibatches are disjoint slices in order: their micro-batches' rows are the batch's.
+        for epoch in range(self.train.epochs_per_batch if sampled else 1):
+            for rows, minibatch, micros in split:
+                counts = LossInputs(None, None, minibatch.num_policy_sequences,
+                                    minibatch.num_target_tokens, minibatch.num_supervised_tokens)
+                micro_batches = []
+                for micro_slice, micro in micros:
+                    micro_batches.append((micro_count, micro, replace(
+                        counts, proximal=_rows(proximal, rows, micro_slice),
+                        reference=_rows(reference, rows, micro_slice))))
+                    micro_count += 1
+                results = self.chain.run(micro_batches) if self.chain is not None \
+                    else [self._micro_step(*micro) for micro in micro_batches]
+                for metrics, row_stats in results:
+                    if epoch == 0:
+                        rows_seen.append(row_stats)
+                    # A metric is the mean over the micro-batches that report it (sft_* only
+                    # come from micro-batches with supervised rows, the policy's from the others).
+                    for key, value in metrics.items():
+                        totals[key] = totals.get(key, 0.0) + value
+                        reported[key] = reported.get(key, 0) + 1
+                grad_norm += self._step()
+                updates += 1
+        # Minibatches are disjoint slices in order: the first pass's micro-batches' rows are the
+        # batch's.
         self.row_stats = (torch.cat([r[0].float().cpu() for r in rows_seen]),
                           torch.cat([r[1].float().cpu() for r in rows_seen]))
         result = {key: value / reported[key] for key, value in totals.items()}
-        result["grad_norm"] = grad_norm / self.train.updates_per_batch
+        result["grad_norm"] = grad_norm / updates
         return result
 
     def _micro_step(self, micro_id: int, micro: TrainBatch, loss_inputs: LossInputs
@@ -432,30 +539,13 @@ class PipelineTrainer:
     def save(self, root: Path, extra: dict) -> Path:
         """Write a checkpoint of every stage at this version under `root` (a CheckpointLayout),
         then put it in charge."""
-        layout = CheckpointLayout(root)
-        folder = layout.folder(self.version)
-        folder.mkdir(parents=True, exist_ok=True)
-        for trainer in self.stage_trainers:
-            layout.write_stage(self.version, trainer.stage.index, trainer.state())
-        layout.meta_file(self.version).write_text(json.dumps({"version": self.version, **extra}))
-        layout.commit(self.version)
-        return folder
+        return write_checkpoint(root, self.version, {t.stage.index: t.state()
+                                                     for t in self.stage_trainers}, extra)
 
     def load(self, root: Path) -> dict:
         """Load the checkpoint in charge under `root`; a bad checkpoint changes nothing."""
-        layout = CheckpointLayout(root)
-        version = layout.latest_version()
-        if version is None:
-            raise FileNotFoundError(f"{root} holds no checkpoint (no 'latest' pointer)")
-        meta = layout.meta_file(version)
-        if not meta.is_file():
-            raise FileNotFoundError(f"checkpoint {layout.folder(version)} has no {meta.name}")
-        states = [layout.read_stage(version, trainer.stage.index, self.device)
-                  for trainer in self.stage_trainers]
-        info = json.loads(meta.read_text())
-        if info["version"] != version:
-            raise ValueError(f"{meta} describes version {info['version']}, the checkpoint is "
-                             f"version {version}")
+        info, states = read_checkpoint(root, [t.stage.index for t in self.stage_trainers],
+                                       self.device)
         for trainer, state in zip(self.stage_trainers, states, strict=True):
             trainer.load_state(state)
         return info

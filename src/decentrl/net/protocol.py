@@ -23,6 +23,7 @@ from decentrl.net.sizes import (
     activation_pair_bytes,
     evidence_reply_bytes,
     forward_request_bytes,
+    logprobs_chain_reply_bytes,
     outcome_reply_bytes,
     push_request_bytes,
     reveal_reply_bytes,
@@ -466,6 +467,15 @@ TRAIN_BACKWARD = Rpc(
     {"prompt_grad": TensorRule("float", required=False),
      "completion_grad": TensorRule("float", required=False)},
     ("prompt_grad", "completion_grad"), activation_pair_bytes, activation_pair_bytes)
+# A forward-only pass (the proximal log-probs of a batch that takes several optimizer steps):
+# the micro-batch, the stage's inputs and the routing to replay, none of the loss's inputs;
+# hidden states or the last stage's log-probs back (activation_pair_bytes bounds both).
+LOGPROBS_TENSORS = {name: TRAIN_FORWARD.tensors[name]
+                    for name in (*BATCH_TENSORS, "prompt_in", "completion_in", "routing")}
+TRAIN_LOGPROBS = Rpc(
+    "train_logprobs", training.LogprobsForward, training.TrainForwardReply, "coordinator",
+    LOGPROBS_TENSORS, ("prompt_out", "completion_out", "logprobs"), forward_request_bytes,
+    activation_pair_bytes)
 TRAIN_GRAD_NORM = Rpc("train_grad_norm", Empty, training.GradNorm, "coordinator")
 TRAIN_STEP = Rpc("train_step", training.TrainStep, training.VersionReply, "coordinator")
 TRAIN_DISCARD = Rpc("train_discard", Empty, training.VersionReply, "coordinator")
@@ -491,6 +501,10 @@ TRAIN_CHAIN = Rpc(
     "train_chain", training.TrainChain, training.TrainChainReply, "previous stage",
     TRAIN_FORWARD.tensors, ("prompt_grad", "completion_grad", "row_surprise", "row_log_ratio"),
     train_chain_request_bytes, train_chain_reply_bytes)
+TRAIN_LOGPROBS_CHAIN = Rpc(
+    "train_logprobs_chain", training.LogprobsChain, training.LogprobsChainReply,
+    "previous stage", LOGPROBS_TENSORS, ("logprobs",), forward_request_bytes,
+    logprobs_chain_reply_bytes)
 TRAIN_TAPE = Rpc("train_tape", training.TapeRequest, training.TapeReply, "coordinator",
                  reply_tensors=("prompt_in", "completion_in", "prompt_out", "completion_out",
                                 "row_surprise", "row_log_ratio", "prompt_grad_in",
@@ -514,7 +528,8 @@ EVIDENCE = Rpc("evidence", EvidenceRequest, EvidenceReply, "coordinator",
 
 RPCS: dict[str, Rpc[Any, Any]] = {rpc.method: rpc for rpc in (
     INFERENCE_PUSH, INFERENCE_RESULT, INFERENCE_RESUME, REVEAL, EVIDENCE, TRAIN_CHAIN, TRAIN_TAPE,
+    TRAIN_LOGPROBS_CHAIN,
     INFERENCE_STEP, CLOSE_SESSION, VERIFY_STEP, TRAIN_FORWARD, TRAIN_BACKWARD, TRAIN_GRAD_NORM,
     TRAIN_STEP, TRAIN_DISCARD, CHECKPOINT, CHECKPOINT_SHARD, TRAIN_PUBLISHED, TRAIN_STATE,
-    TRAIN_AUDIT_LOAD,
+    TRAIN_AUDIT_LOAD, TRAIN_LOGPROBS,
     SYNC_PLAN, SYNC_CHUNK, SUBMIT_ROLLOUTS, DIAL_BACK)}

@@ -148,6 +148,34 @@ def open_train_commit(data: bytes, signer: str) -> TrainCommit:
     return _open(data, TRAIN_COMMIT_DOMAIN, TrainCommit, signer)
 
 
+FORWARD_COMMIT_DOMAIN = b"decentrl/forward-commit/1"
+
+
+class ForwardCommit(Body):
+    """What training stage `stage` received and sent for micro-batch `micro` of a forward-only
+    pass at learner `version` (the proximal log-probs, `train_logprobs_chain`): the digest of
+    its inputs (stage 0: the token ids) and of its outputs (their wire form; the last stage:
+    the `tensor_digest` of the log-probs it answered). Signed under its own domain, so that it
+    can never stand for a TrainCommit of the same version and micro-batch (an audit checks a
+    step's tapes against those; nothing replays a forward-only pass). Adjacent stages sign the
+    same digest for what passed between them: a chain that breaks is seen at once, and each
+    stage stays bound to what it sent."""
+
+    version: int
+    micro: int
+    stage: int
+    inputs: bytes
+    outputs: bytes
+
+
+def sign_forward_commit(identity: Identity, commit: ForwardCommit) -> bytes:
+    return _sign(identity, FORWARD_COMMIT_DOMAIN, encode_struct(commit))
+
+
+def open_forward_commit(data: bytes, signer: str) -> ForwardCommit:
+    return _open(data, FORWARD_COMMIT_DOMAIN, ForwardCommit, signer)
+
+
 def pair_digest(pair: tuple[torch.Tensor, torch.Tensor] | None) -> bytes:
     """The digest of a (prompt, completion) pair of activations or gradients ("" for none)."""
     return b"" if pair is None else chain_digest(row_digests(*pair))

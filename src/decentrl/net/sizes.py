@@ -168,6 +168,13 @@ def train_chain_reply_bytes(sizes: RunSizes) -> int:
     return activation_pair_bytes(sizes) + sizes.num_stages * 2**10
 
 
+def logprobs_chain_reply_bytes(sizes: RunSizes) -> int:
+    """A forward-only micro-batch's answer down the training chain: the last stage's log-prob
+    of every completion position, and every stage's signed commitment (two digests and a
+    signature: under 1 KiB each)."""
+    return with_envelope(sizes.batch_positions * FLOAT_BYTES) + sizes.num_stages * 2**10
+
+
 def tape_reply_bytes(sizes: RunSizes) -> int:
     """What a training stage received and sent for one micro-batch: inputs, outputs and two
     gradients, each an activation pair at most."""

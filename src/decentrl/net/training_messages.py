@@ -156,3 +156,34 @@ class TapeReply(Body):
     and `prompt_grad` / `completion_grad` (those it sent back; none at stage 0)."""
 
     metrics: dict[str, float]
+
+
+class LogprobsForward(Body):
+    """One micro-batch through one training stage, forward only (`train_logprobs`): the proximal
+    log-probs of a batch that takes several optimizer steps (learn/trainer.py
+    `PipelineTrainer.proximal_logprobs`). Tensors as a TrainForward's, without `proximal` and
+    `reference` (no loss is computed). The stage runs its learner at `version` without gradient
+    and keeps nothing: not the activations, not a tape; its weights and optimizer state do not
+    change. The reply: `prompt_out` / `completion_out`, or at the last stage `logprobs` [rows,
+    completion] float32, the sampling-transformed log-prob of every completion target (0 past a
+    row's end), as its training forward computes them for the loss."""
+
+    micro: int
+    version: int  # the learner version to run; a peer at another version refuses
+    last: bool  # the coordinator's view of the chain, as in TrainForward
+
+
+class LogprobsChain(Body):
+    """A forward-only micro-batch pushed down the training chain (`train_logprobs_chain`):
+    `forward` as a LogprobsForward would say it (each stage sets `last` for itself) under the
+    owner's signed TrainingRoute of `forward.version`. Tensors: the micro-batch's fields,
+    `prompt_in` / `completion_in` (token ids to stage 0, the previous stage's outputs after)
+    and the whole `routing` record. The reply: tensor `logprobs` from the last stage, and every
+    stage's signed ForwardCommit from this one on, in stage order."""
+
+    route: bytes
+    forward: LogprobsForward
+
+
+class LogprobsChainReply(Body):
+    commits: list[bytes]

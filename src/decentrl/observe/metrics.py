@@ -67,6 +67,10 @@ class StepRecord(Record, tag="step"):
     mis_masked_fraction: float | None = None
     m2_masked_fraction: float | None = None  # tokens M2PO's second-moment mask left out
     behaviour_m2: float | None = None  # mean (log learner / behaviour probability)^2 per token
+    # Entropy control (learn/entropy.py): the share of tokens Clip-Cov or KL-Cov acted on, and
+    # the adaptive entropy bonus's weight in the step.
+    cov_selected_fraction: float | None = None
+    entropy_coef: float | None = None
     # A swarm run's cumulative counters (trust/gate.py `Trust.counters`, the chain's failovers,
     # the coordinator's link bytes in both directions).
     verified: int | None = None

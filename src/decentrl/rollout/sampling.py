@@ -58,15 +58,17 @@ def transformed_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Te
 
 
 def sampling_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor,
-                                  config: SamplingConfig, floor: float = -1e4
+                                  config: SamplingConfig, floor: float = -1e4,
+                                  entropy_gradient: bool = False
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of `tokens` under the transformed distribution, and that distribution's entropy
-    (detached, for metrics; from the same log-softmax, which is the costly part). A token outside
-    the kept set (a stale behaviour policy can pick one the learner would cut) gets `floor`
-    instead of -inf, so it has no gradient and an off-policy weight of ~0 instead of a NaN."""
+    (from the same log-softmax, which is the costly part; detached, for metrics, unless
+    `entropy_gradient`: an entropy bonus). A token outside the kept set (a stale behaviour policy
+    can pick one the learner would cut) gets `floor` instead of -inf, so it has no gradient and
+    an off-policy weight of ~0 instead of a NaN."""
     logprobs = transformed_logits(logits, config).log_softmax(-1)
     picked = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).clamp(min=floor)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_gradient and torch.is_grad_enabled()):
         probs = logprobs.exp()
         entropy = -(probs * logprobs.masked_fill(probs == 0, 0.0)).sum(-1)
     return picked, entropy

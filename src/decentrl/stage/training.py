@@ -28,7 +28,7 @@ import torch
 
 from decentrl.config import RunConfig
 from decentrl.learn.checkpoints import CheckpointLayout
-from decentrl.learn.trainer import LossInputs, StageTrainer
+from decentrl.learn.trainer import Activations, LossInputs, StageTrainer
 from decentrl.model.loading import file_sha256
 from decentrl.model.stages import StageModule
 from decentrl.net.compute import Priority
@@ -43,6 +43,7 @@ from decentrl.net.protocol import (
     TRAIN_DISCARD,
     TRAIN_FORWARD,
     TRAIN_GRAD_NORM,
+    TRAIN_LOGPROBS,
     TRAIN_PUBLISHED,
     TRAIN_STATE,
     TRAIN_STEP,
@@ -56,6 +57,7 @@ from decentrl.net.training_messages import (
     CheckpointReply,
     CheckpointRequest,
     GradNorm,
+    LogprobsForward,
     ShardChunk,
     ShardRequest,
     StateChunk,
@@ -128,7 +130,8 @@ class TrainingService:
                 (TRAIN_GRAD_NORM, self._train_grad_norm), (TRAIN_STEP, self._train_step),
                 (TRAIN_DISCARD, self._train_discard), (CHECKPOINT, self._checkpoint),
                 (TRAIN_PUBLISHED, self._train_published), (TRAIN_STATE, self._train_state),
-                (TRAIN_AUDIT_LOAD, self._audit_load), (CHECKPOINT_SHARD, self._checkpoint_shard)]
+                (TRAIN_AUDIT_LOAD, self._audit_load), (CHECKPOINT_SHARD, self._checkpoint_shard),
+                (TRAIN_LOGPROBS, self._train_logprobs)]
 
     def _at_version(self, version: int, audit: bool = False) -> None:
         trainer = self._trainer(audit)
@@ -187,6 +190,30 @@ class TrainingService:
         return Reply(TrainForwardReply(metrics=metrics),
                      {"prompt_out": out[0].cpu(), "completion_out": out[1].cpu()},
                      self.config.swarm.activation_codec)
+
+    async def _train_logprobs(self, request: Request[LogprobsForward]) -> Reply:
+        out = await self._compute(self.forward_only, request.body, request.tensors)
+        if isinstance(out, torch.Tensor):  # in full precision: the loss compares them with its own
+            return Reply(TrainForwardReply(metrics={}), {"logprobs": out}, "fp32")
+        return Reply(TrainForwardReply(metrics={}),
+                     {"prompt_out": out[0], "completion_out": out[1]},
+                     self.config.swarm.activation_codec)
+
+    def forward_only(self, body: LogprobsForward, tensors: dict[str, torch.Tensor]
+                     ) -> Activations | torch.Tensor:
+        """A forward-only pass of one micro-batch on the learner at `body.version` (compute
+        thread), checked as a training forward is: its outputs, or at the last stage the
+        log-probs, on the CPU. Nothing is kept, and no weight or optimizer state changes."""
+        self._at_version(body.version)
+        if body.last != self.checks.is_last:
+            raise PeerError(f"the coordinator thinks stage {self.stage} is "
+                            f"{'' if body.last else 'not '}the last stage")
+        batch = self.checks.batch(tensors)
+        out = self.trainer.forward_only(body.micro, self.checks.activations(tensors, batch),
+                                        batch)
+        if isinstance(out, torch.Tensor):
+            return out.cpu()
+        return out[0].cpu(), out[1].cpu()
 
     async def _train_backward(self, request: Request[TrainBackward]) -> Reply:
         return await self._compute(self._backward, request.body, request.tensors)

@@ -13,6 +13,13 @@ passed between it and the next, and the coordinator as one chain. The coordinato
 the micro-batch and the row statistics, never an activation; its micro-batches are in flight
 together, so the stages pipeline them.
 
+A batch that takes several optimizer steps first has its proximal log-probs computed the same
+way, forward only (`train_logprobs_chain`): each stage runs its learner without gradient and
+pushes its outputs on; the last stage answers the log-probs, and every stage signs a
+`ForwardCommit` (its inputs' and outputs' digests, under a domain of its own), checked as one
+chain by each stage and the coordinator. Such a pass keeps nothing and changes no weight or
+optimizer state.
+
 What a stage takes: a micro-batch only under a route its owner signed for this run and this
 learner version, naming this peer at this stage, from the peer named before it (stage 0: the
 owner); else a strike. What it keeps (where audits are on): what it received and sent for each
@@ -32,17 +39,23 @@ from decentrl.config import RunConfig
 from decentrl.model.stages import StagePlan, routing_layers
 from decentrl.net.link import MessageLost
 from decentrl.net.node import Handler, RemoteError, Reply, Request, SwarmNode
-from decentrl.net.protocol import TRAIN_CHAIN, TRAIN_TAPE, Rpc
+from decentrl.net.protocol import TRAIN_CHAIN, TRAIN_LOGPROBS_CHAIN, TRAIN_TAPE, Rpc
 from decentrl.net.push_messages import (
+    ForwardCommit,
     TrainCommit,
+    open_forward_commit,
     open_train_commit,
     open_training_route,
     pair_digest,
+    sign_forward_commit,
     sign_train_commit,
+    tensor_digest,
     wire_form,
 )
 from decentrl.net.session import OwnerSession
 from decentrl.net.training_messages import (
+    LogprobsChain,
+    LogprobsChainReply,
     TapeReply,
     TapeRequest,
     TrainBackward,
@@ -93,7 +106,8 @@ class TrainingChainService:
         self.tapes: dict[int, dict[int, Tape]] = {}  # version -> micro -> what it saw
 
     def handlers(self) -> list[tuple[Rpc[Any, Any], Handler[Any]]]:
-        return [(TRAIN_CHAIN, self._chain), (TRAIN_TAPE, self._tape)]
+        return [(TRAIN_CHAIN, self._chain), (TRAIN_TAPE, self._tape),
+                (TRAIN_LOGPROBS_CHAIN, self._logprobs_chain)]
 
     async def _chain(self, request: Request[TrainChain]) -> Reply:
         body, tensors = request.body, request.tensors
@@ -101,13 +115,9 @@ class TrainingChainService:
         forward = msgspec.structs.replace(body.forward, last=self.last, audit=False)
         own = {name: tensor for name, tensor in tensors.items()
                if name != "routing" and (self.last or name not in LAST_STAGE_ONLY)}
-        routing = tensors.get("routing")
+        routing = self._own_routing(tensors.get("routing"))
         if routing is not None:
-            if routing.dim() != 4 or routing.shape[2] < self.routing_part.stop:
-                raise PeerError(f"routing must be [rows, completion, every sparse layer, top_k],"
-                                f" got {tuple(routing.shape)}")
-            if self.routing_part.stop > self.routing_part.start:
-                own["routing"] = routing[:, :, self.routing_part].contiguous()
+            own["routing"] = routing
         reply = await self.training._compute(self.training._forward, forward, own)
         inputs = (tensors["prompt_in"], tensors["completion_in"])
         out = dict(reply.tensors or {})
@@ -141,6 +151,85 @@ class TrainingChainService:
                      replied, self.codec,
                      exact={name: stats[name].float() for name in ("row_surprise",
                                                                     "row_log_ratio")})
+
+    async def _logprobs_chain(self, request: Request[LogprobsChain]) -> Reply:
+        """A forward-only micro-batch (the proximal log-probs): under the same route and sender
+        checks as a training micro-batch, this stage's forward without gradient, pushed on; the
+        last stage's log-probs back with every stage's signed ForwardCommit. Nothing is kept
+        (no activations, no tape) and no weight or optimizer state changes."""
+        body, tensors = request.body, request.tensors
+        peers = await self._route(body, request.sender)
+        forward = msgspec.structs.replace(body.forward, last=self.last)
+        own = {name: tensor for name, tensor in tensors.items() if name != "routing"}
+        routing = self._own_routing(tensors.get("routing"))
+        if routing is not None:
+            own["routing"] = routing
+        out = await self.training._compute(self.training.forward_only, forward, own)
+        inputs = (tensors["prompt_in"], tensors["completion_in"])
+        later: list[bytes] = []
+        if isinstance(out, torch.Tensor):  # the last stage (forward_only checked `last`)
+            logprobs = out
+            outputs = tensor_digest(logprobs.float())
+        else:
+            sent = (wire_form(out[0], self.codec), wire_form(out[1], self.codec))
+            logprobs, later = await self._down_forward_only(body, tensors, out, sent, peers)
+            outputs = pair_digest(sent)
+        commit = ForwardCommit(forward.version, forward.micro, self.stage, pair_digest(inputs),
+                               outputs)
+        return Reply(LogprobsChainReply(commits=[sign_forward_commit(self.node.identity, commit),
+                                                 *later]),
+                     exact={"logprobs": logprobs.float()})
+
+    async def _down_forward_only(self, body: LogprobsChain, tensors: dict[str, torch.Tensor],
+                                 out: Pair, sent: Pair, peers: list[str]
+                                 ) -> tuple[torch.Tensor, list[bytes]]:
+        """Push this stage's forward-only outputs to the next stage; its answer: the log-probs
+        and the later stages' commitments, checked as one chain from what this stage sent and
+        ending at those log-probs."""
+        batch = {name: tensor for name, tensor in tensors.items()
+                 if name not in ("prompt_in", "completion_in")}
+        timeout = self.config.swarm.request_timeout_s \
+            * (self.config.num_stages - 1 - self.stage)
+        try:
+            reply, back = await self.node.call(
+                peers[self.stage + 1], TRAIN_LOGPROBS_CHAIN, body,
+                {"prompt_in": out[0], "completion_in": out[1]}, self.codec, timeout, exact=batch)
+        except (RemoteError, WireError, MessageLost, TimeoutError) as failure:
+            raise PeerBusy(f"training stage {self.stage + 1} failed: {failure}"[:500]) from None
+        logprobs = back.get("logprobs")
+        rows, width = tensors["completion_in"].shape[:2]
+        if logprobs is None or tuple(logprobs.shape) != (rows, width):
+            raise PeerBusy(f"training stage {self.stage + 1} answered no log-probs "
+                           f"[{rows}, {width}]")
+        later = list(range(self.stage + 1, len(peers)))
+        try:
+            opened = [open_forward_commit(raw, peers[stage])
+                      for stage, raw in zip(later, reply.commits, strict=True)]
+        except (ValueError, WireError) as bad:
+            raise PeerBusy(f"training stage {self.stage + 1} answered commitments that are not "
+                           f"the later stages': {bad}") from None
+        previous = pair_digest(sent)
+        for stage, commit in zip(later, opened, strict=True):
+            if (commit.version, commit.micro, commit.stage, commit.inputs) \
+                    != (body.forward.version, body.forward.micro, stage, previous):
+                raise PeerBusy(f"training stage {stage}'s commitment does not chain with what "
+                               f"stage {stage - 1} sent")
+            previous = commit.outputs
+        if previous != tensor_digest(logprobs.float()):
+            raise PeerBusy(f"the last training stage's commitment is not to the log-probs "
+                           f"stage {self.stage + 1} answered")
+        return logprobs, reply.commits
+
+    def _own_routing(self, routing: torch.Tensor | None) -> torch.Tensor | None:
+        """This stage's part of a micro-batch's whole routing record (None: nothing to replay)."""
+        if routing is None:
+            return None
+        if routing.dim() != 4 or routing.shape[2] < self.routing_part.stop:
+            raise PeerError(f"routing must be [rows, completion, every sparse layer, top_k], "
+                            f"got {tuple(routing.shape)}")
+        if self.routing_part.stop > self.routing_part.start:
+            return routing[:, :, self.routing_part].contiguous()
+        return None
 
     async def _down(self, body: TrainChain, tensors: dict[str, torch.Tensor],
                     out: dict[str, torch.Tensor], sent: Pair, peers: list[str]
@@ -189,7 +278,7 @@ class TrainingChainService:
                                f"stage {stage - 1} sent and received")
             previous_out, previous_grads = commit.outputs, commit.grads_in
 
-    async def _route(self, body: TrainChain, sender: str) -> list[str]:
+    async def _route(self, body: TrainChain | LogprobsChain, sender: str) -> list[str]:
         """The route's peers, once the owner signed it for this run, naming this peer here and
         the sender before it."""
         route = open_training_route(body.route, self.owner)

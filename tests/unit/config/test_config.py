@@ -94,6 +94,18 @@ def test_a_former_name_is_refused_with_its_new_name(old: str, new: str, tmp_path
         assert said in str(refused.value)
 
 
+def test_updates_per_batch_is_now_minibatches_and_epochs() -> None:
+    with pytest.raises(ConfigError, match="train.updates_per_batch is now called "
+                                          "train.minibatches_per_batch"):
+        parse_config({"train": {"updates_per_batch": 2}})
+    train = parse_config({"train": {"minibatches_per_batch": 3, "epochs_per_batch": 2}}).train
+    assert train.optimizer_steps_per_batch == 6
+    assert parse_config({}).train.optimizer_steps_per_batch == 1
+    for field in ("minibatches_per_batch", "epochs_per_batch"):
+        with pytest.raises(ConfigError, match=f"train.{field}"):
+            parse_config({"train": {field: 0}})
+
+
 def test_a_file_extends_another_section_by_section(tmp_path: Path) -> None:
     (tmp_path / "base.toml").write_text(
         'name = "base"\n[train]\nlr = 1e-4\nsteps = 50\n'

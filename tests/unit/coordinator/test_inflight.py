@@ -23,6 +23,7 @@ from decentrl.coordinator.inflight import (
     RowsInFlight,
     SessionSlots,
     SlottedChain,
+    groups_in_flight,
     groups_per_session,
 )
 from decentrl.rollout.chain import StepResult
@@ -270,3 +271,18 @@ def test_evaluation_sessions_take_session_slots_too() -> None:
         list(pool.map(lambda _: session(), range(16)))
     assert inner.most == 2 and inner.open == 0  # the third slot was the generation loop's
     assert slots.running == 1
+
+
+@pytest.mark.parametrize(("staleness", "train", "steps"), [
+    (8, {}, 8),  # a step is one version: eight steps' worth
+    (8, {"minibatches_per_batch": 2, "epochs_per_batch": 2}, 2),  # four versions a step
+    (2, {"minibatches_per_batch": 4}, 1),  # less than a step's versions: one step's worth
+])
+def test_the_groups_worth_generating_count_the_versions_of_a_step(
+        staleness: int, train: dict[str, int], steps: int) -> None:
+    """The staleness bound is in versions: a step of several optimizer steps moves the learner
+    several versions, so fewer steps' worth of groups in flight stay trainable."""
+    config = tiny_run_config(Path("unused"), 2, rollout={"prompts_per_step": 4},
+                             train={"max_staleness": staleness, **train},
+                             trust={"history_versions": staleness})
+    assert groups_in_flight(config) == 4 * steps

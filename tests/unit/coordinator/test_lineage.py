@@ -4,12 +4,14 @@ metrics while the version it came with is still signed and announced."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 
 from decentrl.config import parse_config
 from decentrl.coordinator.lineage import LineageSigner
+from decentrl.net.node import PeerRefused
 from decentrl.net.protocol import (
     TRAIN_PUBLISHED,
     LineageRecord,
@@ -76,3 +78,61 @@ def test_a_fidelity_that_cannot_be_true_is_left_out_and_the_version_still_signed
     assert node.announced[-1].hashes == {1: "hash-1", 2: "hash-2"}
     assert node.announced[-1].publisher == PUBLISHER
     assert signer.fidelity_fields() == {}
+
+
+class BurstPublisher(StubPublisher):
+    """A publisher that keeps the hashes of `kept` versions only (a dense one keeps its newest
+    state alone), and holds the signer's first question until `release` is set, so that the
+    versions of a batch's several updates queue up behind it as they do in a run."""
+
+    def __init__(self, kept: set[int]) -> None:
+        super().__init__(MEASURED)
+        self.kept = kept
+        self.asked: list[int] = []
+        self.release = threading.Event()
+
+    def call_sync(self, peer: str, rpc: Any, body: PublishedRequest,
+                  timeout: float) -> tuple[PublishedHash, None]:
+        self.asked.append(body.version)
+        assert self.release.wait(timeout=30)
+        if body.version not in self.kept:
+            raise PeerRefused(f"no published state at version {body.version}")
+        return super().call_sync(peer, rpc, body, timeout)
+
+
+@pytest.mark.parametrize(("mode", "kept", "asked"), [
+    ("sparse", {0, 1, 2, 3, 4}, [0, 1, 2, 3, 4]),  # every delta's hash, a replica steps through
+    ("dense", {0, 4}, [0, 4]),  # the newest only: a replica fetches nothing else
+])
+def test_a_burst_of_versions_is_signed_by_its_last(mode: str, kept: set[int],
+                                                   asked: list[int]) -> None:
+    node = BurstPublisher(kept)
+    config = parse_config({"name": "lineage", "sync": {"mode": mode}})
+    signer = LineageSigner(node, config, new_session())  # type: ignore[arg-type]
+    signer.published(0, PUBLISHER, 0, restart=True)
+    for version in range(1, 5):  # one batch of four updates, published while v0 is signed
+        signer.published(0, PUBLISHER, version)
+    node.release.set()
+    signer.wait()
+    signer.close()
+    assert node.asked == asked
+    # v0, then v4 with every version between that replicas need: never a failed question.
+    assert [sorted(record.hashes) for record in node.announced] == [[0], sorted(kept)]
+
+
+def test_a_restart_in_a_burst_is_signed_and_voids_what_came_before() -> None:
+    node = BurstPublisher({0, 1, 2})
+    signer = LineageSigner(node, parse_config({"name": "lineage"}),  # type: ignore[arg-type]
+                           new_session())
+    signer.published(0, PUBLISHER, 0, restart=True)
+    signer.published(0, PUBLISHER, 1)
+    signer.published(0, PUBLISHER, 2)
+    signer.published(0, PUBLISHER, 1, restart=True)  # a rollback to a checkpoint at v1
+    signer.published(0, PUBLISHER, 2)
+    node.release.set()
+    signer.wait()
+    signer.close()
+    # The first v1 and v2 are left to the events after them; the rollback is not, so the new
+    # v2 continues from it and no hash of the discarded branch stays in the record.
+    assert node.asked == [0, 1, 2]
+    assert [sorted(record.hashes) for record in node.announced] == [[0], [1], [1, 2]]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -69,6 +70,22 @@ def test_dapo_clips_higher_and_takes_the_token_mean():
         [[-1 * 1.1 / 5, 0.0, 0.0], [0.0, 2 * 1.1 / 5, 2 * 1.0 / 5]], dtype=F64
     )
     torch.testing.assert_close(grad, expected_grad)
+    assert metrics["clip_fraction"] == pytest.approx(2 / 5)
+
+
+def test_every_ppo_clipped_loss_takes_an_upper_clip_of_its_own():
+    # clip [0.8, 1.3]: seq 0's r = 1.5 is clipped at 1.3 instead of 1.2; seq 1's r = 0.5 at the
+    # lower bound as before. grpo: (-1.1 - 1.3) / 2 and 5.8 / 3 per sequence.
+    assert LossConfig(name="grpo").upper_clip == 0.2  # PPO's symmetric range
+    assert LossConfig(name="dapo").upper_clip == 0.28  # clip-higher
+    loss, _, _ = run(LossConfig(name="grpo", clip_high=0.3), LOGPROBS, PROXIMAL, PROXIMAL,
+                     ADVANTAGES, MASK)
+    assert loss == pytest.approx((-2.4 / 2 + 5.8 / 3) / 2)
+    # A stronger clip on the low side: [0.95, 1.2] clips seq 1's r = 0.5 at 0.95 (1.9).
+    loss, _, metrics = run(LossConfig(name="dr_grpo", clip_low=0.05, clip_high=0.2,
+                                      dr_grpo_max_tokens=3), LOGPROBS, PROXIMAL, PROXIMAL,
+                           ADVANTAGES, MASK)
+    assert loss == pytest.approx((-1.1 - 1.2 + 1.9 + 2.2 + 2.0) / 6)
     assert metrics["clip_fraction"] == pytest.approx(2 / 5)
 
 
@@ -327,6 +344,73 @@ def test_two_micro_batches_sum_to_the_whole_batch(name, decoupled):
     torch.testing.assert_close(summed, whole_loss.detach())
     torch.testing.assert_close(split.grad, whole.grad)
     assert whole.grad.abs().sum() > 0
+
+
+# Entropy control on selected tokens (learn/entropy.py selects them; here: what the loss does).
+SELECTED = torch.tensor([[True, False, False], [False, True, False]])
+
+
+def _stale_batch(name: str, decoupled: bool):
+    generator = torch.Generator().manual_seed(3)
+    proximal = -torch.rand(2, 3, generator=generator, dtype=F64) * 2 - 0.1
+    # GSPO's sequence clip is 3e-4 wide: moves of 0.1 would clip (and zero) every gradient.
+    moved = 1e-5 if name == "gspo" else 0.1
+    logprobs = proximal + torch.randn(2, 3, generator=generator, dtype=F64) * moved
+    behaviour = proximal + torch.randn(2, 3, generator=generator, dtype=F64) * 2 * moved
+    config = LossConfig(name=name, decoupled=decoupled, dr_grpo_max_tokens=3,
+                        m2_threshold=None if not decoupled else 1.0)
+    return logprobs, proximal, behaviour, config
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("name", LOSS_NAMES)
+def test_clip_cov_stops_the_gradient_of_the_selected_tokens_only(name, decoupled):
+    logprobs, proximal, behaviour, config = _stale_batch(name, decoupled)
+    base_loss, base_grad, _ = run(config, logprobs, proximal, behaviour, ADVANTAGES, MASK)
+    clip_cov = replace(config, covariance_method="clip_cov")
+    loss, grad, metrics = run(clip_cov, logprobs, proximal, behaviour, ADVANTAGES, MASK,
+                              selected=SELECTED)
+    assert loss == pytest.approx(base_loss)  # the value counts; only the gradient is stopped
+    assert grad[SELECTED].abs().sum() == 0 and base_grad[SELECTED].abs().sum() > 0
+    torch.testing.assert_close(grad[~SELECTED], base_grad[~SELECTED])
+    assert metrics["cov_selected_fraction"] == pytest.approx(2 / 5)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("name", LOSS_NAMES)
+def test_kl_cov_pulls_the_selected_tokens_back_to_the_proximal_policy(name, decoupled):
+    logprobs, proximal, behaviour, config = _stale_batch(name, decoupled)
+    kl_cov = replace(config, covariance_method="kl_cov", kl_cov_coef=0.5)
+    # At the proximal policy (a batch's first update) it adds nothing, gradient included.
+    at_prox = run(config, proximal, proximal, behaviour, ADVANTAGES, MASK)
+    with_kl = run(kl_cov, proximal, proximal, behaviour, ADVANTAGES, MASK, selected=SELECTED)
+    assert with_kl[0] == pytest.approx(at_prox[0])
+    torch.testing.assert_close(with_kl[1], at_prox[1])
+    # Moved away: each selected token gets coef * sign(log pi - log pi_prox) / its normaliser
+    # more gradient, and the loss coef * |log pi - log pi_prox| / normaliser more value.
+    base_loss, base_grad, _ = run(config, logprobs, proximal, behaviour, ADVANTAGES, MASK)
+    loss, grad, _ = run(kl_cov, logprobs, proximal, behaviour, ADVANTAGES, MASK,
+                        selected=SELECTED)
+    normaliser = {"grpo": [[2 * 2], [3 * 2]], "gspo": [[2 * 2], [3 * 2]], "dapo": [[5], [5]],
+                  "cispo": [[5], [5]], "dr_grpo": [[2 * 3], [2 * 3]]}[name]
+    weight = SELECTED / torch.tensor(normaliser, dtype=F64)
+    distance = (logprobs - proximal).abs()
+    assert loss == pytest.approx(base_loss + 0.5 * float((distance * weight).sum()))
+    torch.testing.assert_close(grad - base_grad, 0.5 * (logprobs - proximal).sign() * weight)
+
+
+@pytest.mark.parametrize(
+    ("method", "selected", "message"),
+    [
+        ("clip_cov", None, "needs the selected tokens"),
+        ("none", SELECTED, "covariance_method is 'none'"),
+        ("kl_cov", SELECTED.double(), "selected must be a bool tensor"),
+        ("kl_cov", SELECTED[:, :2], "selected must be a bool tensor of shape"),
+    ],
+)
+def test_entropy_control_inputs_are_checked(method, selected, message):
+    with pytest.raises(ValueError, match=message):
+        _bad_call(config=LossConfig(name="grpo", covariance_method=method), selected=selected)
 
 
 def test_staleness_within_the_bound_is_returned():

@@ -134,6 +134,24 @@ def test_the_warm_up_learning_rate_applies_to_its_versions_only(tiny_model: Load
     assert rates == [5e-4, 5e-4, 1e-5]
 
 
+def test_a_warm_up_batch_takes_one_update_whatever_the_policy_batches_take(
+        tiny_model: LoadedModel, rollouts: list[Rollout]) -> None:
+    """The warm-up's versions are its steps (its learning rate and the keyframe after it count
+    them): minibatches and passes are the policy loss's."""
+    demos = build_batch([], [], [], tiny_model.tokenizer.pad_token_id,
+                        [demonstration(r) for r in rollouts[:4]])
+    sampled = build_batch(rollouts[:4], ADVANTAGES[:4], [0] * 4,
+                          tiny_model.tokenizer.pad_token_id)
+    trainer = trainer_for(tiny_model, supervised=SupervisedConfig(steps=1, lr=5e-4), lr=1e-5,
+                          minibatches_per_batch=2, epochs_per_batch=2, micro_batch_size=2)
+    trainer.train_step(demos)
+    assert trainer.version == 1
+    assert trainer.stage_trainers[0].optimizer.param_groups[0]["lr"] == 5e-4
+    trainer.train_step(sampled)
+    assert trainer.version == 5
+    assert trainer.stage_trainers[0].optimizer.param_groups[0]["lr"] == 1e-5
+
+
 # ------------------------------------------------------------------- the warm-up in the run's loop
 
 MULTI_STEP = {"name": "agentic-calculator", "options": {"stories": ["shopping", "ages"]}}

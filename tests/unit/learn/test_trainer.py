@@ -11,7 +11,7 @@ import torch
 from helpers import ADVANTAGES, MAX_NEW, SAMPLING, build, max_difference, weights
 
 from decentrl.config import TrainConfig
-from decentrl.learn.batch import TrainBatch, build_batch
+from decentrl.learn.batch import TrainBatch, build_batch, minibatch_rows
 from decentrl.learn.losses import LOSS_NAMES
 from decentrl.learn.trainer import PipelineTrainer, loss_config_from, stage_forward
 from decentrl.model.loading import LoadedModel
@@ -179,8 +179,8 @@ def test_positive_advantage_raises_the_completion_logprob(tiny_model: LoadedMode
     assert after[1] < before[1] - 1.0
 
 
-def test_two_updates_per_batch(tiny_model: LoadedModel, batch: TrainBatch) -> None:
-    trainer = make_trainer(tiny_model, lr=5e-2, updates_per_batch=2, micro_batch_size=2)
+def test_two_minibatches_per_batch(tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    trainer = make_trainer(tiny_model, lr=5e-2, minibatches_per_batch=2, micro_batch_size=2)
     metrics = trainer.train_step(batch)
     assert trainer.version == 2
     assert all(t.stage.version == 2 for t in trainer.stage_trainers)
@@ -191,6 +191,81 @@ def test_two_updates_per_batch(tiny_model: LoadedModel, batch: TrainBatch) -> No
     # so its ratios move away from 1 and some get clipped.
     assert metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-3)
     assert 0 < metrics["clip_fraction"] <= 1
+
+
+def test_minibatches_share_the_rows_and_each_is_a_version(tiny_model: LoadedModel,
+                                                          batch: TrainBatch) -> None:
+    assert [(r.start, r.stop) for r in minibatch_rows(6, 4)] == [(0, 1), (1, 3), (3, 4), (4, 6)]
+    assert [(r.start, r.stop) for r in minibatch_rows(2, 4)] == [(0, 1), (1, 2)]
+    # Rounded up (the former split), 8 rows in 3 minibatches were 3 + 3 + 2 rows, and 6 rows in
+    # 4 only 3 minibatches: a batch took fewer versions than asked for.
+    trainer = make_trainer(tiny_model, lr=1e-3, minibatches_per_batch=3, micro_batch_size=2)
+    trainer.train_step(batch)
+    assert trainer.version == 3
+    trainer.train_step(batch.select(slice(0, 2)))  # fewer rows than minibatches: one a row
+    assert trainer.version == 5
+
+
+def test_one_update_scores_against_the_current_policy(tiny_model: LoadedModel,
+                                                      batch: TrainBatch,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one optimizer step the proximal log-probs are the detached current ones: a
+    forward-only pass computes the same numbers, so the step is the same with it or without."""
+    plain = make_trainer(tiny_model, lr=5e-2, micro_batch_size=3)
+    plain_metrics = plain.train_step(batch)
+    forced = make_trainer(tiny_model, lr=5e-2, micro_batch_size=3)
+    monkeypatch.setattr(PipelineTrainer, "needs_proximal", property(lambda self: True))
+    forced_metrics = forced.train_step(batch)
+    assert forced.version == plain.version == 1
+    assert forced_metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert forced_metrics["clip_fraction"] == 0
+    assert forced_metrics["policy_loss"] == pytest.approx(plain_metrics["policy_loss"], abs=1e-6)
+    assert max_difference(weights(forced), weights(plain)) < 1e-6
+
+
+def test_the_proximal_pass_changes_nothing(tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    trainer = make_trainer(tiny_model, micro_batch_size=3, minibatches_per_batch=2)
+    before = weights(trainer)
+    proximal = trainer.proximal_logprobs(batch)
+    stages = [t.stage for t in trainer.stage_trainers]
+    torch.testing.assert_close(proximal, trainer._chain_logprobs(stages, batch), atol=1e-6,
+                               rtol=0)
+    assert bool((proximal[~batch.completion_valid] == 0).all())
+    assert bool((proximal[batch.completion_valid] < 0).all())
+    assert trainer.version == 0 and max_difference(weights(trainer), before) == 0
+    assert all(not t.saved and not t.optimizer.state for t in trainer.stage_trainers)
+    assert all(p.grad is None for t in trainer.stage_trainers for p in t.params)
+
+
+def test_epochs_pass_over_the_batch_again(tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    once = make_trainer(tiny_model, lr=5e-2, minibatches_per_batch=2, micro_batch_size=2)
+    once.train_step(batch)
+    twice = make_trainer(tiny_model, lr=5e-2, minibatches_per_batch=2, epochs_per_batch=2,
+                         micro_batch_size=2)
+    seen: list[tuple[int, dict[str, float]]] = []  # (version, metrics) of each micro-batch
+    micro_step = twice._micro_step
+
+    def recorded(*args: object) -> tuple[dict[str, float], object]:
+        metrics, rows = micro_step(*args)  # type: ignore[arg-type]
+        seen.append((twice.version, metrics))
+        return metrics, rows
+    twice._micro_step = recorded  # type: ignore[method-assign]
+    metrics = twice.train_step(batch)
+    assert once.version == 2 and twice.version == 4
+    assert max_difference(weights(twice), weights(once)) > 1e-3
+    # The trust flags come from the first pass: the same as one pass's, not those of a policy
+    # already trained on the rows.
+    assert once.row_stats is not None and twice.row_stats is not None
+    for first, again in zip(once.row_stats, twice.row_stats, strict=True):
+        assert torch.equal(first, again)
+    # Both passes scored every row against the proximal log-probs fixed before the first
+    # update: the first update's ratios are 1, every later one's moved off it (the second pass
+    # sees a policy trained on its rows), and the step's metrics are the means over all of them.
+    ratios = {version: [m["ratio_mean"] for v, m in seen if v == version] for version in range(4)}
+    assert all(r == pytest.approx(1.0, abs=1e-6) for r in ratios[0])
+    assert all(abs(r - 1) > 1e-3 for version in (1, 2, 3) for r in ratios[version])
+    for key in ("ratio_mean", "clip_fraction", "policy_loss"):
+        assert metrics[key] == pytest.approx(sum(m[key] for _, m in seen) / len(seen))
 
 
 def test_kl_to_reference(tiny_model: LoadedModel, batch: TrainBatch) -> None:

@@ -20,6 +20,8 @@ from decentrl.net.protocol import (
     SUBMIT_ROLLOUTS,
     TRAIN_AUDIT_LOAD,
     TRAIN_FORWARD,
+    TRAIN_LOGPROBS,
+    TRAIN_LOGPROBS_CHAIN,
     Callers,
     InferenceStep,
 )
@@ -40,7 +42,7 @@ STEP = {"inputs": torch.tensor([[1, 2]]), "positions": torch.tensor([[0, 1]]),
 
 
 def test_every_rpc_is_declared_once_with_strict_bodies_and_known_callers() -> None:
-    assert len(RPCS) == 24
+    assert len(RPCS) == 26
     for method, rpc in RPCS.items():
         assert rpc.method == method
         assert rpc.callers in typing.get_args(Callers), method
@@ -71,6 +73,19 @@ def test_a_request_carries_exactly_the_tensors_its_rpc_takes() -> None:
     # Optional tensors may be left out; required ones may not.
     with pytest.raises(WireError, match=r"train_forward needs tensors \['advantages'"):
         TRAIN_FORWARD.check_tensors({"prompts": torch.ones(1, 2, dtype=torch.long)})
+
+
+def test_a_forward_only_pass_takes_no_loss_inputs() -> None:
+    """train_logprobs and train_logprobs_chain compute no loss: a proximal or reference tensor
+    is refused unread, as any tensor the RPC does not declare."""
+    batch = {name: torch.zeros(1, dtype=torch.long) for name in TRAIN_LOGPROBS.tensors}
+    for rpc in (TRAIN_LOGPROBS, TRAIN_LOGPROBS_CHAIN):
+        assert "proximal" not in rpc.tensors and "reference" not in rpc.tensors
+        with pytest.raises(WireError, match=r"takes no tensors \['proximal'\]"):
+            rpc.check_tensors({**batch, "proximal": torch.zeros(1)})
+    TRAIN_LOGPROBS_CHAIN.check_reply_tensors({"logprobs": torch.zeros(1)})
+    with pytest.raises(WireError, match=r"carries no tensors \['prompt_grad'\]"):
+        TRAIN_LOGPROBS_CHAIN.check_reply_tensors({"prompt_grad": torch.zeros(1)})
 
 
 def test_a_reply_carries_only_the_tensors_its_rpc_replies_with() -> None:
