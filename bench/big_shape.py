@@ -310,7 +310,8 @@ def train_steps(swarm: Any, directory: Any, config: Any, prompts: list[list[int]
     from decentrl.client.training_push import PushedTraining
     from decentrl.coordinator.lineage import LineageSigner
     from decentrl.learn.batch import build_batch
-    from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+    from decentrl.learn.stage_loss import loss_config_from
+    from decentrl.learn.trainer import PipelineTrainer
     from decentrl.rollout.sampling import sampling_config
     from decentrl.rollout.types import Rollout
 

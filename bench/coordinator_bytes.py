@@ -193,7 +193,8 @@ def train_bytes(client: Any, directory: Any, config: Any, groups: list[Any], pad
     from decentrl.client.training_push import PushedTraining
     from decentrl.coordinator.lineage import LineageSigner
     from decentrl.learn.batch import build_batch
-    from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+    from decentrl.learn.stage_loss import loss_config_from
+    from decentrl.learn.trainer import PipelineTrainer
     from decentrl.net.session import new_session
     from decentrl.rollout.sampling import sampling_config
 

@@ -122,7 +122,7 @@ def make_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: i
 def target_logprobs(stages: list[Any], batch: Any) -> torch.Tensor:
     """Log-probs [B, C] of the batch's completion tokens under `stages` (whole sequences, no
     gradient), through the trainer's own stage_forward and sampling_logprobs."""
-    from decentrl.learn.trainer import stage_forward
+    from decentrl.learn.stage_trainer import stage_forward
     from decentrl.rollout.sampling import SamplingConfig, sampling_logprobs
 
     mask = batch.completion_valid
@@ -141,7 +141,8 @@ def run_variant(name: str, folder: str, prompts: list[list[int]], pad_id: int,
     from dataclasses import replace
 
     from decentrl.config import parse_config
-    from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+    from decentrl.learn.stage_loss import loss_config_from
+    from decentrl.learn.trainer import PipelineTrainer
     from decentrl.model.run_stage import load_stage, lora_serving_copy
     from decentrl.rollout.chain import LocalChain
     from decentrl.rollout.generate import generate

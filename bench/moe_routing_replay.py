@@ -48,7 +48,9 @@ import torch
 from bench import common
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import TrainBatch, build_batch
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from, stage_forward
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.stage_trainer import stage_forward
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import load_model
 from decentrl.model.moe import FREE_ROUTE
 from decentrl.model.stages import StageModule, StagePlan, build_stages

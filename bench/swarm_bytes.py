@@ -116,7 +116,8 @@ def run_variant(codec: str, args: argparse.Namespace) -> dict[str, Any]:
     from decentrl.client.sessions import RemoteChain
     from decentrl.client.training import RemoteStageWorker
     from decentrl.learn.batch import build_batch
-    from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+    from decentrl.learn.stage_loss import loss_config_from
+    from decentrl.learn.trainer import PipelineTrainer
     from decentrl.net.directory import Directory
     from decentrl.rollout.generate import generate
     from decentrl.rollout.sampling import sampling_config

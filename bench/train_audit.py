@@ -45,7 +45,8 @@ import torch
 from bench import common
 from decentrl.config import RunConfig, TrainConfig
 from decentrl.learn.batch import TrainBatch, build_batch
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import load_model
 from decentrl.model.stages import StagePlan, build_stages
 from decentrl.rollout.sampling import SamplingConfig

@@ -96,7 +96,9 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 def decentrl_variant(loaded, batch, args, device, dtype):
     """(step function, behaviour log-probs [B, L], parameter count)."""
     from decentrl.config import TrainConfig
-    from decentrl.learn.trainer import PipelineTrainer, loss_config_from, stage_forward
+    from decentrl.learn.stage_loss import loss_config_from
+    from decentrl.learn.stage_trainer import stage_forward
+    from decentrl.learn.trainer import PipelineTrainer
     from decentrl.model.stages import StagePlan, build_stages
     from decentrl.rollout.sampling import SamplingConfig, sampling_logprobs
 
@@ -129,7 +131,7 @@ def plain_variant(loaded, batch, args, device, dtype, variant):
 
     from decentrl.config import TrainConfig
     from decentrl.learn.losses import policy_loss
-    from decentrl.learn.trainer import loss_config_from
+    from decentrl.learn.stage_loss import loss_config_from
     from decentrl.rollout.sampling import SamplingConfig, sampling_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).to(device)

@@ -53,7 +53,7 @@ from decentrl.config import parse_config
 from decentrl.coordinator.local_backend import copy_weights, local_run
 from decentrl.demo import demo_config
 from decentrl.learn.batch import TrainBatch
-from decentrl.learn.trainer import stage_forward
+from decentrl.learn.stage_trainer import stage_forward
 from decentrl.model.stages import StageModule
 from decentrl.net.protocol import ServedFidelity
 from decentrl.stage.replica import published_tensors

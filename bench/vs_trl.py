@@ -63,7 +63,7 @@ from decentrl.demo import demo_config
 from decentrl.device import compute_dtype, pick_device
 from decentrl.evaluate.runner import EvalResult, evaluate
 from decentrl.evaluate.stats import Accuracy
-from decentrl.learn.trainer import loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
 from decentrl.model.loading import load_model
 from decentrl.model.stages import StagePlan, build_stages
 from decentrl.observe.metrics import StepRecord, read_metrics

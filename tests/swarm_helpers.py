@@ -29,7 +29,8 @@ from decentrl.client.training_push import PushedTraining
 from decentrl.config import RunConfig, parse_config
 from decentrl.coordinator.lineage import LineageSigner
 from decentrl.launch.local_swarm import LocalSwarm
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import LoadedModel
 from decentrl.model.spec import ModelSpec
 from decentrl.net.calls import TRUNCATED_REPLY_RETRIES

@@ -28,7 +28,8 @@ from decentrl.coordinator.manifest import (
     config_hash,
     run_manifest,
 )
-from decentrl.learn.trainer import Activations, LossInputs
+from decentrl.learn.stage_loss import LossInputs
+from decentrl.learn.stage_trainer import Activations
 from decentrl.net.calls import TRUNCATED_REPLY_RETRIES
 from decentrl.net.evidence import EvidenceRequest
 from decentrl.net.link import LinkProfile

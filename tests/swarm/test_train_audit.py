@@ -26,7 +26,9 @@ from decentrl.coordinator.loop import RunHooks, TrainingLoop
 from decentrl.coordinator.manifest import admit
 from decentrl.coordinator.swarm_backend import swarm_run
 from decentrl.launch.adversary import hostile_peer
-from decentrl.learn.trainer import PipelineTrainer, StageTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.stage_trainer import StageTrainer
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import LoadedModel
 from decentrl.net.directory import SwarmUnavailable
 from decentrl.net.link import LinkProfile

@@ -1,5 +1,5 @@
 """The training client: a training peer of one stage, driven over RPC as the pipeline trainer's
-`StageWorker` (learn/trainer.py), so the same trainer runs a pipeline of local stages or of peers.
+`StageWorker` (learn/stage_trainer.py), so the same trainer runs a pipeline of local stages or of peers.
 A training step cannot move to another peer halfway: a peer that fails raises SwarmUnavailable,
 and the training loop recovers (coordinator/loop.py).
 
@@ -29,7 +29,8 @@ import torch
 from decentrl.config import RunConfig, SwarmConfig
 from decentrl.errors import DecentrlError
 from decentrl.learn.batch import TrainBatch
-from decentrl.learn.trainer import Activations, LossInputs
+from decentrl.learn.stage_loss import LOSS_TENSORS, LossInputs
+from decentrl.learn.stage_trainer import Activations
 from decentrl.net.directory import Directory, SwarmUnavailable, backoff
 from decentrl.net.link import MessageLost
 from decentrl.net.node import PeerRefused, RemoteError, SwarmNode
@@ -225,9 +226,10 @@ class RemoteStageWorker:
                             total_sequences=loss_inputs.total_sequences if loss_inputs else 0,
                             total_tokens=loss_inputs.total_tokens if loss_inputs else 0,
                             total_supervised_tokens=(loss_inputs.total_supervised_tokens
-                                                     if loss_inputs else 0))
+                                                     if loss_inputs else 0),
+                            entropy_coef=loss_inputs.entropy_coef if loss_inputs else 0.0)
         if loss_inputs is not None:
-            for name in ("proximal", "reference"):
+            for name in LOSS_TENSORS:
                 value = getattr(loss_inputs, name)
                 if value is not None:
                     exact[name] = value.cpu()

@@ -32,7 +32,7 @@ import torch
 from decentrl.client.training import RemoteStageWorker, StepTape, checked_logprobs
 from decentrl.config import SwarmConfig
 from decentrl.learn.batch import TrainBatch
-from decentrl.learn.trainer import LossInputs, RowStats
+from decentrl.learn.stage_loss import LOSS_TENSORS, LossInputs, RowStats
 from decentrl.net.directory import SwarmUnavailable, backoff
 from decentrl.net.link import MessageLost
 from decentrl.net.node import RemoteError, SwarmNode
@@ -182,14 +182,15 @@ class PushedTraining:
         exact = {name: tensor.cpu() for name, tensor in micro.tensors().items()}
         if micro.routing is not None:
             exact["routing"] = micro.routing.cpu().contiguous()
-        for name in ("proximal", "reference"):
+        for name in LOSS_TENSORS:
             value = getattr(loss_inputs, name)
             if value is not None:
                 exact[name] = value.cpu()
         forward = TrainForward(micro=micro_id, version=version, last=False,
                                total_sequences=loss_inputs.total_sequences,
                                total_tokens=loss_inputs.total_tokens,
-                               total_supervised_tokens=loss_inputs.total_supervised_tokens)
+                               total_supervised_tokens=loss_inputs.total_supervised_tokens,
+                               entropy_coef=loss_inputs.entropy_coef)
         inputs = (micro.prompts.cpu(), micro.completions.cpu())
         reply, out = await self._call_stage_0(peers, TRAIN_CHAIN,
                                               TrainChain(route=route, forward=forward), inputs,
@@ -254,19 +255,19 @@ class PushedTraining:
                 worker.directory.ban(worker.peer, detail)
                 raise SwarmUnavailable(f"training stage {stage}: {detail}")
             exact = {name: t for name, t in pushed.exact.items()
-                     if name not in ("routing", "proximal", "reference")}
+                     if name != "routing" and name not in LOSS_TENSORS}
             if pushed.exact.get("routing") is not None \
                     and worker.routing_part.stop > worker.routing_part.start:
                 exact["routing"] = pushed.exact["routing"][:, :, worker.routing_part].contiguous()
             if worker.last:
-                exact.update({n: pushed.exact[n] for n in ("proximal", "reference")
-                              if n in pushed.exact})
+                exact.update({n: pushed.exact[n] for n in LOSS_TENSORS if n in pushed.exact})
             forward = TrainForward(
                 micro=micro, version=version, last=worker.last,
                 total_sequences=pushed.forward.total_sequences if worker.last else 0,
                 total_tokens=pushed.forward.total_tokens if worker.last else 0,
                 total_supervised_tokens=(pushed.forward.total_supervised_tokens
-                                         if worker.last else 0))
+                                         if worker.last else 0),
+                entropy_coef=pushed.forward.entropy_coef if worker.last else 0.0)
             tape.forwards.append((forward, {"prompt_in": received[0], "completion_in":
                                             received[1]}, exact, forward_out))  # type: ignore[dict-item]
             tape.backwards.append((TrainBackward(micro=micro),

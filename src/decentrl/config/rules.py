@@ -130,9 +130,6 @@ def swarm_trains_async(config: RunConfig) -> None:
         raise ValueError("the swarm coordinator runs train.mode = 'async' only")
 
 
-LINK_RULES = (rtt_range_is_ordered,)
-SWARM_RULES = (sender_budget_holds_a_session, kv_pool_holds_a_session)
-TRUST_RULES = (someone_established_judges,)
 def int8_base_needs_lora(config: RunConfig) -> None:
     if config.train.lora_base == "int8" and config.train.lora_rank == 0:
         raise ValueError("train.lora_base = \"int8\" quantizes a LoRA run's frozen base: set "
@@ -146,8 +143,21 @@ def stage_layers_name_every_stage(config: RunConfig) -> None:
                          f"({config.num_stages}) stages at least one layer")
 
 
-RUN_RULES = (stage_layers_name_every_stage, int8_base_needs_lora, mis_bounds_are_ordered, mis_bounds_need_decoupled,
-             dynamic_sampling_drops_flat_groups, corrections_need_behaviour_logprobs,
-             replicas_rewind_past_the_staleness_bound, supervised_steps_leave_rl_steps,
-             session_groups_fit_a_session)
+def kl_cov_needs_several_updates(config: RunConfig) -> None:
+    # KL-Cov's penalty |log pi - log pi_prox| and its gradient are zero while the learner is the
+    # proximal policy: in a batch's only optimizer step it would do nothing.
+    if config.train.entropy.method == "kl_cov" and config.train.optimizer_steps_per_batch == 1:
+        raise ValueError("train.entropy.method = \"kl_cov\" acts from a batch's second "
+                         "optimizer step on: set train.minibatches_per_batch or "
+                         "train.epochs_per_batch above 1, or use clip_cov")
+
+
+LINK_RULES = (rtt_range_is_ordered,)
+SWARM_RULES = (sender_budget_holds_a_session, kv_pool_holds_a_session)
+TRUST_RULES = (someone_established_judges,)
+RUN_RULES = (stage_layers_name_every_stage, int8_base_needs_lora, mis_bounds_are_ordered,
+             mis_bounds_need_decoupled, dynamic_sampling_drops_flat_groups,
+             corrections_need_behaviour_logprobs, replicas_rewind_past_the_staleness_bound,
+             supervised_steps_leave_rl_steps, session_groups_fit_a_session,
+             kl_cov_needs_several_updates)
 SWARM_SUPPORT_RULES = (swarm_has_no_reference_model, swarm_trains_async)

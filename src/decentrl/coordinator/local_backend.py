@@ -27,7 +27,8 @@ from decentrl.coordinator.inflight import SessionSlots, groups_in_flight
 from decentrl.coordinator.loop import RunHooks, TrainingLoop
 from decentrl.device import compute_dtype, pick_device
 from decentrl.learn.checkpoints import CheckpointLayout
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.lora import add_lora
 from decentrl.model.stages import StageModule, StagePlan, build_stages

@@ -51,11 +51,9 @@ from decentrl.coordinator.replica_wait import wait_for_routed_replicas
 from decentrl.coordinator.stage_wait import StageWait, stages_lacking
 from decentrl.evaluate.runner import EvalResult
 from decentrl.learn.checkpoints import CheckpointLayout
-from decentrl.learn.trainer import (
-    PipelineTrainer,
-    loss_config_from,
-    routing_replay_needs_experts,
-)
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.stage_trainer import routing_replay_needs_experts
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import load_tokenizer, model_spec, resolve_model
 from decentrl.model.run_stage import stage_shapes
 from decentrl.model.spec import ModelSpec

@@ -56,7 +56,8 @@ from decentrl.config import RunConfig, TrainConfig
 from decentrl.coordinator.scheduler import PromptScheduler
 from decentrl.learn.batch import TrainBatch
 from decentrl.learn.losses import flagged_rows
-from decentrl.learn.trainer import Activations, LossInputs, StageTrainer
+from decentrl.learn.stage_loss import LossInputs
+from decentrl.learn.stage_trainer import Activations, StageTrainer
 from decentrl.model.loading import load_tokenizer, resolve_model
 from decentrl.net.compute import Priority
 from decentrl.net.link import MessageLost

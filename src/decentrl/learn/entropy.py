@@ -17,7 +17,7 @@ policy: it acts from a batch's second update on (train.minibatches_per_batch, ep
 The selection is made once per batch, where the whole batch is: on the driver, from the proximal
 log-probs (the learner's before the batch's first update, what the paper's current policy is at
 its first update), before the first micro-batch. It reaches the last stage as a [B, C] mask
-beside the proximal log-probs (learn/trainer.py `LossInputs.selected`), so a re-execution of a
+beside the proximal log-probs (learn/stage_loss.py `LossInputs.selected`), so a re-execution of a
 micro-batch (trust/audit.py) selects the same tokens.
 
 Adaptive entropy (He et al. 2025, Skywork-OR1, arXiv:2505.22312): an entropy bonus

@@ -105,7 +105,7 @@ class LossConfig:
     off_policy_correction: False ignores the behaviour log-probs in the loss (see the module
         docstring); `behaviour_kl` and `behaviour_m2` still measure them.
     supervised_coef: the weight of a supervised row's negative log-likelihood beside the policy
-        loss (learn/trainer.py `micro_batch_loss`); policy_loss itself never sees those rows.
+        loss (learn/stage_loss.py `micro_batch_loss`); policy_loss itself never sees those rows.
     covariance_method / kl_cov_coef: entropy control on the tokens `policy_loss` is given as
         `selected` (see the module docstring and learn/entropy.py).
     flag_log_ratio / flag_surprise: rollouts the trainer's own log-probs expose as off-policy

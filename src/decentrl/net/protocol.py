@@ -459,7 +459,8 @@ TRAIN_FORWARD = Rpc(
      "prompt_in": TensorRule("ids or float"), "completion_in": TensorRule("ids or float"),
      "proximal": TensorRule("float32", required=False),
      "reference": TensorRule("float32", required=False),
-     "routing": TensorRule("experts", required=False)},
+     "routing": TensorRule("experts", required=False),
+     "selected": TensorRule("bool", required=False)},
     ("prompt_out", "completion_out", "row_surprise", "row_log_ratio"), forward_request_bytes,
     activation_pair_bytes)
 TRAIN_BACKWARD = Rpc(

@@ -141,11 +141,11 @@ def batch_bytes(layout: Layout) -> int:
 def forward_request_bytes(sizes: RunSizes) -> int:
     """A training micro-batch and the stage's inputs: the batch's fields per prompt position, per
     completion position and per row; each position's input; and per completion position the
-    proximal and reference log-probs and (routing replay) its experts in the stage's sparse
-    layers (bounded by the model's)."""
+    proximal and reference log-probs, the entropy method's selection (a byte) and (routing
+    replay) its experts in the stage's sparse layers (bounded by the model's)."""
     prompt = batch_bytes("prompt tokens") + sizes.activation_bytes
-    completion = batch_bytes("completion tokens") + 2 * FLOAT_BYTES + sizes.activation_bytes \
-        + sizes.routing_bytes
+    completion = batch_bytes("completion tokens") + 2 * FLOAT_BYTES + FLAG_BYTES \
+        + sizes.activation_bytes + sizes.routing_bytes
     return with_envelope(sizes.batch_positions * (prompt + completion)
                          + sizes.micro_batch_size * batch_bytes("completions"))
 

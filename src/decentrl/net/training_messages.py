@@ -13,7 +13,8 @@ from decentrl.net.wire import Body
 class TrainForward(Body):
     """One micro-batch through one training stage. Tensors: the micro-batch (TrainBatch fields),
     `prompt_in` / `completion_in` (token ids at stage 0, hidden states after), at the last
-    stage optionally `proximal` / `reference` log-probs, and with routing replay (a stage with
+    stage optionally `proximal` / `reference` log-probs and the `selected` tokens of the
+    entropy method (learn/entropy.py), and with routing replay (a stage with
     mixture-of-experts layers) `routing`: the experts [B, C, the stage's sparse layers, top_k]
     each completion token went to when it was sampled, to replay."""
 
@@ -25,6 +26,9 @@ class TrainForward(Body):
     audit: bool = False  # on the audit's state (TRAIN_AUDIT_LOAD), not the peer's own
     # The minibatch's supervised rows' tokens (the coordinator's demonstrations, learn/batch.py).
     total_supervised_tokens: int = 0
+    # The adaptive entropy bonus's weight in this update (train.entropy.target), at most
+    # train.entropy.max_coef.
+    entropy_coef: float = 0.0
 
 
 class TrainForwardReply(Body):

@@ -29,7 +29,8 @@ import torch
 
 from decentrl.config import RunConfig
 from decentrl.device import compute_dtype, pick_device
-from decentrl.learn.trainer import StageTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.stage_trainer import StageTrainer
 from decentrl.model.run_stage import load_stage, lora_serving_copy
 from decentrl.model.stages import StageModule
 from decentrl.net.authority import RunAuthority

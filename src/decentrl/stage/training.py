@@ -1,5 +1,5 @@
 """The training service of a stage peer: the coordinator drives its stage through the pipeline
-trainer's protocol (learn/trainer.py `StageWorker`) over RPC, micro-batch by micro-batch
+trainer's protocol (learn/stage_trainer.py `StageWorker`) over RPC, micro-batch by micro-batch
 (forward, backward, the gradient norm, the optimizer step, or a discard when the step cannot
 finish), and asks it to save or load checkpoints. Every step publishes the new version of the
 stage (`WeightPublisher`, sync/distribute.py) to its replicas.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,8 +28,10 @@ from typing import Any, TypeVar
 import torch
 
 from decentrl.config import RunConfig
+from decentrl.learn.batch import TrainBatch
 from decentrl.learn.checkpoints import CheckpointLayout
-from decentrl.learn.trainer import Activations, LossInputs, StageTrainer
+from decentrl.learn.stage_loss import LossInputs
+from decentrl.learn.stage_trainer import Activations, StageTrainer
 from decentrl.model.loading import file_sha256
 from decentrl.model.stages import StageModule
 from decentrl.net.compute import Priority
@@ -180,9 +183,11 @@ class TrainingService:
                 raise PeerError(f"total_supervised_tokens {body.total_supervised_tokens} is below "
                                 f"the micro-batch's {batch.num_supervised_tokens} supervised "
                                 "tokens")
+            selected = tensors.get("selected")
+            self._check_entropy_inputs(selected, body.entropy_coef, batch)
             loss_inputs = LossInputs(tensors.get("proximal"), tensors.get("reference"),
                                      body.total_sequences, body.total_tokens,
-                                     body.total_supervised_tokens)
+                                     body.total_supervised_tokens, selected, body.entropy_coef)
         out, metrics = trainer.forward(body.micro, inputs, batch, loss_inputs)
         if body.last:  # per-row statistics, in full precision: the coordinator flags from them
             return Reply(TrainForwardReply(metrics=metrics),
@@ -190,6 +195,23 @@ class TrainingService:
         return Reply(TrainForwardReply(metrics=metrics),
                      {"prompt_out": out[0].cpu(), "completion_out": out[1].cpu()},
                      self.config.swarm.activation_codec)
+
+    def _check_entropy_inputs(self, selected: torch.Tensor | None, coef: float,
+                              batch: TrainBatch) -> None:
+        """PeerError unless the entropy method's inputs are the run's: the selected tokens
+        [B, C] exactly when train.entropy.method has some, and a bonus weight within
+        [0, train.entropy.max_coef] only when train.entropy.target is set."""
+        entropy = self.config.train.entropy
+        if (selected is None) != (entropy.method == "none"):
+            raise PeerError(f"a micro-batch {'without' if selected is None else 'with'} the "
+                            f"selected tokens of entropy method {entropy.method!r}")
+        if selected is not None and tuple(selected.shape) != tuple(batch.completions.shape):
+            raise PeerError(f"selected tokens of shape {tuple(selected.shape)} for completions "
+                            f"of shape {tuple(batch.completions.shape)}")
+        limit = entropy.max_coef if entropy.target is not None else 0.0
+        if not (math.isfinite(coef) and 0.0 <= coef <= limit):
+            raise PeerError(f"an entropy bonus weight of {coef}, outside [0, {limit}] "
+                            "(train.entropy)")
 
     async def _train_logprobs(self, request: Request[LogprobsForward]) -> Reply:
         out = await self._compute(self.forward_only, request.body, request.tensors)

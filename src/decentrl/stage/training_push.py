@@ -36,6 +36,7 @@ import msgspec
 import torch
 
 from decentrl.config import RunConfig
+from decentrl.learn.stage_loss import LOSS_TENSORS
 from decentrl.model.stages import StagePlan, routing_layers
 from decentrl.net.link import MessageLost
 from decentrl.net.node import Handler, RemoteError, Reply, Request, SwarmNode
@@ -73,7 +74,7 @@ log = logging.getLogger(__name__)
 # follows its step) and the one under way.
 TAPE_VERSIONS = 2
 # What only the last stage uses, and what each stage takes its own part of.
-LAST_STAGE_ONLY = ("proximal", "reference")
+LAST_STAGE_ONLY = LOSS_TENSORS
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from decentrl.config import TrainConfig
-from decentrl.learn.trainer import StageTrainer
+from decentrl.learn.stage_trainer import StageTrainer
 
 # fp32 arithmetic (another device, another kernel order) moves an honest AdamW step by 1e-6 of
 # its size or so; a change added to the weights is of the order of the step itself.

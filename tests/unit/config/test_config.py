@@ -106,6 +106,26 @@ def test_updates_per_batch_is_now_minibatches_and_epochs() -> None:
             parse_config({"train": {field: 0}})
 
 
+def test_entropy_control_settings_are_checked() -> None:
+    entropy = parse_config({"train": {"entropy": {"method": "clip_cov", "fraction": 0.01,
+                                                  "target": 0.6}}}).train.entropy
+    assert (entropy.method, entropy.fraction, entropy.target) == ("clip_cov", 0.01, 0.6)
+    # --set reaches the nested section too.
+    assert parse_config({}, ["train.entropy.method=clip_cov"]).train.entropy.method == "clip_cov"
+    assert parse_config({}).train.clip_high is None  # the loss's own upper clip
+    with pytest.raises(ConfigError, match="acts from a batch's second optimizer step on"):
+        parse_config({"train": {"entropy": {"method": "kl_cov"}}})
+    assert parse_config({"train": {"entropy": {"method": "kl_cov"},
+                                   "epochs_per_batch": 2}}).train.entropy.method == "kl_cov"
+    for section, message in (({"method": "top_cov"}, "train.entropy.method"),
+                             ({"fraction": 0}, "train.entropy.fraction"),
+                             ({"clip_cov_bounds": [5, 1]}, "low < high"),
+                             ({"target": -1}, "train.entropy.target"),
+                             ({"max_coef": float("nan")}, "train.entropy.max_coef")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config({"train": {"entropy": section}})
+
+
 def test_a_file_extends_another_section_by_section(tmp_path: Path) -> None:
     (tmp_path / "base.toml").write_text(
         'name = "base"\n[train]\nlr = 1e-4\nsteps = 50\n'

@@ -22,7 +22,8 @@ from decentrl.coordinator.scheduler import PromptScheduler
 from decentrl.coordinator.worker import RolloutWorker
 from decentrl.learn.batch import build_batch
 from decentrl.learn.losses import StaleRolloutError, check_staleness
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.stages import StageModule
 from decentrl.net.protocol import INFERENCE_STEP, Role, Rpc

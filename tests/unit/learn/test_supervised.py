@@ -24,7 +24,8 @@ from decentrl.coordinator.loop import RunHooks, TrainingLoop
 from decentrl.envs import make_environment
 from decentrl.envs.calculator import ALL_STORIES
 from decentrl.learn.batch import TrainBatch, build_batch
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import LoadedModel, load_tokenizer
 from decentrl.observe.metrics import read_metrics
 from decentrl.observe.report import build_report

@@ -13,7 +13,9 @@ from helpers import ADVANTAGES, MAX_NEW, SAMPLING, build, max_difference, weight
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import TrainBatch, build_batch, minibatch_rows
 from decentrl.learn.losses import LOSS_NAMES
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from, stage_forward
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.stage_trainer import stage_forward
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import LoadedModel
 from decentrl.model.stages import StageModule
 from decentrl.rollout.types import Rollout
@@ -370,3 +372,60 @@ def test_non_finite_gradient_is_refused(tiny_model: LoadedModel, batch: TrainBat
     trainer.train_step(batch)  # the discarded update left nothing behind to trip the next one
     assert trainer.version == 1
     assert max_difference(weights(trainer), before) > 5e-5
+
+
+# ---------------------------------------------------------------------------- entropy control
+
+def test_clip_cov_over_every_token_stops_the_whole_policy_gradient(
+        tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    """Clip-Cov's selection is made over the whole batch from its proximal log-probs and reaches
+    every micro-batch: with every token selected nothing moves, with 30% a step happens and
+    30% of the counted tokens are reported selected."""
+    every = {"method": "clip_cov", "fraction": 1.0, "clip_cov_bounds": (-1e9, 1e9)}
+    frozen = make_trainer(tiny_model, lr=5e-2, micro_batch_size=2, entropy=every)
+    assert frozen.needs_proximal  # the selection needs the proximal log-probs first
+    before = weights(frozen)
+    metrics = frozen.train_step(batch)
+    assert frozen.version == 1 and metrics["cov_selected_fraction"] == pytest.approx(1.0)
+    assert max_difference(weights(frozen), before) == 0.0
+    some = make_trainer(tiny_model, lr=5e-2, micro_batch_size=2,
+                        entropy={**every, "fraction": 0.3})
+    metrics = some.train_step(batch)
+    counted = int(batch.completion_generated.sum())
+    # Micro-batches of equal token counts would make the mean exact; here it is close.
+    assert metrics["cov_selected_fraction"] == pytest.approx(int(0.3 * counted) / counted,
+                                                             abs=0.1)
+    assert max_difference(weights(some), before) > 1e-3
+
+
+def test_the_selection_is_the_batchs_and_the_same_for_the_same_version(
+        tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    trainer = make_trainer(tiny_model, micro_batch_size=2,
+                           entropy={"method": "kl_cov", "fraction": 0.25},
+                           minibatches_per_batch=2)
+    proximal = trainer.proximal_logprobs(batch)
+    chosen = trainer._covariance_selection(batch, proximal)
+    assert chosen is not None and chosen.dtype == torch.bool
+    counted = batch.completion_generated & ~batch.supervised[:, None]
+    assert int(chosen.sum()) == int(0.25 * int(counted.sum()))
+    assert not bool((chosen & ~counted).any())
+    assert torch.equal(chosen, trainer._covariance_selection(batch, proximal))
+
+
+def test_the_adaptive_bonus_rises_below_its_target_and_raises_the_entropy(
+        tiny_model: LoadedModel, batch: TrainBatch) -> None:
+    """A target above any entropy the tiny model has: the coefficient climbs by a step per
+    update up to its cap, and the bonus moves the policy towards more entropy than the same
+    steps without it."""
+    bonus = {"target": 20.0, "coef_step": 0.5, "max_coef": 1.0}
+    with_bonus = make_trainer(tiny_model, lr=5e-2, micro_batch_size=2, entropy=bonus)
+    without = make_trainer(tiny_model, lr=5e-2, micro_batch_size=2)
+    coefs = []
+    for _ in range(3):
+        metrics = with_bonus.train_step(batch)
+        coefs.append(metrics["entropy_coef"])
+        plain = without.train_step(batch)
+    assert coefs == [0.0, 0.5, 1.0]  # applied from the update after the first below target
+    assert with_bonus.entropy_bonus is not None and with_bonus.entropy_bonus.coef == 1.0
+    assert "entropy_coef" not in plain
+    assert with_bonus.train_step(batch)["entropy"] > without.train_step(batch)["entropy"]

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 from decentrl.config import LORA_TARGETS, RUN_MODEL_DIR, ConfigError, TrainConfig, parse_config
 from decentrl.coordinator.local_backend import local_run
 from decentrl.learn.batch import TrainBatch, build_batch
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.blocks import positions_from_valid
 from decentrl.model.families import spec_from_hf_config
 from decentrl.model.loading import LoadedModel

@@ -128,9 +128,13 @@ PINNED_FORWARD_TENSORS = {
     "staleness": ("int64", True), "supervised": ("bool", True),
     "prompt_in": ("ids or float", True), "completion_in": ("ids or float", True),
     "proximal": ("float32", False), "reference": ("float32", False),
-    "routing": ("experts", False)}
-# Its size limit then, for two runs' sizes (the former formula, evaluated by hand).
-PINNED_FORWARD_BYTES = [638_679, 2_155_813_408]
+    "routing": ("experts", False),
+    # Since entropy control (learn/entropy.py): the tokens its method acts on, a byte each.
+    "selected": ("bool", False)}
+# Its size limit then, for two runs' sizes (the former formula, evaluated by hand), with the byte
+# per completion position `selected` added (8 x 128 and 32 x 4096 positions) and its 1/1024 of
+# frame headers.
+PINNED_FORWARD_BYTES = [638_679 + 1024 + 1, 2_155_813_408 + 131_072 + 128]
 
 
 def pinned_batch() -> TrainBatch:

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import build_batch
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.blocks import positions_from_valid
 from decentrl.model.loading import (
     DEFAULT_MODEL,

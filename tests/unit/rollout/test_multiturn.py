@@ -15,7 +15,8 @@ from helpers import build, chat_prompts
 
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import build_batch
-from decentrl.learn.trainer import LossInputs, loss_config_from, micro_batch_loss, stage_forward
+from decentrl.learn.stage_loss import LossInputs, loss_config_from, micro_batch_loss
+from decentrl.learn.stage_trainer import stage_forward
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.rollout.chain import LocalChain
 from decentrl.rollout.generate import OnStop, ends_turn, generate

@@ -12,7 +12,8 @@ from helpers import build, chat_prompts
 
 from decentrl.config import TrainConfig
 from decentrl.learn.batch import build_batch
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.rollout.chain import LocalChain, StepResult, step_generator
 from decentrl.rollout.generate import Generation, generate, left_pad

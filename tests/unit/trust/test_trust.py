@@ -17,7 +17,8 @@ from decentrl.coordinator.scheduler import PromptScheduler
 from decentrl.coordinator.worker import RolloutWorker
 from decentrl.learn.batch import TrainBatch, build_batch
 from decentrl.learn.losses import LossConfig, flagged_rows
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import LoadedModel, load_model
 from decentrl.model.stages import StageModule
 from decentrl.rollout.chain import LocalChain

@@ -31,7 +31,8 @@ from decentrl.coordinator.ingest import Ingestion
 from decentrl.coordinator.local_backend import local_run
 from decentrl.coordinator.scheduler import PromptScheduler
 from decentrl.coordinator.worker import RolloutWorker
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import LoadedModel
 from decentrl.net.directory import Directory, PeerState
 from decentrl.net.node import SwarmNode

@@ -18,7 +18,7 @@ import torch
 
 from decentrl.config import LORA_TARGETS
 from decentrl.learn.batch import build_batch
-from decentrl.learn.trainer import stage_forward
+from decentrl.learn.stage_trainer import stage_forward
 from decentrl.model.blocks import positions_from_valid
 from decentrl.model.loading import read_tensors, tensor_names
 from decentrl.model.lora import MLP_TARGETS, add_lora

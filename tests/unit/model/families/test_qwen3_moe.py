@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from decentrl.config import TrainConfig
-from decentrl.learn.trainer import PipelineTrainer, loss_config_from
+from decentrl.learn.stage_loss import loss_config_from
+from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.stages import StagePlan, build_stage
 from decentrl.rollout.sampling import SamplingConfig
 from tests.unit.model.families.conformance import CPU, Conformance, Family, FamilyCase
