@@ -148,7 +148,9 @@ class LaggedBackend(LocalBackend):
             self.snapshots[index][version] = {
                 name: tensor.detach().to("cpu", replica[name].dtype, copy=True)
                 for name, tensor in trainer.stage.state_dict().items()}
-            served = max(0, version - lag)
+            # The newest published version at least `lag` old (a batch of several updates
+            # publishes only its last: versions need not be consecutive).
+            served = max((v for v in self.snapshots[index] if v <= version - lag), default=0)
             if served != self.served[index]:
                 self.transport.publish_stage(index, served, self.snapshots[index][served])
                 self.served[index] = served

@@ -519,3 +519,36 @@ def test_int8_base_halves_the_projections_and_stays_near_fp32(
     for variant in ("bf16", "int8", "int8_fp32"):
         assert 0 < values[f"{variant}_logprob_diff_mean"] <= values[f"{variant}_logprob_diff_max"]
         assert values[f"{variant}_logprob_diff_max"] < 0.5
+
+
+def test_entropy_study_evaluates_every_family_at_its_steps_and_fits_r_against_h(
+        tmp_path: Path) -> None:
+    bench = load_bench("entropy")
+    out = tmp_path / "entropy"
+    bench.main(["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--threads", "1",
+                "--methods", "baseline,kl_cov", "--lags", "0,2", "--seeds", "0", "--steps", "3",
+                "--at", "1", "--eval-problems", "2", "--family-problems", "2", "--pass-k", "2",
+                "--out", str(out)])
+    results = json.loads((out / "entropy.json").read_text())
+    runs = {(run["method"], run["lag"]): run for run in results["runs"]}
+    assert set(runs) == {("baseline", 0), ("baseline", 2), ("kl_cov", 0), ("kl_cov", 2)}
+    for (method, _), run in runs.items():
+        # KL-Cov takes two optimizer steps a batch (a version each), the baseline one.
+        assert run["steps"] == 3 and run["version"] == 3 * (2 if method == "kl_cov" else 1)
+        assert [e["step"] for e in run["evaluations"]] == [1, 3]
+        for evaluation in run["evaluations"]:
+            assert len(evaluation["families"]) == 3
+            assert all(f["problems"] == 2 and f["pass_k"] is not None
+                       for f in evaluation["families"].values())
+        assert len(run["curves"]["entropy"]) == 3
+    selected = runs[("kl_cov", 0)]["curves"]["cov_selected_fraction"]
+    assert all(v is not None and v > 0 for v in selected)
+    rows = {(row["method"], row["lag"], row["step"]) for row in results["rows"]}
+    assert len(rows) == 8 and set(results["fits"]) == {"baseline", "kl_cov"}
+    for plot in ("entropy_curves.png", "entropy_fit.png"):
+        assert (out / plot).read_bytes().startswith(b"\x89PNG")
+    combined = tmp_path / "combined"
+    bench.main(["--combine", str(out / "entropy.json"), str(out / "entropy.json"),
+                "--out", str(combined)])
+    combined_rows = json.loads((combined / "entropy.json").read_text())["rows"]
+    assert {row["seeds"] for row in combined_rows} == {2}
