@@ -21,6 +21,9 @@ from tests.swarm.test_train_audit import admit_auditors, audited_trainer
 pytestmark = pytest.mark.network
 
 UPDATES = {"minibatches_per_batch": 2, "epochs_per_batch": 2}
+# Entropy control (learn/entropy.py) rides along peer to peer: KL-Cov's selected tokens and the
+# adaptive bonus's weight reach the last stage with every micro-batch (and its audit's replay).
+ENTROPY = {"method": "kl_cov", "fraction": 0.25, "target": 10.0, "coef_step": 0.01}
 
 
 @pytest.mark.parametrize("plane", ["peer_to_peer", "coordinator"])
@@ -32,7 +35,8 @@ def test_each_step_is_four_versions_and_replicas_follow(plane: str, tiny_model_d
         rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 4},
         # Staleness counts versions: 4 a step, so two steps' worth of rollouts stay trainable.
         train={"steps": steps, "checkpoint_every": 1, "zero_variance_groups": "keep",
-               "micro_batch_size": 2, "lr": 0.05, "max_staleness": 8, **UPDATES},
+               "micro_batch_size": 2, "lr": 0.05, "max_staleness": 8, **UPDATES,
+               "entropy": ENTROPY if plane == "peer_to_peer" else {}},
         trust={"history_versions": 8},
         eval={"problems": 2, "pass_k": 1, "max_new_tokens": 4, "batch_size": 2},
         swarm={"sessions_in_flight": 1, "announce_every_s": 0.5, "data_plane": plane})
@@ -55,6 +59,10 @@ def test_each_step_is_four_versions_and_replicas_follow(plane: str, tiny_model_d
             # Every update after a batch's first was scored against the proximal policy, which
             # the learner had left: the mean ratio of the step's updates moved off 1.
             assert all(r.ratio_mean is not None for r in records)
+            if plane == "peer_to_peer":
+                assert all((r.cov_selected_fraction or 0) > 0 for r in records)
+                # The bonus applies from the second update on (entropy far below 10 nats).
+                assert all((r.entropy_coef or 0) > 0 for r in records)
             assert any(abs(r.ratio_mean - 1) > 1e-3 or (r.clip_fraction or 0) > 0
                        for r in records), [(r.ratio_mean, r.clip_fraction) for r in records]
             # Every version was signed into its stage's lineage (each update's delta is one a
@@ -75,8 +83,9 @@ def test_each_step_is_four_versions_and_replicas_follow(plane: str, tiny_model_d
 
 def test_every_update_of_a_batch_is_audited(tiny_model_dir: Path) -> None:
     """Each update is a version the audited peer committed to, and its tape (kept by version
-    and micro-batch) is revealed and replayed: four audits, every one passed."""
-    config = tiny_run_config(tiny_model_dir, 1, train=UPDATES,
+    and micro-batch, the entropy method's inputs with it) is revealed and replayed: four
+    audits, every one passed."""
+    config = tiny_run_config(tiny_model_dir, 1, train={**UPDATES, "entropy": ENTROPY},
                              trust={"train_audit_fraction": 1.0})
     with start_swarm(config, [(0, "training"), (0, "training")]) as swarm:
         primary = swarm.peers[0].node.peer_id
