@@ -5,6 +5,7 @@ signs every version into the lineage, and its replicas follow; an audit checks e
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -75,8 +76,14 @@ def test_each_step_is_four_versions_and_replicas_follow(plane: str, tiny_model_d
                 replica = swarm.peer(stage, "inference")
                 replica.node.run(weights_of(replica).follow(), timeout=60)
                 assert replica.version == 4 * steps
-            # The checkpoints are at the versions the steps ended at.
+            # The checkpoints are at the versions the steps ended at, the bonus's coefficient
+            # kept beside them.
             assert loop.store.last_checkpoint() == (4 * steps, steps)
+            if plane == "peer_to_peer":
+                meta = loop.backend.checkpoints.meta_file(4 * steps)
+                assert loop.trainer.entropy_bonus is not None
+                assert json.loads(meta.read_text())["entropy_coef"] == pytest.approx(
+                    loop.trainer.entropy_bonus.coef)
         finally:
             loop.close()
 

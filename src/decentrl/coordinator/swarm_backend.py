@@ -22,6 +22,7 @@ use (every one gone or banned) holds generation and evaluation until one joins o
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -174,6 +175,8 @@ class SwarmBackend:
         self.trainer = PipelineTrainer(self.workers, config.train, loss,
                                        sampling_config(config.rollout), torch.device("cpu"),
                                        chain=chain)
+        # A resumed run's driver (its entropy bonus) goes on from its latest checkpoint.
+        self._load_driver_state(self.checkpoints.latest_version())
         # Rollouts arrive through the transport, from this process's generation loops (no other
         # peer may submit: net/swarm_transport.py). The inbox holds one batch: more would wait
         # there until the staleness bound drops it.
@@ -311,6 +314,19 @@ class SwarmBackend:
         for worker in self.workers:
             if worker.version != version:
                 worker.checkpoint("load", version)
+        self._load_driver_state(version)
+
+    def _load_driver_state(self, version: int | None) -> None:
+        """The driver's state (`PipelineTrainer.driver_state`) of checkpoint `version`, which
+        this coordinator wrote beside its shard manifest; none before the first."""
+        meta = None if version is None else self.checkpoints.meta_file(version)
+        if meta is None or not meta.is_file():
+            return
+        try:
+            saved = json.loads(meta.read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{meta} is not a checkpoint's bookkeeping: {error}") from None
+        self.trainer.load_driver_state(saved)
 
     def save_checkpoint(self, version: int, step: int, problem_position: int) -> None:
         committed = self.checkpoints.latest_version()
@@ -325,6 +341,9 @@ class SwarmBackend:
         except ShardError as error:  # this checkpoint fails as if the peer had not answered
             raise SwarmUnavailable(f"checkpoint v{version}: {error}") from error
         write_manifest(self.checkpoints, ShardManifest(version, shards), self.node.identity)
+        self.checkpoints.meta_file(version).write_text(json.dumps(
+            {"version": version, "step": step, "scheduled": problem_position,
+             **self.trainer.driver_state()}))
         self.checkpoints.commit(version)
 
     def fetch_shards(self) -> None:

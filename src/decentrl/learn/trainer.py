@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -276,16 +276,39 @@ class PipelineTrainer:
             w.step(scale)
         return norm
 
+    def driver_state(self) -> dict[str, float | bool]:
+        """What this driver learns across steps, which a checkpoint keeps beside the stages':
+        the adaptive entropy bonus's coefficient (nothing without one)."""
+        if self.entropy_bonus is None:
+            return {}
+        return {"entropy_coef": self.entropy_bonus.coef,
+                "entropy_below_target": self.entropy_bonus.below_target}
+
+    def load_driver_state(self, saved: Mapping[str, Any]) -> None:
+        """Take back `driver_state` from a checkpoint's bookkeeping (one saved without it, or by
+        a run without the bonus, leaves the coefficient as it is)."""
+        if self.entropy_bonus is None or "entropy_coef" not in saved:
+            return
+        coef = saved["entropy_coef"]
+        limit = self.entropy_bonus.max_coef
+        if not isinstance(coef, (int, float)) or not 0 <= coef <= limit:
+            raise ValueError(f"a checkpoint's entropy_coef must be a number in [0, {limit}] "
+                             f"(train.entropy.max_coef), got {coef!r}")
+        self.entropy_bonus.coef = float(coef)
+        self.entropy_bonus.below_target = bool(saved.get("entropy_below_target", False))
+
     def save(self, root: Path, extra: dict) -> Path:
         """Write a checkpoint of every stage at this version under `root` (a CheckpointLayout),
-        then put it in charge."""
+        with `extra` and the driver's own state, then put it in charge."""
         return write_checkpoint(root, self.version, {t.stage.index: t.state()
-                                                     for t in self.stage_trainers}, extra)
+                                                     for t in self.stage_trainers},
+                                {**extra, **self.driver_state()})
 
     def load(self, root: Path) -> dict:
         """Load the checkpoint in charge under `root`; a bad checkpoint changes nothing."""
         info, states = read_checkpoint(root, [t.stage.index for t in self.stage_trainers],
                                        self.device)
+        self.load_driver_state(info)
         for trainer, state in zip(self.stage_trainers, states, strict=True):
             trainer.load_state(state)
         return info

@@ -429,3 +429,20 @@ def test_the_adaptive_bonus_rises_below_its_target_and_raises_the_entropy(
     assert with_bonus.entropy_bonus is not None and with_bonus.entropy_bonus.coef == 1.0
     assert "entropy_coef" not in plain
     assert with_bonus.train_step(batch)["entropy"] > without.train_step(batch)["entropy"]
+
+
+def test_a_checkpoint_keeps_the_adaptive_coefficient(tiny_model: LoadedModel, batch: TrainBatch,
+                                                     tmp_path: Path) -> None:
+    bonus = {"target": 20.0, "coef_step": 0.25, "max_coef": 1.0}
+    trainer = make_trainer(tiny_model, micro_batch_size=4, entropy=bonus)
+    for _ in range(2):
+        trainer.train_step(batch)
+    trainer.save(tmp_path, {"step": 2})
+    resumed = make_trainer(tiny_model, micro_batch_size=4, entropy=bonus)
+    assert resumed.entropy_bonus is not None and resumed.entropy_bonus.coef == 0.0
+    info = resumed.load(tmp_path)
+    assert info["entropy_coef"] == resumed.entropy_bonus.coef == 0.5
+    assert resumed.entropy_bonus.applied == 0.5  # below target when saved: applied at once
+    with pytest.raises(ValueError, match="entropy_coef must be a number in \\[0, 1.0\\]"):
+        resumed.load_driver_state({"entropy_coef": 7.0})
+    assert resumed.entropy_bonus.coef == 0.5
