@@ -35,3 +35,10 @@ class CurriculumConfig(Section):
                                 "(0: none); the rest come from the seeded stream")
     max_replays: int = Field(3, ge=1, le=64, description="how many times a problem may be handed "
                              "out again after its first group")
+    min_level_share: float = Field(0.0, ge=0, le=0.5, allow_inf_nan=False, description="the "
+                                   "least share of the accepted groups (decayed as the "
+                                   "estimates) each difficulty bucket keeps, whatever its chance "
+                                   "of spread: while a bucket is below it, all its candidates "
+                                   "are handed out and the other buckets' candidates and "
+                                   "replays wait (0: none; it can hold for every bucket up to 1 "
+                                   "/ their number)")

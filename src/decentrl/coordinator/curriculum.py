@@ -41,6 +41,17 @@ scheduled slots. The coordinator alone decides,
 from its own scoring of groups it accepted; a replay is a train problem the seeded stream handed
 out before, under an index of its own (coordinator/scheduler.py), so it gets fresh samples.
 
+A floor under every bucket (`curriculum.min_level_share` > 0): the chances of spread can differ
+so much between buckets that the hard ones starve (countdown on the 135M model: 0.79-0.98 for 2
+numbers against 0.22-0.31 for 3 and 4, so RL trained on 2 numbers and lost on 3 and 4;
+docs/agentic.md). A bucket's share is its part of the accepted groups, decayed as the estimates
+are. While a bucket seen so far is below the share, every candidate of it is handed out, the
+other buckets' candidates are passed over and only its own problems are replayed; a bucket not
+seen yet counts as below. So each bucket keeps about the share, give or take the groups in flight
+when it crosses it, whatever its chance of spread; the rest follows the estimates as above. A
+bucket the stream offers seldom is caught up on by passing over more candidates (the stream has
+no end). 0 leaves the scheduling as above.
+
 A restarted coordinator replays the stored accepted groups in acceptance order (`replay`) and so
 gets the same estimates back, and the same queue of problems to hand out again."""
 
@@ -156,8 +167,9 @@ class Curriculum:
         self.flat_groups = 0  # of them, without reward spread (undecayed)
         self.buckets: dict[str, DecayedCounts] = {}
         self.keys: OrderedDict[str, DecayedCounts] = OrderedDict()
-        # Source index -> the attempt it is next handed out as; the newest evidence last.
-        self.replays: OrderedDict[int, int] = OrderedDict()
+        # Source index -> the attempt it is next handed out as, and its bucket; the newest
+        # evidence last.
+        self.replays: OrderedDict[int, tuple[int, str]] = OrderedDict()
         self.replay_credit = 0.0
         self.replays_handed_out = 0
         self._lock = threading.Lock()
@@ -184,7 +196,7 @@ class Curriculum:
         if (spread and self.config.replay_share > 0 and attempt < self.config.max_replays
                 and self.chance(problem) >= REPLAY_MIN_CHANCE):
             with self._lock:
-                self.replays[source] = attempt + 1
+                self.replays[source] = (attempt + 1, bucket_of(problem))
                 if len(self.replays) > MAX_REPLAY_QUEUE:
                     self.replays.popitem(last=False)
 
@@ -210,17 +222,27 @@ class Curriculum:
     def admits(self, index: int) -> bool:
         """Whether train problem `index` of the seeded stream is handed out: always when the
         curriculum is off, else with its chance of spread relative to the best bucket's, to the
-        power `sharpness`, at least the floor."""
+        power `sharpness`, at least the floor; with `min_level_share`, always while its bucket
+        is below the share, never while another is."""
         if not self.config.enabled:
             return True
-        relative = min(1.0, self.chance(self.task.problem("train", index)) / self.best_chance())
+        problem = self.task.problem("train", index)
+        if self.config.min_level_share > 0:
+            with self._lock:
+                shares = self._shares()
+            if shares.get(bucket_of(problem), 0.0) < self.config.min_level_share:
+                return True
+            if shares and min(shares.values()) < self.config.min_level_share:
+                return False  # another bucket is below its share: this one waits
+        relative = min(1.0, self.chance(problem) / self.best_chance())
         chance = max(self.config.floor, relative ** self.config.sharpness)
         # Seeded by the run and the index alone: the same estimates give the same choice.
         return random.Random(f"curriculum:{self.seed}:{index}").random() < chance
 
     def next_replay(self) -> int | None:
         """The index to hand out a queued problem again under, or None: for about
-        `replay_share` of the slots asked for while the queue has problems."""
+        `replay_share` of the slots asked for while the queue has problems (with
+        `min_level_share`, only problems of a bucket below the share while there is one)."""
         if not self.config.enabled or self.config.replay_share == 0:
             return None
         with self._lock:
@@ -228,10 +250,27 @@ class Curriculum:
                                      self.replay_credit + self.config.replay_share)
             if not self.replays or self.replay_credit < 1.0:
                 return None
+            shares = self._shares() if self.config.min_level_share > 0 else {}
+            starved = {bucket for bucket, share in shares.items()
+                       if share < self.config.min_level_share}
+            # The newest evidence first, of a bucket below its share while there is one.
+            source = next((source for source, (_, bucket) in reversed(self.replays.items())
+                           if not starved or bucket in starved), None)
+            if source is None:
+                return None  # the slot goes to the stream, which hands out the starved buckets
+            attempt, _ = self.replays.pop(source)
             self.replay_credit -= 1.0
             self.replays_handed_out += 1
-            source, attempt = self.replays.popitem(last=True)
         return replay_index(source, attempt)
+
+    def _shares(self) -> dict[str, float]:
+        """Each bucket's share of the accepted groups, decayed (under the lock); {} before any."""
+        groups = {name: counts.at(self.clock, self.keep_per_group)
+                  for name, counts in self.buckets.items()}
+        total = sum(counts.spread + counts.flat for counts in groups.values())
+        if total <= 0:
+            return {}
+        return {name: (counts.spread + counts.flat) / total for name, counts in groups.items()}
 
     def best_chance(self) -> float:
         """The highest chance of spread among the buckets (that of a bucket not seen yet, 0.5,

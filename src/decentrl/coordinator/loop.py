@@ -263,7 +263,7 @@ class TrainingLoop(Generic[AnyBackend]):
         step, so a resumed or retried step trains on the same ones)."""
         assert isinstance(self.task, Demonstrating)  # checked when the loop was made
         return demonstrations(self.task, self.backend.tokenizer, self.config.seed,
-                              self.step + 1, count)
+                              self.step + 1, count, self.config.rollout.max_new_tokens)
 
     def _train_batch(self, batch: TrainBatch,
                      scored: Sequence[Pooled] = ()) -> dict[str, float] | None:

@@ -17,9 +17,12 @@ accepts 2 and up; the difficulty bucket is "N numbers"), so {"min_numbers": 2, "
 mixes three levels in one environment for a curriculum to pick from.
 
 The environment is `Demonstrating`: `solve_countdown` finds an expression by brute force (exact
-fractions, integer intermediate results first); a demonstration checks it, now and then after one
-wrong candidate, and answers with it. `valid_call_bonus`, `used_result_bonus` and `max_shaping`
-set the reward shaping of tool_calls.py (off by default; a check's result is its value).
+fractions, integer intermediate results first); a demonstration checks it, after as many wrong
+candidates as `revisions` draws (by default one, 3 times in 10; none otherwise), and answers with
+it. A wrong candidate is a near miss built from the numbers (`wrong_candidates`), so the
+transcript shows a search: check, read the value, revise. `valid_call_bonus`, `used_result_bonus`
+and `max_shaping` set the reward shaping of tool_calls.py (off by default; a check's result is its
+value).
 
 reasoning-gym's own countdown scorer is not used: it parses answers with sympy's parse_expr,
 which evaluates model text in this process, and it demands every number be used.
@@ -49,7 +52,14 @@ from decentrl.envs.tool_calls import (
     tools_system_prompt,
     written_call,
 )
-from decentrl.tasks.base import DIFFICULTY, Problem, Reward, Split, check_heldout_fraction
+from decentrl.tasks.base import (
+    DIFFICULTY,
+    Problem,
+    Reward,
+    Split,
+    check_heldout_fraction,
+    is_real,
+)
 from decentrl.tasks.reasoning_gym import ReasoningGymTask
 
 # Smaller than reasoning-gym's default (4-6 numbers up to 100, targets 100-999) so that a 135M
@@ -77,8 +87,12 @@ INSTRUCTIONS = (
 
 
 CHECK_TOOL_NAME = "check"
-# How often a demonstration first checks a wrong candidate, to show the model how to revise.
-REVISION_SHARE = 0.3
+# The chance that a demonstration checks 0, 1, 2, ... wrong candidates before the right one (the
+# `revisions` option): by default 3 in 10 first check one wrong candidate, to show how to revise.
+DEFAULT_REVISIONS = (0.7, 0.3)
+MAX_REVISIONS = 5  # wrong candidates in one demonstration at most
+# Random expressions drawn to pick a demonstration's wrong candidates from (the nearest misses).
+CANDIDATE_POOL = 48
 CHECK_PHRASES = ("Let me check {expression}.", "I'll try {expression}.",
                  "Maybe {expression} works.", "Checking {expression}.")
 REVISE_PHRASES = ("That is {value}, not {target}. Let me try {expression}.",
@@ -149,6 +163,48 @@ def search(terms: list[Term], target: int, naturals_only: bool,
             if found is not None:
                 return found
     return None
+
+
+def wrong_candidates(numbers: list[int], target: int, count: int,
+                     rng: random.Random) -> list[Term]:
+    """Up to `count` plausible wrong candidates, farthest from the target first: expressions of
+    all the numbers or all but one (two at least), each at most once, + - * with natural
+    intermediate results, values distinct and none the target, 0 or one of the numbers. Drawn at random, then the nearest misses kept: a search that closes in.
+    Fewer where the numbers make fewer such values."""
+    found: dict[Fraction, Term] = {}
+    for _ in range(CANDIDATE_POOL):
+        size = rng.randint(max(2, len(numbers) - 1), len(numbers))
+        picked = [number_term(number) for number in rng.sample(numbers, size)]
+        term = picked[0]
+        for other in picked[1:]:
+            term = rng.choice([t for t in combined(term, other, naturals_only=True)
+                               if t.top != "/"])
+        if term.value not in (0, target) and term.value not in numbers:
+            found.setdefault(term.value, term)
+    nearest = sorted(found.values(), key=lambda term: abs(term.value - target))
+    kept = rng.sample(nearest[:2 * count], min(count, len(nearest)))
+    return sorted(kept, key=lambda term: -abs(term.value - target))
+
+
+def revisions_drawn(weights: tuple[float, ...], rng: random.Random) -> int:
+    """How many wrong candidates a demonstration checks: k with chance weights[k] / sum. One
+    uniform draw, counted down from the most: DEFAULT_REVISIONS revises iff it is below 0.3."""
+    draw, total = rng.random() * sum(weights), 0.0
+    for count in range(len(weights) - 1, 0, -1):
+        total += weights[count]
+        if draw < total:
+            return count
+    return next(count for count, weight in enumerate(weights) if weight > 0)  # rounding aside, 0
+
+
+def check_revisions(revisions: object) -> tuple[float, ...]:
+    if (not isinstance(revisions, (list, tuple)) or not 1 <= len(revisions) <= MAX_REVISIONS + 1
+            or not all(is_real(w) and 0 <= w < math.inf for w in revisions)
+            or sum(revisions) <= 0):
+        raise ValueError(f"revisions must be a list of 1 to {MAX_REVISIONS + 1} weights >= 0, "
+                         "not all 0 (the chance of 0, 1, 2, ... wrong candidates before the "
+                         f"right one), got {revisions!r}")
+    return tuple(float(w) for w in revisions)
 
 
 def solve_countdown(numbers: list[int], target: int) -> str | None:
@@ -288,9 +344,11 @@ class CountdownEnvironment:
         valid_call_bonus: float = 0.0,
         used_result_bonus: float = 0.0,
         max_shaping: float = 0.2,
+        revisions: list[float] | tuple[float, ...] = DEFAULT_REVISIONS,
     ) -> None:
         check_heldout_fraction(heldout_fraction)
         check_tool_limits(max_turns, max_tool_calls, invalid_call_penalty, tool_budget_s)
+        self.revisions = check_revisions(revisions)
         for option, value in (("require_check", require_check),
                               ("prefill_first_call", prefill_first_call)):
             if not isinstance(value, bool):
@@ -336,7 +394,8 @@ class CountdownEnvironment:
         )
 
     def demonstration(self, problem: Problem, rng: random.Random) -> list[str]:
-        """Check a solution, now and then after a wrong candidate, then answer with it
+        """Check a solution after as many wrong candidates as `revisions` draws (at most what
+        the turn and call limits leave room for, and the numbers make), then answer with it
         (base.Demonstrating)."""
         if self.max_turns < 2 or self.max_tool_calls < 1:
             raise ValueError(f"a countdown demonstration needs max_turns >= 2 and "
@@ -345,13 +404,13 @@ class CountdownEnvironment:
         numbers, target = problem.metadata["numbers"], problem.metadata["target"]
         # reasoning-gym builds every problem from a solution, so the fallback is one.
         solution = solve_countdown(numbers, target) or problem.answer
-        candidates = []
-        if self.max_turns >= 3 and self.max_tool_calls >= 2 and rng.random() < REVISION_SHARE:
-            pairs = [joined(number_term(a), operator, number_term(b))
-                     for a, b in combinations(numbers, 2) for operator in "+*"]
-            wrong = [term for term in pairs if term.value != target]
-            if wrong:
-                candidates.append(rng.choice(wrong))
+        candidates: list[Term] = []
+        # Room: one turn for the right check and one for the answer, one call for the right check.
+        room = min(self.max_turns - 2, self.max_tool_calls - 1, len(self.revisions) - 1)
+        if room >= 1:
+            count = min(room, revisions_drawn(self.revisions, rng))
+            if count:
+                candidates = wrong_candidates(numbers, target, count, rng)
         turns = []
         for position, expression in enumerate([*(t.expression for t in candidates), solution]):
             call = written_call(CHECK_TOOL_NAME, {"expression": expression})

@@ -317,7 +317,8 @@ def policy_loss(
 
     log_ratio = (logprobs - anchor_logprobs) * mask
     if config.name in ("grpo", "dr_grpo"):
-        # GRPO (Shao et al. 2024) and Dr.GRPO (Liu et al. 2025): PPO's symmetric clip.
+        # GRPO (Shao et al. 2024) and Dr.GRPO (Liu et al. 2025): PPO's clip, symmetric unless
+        # clip_high is set.
         ratio = log_ratio.exp()
         token_loss, clipped = _clipped_surrogate(
             ratio, advantages, config.clip_low, config.upper_clip

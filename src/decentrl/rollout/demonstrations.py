@@ -7,10 +7,15 @@ drive an episode: the prompt and the environment's replies are the environment's
 `Rollout.generated`). A tool-call turn must end at the stop sequence that ends a sampled turn,
 and a final answer with the end-of-turn token, so that the model learns to stop where generation
 stops it. A demonstration that does not solve its problem, or whose turns a generation would cut
-elsewhere, is refused: it would teach the wrong thing."""
+elsewhere, is refused: it would teach the wrong thing. So is one longer than the generation budget
+(`rollout.max_new_tokens`, the environment's tokens counted as in generation): a sampled episode
+that long is cut unscored, so the model would learn a path it can never finish. `demonstrations`
+draws another problem in its place (`DemonstrationTooLong`), and gives up with an error when most
+do not fit: the budget is too small for the environment's demonstrations."""
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -22,12 +27,23 @@ from decentrl.rollout.types import Rollout
 
 # Problem indices of demonstrations are drawn below this: any train index is a problem.
 DEMONSTRATION_INDICES = 2**40
+# Problems drawn per demonstration asked for, at most, before too-long ones end in an error.
+MAX_DRAWS_PER_ROW = 8
+
+logger = logging.getLogger(__name__)
 
 
-def demonstration_rollout(episode: Episode, turns: list[str], tokenizer: Any) -> Rollout:
+class DemonstrationTooLong(ValueError):
+    """A demonstration whose completion is longer than the generation budget."""
+
+
+def demonstration_rollout(episode: Episode, turns: list[str], tokenizer: Any,
+                          max_new_tokens: int | None = None) -> Rollout:
     """`turns` (each assistant turn's full text, its prefill included) played through a fresh
     `episode` as one row: the environment's tokens forced, the assistant's marked generated.
-    Raises ValueError naming the turn where the transcript is not a solved episode."""
+    Raises ValueError naming the turn where the transcript is not a solved episode, and
+    DemonstrationTooLong where its completion is longer than `max_new_tokens` (None: any
+    length)."""
     driver = EpisodeTokens(episode, tokenizer)
     prompt = driver.prompt()
     stop_ids, stops = {tokenizer.eos_token_id}, tool_call_stops(tokenizer)
@@ -63,21 +79,38 @@ def demonstration_rollout(episode: Episode, turns: list[str], tokenizer: Any) ->
     if reward is None or reward.correct != 1.0:
         raise ValueError(f"the demonstration does not solve problem {episode.problem.index} "
                          f"(stop reason {episode.stop_reason})")
+    if max_new_tokens is not None and len(completion) > max_new_tokens:
+        raise DemonstrationTooLong(f"the demonstration of problem {episode.problem.index} takes "
+                                   f"{len(completion)} tokens, the budget is {max_new_tokens}")
     return Rollout(prompt_tokens=prompt, completion_tokens=completion,
                    behaviour_logprobs=[0.0] * len(completion), finished=True,
                    generated=generated)
 
 
 def demonstrations(environment: Demonstrating, tokenizer: Any, seed: int, step: int,
-                   count: int) -> list[Rollout]:
-    """`count` demonstrations of train problems for training step `step`: the problems and
+                   count: int, max_new_tokens: int) -> list[Rollout]:
+    """`count` demonstrations of train problems for training step `step`, each within
+    `max_new_tokens` (a longer one is replaced by the next problem drawn): the problems and
     wordings are a pure function of (seed, step), so a resumed run trains on the same ones.
-    Held-out problems never appear: only the train split is drawn."""
+    Held-out problems never appear: only the train split is drawn. Raises ValueError when
+    MAX_DRAWS_PER_ROW problems a row do not give `count` that fit."""
     rng = random.Random(f"demonstrations:{seed}:{step}")
-    rows = []
-    for _ in range(count):
+    rows: list[Rollout] = []
+    too_long = 0
+    while len(rows) < count:
+        if len(rows) + too_long >= MAX_DRAWS_PER_ROW * count:
+            raise ValueError(f"{too_long} of {len(rows) + too_long} demonstrations of "
+                             f"{environment.name} are longer than rollout.max_new_tokens "
+                             f"({max_new_tokens}): raise it, or make the demonstrations shorter")
         index = rng.randrange(DEMONSTRATION_INDICES)
         problem = environment.problem("train", index)
         turns = environment.demonstration(problem, rng)
-        rows.append(demonstration_rollout(environment.episode("train", index), turns, tokenizer))
+        try:
+            rows.append(demonstration_rollout(environment.episode("train", index), turns,
+                                              tokenizer, max_new_tokens))
+        except DemonstrationTooLong:
+            too_long += 1
+    if too_long:
+        logger.warning("step %d: %d demonstrations longer than the budget (%d tokens) replaced",
+                       step, too_long, max_new_tokens)
     return rows

@@ -210,5 +210,11 @@ def test_the_agentic_demo_config_trains_and_evaluates_the_environment() -> None:
     countdown = parse_config(demo_config("agentic-countdown"))
     assert countdown.task.name == countdown.eval.task.name == "agentic-countdown"
     assert countdown.supervised == config.supervised
+    # Countdown searches: demonstrations that revise up to three times, room for them in the
+    # budget (test_demonstrations.py, in SmolLM2's tokens), no level starved by the curriculum.
+    assert countdown.task.options == countdown.eval.task.options
+    assert len(countdown.task.options["revisions"]) == 4 and countdown.rollout.max_new_tokens == \
+        countdown.eval.max_new_tokens == 512
+    assert countdown.curriculum.min_level_share == 0.25 and config.curriculum.min_level_share == 0
     with pytest.raises(ValueError, match="the demo runs one of sums, agentic-calculator"):
         demo_config("task:sums")

@@ -24,7 +24,7 @@ from decentrl.envs import make_environment
 from decentrl.rollout.types import Rollout, RolloutGroup, ScoredGroup, VersionSpan
 from decentrl.tasks import SumsTask, split_of
 from decentrl.tasks.arithmetic import sums_difficulty
-from decentrl.tasks.base import Problem, difficulty_of
+from decentrl.tasks.base import DIFFICULTY, Problem, difficulty_of
 
 GROUP_SIZE = 8
 SEED = 3
@@ -337,7 +337,97 @@ def test_difficulty_buckets_of_the_tasks_and_environments() -> None:
     ({"enabled": "maybe"}, "enabled"), ({"warmup": 3}, "warmup"),
     ({"replay_share": 1.0}, "replay_share"), ({"replay_share": -0.1}, "replay_share"),
     ({"max_replays": 0}, "max_replays"),
+    ({"min_level_share": -0.1}, "min_level_share"), ({"min_level_share": 0.6}, "min_level_share"),
 ])
 def test_bad_curriculum_settings_are_refused(section: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=f"curriculum.{field}"):
         parse_config({"curriculum": section})
+
+
+# --- a floor under every level -------------------------------------------------------------------
+
+
+class Levels:
+    """Three levels like countdown's: half the stream is the easy one, whose groups nearly always
+    have spread; the two hard ones a quarter each, with spread in a quarter of their groups."""
+
+    name = "levels"
+
+    def problem(self, split: str, index: int) -> Problem:
+        level = ("2 numbers", "2 numbers", "3 numbers", "4 numbers")[index % 4]
+        return Problem(task=self.name, index=index, question="?", answer="1", key=f"p{index}",
+                       metadata={DIFFICULTY: level})
+
+
+LEVELS = Levels()
+
+
+def solved_rows(index: int) -> int:
+    source = source_index(index)
+    if LEVELS.problem("train", source).metadata[DIFFICULTY] == "2 numbers":
+        return 0 if (source // 4) % 10 == 0 else GROUP_SIZE // 2  # spread 9 times in 10
+    return 1 if (source // 4) % 4 == 0 else 0  # spread once in 4
+
+
+def level_shares(config: CurriculumConfig, rounds: int = 100,
+                 curriculum: Curriculum | None = None) -> tuple[Counter[str], list[ScoredGroup]]:
+    """The levels of the problems handed out over `rounds` steps of 4, each group accepted."""
+    curriculum = curriculum or Curriculum(config, LEVELS, GROUP_SIZE, SEED)
+    scheduler = PromptScheduler(SEED, admits=curriculum.admits, replay=curriculum.next_replay)
+    handed: Counter[str] = Counter()
+    groups = []
+    for _ in range(rounds):
+        for index in scheduler.next(4):
+            handed[LEVELS.problem("train", source_index(index)).metadata[DIFFICULTY]] += 1
+            groups.append(scored(index, solved_rows(index), group_id=f"levels/{index}"))
+            curriculum.observe(groups[-1])
+    total = sum(handed.values())
+    return Counter({level: count / total for level, count in handed.items()}), groups
+
+
+@pytest.mark.parametrize("config", [ON, REPLAYING], ids=["stream", "with replays"])
+def test_a_level_share_keeps_the_hard_levels_in_the_schedule(config: CurriculumConfig) -> None:
+    assert CurriculumConfig().min_level_share == 0
+    # Without it (the default), the hard levels get what their chance of spread earns: the
+    # floor, ~0.1 x a quarter of the stream each against the easy half, ~5% of the groups each.
+    starving, _ = level_shares(config)
+    assert starving["3 numbers"] < 0.1 and starving["4 numbers"] < 0.1
+    assert starving["2 numbers"] > 0.8
+    # With it, each keeps about its share (give or take the groups in flight), the easy level
+    # the rest; its replays wait while a level is below.
+    shares, groups = level_shares(config.model_copy(update={"min_level_share": 0.25}))
+    assert 0.22 <= shares["3 numbers"] <= 0.3 and 0.22 <= shares["4 numbers"] <= 0.3
+    assert shares["2 numbers"] >= 0.4
+    if config.replay_share:
+        assert any(replay_attempt(g.group.problem_index) for g in groups)
+    # The choice follows the accepted groups alone: a restart that replays them chooses alike.
+    first = Curriculum(config.model_copy(update={"min_level_share": 0.25}), LEVELS, GROUP_SIZE,
+                       SEED)
+    first.replay(groups)
+    again = Curriculum(first.config, LEVELS, GROUP_SIZE, SEED)
+    again.replay(groups)
+    stream = range(SEED * 1_000_003 + 10**6, SEED * 1_000_003 + 10**6 + 200)
+    assert [first.admits(i) for i in stream] == [again.admits(i) for i in stream]
+
+
+def test_a_level_below_its_share_is_handed_out_and_the_others_wait() -> None:
+    curriculum = Curriculum(REPLAYING.model_copy(update={"min_level_share": 0.2}), LEVELS,
+                            GROUP_SIZE, SEED)
+    easy = [i for i in range(400) if i % 4 in (0, 1)]
+    hard = [i for i in range(400) if i % 4 == 2]
+    for index in easy[:18]:
+        curriculum.observe(scored(index, GROUP_SIZE // 2))  # spread: queued for replays
+    for index in hard[:2]:
+        curriculum.observe(scored(index, 0))
+    # 3 numbers: 2 of 20 groups, below 0.2; 4 numbers never seen: below too.
+    assert curriculum.admits(hard[10]) and curriculum.admits(hard[10] + 1)
+    assert not any(curriculum.admits(i) for i in easy[100:140])  # whatever their spread
+    # The easy level's problems queued for a replay wait too; the slot goes to the stream.
+    assert curriculum.replays and [curriculum.next_replay() for _ in range(6)] == [None] * 6
+    for index in hard[2:8]:
+        curriculum.observe(scored(index, 0))
+    for index in range(3, 40, 4)[:7]:
+        curriculum.observe(scored(index, 0))  # 4 numbers: 7 of 33 groups, 3 numbers 8
+    # No level below the share: the estimates decide again, and replays come back.
+    assert any(curriculum.admits(i) for i in easy[100:140])
+    assert curriculum.next_replay() is not None

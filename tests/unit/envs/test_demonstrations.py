@@ -3,6 +3,7 @@ countdown solver, and the reward shaping that pays for the path without being ga
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -28,10 +29,16 @@ from decentrl.envs.calculator import (
     story_chain,
 )
 from decentrl.envs.countdown import (
+    DEFAULT_REVISIONS,
+    INTEGER_RE,
+    REVISE_PHRASES,
     CountdownEnvironment,
     CountdownEpisode,
     check_expression,
+    overused_numbers,
+    revisions_drawn,
     solve_countdown,
+    wrong_candidates,
 )
 from decentrl.envs.sandbox import run_expression
 from decentrl.envs.tool_calls import CLOSE_TAG, parse_tool_calls, written_call
@@ -225,8 +232,9 @@ def test_countdown_demonstrations_solve_200_train_problems() -> None:
             checks = [m["content"] for m in result.messages if m["role"] == "tool"]
             # Every check but the last misses; the last confirms the answer.
             assert all(c.endswith("no") for c in checks[:-1]) and checks[-1].endswith("yes")
+            assert len(checks) <= 2  # by default, one wrong candidate at most
             revisions += len(checks) > 1
-    assert 30 < revisions < 110  # about REVISION_SHARE of 220
+    assert 30 < revisions < 110  # about 0.3 of 220 (DEFAULT_REVISIONS)
 
 
 def test_countdown_demonstrations_with_the_prefill_and_without_a_solver(
@@ -241,6 +249,102 @@ def test_countdown_demonstrations_with_the_prefill_and_without_a_solver(
     turns = environment.demonstration(episode.problem, random.Random(0))
     assert turns[-1].endswith(f"<answer>{episode.problem.answer}</answer>")
     assert play_demonstration(episode, turns).reward.solved
+
+
+def test_by_default_3_demonstrations_in_10_revise_once_on_the_same_draw_as_before() -> None:
+    # Before `revisions`, a demonstration revised when rng.random() < 0.3: the same draw decides.
+    for seed in range(200):
+        assert revisions_drawn(DEFAULT_REVISIONS, random.Random(seed)) == int(
+            random.Random(seed).random() < 0.3)
+    # Weights need not sum to 1, and a count of weight 0 is never drawn.
+    drawn = Counter(revisions_drawn((0.0, 2.0, 0.0, 2.0), random.Random(s)) for s in range(400))
+    assert set(drawn) == {1, 3} and 160 < drawn[3] < 240
+
+
+def checked_expression(turn: str) -> str:
+    return json.loads(turn[turn.index("<tool_call>") + len("<tool_call>"):turn.index(CLOSE_TAG)])[
+        "arguments"]["expression"]
+
+
+@pytest.mark.parametrize("levels", [{"min_numbers": 3, "max_numbers": 4},
+                                    {"min_numbers": 2, "max_numbers": 2}])
+def test_countdown_demonstrations_check_and_revise_several_times(levels: dict[str, int]) -> None:
+    environment = CountdownEnvironment(config=levels, prefill_first_call=True, max_turns=6,
+                                       max_tool_calls=6, revisions=[0, 0, 1, 1])
+    wrong_counts: Counter[int] = Counter()
+    for index in range(12):
+        episode = environment.episode("train", index)
+        turns = environment.demonstration(episode.problem, random.Random(index))
+        assert environment.demonstration(episode.problem, random.Random(index)) == turns
+        result = play_demonstration(episode, turns)
+        assert_ideal(result, episode)
+        numbers, target = episode.problem.metadata["numbers"], episode.problem.metadata["target"]
+        checks = list(zip(turns[:-1], [m["content"] for m in result.messages
+                                       if m["role"] == "tool"], strict=True))
+        wrong = checks[:-1]
+        wrong_counts[len(wrong)] += 1
+        values, distances = [], []
+        for position, (turn, report) in enumerate(wrong):
+            used = [int(n) for n in INTEGER_RE.findall(checked_expression(turn))]
+            # A plausible candidate: the given numbers, each at most once, at least two of them
+            # (most of them on 3 and 4 numbers); the tool says it misses.
+            assert overused_numbers(used, numbers) is None
+            assert len(used) >= max(2, len(numbers) - 1)
+            value = report.split("\n")[0].removeprefix("value: ")
+            assert report.endswith(f"reaches the target {target}: no") and value != str(target)
+            # The next turn reads the value the tool gave and revises.
+            next_turn = turns[position + 1]
+            prose = next_turn[:next_turn.index("\n<tool_call>")]
+            assert prose in {phrase.format(value=value, target=target,
+                                           expression=checked_expression(next_turn))
+                             for phrase in REVISE_PHRASES}
+            values.append(value)
+            distances.append(abs(int(value) - target))
+        assert len(set(values)) == len(values)  # each check tells something new
+        assert distances == sorted(distances, reverse=True)  # closing in
+        assert checks[-1][1].endswith("reaches the target " f"{target}: yes")
+    if levels["min_numbers"] == 3:
+        assert set(wrong_counts) == {2, 3}  # as revisions says
+    else:
+        # Two numbers make few values: at most two wrong ones (a + b, a * b, a - b), fewer when
+        # the numbers make fewer.
+        assert max(wrong_counts) <= 2 and wrong_counts[2] > 0
+
+
+def test_wrong_candidates_are_near_misses_the_tool_confirms_as_misses() -> None:
+    numbers, target = [3, 7, 25, 4], 53
+    candidates = wrong_candidates(numbers, target, 3, random.Random(0))
+    assert len(candidates) == 3
+    distances = [abs(c.value - target) for c in candidates]
+    assert distances == sorted(distances, reverse=True)
+    assert len({c.value for c in candidates}) == 3
+    for candidate in candidates:
+        check = check_expression(candidate.expression, numbers, target)
+        assert not check.solves and check.result.ok
+        assert check.result.output.startswith(f"value: {candidate.value}\n")
+        assert "each at most once: yes" in check.result.output
+    # Drawn from the rng alone: the same draw, the same candidates.
+    assert wrong_candidates(numbers, target, 3, random.Random(0)) == candidates
+    # Two numbers whose sum is the target: the product and the difference miss, nothing else.
+    assert {c.value for c in wrong_candidates([5, 3], 8, 4, random.Random(1))} == {15, 2}
+
+
+def test_the_turn_and_call_limits_cap_the_revisions() -> None:
+    for limits, most in (({"max_turns": 4, "max_tool_calls": 6}, 2),
+                         ({"max_turns": 6, "max_tool_calls": 2}, 1),
+                         ({"max_turns": 2, "max_tool_calls": 6}, 0)):
+        environment = CountdownEnvironment(config={"min_numbers": 4, "max_numbers": 4},
+                                           revisions=[0, 0, 0, 1], **limits)
+        for index in range(3):
+            result = played(environment, "train", index, seed=index)
+            assert result.reward.solved and result.tool_calls == most + 1
+
+
+@pytest.mark.parametrize("revisions", [[], [0, 0], [1, -1], "many", [1] * 7, [True],
+                                       [1, float("inf")], None])
+def test_bad_revisions_are_refused(revisions: object) -> None:
+    with pytest.raises(ValueError, match="revisions must be a list of 1 to 6 weights >= 0"):
+        make_environment("agentic-countdown", revisions=revisions)
 
 
 def test_task_environments_do_not_demonstrate() -> None:
@@ -377,3 +481,40 @@ def test_a_countdown_checks_result_is_its_value() -> None:
     report = "value: 18\nuses only the given numbers, each at most once: no (5 is used 2 times " \
              "but given 1 time(s))\nreaches the target 53: no"
     assert episode.result_text(report) == "value: 18"
+
+
+# --- the demos' recipes --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["agentic-calculator", "agentic-countdown"])
+def test_the_longest_demonstrations_fit_the_demo_recipes_budget(name: str) -> None:
+    """In SmolLM2's tokens: a demonstration longer than rollout.max_new_tokens is replaced by
+    another (rollout/demonstrations.py), so the recipe must hold its longest whole."""
+    from decentrl.config import parse_config
+    from decentrl.demo import demo_config
+    from decentrl.envs import make_task_or_environment
+    from decentrl.model.loading import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from decentrl.rollout.demonstrations import demonstration_rollout
+
+    config = parse_config(demo_config(name))
+    tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    options = dict(config.task.options)
+    most = len(options.get("revisions", ())) - 1
+    if most > 0:
+        options["revisions"] = [0] * most + [1]  # the most wrong candidates the recipe draws
+    environment = make_task_or_environment(config.task.name, options)
+    assert isinstance(environment, Demonstrating)
+    longest: dict[str, int] = {}
+    rng = random.Random(0)
+    for index in range(90):
+        problem = environment.problem("train", index)
+        row = demonstration_rollout(environment.episode("train", index),
+                                    environment.demonstration(problem, rng), tokenizer)
+        level = difficulty_of(problem)
+        longest[level] = max(longest.get(level, 0), len(row.completion_tokens))
+    assert max(longest.values()) <= config.rollout.max_new_tokens, longest
+    if name == "agentic-countdown":
+        assert most == 3
+        # Three wrong candidates on 4 numbers: ~435 tokens, where 256 held two checks at most.
+        assert 256 < longest["4 numbers"] <= config.rollout.max_new_tokens - 48

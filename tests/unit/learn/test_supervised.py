@@ -29,7 +29,12 @@ from decentrl.learn.trainer import PipelineTrainer
 from decentrl.model.loading import LoadedModel, load_tokenizer
 from decentrl.observe.metrics import read_metrics
 from decentrl.observe.report import build_report
-from decentrl.rollout.demonstrations import demonstration_rollout, demonstrations
+from decentrl.rollout.demonstrations import (
+    DEMONSTRATION_INDICES,
+    DemonstrationTooLong,
+    demonstration_rollout,
+    demonstrations,
+)
 from decentrl.rollout.types import Rollout
 
 
@@ -159,9 +164,10 @@ MULTI_STEP = {"name": "agentic-calculator", "options": {"stories": ["shopping", 
 
 
 def warm_up_config(model_dir: Path, run_dir: Path, **train: object) -> RunConfig:
+    # Room for the demonstrations in characters (up to ~590 tokens): a longer one is refused.
     return tiny_run_config(
         model_dir, 2, host={"run_dir": str(run_dir), "threads": 1}, task=MULTI_STEP,
-        rollout={"group_size": 2, "prompts_per_step": 1, "max_new_tokens": 16},
+        rollout={"group_size": 2, "prompts_per_step": 1, "max_new_tokens": 640},
         supervised={"steps": 2, "rows_per_step": 2, "interleave_rows": 1},
         train={"steps": 3, "micro_batch_size": 4, "zero_variance_groups": "keep",
                "mode": "sync", **train},
@@ -232,14 +238,57 @@ def test_demonstrations_are_train_problems_fixed_by_seed_and_step(tiny_printable
     problem, episode = environment.problem, environment.episode
     environment.problem = lambda split, index: splits.append(split) or problem(split, index)
     environment.episode = lambda split, index: splits.append(split) or episode(split, index)
-    rows = demonstrations(environment, tokenizer, seed=0, step=1, count=12)
+    rows = demonstrations(environment, tokenizer, seed=0, step=1, count=12, max_new_tokens=4096)
     assert len(rows) == 12 and set(splits) == {"train"}
-    assert demonstrations(environment, tokenizer, seed=0, step=1, count=12) == rows
-    assert demonstrations(environment, tokenizer, seed=0, step=2, count=12) != rows
+    assert demonstrations(environment, tokenizer, seed=0, step=1, count=12,
+                          max_new_tokens=4096) == rows
+    assert demonstrations(environment, tokenizer, seed=0, step=2, count=12,
+                          max_new_tokens=4096) != rows
     for row in rows:
         # The environment's tokens (its replies) are context; the assistant's the loss.
         assert any(row.generated) and not all(row.generated)
         assert row.completion_tokens[-1] == tokenizer.eos_token_id and row.generated[-1]
+
+
+def test_a_demonstration_longer_than_the_budget_is_replaced(tiny_printable_dir: Path) -> None:
+    # Half the demonstrations check a wrong candidate first: about 250 characters longer.
+    environment = make_environment("agentic-countdown", revisions=[1, 1])
+    tokenizer = load_tokenizer(tiny_printable_dir)
+    drawn = demonstrations(environment, tokenizer, seed=0, step=1, count=8, max_new_tokens=4096)
+    lengths = [len(row.completion_tokens) for row in drawn]
+    budget = (min(lengths) + max(lengths)) // 2
+    fitting = [row for row in drawn if len(row.completion_tokens) <= budget]
+    assert 0 < len(fitting) < 8
+    rows = demonstrations(environment, tokenizer, seed=0, step=1, count=8, max_new_tokens=budget)
+    assert len(rows) == 8 and all(len(row.completion_tokens) <= budget for row in rows)
+    # The problems and wordings drawn are the same; the longer ones are left out and more drawn.
+    assert rows[:len(fitting)] == fitting
+    assert demonstrations(environment, tokenizer, seed=0, step=1, count=8,
+                          max_new_tokens=budget) == rows
+    longest = max(range(8), key=lambda i: lengths[i])
+    rng = random.Random("demonstrations:0:1")
+    for _ in range(longest + 1):
+        index = rng.randrange(DEMONSTRATION_INDICES)
+        turns = environment.demonstration(environment.problem("train", index), rng)
+    with pytest.raises(DemonstrationTooLong, match=f"takes {lengths[longest]} tokens, the "
+                                                   f"budget is {lengths[longest] - 1}"):
+        demonstration_rollout(environment.episode("train", index), turns, tokenizer,
+                              max_new_tokens=lengths[longest] - 1)
+    assert demonstration_rollout(environment.episode("train", index), turns, tokenizer,
+                                 max_new_tokens=lengths[longest]) == drawn[longest]
+    # A budget no demonstration fits is an error, not an endless draw.
+    with pytest.raises(ValueError, match=r"16 of 16 demonstrations of agentic-countdown are "
+                                         r"longer than rollout.max_new_tokens \(50\)"):
+        demonstrations(environment, tokenizer, seed=0, step=1, count=2, max_new_tokens=50)
+
+
+def test_a_run_refuses_demonstrations_its_budget_cannot_hold(tiny_printable_dir: Path,
+                                                             tmp_path: Path) -> None:
+    config = warm_up_config(tiny_printable_dir, tmp_path)
+    short = config.model_copy(update={"rollout": config.rollout.model_copy(
+        update={"max_new_tokens": 16})})
+    with pytest.raises(ValueError, match=r"longer than rollout.max_new_tokens \(16\)"):
+        local_run(short).run()
 
 
 def test_a_demonstration_that_does_not_solve_its_problem_is_refused(tiny_printable_dir: Path
