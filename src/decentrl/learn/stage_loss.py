@@ -103,7 +103,7 @@ def micro_batch_loss(logits: torch.Tensor, batch: TrainBatch, inputs: LossInputs
             reference_logprobs=None if inputs.reference is None else inputs.reference[policy],
             total_sequences=inputs.total_sequences, total_tokens=inputs.total_tokens,
             selected=None if inputs.selected is None else inputs.selected[policy])
-        metrics["entropy"] = float(entropy[policy_mask[valid]].mean())
+        metrics["entropy"] = float(entropy[policy_mask[valid]].detach().mean())
         if inputs.entropy_coef > 0:
             # The adaptive bonus: -coef x the counted tokens' entropy, a token mean over the
             # minibatch's policy tokens whatever the loss (learn/entropy.py).
