@@ -48,10 +48,15 @@ import torch
 from rich.console import Console
 
 from bench.common import bench_model, machine, print_table, quiet_transformers, save_figure
-from bench.staleness import LaggedBackend, parse_list, set_option
-from decentrl.config import RunConfig, parse_config
+from bench.staleness import (
+    LaggedBackend,
+    add_study_arguments,
+    parse_list,
+    study_config,
+    study_data,
+)
+from decentrl.config import RunConfig
 from decentrl.coordinator.loop import RunHooks, TrainingLoop
-from decentrl.demo import demo_config
 from decentrl.device import pick_device
 from decentrl.envs import make_task_or_environment
 from decentrl.evaluate.runner import evaluate
@@ -137,14 +142,7 @@ def evaluate_families(loop: TrainingLoop, families: list[Family], pass_k: int
 
 
 def run_config(args: argparse.Namespace, variant: Variant, model: str) -> RunConfig:
-    data = demo_config("sums")
-    rollout = data["rollout"]
-    data.update(name=variant.name, seed=variant.seed, model=model)
-    data["host"].update(run_dir=str(args.out / "runs"), device=args.device, dtype=args.dtype,
-                        threads=args.threads or 0)
-    data["train"].update(mode="sync", steps=args.steps, time_budget_s=None,
-                         checkpoint_every=args.steps + 1, max_staleness=variant.lag,
-                         micro_batch_size=rollout["group_size"] * rollout["prompts_per_step"])
+    data = study_data(args, variant.name, variant.seed, model, variant.lag)
     for name, value in METHODS[variant.method].items():
         data["train"][name] = dict(value) if isinstance(value, dict) else value
     if args.model == "tiny":
@@ -152,11 +150,7 @@ def run_config(args: argparse.Namespace, variant: Variant, model: str) -> RunCon
         # each method's part of it) runs in a smoke run.
         data["train"].update(zero_variance_groups="keep", dynamic_sampling=False)
         data["curriculum"] = {"enabled": False}
-    data["eval"].update(problems=1, pass_k=1, every=0)
-    data["trust"] = {"verify_fraction": 0.0, "flag_log_ratio": None, "flag_surprise": None}
-    for assignment in args.set:
-        set_option(data, assignment)
-    return parse_config(data)
+    return study_config(data, args.set)
 
 
 def run_variant(args: argparse.Namespace, variant: Variant, model: LoadedModel,
@@ -342,7 +336,6 @@ def finish(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from decentrl.model.loading import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="decentrl bench entropy", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -359,14 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--family-problems", type=int, default=50,
                         help="held-out problems of each untrained family per evaluation")
     parser.add_argument("--pass-k", type=int, default=8)
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, folder, or tiny")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16"))
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=JSON",
-                        help="change every run's config, e.g. train.lr=1e-5 (repeatable)")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench/entropy"))
-    parser.add_argument("--verbose", action="store_true", help="the runs' own console output")
+    add_study_arguments(parser, Path("runs/bench/entropy"))
     parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
                         help="run nothing: report the runs of these entropy.json files together")
     args = parser.parse_args(argv)

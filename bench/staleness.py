@@ -238,27 +238,41 @@ def set_option(data: dict[str, Any], assignment: str) -> None:
 
 
 def run_config(args: argparse.Namespace, variant: Variant, model: str) -> RunConfig:
-    data = demo_config("sums")
-    rollout = data["rollout"]
-    data.update(name=variant.name, seed=variant.seed, model=model)
-    data["host"].update(run_dir=str(args.out / "runs"), device=args.device, dtype=args.dtype,
-                        threads=args.threads or 0)
-    data["train"].update(mode="sync", steps=args.steps, time_budget_s=None,
-                         checkpoint_every=args.steps + 1, max_staleness=max(variant.lags),
-                         # The whole batch in one micro-batch: M2PO's bound then holds over
-                         # the batch, as in the paper.
-                         micro_batch_size=rollout["group_size"] * rollout["prompts_per_step"],
-                         # Every run gets the same problems, in the same batches: no curriculum
-                         # and no dynamic sampling (both choose problems from the run's results).
-                         dynamic_sampling=False, **METHODS[variant.method])
+    data = study_data(args, variant.name, variant.seed, model, max(variant.lags))
+    # Every run gets the same problems, in the same batches: no curriculum and no dynamic
+    # sampling (both choose problems from the run's results).
+    data["train"].update(dynamic_sampling=False, **METHODS[variant.method])
     data["curriculum"] = {"enabled": False}
     if args.model == "tiny":
         # The tiny model solves nothing: its groups keep their zero advantages, and weight decay
         # moves its weights from version to version, so that staleness shows in a smoke run.
         data["train"].update(zero_variance_groups="keep", weight_decay=1.0, lr=0.01)
+    return study_config(data, args.set)
+
+
+def study_data(args: argparse.Namespace, name: str, seed: int, model: str,
+               max_staleness: int) -> dict[str, Any]:
+    """The demo's recipe as a study runs it: in one process under --out/runs, synchronous, for
+    --steps without checkpoints, rollouts up to `max_staleness` versions old, the whole batch
+    in one micro-batch (M2PO's bound then holds over the batch, as in the paper)."""
+    data = demo_config("sums")
+    rollout = data["rollout"]
+    data.update(name=name, seed=seed, model=model)
+    data["host"].update(run_dir=str(args.out / "runs"), device=args.device, dtype=args.dtype,
+                        threads=args.threads or 0)
+    data["train"].update(mode="sync", steps=args.steps, time_budget_s=None,
+                         checkpoint_every=args.steps + 1, max_staleness=max_staleness,
+                         micro_batch_size=rollout["group_size"] * rollout["prompts_per_step"])
+    return data
+
+
+def study_config(data: dict[str, Any], assignments: list[str]) -> RunConfig:
+    """A study run's config from the demo's `data` as the study changed it: the loop's own
+    evaluations cut to one problem (the study evaluates itself), trust flags and spot-checks
+    off (the flags drop stale rows on purpose; the study is of the loss), then `--set`."""
     data["eval"].update(problems=1, pass_k=1, every=0)
     data["trust"] = {"verify_fraction": 0.0, "flag_log_ratio": None, "flag_surprise": None}
-    for assignment in args.set:
+    for assignment in assignments:
         set_option(data, assignment)
     return parse_config(data)
 
@@ -408,12 +422,25 @@ def plot(rows: list[dict[str, Any]], results: list[dict[str, Any]], out: Path) -
     save_figure(figure, out / "staleness_curves.png")
 
 
+def add_study_arguments(parser: argparse.ArgumentParser, out: Path) -> None:
+    """The options a study of runs in one process shares (this one's and bench/entropy.py's)."""
+    from decentrl.model.loading import DEFAULT_MODEL
+
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, folder, or tiny")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16"))
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=JSON",
+                        help="change every run's config, e.g. train.lr=1e-5 (repeatable)")
+    parser.add_argument("--out", type=Path, default=out)
+    parser.add_argument("--verbose", action="store_true", help="the runs' own console output")
+
+
 def parse_list(text: str, kind: type = int) -> list[Any]:
     return [kind(item) for item in text.split(",") if item]
 
 
 def main(argv: list[str] | None = None) -> None:
-    from decentrl.model.loading import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="decentrl bench staleness", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -428,15 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=0,
                         help="also evaluate every N steps (0: only at the end)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, folder, or tiny")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16"))
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=JSON",
-                        help="change the run config, e.g. train.lr=1e-5 (repeatable)")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench/staleness"))
+    add_study_arguments(parser, Path("runs/bench/staleness"))
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--verbose", action="store_true", help="the runs' own console output")
     parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
                         help="run nothing: report the runs of these staleness.json files "
                              "together (a grid run in pieces) into --out")
