@@ -73,8 +73,6 @@ log = logging.getLogger(__name__)
 # Versions whose tapes a training peer keeps: the step an audit may still ask about (an audit
 # follows its step) and the one under way.
 TAPE_VERSIONS = 2
-# What only the last stage uses, and what each stage takes its own part of.
-LAST_STAGE_ONLY = LOSS_TENSORS
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -115,7 +113,7 @@ class TrainingChainService:
         peers = await self._route(body, request.sender)
         forward = msgspec.structs.replace(body.forward, last=self.last, audit=False)
         own = {name: tensor for name, tensor in tensors.items()
-               if name != "routing" and (self.last or name not in LAST_STAGE_ONLY)}
+               if name != "routing" and (self.last or name not in LOSS_TENSORS)}
         routing = self._own_routing(tensors.get("routing"))
         if routing is not None:
             own["routing"] = routing
