@@ -14,9 +14,12 @@ from typing import Any
 
 import pytest
 from helpers import unanswered_peer_address
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
+from decentrl.net import daemon as daemon_module
 from decentrl.net import dialback
+from decentrl.net import node as node_module
 from decentrl.net.dialback import CheckersBusy, CheckLine, DialBackService, check_reachability
 from decentrl.net.identity import Identity
 from decentrl.net.link import LinkProfile
@@ -266,24 +269,38 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def test_a_node_taking_its_probes_place_starts_once_more_when_no_initial_peer_answers(
+@pytest.mark.network
+def test_a_node_whose_initial_peer_refuses_it_once_starts_on_the_next_attempt(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dialback, "RESTART_PAUSE_S", 0.0)
-    options = NetworkOptions(reachability="relayed", relays=(RELAY,))
-    attempts: list[NetworkOptions] = []
+    monkeypatch.setattr(node_module, "BOOTSTRAP_PAUSE_S", 0.0)
+    real_start = daemon_module.start_daemon
+    attempts: list[int] = []
 
-    def flaky(failures: int) -> Any:
-        def start(given: NetworkOptions) -> Any:
-            attempts.append(given)
-            if len(attempts) <= failures:
-                raise SwarmStartError("none of the initial peers answered")
-            return "node"
+    def refused(refusals: int) -> Any:
+        async def start(*args: Any, **kwargs: Any) -> Any:
+            attempts.append(1)
+            if len(attempts) <= refusals:
+                raise P2PDaemonError("Daemon failed to start: failed to connect to bootstrap peers")
+            return await real_start(*args, **kwargs)
         return start
-    assert dialback.start_again(flaky(1), options) == "node" and attempts == [options] * 2
-    attempts.clear()
-    with pytest.raises(SwarmStartError, match="none of the initial peers answered"):
-        dialback.start_again(flaky(2), options)
-    assert len(attempts) == 2
+
+    tries = node_module.BOOTSTRAP_ATTEMPTS
+    first = SwarmNode.start("first", [], LinkProfile(), TensorLimits())
+    try:
+        monkeypatch.setattr(daemon_module, "start_daemon", refused(tries - 1))
+        second = SwarmNode.start("second", first.addresses(), LinkProfile(), TensorLimits())
+        try:
+            assert len(attempts) == tries
+            assert second.daemon.dht is not None
+        finally:
+            second.shutdown()
+        attempts.clear()
+        monkeypatch.setattr(daemon_module, "start_daemon", refused(tries))
+        with pytest.raises(SwarmStartError, match="none of the initial peers answered"):
+            SwarmNode.start("third", first.addresses(), LinkProfile(), TensorLimits())
+        assert len(attempts) == tries
+    finally:
+        first.shutdown()
 
 
 @pytest.mark.network

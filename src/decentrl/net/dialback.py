@@ -36,7 +36,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from decentrl.errors import DecentrlError, SenderFault
 from decentrl.net.calls import PeerRefused, RemoteError
-from decentrl.net.daemon import SwarmStartError, start_daemon
+from decentrl.net.daemon import start_daemon
 from decentrl.net.guard import Reply, Request
 from decentrl.net.link import MessageLost
 from decentrl.net.node import SwarmNode
@@ -64,8 +64,6 @@ CHECK_EVERY_S = 5.0
 DIAL_TIMEOUT_S = 4.0
 CHECK_BUDGET_S = 12.0
 ROUTE_TTL_S = 60.0
-# A node that takes its probe's place and finds no initial peer answering tries again after this.
-RESTART_PAUSE_S = 2.0
 ASKERS_KEPT = 1024
 # Checks running at once on the probe daemon (each one dial at a time).
 PARALLEL_CHECKS = 4
@@ -406,11 +404,11 @@ def start_reachable(name: str, initial_peers: Sequence[str], options: NetworkOpt
             first = check_reachability(node, checkers, [])
             node.shutdown()
             if first.direct:
-                node, report = start_again(start, options.direct()), first
+                node, report = start(options.direct()), first
             else:
                 log.info("%s: not reachable directly (%s); joining through relays", name,
                          "; ".join(first.errors))
-                node = start_again(start, options.relayed(relays))
+                node = start(options.relayed(relays))
                 time.sleep(settle_s)  # the daemon takes its relay slots as it starts
                 # The relays check too: the peer that checked first answers this asker once a
                 # while.
@@ -428,18 +426,6 @@ def start_reachable(name: str, initial_peers: Sequence[str], options: NetworkOpt
     if route is not None:
         keep_routes_announced(node, route)
     return node, report
-
-
-def start_again(start: StartNode, options: NetworkOptions) -> SwarmNode:
-    """The node that takes its probe's place (same identity). Its daemon sometimes finds no
-    initial peer answering for a moment right after the probe's went away (once in seven runs
-    of tests/netns/test_netns_swarm.py): then once more, after RESTART_PAUSE_S."""
-    try:
-        return start(options)
-    except SwarmStartError as error:
-        log.info("starting again in %.0fs: %s", RESTART_PAUSE_S, error)
-        time.sleep(RESTART_PAUSE_S)
-        return start(options)
 
 
 def keep_routes_announced(node: SwarmNode, route: RouteRecord) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -65,6 +66,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+# A start whose initial peers refuse it tries again, a few times, a moment apart: a peer that
+# has just started, or a home router that has just opened its mapping, can refuse the first
+# connection (seen about once in a hundred starts behind the netns NAT under load).
+BOOTSTRAP_ATTEMPTS = 3
+BOOTSTRAP_PAUSE_S = 2.0
 T = TypeVar("T")
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -122,20 +128,32 @@ class SwarmNode:
         node._thread.start()
         try:
             node.route_screen.know_relays([*initial_peers, *network.relays])
-            node.run(node.daemon.start(list(initial_peers), network, node.record_validator,
-                                       node.dht_storage), timeout=STARTUP_TIMEOUT_S)
-        except P2PDaemonError as error:
-            node.shutdown()
-            if "failed to connect to bootstrap peers" in str(error):
-                raise SwarmStartError(
-                    f"none of the initial peers answered ({', '.join(initial_peers)}): check "
-                    "that the peer is running and that the address is the one it printed"
-                ) from None
-            raise SwarmStartError(f"the p2p daemon did not start: {error}") from None
+            node._start_daemon(list(initial_peers), network)
         except BaseException:
             node.shutdown()
             raise
         return node
+
+    def _start_daemon(self, initial_peers: list[str], network: NetworkOptions) -> None:
+        """Start the daemon, up to BOOTSTRAP_ATTEMPTS times while none of `initial_peers`
+        answers: a peer that has just started (or whose router has just opened its mapping)
+        sometimes refuses the first connection, and one refusal should not end a start."""
+        for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
+            try:
+                self.run(self.daemon.start(initial_peers, network, self.record_validator,
+                                           self.dht_storage), timeout=STARTUP_TIMEOUT_S)
+                return
+            except P2PDaemonError as error:
+                if "failed to connect to bootstrap peers" not in str(error):
+                    raise SwarmStartError(f"the p2p daemon did not start: {error}") from None
+                if attempt == BOOTSTRAP_ATTEMPTS:
+                    raise SwarmStartError(
+                        f"none of the initial peers answered ({', '.join(initial_peers)}) in "
+                        f"{BOOTSTRAP_ATTEMPTS} attempts: check that the peer is running and that "
+                        "the address is the one it printed") from None
+                log.info("%s: none of the initial peers answered; attempt %d of %d in %.0fs",
+                         self.name, attempt + 1, BOOTSTRAP_ATTEMPTS, BOOTSTRAP_PAUSE_S)
+                time.sleep(BOOTSTRAP_PAUSE_S)
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
