@@ -7,14 +7,17 @@ model, task, prompts and hyperparameters, each side given the same training-time
                           [--eval-problems 200] [--out runs/vs-trl]
 
 Both sides train with the demo's config (examples/demo.toml): sums of 1-2 digit numbers
-from the same seeded stream of train problems, 8 prompts x 8 samples = 64 completions per
-optimizer step in micro-batches of the same size, the same max new tokens, temperature 1,
-learning rate, AdamW betas, clipping range and gradient clipping, the GRPO loss (each sequence's token mean, then
-the mean over sequences), no KL term, bf16 autocast where decentrl's compute dtype is bf16, no
-vLLM. Both are evaluated by decentrl's `evaluate` (greedy pass@1 on held-out two-digit sums) every
---eval-every optimizer steps, and at the start and the end. Evaluations pause the budget clock:
-the curves are against training seconds only. A side does not start a step it could not finish
-within the budget (judged by its previous step).
+from the same seeded stream of train problems, 8 prompts x 8 samples = 64 completions per step
+(batch), split into the same minibatches (an optimizer step each) and epochs (TRL's
+steps_per_generation and num_iterations), in micro-batches of the same size, the same max new
+tokens, temperature 1, learning rate, AdamW betas, clipping range (both sides, TRL's epsilon and
+epsilon_high) and gradient clipping, the GRPO loss (each sequence's token mean, then the mean over
+sequences), no KL term, bf16 autocast where decentrl's compute dtype is bf16, no vLLM. TRL has
+no Clip-Cov, KL-Cov or adaptive entropy bonus: where the recipe uses one, TRL trains without it
+(and says so as it starts). Both are evaluated by decentrl's `evaluate` (greedy pass@1 on held-out
+two-digit sums) every --eval-every steps, and at the start and the end. Evaluations pause the
+budget clock: the curves are against training seconds only. A side does not start a step it
+could not finish within the budget (judged by its previous step).
 
 On CPU, each side uses torch's threads its own way: TRL runs one compute thread on all of them,
 decentrl's asynchronous run splits them between its learner and rollout worker. On a machine
@@ -281,21 +284,30 @@ def run_trl(config: RunConfig, budget_s: float, out: Path) -> dict[str, Any]:
                 for c, i in zip(completions, problem_index)]
 
     completions_per_step = rollout.prompts_per_step * rollout.group_size
-    if completions_per_step % train.micro_batch_size:
+    micro_batches = completions_per_step // train.micro_batch_size
+    if completions_per_step % train.micro_batch_size \
+            or micro_batches % train.minibatches_per_batch:
         raise ValueError(f"{completions_per_step} completions per step do not split into "
-                         f"micro-batches of {train.micro_batch_size}")
-    # TRL 1.16 counts per_device_train_batch_size in completions, not prompts; one generation
-    # batch of per_device * gradient_accumulation_steps completions feeds one optimizer step.
+                         f"{train.minibatches_per_batch} minibatches of micro-batches of "
+                         f"{train.micro_batch_size}")
+    if train.entropy.method != "none" or train.entropy.target is not None:
+        print(f"TRL has no {train.entropy.method if train.entropy.method != 'none' else 'adaptive'}"
+              " entropy control: its side trains without", flush=True)
+    # TRL 1.16 counts per_device_train_batch_size in completions, not prompts. A generation batch
+    # of per_device * steps_per_generation completions (decentrl's batch) is reused for
+    # num_iterations passes (decentrl's epochs), an optimizer step every
+    # gradient_accumulation_steps micro-batches (decentrl's minibatches).
     args = GRPOConfig(
         output_dir=str(out / "trl"), report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=True, seed=config.seed, use_cpu=device.type == "cpu",
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         activation_checkpointing=False,
         per_device_train_batch_size=train.micro_batch_size,
-        gradient_accumulation_steps=completions_per_step // train.micro_batch_size,
+        gradient_accumulation_steps=micro_batches // train.minibatches_per_batch,
+        steps_per_generation=micro_batches, num_iterations=train.epochs_per_batch,
         num_generations=rollout.group_size, max_completion_length=rollout.max_new_tokens,
         temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-        shuffle_dataset=False, max_steps=train.steps,
+        shuffle_dataset=False, max_steps=train.steps * train.optimizer_steps_per_batch,
         learning_rate=train.lr, lr_scheduler_type="constant_with_warmup",
         warmup_steps=train.lr_warmup_steps, adam_beta1=train.betas[0],
         adam_beta2=train.betas[1], weight_decay=train.weight_decay,
@@ -327,21 +339,27 @@ def run_trl(config: RunConfig, budget_s: float, out: Path) -> dict[str, Any]:
             budget.clock.start()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            budget.step_done(state.global_step)
+            # decentrl counts steps in batches; TRL in optimizer steps, several a batch here.
+            if state.global_step % train.optimizer_steps_per_batch:
+                return
+            batches = state.global_step // train.optimizer_steps_per_batch
+            budget.step_done(batches)
             if not budget.room_for_another():
                 control.should_training_stop = True
-            elif ev.every and state.global_step % ev.every == 0:
-                held_out(kwargs["model"], state.global_step, "during")
+            elif ev.every and batches % ev.every == 0:
+                held_out(kwargs["model"], batches, "during")
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             budget.clock.stop()
-            held_out(kwargs["model"], state.global_step, "after")
+            held_out(kwargs["model"], state.global_step // train.optimizer_steps_per_batch,
+                     "after")
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
                    **kwargs: Any) -> None:
             if logs and "reward" in logs:
-                rewards[state.global_step] = logs["reward"]
-                print(f"trl step {state.global_step:4d}  reward {logs['reward']:.3f}  "
+                batch = -(-state.global_step // train.optimizer_steps_per_batch)
+                rewards[batch] = logs["reward"]
+                print(f"trl step {batch:4d}  reward {logs['reward']:.3f}  "
                       f"t={budget.clock.seconds():.0f}s", flush=True)
 
     model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32)
@@ -426,9 +444,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="decentrl bench vs-trl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=float, default=900, help="training seconds per side")
-    parser.add_argument("--eval-every", type=int, default=10, help="optimizer steps")
+    parser.add_argument("--eval-every", type=int, default=10, help="steps (batches)")
     parser.add_argument("--trl-eval-every", type=int, default=None,
-                        help="optimizer steps between TRL's evaluations (default: --eval-every; "
+                        help="steps (batches) between TRL's evaluations (default: --eval-every; "
                              "TRL takes several times longer per step)")
     parser.add_argument("--eval-problems", type=int, default=200)
     parser.add_argument("--model", default="smollm2-135m-instruct",

@@ -43,7 +43,8 @@ class TrainConfig(Section):
                                            "max_staleness versions old; sync: each step trains "
                                            "on rollouts of the current weights (one process "
                                            "only: the swarm runs async)")
-    steps: int = Field(100, ge=1, description="optimizer steps of the run, the supervised steps "
+    steps: int = Field(100, ge=1, description="steps of the run, each one batch (of "
+                       "optimizer_steps_per_batch optimizer steps), the supervised steps "
                        "included; the evaluations before training, after the supervised steps "
                        "and after training do not count (those every eval.every steps do)")
     time_budget_s: float | None = Field(None, gt=0, description="stop training after this long "
