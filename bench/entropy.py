@@ -2,9 +2,10 @@
 
 The demo's recipe (examples/demo.toml: sums, SmolLM2-135M-Instruct, groups of 8, 8 prompts per
 step, lr 1e-5, grpo with TIS) in one process, synchronous, with every rollout exactly `lag`
-versions old (bench/staleness.py `LaggedBackend`), under each method:
+versions old (bench/staleness.py `LaggedBackend`), under each method in place of the recipe's own
+entropy control and updates per batch (RECIPE_ENTROPY_FIELDS):
 
-  baseline     the recipe as it is: one optimizer step per batch
+  baseline     one optimizer step per batch, no entropy control (the recipe before issue #38)
   two_updates  the batch in 2 minibatches, one step each: PPO's clip acts from the second on
   clip_higher  two_updates with an asymmetric clip: [1 - 0.2, 1 + 0.28] (DAPO's clip-higher)
   clip_cov     one step per batch; Clip-Cov stops the gradient of 2% of the tokens, drawn
@@ -78,6 +79,9 @@ METHODS: dict[str, dict[str, Any]] = {
     # fell to 0.1-0.2: ten times the cap, four times the step.
     "adaptive_strong": {"entropy": {"target": 0.6, "coef_step": 0.02, "max_coef": 0.5}},
 }
+# The demo recipe's own entropy control and updates per batch, which each method sets instead.
+RECIPE_ENTROPY_FIELDS = ("entropy", "minibatches_per_batch", "epochs_per_batch", "clip_low",
+                         "clip_high")
 # What each step's record contributes to a run's curves.
 CURVE_FIELDS = ("accuracy", "reward", "entropy", "groups", "zero_variance_groups",
                 "clip_fraction", "ratio_mean", "cov_selected_fraction", "entropy_coef",
@@ -143,6 +147,8 @@ def evaluate_families(loop: TrainingLoop, families: list[Family], pass_k: int
 
 def run_config(args: argparse.Namespace, variant: Variant, model: str) -> RunConfig:
     data = study_data(args, variant.name, variant.seed, model, variant.lag)
+    for name in RECIPE_ENTROPY_FIELDS:  # every method starts from the baseline
+        data["train"].pop(name, None)
     for name, value in METHODS[variant.method].items():
         data["train"][name] = dict(value) if isinstance(value, dict) else value
     if args.model == "tiny":

@@ -543,6 +543,8 @@ def test_entropy_study_evaluates_every_family_at_its_steps_and_fits_r_against_h(
         assert len(run["curves"]["entropy"]) == 3
     selected = runs[("kl_cov", 0)]["curves"]["cov_selected_fraction"]
     assert all(v is not None and v > 0 for v in selected)
+    # Every method replaces the demo recipe's own entropy bonus: the baseline runs without one.
+    assert all(v is None for v in runs[("baseline", 0)]["curves"]["entropy_coef"])
     rows = {(row["method"], row["lag"], row["step"]) for row in results["rows"]}
     assert len(rows) == 8 and set(results["fits"]) == {"baseline", "kl_cov"}
     for plot in ("entropy_curves.png", "entropy_fit.png"):
