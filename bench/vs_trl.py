@@ -6,18 +6,19 @@ model, task, prompts and hyperparameters, each side given the same training-time
     decentrl bench vs-trl [--budget 900] [--eval-every 10] [--trl-eval-every N]
                           [--eval-problems 200] [--out runs/vs-trl]
 
-Both sides train with the demo's config (examples/demo.toml): sums of 1-2 digit numbers
-from the same seeded stream of train problems, 8 prompts x 8 samples = 64 completions per step
-(batch), split into the same minibatches (an optimizer step each) and epochs (TRL's
-steps_per_generation and num_iterations), in micro-batches of the same size, the same max new
-tokens, temperature 1, learning rate, AdamW betas, clipping range (both sides, TRL's epsilon and
-epsilon_high) and gradient clipping, the GRPO loss (each sequence's token mean, then the mean over
-sequences), no KL term, bf16 autocast where decentrl's compute dtype is bf16, no vLLM. TRL has
-no Clip-Cov, KL-Cov or adaptive entropy bonus: where the recipe uses one, TRL trains without it
-(and says so as it starts). Both are evaluated by decentrl's `evaluate` (greedy pass@1 on held-out
-two-digit sums) every --eval-every steps, and at the start and the end. Evaluations pause the
-budget clock: the curves are against training seconds only. A side does not start a step it
-could not finish within the budget (judged by its previous step).
+Both sides train with the demo's config (examples/demo.toml): sums of 1-2 digit numbers from the
+same seeded stream of train problems, 8 prompts x 8 samples = 64 completions per step (batch),
+split into the same minibatches (an optimizer step each) and epochs (TRL's steps_per_generation and
+num_iterations), in micro-batches of the same size, the same max new tokens, temperature 1,
+learning rate, AdamW betas, clipping range (both sides, TRL's epsilon and epsilon_high) and
+gradient clipping, the GRPO loss (each sequence's token mean, then the mean over sequences), no KL
+term, bf16 autocast where decentrl's compute dtype is bf16, no vLLM. The recipe's adaptive entropy
+bonus is TRL's too (`use_adaptive_entropy`, the same rule); TRL has no Clip-Cov or KL-Cov: where
+the recipe uses one, TRL trains without it (and says so as it starts). Both are evaluated by
+decentrl's `evaluate` (greedy pass@1 on held-out two-digit sums) every --eval-every steps, and at
+the start and the end. Evaluations pause the budget clock: the curves are against training seconds
+only. A side does not start a step it could not finish within the budget (judged by its previous
+step).
 
 On CPU, each side uses torch's threads its own way: TRL runs one compute thread on all of them,
 decentrl's asynchronous run splits them between its learner and rollout worker. On a machine
@@ -290,9 +291,15 @@ def run_trl(config: RunConfig, budget_s: float, out: Path) -> dict[str, Any]:
         raise ValueError(f"{completions_per_step} completions per step do not split into "
                          f"{train.minibatches_per_batch} minibatches of micro-batches of "
                          f"{train.micro_batch_size}")
-    if train.entropy.method != "none" or train.entropy.target is not None:
-        print(f"TRL has no {train.entropy.method if train.entropy.method != 'none' else 'adaptive'}"
-              " entropy control: its side trains without", flush=True)
+    entropy = train.entropy
+    if entropy.method != "none":
+        print(f"TRL has no {entropy.method}: its side trains without it", flush=True)
+    # TRL's adaptive entropy control is the same rule as decentrl's (Skywork-OR1's): from 0, the
+    # coefficient moves by a step per optimizer step, up while the entropy is below the target,
+    # down otherwise, and is applied only below it.
+    adaptive = {} if entropy.target is None else {
+        "use_adaptive_entropy": True, "entropy_coef": 0.0, "entropy_target": entropy.target,
+        "entropy_coef_delta": entropy.coef_step, "entropy_coef_max": entropy.max_coef}
     # TRL 1.16 counts per_device_train_batch_size in completions, not prompts. A generation batch
     # of per_device * steps_per_generation completions (decentrl's batch) is reused for
     # num_iterations passes (decentrl's epochs), an optimizer step every
@@ -314,7 +321,7 @@ def run_trl(config: RunConfig, budget_s: float, out: Path) -> dict[str, Any]:
         max_grad_norm=train.max_grad_norm or 0.0,
         loss_type=train.loss, beta=train.kl_coef, epsilon=train.clip_low,
         epsilon_high=loss_config_from(train, rollout.max_new_tokens).upper_clip,
-        scale_rewards="group" if train.scale_advantages_by_std else "none",
+        scale_rewards="group" if train.scale_advantages_by_std else "none", **adaptive,
     )
     plan = StagePlan.even(loaded.spec.num_layers, config.num_stages)
     eval_chain = LocalChain(build_stages(loaded.spec, plan, loaded.tensors, device, dtype))
