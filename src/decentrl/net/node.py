@@ -68,7 +68,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 # A start whose initial peers refuse it tries again, a few times, a moment apart: a peer that
 # has just started, or a home router that has just opened its mapping, can refuse the first
-# connection (seen about once in a hundred starts behind the netns NAT under load).
+# connection (seen in CI, a peer behind the netns NAT of tests/netns/test_netns_links.py).
 BOOTSTRAP_ATTEMPTS = 3
 BOOTSTRAP_PAUSE_S = 2.0
 T = TypeVar("T")
