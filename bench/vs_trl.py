@@ -255,6 +255,52 @@ def import_trl() -> None:
               f"trl {trl.__version__} is installed")
 
 
+def trl_arguments(config: RunConfig, dtype: torch.dtype, use_cpu: bool,
+                  out: Path) -> dict[str, Any]:
+    """GRPOConfig's arguments for the recipe in `config`: the same batch, minibatches, epochs,
+    sampling, optimizer, loss, clip and adaptive entropy bonus as decentrl's side."""
+    rollout, train = config.rollout, config.train
+    completions_per_step = rollout.prompts_per_step * rollout.group_size
+    micro_batches = completions_per_step // train.micro_batch_size
+    if completions_per_step % train.micro_batch_size \
+            or micro_batches % train.minibatches_per_batch:
+        raise ValueError(f"{completions_per_step} completions per step do not split into "
+                         f"{train.minibatches_per_batch} minibatches of micro-batches of "
+                         f"{train.micro_batch_size}")
+    entropy = train.entropy
+    if entropy.method != "none":
+        print(f"TRL has no {entropy.method}: its side trains without it", flush=True)
+    # TRL's adaptive entropy control is the same rule as decentrl's (Skywork-OR1's): from 0, the
+    # coefficient moves by a step per optimizer step, up while the entropy is below the target,
+    # down otherwise, and is applied only below it.
+    adaptive = {} if entropy.target is None else {
+        "use_adaptive_entropy": True, "entropy_coef": 0.0, "entropy_target": entropy.target,
+        "entropy_coef_delta": entropy.coef_step, "entropy_coef_max": entropy.max_coef}
+    # TRL 1.16 counts per_device_train_batch_size in completions, not prompts. A generation batch
+    # of per_device * steps_per_generation completions (decentrl's batch) is reused for
+    # num_iterations passes (decentrl's epochs), an optimizer step every
+    # gradient_accumulation_steps micro-batches (decentrl's minibatches).
+    return dict(
+        output_dir=str(out / "trl"), report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, seed=config.seed, use_cpu=use_cpu,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        activation_checkpointing=False,
+        per_device_train_batch_size=train.micro_batch_size,
+        gradient_accumulation_steps=micro_batches // train.minibatches_per_batch,
+        steps_per_generation=micro_batches, num_iterations=train.epochs_per_batch,
+        num_generations=rollout.group_size, max_completion_length=rollout.max_new_tokens,
+        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+        shuffle_dataset=False, max_steps=train.steps * train.optimizer_steps_per_batch,
+        learning_rate=train.lr, lr_scheduler_type="constant_with_warmup",
+        warmup_steps=train.lr_warmup_steps, adam_beta1=train.betas[0],
+        adam_beta2=train.betas[1], weight_decay=train.weight_decay,
+        max_grad_norm=train.max_grad_norm or 0.0,
+        loss_type=train.loss, beta=train.kl_coef, epsilon=train.clip_low,
+        epsilon_high=loss_config_from(train, rollout.max_new_tokens).upper_clip,
+        scale_rewards="group" if train.scale_advantages_by_std else "none", **adaptive,
+    )
+
+
 def run_trl(config: RunConfig, budget_s: float, out: Path) -> dict[str, Any]:
     import_trl()
     from datasets import Dataset
@@ -284,45 +330,7 @@ def run_trl(config: RunConfig, budget_s: float, out: Path) -> dict[str, Any]:
         return [task.reward(problems[i], c[0]["content"]).total
                 for c, i in zip(completions, problem_index)]
 
-    completions_per_step = rollout.prompts_per_step * rollout.group_size
-    micro_batches = completions_per_step // train.micro_batch_size
-    if completions_per_step % train.micro_batch_size \
-            or micro_batches % train.minibatches_per_batch:
-        raise ValueError(f"{completions_per_step} completions per step do not split into "
-                         f"{train.minibatches_per_batch} minibatches of micro-batches of "
-                         f"{train.micro_batch_size}")
-    entropy = train.entropy
-    if entropy.method != "none":
-        print(f"TRL has no {entropy.method}: its side trains without it", flush=True)
-    # TRL's adaptive entropy control is the same rule as decentrl's (Skywork-OR1's): from 0, the
-    # coefficient moves by a step per optimizer step, up while the entropy is below the target,
-    # down otherwise, and is applied only below it.
-    adaptive = {} if entropy.target is None else {
-        "use_adaptive_entropy": True, "entropy_coef": 0.0, "entropy_target": entropy.target,
-        "entropy_coef_delta": entropy.coef_step, "entropy_coef_max": entropy.max_coef}
-    # TRL 1.16 counts per_device_train_batch_size in completions, not prompts. A generation batch
-    # of per_device * steps_per_generation completions (decentrl's batch) is reused for
-    # num_iterations passes (decentrl's epochs), an optimizer step every
-    # gradient_accumulation_steps micro-batches (decentrl's minibatches).
-    args = GRPOConfig(
-        output_dir=str(out / "trl"), report_to="none", save_strategy="no", logging_steps=1,
-        disable_tqdm=True, seed=config.seed, use_cpu=device.type == "cpu",
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        activation_checkpointing=False,
-        per_device_train_batch_size=train.micro_batch_size,
-        gradient_accumulation_steps=micro_batches // train.minibatches_per_batch,
-        steps_per_generation=micro_batches, num_iterations=train.epochs_per_batch,
-        num_generations=rollout.group_size, max_completion_length=rollout.max_new_tokens,
-        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-        shuffle_dataset=False, max_steps=train.steps * train.optimizer_steps_per_batch,
-        learning_rate=train.lr, lr_scheduler_type="constant_with_warmup",
-        warmup_steps=train.lr_warmup_steps, adam_beta1=train.betas[0],
-        adam_beta2=train.betas[1], weight_decay=train.weight_decay,
-        max_grad_norm=train.max_grad_norm or 0.0,
-        loss_type=train.loss, beta=train.kl_coef, epsilon=train.clip_low,
-        epsilon_high=loss_config_from(train, rollout.max_new_tokens).upper_clip,
-        scale_rewards="group" if train.scale_advantages_by_std else "none", **adaptive,
-    )
+    args = GRPOConfig(**trl_arguments(config, dtype, device.type == "cpu", out))
     plan = StagePlan.even(loaded.spec.num_layers, config.num_stages)
     eval_chain = LocalChain(build_stages(loaded.spec, plan, loaded.tensors, device, dtype))
     budget = StepBudget(budget_s)

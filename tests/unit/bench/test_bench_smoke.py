@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 
 def load_bench(name: str) -> ModuleType:
@@ -554,3 +555,23 @@ def test_entropy_study_evaluates_every_family_at_its_steps_and_fits_r_against_h(
                 "--out", str(combined)])
     combined_rows = json.loads((combined / "entropy.json").read_text())["rows"]
     assert {row["seeds"] for row in combined_rows} == {2}
+
+
+def test_vs_trl_gives_trl_the_recipes_minibatches_epochs_and_entropy_bonus(
+        tmp_path: Path) -> None:
+    bench = load_bench("vs_trl")
+    config = bench.bench_config("smollm2-135m-instruct", 10, 10, tmp_path)
+    config = config.model_copy(update={"train": config.train.model_copy(
+        update={"minibatches_per_batch": 2, "epochs_per_batch": 2})})
+    arguments = bench.trl_arguments(config, torch.float32, True, tmp_path)
+    # 64 completions in micro-batches of 32: one generation batch of 2 micro-batches, an
+    # optimizer step each, passed over twice.
+    assert arguments["steps_per_generation"] == 2
+    assert arguments["gradient_accumulation_steps"] == 1
+    assert arguments["num_iterations"] == 2
+    assert arguments["max_steps"] == config.train.steps * 4
+    entropy = config.train.entropy
+    assert arguments["use_adaptive_entropy"] and arguments["entropy_coef"] == 0.0
+    assert (arguments["entropy_target"], arguments["entropy_coef_delta"],
+            arguments["entropy_coef_max"]) == (entropy.target, entropy.coef_step,
+                                               entropy.max_coef)
