@@ -7,10 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from decentrl.config.base import Section
 from decentrl.config.rules import LINK_RULES, apply_rules
+
+# The experiment trackers host.report_to may name (observe/trackers.py).
+TrackerName = Literal["tensorboard", "wandb", "trackio"]
 
 
 class LinkConfig(Section):
@@ -57,6 +60,27 @@ class HostConfig(Section):
                                         "the peer needs that option)")
     dashboard_port: int | None = Field(0, ge=0, le=65535, description="the coordinator's web "
                                        "dashboard on 127.0.0.1 (0: any free port; None: off)")
+    report_to: tuple[TrackerName, ...] = Field(
+        (), description="experiment trackers the coordinator also logs every training step, "
+        "supervised step and evaluation to, as metrics.jsonl records them (any of tensorboard, "
+        "wandb, trackio; none by default; `pip install 'decentrl[trackers]'`): TensorBoard in "
+        "RUN/tensorboard; W&B offline in RUN/wandb (`wandb sync` uploads it) unless WANDB_MODE "
+        "or WANDB_API_KEY is set; trackio in RUN/trackio unless TRACKIO_DIR is set. Peers "
+        "ignore it")
     link: LinkConfig = Field(LinkConfig(), description="emulated WAN on every hop this process "
                              "calls, a table of the fields below (none by default; leave it out "
                              "on a real network)")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_name_alone(cls, names: object) -> object:
+        # `report_to = "wandb"`, as TRL takes it, and `--set host.report_to=wandb`.
+        return (names,) if isinstance(names, str) else names
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_tracker_once(cls, names: tuple[TrackerName, ...]) -> tuple[TrackerName, ...]:
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"names {', '.join(repeated)} more than once")
+        return names

@@ -51,6 +51,7 @@ from decentrl.observe.metrics import (
     supervised_line,
 )
 from decentrl.observe.terminal import terminal_text
+from decentrl.observe.trackers import Trackers
 from decentrl.progress import progress_bar
 from decentrl.rollout.demonstrations import demonstrations
 from decentrl.rollout.types import Rollout
@@ -138,7 +139,8 @@ class TrainingLoop(Generic[AnyBackend]):
         self.worker = RolloutWorker(generation.chain, generation.transport, self.task,
                                     backend.tokenizer, config.rollout, self.scheduler, config.seed,
                                     record_routing=config.train.routing_replay)
-        self.metrics = MetricsLog(self.path / "metrics.jsonl", time.time())
+        self.metrics = MetricsLog(self.path / "metrics.jsonl", time.time(), Trackers.open(
+            config.host.report_to, self.path, config.name, config.model_dump(mode="json")))
         self.pool = GroupPool(config, self.store, self.ingestion, self.curriculum, backend.gate,
                               generation.transport)
         self.stop = threading.Event()
@@ -485,4 +487,5 @@ class TrainingLoop(Generic[AnyBackend]):
     def close(self) -> None:
         self.stop.set()
         self.backend.close()
+        self.metrics.close()  # after the backend: its observer writes records until it stops
         self.store.close()

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -251,13 +251,21 @@ RECORDS_HELD: dict[type[Record], int | None] = {StepRecord: None, SupervisedReco
                                                 ChaosRecord: EVENTS_SHOWN}
 
 
+class RecordSink(Protocol):
+    """Where MetricsLog also sends every record it writes (observe/trackers.py `Trackers`)."""
+
+    def log(self, record: Record) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsLog:
     """metrics.jsonl, appended as records happen, and the newest of this run's records in memory
-    (RECORDS_HELD, for the dashboard). Written from the training loop and from the swarm
-    observer's thread."""
+    (RECORDS_HELD, for the dashboard); each record goes to `sink` too, in the file's order.
+    Written from the training loop and from the swarm observer's thread."""
 
-    def __init__(self, path: Path, started: float) -> None:
-        self.path, self.started = path, started
+    def __init__(self, path: Path, started: float, sink: RecordSink | None = None) -> None:
+        self.path, self.started, self.sink = path, started, sink
         self.held: dict[type[Record], deque[Any]] = {
             kind: deque(maxlen=limit) for kind, limit in RECORDS_HELD.items()}
         self.lock = threading.Lock()
@@ -270,7 +278,13 @@ class MetricsLog:
             with self.path.open("ab") as f:
                 f.write(line)
             self.held[type(record)].append(record)
+            if self.sink is not None:
+                self.sink.log(record)
         return record
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
 
     def of(self, kind: type[R]) -> list[R]:
         """The records of `kind` held in memory (RECORDS_HELD), oldest first."""
