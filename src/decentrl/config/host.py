@@ -65,8 +65,8 @@ class HostConfig(Section):
         "supervised step and evaluation to, as metrics.jsonl records them (any of tensorboard, "
         "wandb, trackio; none by default; `pip install 'decentrl[trackers]'`): TensorBoard in "
         "RUN/tensorboard; W&B offline in RUN/wandb (`wandb sync` uploads it) unless WANDB_MODE "
-        "or WANDB_API_KEY is set; trackio in RUN/trackio unless TRACKIO_DIR is set. Peers "
-        "ignore it")
+        "or WANDB_API_KEY is set; trackio in RUN/trackio unless TRACKIO_DIR is set "
+        "(`TRACKIO_DIR=RUN/trackio trackio show`). Peers ignore it")
     link: LinkConfig = Field(LinkConfig(), description="emulated WAN on every hop this process "
                              "calls, a table of the fields below (none by default; leave it out "
                              "on a real network)")

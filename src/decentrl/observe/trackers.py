@@ -99,13 +99,13 @@ class WandbTracker:
 
     name = "wandb"
 
-    def __init__(self, run_dir: Path, run_name: str, settings: dict[str, Any]) -> None:
+    def __init__(self, run_dir: Path, run_name: str, run_config: dict[str, Any]) -> None:
         import wandb
 
         mode = wandb_mode(os.environ)
         options: dict[str, Any] = dict(
             project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name, dir=str(run_dir),
-            config=settings, reinit="create_new",
+            config=run_config, reinit="create_new",
             # The run's console is in its own log already; W&B's capture would wrap the terminal
             # that the progress bars draw on.
             settings=wandb.Settings(console="off"))
@@ -148,12 +148,12 @@ class TrackioTracker:
 
     name = "trackio"
 
-    def __init__(self, run_dir: Path, run_name: str, settings: dict[str, Any]) -> None:
+    def __init__(self, run_dir: Path, run_name: str, run_config: dict[str, Any]) -> None:
         trackio = import_trackio(run_dir / TRACKIO_DIR)
         self.directory = Path(trackio.utils.TRACKIO_DIR)
         if self.directory != run_dir / TRACKIO_DIR:
             log.info("trackio stores this run in %s (TRACKIO_DIR)", self.directory)
-        self.run = trackio.init(project=PROJECT, name=run_name, config=settings,
+        self.run = trackio.init(project=PROJECT, name=run_name, config=run_config,
                                 resume="allow", embed=False)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
@@ -178,12 +178,12 @@ def require_packages(names: Sequence[TrackerName]) -> None:
 
 
 def open_tracker(name: TrackerName, run_dir: Path, run_name: str,
-                 settings: dict[str, Any]) -> Tracker:
+                 run_config: dict[str, Any]) -> Tracker:
     if name == "tensorboard":
         return TensorBoardTracker(run_dir)
     if name == "wandb":
-        return WandbTracker(run_dir, run_name, settings)
-    return TrackioTracker(run_dir, run_name, settings)
+        return WandbTracker(run_dir, run_name, run_config)
+    return TrackioTracker(run_dir, run_name, run_config)
 
 
 class Trackers:
@@ -194,11 +194,11 @@ class Trackers:
 
     @classmethod
     def open(cls, names: Sequence[TrackerName], run_dir: Path, run_name: str,
-             settings: dict[str, Any]) -> Trackers:
-        """Every tracker of `names` started for the run in `run_dir`, `settings` (the run's
-        config) as its config; ConfigError, before any starts, when a package is missing."""
+             run_config: dict[str, Any]) -> Trackers:
+        """Every tracker of `names` started for the run in `run_dir`, with the run's config
+        (W&B and trackio keep it); ConfigError, before any starts, when a package is missing."""
         require_packages(names)
-        return cls([open_tracker(name, run_dir, run_name, settings) for name in names])
+        return cls([open_tracker(name, run_dir, run_name, run_config) for name in names])
 
     def log(self, record: Record) -> None:
         scalars = scalars_of(record) if self.trackers else None
