@@ -13,7 +13,7 @@ entropy control and updates per batch (RECIPE_ENTROPY_FIELDS):
   kl_cov       two_updates with KL-Cov on the 2% of tokens with the largest covariance
   adaptive     one step per batch with an entropy bonus whose coefficient holds 0.6 nats
                (its coefficient moves by 0.005 a step, up to 0.05; adaptive_strong: 0.02, 0.5;
-               adaptive_fast: 0.05, 0.5)
+               adaptive_fast: 0.05, 0.5; adaptive_early: 0.05, 0.5, holding 1.0 nats)
 Each is a set of `train.*` options (METHODS); `--set` changes any field for every method.
 
 Every run evaluates at each of `--at` steps and at its end, on the held-out problems of the
@@ -82,6 +82,9 @@ METHODS: dict[str, dict[str, Any]] = {
     # adaptive_strong's coefficient took 20-30 steps to reach the weight that turned the entropy
     # back up: the same cap, reached in 10.
     "adaptive_fast": {"entropy": {"target": 0.6, "coef_step": 0.05, "max_coef": 0.5}},
+    # Every bonus above starts only once the entropy is below 0.6 nats, after about 12 steps, and
+    # turns it up after 25-45: too late for a 36-50-step demo. Below 1.0 it starts after about 6.
+    "adaptive_early": {"entropy": {"target": 1.0, "coef_step": 0.05, "max_coef": 0.5}},
 }
 # The demo recipe's own entropy control and updates per batch, which each method sets instead.
 RECIPE_ENTROPY_FIELDS = ("entropy", "minibatches_per_batch", "epochs_per_batch", "clip_low",
