@@ -6,7 +6,8 @@
 - "numeric": the last number of the marked answer, else of the completion ("1,234", "-3.5",
   "85.0"), is within `tolerance` of the reference (0 unless set), computed exactly on the decimals
   as written (fractions.Fraction), so 1.05 is within 0.05 of 1. Every reference must be a number.
-- "math": math-verify's extraction and equivalence ("\\frac{1}{2}" is 0.5, "$1+x$" is x+1).
+- "math": math-verify's extraction and equivalence ("\\frac{1}{2}" is 0.5, "$1+x$" is x+1), on
+  the text of the last <answer></answer> pair if there is one.
 - "module:function": the run owner's verifier, `function(completion, answer)` returning a bool or a
   number in [0, 1] (partial credit). It must be deterministic: the coordinator recomputes rewards.
 The marked answer is the text inside the last <answer></answer> pair, else inside the last
@@ -28,6 +29,7 @@ import importlib.util
 import logging
 import math
 import re
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Protocol
 
@@ -70,12 +72,25 @@ def boxed_content(text: str) -> str | None:
     return None
 
 
+def tagged_answer(completion: str) -> str | None:
+    """The text of the last <answer></answer> pair in the window, or None."""
+    tagged = ANSWER_TAGS_RE.findall(answer_window(completion))
+    return tagged[-1] if tagged else None
+
+
 def marked_answer(completion: str) -> str | None:
     """The text of the last <answer></answer> pair, else of the last \\boxed{...}, stripped."""
-    window = answer_window(completion)
-    tagged = ANSWER_TAGS_RE.findall(window)
-    marked = tagged[-1] if tagged else boxed_content(window)
+    marked = tagged_answer(completion)
+    if marked is None:
+        marked = boxed_content(answer_window(completion))
     return None if marked is None else marked.strip()
+
+
+def math_text(completion: str) -> str:
+    """What math-verify reads: the tagged answer if there is one (it knows \\boxed{...} itself,
+    not answer tags), else the window."""
+    tagged = tagged_answer(completion)
+    return tagged if tagged is not None else answer_window(completion)
 
 
 def normalize_text(text: str) -> str:
@@ -144,8 +159,10 @@ class NumericChecker:
 class ProcessChecker:
     """math-verify or a user's function, run in a child process (tasks/checker_process.py)."""
 
-    def __init__(self, spec: str, timeout_s: float, memory_mb: int | None) -> None:
+    def __init__(self, spec: str, timeout_s: float, memory_mb: int | None,
+                 text_of: Callable[[str], str] = answer_window) -> None:
         self.spec = spec
+        self.text_of = text_of  # the part of a completion the child reads
         self.process = CheckerProcess(spec, timeout_s, memory_mb)
         self.failures = 0
 
@@ -156,7 +173,7 @@ class ProcessChecker:
         return marked_answer(completion)
 
     def score(self, completion: str, answer: str) -> float:
-        value, error = self.process.check(answer_window(completion), answer)
+        value, error = self.process.check(self.text_of(completion), answer)
         if error is not None:
             self.failures += 1
             level = logging.WARNING if self.failures == 1 else logging.DEBUG
@@ -200,7 +217,7 @@ def make_checker(spec: str, tolerance: float | None = None,
         if importlib.util.find_spec("math_verify") is None:
             raise ValueError("the math checker needs the math-verify package "
                              "(pip install math-verify)")
-        return ProcessChecker(MATH, timeout_s, MATH_MEMORY_MB)
+        return ProcessChecker(MATH, timeout_s, MATH_MEMORY_MB, math_text)
     if ":" not in spec:
         raise ValueError(f"unknown checker {spec!r}; checkers: {', '.join(BUILT_IN_CHECKERS)}, "
                          "or module:function for a verifier of your own")

@@ -47,6 +47,8 @@ SAVED = "saved"  # a folder written by Dataset.save_to_disk or DatasetDict.save_
 FORMAT_OF_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 FORMATS = ("json", "parquet", "csv", SAVED)
 DEFAULT_SPLIT = "train"
+# How `datasets` words a file with no rows: 'Instruction "train" corresponds to no data!'.
+NO_DATA = "corresponds to no data"
 # The rows an error names before it counts the rest.
 NAMED_ROWS = 5
 # Orders kept per split: an epoch's order is a permutation of every row of the split.
@@ -103,6 +105,8 @@ def load_table(path: Path, format_: str | None, split: str | None) -> Any:
         with quiet_datasets():
             table = readers[format_](str(path))
     except Exception as error:  # whatever the reader raises on a malformed file
+        if NO_DATA in str(error):  # the builders' word for a file of no rows (a CSV header)
+            raise ValueError(f"dataset {path} has no rows") from error
         raise ValueError(f"cannot read dataset {path} as {format_}: {type(error).__name__}: "
                          f"{error}") from error
     if isinstance(table, DatasetDict):
