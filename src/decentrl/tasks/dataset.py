@@ -61,6 +61,7 @@ class Row:
     answer: str
     system_prompt: str | None
     row: int  # its position in the table it was read from, counting from 0
+    source: Path  # that table's file or folder
 
 
 def infer_format(path: Path) -> str:
@@ -151,7 +152,7 @@ def read_rows(table: Any, path: Path, prompt_column: str, answer_column: str,
     if bad_systems:
         raise ValueError(f"dataset {path}: the system prompt column {system_prompt_column!r} is "
                          f"not text in rows {named_rows(bad_systems)} (counting from 0)")
-    return [Row(question=q, answer=str(a).strip(), system_prompt=s or None, row=i)
+    return [Row(question=q, answer=str(a).strip(), system_prompt=s or None, row=i, source=path)
             for i, (q, a, s) in enumerate(zip(questions, answers, systems))]
 
 
@@ -188,14 +189,13 @@ class DatasetTask:
                                   *columns)
             self.rows = {"train": self._without_test_prompts(rows, test_rows),
                          "heldout": test_rows}
-        for split_name, split_rows in self.rows.items():
+        for split_rows in self.rows.values():
             for row in split_rows:
                 try:
                     self.checker.check_reference(row.answer)
                 except ValueError as error:
-                    raise ValueError(f"dataset {self.path}, {split_name} row {row.row} (counting "
-                                     f"from 0): checker {checker!r} cannot use its answer: "
-                                     f"{error}") from None
+                    raise ValueError(f"dataset {row.source}, row {row.row} (counting from 0): "
+                                     f"checker {checker!r} cannot use its answer: {error}") from None
         self._order = functools.lru_cache(maxsize=ORDER_CACHE_SIZE)(self._shuffled)
 
     def _split_by_hash(self, rows: list[Row]) -> dict[str, list[Row]]:

@@ -199,6 +199,10 @@ def test_answers_the_checker_cannot_read_are_refused(tmp_path: Path) -> None:
     records[5]["a"] = "five"
     with pytest.raises(ValueError, match=r"row 5 .*checker 'numeric'.*'five' is not a number"):
         dataset_task(write_jsonl(tmp_path / "rows.jsonl", records), checker="numeric")
+    test_path = write_jsonl(tmp_path / "test.jsonl", records)
+    with pytest.raises(ValueError, match=r"test.jsonl, row 5 .*'five' is not a number"):
+        dataset_task(write_jsonl(tmp_path / "train.jsonl", rows(20)[10:]), checker="numeric",
+                     test_path=str(test_path))
 
 
 def test_a_split_too_small_for_the_fraction_is_refused(tmp_path: Path) -> None:
