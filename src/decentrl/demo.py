@@ -35,11 +35,12 @@ if TYPE_CHECKING:
     from decentrl.launch.throttle import ThrottleHalfway
     from decentrl.net.netns import Internet
 
-# The demo's recipes, one TOML file per task under the checkout's examples/ (the agentic ones
-# extend the sums one). Each file says why its values are what they are.
+# The demo's recipes, one TOML file per task under the checkout's examples/ (the others extend
+# the sums one). Each file says why its values are what they are.
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 DEMO_RECIPES = {"sums": "demo.toml", "agentic-calculator": "demo-agentic-calculator.toml",
-                "agentic-countdown": "demo-agentic-countdown.toml"}
+                "agentic-countdown": "demo-agentic-countdown.toml",
+                "dataset": "demo-dataset.toml"}
 DEMO_TASKS = tuple(DEMO_RECIPES)
 # With the hostile peers beside the honest ones, about 20 processes share this machine's cores
 # and a peer's 2-second announcement round can slip past its 10-second lifetime: honest peers

@@ -44,8 +44,9 @@ def demo(
              "honest ones, to watch the swarm catch them (with one honest inference replica "
              "per stage, so it fits in 24 GB).")] = False,
     task: Annotated[str, typer.Option(
-        help=f"What to post-train on: {' or '.join(DEMO_TASKS)} (word problems solved in "
-             "episodes with a python tool).")] = "sums",
+        help=f"What to post-train on: {' or '.join(DEMO_TASKS)} (agentic: word problems "
+             "solved in episodes with a python tool; dataset: the word problems of "
+             "examples/datasets/word_problems.jsonl as plain prompts).")] = "sums",
     verify_fraction: Annotated[Optional[float], typer.Option(  # noqa: UP007
         help="Share of rollout groups spot-checked (trust.verify_fraction; 1 checks every "
              "group).")] = None,

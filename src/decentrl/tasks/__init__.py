@@ -1,7 +1,8 @@
 """Tasks: problems with a fixed train/held-out split, chat messages, answer extraction and rewards.
 
 `make_task("sums", max_digits=3)` builds the built-in arithmetic task; `make_task("rg:<dataset>",
-config={...})` adapts any reasoning-gym dataset. TASK_NAMES lists the tasks we use and test.
+config={...})` adapts any reasoning-gym dataset; `make_task("dataset", path=...)` reads problems from
+local files (tasks/dataset.py). TASK_NAMES lists the tasks we use and test.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from decentrl.tasks.base import (
 )
 
 REASONING_GYM_PREFIX = "rg:"
+DATASET_TASK = "dataset"
 TASK_NAMES: tuple[str, ...] = (
     "sums",
+    DATASET_TASK,
     "rg:chain_sum",
     "rg:basic_arithmetic",
     "rg:countdown",
@@ -33,7 +36,7 @@ TASK_NAMES: tuple[str, ...] = (
 
 def is_task_name(name: str) -> bool:
     """Whether `make_task` knows `name`."""
-    return name == SumsTask.name or name.startswith(REASONING_GYM_PREFIX)
+    return name in (SumsTask.name, DATASET_TASK) or name.startswith(REASONING_GYM_PREFIX)
 
 
 def make_task(name: str, **options: Any) -> Task:
@@ -47,6 +50,12 @@ def make_task(name: str, **options: Any) -> Task:
 
         task_class = ReasoningGymTask
         positional = (name.removeprefix(REASONING_GYM_PREFIX),)
+    elif name == DATASET_TASK:
+        # Imported here: its checkers and the `datasets` library are only this task's.
+        from decentrl.tasks.dataset import DatasetTask
+
+        task_class = DatasetTask
+        positional = ()
     else:
         raise ValueError(
             f"unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)} "
