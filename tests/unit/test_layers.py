@@ -14,7 +14,7 @@ SOURCE = Path(__file__).resolve().parents[2] / "src" / "decentrl"
 # Lowest first. A name is a package (a folder) or a module at the top of src/decentrl.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("config", "device", "progress", "staging"),
+    ("config", "device", "plugins", "progress", "staging"),
     ("tasks", "envs"),
     ("model",),
     ("rollout",),

@@ -8,12 +8,13 @@ ENVIRONMENT_NAMES lists the environments we use and test. The two agentic ones a
 scripted ideal episode, for supervised warm-up.
 
 A run trains on either: `make_task_or_environment` builds a Task for a task's name and an
-Environment for an agentic one; rollout workers, ingestion and evaluation take both.
+Environment for an agentic one; rollout workers, ingestion and evaluation take both. Names no
+built-in has are looked up among installed plug-ins (entry-point groups "decentrl.environments"
+and "decentrl.tasks", decentrl/plugins.py).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from decentrl.envs.base import (
@@ -28,24 +29,38 @@ from decentrl.envs.base import (
     run_episode,
 )
 from decentrl.envs.single_turn import TASK_ENVIRONMENT_PREFIX, TaskEnvironment
-from decentrl.tasks import (
-    REASONING_GYM_PREFIX,
-    TASK_NAMES,
-    Task,
-    is_task_name,
-    make_task,
+from decentrl.plugins import (
+    ENVIRONMENT_GROUP,
+    Plugin,
+    build_plugin,
+    check_options,
+    installed_plugins,
+    plugin_names,
 )
+from decentrl.tasks import Task, is_builtin_task, is_task_name, known_tasks, make_task
 
 # Multi-turn environments: a run whose task is one of these trains on episodes.
 AGENTIC_ENVIRONMENTS: tuple[str, ...] = ("agentic-calculator", "agentic-countdown")
 ENVIRONMENT_NAMES: tuple[str, ...] = (*AGENTIC_ENVIRONMENTS, "task:sums", "task:rg:chain_sum")
 
 
+def is_builtin_environment(name: str) -> bool:
+    return name in AGENTIC_ENVIRONMENTS or name.startswith(TASK_ENVIRONMENT_PREFIX)
+
+
+def environment_plugins() -> dict[str, Plugin]:
+    """The installed environment plug-ins by name (refused where a name collides with a built-in
+    task or environment, or another plug-in: plugins.py)."""
+    return installed_plugins(ENVIRONMENT_GROUP,
+                             lambda name: is_builtin_environment(name) or is_builtin_task(name))
+
+
 def make_environment(name: str, **options: Any) -> Environment:
     """The environment registered as `name`, built with `options` (its constructor arguments;
-    for "task:<name>", the task's options)."""
+    for "task:<name>", the task's options): a built-in, else an installed plug-in."""
     if name.startswith(TASK_ENVIRONMENT_PREFIX):
         return TaskEnvironment(make_task(name.removeprefix(TASK_ENVIRONMENT_PREFIX), **options))
+    plugins = environment_plugins()
     # Imported here because both import reasoning-gym, which takes about two seconds.
     if name == "agentic-calculator":
         from decentrl.envs.calculator import CalculatorEnvironment
@@ -55,32 +70,27 @@ def make_environment(name: str, **options: Any) -> Environment:
         from decentrl.envs.countdown import CountdownEnvironment
 
         environment_class = CountdownEnvironment
+    elif name in plugins:
+        return build_plugin(plugins[name], Environment, options)
     else:
         raise ValueError(
             f"unknown environment {name!r}; known environments: {', '.join(ENVIRONMENT_NAMES)} "
-            f"(or {TASK_ENVIRONMENT_PREFIX}<task name> for any task)"
+            f"(or {TASK_ENVIRONMENT_PREFIX}<task name> for any task){plugin_names(plugins)}"
         )
-    known_options = list(inspect.signature(environment_class).parameters)
-    for option in options:
-        if option not in known_options:
-            raise ValueError(
-                f"environment {name!r} has no option {option!r}; its options: "
-                f"{', '.join(known_options)}"
-            )
+    check_options("environment", name, environment_class, options)
     return environment_class(**options)
 
 
 def make_task_or_environment(name: str, options: dict[str, Any]) -> Task | Environment:
-    """What a run trains or evaluates on: the environment for an agentic name or a one-turn
-    "task:<name>" adapter (trained as episodes), else the task itself."""
-    if name in AGENTIC_ENVIRONMENTS or name.startswith(TASK_ENVIRONMENT_PREFIX):
+    """What a run trains or evaluates on: the environment for an agentic name, a one-turn
+    "task:<name>" adapter (trained as episodes) or an environment plug-in, else the task itself."""
+    if is_builtin_environment(name) or name in environment_plugins():
         return make_environment(name, **options)
     if not is_task_name(name):
         raise ValueError(
-            f"unknown task {name!r}; tasks: {', '.join(TASK_NAMES)} (or "
-            f"{REASONING_GYM_PREFIX}<name> for any reasoning-gym dataset); multi-turn environments "
-            f"with tools: {', '.join(AGENTIC_ENVIRONMENTS)} (or {TASK_ENVIRONMENT_PREFIX}<task> "
-            "for a task as one-turn episodes)"
+            f"unknown task {name!r}; tasks: {known_tasks()}; multi-turn environments with tools: "
+            f"{', '.join(AGENTIC_ENVIRONMENTS)} (or {TASK_ENVIRONMENT_PREFIX}<task> for a task "
+            f"as one-turn episodes){plugin_names(environment_plugins())}"
         )
     return make_task(name, **options)
 
@@ -95,6 +105,8 @@ __all__ = [
     "EpisodeResult",
     "Message",
     "StopReason",
+    "environment_plugins",
+    "is_builtin_environment",
     "make_environment",
     "make_task_or_environment",
     "play_demonstration",

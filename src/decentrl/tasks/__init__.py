@@ -2,14 +2,22 @@
 
 `make_task("sums", max_digits=3)` builds the built-in arithmetic task; `make_task("rg:<dataset>",
 config={...})` adapts any reasoning-gym dataset; `make_task("dataset", path=...)` reads problems from
-local files (tasks/dataset.py). TASK_NAMES lists the tasks we use and test.
+local files (tasks/dataset.py). TASK_NAMES lists the tasks we use and test. Any other name is looked
+up among installed plug-ins (entry-point group "decentrl.tasks", decentrl/plugins.py).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
+from decentrl.plugins import (
+    TASK_GROUP,
+    Plugin,
+    build_plugin,
+    check_options,
+    installed_plugins,
+    plugin_names,
+)
 from decentrl.tasks.arithmetic import SumsTask
 from decentrl.tasks.base import (
     SPLITS,
@@ -34,13 +42,30 @@ TASK_NAMES: tuple[str, ...] = (
 )
 
 
-def is_task_name(name: str) -> bool:
-    """Whether `make_task` knows `name`."""
+def is_builtin_task(name: str) -> bool:
     return name in (SumsTask.name, DATASET_TASK) or name.startswith(REASONING_GYM_PREFIX)
 
 
+def task_plugins() -> dict[str, Plugin]:
+    """The installed task plug-ins by name (refused where a name collides: plugins.py)."""
+    return installed_plugins(TASK_GROUP, is_builtin_task)
+
+
+def is_task_name(name: str) -> bool:
+    """Whether `make_task` knows `name`: a built-in's or an installed plug-in's."""
+    return is_builtin_task(name) or name in task_plugins()
+
+
+def known_tasks() -> str:
+    """The tasks an unknown name's error lists."""
+    return (f"{', '.join(TASK_NAMES)} (or {REASONING_GYM_PREFIX}<name> for any reasoning-gym "
+            f"dataset){plugin_names(task_plugins())}")
+
+
 def make_task(name: str, **options: Any) -> Task:
-    """The task registered as `name`, built with `options` (each task's constructor arguments)."""
+    """The task registered as `name`, built with `options` (each task's constructor arguments):
+    a built-in, else an installed plug-in."""
+    plugins = task_plugins()
     if name == SumsTask.name:
         task_class: type = SumsTask
         positional: tuple[str, ...] = ()
@@ -56,17 +81,11 @@ def make_task(name: str, **options: Any) -> Task:
 
         task_class = DatasetTask
         positional = ()
+    elif name in plugins:
+        return build_plugin(plugins[name], Task, options)
     else:
-        raise ValueError(
-            f"unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)} "
-            f"(or {REASONING_GYM_PREFIX}<name> for any reasoning-gym dataset)"
-        )
-    known_options = list(inspect.signature(task_class).parameters)[len(positional) :]
-    for option in options:
-        if option not in known_options:
-            raise ValueError(
-                f"task {name!r} has no option {option!r}; its options: {', '.join(known_options)}"
-            )
+        raise ValueError(f"unknown task {name!r}; known tasks: {known_tasks()}")
+    check_options("task", name, task_class, options, len(positional))
     return task_class(*positional, **options)
 
 
@@ -78,9 +97,12 @@ __all__ = [
     "Split",
     "SumsTask",
     "Task",
+    "is_builtin_task",
+    "is_task_name",
+    "known_tasks",
     "make_task",
     "problems",
     "render_prompt",
-    "is_task_name",
     "split_of",
+    "task_plugins",
 ]
