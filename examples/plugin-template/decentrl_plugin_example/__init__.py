@@ -1,0 +1,1 @@
+"""An example decentrl plug-in: the "count-letters" task (letters.py)."""
