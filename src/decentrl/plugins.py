@@ -71,8 +71,8 @@ class Plugin:
             raise PluginError(f"the {self.kind} plug-in {self} failed to load: "
                               f"{type(error).__name__}: {error}") from error
         if not callable(loaded):
-            raise PluginError(f"the {self.kind} plug-in {self} names a "
-                              f"{type(loaded).__name__}, not a class or factory")
+            raise PluginError(f"the {self.kind} plug-in {self} is not a class or factory: it "
+                              f"names a value of type {type(loaded).__name__}")
         return loaded
 
 

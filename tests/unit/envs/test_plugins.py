@@ -151,9 +151,9 @@ def test_a_plugin_that_fails_to_import_names_itself_and_the_cause(site: Path) ->
 
 
 @pytest.mark.parametrize("target,refusal", [
-    ("HalfATask", "built a HalfATask, which is not a task: it has no extract_answer, messages, "
-                  "reward"),
-    ("NOT_A_FACTORY", "names a int, not a class or factory"),
+    ("HalfATask", ("built a HalfATask, which is not a task: it has no extract_answer, messages, "
+                   "reward")),
+    ("NOT_A_FACTORY", "is not a class or factory: it names a value of type int"),
     ("misnamed_sums", "built a task named 'sums'; it must carry its entry point's name"),
 ])
 def test_a_plugin_that_builds_no_task_is_refused(site: Path, target: str, refusal: str) -> None:
