@@ -10,15 +10,9 @@ from __future__ import annotations
 import random
 import re
 
+from decentrl.tasks import Problem, Reward
 from decentrl.tasks.arithmetic import last_number
-from decentrl.tasks.base import (
-    DIFFICULTY,
-    Problem,
-    Reward,
-    SplitDrawn,
-    check_format_weight,
-    check_heldout_fraction,
-)
+from decentrl.tasks.base import DIFFICULTY, SplitDrawn, check_format_weight, check_heldout_fraction
 
 WORDS: tuple[str, ...] = (
     "apple", "banana", "bookkeeper", "cherry", "coffee", "committee", "dragonfly", "elephant",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from swarm_helpers import tiny_run_config
 
@@ -14,25 +15,32 @@ from decentrl.coordinator.local_backend import local_run
 from decentrl.demo import EXAMPLES_DIR, demo_config
 from decentrl.tasks import make_task
 
-WORD_PROBLEMS = {"name": "dataset", "options": {
+WORD_PROBLEMS: dict[str, Any] = {"name": "dataset", "options": {
     "path": str(EXAMPLES_DIR / "datasets" / "word_problems.jsonl"), "checker": "numeric"}}
 
 
-def test_a_run_trains_and_evaluates_on_a_dataset(tiny_model_dir: Path, tmp_path: Path) -> None:
+def tiny_task_run(model_dir: Path, run_dir: Path, task: dict[str, Any], steps: int) -> None:
+    """A tiny local run trains `steps` steps on `task` and evaluates on 4 of its held-out
+    problems before and after; checked to have recorded each."""
     config = tiny_run_config(
-        tiny_model_dir, 2, name="dataset", host={"run_dir": str(tmp_path), "threads": 1},
-        task=WORD_PROBLEMS, rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 4},
-        train={"mode": "sync", "steps": 2, "micro_batch_size": 4, "zero_variance_groups": "keep"},
-        eval={"task": WORD_PROBLEMS, "problems": 4, "pass_k": 2, "max_new_tokens": 4})
+        model_dir, 2, name="tiny", host={"run_dir": str(run_dir), "threads": 1},
+        task=task, rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 4},
+        train={"mode": "sync", "steps": steps, "micro_batch_size": 4,
+               "zero_variance_groups": "keep"},
+        eval={"task": task, "problems": 4, "pass_k": 2, "max_new_tokens": 4})
     summary = local_run(config).run()
-    assert summary.steps == 2
+    assert summary.steps == steps
     records = [json.loads(line)
                for line in (summary.path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["event"] == "step"] == [1, 2]
+    assert [r["step"] for r in records if r["event"] == "step"] == list(range(1, steps + 1))
     assert [r["label"] for r in records if r["event"] == "eval"] == ["before", "after"]
     for name in ("eval_before.json", "eval_after.json"):
         result = json.loads((summary.path / name).read_text())
-        assert result["task"] == "dataset" and result["problems"] == 4
+        assert result["task"] == task["name"] and result["problems"] == 4
+
+
+def test_a_run_trains_and_evaluates_on_a_dataset(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tiny_task_run(tiny_model_dir, tmp_path, WORD_PROBLEMS, steps=2)
 
 
 def test_the_dataset_recipes_evaluate_at_most_their_held_out_problems() -> None:
