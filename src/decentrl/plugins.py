@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from decentrl.errors import DecentrlError
+
+log = logging.getLogger(__name__)
 
 TASK_GROUP = "decentrl.tasks"
 ENVIRONMENT_GROUP = "decentrl.environments"
@@ -142,4 +145,6 @@ def build_plugin(plugin: Plugin, protocol: type, options: Mapping[str, Any]) -> 
     if built.name != plugin.name:
         raise PluginError(f"the {plugin.kind} plug-in {plugin} built a {plugin.kind} named "
                           f"{built.name!r}; it must carry its entry point's name")
+    # The run's config names the plug-in, not its version: the log says which one built it.
+    log.info("the %s %r comes from the plug-in %s", plugin.kind, plugin.name, plugin)
     return built
