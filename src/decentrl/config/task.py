@@ -15,8 +15,10 @@ class TaskConfig(Section):
     name: str = Field("sums", description="the task family or environment: sums, a "
                       "reasoning-gym task as rg:NAME (such as rg:chain_sum), dataset (problems "
                       "from local files: path, prompt_column, answer_column, checker ...), or an "
-                      "environment such as agentic-calculator or agentic-countdown (an unknown "
-                      "name lists the known ones)")
+                      "environment such as agentic-calculator or agentic-countdown, or the name an "
+                      "installed plug-in declares under the entry point decentrl.tasks or "
+                      "decentrl.environments (docs/plugins.md; an unknown name lists the known "
+                      "ones)")
     options: dict[str, Any] = Field(default_factory=dict, description="the task's own "
                                     "settings, passed to it as they are (for sums: min_digits, "
                                     "max_digits, format_weight ...); each task refuses the ones "
