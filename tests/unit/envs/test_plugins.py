@@ -8,6 +8,7 @@ into a folder it puts on sys.path, which is all importlib.metadata reads."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -85,10 +86,15 @@ def template_plugin(site: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return f"{project['name']} {project['version']}"
 
 
-def test_a_config_names_the_template_plugin_like_a_builtin(template_plugin: str) -> None:
+def test_a_config_names_the_template_plugin_like_a_builtin(
+        template_plugin: str, caplog: pytest.LogCaptureFixture) -> None:
     config = load_config(TEMPLATE / "count-letters.toml")
     assert config.task.name == config.eval.task.name == "count-letters"
-    task = make_task_or_environment(config.task.name, dict(config.task.options))
+    with caplog.at_level(logging.INFO, logger="decentrl.plugins"):
+        task = make_task_or_environment(config.task.name, dict(config.task.options))
+    # Which version built the task: the config names the plug-in only.
+    assert "'count-letters' comes from the plug-in" in caplog.text
+    assert template_plugin in caplog.text
     assert not isinstance(task, Environment) and is_task_name("count-letters")
     train = [task.problem("train", index) for index in range(20)]
     heldout = [task.problem("heldout", index) for index in range(20)]
