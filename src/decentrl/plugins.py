@@ -11,9 +11,9 @@ arguments (checked against its signature, as a built-in's are). What it builds m
 entry's name and have every member of the protocol (tasks/base.py `Task`, envs/base.py
 `Environment`). examples/plugin-template is such a package; docs/plugins.md says how to write one.
 
-Built-ins win: a name is looked up among plug-ins only after the built-ins, and a plug-in whose name
-a built-in has, or another plug-in has (in either group), is refused whenever plug-ins are looked
-up, naming both distributions, so that an installed set never means two things. This module knows
+Built-ins win: a name is looked up among plug-ins only after the built-ins. A plug-in whose name a
+built-in has, or another plug-in has (in either group), is refused by every lookup, of a built-in's
+name too, naming the distributions, so that an installed set never means two things. This module knows
 neither the built-ins nor the protocols; tasks/ and envs/ pass them in.
 """
 
