@@ -257,7 +257,7 @@ class ActionParser:
         if self.custom is not None:
             try:
                 return self.custom(reply)
-            except Exception as error:  # a parse function's refusal, never a crash
+            except Exception as error:  # noqa: BLE001 - a parse function's refusal, never a crash
                 raise InvalidAction(bounded(f"{type(error).__name__}: {error}",
                                             MAX_ERROR_CHARS)) from None
         if self.action_field is not None:
@@ -312,7 +312,7 @@ class OpenEnvEpisode:
             return f"error: {error}", False, -self.invalid_call_penalty
         try:
             observation = self.instance.step(action)
-        except Exception as error:  # the environment's refusal of an action, never a crash
+        except Exception as error:  # noqa: BLE001 - the environment refusing an action
             self.invalid_calls += 1
             cause = bounded(f"{type(error).__name__}: {error}", MAX_ERROR_CHARS)
             return (f"error: the environment could not take this action ({cause})", False,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import re
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
@@ -42,7 +42,7 @@ class GuessNumberEnvironment(Environment[GuessAction, GuessObservation, State]):
         self._state = State(episode_id=str(uuid.uuid4()), step_count=0)
         self._secret = 0
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None,
+    def reset(self, seed: int | None = None, episode_id: str | None = None,
               **kwargs: Any) -> GuessObservation:
         self._state = State(episode_id=episode_id or str(uuid.uuid4()), step_count=0)
         self._secret = random.Random(seed).randint(1, self.max_value)
@@ -50,7 +50,7 @@ class GuessNumberEnvironment(Environment[GuessAction, GuessObservation, State]):
         return GuessObservation(feedback=rules * (1 + self.rules_padding),
                                 attempts_left=self.attempts, done=False, reward=0.0)
 
-    def step(self, action: GuessAction, timeout_s: Optional[float] = None,
+    def step(self, action: GuessAction, timeout_s: float | None = None,
              **kwargs: Any) -> GuessObservation:
         self._state.step_count += 1
         left = self.attempts - self._state.step_count
@@ -83,12 +83,12 @@ class ReverseEnvironment(Environment[ReverseAction, ReverseObservation, State]):
         super().__init__()
         self._state, self._word = State(step_count=0), ""
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None,
+    def reset(self, seed: int | None = None, episode_id: str | None = None,
               **kwargs: Any) -> ReverseObservation:
         self._word = random.Random(seed).choice(WORDS)
         return ReverseObservation(prompt=f"Reverse the word: {self._word}")
 
-    def step(self, action: ReverseAction, timeout_s: Optional[float] = None,
+    def step(self, action: ReverseAction, timeout_s: float | None = None,
              **kwargs: Any) -> ReverseObservation:
         self._state.step_count += 1
         solved = action.text == self._word[::-1]
@@ -114,7 +114,7 @@ def render_guess(observation: GuessObservation) -> str:
 class UnseededEnvironment(GuessNumberEnvironment):
     """Ignores the seed: its first observation names a fresh random episode id."""
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None,
+    def reset(self, seed: int | None = None, episode_id: str | None = None,
               **kwargs: Any) -> GuessObservation:
         observation = super().reset(seed=None)
         observation.feedback += f" Episode {uuid.uuid4()}."
@@ -148,7 +148,7 @@ class JudgedEnvironment(GuessNumberEnvironment):
 class CrashingEnvironment(GuessNumberEnvironment):
     """Raises on a guess of 0, as an environment refusing an action it cannot take."""
 
-    def step(self, action: GuessAction, timeout_s: Optional[float] = None,
+    def step(self, action: GuessAction, timeout_s: float | None = None,
              **kwargs: Any) -> GuessObservation:
         if action.guess == 0:
             raise RuntimeError("zero is not on the board")
