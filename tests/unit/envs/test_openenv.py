@@ -225,7 +225,7 @@ def test_an_openenv_environment_trains_through_the_local_loop(tiny_model_dir: Pa
                .splitlines()]
     steps = [r for r in records if r["event"] == "step"]
     assert [r["version"] for r in steps] == [1, 2]
-    assert all(r["groups"] == 2 for r in steps)  # every group replayed and accepted
+    assert all(r["groups"] == 2 for r in steps)  # groups the coordinator replayed and accepted
     after = json.loads((summary.path / "eval_after.json").read_text())
     assert after["task"] == GUESS and after["episodes"]["played"] == 8
     assert after["episodes"]["mean_turns"] > 0  # the environment answered some turns
