@@ -49,6 +49,7 @@ import re
 import typing
 from collections.abc import Callable
 from dataclasses import replace
+from types import ModuleType
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -90,19 +91,24 @@ def refuse_unreplayable_form(target: str) -> None:
             f"recompute by replaying an episode; {NAMING}")
 
 
-def import_attribute(path: str, what: str) -> Any:
-    """The attribute `path` ("module:attribute") names."""
-    module_name, _, attribute = path.partition(":")
-    if not MODULE_PATH.fullmatch(module_name) or not re.fullmatch(IDENTIFIER, attribute):
+def imported_module(path: str, what: str) -> tuple[ModuleType, str]:
+    """The module `path` ("module:name") names, imported, and the name in it."""
+    module_name, _, name = path.partition(":")
+    if not MODULE_PATH.fullmatch(module_name) or not re.fullmatch(IDENTIFIER, name):
         raise ValueError(f"{what} {path!r} is not an import path <module>:<name>")
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name), name
     except ImportError as error:
         raise ValueError(f"{what} {path!r}: module {module_name!r} does not import ({error})"
                          ) from None
-    if not hasattr(module, attribute):
-        raise ValueError(f"{what} {path!r}: module {module_name!r} has no {attribute!r}")
-    return getattr(module, attribute)
+
+
+def import_attribute(path: str, what: str) -> Any:
+    """The attribute `path` ("module:attribute") names."""
+    module, name = imported_module(path, what)
+    if not hasattr(module, name):
+        raise ValueError(f"{what} {path!r}: module {module.__name__!r} has no {name!r}")
+    return getattr(module, name)
 
 
 def openenv_types() -> tuple[type, type, type]:
@@ -122,20 +128,16 @@ def environment_class_of(target: str) -> type:
     """The server-side OpenEnv Environment class `target` ("module:Class") names."""
     refuse_unreplayable_form(target)
     environment_base, _, _ = openenv_types()
-    module_name, _, class_name = target.partition(":")
-    if not MODULE_PATH.fullmatch(module_name) or not re.fullmatch(IDENTIFIER, class_name):
-        raise ValueError(f"OpenEnv environment {target!r} is not <module>:<Class>; {NAMING}")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"OpenEnv environment {target!r}: module {module_name!r} does not "
-                         f"import ({error}); {NAMING}") from None
+        module, class_name = imported_module(target, "OpenEnv environment")
+    except ValueError as error:
+        raise ValueError(f"{error}; {NAMING}") from None
     found = getattr(module, class_name, None)
     if found is None:
         known = sorted(name for name, value in vars(module).items()
                        if isinstance(value, type) and issubclass(value, environment_base)
                        and not inspect.isabstract(value))
-        raise ValueError(f"module {module_name!r} has no {class_name!r}; its OpenEnv "
+        raise ValueError(f"module {module.__name__!r} has no {class_name!r}; its OpenEnv "
                          f"environments: {', '.join(known) or 'none'}; {NAMING}")
     if isinstance(found, type) and issubclass(found, environment_base):
         if inspect.isabstract(found):
@@ -409,18 +411,20 @@ class OpenEnvEnvironment:
         _, _, llm_judge = openenv_types()
         seed = self.problem_seed("train", 0)
         first, observation = self.started(seed)
-        rubric = getattr(first, "rubric", None)
-        rubrics = [] if rubric is None else [rubric, *rubric.rubrics()]
-        if any(isinstance(part, llm_judge) for part in rubrics):
-            raise ValueError(f"{self.name}: its rubric asks a language model (LLMJudge), a "
-                             "network service whose scores the coordinator cannot recompute")
         second, again = self.started(seed)
-        if self.render(observation) != self.render(again):
-            raise ValueError(f"{self.name} is not deterministic given the seed: two fresh "
-                             f"instances reset with seed {seed} give different first "
-                             "observations, so the coordinator could not replay its episodes")
-        first.close()
-        second.close()
+        try:
+            rubric = getattr(first, "rubric", None)
+            rubrics = [] if rubric is None else [rubric, *rubric.rubrics()]
+            if any(isinstance(part, llm_judge) for part in rubrics):
+                raise ValueError(f"{self.name}: its rubric asks a language model (LLMJudge), a "
+                                 "network service whose scores the coordinator cannot recompute")
+            if self.render(observation) != self.render(again):
+                raise ValueError(f"{self.name} is not deterministic given the seed: two fresh "
+                                 f"instances reset with seed {seed} give different first "
+                                 "observations, so the coordinator could not replay its episodes")
+        finally:
+            first.close()
+            second.close()
 
     def drawn(self, split: Split, index: int) -> Problem:
         """The problem without its question: a seed, held out or not by its key's hash."""

@@ -167,7 +167,7 @@ def test_observations_are_cut_to_the_bound() -> None:
     (f"openenv:{FIXTURES}:GuessEnvironment", {},
      ("has no 'GuessEnvironment'; its OpenEnv environments: CrashingEnvironment, "
       "GuessNumberEnvironment, JudgedEnvironment, ReverseEnvironment")),
-    (f"openenv:{FIXTURES}", {}, "is not <module>:<Class>"),
+    (f"openenv:{FIXTURES}", {}, "is not an import path <module>:<name>"),
     (f"openenv:{FIXTURES}:GuessAction", {}, "not an OpenEnv Environment subclass"),
     ("openenv:no_such_module:Env", {}, "does not import"),
     (GUESS, {"action_field": "text"}, "'text' is not a field of GuessAction"),
