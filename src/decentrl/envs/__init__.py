@@ -2,7 +2,9 @@
 
 `make_environment("agentic-calculator")` builds the word problems with a Python calculator tool,
 `make_environment("agentic-countdown")` countdown with a checking tool, and
-`make_environment("task:sums", max_digits=3)` any task of `decentrl.tasks` as one turn.
+`make_environment("task:sums", max_digits=3)` any task of `decentrl.tasks` as one turn, and
+`make_environment("openenv:<module>:<Class>", env_options={...})` an OpenEnv environment run in
+this process (envs/openenv_env.py).
 ENVIRONMENT_NAMES lists the environments we use and test. The two agentic ones are
 `Demonstrating`: `play_demonstration(episode, environment.demonstration(problem, rng))` plays a
 scripted ideal episode, for supervised warm-up.
@@ -28,6 +30,7 @@ from decentrl.envs.base import (
     play_demonstration,
     run_episode,
 )
+from decentrl.envs.openenv_env import OPENENV_PREFIX, OpenEnvEnvironment
 from decentrl.envs.single_turn import TASK_ENVIRONMENT_PREFIX, TaskEnvironment
 from decentrl.plugins import (
     ENVIRONMENT_GROUP,
@@ -45,7 +48,8 @@ ENVIRONMENT_NAMES: tuple[str, ...] = (*AGENTIC_ENVIRONMENTS, "task:sums", "task:
 
 
 def is_builtin_environment(name: str) -> bool:
-    return name in AGENTIC_ENVIRONMENTS or name.startswith(TASK_ENVIRONMENT_PREFIX)
+    return name in AGENTIC_ENVIRONMENTS or name.startswith((TASK_ENVIRONMENT_PREFIX,
+                                                            OPENENV_PREFIX))
 
 
 def environment_plugins() -> dict[str, Plugin]:
@@ -57,15 +61,19 @@ def environment_plugins() -> dict[str, Plugin]:
 
 def make_environment(name: str, **options: Any) -> Environment:
     """The environment registered as `name`, built with `options` (its constructor arguments;
-    for "task:<name>", the task's options): a built-in, else an installed plug-in."""
+    for "task:<name>", the task's options; for "openenv:<module>:<Class>", the adapter's, with
+    the class's own under `env_options`): a built-in, else an installed plug-in."""
     if name.startswith(TASK_ENVIRONMENT_PREFIX):
         return TaskEnvironment(make_task(name.removeprefix(TASK_ENVIRONMENT_PREFIX), **options))
     plugins = environment_plugins()
-    # Imported here because both import reasoning-gym, which takes about two seconds.
-    if name == "agentic-calculator":
+    if name.startswith(OPENENV_PREFIX):
+        environment_class: type = OpenEnvEnvironment
+        options = {**options, "target": name.removeprefix(OPENENV_PREFIX)}
+    elif name == "agentic-calculator":
+        # Imported here because both import reasoning-gym, which takes about two seconds.
         from decentrl.envs.calculator import CalculatorEnvironment
 
-        environment_class: type = CalculatorEnvironment
+        environment_class = CalculatorEnvironment
     elif name == "agentic-countdown":
         from decentrl.envs.countdown import CountdownEnvironment
 
@@ -75,7 +83,8 @@ def make_environment(name: str, **options: Any) -> Environment:
     else:
         raise ValueError(
             f"unknown environment {name!r}; known environments: {', '.join(ENVIRONMENT_NAMES)} "
-            f"(or {TASK_ENVIRONMENT_PREFIX}<task name> for any task){plugin_names(plugins)}"
+            f"(or {TASK_ENVIRONMENT_PREFIX}<task name> for any task, or "
+            f"{OPENENV_PREFIX}<module>:<Class> for an OpenEnv environment){plugin_names(plugins)}"
         )
     check_options("environment", name, environment_class, options)
     return environment_class(**options)
@@ -83,14 +92,16 @@ def make_environment(name: str, **options: Any) -> Environment:
 
 def make_task_or_environment(name: str, options: dict[str, Any]) -> Task | Environment:
     """What a run trains or evaluates on: the environment for an agentic name, a one-turn
-    "task:<name>" adapter (trained as episodes) or an environment plug-in, else the task itself."""
+    "task:<name>" adapter (trained as episodes), an OpenEnv environment or an environment
+    plug-in, else the task itself."""
     if is_builtin_environment(name) or name in environment_plugins():
         return make_environment(name, **options)
     if not is_task_name(name):
         raise ValueError(
             f"unknown task {name!r}; tasks: {known_tasks()}; multi-turn environments with tools: "
             f"{', '.join(AGENTIC_ENVIRONMENTS)} (or {TASK_ENVIRONMENT_PREFIX}<task> for a task "
-            f"as one-turn episodes){plugin_names(environment_plugins())}"
+            f"as one-turn episodes, {OPENENV_PREFIX}<module>:<Class> for an OpenEnv "
+            f"environment){plugin_names(environment_plugins())}"
         )
     return make_task(name, **options)
 
