@@ -2,7 +2,9 @@
 
 `make_environment("agentic-calculator")` builds the word problems with a Python calculator tool,
 `make_environment("agentic-countdown")` countdown with a checking tool, and
-`make_environment("task:sums", max_digits=3)` any task of `decentrl.tasks` as one turn.
+`make_environment("task:sums", max_digits=3)` any task of `decentrl.tasks` as one turn, and
+`make_environment("verifiers:<env id>", env_args={...})` an environment written for the
+`verifiers` library (envs/verifiers_env.py; the `envs` extra).
 ENVIRONMENT_NAMES lists the environments we use and test. The two agentic ones are
 `Demonstrating`: `play_demonstration(episode, environment.demonstration(problem, rng))` plays a
 scripted ideal episode, for supervised warm-up.
@@ -28,6 +30,7 @@ from decentrl.envs.base import (
     run_episode,
 )
 from decentrl.envs.single_turn import TASK_ENVIRONMENT_PREFIX, TaskEnvironment
+from decentrl.envs.verifiers_env import VERIFIERS_PREFIX, make_verifiers_environment
 from decentrl.tasks import (
     REASONING_GYM_PREFIX,
     TASK_NAMES,
@@ -46,6 +49,8 @@ def make_environment(name: str, **options: Any) -> Environment:
     for "task:<name>", the task's options)."""
     if name.startswith(TASK_ENVIRONMENT_PREFIX):
         return TaskEnvironment(make_task(name.removeprefix(TASK_ENVIRONMENT_PREFIX), **options))
+    if name.startswith(VERIFIERS_PREFIX):
+        return make_verifiers_environment(name, **options)
     # Imported here because both import reasoning-gym, which takes about two seconds.
     if name == "agentic-calculator":
         from decentrl.envs.calculator import CalculatorEnvironment
@@ -58,7 +63,8 @@ def make_environment(name: str, **options: Any) -> Environment:
     else:
         raise ValueError(
             f"unknown environment {name!r}; known environments: {', '.join(ENVIRONMENT_NAMES)} "
-            f"(or {TASK_ENVIRONMENT_PREFIX}<task name> for any task)"
+            f"(or {TASK_ENVIRONMENT_PREFIX}<task name> for any task, {VERIFIERS_PREFIX}<env id> "
+            "for a verifiers environment)"
         )
     known_options = list(inspect.signature(environment_class).parameters)
     for option in options:
@@ -73,14 +79,16 @@ def make_environment(name: str, **options: Any) -> Environment:
 def make_task_or_environment(name: str, options: dict[str, Any]) -> Task | Environment:
     """What a run trains or evaluates on: the environment for an agentic name or a one-turn
     "task:<name>" adapter (trained as episodes), else the task itself."""
-    if name in AGENTIC_ENVIRONMENTS or name.startswith(TASK_ENVIRONMENT_PREFIX):
+    if name in AGENTIC_ENVIRONMENTS or name.startswith((TASK_ENVIRONMENT_PREFIX,
+                                                        VERIFIERS_PREFIX)):
         return make_environment(name, **options)
     if not is_task_name(name):
         raise ValueError(
             f"unknown task {name!r}; tasks: {', '.join(TASK_NAMES)} (or "
             f"{REASONING_GYM_PREFIX}<name> for any reasoning-gym dataset); multi-turn environments "
             f"with tools: {', '.join(AGENTIC_ENVIRONMENTS)} (or {TASK_ENVIRONMENT_PREFIX}<task> "
-            "for a task as one-turn episodes)"
+            f"for a task as one-turn episodes, {VERIFIERS_PREFIX}<env id> for a verifiers "
+            "environment)"
         )
     return make_task(name, **options)
 
