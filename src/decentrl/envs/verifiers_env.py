@@ -172,18 +172,12 @@ class VerifiersEpisode:
         self._failure: str | None = None
         self._call(self._setup(), "setup_state")
 
-    def messages(self) -> list[Message]:
-        return [dict(message) for message in self._messages]
-
-    def turn_prefix(self) -> str:
-        return ""
-
     def respond(self, assistant_text: str, recorded: RecordedAnswer | None = None) -> EnvStep:
         if self.stop_reason is not None:
             raise RuntimeError(f"episode of problem {self.problem.index} is over "
                                f"({self.stop_reason})")
-        self.turns += 1
         self._messages.append({"role": "assistant", "content": assistant_text})
+        self.turns += 1
         answer = self._call(self._advance(assistant_text), "env_response")
         if answer is not None and self._failure is None:
             if self.turns < self.max_turns:
@@ -196,6 +190,12 @@ class VerifiersEpisode:
         self.reward = (NO_REWARD if self._failure is not None or score is None
                        else Reward(correct=score, format=0.0))
         return EnvStep(messages=[], done=True, reward=self.reward, turn_signal=None)
+
+    def messages(self) -> list[Message]:
+        return [dict(message) for message in self._messages]
+
+    def turn_prefix(self) -> str:
+        return ""
 
     def _call(self, coroutine: Any, what: str) -> Any:
         """The coroutine's result on the environment's loop; None once the environment failed."""

@@ -16,12 +16,12 @@ from unit.envs import verifiers_fixtures as fixtures
 from decentrl.config import RunConfig
 from decentrl.coordinator.ingest import Ingestion, RejectedGroup
 from decentrl.coordinator.scheduler import PromptScheduler
-from decentrl.envs import Episode, make_environment, run_episode
+from decentrl.envs import make_environment, run_episode
 from decentrl.envs.verifiers_checks import UnreplayableEnvironment
 from decentrl.envs.verifiers_env import CUT_MARK, VerifiersEnvironment
 from decentrl.model.tiny import tiny_tokenizer
-from decentrl.rollout.episodes import EpisodeTokens
-from decentrl.rollout.types import Rollout, RolloutGroup, VersionSpan
+from decentrl.rollout.demonstrations import demonstration_rollout
+from decentrl.rollout.types import RolloutGroup, VersionSpan
 from decentrl.tasks.base import Reward
 
 FIXTURES = "verifiers:unit.envs.verifiers_fixtures"
@@ -100,37 +100,17 @@ def test_turns_end_at_the_smaller_limit() -> None:
     assert result.turns == 2 and result.stop_reason == "turn_limit"
 
 
-def generate(episode: Episode, turns: list[str]) -> Rollout:
-    """The rollout a worker makes of `episode` when the model writes `turns`, each ended by the
-    end-of-turn token, the environment's answers forced in between."""
-    driver = EpisodeTokens(episode, TOKENIZER)
-    prompt = driver.prompt()
-    completion: list[int] = []
-    generated: list[bool] = []
-    for turn in turns:
-        completion += [*TOKENIZER.encode(turn, add_special_tokens=False), TOKENIZER.eos_token_id]
-        generated += [True] * (len(completion) - len(generated))
-        forced = driver.turn_ended(completion)
-        if forced is None:
-            break
-        completion += forced
-        generated += [False] * len(forced)
-    return Rollout(prompt_tokens=prompt, completion_tokens=completion,
-                   behaviour_logprobs=[-0.5 if g else 0.0 for g in generated],
-                   finished=episode.stop_reason is not None, generated=generated)
-
-
 def test_the_coordinator_replays_the_reward_and_refuses_a_tampered_transcript(
         guess: VerifiersEnvironment) -> None:
     secret = guess.problem("train", 0).answer
-    honest = generate(guess.episode("train", 0), ["1", "20", secret])
-    failed = generate(guess.episode("train", 0), ["3", "3", "3", "3", "3", "3"])
+    honest, other = (demonstration_rollout(guess.episode("train", 0), turns, TOKENIZER)
+                     for turns in (["1", "20", secret], ["10", secret]))
     group = RolloutGroup(group_id="g", task=guess.name, problem_index=0, stage_versions=[0],
-                         sampling_seed=0, rollouts=[honest, failed],
+                         sampling_seed=0, rollouts=[honest, other],
                          version_spans=[VersionSpan(start=0, versions=[0])])
     ingestion = Ingestion(RunConfig(), guess, TOKENIZER, PromptScheduler(0))
     scored = ingestion.score(group)
-    assert scored.rewards == [1.0, 0.0] and scored.correct == [1.0, 0.0]
+    assert scored.rewards == [1.0, 1.0] and scored.correct == [1.0, 1.0]
 
     # The first hint's first token changed: not what the environment answers.
     forced_at = honest.generated_mask().index(False)
@@ -138,7 +118,7 @@ def test_the_coordinator_replays_the_reward_and_refuses_a_tampered_transcript(
     forged[forced_at] = (forged[forced_at] + 1) % len(TOKENIZER)
     tampered = msgspec.structs.replace(honest, completion_tokens=forged)
     with pytest.raises(RejectedGroup, match="not what the environment answers"):
-        ingestion.score(msgspec.structs.replace(group, rollouts=[tampered, failed]))
+        ingestion.score(msgspec.structs.replace(group, rollouts=[tampered, other]))
 
 
 def test_a_non_deterministic_environment_is_refused() -> None:
@@ -195,3 +175,29 @@ def test_names_and_options_are_checked() -> None:
         make_environment(FIXTURES, turns=3)
     with pytest.raises(ValueError, match="max_turns must be in"):
         adapted(fixtures.load_guess(), max_turns=0)
+
+
+def test_a_worker_plays_it_and_the_coordinator_scores_it(tiny_model_dir: Any) -> None:
+    """Through the rollout loop: a worker samples episodes of the guessing game from the tiny
+    model, the environment's hints forced in, and ingestion accepts the group with the rewards
+    it recomputes by replaying each episode."""
+    from swarm_helpers import local_chain, tiny_run_config
+
+    from decentrl.coordinator.worker import RolloutWorker
+    from decentrl.envs import make_task_or_environment
+    from decentrl.model.loading import load_model
+
+    config = tiny_run_config(tiny_model_dir, 2, task={"name": FIXTURES, "options": {
+        "env_args": {"game": "guess"}, "probe_problems": 0}}, rollout={
+        "group_size": 8, "max_new_tokens": 64, "temperature": 1.0})
+    model = load_model(str(tiny_model_dir))
+    environment = make_task_or_environment(config.task.name, config.task.options)
+    scheduler = PromptScheduler(config.seed)
+    worker = RolloutWorker(local_chain(model, 2), None, environment, model.tokenizer,
+                           config.rollout, scheduler, config.seed)
+    [group] = worker.generate_groups(scheduler.next(1))
+    assert group.task == FIXTURES
+    assert any(not all(r.generated_mask()) for r in group.rollouts)  # hints were forced in
+    accepted = Ingestion(config, environment, model.tokenizer, scheduler).ingest(group, 0)
+    assert accepted is not None
+    assert accepted[0].rewards == [0.0] * 8  # the nearly uniform model never guesses right
