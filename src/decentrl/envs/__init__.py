@@ -2,9 +2,11 @@
 
 `make_environment("agentic-calculator")` builds the word problems with a Python calculator tool,
 `make_environment("agentic-countdown")` countdown with a checking tool, and
-`make_environment("task:sums", max_digits=3)` any task of `decentrl.tasks` as one turn, and
-`make_environment("openenv:<module>:<Class>", env_options={...})` an OpenEnv environment run in
-this process (envs/openenv_env.py).
+`make_environment("task:sums", max_digits=3)` any task of `decentrl.tasks` as one turn,
+`make_environment("verifiers:<env id>", env_args={...})` an environment written for the
+`verifiers` library (envs/verifiers_env.py) and `make_environment("openenv:<module>:<Class>",
+env_options={...})` an OpenEnv environment run in this process (envs/openenv_env.py); both need
+the `envs` extra.
 ENVIRONMENT_NAMES lists the environments we use and test. The two agentic ones are
 `Demonstrating`: `play_demonstration(episode, environment.demonstration(problem, rng))` plays a
 scripted ideal episode, for supervised warm-up.
@@ -32,6 +34,7 @@ from decentrl.envs.base import (
 )
 from decentrl.envs.openenv_env import OPENENV_PREFIX, OpenEnvEnvironment
 from decentrl.envs.single_turn import TASK_ENVIRONMENT_PREFIX, TaskEnvironment
+from decentrl.envs.verifiers_env import VERIFIERS_PREFIX, make_verifiers_environment
 from decentrl.plugins import (
     ENVIRONMENT_GROUP,
     Plugin,
@@ -49,7 +52,7 @@ ENVIRONMENT_NAMES: tuple[str, ...] = (*AGENTIC_ENVIRONMENTS, "task:sums", "task:
 
 def is_builtin_environment(name: str) -> bool:
     return name in AGENTIC_ENVIRONMENTS or name.startswith((TASK_ENVIRONMENT_PREFIX,
-                                                            OPENENV_PREFIX))
+                                                            VERIFIERS_PREFIX, OPENENV_PREFIX))
 
 
 def environment_plugins() -> dict[str, Plugin]:
@@ -65,6 +68,8 @@ def make_environment(name: str, **options: Any) -> Environment:
     the class's own under `env_options`): a built-in, else an installed plug-in."""
     if name.startswith(TASK_ENVIRONMENT_PREFIX):
         return TaskEnvironment(make_task(name.removeprefix(TASK_ENVIRONMENT_PREFIX), **options))
+    if name.startswith(VERIFIERS_PREFIX):
+        return make_verifiers_environment(name, **options)
     plugins = environment_plugins()
     if name.startswith(OPENENV_PREFIX):
         environment_class: type = OpenEnvEnvironment
@@ -83,8 +88,9 @@ def make_environment(name: str, **options: Any) -> Environment:
     else:
         raise ValueError(
             f"unknown environment {name!r}; known environments: {', '.join(ENVIRONMENT_NAMES)} "
-            f"(or {TASK_ENVIRONMENT_PREFIX}<task name> for any task, or "
-            f"{OPENENV_PREFIX}<module>:<Class> for an OpenEnv environment){plugin_names(plugins)}"
+            f"(or {TASK_ENVIRONMENT_PREFIX}<task name> for any task, {VERIFIERS_PREFIX}<env id> "
+            f"for a verifiers environment, or {OPENENV_PREFIX}<module>:<Class> for an OpenEnv "
+            f"environment){plugin_names(plugins)}"
         )
     check_options("environment", name, environment_class, options)
     return environment_class(**options)
@@ -92,16 +98,17 @@ def make_environment(name: str, **options: Any) -> Environment:
 
 def make_task_or_environment(name: str, options: dict[str, Any]) -> Task | Environment:
     """What a run trains or evaluates on: the environment for an agentic name, a one-turn
-    "task:<name>" adapter (trained as episodes), an OpenEnv environment or an environment
-    plug-in, else the task itself."""
+    "task:<name>" adapter (trained as episodes), a verifiers or OpenEnv environment or an
+    environment plug-in, else the task itself."""
     if is_builtin_environment(name) or name in environment_plugins():
         return make_environment(name, **options)
     if not is_task_name(name):
         raise ValueError(
             f"unknown task {name!r}; tasks: {known_tasks()}; multi-turn environments with tools: "
             f"{', '.join(AGENTIC_ENVIRONMENTS)} (or {TASK_ENVIRONMENT_PREFIX}<task> for a task "
-            f"as one-turn episodes, {OPENENV_PREFIX}<module>:<Class> for an OpenEnv "
-            f"environment){plugin_names(environment_plugins())}"
+            f"as one-turn episodes, {VERIFIERS_PREFIX}<env id> for a verifiers environment, "
+            f"{OPENENV_PREFIX}<module>:<Class> for an OpenEnv environment)"
+            f"{plugin_names(environment_plugins())}"
         )
     return make_task(name, **options)
 
