@@ -8,6 +8,7 @@ the admitted ones. Its `workers()` sign each stage's weight lineage as the coord
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import tempfile
@@ -28,6 +29,7 @@ from decentrl.client.training import RemoteStageWorker
 from decentrl.client.training_push import PushedTraining
 from decentrl.config import RunConfig, parse_config
 from decentrl.coordinator.lineage import LineageSigner
+from decentrl.coordinator.local_backend import local_run
 from decentrl.launch.local_swarm import LocalSwarm
 from decentrl.learn.stage_loss import loss_config_from
 from decentrl.learn.trainer import PipelineTrainer
@@ -86,6 +88,27 @@ def tiny_run_config(model_dir: Path, num_stages: int, codec: str = "fp32",
                   "probation_checks": 0},
     }
     return parse_config(deep_merge(data, overrides))
+
+
+def two_episode_steps(model_dir: Path, run_dir: Path, task: dict[str, Any],
+                      eval_problems: int, **rollout: Any) -> tuple[list[dict[str, Any]],
+                                                                   dict[str, Any]]:
+    """A tiny local run of 2 synchronous steps on an environment (groups of 4, 2 problems a
+    step, 60 tokens), evaluated on `eval_problems`: its step records, checked to be versions 1
+    and 2, and its eval_after.json."""
+    config = tiny_run_config(
+        model_dir, 2, host={"run_dir": str(run_dir), "threads": 1}, task=task,
+        rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 60, **rollout},
+        train={"steps": 2, "micro_batch_size": 4, "zero_variance_groups": "keep",
+               "mode": "sync"},
+        eval={"task": task, "problems": eval_problems, "max_new_tokens": 60})
+    summary = local_run(config).run()
+    assert summary.steps == 2
+    records = [json.loads(line) for line in (summary.path / "metrics.jsonl").read_text()
+               .splitlines()]
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["version"] for r in steps] == [1, 2]
+    return steps, json.loads((summary.path / "eval_after.json").read_text())
 
 
 def local_chain(model: LoadedModel, num_stages: int) -> LocalChain:

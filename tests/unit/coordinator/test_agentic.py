@@ -5,16 +5,14 @@ not the environment's, and the single-machine loop trains on them."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import msgspec
 import pytest
-from swarm_helpers import local_chain, tiny_run_config
+from swarm_helpers import local_chain, tiny_run_config, two_episode_steps
 
 from decentrl.config import RunConfig, parse_config
 from decentrl.coordinator.ingest import Ingestion, RejectedGroup
-from decentrl.coordinator.local_backend import local_run
 from decentrl.coordinator.scheduler import PromptScheduler
 from decentrl.coordinator.worker import RolloutWorker
 from decentrl.demo import demo_config
@@ -147,22 +145,10 @@ def test_ingestion_refuses_a_mask_of_the_wrong_length(plain: LoadedModel,
 
 
 def test_the_local_loop_trains_on_episodes(tiny_model_dir: Path, tmp_path: Path) -> None:
-    config = tiny_run_config(
-        tiny_model_dir, 2, host={"run_dir": str(tmp_path), "threads": 1}, task=CALCULATOR,
-        rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 60},
-        train={"steps": 2, "micro_batch_size": 4, "zero_variance_groups": "keep",
-               "mode": "sync"},
-        eval={"task": CALCULATOR, "problems": 3, "max_new_tokens": 60})
-    summary = local_run(config).run()
-    assert summary.steps == 2
-    records = [json.loads(line) for line in (summary.path / "metrics.jsonl").read_text()
-               .splitlines()]
-    steps = [r for r in records if r["event"] == "step"]
-    assert [r["version"] for r in steps] == [1, 2]
+    steps, after = two_episode_steps(tiny_model_dir, tmp_path, CALCULATOR, eval_problems=3)
     # Every episode costs at least one invalid call (the prefilled call is never closed), so the
     # mean reward is negative: the returns carry the environment's turn signals.
     assert all(r["reward"] < 0 for r in steps)
-    after = json.loads((summary.path / "eval_after.json").read_text())
     # Evaluated as episodes, a group of 4 sampled ones per problem as in training; the nearly
     # uniform model never solves one, and the 60-token budget cuts every one short.
     assert after["task"] == "agentic-calculator" and after["problems"] == 3

@@ -11,9 +11,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from swarm_helpers import tiny_run_config
+from swarm_helpers import two_episode_steps
 
-from decentrl.coordinator.local_backend import local_run
 from decentrl.envs import Message, make_environment, make_task_or_environment, run_episode
 from decentrl.envs.openenv_env import OpenEnvEnvironment, OpenEnvEpisode
 from decentrl.model.loading import load_tokenizer
@@ -212,20 +211,8 @@ def test_an_openenv_environment_trains_through_the_local_loop(tiny_model_dir: Pa
     that go in as forced tokens and must replay exactly for the groups to be accepted."""
     guess = {"name": GUESS, "options": {"parse_action": f"{FIXTURES}:parse_guess",
                                         "observation_field": "feedback", "max_turns": 3}}
-    config = tiny_run_config(
-        tiny_model_dir, 2, host={"run_dir": str(tmp_path), "threads": 1}, task=guess,
-        rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 60,
-                 "temperature": 1.0},
-        train={"steps": 2, "micro_batch_size": 4, "zero_variance_groups": "keep",
-               "mode": "sync"},
-        eval={"task": guess, "problems": 2, "max_new_tokens": 60})
-    summary = local_run(config).run()
-    assert summary.steps == 2
-    records = [json.loads(line) for line in (summary.path / "metrics.jsonl").read_text()
-               .splitlines()]
-    steps = [r for r in records if r["event"] == "step"]
-    assert [r["version"] for r in steps] == [1, 2]
+    steps, after = two_episode_steps(tiny_model_dir, tmp_path, guess, eval_problems=2,
+                                     temperature=1.0)
     assert all(r["groups"] == 2 for r in steps)  # groups the coordinator replayed and accepted
-    after = json.loads((summary.path / "eval_after.json").read_text())
     assert after["task"] == GUESS and after["episodes"]["played"] == 8
     assert after["episodes"]["mean_turns"] > 0  # the environment answered some turns
